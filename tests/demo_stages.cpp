@@ -1,0 +1,137 @@
+// tests/demo_stages.cpp — `make run` until the BERT trainer lands: trains the
+// test MLP with stage 0, 1 and 2 on the same data, prints the loss of every
+// step, each stage's memory and communication ledger, and checks that the
+// three stages end with the same parameters, bit for bit.
+//
+//   mpirun -n 2 build/demo_stages [--device auto|cpu|cuda] [--comm auto|mpi|nccl]
+//                                 [--steps S] [--accum A] [--bucket ELEMS]
+//                                 [--collectives deterministic|native] [--markdown]
+//
+// --markdown prints only the ledger rows as a Markdown table (notes/generate.sh
+// collects them for N = 1, 2, 4).
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "mlp_model.h"
+
+namespace {
+
+struct Arguments {
+  std::string device = "auto", comm = "auto", collectives = "deterministic";
+  int steps = 8, accumulation = 1;
+  long bucket = 2048;
+  bool markdown = false;
+};
+
+long parse_number(const char* flag, const char* text, long low) {
+  char* end = nullptr;
+  long value = std::strtol(text, &end, 10);
+  if (!*text || *end || value < low) z2::usage_error("%s wants an integer >= %ld (got '%s')", flag, low, text);
+  return value;
+}
+
+Arguments parse(int argc, char** argv) {
+  Arguments arguments;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (flag == "--markdown") {
+      arguments.markdown = true;
+      continue;
+    }
+    if (i + 1 >= argc) z2::usage_error("%s needs a value", flag.c_str());
+    const char* value = argv[++i];
+    if (flag == "--device") arguments.device = value;
+    else if (flag == "--comm") arguments.comm = value;
+    else if (flag == "--collectives") arguments.collectives = value;
+    else if (flag == "--steps") arguments.steps = (int)parse_number("--steps", value, 1);
+    else if (flag == "--accum") arguments.accumulation = (int)parse_number("--accum", value, 1);
+    else if (flag == "--bucket") arguments.bucket = parse_number("--bucket", value, 1);
+    else z2::usage_error("unknown flag '%s' (see the comment at the top of tests/demo_stages.cpp)", flag.c_str());
+  }
+  if (arguments.collectives != "deterministic" && arguments.collectives != "native")
+    z2::usage_error("--collectives must be deterministic or native (got '%s')", arguments.collectives.c_str());
+  return arguments;
+}
+
+int demo(int argc, char** argv) {
+  Arguments arguments = parse(argc, argv);
+  int rank = 0, N = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &N);
+  const z2::Device device = z2::choose_device(arguments.device, MPI_COMM_WORLD);
+  const z2::CommBackend backend = z2::choose_comm(arguments.comm, device, MPI_COMM_WORLD);
+  const z2::Collectives collectives =
+      arguments.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic;
+  z2::Compute compute(device, z2::local_rank_of(MPI_COMM_WORLD));
+  z2::Communicator comm(compute, MPI_COMM_WORLD, backend, collectives);
+  const bool talk = rank == 0 && !arguments.markdown;
+
+  if (talk)
+    printf("zero2 demo: the test MLP (24 -> 40 -> 40 -> 10), %d rank(s), device %s, comm %s, %s collectives,\n"
+           "micro-batch 8 x accumulation %d x %d ranks, bucket %ld elements, %d steps, AdamW + clipping\n\n",
+           N, z2::to_string(device), z2::to_string(backend), z2::to_string(collectives), arguments.accumulation, N,
+           arguments.bucket, arguments.steps);
+  if (rank == 0 && arguments.markdown)
+    printf("| N | stage | Psi_padded | params | grads | optimizer | model states | formula | staging | "
+           "sent per step | formula |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+
+  uint64_t hashes[3] = {};
+  for (int stage = 0; stage <= 2; ++stage) {
+    z2::EngineOptions options;
+    options.stage = stage;
+    options.bucket_elements = arguments.bucket;
+    options.accumulation_steps = arguments.accumulation;
+    options.lr = 1e-2;
+    options.clip = 1.0;
+    z2::Engine engine(compute, comm, options);
+    mlp::Model model(compute, engine, mlp::Config());
+    engine.build();
+    model.initialize();
+    if (talk) printf("stage %d  step  loss        grad norm   ms\n", stage);
+    for (int s = 0; s < arguments.steps; ++s) {
+      double start = MPI_Wtime();
+      z2::StepReport report = model.train_step(s);
+      double milliseconds = (MPI_Wtime() - start) * 1e3;
+      if (talk && (s < 3 || s + 1 == arguments.steps || s % 10 == 0))
+        printf("         %4d  %.6f  %.6f  %.2f\n", s + 1, report.loss, report.grad_norm, milliseconds);
+    }
+    hashes[stage] = engine.parameters_hash();
+    if (talk) {
+      printf("final parameters hash %016llx\n", (unsigned long long)hashes[stage]);
+      engine.print_ledgers(stdout);
+      printf("\n");
+    }
+    if (rank == 0 && arguments.markdown) {
+      z2::MemoryLedger m = engine.memory_ledger();
+      z2::CommLedger c = engine.comm_ledger();
+      size_t sent = c.per_step.reduce_scatter + c.per_step.all_gather + c.per_step.all_reduce;
+      printf("| %d | %d | %zu | %zu | %zu | %zu | %zu | %zu | %zu | %zu | %zu |\n", N, stage, engine.psi_padded(),
+             m.params, m.grads, m.optimizer, m.model_states, m.model_states_formula, m.staging, sent,
+             c.formula_per_step);
+    }
+  }
+  const bool same = hashes[0] == hashes[1] && hashes[1] == hashes[2];
+  if (talk)
+    printf("stages 0, 1, 2: %s\n", same ? "identical final parameters, bit for bit"
+                                         : "DIFFERENT final parameters (a bug: please report it)");
+  return same || collectives == z2::Collectives::native ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int status = 1;
+  try {
+    status = demo(argc, argv);
+  } catch (const z2::Error& error) {
+    // Usage errors are raised identically on every rank; rank 0 says it once.
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0) fprintf(stderr, "demo_stages: %s\n", error.what());
+    status = 2;
+  }
+  MPI_Finalize();
+  return status;
+}

@@ -1,0 +1,69 @@
+// tests/harness.h — what every test file shares: the backends to test, made
+// once in main() (communicators belong outside test bodies: doctest re-runs a
+// TEST_CASE body per SUBCASE), and agreement across ranks.
+//
+// The rule that keeps MPI tests from hanging: a rank never leaves a test case
+// early. Each check computes its local verdict, all ranks agree on it with one
+// MPI_Allreduce (harness::agree), and every rank CHECKs the agreed value, so
+// every rank reaches the same collectives and doctest counts the same failure
+// on each. Only rank 0 prints doctest's report; a rank whose own comparison
+// failed says so on stderr.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../zero2.h"
+
+namespace harness {
+
+struct Backend {
+  std::string name;                         // e.g. "cpu/mpi", "cuda/nccl"
+  z2::Compute* compute = nullptr;
+  z2::Communicator* deterministic = nullptr;  // --collectives deterministic
+  z2::Communicator* native = nullptr;         // --collectives native
+};
+
+// Backends over all ranks: cpu/mpi always; cuda/mpi and cuda/nccl when a GPU
+// is present (cuda/nccl only with one GPU per rank).
+const std::vector<Backend>& backends();
+// Backends over ranks [0, n) only (n = 1, 2, 4 up to the world size), for the
+// world-size tests; `deterministic` is null on ranks outside. Empty if n is
+// larger than the world.
+const std::vector<Backend>& sub_world(int n);
+
+int rank();
+int world_size();
+// Logical AND of `local` over all ranks of MPI_COMM_WORLD; a rank whose
+// `local` is false prints `what` to stderr.
+bool agree(bool local, const std::string& what = "");
+// Rank 0's value, on every rank.
+bool from_rank0(bool value);
+
+// Bitwise equality of two float arrays (memcmp, not "close").
+inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+// The canonical tree written as its definition (DESIGN.md section 4.2),
+// recursively, independent of z2::canonical_tree_sum's binary counter.
+inline float recursive_tree_sum(const float* leaves, long n) {
+  if (n == 0) return 0.0f;
+  if (n == 1) return leaves[0];
+  long p = 1;
+  while (p * 2 < n) p *= 2;  // the largest power of two below n
+  return recursive_tree_sum(leaves, p) + recursive_tree_sum(leaves + p, n - p);
+}
+
+// A deterministic pseudo-random float in [-1, 1) with a varied exponent, so
+// that summation order changes the rounded result.
+inline float test_value(uint64_t a, uint64_t b, uint64_t c = 0) {
+  uint64_t h = z2::hash_keys(0x7e57, a, b, c);
+  float magnitude = (float)(1u << (h & 7)) / 16.0f;  // 1/16 .. 8
+  return (2.0f * z2::uniform_from_hash(h) - 1.0f) * magnitude;
+}
+
+}  // namespace harness

@@ -1,0 +1,1552 @@
+// zero2.cu — ZeRO stage 2 in one file: the data-parallel baseline, P_os
+// (optimizer-state partitioning) and P_os+g (+ gradient partitioning), over MPI
+// or NCCL, on CPU or CUDA, giving the same bits in every stage.
+//
+// Paper: Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward
+// Training Trillion Parameter Models", SC20. Section numbers below are the
+// paper's (5.1 P_os, 5.2 P_g, 7.1-7.2 communication analysis).
+//
+// What it leaves out: parameter partitioning (P_p, "stage 3"), mixed precision
+// (fp32 only for now), activation offload and the contiguous arena (ZeRO-R,
+// later issues), checkpoints.
+//
+// Build and run (see the Makefile for every flag):
+//   make            nvcc build: cpu + cuda compute, mpi + nccl communication
+//   make cpu        mpicxx build: cpu + mpi only (this file compiled as C++)
+//   make test       doctest suite under mpirun -n 1, 2, 4
+//   make run        a short demo of the three stages on the test model
+//
+// Reading order: the sections are numbered and build on each other.
+//   1. Checks and errors
+//   2. Compute backend: memory, streams, events, gemm
+//   3. Communicator: MPI and NCCL start-up, scalar helpers
+//   4. Layout: parameters, norm chunks, buckets, shards
+//   5. Bucket jobs: the deterministic and native collectives, step by step
+//   6. The three stages: where gradients live and how they are reduced
+//   7. The optimizer step: loss, global norm, clipping, AdamW, all-gather
+//   8. Ledgers: memory and communication, as a table and as JSON
+
+#include "zero2.h"
+
+#include <algorithm>
+#include <cblas.h>
+#include <cstdarg>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <numeric>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#if defined(__CUDACC__)
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#if defined(Z2_HAVE_NCCL)
+#include <nccl.h>
+#endif
+#endif
+
+namespace z2 {
+
+// ----------------------------------------------------------------------------
+// 1. Checks and errors
+//
+// One check function per library. Each prints where the call was, what the
+// library said and a hint, then takes every rank down with MPI_Abort: a rank
+// that simply exited would leave the others blocked in their next collective.
+
+[[noreturn]] void abort_all_ranks(const char* library, const char* message, const char* call,
+                                  const char* file, int line) {
+  int initialized = 0, finalized = 0, rank = -1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const char* hint = "";
+  if (!strcmp(library, "CUDA"))
+    hint = "no GPU or out of memory? try --device cpu, a smaller --micro-batch, or CUDA_LAUNCH_BLOCKING=1 "
+           "to find the failing kernel";
+  else if (!strcmp(library, "cuBLAS"))
+    hint = "check the matrix sizes and leading dimensions passed to gemm";
+  else if (!strcmp(library, "NCCL"))
+    hint = "NCCL needs one GPU per rank (several ranks on one GPU: --comm mpi); NCCL_DEBUG=INFO says more";
+  else if (!strcmp(library, "MPI"))
+    hint = "every rank must call the same collectives in the same order; check the mpirun command";
+  fprintf(stderr, "[zero2] rank %d: %s error at %s:%d\n  call:    %s\n  message: %s\n  hint:    %s\n", rank,
+          library, file, line, call, message, hint);
+  fflush(stderr);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::exit(1);
+}
+
+void check_mpi(int code, const char* call, const char* file, int line) {
+  if (code == MPI_SUCCESS) return;
+  char message[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, message, &length);
+  abort_all_ranks("MPI", message, call, file, line);
+}
+
+void check_cuda(int code, const char* call, const char* file, int line) {
+  if (code == 0) return;
+#if defined(__CUDACC__)
+  abort_all_ranks("CUDA", cudaGetErrorString((cudaError_t)code), call, file, line);
+#else
+  abort_all_ranks("CUDA", "CUDA call in a build without CUDA", call, file, line);
+#endif
+}
+
+void check_cublas(int code, const char* call, const char* file, int line) {
+  if (code == 0) return;
+#if defined(__CUDACC__)
+  abort_all_ranks("cuBLAS", cublasGetStatusString((cublasStatus_t)code), call, file, line);
+#else
+  abort_all_ranks("cuBLAS", "cuBLAS call in a build without CUDA", call, file, line);
+#endif
+}
+
+void check_nccl(int code, const char* call, const char* file, int line) {
+  if (code == 0) return;
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+  abort_all_ranks("NCCL", ncclGetErrorString((ncclResult_t)code), call, file, line);
+#else
+  abort_all_ranks("NCCL", "NCCL call in a build without NCCL", call, file, line);
+#endif
+}
+
+#if defined(__CUDACC__)
+void launch_check(const char* file, int line) { check_cuda((int)cudaGetLastError(), "kernel launch", file, line); }
+#endif
+
+[[noreturn]] void usage_error(const char* format, ...) {
+  char message[1024];
+  va_list arguments;
+  va_start(arguments, format);
+  vsnprintf(message, sizeof message, format, arguments);
+  va_end(arguments);
+  throw Error(message);
+}
+
+const char* to_string(Device device) { return device == Device::cuda ? "cuda" : "cpu"; }
+const char* to_string(CommBackend backend) { return backend == CommBackend::nccl ? "nccl" : "mpi"; }
+const char* to_string(Collectives collectives) {
+  return collectives == Collectives::native ? "native" : "deterministic";
+}
+const char* to_string(MemoryKind kind) {
+  static const char* names[] = {"params",  "grads",   "optimizer",   "master",     "accumulation",
+                                "staging", "activations", "bookkeeping"};
+  return names[(int)kind];
+}
+
+uint64_t fnv1a64(const float* values, size_t count) {
+  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(values);
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < count * sizeof(float); ++i) hash = (hash ^ bytes[i]) * 0x100000001b3ull;
+  return hash;
+}
+
+// ----------------------------------------------------------------------------
+// 2. Compute backend
+//
+// On cpu, "device memory" is host memory and every operation runs at once, in
+// program order; streams and events are no-ops. On cuda we keep two streams:
+// `compute` for the model and the optimizer, `comm` for collectives and the
+// reductions that follow them, so a bucket is reduced while backward goes on.
+// The ledger counts every byte by kind; the memory formulas are checked
+// against these counters, not against what we think we allocated.
+
+bool built_with_cuda() {
+#if defined(__CUDACC__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool built_with_nccl() {
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool cuda_available(std::string* why) {
+#if defined(__CUDACC__)
+  int count = 0;
+  cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "insufficient driver" state
+    if (why) *why = cudaGetErrorString(status);
+    return false;
+  }
+  if (count == 0) {
+    if (why) *why = "no CUDA device found";
+    return false;
+  }
+  return true;
+#else
+  if (why) *why = "built without CUDA (make cpu)";
+  return false;
+#endif
+}
+
+struct Compute::Live {
+  std::unordered_map<void*, std::pair<size_t, MemoryKind>> allocations;
+  std::unordered_map<void*, size_t> pinned;
+};
+
+Compute::Compute(Device device, int device_index)
+    : device_(device), device_index_(device_index), live_(new Live) {
+  if (device_ == Device::cpu) return;
+#if defined(__CUDACC__)
+  std::string why;
+  if (!cuda_available(&why)) usage_error("--device cuda: %s", why.c_str());
+  int count = 0;
+  Z2_CUDA_CHECK(cudaGetDeviceCount(&count));
+  device_index_ = device_index % count;  // ranks beyond the GPU count share GPUs (MPI comm only)
+  Z2_CUDA_CHECK(cudaSetDevice(device_index_));
+  cudaStream_t compute_stream, comm_stream;
+  // Non-blocking streams: neither waits for the legacy default stream, so the
+  // only orderings are the events we record on purpose.
+  Z2_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream, cudaStreamNonBlocking));
+  Z2_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+  compute_stream_.handle = compute_stream;
+  comm_stream_.handle = comm_stream;
+  cublasHandle_t handle;
+  Z2_CUBLAS_CHECK(cublasCreate(&handle));
+  Z2_CUBLAS_CHECK(cublasSetStream(handle, compute_stream));
+  // Plain fp32 math: no TF32 tensor cores, so results do not depend on a mode.
+  // cuBLAS is bitwise reproducible for one handle on one stream.
+  Z2_CUBLAS_CHECK(cublasSetMathMode(handle, CUBLAS_PEDANTIC_MATH));
+  cublas_ = handle;
+#else
+  usage_error("--device cuda: built without CUDA (make cpu); use --device cpu");
+#endif
+}
+
+Compute::~Compute() {
+#if defined(__CUDACC__)
+  if (device_ == Device::cuda) {
+    cudaDeviceSynchronize();
+    for (auto& entry : live_->allocations) cudaFree(entry.first);
+    for (auto& entry : live_->pinned) cudaFreeHost(entry.first);
+    cublasDestroy((cublasHandle_t)cublas_);
+    cudaStreamDestroy((cudaStream_t)compute_stream_.handle);
+    cudaStreamDestroy((cudaStream_t)comm_stream_.handle);
+    return;
+  }
+#endif
+  for (auto& entry : live_->allocations) std::free(entry.first);
+  for (auto& entry : live_->pinned) std::free(entry.first);
+}
+
+void Compute::count_allocation(void* pointer, size_t bytes, MemoryKind kind) {
+  live_->allocations[pointer] = {bytes, kind};
+  counters_.current[(int)kind] += bytes;
+  counters_.peak[(int)kind] = std::max(counters_.peak[(int)kind], counters_.current[(int)kind]);
+  counters_.total_current += bytes;
+  counters_.total_peak = std::max(counters_.total_peak, counters_.total_current);
+  counters_.allocations += 1;
+}
+
+void* Compute::allocate(size_t bytes, MemoryKind kind) {
+  if (bytes == 0) return nullptr;
+  void* pointer = nullptr;
+  if (device_ == Device::cpu) {
+    // 64-byte alignment, as cudaMalloc gives at least 256: vector loads and
+    // sgemm like aligned rows. aligned_alloc wants a multiple of the alignment.
+    pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!pointer) usage_error("out of host memory allocating %zu bytes for %s", bytes, to_string(kind));
+    std::memset(pointer, 0, bytes);
+  } else {
+#if defined(__CUDACC__)
+    Z2_CUDA_CHECK(cudaMalloc(&pointer, bytes));
+    Z2_CUDA_CHECK(cudaMemset(pointer, 0, bytes));
+#endif
+  }
+  count_allocation(pointer, bytes, kind);
+  return pointer;
+}
+
+void Compute::release(void* pointer) {
+  if (!pointer) return;
+  auto found = live_->allocations.find(pointer);
+  if (found == live_->allocations.end()) usage_error("release of a pointer this Compute did not allocate");
+  counters_.current[(int)found->second.second] -= found->second.first;
+  counters_.total_current -= found->second.first;
+  live_->allocations.erase(found);
+  if (device_ == Device::cpu) {
+    std::free(pointer);
+    return;
+  }
+#if defined(__CUDACC__)
+  // cudaFree synchronizes the device, so nothing in flight still reads it.
+  Z2_CUDA_CHECK(cudaFree(pointer));
+#endif
+}
+
+void* Compute::allocate_host_pinned(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* pointer = nullptr;
+  if (device_ == Device::cpu) {
+    pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!pointer) usage_error("out of host memory allocating %zu pinned bytes", bytes);
+  } else {
+#if defined(__CUDACC__)
+    // Page-locked: cudaMemcpyAsync from pageable memory silently serializes.
+    Z2_CUDA_CHECK(cudaMallocHost(&pointer, bytes));
+#endif
+  }
+  std::memset(pointer, 0, bytes);
+  live_->pinned[pointer] = bytes;
+  counters_.host_pinned_current += bytes;
+  counters_.host_pinned_peak = std::max(counters_.host_pinned_peak, counters_.host_pinned_current);
+  return pointer;
+}
+
+void Compute::release_host_pinned(void* pointer) {
+  if (!pointer) return;
+  counters_.host_pinned_current -= live_->pinned.at(pointer);
+  live_->pinned.erase(pointer);
+  if (device_ == Device::cpu) {
+    std::free(pointer);
+    return;
+  }
+#if defined(__CUDACC__)
+  Z2_CUDA_CHECK(cudaFreeHost(pointer));
+#endif
+}
+
+void Compute::copy(void* destination, const void* source, size_t bytes, Stream stream) {
+  if (bytes == 0 || destination == source) return;
+  if (device_ == Device::cpu) {
+    std::memmove(destination, source, bytes);
+    return;
+  }
+#if defined(__CUDACC__)
+  // cudaMemcpyDefault: unified addressing tells host from device pointers.
+  Z2_CUDA_CHECK(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, (cudaStream_t)stream.handle));
+#endif
+}
+
+void Compute::fill_zero(void* destination, size_t bytes, Stream stream) {
+  if (bytes == 0) return;
+  if (device_ == Device::cpu) {
+    std::memset(destination, 0, bytes);
+    return;
+  }
+#if defined(__CUDACC__)
+  Z2_CUDA_CHECK(cudaMemsetAsync(destination, 0, bytes, (cudaStream_t)stream.handle));
+#endif
+}
+
+void Compute::synchronize(Stream stream) {
+#if defined(__CUDACC__)
+  if (device_ == Device::cuda) Z2_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)stream.handle));
+#endif
+  (void)stream;
+}
+
+void Compute::synchronize_all() {
+  synchronize(compute_stream_);
+  synchronize(comm_stream_);
+}
+
+Event Compute::create_event() {
+  Event event;
+#if defined(__CUDACC__)
+  if (device_ == Device::cuda) {
+    cudaEvent_t handle;
+    // No timing: a timing event costs more to record and we only order work.
+    Z2_CUDA_CHECK(cudaEventCreateWithFlags(&handle, cudaEventDisableTiming));
+    event.handle = handle;
+  }
+#endif
+  return event;
+}
+
+void Compute::destroy_event(Event event) {
+#if defined(__CUDACC__)
+  if (event.handle) cudaEventDestroy((cudaEvent_t)event.handle);
+#endif
+  (void)event;
+}
+
+void Compute::record(Event event, Stream stream) {
+#if defined(__CUDACC__)
+  if (device_ == Device::cuda) Z2_CUDA_CHECK(cudaEventRecord((cudaEvent_t)event.handle, (cudaStream_t)stream.handle));
+#endif
+  (void)event, (void)stream;
+}
+
+bool Compute::query(Event event) {
+#if defined(__CUDACC__)
+  if (device_ == Device::cuda) {
+    cudaError_t status = cudaEventQuery((cudaEvent_t)event.handle);
+    if (status == cudaErrorNotReady) return false;
+    Z2_CUDA_CHECK(status);
+  }
+#endif
+  (void)event;
+  return true;
+}
+
+void Compute::wait(Stream waiter, Event event) {
+#if defined(__CUDACC__)
+  if (device_ == Device::cuda)
+    Z2_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)waiter.handle, (cudaEvent_t)event.handle, 0));
+#endif
+  (void)waiter, (void)event;
+}
+
+void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
+                   const float* B, int ldb, float beta, float* C, int ldc) {
+  if (device_ == Device::cpu) {
+    cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M,
+                N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+#if defined(__CUDACC__)
+  // cuBLAS is column-major. A row-major C is a column-major C^T, and
+  // C^T = op(B)^T op(A)^T: swap the operands and the sizes, keep the flags.
+  Z2_CUBLAS_CHECK(cublasSgemm((cublasHandle_t)cublas_, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                              transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, A, lda, &beta, C,
+                              ldc));
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// 3. Communicator
+//
+// MPI is always there: it starts the processes, carries the NCCL unique id, and
+// moves the few scalars of a step (loss contributions, norm chunk sums). The
+// bulk traffic, gradient buckets and parameter shards, goes over the backend:
+//   mpi  — host buffers; on cuda we stage through pinned host memory, which is
+//          what lets several ranks share one GPU;
+//   nccl — device buffers, one GPU per rank. Start-up order as nccl-tests:
+//          local rank -> ncclGetUniqueId on rank 0 -> MPI_Bcast -> the device
+//          is already set by Compute -> ncclCommInitRank.
+
+int local_rank_of(MPI_Comm comm) {
+  MPI_Comm host_comm;
+  int rank = 0;
+  Z2_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host_comm));
+  Z2_MPI_CHECK(MPI_Comm_rank(host_comm, &rank));
+  Z2_MPI_CHECK(MPI_Comm_free(&host_comm));
+  return rank;
+}
+
+static int local_size_of(MPI_Comm comm) {
+  MPI_Comm host_comm;
+  int size = 0;
+  Z2_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host_comm));
+  Z2_MPI_CHECK(MPI_Comm_size(host_comm, &size));
+  Z2_MPI_CHECK(MPI_Comm_free(&host_comm));
+  return size;
+}
+
+static bool all_ranks(bool local, MPI_Comm comm) {
+  int value = local ? 1 : 0, all = 0;
+  Z2_MPI_CHECK(MPI_Allreduce(&value, &all, 1, MPI_INT, MPI_MIN, comm));
+  return all == 1;
+}
+
+// The number of GPUs every host has (the smallest), and whether each host has
+// at least one per rank (what NCCL needs).
+static bool one_gpu_per_rank(MPI_Comm comm, int* gpus) {
+  int count = 0;
+#if defined(__CUDACC__)
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    count = 0;
+  }
+#endif
+  *gpus = count;
+  return all_ranks(count >= local_size_of(comm), comm);
+}
+
+Device choose_device(const std::string& requested, MPI_Comm comm) {
+  std::string why;
+  bool available = all_ranks(cuda_available(&why), comm);
+  if (requested == "cpu") return Device::cpu;
+  if (requested == "cuda") {
+    if (!available) usage_error("--device cuda: no usable GPU on every rank (%s); use --device cpu", why.c_str());
+    return Device::cuda;
+  }
+  if (requested == "auto") return available ? Device::cuda : Device::cpu;
+  usage_error("--device must be auto, cpu or cuda (got '%s')", requested.c_str());
+}
+
+CommBackend choose_comm(const std::string& requested, Device device, MPI_Comm comm) {
+  int gpus = 0;
+  bool nccl_possible = device == Device::cuda && built_with_nccl() && one_gpu_per_rank(comm, &gpus);
+  if (requested == "mpi") return CommBackend::mpi;
+  if (requested == "nccl") {
+    if (device != Device::cuda) usage_error("--comm nccl needs --device cuda");
+    if (!built_with_nccl()) usage_error("--comm nccl: this binary was built without NCCL");
+    if (!nccl_possible)
+      usage_error("--comm nccl: NCCL needs one GPU per rank, but a host has %d ranks and %d GPU(s); "
+                  "use --comm mpi to share a GPU", local_size_of(comm), gpus);
+    return CommBackend::nccl;
+  }
+  if (requested == "auto") return nccl_possible ? CommBackend::nccl : CommBackend::mpi;
+  usage_error("--comm must be auto, mpi or nccl (got '%s')", requested.c_str());
+}
+
+Communicator::Communicator(Compute& compute, MPI_Comm mpi_comm, CommBackend backend, Collectives collectives)
+    : compute_(compute), backend_(backend), collectives_(collectives) {
+  Z2_MPI_CHECK(MPI_Comm_dup(mpi_comm, &mpi_comm_));
+  // Errors come back to our check macro, which prints a message and a hint,
+  // instead of MPI's default abort without one.
+  Z2_MPI_CHECK(MPI_Comm_set_errhandler(mpi_comm_, MPI_ERRORS_RETURN));
+  Z2_MPI_CHECK(MPI_Comm_rank(mpi_comm_, &rank_));
+  Z2_MPI_CHECK(MPI_Comm_size(mpi_comm_, &world_size_));
+  if (backend_ == CommBackend::mpi) return;
+  if (!compute.on_cuda()) usage_error("--comm nccl needs --device cuda");
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+  int gpus = 0;
+  if (!one_gpu_per_rank(mpi_comm_, &gpus))
+    usage_error("--comm nccl: NCCL needs one GPU per rank, but a host has more ranks than its %d GPU(s); "
+                "use --comm mpi to share a GPU", gpus);
+  ncclUniqueId id;
+  if (rank_ == 0) Z2_NCCL_CHECK(ncclGetUniqueId(&id));
+  Z2_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, mpi_comm_));
+  Z2_CUDA_CHECK(cudaSetDevice(compute.device_index()));
+  ncclComm_t nccl;
+  Z2_NCCL_CHECK(ncclCommInitRank(&nccl, world_size_, id, rank_));
+  nccl_ = nccl;
+#else
+  usage_error("--comm nccl: this binary was built without NCCL");
+#endif
+}
+
+Communicator::~Communicator() {
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+  if (nccl_) {
+    compute_.synchronize_all();
+    ncclCommDestroy((ncclComm_t)nccl_);
+  }
+#endif
+  if (mpi_comm_ != MPI_COMM_NULL) MPI_Comm_free(&mpi_comm_);
+}
+
+void Communicator::all_gather_host(const float* send, size_t count, float* receive) {
+  Z2_MPI_CHECK(MPI_Allgather(send, (int)count, MPI_FLOAT, receive, (int)count, MPI_FLOAT, mpi_comm_));
+  counters_.other += (size_t)(world_size_ - 1) * count * sizeof(float);
+}
+
+bool Communicator::all_agree(bool local_ok) { return all_ranks(local_ok, mpi_comm_); }
+
+void Communicator::barrier() { Z2_MPI_CHECK(MPI_Barrier(mpi_comm_)); }
+
+// ----------------------------------------------------------------------------
+// 4. The bucket collectives
+//
+// A transfer moves one bucket through one collective. It is a list of steps;
+// each step either enqueues work and is done at once, or waits (an MPI
+// request, a CUDA event) and reports "not yet". progress() advances every
+// transfer as far as it can without blocking; that is how MPI transfers move
+// while backward computes (MPICH progresses only inside MPI calls, so the
+// engine calls progress() each time the model hands over a gradient).
+//
+// The deterministic reduce-scatter (DESIGN.md section 4.3), per bucket:
+//   each rank sends slice j of the bucket to rank j (an all-to-all of slices:
+//   MPI point-to-point, or grouped ncclSend/ncclRecv), and the receiver sums
+//   the N slices of its shard with canonical_tree_sum over the ranks. Every
+//   rank sends (N-1)/N of the bucket, what a ring reduce-scatter sends.
+// The deterministic all-reduce is that reduce-scatter followed by an
+// all-gather of the reduced shards. An all-gather does no arithmetic, so the
+// libraries' own all-gather is exact and we use it in both modes.
+// --collectives native uses MPI_Ireduce_scatter_block / ncclReduceScatter /
+// MPI_Iallreduce / ncclAllReduce instead: faster, but the summation order is
+// the library's, so results match ours only within a tolerance.
+//
+// A slot is one set of constant-size buffers for one bucket in flight. With
+// --comm mpi on cuda the bucket is copied to pinned host memory, sent by MPI,
+// and the received slices are copied back before the device sums them.
+
+struct Slot {
+  float* bucket_gradients = nullptr;  // [max padded bucket]   stage 2: backward writes here
+  float* receive = nullptr;           // [(N-1) x max shard]  slices from the other ranks
+  float* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda
+  float* host_receive = nullptr;      // [(N-1) x max shard]  pinned, --comm mpi on cuda
+  Event done;                         // recorded on the comm stream when its transfer ends
+  int bucket = -1;                    // the bucket holding the slot, -1 when free
+  bool running = false;               // a transfer is using it
+};
+
+struct Transfer {
+  int slot = -1;
+  std::vector<std::function<bool()>> steps;  // each returns true once finished
+  size_t next = 0;
+  std::vector<MPI_Request> requests;
+  Event copied;  // the device-to-host staging copy has finished
+  bool finished() const { return next == steps.size(); }
+};
+
+struct BucketExchange::State {
+  Compute& compute;
+  Communicator& comm;
+  const int rank, world;
+  const bool staged_through_host;  // --comm mpi with --device cuda
+  const bool native;
+  size_t max_padded, max_shard;
+  DeviceArray<float> staging;  // slots x (bucket gradients + receive)
+  std::vector<Slot> slots;
+  std::deque<std::unique_ptr<Transfer>> transfers;  // in flight, oldest first
+  Event ready;                                      // "the compute stream got this far"
+  int sequence = 0;                                 // MPI tag: transfers start in the same order everywhere
+
+  State(Compute& c, Communicator& m)
+      : compute(c), comm(m), rank(m.rank()), world(m.world_size()),
+        staged_through_host(m.backend() == CommBackend::mpi && c.on_cuda()),
+        native(m.collectives() == Collectives::native) {}
+
+  // --- steps -----------------------------------------------------------------
+  static std::function<bool()> now(std::function<void()> action) {
+    return [action] {
+      action();
+      return true;
+    };
+  }
+  static std::function<bool()> wait_requests(Transfer* transfer) {
+    return [transfer] {
+      if (transfer->requests.empty()) return true;
+      int done = 0;
+      Z2_MPI_CHECK(MPI_Testall((int)transfer->requests.size(), transfer->requests.data(), &done,
+                               MPI_STATUSES_IGNORE));
+      if (done) transfer->requests.clear();
+      return done != 0;
+    };
+  }
+  // Copy `count` floats at `device` to pinned `host` on the comm stream and
+  // wait (without blocking) until they are there.
+  void add_copy_to_host(Transfer* transfer, float* host, const float* device, size_t count) {
+    transfer->steps.push_back(now([=] {
+      compute.copy(host, device, count * sizeof(float), compute.comm_stream());
+      compute.record(transfer->copied, compute.comm_stream());
+    }));
+    transfer->steps.push_back([this, transfer] { return compute.query(transfer->copied); });
+  }
+
+  // The kernels that follow a reduce-scatter, on the comm stream.
+  // Sum the N slices of this rank's shard in canonical order and hand the sum
+  // to the accumulation tree. `own` is this rank's own slice (never sent),
+  // `received` the N-1 others, rank j's at (j - (j > rank)) * shard.
+  void sum_and_accumulate(size_t shard, const float* own, const float* received, const AccumulateInto& into) {
+    const int ranks = world, me = rank;
+    const AccumulateInto target = into;
+    compute.for_each(
+        shard,
+        [=] Z2_HD(size_t i) {
+          float value = canonical_tree_sum(ranks, [&](long j) {
+            return j == me ? own[i] : received[(size_t)(j - (j > me)) * shard + i];
+          });
+          accumulate_micro_step(target.stack, target.step, target.steps, value, target.result, i);
+        },
+        compute.comm_stream());
+  }
+  void accumulate(const float* values, size_t n, const AccumulateInto& into) {
+    const AccumulateInto target = into;
+    compute.for_each(
+        n,
+        [=] Z2_HD(size_t i) {
+          accumulate_micro_step(target.stack, target.step, target.steps, values[i], target.result, i);
+        },
+        compute.comm_stream());
+  }
+
+  // --- the three collectives as lists of steps -------------------------------
+  void add_reduce_scatter(Transfer* transfer, float* bucket, size_t padded, const AccumulateInto& into) {
+    Slot& slot = slots[transfer->slot];
+    const size_t shard = padded / world;
+    float* own = bucket + (size_t)rank * shard;
+    if (world == 1) {  // one rank: the tree over one leaf is the leaf
+      transfer->steps.push_back(now([=] { accumulate(own, shard, into); }));
+      return;
+    }
+    if (comm.backend() == CommBackend::nccl) {
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+      ncclComm_t nccl = (ncclComm_t)comm.nccl();
+      cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+      float* received = slot.receive;
+      transfer->steps.push_back(now([=] {
+        if (native) {
+          Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard, ncclFloat, ncclSum, nccl, stream));
+          accumulate(received, shard, into);
+          return;
+        }
+        Z2_NCCL_CHECK(ncclGroupStart());
+        for (int j = 0; j < world; ++j) {
+          if (j == rank) continue;
+          // Counts are elements, not bytes.
+          Z2_NCCL_CHECK(ncclSend(bucket + (size_t)j * shard, shard, ncclFloat, j, nccl, stream));
+          Z2_NCCL_CHECK(ncclRecv(received + (size_t)(j - (j > rank)) * shard, shard, ncclFloat, j, nccl, stream));
+        }
+        Z2_NCCL_CHECK(ncclGroupEnd());
+        sum_and_accumulate(shard, own, received, into);
+      }));
+#endif
+      return;
+    }
+    float* send = bucket;
+    float* receive = slot.receive;
+    if (staged_through_host) {
+      send = slot.host_send;
+      receive = slot.host_receive;
+      add_copy_to_host(transfer, send, bucket, padded);
+    }
+    MPI_Comm mpi = comm.mpi();
+    const int tag = sequence++ % 32768;
+    transfer->steps.push_back(now([=] {
+      if (native) {
+        transfer->requests.resize(1);
+        Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, MPI_FLOAT, MPI_SUM, mpi,
+                                               &transfer->requests[0]));
+        return;
+      }
+      for (int j = 0; j < world; ++j) {
+        if (j == rank) continue;
+        transfer->requests.emplace_back();
+        Z2_MPI_CHECK(MPI_Irecv(receive + (size_t)(j - (j > rank)) * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
+                               &transfer->requests.back()));
+        transfer->requests.emplace_back();
+        Z2_MPI_CHECK(MPI_Isend(send + (size_t)j * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
+                               &transfer->requests.back()));
+      }
+    }));
+    transfer->steps.push_back(wait_requests(transfer));
+    float* received = slot.receive;
+    const size_t received_count = native ? shard : (size_t)(world - 1) * shard;
+    transfer->steps.push_back(now([=] {
+      if (staged_through_host)
+        compute.copy(received, receive, received_count * sizeof(float), compute.comm_stream());
+      if (native)
+        accumulate(received, shard, into);
+      else
+        sum_and_accumulate(shard, own, received, into);
+    }));
+  }
+
+  void add_all_gather(Transfer* transfer, float* bucket, size_t padded) {
+    Slot& slot = slots[transfer->slot];
+    const size_t shard = padded / world;
+    if (world == 1) return;
+    if (comm.backend() == CommBackend::nccl) {
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+      ncclComm_t nccl = (ncclComm_t)comm.nccl();
+      cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+      transfer->steps.push_back(now([=] {
+        Z2_NCCL_CHECK(ncclAllGather(bucket + (size_t)rank * shard, bucket, shard, ncclFloat, nccl, stream));
+      }));
+#endif
+      return;
+    }
+    float* host = staged_through_host ? slot.host_send : bucket;
+    if (staged_through_host)
+      add_copy_to_host(transfer, host + (size_t)rank * shard, bucket + (size_t)rank * shard, shard);
+    MPI_Comm mpi = comm.mpi();
+    transfer->steps.push_back(now([=] {
+      transfer->requests.resize(1);
+      Z2_MPI_CHECK(
+          MPI_Iallgather(MPI_IN_PLACE, 0, MPI_FLOAT, host, (int)shard, MPI_FLOAT, mpi, &transfer->requests[0]));
+    }));
+    transfer->steps.push_back(wait_requests(transfer));
+    if (staged_through_host)
+      transfer->steps.push_back(now([=] { compute.copy(bucket, host, padded * sizeof(float), compute.comm_stream()); }));
+  }
+
+  void add_native_all_reduce(Transfer* transfer, float* bucket, size_t padded) {
+    Slot& slot = slots[transfer->slot];
+    if (comm.backend() == CommBackend::nccl) {
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+      ncclComm_t nccl = (ncclComm_t)comm.nccl();
+      cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+      transfer->steps.push_back(
+          now([=] { Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, ncclFloat, ncclSum, nccl, stream)); }));
+#endif
+      return;
+    }
+    float* host = staged_through_host ? slot.host_send : bucket;
+    if (staged_through_host) add_copy_to_host(transfer, host, bucket, padded);
+    MPI_Comm mpi = comm.mpi();
+    transfer->steps.push_back(now([=] {
+      transfer->requests.resize(1);
+      Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, MPI_FLOAT, MPI_SUM, mpi, &transfer->requests[0]));
+    }));
+    transfer->steps.push_back(wait_requests(transfer));
+    if (staged_through_host)
+      transfer->steps.push_back(now([=] { compute.copy(bucket, host, padded * sizeof(float), compute.comm_stream()); }));
+  }
+
+  // --- the queue -------------------------------------------------------------
+  Transfer* start(int slot, size_t padded) {
+    if (slot < 0 || slot >= (int)slots.size()) usage_error("bucket collective: slot %d out of range", slot);
+    if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
+    if (padded > max_padded || padded % world != 0)
+      usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
+    transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
+    Transfer* transfer = transfers.back().get();
+    transfer->slot = slot;
+    transfer->copied = compute.create_event();
+    slots[slot].running = true;
+    // The comm stream must see everything the compute stream wrote so far.
+    compute.record(ready, compute.compute_stream());
+    compute.wait(compute.comm_stream(), ready);
+    return transfer;
+  }
+  static bool advance(Transfer& transfer) {
+    while (!transfer.finished() && transfer.steps[transfer.next]()) ++transfer.next;
+    return transfer.finished();
+  }
+  void finish(Transfer& transfer) {
+    while (!advance(transfer)) std::this_thread::yield();
+  }
+  void retire_finished() {
+    while (!transfers.empty() && transfers.front()->finished()) {
+      Transfer& transfer = *transfers.front();
+      Slot& slot = slots[transfer.slot];
+      compute.record(slot.done, compute.comm_stream());
+      slot.running = false;
+      slot.bucket = -1;
+      compute.destroy_event(transfer.copied);
+      transfers.pop_front();
+    }
+  }
+  int free_slot() const {
+    for (size_t s = 0; s < slots.size(); ++s)
+      if (slots[s].bucket < 0 && !slots[s].running) return (int)s;
+    return -1;
+  }
+};
+
+BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_padded, int slot_count,
+                               bool bucket_buffers)
+    : state_(new State(compute, comm)) {
+  State& s = *state_;
+  const size_t N = (size_t)comm.world_size();
+  if (slot_count < 1) usage_error("bucket exchange: at least one slot (got %d)", slot_count);
+  s.max_padded = max_padded;
+  s.max_shard = max_padded / N;
+  const size_t bucket_part = bucket_buffers ? max_padded : 0, receive_part = (N - 1) * s.max_shard;
+  s.staging = DeviceArray<float>(compute, slot_count * (bucket_part + receive_part), MemoryKind::staging);
+  for (int k = 0; k < slot_count; ++k) {
+    Slot slot;
+    float* base = s.staging.data() + k * (bucket_part + receive_part);
+    slot.bucket_gradients = bucket_part ? base : nullptr;
+    slot.receive = receive_part ? base + bucket_part : nullptr;
+    if (s.staged_through_host && N > 1) {
+      slot.host_send = (float*)compute.allocate_host_pinned(max_padded * sizeof(float));
+      slot.host_receive = (float*)compute.allocate_host_pinned(receive_part * sizeof(float));
+    }
+    slot.done = compute.create_event();
+    compute.record(slot.done, compute.comm_stream());
+    s.slots.push_back(slot);
+  }
+  s.ready = compute.create_event();
+}
+
+BucketExchange::~BucketExchange() {
+  State& s = *state_;
+  s.compute.synchronize_all();
+  for (auto& slot : s.slots) {
+    s.compute.destroy_event(slot.done);
+    s.compute.release_host_pinned(slot.host_send);
+    s.compute.release_host_pinned(slot.host_receive);
+  }
+  for (auto& transfer : s.transfers) s.compute.destroy_event(transfer->copied);
+  s.compute.destroy_event(s.ready);
+}
+
+int BucketExchange::slot_count() const { return (int)state_->slots.size(); }
+
+int BucketExchange::slot_of(int bucket) const {
+  for (size_t k = 0; k < state_->slots.size(); ++k)
+    if (state_->slots[k].bucket == bucket) return (int)k;
+  return -1;
+}
+
+int BucketExchange::acquire(int bucket) {
+  State& s = *state_;
+  int slot = s.free_slot();
+  while (slot < 0 && !s.transfers.empty()) {
+    s.finish(*s.transfers.front());
+    s.retire_finished();
+    slot = s.free_slot();
+  }
+  if (slot < 0)
+    usage_error("all %zu staging slot(s) are held by buckets not yet handed over (bucket %d is open) when bucket %d "
+                "needs one: hand over every gradient of a bucket before starting the next",
+                s.slots.size(), s.slots[0].bucket, bucket);
+  s.slots[slot].bucket = bucket;
+  return slot;
+}
+
+float* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
+  State& s = *state_;
+  float* buffer = s.slots.at(slot).bucket_gradients;
+  if (!buffer) usage_error("open_bucket_buffer: this exchange was made without bucket buffers");
+  // The slot's previous transfer may still read the buffer on the comm stream.
+  s.compute.wait(s.compute.compute_stream(), s.slots[slot].done);
+  s.compute.fill_zero(buffer, padded * sizeof(float), s.compute.compute_stream());
+  return buffer;
+}
+
+void BucketExchange::reduce_scatter(int slot, float* bucket, size_t padded, const AccumulateInto& into) {
+  State& s = *state_;
+  Transfer* transfer = s.start(slot, padded);
+  s.add_reduce_scatter(transfer, bucket, padded, into);
+  s.comm.counters().reduce_scatter += (size_t)(s.world - 1) * (padded / s.world) * sizeof(float);
+  progress();
+}
+
+void BucketExchange::all_gather(int slot, float* bucket, size_t padded) {
+  State& s = *state_;
+  Transfer* transfer = s.start(slot, padded);
+  s.add_all_gather(transfer, bucket, padded);
+  s.comm.counters().all_gather += (size_t)(s.world - 1) * (padded / s.world) * sizeof(float);
+  progress();
+}
+
+void BucketExchange::all_reduce(int slot, float* bucket, size_t padded, const AccumulateInto& after) {
+  State& s = *state_;
+  Transfer* transfer = s.start(slot, padded);
+  if (s.native && s.world > 1) {
+    s.add_native_all_reduce(transfer, bucket, padded);
+  } else {  // reduce-scatter into the own slice, then all-gather the slices
+    AccumulateInto own;
+    own.result = bucket + (size_t)s.rank * (padded / s.world);
+    s.add_reduce_scatter(transfer, bucket, padded, own);
+    s.add_all_gather(transfer, bucket, padded);
+  }
+  if (after.steps > 1)
+    transfer->steps.push_back(State::now([&s, bucket, padded, after] { s.accumulate(bucket, padded, after); }));
+  s.comm.counters().all_reduce += 2 * (size_t)(s.world - 1) * (padded / s.world) * sizeof(float);
+  progress();
+}
+
+void BucketExchange::progress() {
+  State& s = *state_;
+  for (auto& transfer : s.transfers) s.advance(*transfer);
+  s.retire_finished();
+}
+
+void BucketExchange::finish_all() {
+  State& s = *state_;
+  for (auto& transfer : s.transfers) s.finish(*transfer);
+  s.retire_finished();
+}
+
+size_t BucketExchange::staging_elements() const { return state_->staging.size(); }
+
+size_t BucketExchange::pinned_host_elements() const {
+  size_t total = 0;
+  for (auto& slot : state_->slots)
+    if (slot.host_send) total += state_->max_padded + (state_->world - 1) * state_->max_shard;
+  return total;
+}
+
+// ----------------------------------------------------------------------------
+// 5. Layout: parameters, norm chunks, buckets, shards
+//
+// Three index spaces, from the user's view down to the rank's:
+//   canonical — parameters in registration order, each starting on a multiple
+//               of norm_chunk. It does not depend on N or on the bucket size,
+//               so the global norm, computed over its chunks, does not either.
+//   padded    — the flat buffer every rank holds for parameters (and, in
+//               stages 0/1, gradients). Parameters are grouped into buckets of
+//               whole parameters, at most bucket_elements each (a larger
+//               parameter gets a bucket of its own, as in DeepSpeed), and each
+//               bucket is padded to a multiple of N * norm_chunk, so it splits
+//               into N equal shards made of whole chunks (as FSDP pads a flat
+//               parameter). Psi_padded = its length.
+//   shard     — this rank's shard of every bucket, back to back: Psi_padded / N
+//               elements. Stages 1 and 2 keep AdamW state here, stage 2 also
+//               the gradient.
+// Padding is zero in parameters, gradients and AdamW state, and stays zero:
+// AdamW maps (p, g, m, v) = 0 to 0.
+
+static size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+size_t Engine::psi() const {
+  size_t total = 0;
+  for (auto& parameter : parameters_) total += parameter.numel;
+  return total;
+}
+
+size_t Engine::psi_padded() const {
+  return buckets_.empty() ? 0 : buckets_.back().offset + buckets_.back().padded_length;
+}
+
+ParameterId Engine::add_parameter(const std::string& name, size_t numel, bool decay) {
+  if (built_) usage_error("parameter '%s' registered after build(): register every parameter first", name.c_str());
+  if (numel == 0) usage_error("parameter '%s' has no elements", name.c_str());
+  ParameterInfo info;
+  info.name = name;
+  info.numel = numel;
+  info.decay = decay;
+  info.canonical_offset = canonical_elements_;
+  canonical_elements_ += round_up(numel, norm_chunk);
+  parameters_.push_back(info);
+  return (ParameterId)parameters_.size() - 1;
+}
+
+std::pair<size_t, size_t> Engine::shard_range(int bucket, int rank) const {
+  require_built("shard_range");
+  if (bucket < 0 || bucket >= (int)buckets_.size())
+    usage_error("shard_range: bucket %d out of range (the layout has %zu buckets)", bucket, buckets_.size());
+  if (rank < 0 || rank >= comm_.world_size())
+    usage_error("shard_range: rank %d out of range (world size %d)", rank, comm_.world_size());
+  const BucketInfo& b = buckets_[bucket];
+  size_t begin = b.offset + (size_t)rank * b.shard_length;
+  return {begin, begin + b.shard_length};
+}
+
+long Engine::micro_batch_index(int a) const {
+  if (a < 0 || a >= options_.accumulation_steps)
+    usage_error("micro_batch_index: micro-step %d out of range (accumulation_steps %d)", a,
+                options_.accumulation_steps);
+  return (long)a * comm_.world_size() + comm_.rank();
+}
+
+int Engine::world_size() const { return comm_.world_size(); }
+int Engine::rank() const { return comm_.rank(); }
+
+void Engine::require_built(const char* what) const {
+  if (!built_) usage_error("%s called before build()", what);
+}
+
+// ----------------------------------------------------------------------------
+// 6. The three stages: where gradients live and how they are reduced
+//
+// Stage 0, data parallel (the baseline, paper section 2.1): every rank keeps
+// the full gradient [Psi_padded] and, per micro-step, all-reduces it, as
+// PyTorch DDP does without no_sync. Model states: 4 Psi params + 4 Psi grads
+// + 8 Psi AdamW (m, v) = 16 Psi bytes per rank.
+//
+// Stage 1, P_os (paper section 5.1): AdamW state is split N ways; each rank
+// updates only its own shard of each bucket and all-gathers the parameters.
+// The full gradient is still written by backward, then reduce-scattered in
+// place (the own slice of each bucket receives the sum). Saves
+// 8 Psi (N - 1) / N bytes: 4 Psi + 4 Psi + 8 Psi / N.
+//
+// Stage 2, P_os+g (paper section 5.2): the gradient is split too. Backward
+// writes each bucket into a constant-size staging buffer; as soon as the
+// bucket is complete it is reduce-scattered and only this rank's shard of the
+// sum is kept. Saves another 4 Psi (N - 1) / N bytes: 4 Psi + 12 Psi / N, plus
+// slots x (bucket + (N-1)/N bucket) staging elements that do not grow with the
+// model.
+//
+// All three send the same bytes per step when A = 1: an all-reduce is a
+// reduce-scatter plus an all-gather, 2 (N-1)/N Psi elements (section 7.2.1).
+//
+// Gradient accumulation (DESIGN.md section 4.2): rank r computes global
+// micro-batch m = a N + r at micro-step a, every micro-step is reduced across
+// ranks (the tree over the N ranks, a perfect subtree when N is a power of
+// two), and the A results go through accumulate_micro_step(). The whole is the
+// canonical tree over the M = N A micro-batches: 1 x 4 = 2 x 2 = 4 x 1.
+
+struct Engine::Impl {
+  Engine& engine;
+  Compute& compute;
+  int stage, rank;
+
+  DeviceArray<float> params;          // [Psi_padded]             every stage
+  DeviceArray<float> grads;           // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2
+  DeviceArray<float> adam_m, adam_v;  // [Psi_padded] stage 0,    [Psi_padded / N] stages 1/2
+  std::vector<DeviceArray<float>> accumulation;  // floor(log2 A) blocks of the gradient's size
+  DeviceArray<float> chunk_sums;      // [update region / norm_chunk]
+  DeviceArray<unsigned char> decay;   // [Psi_padded / norm_chunk] 1 = weight decay applies
+  std::unique_ptr<BucketExchange> exchange;
+  Event comm_done;
+
+  // Per micro-step state.
+  std::vector<char> parameter_ready, bucket_reduced;
+  std::vector<int> bucket_ready_count;
+  std::vector<float> micro_losses;  // this rank's A loss contributions
+  CommCounters step_start_counters, last_step_counters;
+
+  Impl(Engine& e, Compute& c) : engine(e), compute(c), stage(e.options_.stage), rank(e.comm_.rank()) {}
+  ~Impl() { compute.destroy_event(comm_done); }
+
+  const BucketInfo& bucket(int b) const { return engine.buckets_[b]; }
+  // The update region of bucket b: the whole bucket in stage 0, the own shard
+  // in stages 1 and 2; its offset in the buffers that hold only that region.
+  size_t region_offset(int b) const { return stage == 0 ? bucket(b).offset : bucket(b).shard_offset; }
+  size_t region_length(int b) const { return stage == 0 ? bucket(b).padded_length : bucket(b).shard_length; }
+  float* region_param(int b) {
+    return params.data() + bucket(b).offset + (stage == 0 ? 0 : (size_t)rank * bucket(b).shard_length);
+  }
+  // The reduced gradient of the update region.
+  float* region_gradient(int b) {
+    if (stage == 2) return grads.data() + bucket(b).shard_offset;
+    return grads.data() + bucket(b).offset + (stage == 0 ? 0 : (size_t)rank * bucket(b).shard_length);
+  }
+  AccumulateInto accumulate_into(int b) {
+    AccumulateInto into;
+    into.result = region_gradient(b);
+    for (size_t d = 0; d < accumulation.size(); ++d) into.stack.entries[d] = accumulation[d].data() + region_offset(b);
+    into.step = engine.micro_step_;
+    into.steps = engine.options_.accumulation_steps;
+    return into;
+  }
+
+  void reduce_bucket(int b) {
+    const BucketInfo& info = bucket(b);
+    if (stage == 0) {
+      exchange->all_reduce(exchange->acquire(b), grads.data() + info.offset, info.padded_length, accumulate_into(b));
+    } else if (stage == 1) {
+      exchange->reduce_scatter(exchange->acquire(b), grads.data() + info.offset, info.padded_length,
+                               accumulate_into(b));
+    } else {
+      int slot = exchange->slot_of(b);
+      exchange->reduce_scatter(slot, staged_bucket[b], info.padded_length, accumulate_into(b));
+    }
+    bucket_reduced[b] = 1;
+    if (!engine.options_.overlap) exchange->finish_all();
+  }
+  std::vector<float*> staged_bucket;  // stage 2: where bucket b is being written this micro-step
+};
+
+// The public entry points of a micro-step, in the order a model calls them.
+
+float* Engine::parameter(ParameterId id) {
+  require_built("parameter");
+  if (id < 0 || id >= (int)parameters_.size()) usage_error("parameter: id %d out of range", id);
+  return impl_->params.data() + parameters_[id].offset;
+}
+
+float* Engine::gradient_output(ParameterId id) {
+  require_built("gradient_output");
+  if (id < 0 || id >= (int)parameters_.size()) usage_error("gradient_output: id %d out of range", id);
+  if (micro_step_ >= options_.accumulation_steps)
+    usage_error("gradient_output: all %d micro-steps of this optimizer step are done; call step() first",
+                options_.accumulation_steps);
+  Impl& impl = *impl_;
+  const ParameterInfo& p = parameters_[id];
+  if (impl.parameter_ready[id])
+    usage_error("gradient_output: '%s' was already handed over this micro-step", p.name.c_str());
+  if (impl.stage < 2) return impl.grads.data() + p.offset;
+  // Stage 2: the bucket's staging buffer, taken when its first parameter asks.
+  const BucketInfo& b = buckets_[p.bucket];
+  if (impl.exchange->slot_of(p.bucket) < 0) {
+    int slot = impl.exchange->acquire(p.bucket);
+    impl.staged_bucket[p.bucket] = impl.exchange->open_bucket_buffer(slot, b.padded_length);
+  }
+  return impl.staged_bucket[p.bucket] + (p.offset - b.offset);
+}
+
+void Engine::gradient_ready(ParameterId id) {
+  require_built("gradient_ready");
+  if (id < 0 || id >= (int)parameters_.size()) usage_error("gradient_ready: id %d out of range", id);
+  Impl& impl = *impl_;
+  const ParameterInfo& p = parameters_[id];
+  if (impl.parameter_ready[id]) usage_error("gradient_ready: '%s' handed over twice in one micro-step", p.name.c_str());
+  if (impl.stage == 2 && impl.exchange->slot_of(p.bucket) < 0)
+    usage_error("gradient_ready: '%s' handed over without gradient_output()", p.name.c_str());
+  impl.parameter_ready[id] = 1;
+  const BucketInfo& b = buckets_[p.bucket];
+  if (++impl.bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
+    // Stages 0/1 without overlap wait for the end of backward, as a framework
+    // without gradient hooks would; stage 2 cannot wait: its staging buffer
+    // must be freed, so without overlap it reduces now and blocks.
+    if (options_.overlap || impl.stage == 2) impl.reduce_bucket(p.bucket);
+  }
+  impl.exchange->progress();
+}
+
+void Engine::progress() {
+  if (built_) impl_->exchange->progress();
+}
+
+void Engine::end_micro_step(float loss) {
+  require_built("end_micro_step");
+  Impl& impl = *impl_;
+  if (micro_step_ >= options_.accumulation_steps)
+    usage_error("end_micro_step: already %d micro-steps; call step()", options_.accumulation_steps);
+  for (size_t id = 0; id < parameters_.size(); ++id)
+    if (!impl.parameter_ready[id])
+      usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
+  // Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
+  // the order backward completes them.
+  for (int b = (int)buckets_.size() - 1; b >= 0; --b)
+    if (!impl.bucket_reduced[b]) impl.reduce_bucket(b);
+  impl.exchange->finish_all();
+  // The next micro-step's backward overwrites the gradients: it must come
+  // after everything the comm stream still does with them.
+  compute_.record(impl.comm_done, compute_.comm_stream());
+  compute_.wait(compute_.compute_stream(), impl.comm_done);
+  impl.micro_losses[micro_step_] = loss;
+  std::fill(impl.parameter_ready.begin(), impl.parameter_ready.end(), 0);
+  std::fill(impl.bucket_ready_count.begin(), impl.bucket_ready_count.end(), 0);
+  std::fill(impl.bucket_reduced.begin(), impl.bucket_reduced.end(), 0);
+  ++micro_step_;
+}
+
+// build(): the layout of section 5 and the buffers of section 6.
+
+Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& options)
+    : compute_(compute), comm_(comm), options_(options) {
+  if (options_.stage < 0 || options_.stage > 2) usage_error("stage must be 0, 1 or 2 (got %d)", options_.stage);
+  if (options_.bucket_elements <= 0)
+    usage_error("bucket size must be a positive number of elements (got %ld)", options_.bucket_elements);
+  if (options_.accumulation_steps < 1)
+    usage_error("gradient accumulation steps must be at least 1 (got %d)", options_.accumulation_steps);
+  if (!(options_.lr >= 0) || !(options_.beta1 >= 0 && options_.beta1 < 1) ||
+      !(options_.beta2 >= 0 && options_.beta2 < 1) || !(options_.eps > 0) || !(options_.weight_decay >= 0) ||
+      !(options_.clip >= 0))
+    usage_error("AdamW settings out of range: lr %g >= 0, 0 <= beta1 %g < 1, 0 <= beta2 %g < 1, eps %g > 0, "
+                "weight decay %g >= 0, clip %g >= 0",
+                options_.lr, options_.beta1, options_.beta2, options_.eps, options_.weight_decay, options_.clip);
+}
+
+Engine::~Engine() = default;
+
+static size_t accumulation_blocks(int accumulation_steps) {  // floor(log2 A)
+  size_t blocks = 0;
+  while ((2l << blocks) <= accumulation_steps) ++blocks;
+  return blocks;
+}
+
+void Engine::build() {
+  if (built_) usage_error("build() called twice");
+  if (parameters_.empty()) usage_error("build(): no parameters registered");
+  const size_t N = (size_t)comm_.world_size();
+  const size_t bucket_limit = round_up((size_t)options_.bucket_elements, norm_chunk);
+
+  // Buckets of whole parameters, in registration order.
+  size_t offset = 0, shard_offset = 0;
+  for (size_t first = 0; first < parameters_.size();) {
+    BucketInfo b;
+    b.first_parameter = (int)first;
+    b.canonical_chunk = parameters_[first].canonical_offset / norm_chunk;
+    size_t end = first, span = 0;
+    while (end < parameters_.size() &&
+           (end == first || span + round_up(parameters_[end].numel, norm_chunk) <= bucket_limit))
+      span += round_up(parameters_[end++].numel, norm_chunk);
+    b.end_parameter = (int)end;
+    b.length = span;
+    b.padded_length = round_up(span, N * norm_chunk);
+    b.shard_length = b.padded_length / N;
+    b.offset = offset;
+    b.shard_offset = shard_offset;
+    for (size_t p = first; p < end; ++p) {
+      parameters_[p].bucket = (int)buckets_.size();
+      parameters_[p].offset = offset + (parameters_[p].canonical_offset - parameters_[first].canonical_offset);
+    }
+    offset += b.padded_length;
+    shard_offset += b.shard_length;
+    buckets_.push_back(b);
+    first = end;
+  }
+
+  impl_.reset(new Impl(*this, compute_));
+  Impl& impl = *impl_;
+  const size_t padded = psi_padded(), shard = padded / N;
+  const int stage = options_.stage;
+  size_t max_padded_bucket = 0;
+  for (auto& b : buckets_) max_padded_bucket = std::max(max_padded_bucket, b.padded_length);
+
+  // Model states, the memory the paper's formulas count.
+  impl.params = DeviceArray<float>(compute_, padded, MemoryKind::params);
+  impl.grads = DeviceArray<float>(compute_, stage == 2 ? shard : padded, MemoryKind::grads);
+  impl.adam_m = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::optimizer);
+  impl.adam_v = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::optimizer);
+  // The accumulation tree's open blocks, each the size of the reduced gradient.
+  for (size_t d = 0; d < accumulation_blocks(options_.accumulation_steps); ++d)
+    impl.accumulation.emplace_back(compute_, stage == 0 ? padded : shard, MemoryKind::accumulation);
+
+  // Staging: two slots with overlap (one reduces while backward fills the
+  // other), one without. Stage 2 slots also hold a bucket's gradient.
+  impl.exchange.reset(new BucketExchange(compute_, comm_, max_padded_bucket, options_.overlap ? 2 : 1, stage == 2));
+  impl.comm_done = compute_.create_event();
+
+  // Bookkeeping: a norm chunk sum per chunk of the update region, and a
+  // weight-decay flag per chunk of the padded buffer (a chunk never straddles
+  // two parameters, so one flag per chunk is exact).
+  impl.chunk_sums = DeviceArray<float>(compute_, (stage == 0 ? padded : shard) / norm_chunk, MemoryKind::bookkeeping);
+  impl.decay = DeviceArray<unsigned char>(compute_, padded / norm_chunk, MemoryKind::bookkeeping);
+  std::vector<unsigned char> decay(padded / norm_chunk, 0);
+  for (auto& p : parameters_)
+    for (size_t c = p.offset / norm_chunk; c < (p.offset + p.numel + norm_chunk - 1) / norm_chunk; ++c)
+      decay[c] = p.decay ? 1 : 0;
+  compute_.copy(impl.decay.data(), decay.data(), decay.size(), compute_.compute_stream());
+  compute_.synchronize(compute_.compute_stream());
+
+  impl.parameter_ready.assign(parameters_.size(), 0);
+  impl.bucket_ready_count.assign(buckets_.size(), 0);
+  impl.bucket_reduced.assign(buckets_.size(), 0);
+  impl.staged_bucket.assign(buckets_.size(), nullptr);
+  impl.micro_losses.assign(options_.accumulation_steps, 0.0f);
+  impl.step_start_counters = comm_.counters();
+  built_ = true;
+}
+
+// ----------------------------------------------------------------------------
+// 7. The optimizer step: loss, global norm, clipping, AdamW, all-gather
+//
+// Everything here is element-wise on the update region (the whole buffer in
+// stage 0, the own shards in stages 1 and 2) with the same Z2_HD functions, so
+// an element is updated with the same operations whichever rank owns it. The
+// two reductions that feed the update use the canonical tree over pieces that
+// do not depend on N: the loss over the M = N A micro-batches, the squared
+// norm over norm chunks of the canonical layout.
+
+StepReport Engine::step() {
+  require_built("step");
+  Impl& impl = *impl_;
+  const int A = options_.accumulation_steps, N = comm_.world_size(), stage = options_.stage;
+  if (micro_step_ != A)
+    usage_error("step() after %d micro-step(s); accumulation_steps is %d", micro_step_, A);
+  Stream stream = compute_.compute_stream();
+
+  // Loss: rank r's micro-step a is global micro-batch m = a N + r.
+  std::vector<float> gathered((size_t)N * A), by_micro_batch((size_t)N * A);
+  comm_.all_gather_host(impl.micro_losses.data(), A, gathered.data());
+  for (int r = 0; r < N; ++r)
+    for (int a = 0; a < A; ++a) by_micro_batch[(size_t)a * N + r] = gathered[(size_t)r * A + a];
+  StepReport report;
+  report.loss = canonical_tree_sum((long)by_micro_batch.size(), [&](long m) { return by_micro_batch[m]; });
+
+  // Global norm: the sum of squares of each norm chunk (a perfect tree of
+  // norm_chunk leaves), then the canonical tree over the chunks in canonical
+  // order. Padding chunks take no part.
+  float* chunk_sums = impl.chunk_sums.data();
+  for (int b = 0; b < (int)buckets_.size(); ++b) {
+    const float* gradient = impl.region_gradient(b);
+    float* sums = chunk_sums + impl.region_offset(b) / norm_chunk;
+    compute_.for_each(impl.region_length(b) / norm_chunk, [=] Z2_HD(size_t c) {
+      const float* chunk = gradient + c * norm_chunk;
+      sums[c] = canonical_tree_sum(norm_chunk, [&](long k) { return chunk[k] * chunk[k]; });
+    }, stream);
+  }
+  std::vector<float> local(impl.chunk_sums.size());
+  compute_.copy(local.data(), chunk_sums, local.size() * sizeof(float), stream);
+  compute_.synchronize(stream);
+  std::vector<float> all_chunks;  // indexed by chunk of the padded buffer
+  if (stage == 0) {
+    all_chunks = local;
+  } else {
+    std::vector<float> gathered_chunks(local.size() * N);
+    comm_.all_gather_host(local.data(), local.size(), gathered_chunks.data());
+    all_chunks.assign(psi_padded() / norm_chunk, 0.0f);
+    for (int r = 0; r < N; ++r)
+      for (auto& b : buckets_)
+        for (size_t k = 0; k < b.shard_length / norm_chunk; ++k)
+          all_chunks[(b.offset + r * b.shard_length) / norm_chunk + k] =
+              gathered_chunks[r * local.size() + b.shard_offset / norm_chunk + k];
+  }
+  std::vector<float> canonical(canonical_elements_ / norm_chunk);
+  for (auto& b : buckets_)
+    for (size_t k = 0; k < b.length / norm_chunk; ++k) canonical[b.canonical_chunk + k] = all_chunks[b.offset / norm_chunk + k];
+  float squared = canonical_tree_sum((long)canonical.size(), [&](long c) { return canonical[c]; });
+  report.grad_norm = std::sqrt(squared);
+
+  // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
+  // 1e-6), capped at 1, in float.
+  if (options_.clip > 0) {
+    float coefficient = (float)options_.clip / (report.grad_norm + 1e-6f);
+    report.clip_coefficient = std::min(coefficient, 1.0f);
+  }
+
+  // AdamW, torch.optim.AdamW's scalars computed in double.
+  const long t = optimizer_step_ + 1;
+  report.step = t;
+  report.lr = options_.lr_schedule ? options_.lr_schedule(t) : options_.lr;
+  AdamWConstants constants;
+  constants.decay_factor = (float)(1.0 - report.lr * options_.weight_decay);
+  constants.one_minus_beta1 = (float)(1.0 - options_.beta1);
+  constants.beta2 = (float)options_.beta2;
+  constants.one_minus_beta2 = (float)(1.0 - options_.beta2);
+  constants.eps = (float)options_.eps;
+  constants.negative_step_size = (float)(-report.lr / (1.0 - std::pow(options_.beta1, (double)t)));
+  constants.bias_correction2_sqrt = (float)std::sqrt(1.0 - std::pow(options_.beta2, (double)t));
+  constants.grad_scale = report.clip_coefficient;
+  const unsigned char* decay_flags = impl.decay.data();
+  for (int b = 0; b < (int)buckets_.size(); ++b) {
+    float* param = impl.region_param(b);
+    const size_t first_chunk = (size_t)(param - impl.params.data()) / norm_chunk;
+    const float* gradient = impl.region_gradient(b);
+    float* m = impl.adam_m.data() + impl.region_offset(b);
+    float* v = impl.adam_v.data() + impl.region_offset(b);
+    compute_.for_each(impl.region_length(b), [=] Z2_HD(size_t i) {
+      bool decay = decay_flags[first_chunk + i / norm_chunk] != 0;
+      adamw_update(constants, decay, param, gradient, m, v, i);
+    }, stream);
+  }
+
+  // Stages 1 and 2: every rank updated only its own shards; all-gather them.
+  if (stage > 0) {
+    for (int b = 0; b < (int)buckets_.size(); ++b)
+      impl.exchange->all_gather(impl.exchange->acquire(b), impl.params.data() + buckets_[b].offset,
+                                buckets_[b].padded_length);
+    impl.exchange->finish_all();
+    compute_.record(impl.comm_done, compute_.comm_stream());
+    compute_.wait(stream, impl.comm_done);
+  }
+
+  // This step's communication, for the ledger.
+  const CommCounters& now = comm_.counters();
+  impl.last_step_counters.reduce_scatter = now.reduce_scatter - impl.step_start_counters.reduce_scatter;
+  impl.last_step_counters.all_gather = now.all_gather - impl.step_start_counters.all_gather;
+  impl.last_step_counters.all_reduce = now.all_reduce - impl.step_start_counters.all_reduce;
+  impl.last_step_counters.other = now.other - impl.step_start_counters.other;
+  impl.step_start_counters = now;
+
+  micro_step_ = 0;
+  optimizer_step_ = t;
+  return report;
+}
+
+std::vector<float> Engine::parameters_to_host() {
+  require_built("parameters_to_host");
+  compute_.synchronize_all();
+  std::vector<float> padded(psi_padded()), canonical;
+  compute_.copy(padded.data(), impl_->params.data(), padded.size() * sizeof(float), compute_.compute_stream());
+  compute_.synchronize(compute_.compute_stream());
+  canonical.reserve(psi());
+  for (auto& p : parameters_) canonical.insert(canonical.end(), padded.begin() + p.offset, padded.begin() + p.offset + p.numel);
+  return canonical;
+}
+
+void Engine::parameters_from_host(const std::vector<float>& canonical) {
+  require_built("parameters_from_host");
+  if (canonical.size() != psi())
+    usage_error("parameters_from_host: %zu values for %zu parameters", canonical.size(), psi());
+  size_t position = 0;
+  for (auto& p : parameters_) {
+    compute_.copy(impl_->params.data() + p.offset, canonical.data() + position, p.numel * sizeof(float),
+                  compute_.compute_stream());
+    position += p.numel;
+  }
+  compute_.synchronize(compute_.compute_stream());
+}
+
+uint64_t Engine::parameters_hash() {
+  std::vector<float> values = parameters_to_host();
+  return fnv1a64(values.data(), values.size());
+}
+
+// ----------------------------------------------------------------------------
+// 8. Ledgers
+//
+// Memory (paper section 3.1 and Figure 1, fp32 here, Psi = Psi_padded):
+//   stage 0: 4 Psi params + 4 Psi grads + 8 Psi AdamW        = 16 Psi
+//   stage 1: 4 Psi + 4 Psi + 8 Psi / N                       = 8 Psi + 8 Psi / N
+//   stage 2: 4 Psi + 4 Psi / N + 8 Psi / N                   = 4 Psi + 12 Psi / N
+// In fp32 the parameters are their own master copy, so "master" is 0 (the
+// paper's K = 12 counts fp32 master weights next to fp16 parameters).
+// Two things the formulas do not count, printed on their own lines:
+//   staging      — slots x (stage 2 bucket + (N-1) x shard) elements,
+//                  constant in the model size;
+//   accumulation — with A > 1 micro-steps, floor(log2 A) open blocks of the
+//                  canonical tree, each the size of the gradient.
+//
+// Communication per rank per step (section 7.2), counted as a ring sends:
+//   stage 0: A all-reduces of 2 (N-1)/N Psi elements
+//   stage 1, 2: A reduce-scatters of (N-1)/N Psi, one all-gather of (N-1)/N Psi
+// With A = 1 all three equal 2 (N-1)/N Psi x 4 bytes.
+
+MemoryLedger Engine::memory_ledger() const {
+  require_built("memory_ledger");
+  const MemoryCounters& c = compute_.memory();
+  const size_t psi = psi_padded(), N = comm_.world_size(), f = sizeof(float);
+  MemoryLedger ledger;
+  ledger.params = c.current[(int)MemoryKind::params];
+  ledger.grads = c.current[(int)MemoryKind::grads];
+  ledger.optimizer = c.current[(int)MemoryKind::optimizer];
+  ledger.master = c.current[(int)MemoryKind::master];
+  ledger.accumulation = c.current[(int)MemoryKind::accumulation];
+  ledger.staging = c.current[(int)MemoryKind::staging];
+  ledger.activations = c.peak[(int)MemoryKind::activations];
+  ledger.bookkeeping = c.current[(int)MemoryKind::bookkeeping];
+  ledger.model_states = ledger.params + ledger.grads + ledger.optimizer + ledger.master;
+  switch (options_.stage) {
+    case 0: ledger.model_states_formula = 16 * psi; break;
+    case 1: ledger.model_states_formula = 8 * psi + 8 * psi / N; break;
+    default: ledger.model_states_formula = 4 * psi + 12 * psi / N; break;
+  }
+  ledger.accumulation_formula = accumulation_blocks(options_.accumulation_steps) * (options_.stage == 0 ? psi : psi / N) * f;
+  size_t max_padded_bucket = 0;
+  for (auto& b : buckets_) max_padded_bucket = std::max(max_padded_bucket, b.padded_length);
+  ledger.staging_formula = (options_.overlap ? 2 : 1) *
+                           ((options_.stage == 2 ? max_padded_bucket : 0) + (N - 1) * (max_padded_bucket / N)) * f;
+  ledger.device_current = c.total_current;
+  ledger.device_peak = c.total_peak;
+  ledger.host_pinned = c.host_pinned_current;
+  ledger.device_allocations = c.allocations;
+  return ledger;
+}
+
+CommLedger Engine::comm_ledger() const {
+  require_built("comm_ledger");
+  const size_t psi = psi_padded(), N = comm_.world_size(), A = options_.accumulation_steps;
+  const size_t one_way = (N - 1) * (psi / N) * sizeof(float);  // (N-1)/N Psi elements
+  CommLedger ledger;
+  ledger.per_step = impl_->last_step_counters;
+  ledger.formula_per_step = options_.stage == 0 ? A * 2 * one_way : A * one_way + one_way;
+  return ledger;
+}
+
+static std::string with_commas(size_t value) {
+  std::string digits = std::to_string(value), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+void Engine::print_ledgers(FILE* out) const {
+  MemoryLedger m = memory_ledger();
+  CommLedger c = comm_ledger();
+  const int N = comm_.world_size();
+  const char* formula = options_.stage == 0 ? "16 Psi" : options_.stage == 1 ? "8 Psi + 8 Psi/N" : "4 Psi + 12 Psi/N";
+  fprintf(out, "memory per rank: stage %d, N = %d, Psi = %s, Psi_padded = %s, %zu bucket(s), device %s\n",
+          options_.stage, N, with_commas(psi()).c_str(), with_commas(psi_padded()).c_str(), buckets_.size(),
+          to_string(compute_.device()));
+  fprintf(out, "  %-22s %14s\n", "params", with_commas(m.params).c_str());
+  fprintf(out, "  %-22s %14s\n", "grads", with_commas(m.grads).c_str());
+  fprintf(out, "  %-22s %14s\n", "optimizer (m, v)", with_commas(m.optimizer).c_str());
+  fprintf(out, "  %-22s %14s   (fp32: the parameters are the master copy)\n", "master", with_commas(m.master).c_str());
+  fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(m.model_states).c_str(), formula,
+          with_commas(m.model_states_formula).c_str(), m.model_states == m.model_states_formula ? "(equal)" : "(DIFFERS)");
+  fprintf(out, "  %-22s %14s   floor(log2 A) gradient blocks = %s\n", "accumulation tree",
+          with_commas(m.accumulation).c_str(), with_commas(m.accumulation_formula).c_str());
+  fprintf(out, "  %-22s %14s   slots x (bucket + (N-1) shards) = %s\n", "staging", with_commas(m.staging).c_str(),
+          with_commas(m.staging_formula).c_str());
+  fprintf(out, "  %-22s %14s\n", "activations (peak)", with_commas(m.activations).c_str());
+  fprintf(out, "  %-22s %14s\n", "bookkeeping", with_commas(m.bookkeeping).c_str());
+  fprintf(out, "  %-22s %14s   (host, for --comm mpi on cuda)\n", "pinned staging", with_commas(m.host_pinned).c_str());
+  fprintf(out, "  %-22s %14s\n", "device peak", with_commas(m.device_peak).c_str());
+  fprintf(out, "communication per rank per step (bytes, as a ring sends them)\n");
+  fprintf(out, "  %-22s %14s\n", "reduce-scatter", with_commas(c.per_step.reduce_scatter).c_str());
+  fprintf(out, "  %-22s %14s\n", "all-gather", with_commas(c.per_step.all_gather).c_str());
+  fprintf(out, "  %-22s %14s\n", "all-reduce", with_commas(c.per_step.all_reduce).c_str());
+  size_t total = c.per_step.reduce_scatter + c.per_step.all_gather + c.per_step.all_reduce;
+  fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "total", with_commas(total).c_str(),
+          options_.stage == 0 ? "A x 2 (N-1)/N Psi x 4" : "(A + 1) (N-1)/N Psi x 4",
+          with_commas(c.formula_per_step).c_str(), total == c.formula_per_step ? "(equal)" : "(DIFFERS)");
+  fprintf(out, "  %-22s %14s   (loss and norm chunk sums, over MPI)\n", "other", with_commas(c.per_step.other).c_str());
+}
+
+std::string Engine::ledgers_json() const {
+  MemoryLedger m = memory_ledger();
+  CommLedger c = comm_ledger();
+  std::ostringstream json;
+  json << "{\"memory\": {\"model_states_bytes\": " << m.model_states
+       << ", \"model_states_formula_bytes\": " << m.model_states_formula << ", \"params_bytes\": " << m.params
+       << ", \"grads_bytes\": " << m.grads << ", \"optimizer_bytes\": " << m.optimizer
+       << ", \"master_bytes\": " << m.master << ", \"accumulation_bytes\": " << m.accumulation
+       << ", \"staging_bytes\": " << m.staging << ", \"activation_peak_bytes\": " << m.activations
+       << ", \"host_pinned_bytes\": " << m.host_pinned << ", \"device_peak_bytes\": " << m.device_peak
+       << ", \"device_allocations\": " << m.device_allocations << "}, \"comm\": {\"reduce_scatter_bytes_per_step\": "
+       << c.per_step.reduce_scatter << ", \"all_gather_bytes_per_step\": " << c.per_step.all_gather
+       << ", \"all_reduce_bytes_per_step\": " << c.per_step.all_reduce
+       << ", \"other_bytes_per_step\": " << c.per_step.other
+       << ", \"formula_bytes_per_step\": " << c.formula_per_step << "}}";
+  return json.str();
+}
+
+}  // namespace z2

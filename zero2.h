@@ -1,0 +1,600 @@
+// zero2.h — the public API of zero2, a reference implementation of ZeRO stage 2
+// (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+// Parameter Models", SC20). The engine itself lives in zero2.cu; this header is
+// plain C++ (no CUDA types), so test files compiled by mpicxx and model files
+// compiled by nvcc include the same declarations.
+//
+// What you find here, in the order zero2.cu implements it:
+//   1. errors and check macros (MPI, CUDA, cuBLAS, NCCL)
+//   2. Z2_HD math shared by CPU loops and CUDA kernels: counter-based random
+//      numbers and the canonical summation tree of DESIGN.md section 4
+//   3. the compute backend (cpu | cuda): memory with a ledger, streams, events,
+//      for_each (one Z2_HD body, run as a CPU loop or a CUDA kernel), gemm
+//   4. the communicator (mpi | nccl) and its byte ledger
+//   5. the engine: flat buckets, stages 0/1/2, gradient accumulation,
+//      clipping, AdamW, and the memory and communication ledgers
+//
+// Usage, in the shape of a training loop (tests/mlp_model.cu is a full example):
+//
+//   z2::Compute compute(z2::Device::cpu, local_rank);
+//   z2::Communicator comm(compute, MPI_COMM_WORLD, z2::CommBackend::mpi,
+//                         z2::Collectives::deterministic);
+//   z2::Engine engine(compute, comm, options);           // options.stage = 2 ...
+//   auto w = engine.add_parameter("layer.weight", out * in, /*decay=*/true);
+//   engine.build();                                      // layout + allocation
+//   init(engine.parameter(w));                           // same values on every rank
+//   for (step) {
+//     for (a = 0; a < options.accumulation_steps; ++a) {
+//       long m = engine.micro_batch_index(a);            // which global micro-batch
+//       forward(...);
+//       float* g = engine.gradient_output(w);            // write dL/dw here ...
+//       engine.gradient_ready(w);                        // ... then say so
+//       engine.end_micro_step(loss_of_this_micro_batch);
+//     }
+//     z2::StepReport report = engine.step();            // clip, AdamW, all-gather
+//   }
+#pragma once
+
+#include <mpi.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+// Z2_HD marks code that runs on both backends: a function (written
+// `Z2_HD inline`) or a lambda handed to Compute::for_each (`[=] Z2_HD (size_t i)`).
+#if defined(__CUDACC__)
+#define Z2_HD __host__ __device__
+#else
+#define Z2_HD
+#endif
+
+namespace z2 {
+
+// ----------------------------------------------------------------------------
+// 1. Errors
+//
+// Two kinds. A usage error (bad bucket size, a parameter registered too late)
+// throws z2::Error: every rank sees the same arguments, so every rank throws
+// at the same place and the caller decides how to exit. A library failure
+// (CUDA, cuBLAS, NCCL, MPI) may happen on one rank only; its check prints
+// file:line, the library's message and a hint, then MPI_Abort()s every rank,
+// because the other ranks may already be waiting in a collective.
+
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Codes are passed as int so this header needs no CUDA types; zero2.cu turns
+// them back into cudaError_t / cublasStatus_t / ncclResult_t for the message.
+void check_mpi(int code, const char* call, const char* file, int line);
+void check_cuda(int code, const char* call, const char* file, int line);
+void check_cublas(int code, const char* call, const char* file, int line);
+void check_nccl(int code, const char* call, const char* file, int line);
+[[noreturn]] void abort_all_ranks(const char* library, const char* message, const char* call,
+                                  const char* file, int line);
+
+#define Z2_MPI_CHECK(call) ::z2::check_mpi((call), #call, __FILE__, __LINE__)
+#define Z2_CUDA_CHECK(call) ::z2::check_cuda(static_cast<int>(call), #call, __FILE__, __LINE__)
+#define Z2_CUBLAS_CHECK(call) ::z2::check_cublas(static_cast<int>(call), #call, __FILE__, __LINE__)
+#define Z2_NCCL_CHECK(call) ::z2::check_nccl(static_cast<int>(call), #call, __FILE__, __LINE__)
+
+// Throw z2::Error with a printf-style message.
+[[noreturn]] void usage_error(const char* format, ...);
+
+// ----------------------------------------------------------------------------
+// 2. Math written once for both backends (Z2_HD)
+//
+// Counter-based random numbers: a value is a pure function of its keys, never
+// of the rank or thread that asks (DESIGN.md section 4.1). splitmix64's
+// finaliser mixes one 64-bit word; we fold the keys in one at a time.
+
+Z2_HD inline uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+Z2_HD inline uint64_t hash_keys(uint64_t a, uint64_t b, uint64_t c = 0, uint64_t d = 0, uint64_t e = 0) {
+  return mix64(mix64(mix64(mix64(mix64(a) ^ b) ^ c) ^ d) ^ e);
+}
+// Uniform in [0, 1) with 24 random bits: every value is exactly a float.
+Z2_HD inline float uniform_from_hash(uint64_t h) { return (float)(h >> 40) * (1.0f / 16777216.0f); }
+
+// The canonical summation tree (DESIGN.md section 4.2). Float addition is not
+// associative, so "the sum" of n numbers is only defined once we fix the tree.
+// Ours is the left-complete pairwise tree: a range of n > 1 leaves splits after
+// its first p leaves, p = the largest power of two below n.
+//
+// We evaluate it with a binary counter instead of recursion, so it runs in a
+// CUDA thread with a fixed-size stack: leaf k is pushed, then merged with the
+// stack top once for every trailing one bit of k (each merge closes a perfect
+// subtree of equal size), and at the end the stack (block sizes falling) is
+// folded from the right. For n = 7 that is ((0+1)+(2+3)) + ((4+5)+6).
+//
+// `leaf(k)` returns leaf k. The same function sums the N ranks' slices of a
+// bucket, the squares inside a norm chunk, the chunk sums, and the loss.
+Z2_HD inline int count_bits(unsigned long x) {
+  int bits = 0;
+  for (; x; x &= x - 1) ++bits;
+  return bits;
+}
+template <class Leaf>
+Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
+  float stack[40];  // one entry per bit of n: enough for any n < 2^40
+  int depth = 0;
+  for (long k = 0; k < n; ++k) {
+    float value = leaf(k);
+    for (unsigned long closed = (unsigned long)k; closed & 1ul; closed >>= 1) value = stack[--depth] + value;
+    stack[depth++] = value;
+  }
+  float sum = depth > 0 ? stack[--depth] : 0.0f;
+  while (depth > 0) sum = stack[--depth] + sum;
+  return sum;
+}
+
+// The same tree, fed over time: the A micro-step results of one optimizer step
+// arrive one by one (DESIGN.md section 4.2, interleaved assignment). `stack`
+// holds the open blocks of earlier micro-steps (at most floor(log2 A) of them,
+// one buffer each); `step` is this micro-step (0-based). Before the last step
+// the new value is pushed exactly as in canonical_tree_sum; at the last step
+// the stack is folded from the right into `result`.
+struct AccumulationStack {
+  float* entries[32];  // entries[d][i]: element i of open block d (A < 2^32)
+};
+Z2_HD inline void accumulate_micro_step(const AccumulationStack& stack, long step, long steps, float value,
+                                 float* result, size_t i) {
+  int depth = count_bits((unsigned long)step);  // open blocks before this push
+  if (step == steps - 1) {
+    while (depth > 0) value = stack.entries[--depth][i] + value;
+    result[i] = value;
+    return;
+  }
+  for (unsigned long closed = (unsigned long)step; closed & 1ul; closed >>= 1) value = stack.entries[--depth][i] + value;
+  stack.entries[depth][i] = value;
+}
+
+// AdamW exactly as torch.optim.AdamW (single-tensor path, amsgrad off):
+//   p <- p * (1 - lr * wd);  m <- m + (g - m)(1 - b1);  v <- v*b2 + (1 - b2) g^2
+//   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+// `grad_scale` is the clipping coefficient (1 when not clipping); torch
+// multiplies the gradient by it in place before the optimizer reads it, and
+// so do we, element by element.
+// Scalars are computed in double on the host, as torch does in Python, and
+// rounded to float once; the element-wise operations follow torch's kernels
+// operand by operand (addcmul: v + (c * g) * g; addcdiv: p + (c * m) / d).
+struct AdamWConstants {
+  float decay_factor;           // 1 - lr * weight_decay
+  float one_minus_beta1;        // lerp weight
+  float beta2, one_minus_beta2;
+  float eps;
+  float negative_step_size;     // -lr / (1 - beta1^t)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+  float grad_scale;             // clipping coefficient, 1 when not clipping
+};
+Z2_HD inline void adamw_update(const AdamWConstants& c, bool decay, float* param, const float* grad, float* m,
+                        float* v, size_t i) {
+  float g = grad[i];
+  if (c.grad_scale != 1.0f) g = g * c.grad_scale;
+  float p = param[i];
+  if (decay) p = p * c.decay_factor;
+  float m_new = m[i] + c.one_minus_beta1 * (g - m[i]);
+  float v_new = v[i] * c.beta2 + (c.one_minus_beta2 * g) * g;
+  float denom = sqrtf(v_new) / c.bias_correction2_sqrt + c.eps;
+  param[i] = p + (c.negative_step_size * m_new) / denom;
+  m[i] = m_new;
+  v[i] = v_new;
+}
+
+// ----------------------------------------------------------------------------
+// 3. Compute backend
+
+enum class Device { cpu, cuda };
+enum class MemoryKind {
+  params,        // full fp32 parameters (every stage keeps them: 4 Psi)
+  grads,         // full gradients (stages 0, 1) or the own gradient shard (stage 2)
+  optimizer,     // AdamW m and v (full in stage 0, own shard in stages 1, 2)
+  master,        // fp32 master weights (none while training in fp32)
+  accumulation,  // open blocks of the accumulation tree (A > 1 only)
+  staging,       // constant-size gradient staging and receive buffers
+  activations,   // the model's activations and temporaries
+  bookkeeping,   // small engine tables: norm chunk sums, weight-decay flags
+  count
+};
+const char* to_string(Device device);
+const char* to_string(MemoryKind kind);
+
+// Whether a CUDA device can be used here; if not, `why` says what the runtime said.
+bool cuda_available(std::string* why = nullptr);
+bool built_with_cuda();
+bool built_with_nccl();
+
+struct Stream {
+  void* handle = nullptr;  // cudaStream_t on cuda; unused on cpu (work runs in program order)
+};
+struct Event {
+  void* handle = nullptr;  // cudaEvent_t on cuda
+};
+
+// Byte counts per kind; `current` now, `peak` the high-water mark.
+struct MemoryCounters {
+  size_t current[(int)MemoryKind::count] = {};
+  size_t peak[(int)MemoryKind::count] = {};
+  size_t total_current = 0, total_peak = 0;
+  size_t host_pinned_current = 0, host_pinned_peak = 0;  // staging for --comm mpi on cuda
+  long allocations = 0;                                    // device allocations made so far
+};
+
+class Compute {
+ public:
+  // `device_index` chooses the GPU (ranks on one host share GPUs round-robin).
+  Compute(Device device, int device_index = 0);
+  ~Compute();
+  Compute(const Compute&) = delete;
+  Compute& operator=(const Compute&) = delete;
+
+  Device device() const { return device_; }
+  bool on_cuda() const { return device_ == Device::cuda; }
+  int device_index() const { return device_index_; }
+  Stream compute_stream() const { return compute_stream_; }
+  Stream comm_stream() const { return comm_stream_; }
+
+  // Device memory (host memory on cpu), zero-filled, counted by kind.
+  void* allocate(size_t bytes, MemoryKind kind);
+  void release(void* pointer);
+  // Page-locked host memory (cudaMallocHost on cuda, plain on cpu).
+  void* allocate_host_pinned(size_t bytes);
+  void release_host_pinned(void* pointer);
+  const MemoryCounters& memory() const { return counters_; }
+
+  // Copies are asynchronous on `stream` for cuda (host side must be pinned to
+  // really overlap) and immediate on cpu.
+  void copy(void* destination, const void* source, size_t bytes, Stream stream);
+  void fill_zero(void* destination, size_t bytes, Stream stream);
+  void synchronize(Stream stream);
+  void synchronize_all();
+
+  Event create_event();
+  void destroy_event(Event event);
+  void record(Event event, Stream stream);
+  bool query(Event event);                 // true once the recorded work has finished
+  void wait(Stream waiter, Event event);   // GPU-side: `waiter` waits, the host does not
+
+  // Row-major C[M x N] = alpha * op(A) op(B) + beta * C, with op(X) = X or X^T:
+  // OpenBLAS sgemm on cpu, cuBLAS sgemm on the compute stream on cuda.
+  void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+            int lda, const float* B, int ldb, float beta, float* C, int ldc);
+
+  // Run body(i) for i in [0, n): a CPU loop, or one CUDA thread per i on `stream`.
+  template <class Body>
+  void for_each(size_t n, Body body, Stream stream);
+  template <class Body>
+  void for_each(size_t n, Body body) { for_each(n, body, compute_stream_); }
+
+ private:
+  void count_allocation(void* pointer, size_t bytes, MemoryKind kind);
+  Device device_;
+  int device_index_;
+  Stream compute_stream_, comm_stream_;
+  void* cublas_ = nullptr;  // cublasHandle_t
+  MemoryCounters counters_;
+  struct Live;
+  std::unique_ptr<Live> live_;  // pointer -> (bytes, kind)
+};
+
+// A typed, owning device array: frees itself, counts itself in the ledger.
+template <class T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(Compute& compute, size_t count, MemoryKind kind)
+      : compute_(&compute), count_(count),
+        data_(count ? static_cast<T*>(compute.allocate(count * sizeof(T), kind)) : nullptr) {}
+  ~DeviceArray() { reset(); }
+  DeviceArray(DeviceArray&& other) noexcept { *this = std::move(other); }
+  DeviceArray& operator=(DeviceArray&& other) noexcept {
+    if (this != &other) {
+      reset();
+      compute_ = other.compute_, count_ = other.count_, data_ = other.data_;
+      other.data_ = nullptr, other.count_ = 0;
+    }
+    return *this;
+  }
+  void reset() {
+    if (data_) compute_->release(data_);
+    data_ = nullptr, count_ = 0;
+  }
+  T* data() const { return data_; }
+  size_t size() const { return count_; }
+  size_t bytes() const { return count_ * sizeof(T); }
+
+ private:
+  Compute* compute_ = nullptr;
+  size_t count_ = 0;
+  T* data_ = nullptr;
+};
+
+#if defined(__CUDACC__)
+// The kernel paired with its launcher: one thread per index, 256 per block.
+// The index is computed in 64 bits (blockIdx.x * blockDim.x overflows 32 bits
+// past 4G elements).
+template <class Body>
+__global__ void for_each_kernel(size_t n, Body body) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) body(i);
+}
+void launch_check(const char* file, int line);  // cudaGetLastError after a launch
+#endif
+
+template <class Body>
+void Compute::for_each(size_t n, Body body, Stream stream) {
+  if (n == 0) return;
+  if (device_ == Device::cpu) {
+    for (size_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+#if defined(__CUDACC__)
+  const unsigned threads = 256;
+  const size_t blocks = (n + threads - 1) / threads;
+  for_each_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)stream.handle>>>(n, body);
+  launch_check(__FILE__, __LINE__);
+#else
+  (void)stream;
+  usage_error("for_each on cuda called from a file not compiled by nvcc");
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// 4. Communicator
+
+enum class CommBackend { mpi, nccl };
+enum class Collectives { deterministic, native };
+const char* to_string(CommBackend backend);
+const char* to_string(Collectives collectives);
+
+// Bytes this rank sent, by collective. Counted as a ring algorithm sends them,
+// (N-1)/N of the buffer per reduce-scatter or all-gather, so the deterministic
+// all-to-all and the libraries' own collectives are counted alike.
+struct CommCounters {
+  size_t reduce_scatter = 0, all_gather = 0, all_reduce = 0, other = 0;
+  size_t total() const { return reduce_scatter + all_gather + all_reduce + other; }
+};
+
+class Communicator {
+ public:
+  // Collective over `mpi_comm` (duplicated inside). With nccl it needs one GPU
+  // per rank on each host and creates an NCCL communicator over the same ranks.
+  Communicator(Compute& compute, MPI_Comm mpi_comm, CommBackend backend, Collectives collectives);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  CommBackend backend() const { return backend_; }
+  Collectives collectives() const { return collectives_; }
+  MPI_Comm mpi() const { return mpi_comm_; }
+  void* nccl() const { return nccl_; }  // ncclComm_t
+  Compute& compute() const { return compute_; }
+  CommCounters& counters() { return counters_; }
+
+  // Small host-side helpers for scalars (loss, norm chunk sums): always MPI.
+  // Counted under "other".
+  void all_gather_host(const float* send, size_t count, float* receive);
+  bool all_agree(bool local_ok);  // logical AND over ranks
+  void barrier();
+
+ private:
+  Compute& compute_;
+  MPI_Comm mpi_comm_ = MPI_COMM_NULL;
+  int rank_ = 0, world_size_ = 1;
+  CommBackend backend_;
+  Collectives collectives_;
+  void* nccl_ = nullptr;
+  CommCounters counters_;
+};
+
+// Where the reduced shard of a bucket goes: straight into `result` (steps = 1),
+// or into the accumulation tree as micro-step `step` of `steps`
+// (accumulate_micro_step). `result` and the stack entries point at the
+// bucket's own region.
+struct AccumulateInto {
+  float* result = nullptr;
+  AccumulationStack stack{};
+  long step = 0, steps = 1;
+};
+
+// The bucket collectives, non-blocking, in a fixed number of constant-size
+// slots (DESIGN.md section 4.3; the deterministic forms are described in
+// zero2.cu section 4). A bucket of `padded` elements splits into N shards of
+// padded / N; rank r owns elements [r * shard, (r + 1) * shard).
+class BucketExchange {
+ public:
+  // `max_padded` bounds every bucket; with `bucket_buffers` each slot also has
+  // a buffer backward can write a bucket's gradient into (stage 2).
+  BucketExchange(Compute& compute, Communicator& comm, size_t max_padded, int slots, bool bucket_buffers);
+  ~BucketExchange();
+  BucketExchange(const BucketExchange&) = delete;
+  BucketExchange& operator=(const BucketExchange&) = delete;
+
+  int slot_count() const;
+  // Take a free slot for bucket `bucket`, finishing the oldest transfer if all
+  // are busy. Throws if every slot is held by a bucket not yet handed over.
+  int acquire(int bucket);
+  int slot_of(int bucket) const;  // the slot `bucket` holds, or -1
+  // The slot's bucket buffer, zeroed, once the compute stream may write it.
+  float* open_bucket_buffer(int slot, size_t padded);
+
+  // Each collective runs in `slot` (from acquire) and frees it when finished.
+  // reduce_scatter: the sum over ranks of `bucket`'s own slice, into `into`.
+  void reduce_scatter(int slot, float* bucket, size_t padded, const AccumulateInto& into);
+  // all_gather: in place, rank r's shard at r * shard (NCCL's layout).
+  void all_gather(int slot, float* bucket, size_t padded);
+  // all_reduce: in place; then, if after.steps > 1, the whole bucket goes into
+  // the accumulation tree (after.result is then the bucket itself).
+  void all_reduce(int slot, float* bucket, size_t padded, const AccumulateInto& after);
+
+  void progress();    // advance every transfer as far as it goes without blocking
+  void finish_all();  // block until every transfer has finished
+  size_t staging_elements() const;      // device staging this exchange holds
+  size_t pinned_host_elements() const;  // pinned host staging (--comm mpi on cuda)
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+// The local rank (rank among the processes of this host) of `comm`.
+int local_rank_of(MPI_Comm comm);
+
+// Resolve --device auto / --comm auto the same way on every rank.
+Device choose_device(const std::string& requested, MPI_Comm comm);
+CommBackend choose_comm(const std::string& requested, Device device, MPI_Comm comm);
+
+// ----------------------------------------------------------------------------
+// 5. The engine
+
+struct EngineOptions {
+  int stage = 2;                   // 0: data parallel, 1: P_os, 2: P_os+g
+  long bucket_elements = 1 << 20;  // rounded up to a multiple of norm_chunk
+  bool overlap = true;             // reduce buckets while backward goes on
+  int accumulation_steps = 1;      // A micro-steps per optimizer step
+  double clip = 0.0;               // global-norm clipping threshold; <= 0: off
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+  // Learning rate of optimizer step `step` (1-based, as torch counts); when
+  // empty, `lr` is used throughout. This is the hook for warmup and decay.
+  std::function<double(long step)> lr_schedule;
+};
+
+// The global gradient norm is computed over fixed chunks of this many elements
+// of the canonical layout (every parameter starts on a chunk boundary), so it
+// is independent of N and of the bucket size (DESIGN.md section 4.4).
+constexpr long norm_chunk = 32;
+
+using ParameterId = int;
+
+struct ParameterInfo {
+  std::string name;
+  size_t numel = 0;
+  bool decay = true;
+  size_t canonical_offset = 0;  // in the canonical layout (chunk-aligned, N-independent)
+  size_t offset = 0;            // in the padded flat buffer (depends on N and bucket)
+  int bucket = -1;
+};
+
+struct BucketInfo {
+  int first_parameter = 0, end_parameter = 0;  // [first, end) in registration order
+  size_t offset = 0;          // start in the padded flat buffer
+  size_t length = 0;          // elements the parameters span (a multiple of norm_chunk)
+  size_t padded_length = 0;   // length rounded up to a multiple of N * norm_chunk
+  size_t shard_length = 0;    // padded_length / N
+  size_t shard_offset = 0;    // start of this bucket's shard in shard space
+  size_t canonical_chunk = 0; // index of its first norm chunk in the canonical layout
+};
+
+struct StepReport {
+  long step = 0;          // 1-based optimizer step just taken
+  float loss = 0;         // canonical-tree sum of the micro-batch loss contributions
+  float grad_norm = 0;    // global L2 norm before clipping
+  float clip_coefficient = 1;
+  double lr = 0;
+};
+
+struct MemoryLedger {
+  size_t params = 0, grads = 0, optimizer = 0, master = 0;  // model states (measured)
+  size_t accumulation = 0, staging = 0, activations = 0, bookkeeping = 0;
+  size_t model_states = 0;           // params + grads + optimizer + master
+  size_t model_states_formula = 0;   // the paper's formula for this stage, from Psi_padded
+  size_t accumulation_formula = 0;   // floor(log2 A) blocks of the stage's gradient size
+  size_t staging_formula = 0;
+  size_t device_current = 0, device_peak = 0, host_pinned = 0;
+  long device_allocations = 0;
+};
+
+struct CommLedger {
+  CommCounters per_step;       // measured in the last step
+  size_t formula_per_step = 0; // reduce_scatter + all_gather + all_reduce, from the formula
+};
+
+class Engine {
+ public:
+  Engine(Compute& compute, Communicator& comm, const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Register parameters in layer order (first layer first): stage 2 then
+  // reduces the last layers' bucket while backward still works on the first.
+  ParameterId add_parameter(const std::string& name, size_t numel, bool decay);
+  void build();  // fix the layout and allocate; after this, no more parameters
+
+  // The full parameter (every stage keeps all parameters on every rank).
+  float* parameter(ParameterId id);
+  // Where backward writes the gradient of `id` for this micro-step (overwrite,
+  // do not accumulate), and the call that hands it over.
+  float* gradient_output(ParameterId id);
+  void gradient_ready(ParameterId id);
+  // Between layers: lets MPI make progress on buckets in flight.
+  void progress();
+  // End of a micro-step's backward. `loss` is this micro-batch's contribution
+  // to the step's loss (its sum of per-sample losses over the global count).
+  void end_micro_step(float loss);
+  // After accumulation_steps micro-steps: norm, clipping, AdamW, all-gather.
+  StepReport step();
+
+  // The global micro-batch this rank computes at micro-step `a`: a*N + rank
+  // (the interleaved assignment of DESIGN.md section 4.2).
+  long micro_batch_index(int a) const;
+  int world_size() const;
+  int rank() const;
+  int micro_steps_done() const { return micro_step_; }
+
+  // Layout and shards (for tests, ledgers, notes).
+  const std::vector<ParameterInfo>& parameters() const { return parameters_; }
+  const std::vector<BucketInfo>& buckets() const { return buckets_; }
+  size_t psi() const;              // real parameter elements
+  size_t psi_padded() const;       // elements of the padded flat buffer
+  size_t canonical_elements() const { return canonical_elements_; }
+  // [begin, end) of bucket `bucket`'s shard owned by `rank` in the padded buffer.
+  std::pair<size_t, size_t> shard_range(int bucket, int rank) const;
+
+  // Parameters in canonical order, real elements only, copied to the host.
+  std::vector<float> parameters_to_host();
+  void parameters_from_host(const std::vector<float>& canonical);
+  uint64_t parameters_hash();  // FNV-1a 64 over parameters_to_host()
+
+  MemoryLedger memory_ledger() const;
+  CommLedger comm_ledger() const;
+  void print_ledgers(FILE* out) const;  // rank 0 should call it
+  std::string ledgers_json() const;
+
+  const EngineOptions& options() const { return options_; }
+  long optimizer_steps() const { return optimizer_step_; }
+
+  struct Impl;
+
+ private:
+  void require_built(const char* what) const;
+  Compute& compute_;
+  Communicator& comm_;
+  EngineOptions options_;
+  std::vector<ParameterInfo> parameters_;
+  std::vector<BucketInfo> buckets_;
+  size_t canonical_elements_ = 0;
+  bool built_ = false;
+  int micro_step_ = 0;
+  long optimizer_step_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+// FNV-1a 64 over the bytes of `count` floats.
+uint64_t fnv1a64(const float* values, size_t count);
+
+}  // namespace z2
