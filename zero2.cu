@@ -250,6 +250,12 @@ void Compute::count_allocation(void* pointer, size_t bytes, MemoryKind kind) {
   counters_.allocations += 1;
 }
 
+void Compute::reset_peaks() {
+  for (int k = 0; k < (int)MemoryKind::count; ++k) counters_.peak[k] = counters_.current[k];
+  counters_.total_peak = counters_.total_current;
+  counters_.host_pinned_peak = counters_.host_pinned_current;
+}
+
 void* Compute::allocate(size_t bytes, MemoryKind kind) {
   if (bytes == 0) return nullptr;
   void* pointer = nullptr;
@@ -1065,6 +1071,7 @@ struct Engine::Impl {
   std::vector<char> parameter_ready, bucket_reduced;
   std::vector<int> bucket_ready_count;
   std::vector<float> micro_losses;  // this rank's A loss contributions
+  int reduced_during_backward = 0;
   CommCounters step_start_counters, last_step_counters;
 
   Impl(Engine& e, Compute& c) : engine(e), compute(c), stage(e.options_.stage), rank(e.comm_.rank()) {}
@@ -1156,6 +1163,11 @@ void Engine::gradient_ready(ParameterId id) {
   impl.exchange->progress();
 }
 
+int Engine::buckets_reduced_during_backward() const {
+  require_built("buckets_reduced_during_backward");
+  return impl_->reduced_during_backward;
+}
+
 void Engine::progress() {
   if (built_) impl_->exchange->progress();
 }
@@ -1170,6 +1182,8 @@ void Engine::end_micro_step(float loss) {
       usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
   // Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
   // the order backward completes them.
+  impl.reduced_during_backward = 0;
+  for (char reduced : impl.bucket_reduced) impl.reduced_during_backward += reduced;
   for (int b = (int)buckets_.size() - 1; b >= 0; --b)
     if (!impl.bucket_reduced[b]) impl.reduce_bucket(b);
   impl.exchange->finish_all();
@@ -1243,6 +1257,8 @@ void Engine::build() {
 
   impl_.reset(new Impl(*this, compute_));
   Impl& impl = *impl_;
+  // The ledger's peaks are this engine's: start them from what exists now.
+  compute_.reset_peaks();
   const size_t padded = psi_padded(), shard = padded / N;
   const int stage = options_.stage;
   size_t max_padded_bucket = 0;

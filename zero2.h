@@ -252,6 +252,7 @@ class Compute {
   void* allocate_host_pinned(size_t bytes);
   void release_host_pinned(void* pointer);
   const MemoryCounters& memory() const { return counters_; }
+  void reset_peaks();  // peaks start again from what is allocated now
 
   // Copies are asynchronous on `stream` for cuda (host side must be pinned to
   // really overlap) and immediate on cpu.
@@ -555,6 +556,9 @@ class Engine {
   int world_size() const;
   int rank() const;
   int micro_steps_done() const { return micro_step_; }
+  // Buckets whose reduction started before end_micro_step() in the last
+  // micro-step: all of them with overlap (or in stage 2), none without.
+  int buckets_reduced_during_backward() const;
 
   // Layout and shards (for tests, ledgers, notes).
   const std::vector<ParameterInfo>& parameters() const { return parameters_; }

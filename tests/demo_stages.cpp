@@ -4,11 +4,13 @@
 // three stages end with the same parameters, bit for bit.
 //
 //   mpirun -n 2 build/demo_stages [--device auto|cpu|cuda] [--comm auto|mpi|nccl]
-//                                 [--steps S] [--accum A] [--bucket ELEMS]
-//                                 [--collectives deterministic|native] [--markdown]
+//                                 [--steps S] [--accum A] [--bucket ELEMS] [--overlap 0|1]
+//                                 [--collectives deterministic|native]
+//                                 [--hidden H] [--layers L] [--micro-batch B] [--markdown]
 //
 // --markdown prints only the ledger rows as a Markdown table (notes/generate.sh
 // collects them for N = 1, 2, 4).
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -21,7 +23,8 @@ struct Arguments {
   std::string device = "auto", comm = "auto", collectives = "deterministic";
   int steps = 8, accumulation = 1;
   long bucket = 2048;
-  bool markdown = false;
+  bool overlap = true, markdown = false;
+  mlp::Config model;
 };
 
 long parse_number(const char* flag, const char* text, long low) {
@@ -47,6 +50,10 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--steps") arguments.steps = (int)parse_number("--steps", value, 1);
     else if (flag == "--accum") arguments.accumulation = (int)parse_number("--accum", value, 1);
     else if (flag == "--bucket") arguments.bucket = parse_number("--bucket", value, 1);
+    else if (flag == "--overlap") arguments.overlap = parse_number("--overlap", value, 0) != 0;
+    else if (flag == "--hidden") arguments.model.hidden = (int)parse_number("--hidden", value, 1);
+    else if (flag == "--layers") arguments.model.layers = (int)parse_number("--layers", value, 1);
+    else if (flag == "--micro-batch") arguments.model.micro_batch = (int)parse_number("--micro-batch", value, 1);
     else z2::usage_error("unknown flag '%s' (see the comment at the top of tests/demo_stages.cpp)", flag.c_str());
   }
   if (arguments.collectives != "deterministic" && arguments.collectives != "native")
@@ -67,38 +74,48 @@ int demo(int argc, char** argv) {
   z2::Communicator comm(compute, MPI_COMM_WORLD, backend, collectives);
   const bool talk = rank == 0 && !arguments.markdown;
 
+  const mlp::Config& model_config = arguments.model;
   if (talk)
-    printf("zero2 demo: the test MLP (24 -> 40 -> 40 -> 10), %d rank(s), device %s, comm %s, %s collectives,\n"
-           "micro-batch 8 x accumulation %d x %d ranks, bucket %ld elements, %d steps, AdamW + clipping\n\n",
-           N, z2::to_string(device), z2::to_string(backend), z2::to_string(collectives), arguments.accumulation, N,
-           arguments.bucket, arguments.steps);
+    printf("zero2 demo: the test MLP (%d -> %d x %d -> %d), %d rank(s), device %s, comm %s, %s collectives,\n"
+           "micro-batch %d x accumulation %d x %d ranks, bucket %ld elements, overlap %s, %d steps, AdamW + clipping\n\n",
+           model_config.input, model_config.hidden, model_config.layers - 1, model_config.classes, N,
+           z2::to_string(device), z2::to_string(backend), z2::to_string(collectives), model_config.micro_batch,
+           arguments.accumulation, N, arguments.bucket, arguments.overlap ? "on" : "off", arguments.steps);
   if (rank == 0 && arguments.markdown)
     printf("| N | stage | Psi_padded | params | grads | optimizer | model states | formula | staging | "
            "sent per step | formula |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
 
   uint64_t hashes[3] = {};
+  double median_ms[3] = {};
   for (int stage = 0; stage <= 2; ++stage) {
     z2::EngineOptions options;
     options.stage = stage;
     options.bucket_elements = arguments.bucket;
     options.accumulation_steps = arguments.accumulation;
+    options.overlap = arguments.overlap;
     options.lr = 1e-2;
     options.clip = 1.0;
     z2::Engine engine(compute, comm, options);
-    mlp::Model model(compute, engine, mlp::Config());
+    mlp::Model model(compute, engine, model_config);
     engine.build();
     model.initialize();
     if (talk) printf("stage %d  step  loss        grad norm   ms\n", stage);
+    std::vector<double> times;
     for (int s = 0; s < arguments.steps; ++s) {
       double start = MPI_Wtime();
       z2::StepReport report = model.train_step(s);
+      compute.synchronize_all();  // a step is done when the device is
       double milliseconds = (MPI_Wtime() - start) * 1e3;
+      times.push_back(milliseconds);
       if (talk && (s < 3 || s + 1 == arguments.steps || s % 10 == 0))
         printf("         %4d  %.6f  %.6f  %.2f\n", s + 1, report.loss, report.grad_norm, milliseconds);
     }
+    std::sort(times.begin(), times.end());
+    median_ms[stage] = times[times.size() / 2];
     hashes[stage] = engine.parameters_hash();
     if (talk) {
-      printf("final parameters hash %016llx\n", (unsigned long long)hashes[stage]);
+      printf("final parameters hash %016llx, median step %.2f ms\n", (unsigned long long)hashes[stage],
+             median_ms[stage]);
       engine.print_ledgers(stdout);
       printf("\n");
     }
@@ -112,9 +129,12 @@ int demo(int argc, char** argv) {
     }
   }
   const bool same = hashes[0] == hashes[1] && hashes[1] == hashes[2];
-  if (talk)
+  if (talk) {
+    printf("median step: stage 0 %.2f ms, stage 1 %.2f ms, stage 2 %.2f ms\n", median_ms[0], median_ms[1],
+           median_ms[2]);
     printf("stages 0, 1, 2: %s\n", same ? "identical final parameters, bit for bit"
                                          : "DIFFERENT final parameters (a bug: please report it)");
+  }
   return same || collectives == z2::Collectives::native ? 0 : 1;
 }
 

@@ -90,6 +90,23 @@ TEST_CASE("stage matrix: stages 0/1/2 x overlap x bucket sizes give identical bi
   }
 }
 
+TEST_CASE("overlap: with it every bucket is reduced during backward, without it (stages 0/1) none") {
+  for (const auto& backend : harness::backends())
+    for (int stage : {0, 1, 2})
+      for (bool overlap : {false, true}) {
+        z2::Engine engine(*backend.compute, *backend.deterministic, options_for(stage, overlap, small_bucket));
+        mlp::Model model(*backend.compute, engine, model_config());
+        engine.build();
+        model.initialize();
+        model.train_step(0);
+        const int buckets = (int)engine.buckets().size();
+        const int expected = overlap || stage == 2 ? buckets : 0;
+        CHECK(buckets == 6);  // a bucket per tensor: the small bucket is below every weight's size
+        CHECK_MESSAGE(agree(engine.buckets_reduced_during_backward() == expected), backend.name, " stage ", stage,
+                      " overlap ", overlap, " got ", engine.buckets_reduced_during_backward());
+      }
+}
+
 TEST_CASE("stage matrix with accumulation: A = 3 (not a power of two) gives identical bits in every stage") {
   for (const auto& backend : harness::backends()) {
     Run reference = train(*backend.compute, *backend.deterministic, options_for(0, false, mid_bucket, 3), 3);

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# tests/gpu_check.sh — the GPU check, for a machine with one NVIDIA GPU; runs
+# unattended in under 5 minutes and ends with a summary.
+#
+#   tests/gpu_check.sh prepare   on a Debian machine with apt (this repo's dev
+#                                machine): downloads the .deb files the GPU
+#                                machine lacks into .gpu-debs/ (git-ignored,
+#                                ~30 MB) so they can travel with the tree
+#   tests/gpu_check.sh           on the GPU machine
+#
+# What it does on the GPU machine:
+#   1. dependencies: the system's MPI, doctest and OpenBLAS if present, else the
+#      carried .debs unpacked under /tmp/z2deps (not into /: dpkg -x runs no
+#      scripts and would overwrite the image's files), with an mpicxx wrapper;
+#   2. the nvcc build (make all), timed;
+#   3. the doctest suite under mpirun -n 1, 2, 4: with one GPU, N = 1 runs over
+#      NCCL as well as MPI, N = 2 and 4 run over MPI sharing the GPU (NCCL
+#      refuses two ranks on one GPU); every suite includes the bitwise stage
+#      matrix on the CUDA backend;
+#   4. the stage demo on the GPU at N = 1 (NCCL) and N = 2, 4 (MPI): bitwise
+#      equal stages, and median step times with overlap on and off;
+#   5. a summary.
+set -u
+cd "$(dirname "$0")/.."
+debs_dir=.gpu-debs
+packages="mpich libmpich12 libmpich-dev libhwloc15 libucx0 libnuma1 libibverbs1 librdmacm1 libnl-3-200
+          libnl-route-3-200 libopenblas0-pthread libopenblas-pthread-dev libopenblas-dev doctest-dev
+          libgfortran5 libquadmath0"
+
+if [ "${1:-}" = prepare ]; then
+  mkdir -p "$debs_dir"
+  grep -qx "/$debs_dir/" .git/info/exclude 2>/dev/null || echo "/$debs_dir/" >>.git/info/exclude
+  (cd "$debs_dir" && apt-get download $packages) || { echo "apt-get download failed"; exit 1; }
+  du -sh "$debs_dir"
+  exit 0
+fi
+
+started=$(date +%s)
+summary=()
+note() { summary+=("$1"); echo "=== $1"; }
+elapsed() { echo $(($(date +%s) - $1)); }
+
+nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
+
+# --- 1. dependencies --------------------------------------------------------------
+# Z2_CARRIED_DEBS=1 uses the .debs even where the system has the packages
+# (how this path is tested on the dev machine).
+if [ -z "${Z2_CARRIED_DEBS:-}" ] && command -v mpicxx >/dev/null && [ -f /usr/include/doctest/doctest.h ] &&
+   { [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ]; }; then
+  note "dependencies: from the system"
+elif [ -d "$debs_dir" ]; then
+  prefix=/tmp/z2deps
+  mkdir -p "$prefix/bin"
+  for deb in "$debs_dir"/*.deb; do dpkg -x "$deb" "$prefix"; done
+  lib=$prefix/usr/lib/x86_64-linux-gnu
+  # nvcc -ccbin wants one executable: a wrapper that adds the include and
+  # library directories (link flags are ignored when only compiling).
+  cat >"$prefix/bin/mpicxx" <<EOF
+#!/bin/sh
+exec g++ -I$prefix/usr/include/x86_64-linux-gnu/mpich -I$prefix/usr/include \\
+  -I$prefix/usr/include/x86_64-linux-gnu/openblas-pthread "\$@" \\
+  -L$lib -L$lib/openblas-pthread -L$prefix/lib/x86_64-linux-gnu -lmpichcxx -lmpich
+EOF
+  # Hydra finds hydra_pmi_proxy next to the mpiexec it was started as.
+  printf '#!/bin/sh\nexec %s "$@"\n' "$prefix/usr/bin/mpiexec.hydra" >"$prefix/bin/mpirun"
+  chmod +x "$prefix/bin/mpicxx" "$prefix/bin/mpirun"
+  export PATH="$prefix/bin:$PATH"
+  export LD_LIBRARY_PATH="$lib:$lib/openblas-pthread:$prefix/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+  note "dependencies: carried .debs unpacked under $prefix"
+else
+  note "dependencies: MISSING (no system MPI/doctest/OpenBLAS and no $debs_dir: run 'tests/gpu_check.sh prepare' first)"
+  printf '%s\n' "${summary[@]}"
+  exit 1
+fi
+export OPENBLAS_NUM_THREADS=1
+
+# --- 2. build ---------------------------------------------------------------------
+t=$(date +%s)
+# Only the GPU at hand: sm_90 code for Hopper keeps the build short.
+if make -j"$(nproc)" all CUDA_ARCH="-arch=sm_90" >/tmp/z2build.log 2>&1; then
+  note "build: nvcc, $(elapsed "$t") s"
+  grep -E "^  (nvcc|NCCL|MPI):" /tmp/z2build.log
+else
+  tail -n 40 /tmp/z2build.log
+  note "build: FAILED (log above)"
+  printf '%s\n' "${summary[@]}"
+  exit 1
+fi
+
+# --- 3. the doctest suite (CUDA backends included) --------------------------------------
+t=$(date +%s)
+tests/run_tests.sh build 2>&1 | tee /tmp/z2tests.log
+grep -E "^\[test\] (world size|CUDA)" /tmp/z2tests.log | sort -u
+note "tests (mpirun -n 1, 2, 4; cpu + cuda backends): $(tail -n 1 /tmp/z2tests.log), $(elapsed "$t") s"
+
+# --- 4. the stage demo on the GPU, with timings ------------------------------------------
+# An MLP of 8.4 M parameters (1024 wide, 8 layers), 64 samples per micro-batch.
+failures=0
+grep -q "^0 passed\|[1-9][0-9]* failed$" <(tail -n 1 /tmp/z2tests.log) && failures=1
+for run in "1 nccl 1" "1 nccl 0" "2 mpi 1" "2 mpi 0" "4 mpi 1"; do
+  set -- $run
+  out=$(timeout 120 mpirun -n "$1" build/demo_stages --device cuda --comm "$2" --overlap "$3" \
+          --hidden 1024 --layers 8 --micro-batch 64 --bucket 1000000 --steps 12 2>&1)
+  if echo "$out" | grep -q "identical final parameters"; then
+    note "demo N=$1 $2 overlap=$3: stages bitwise equal; $(echo "$out" | grep '^median step' | sed 's/median step: //')"
+  else
+    echo "$out" | tail -n 8
+    note "demo N=$1 $2 overlap=$3: FAILED ($(echo "$out" | grep -v '^$' | tail -n 1 | cut -c1-160))"
+    failures=$((failures + 1))
+  fi
+done
+
+echo
+echo "=== summary ($(elapsed "$started") s)"
+printf '%s\n' "${summary[@]}"
+if [ "$failures" -eq 0 ]; then echo "gpu check: OK"; else echo "gpu check: FAILED"; fi
+[ "$failures" -eq 0 ]
