@@ -26,14 +26,18 @@ HAVE_NCCL := $(shell printf '$(HASH)include <nccl.h>\nint main(){int v;return nc
 # --- flags --------------------------------------------------------------------
 # -O2, no -ffast-math: the determinism contract needs IEEE float semantics
 # (fast-math would let the compiler reassociate our fixed summation order).
-CXXFLAGS  := -std=c++17 -O2 -g -Wall -Wextra -Wno-unused-parameter
+# No contraction of a * b + c into one fused multiply-add either: the canonical
+# tree is defined on rounded products (a norm chunk sums rounded squares), and
+# with -ffp-contract=off (g++) and -fmad=false (nvcc) the CPU loop and the CUDA
+# kernel round the same way.
+CXXFLAGS  := -std=c++17 -O2 -g -ffp-contract=off -Wall -Wextra -Wno-unused-parameter
 # nvcc uses mpicxx as its host compiler, so MPI's include and link flags come
 # along without nvcc having to parse them (it rejects some, e.g. -Wl,-z,relro).
 # --extended-lambda lets a Z2_HD lambda be a kernel body; sm_80 (A100) and
 # sm_90 (H100/H200) machine code, plus compute_90 PTX for newer GPUs.
 CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 NVCCFLAGS := -std=c++17 -O2 -g -ccbin $(MPICXX) --extended-lambda --expt-relaxed-constexpr $(CUDA_ARCH) \
-             -Xcompiler -Wall,-Wno-unused-parameter
+             -fmad=false -Xcompiler -Wall,-Wno-unused-parameter,-ffp-contract=off
 BLAS_LIBS := -lopenblas
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart
 ifeq ($(HAVE_NCCL),yes)

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cblas.h>
+#include <climits>
 #include <cstdarg>
 #include <cstdlib>
 #include <cstring>
@@ -268,7 +269,11 @@ void* Compute::allocate(size_t bytes, MemoryKind kind) {
   } else {
 #if defined(__CUDACC__)
     Z2_CUDA_CHECK(cudaMalloc(&pointer, bytes));
-    Z2_CUDA_CHECK(cudaMemset(pointer, 0, bytes));
+    // cudaMemset runs on the legacy stream, which our non-blocking streams do
+    // not wait for: fill on the compute stream and wait, so the zeros are
+    // there before either stream touches the memory.
+    Z2_CUDA_CHECK(cudaMemsetAsync(pointer, 0, bytes, (cudaStream_t)compute_stream_.handle));
+    Z2_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)compute_stream_.handle));
 #endif
   }
   count_allocation(pointer, bytes, kind);
@@ -287,7 +292,9 @@ void Compute::release(void* pointer) {
     return;
   }
 #if defined(__CUDACC__)
-  // cudaFree synchronizes the device, so nothing in flight still reads it.
+  // Nothing queued may still use it. (cudaFree happens to wait for the device,
+  // but that is not a documented promise.)
+  synchronize_all();
   Z2_CUDA_CHECK(cudaFree(pointer));
 #endif
 }
@@ -458,18 +465,36 @@ static bool all_ranks(bool local, MPI_Comm comm) {
   return all == 1;
 }
 
-// The number of GPUs every host has (the smallest), and whether each host has
-// at least one per rank (what NCCL needs).
+// Whether every rank would get a GPU of its own (what NCCL needs): each rank
+// names the GPU it would use (host name + PCI bus id, with the same
+// local-rank-modulo-count choice Compute makes) and no name may repeat. This
+// also accepts launchers that give each rank one GPU by CUDA_VISIBLE_DEVICES.
+// `gpus` is this rank's visible device count.
 static bool one_gpu_per_rank(MPI_Comm comm, int* gpus) {
   int count = 0;
+  char name[2 * MPI_MAX_PROCESSOR_NAME] = {};
 #if defined(__CUDACC__)
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     cudaGetLastError();
     count = 0;
   }
+  if (count > 0) {
+    int length = 0;
+    MPI_Get_processor_name(name, &length);
+    name[length] = '/';
+    if (cudaDeviceGetPCIBusId(name + length + 1, 64, local_rank_of(comm) % count) != cudaSuccess) count = 0;
+  }
 #endif
   *gpus = count;
-  return all_ranks(count >= local_size_of(comm), comm);
+  int size = 0;
+  Z2_MPI_CHECK(MPI_Comm_size(comm, &size));
+  std::vector<char> names((size_t)size * sizeof name);
+  Z2_MPI_CHECK(MPI_Allgather(name, sizeof name, MPI_CHAR, names.data(), sizeof name, MPI_CHAR, comm));
+  std::vector<std::string> seen;
+  for (int r = 0; r < size; ++r) seen.emplace_back(&names[(size_t)r * sizeof name]);
+  std::sort(seen.begin(), seen.end());
+  bool distinct = std::adjacent_find(seen.begin(), seen.end()) == seen.end();
+  return all_ranks(count > 0 && distinct, comm);
 }
 
 Device choose_device(const std::string& requested, MPI_Comm comm) {
@@ -603,6 +628,12 @@ struct BucketExchange::State {
   std::deque<std::unique_ptr<Transfer>> transfers;  // in flight, oldest first
   Event ready;                                      // "the compute stream got this far"
   int sequence = 0;                                 // MPI tag: transfers start in the same order everywhere
+  // MPI requires every rank to start its collectives on a communicator in the
+  // same order. Transfers advance independently (one may wait on its
+  // point-to-point slices or a staging copy while a younger one is ready), so
+  // each collective start takes a ticket when its transfer is built, in the
+  // same order on every rank, and may only run when its ticket is next.
+  long next_ticket = 0, next_to_post = 0;
 
   State(Compute& c, Communicator& m)
       : compute(c), comm(m), rank(m.rank()), world(m.world_size()),
@@ -613,6 +644,15 @@ struct BucketExchange::State {
   static std::function<bool()> now(std::function<void()> action) {
     return [action] {
       action();
+      return true;
+    };
+  }
+  std::function<bool()> post_in_order(std::function<void()> post) {
+    const long ticket = next_ticket++;
+    return [this, ticket, post] {
+      if (ticket != next_to_post) return false;
+      post();
+      ++next_to_post;
       return true;
     };
   }
@@ -705,23 +745,26 @@ struct BucketExchange::State {
     }
     MPI_Comm mpi = comm.mpi();
     const int tag = sequence++ % 32768;
-    transfer->steps.push_back(now([=] {
-      if (native) {
+    if (native) {
+      transfer->steps.push_back(post_in_order([=] {
         transfer->requests.resize(1);
         Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, MPI_FLOAT, MPI_SUM, mpi,
                                                &transfer->requests[0]));
-        return;
-      }
-      for (int j = 0; j < world; ++j) {
-        if (j == rank) continue;
-        transfer->requests.emplace_back();
-        Z2_MPI_CHECK(MPI_Irecv(receive + (size_t)(j - (j > rank)) * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
-                               &transfer->requests.back()));
-        transfer->requests.emplace_back();
-        Z2_MPI_CHECK(MPI_Isend(send + (size_t)j * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
-                               &transfer->requests.back()));
-      }
-    }));
+      }));
+    } else {
+      // Point-to-point slices match by (source, tag), not by order: no ticket.
+      transfer->steps.push_back(now([=] {
+        for (int j = 0; j < world; ++j) {
+          if (j == rank) continue;
+          transfer->requests.emplace_back();
+          Z2_MPI_CHECK(MPI_Irecv(receive + (size_t)(j - (j > rank)) * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
+                                 &transfer->requests.back()));
+          transfer->requests.emplace_back();
+          Z2_MPI_CHECK(MPI_Isend(send + (size_t)j * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
+                                 &transfer->requests.back()));
+        }
+      }));
+    }
     transfer->steps.push_back(wait_requests(transfer));
     float* received = slot.receive;
     const size_t received_count = native ? shard : (size_t)(world - 1) * shard;
@@ -753,7 +796,7 @@ struct BucketExchange::State {
     if (staged_through_host)
       add_copy_to_host(transfer, host + (size_t)rank * shard, bucket + (size_t)rank * shard, shard);
     MPI_Comm mpi = comm.mpi();
-    transfer->steps.push_back(now([=] {
+    transfer->steps.push_back(post_in_order([=] {
       transfer->requests.resize(1);
       Z2_MPI_CHECK(
           MPI_Iallgather(MPI_IN_PLACE, 0, MPI_FLOAT, host, (int)shard, MPI_FLOAT, mpi, &transfer->requests[0]));
@@ -777,7 +820,7 @@ struct BucketExchange::State {
     float* host = staged_through_host ? slot.host_send : bucket;
     if (staged_through_host) add_copy_to_host(transfer, host, bucket, padded);
     MPI_Comm mpi = comm.mpi();
-    transfer->steps.push_back(now([=] {
+    transfer->steps.push_back(post_in_order([=] {
       transfer->requests.resize(1);
       Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, MPI_FLOAT, MPI_SUM, mpi, &transfer->requests[0]));
     }));
@@ -792,6 +835,8 @@ struct BucketExchange::State {
     if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
     if (padded > max_padded || padded % world != 0)
       usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
+    if (padded > (size_t)INT_MAX)  // MPI counts are int
+      usage_error("a bucket of %zu elements is more than MPI can count (2^31 - 1): split the parameter", padded);
     transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
     Transfer* transfer = transfers.back().get();
     transfer->slot = slot;
@@ -855,6 +900,9 @@ BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_
 
 BucketExchange::~BucketExchange() {
   State& s = *state_;
+  // MPI may still write into the pinned buffers: let every transfer end. Usage
+  // errors stop every rank at the same place, so the others finish too.
+  finish_all();
   s.compute.synchronize_all();
   for (auto& slot : s.slots) {
     s.compute.destroy_event(slot.done);

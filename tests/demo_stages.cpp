@@ -6,10 +6,12 @@
 //   mpirun -n 2 build/demo_stages [--device auto|cpu|cuda] [--comm auto|mpi|nccl]
 //                                 [--steps S] [--accum A] [--bucket ELEMS] [--overlap 0|1]
 //                                 [--collectives deterministic|native]
-//                                 [--hidden H] [--layers L] [--micro-batch B] [--markdown]
+//                                 [--hidden H] [--layers L] [--micro-batch B]
+//                                 [--markdown ledger|hashes]
 //
-// --markdown prints only the ledger rows as a Markdown table (notes/generate.sh
-// collects them for N = 1, 2, 4).
+// --markdown prints only Markdown table rows (notes/generate.sh collects them
+// for N = 1, 2, 4): `ledger` the memory and communication ledgers, `hashes` the
+// last loss and the final parameter hash of each stage.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -23,7 +25,8 @@ struct Arguments {
   std::string device = "auto", comm = "auto", collectives = "deterministic";
   int steps = 8, accumulation = 1;
   long bucket = 2048;
-  bool overlap = true, markdown = false;
+  bool overlap = true;
+  std::string markdown;  // "", "ledger" or "hashes"
   mlp::Config model;
 };
 
@@ -38,15 +41,12 @@ Arguments parse(int argc, char** argv) {
   Arguments arguments;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
-    if (flag == "--markdown") {
-      arguments.markdown = true;
-      continue;
-    }
     if (i + 1 >= argc) z2::usage_error("%s needs a value", flag.c_str());
     const char* value = argv[++i];
     if (flag == "--device") arguments.device = value;
     else if (flag == "--comm") arguments.comm = value;
     else if (flag == "--collectives") arguments.collectives = value;
+    else if (flag == "--markdown") arguments.markdown = value;
     else if (flag == "--steps") arguments.steps = (int)parse_number("--steps", value, 1);
     else if (flag == "--accum") arguments.accumulation = (int)parse_number("--accum", value, 1);
     else if (flag == "--bucket") arguments.bucket = parse_number("--bucket", value, 1);
@@ -56,6 +56,8 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--micro-batch") arguments.model.micro_batch = (int)parse_number("--micro-batch", value, 1);
     else z2::usage_error("unknown flag '%s' (see the comment at the top of tests/demo_stages.cpp)", flag.c_str());
   }
+  if (!arguments.markdown.empty() && arguments.markdown != "ledger" && arguments.markdown != "hashes")
+    z2::usage_error("--markdown must be ledger or hashes (got '%s')", arguments.markdown.c_str());
   if (arguments.collectives != "deterministic" && arguments.collectives != "native")
     z2::usage_error("--collectives must be deterministic or native (got '%s')", arguments.collectives.c_str());
   return arguments;
@@ -72,7 +74,7 @@ int demo(int argc, char** argv) {
       arguments.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic;
   z2::Compute compute(device, z2::local_rank_of(MPI_COMM_WORLD));
   z2::Communicator comm(compute, MPI_COMM_WORLD, backend, collectives);
-  const bool talk = rank == 0 && !arguments.markdown;
+  const bool talk = rank == 0 && arguments.markdown.empty();
 
   const mlp::Config& model_config = arguments.model;
   if (talk)
@@ -81,9 +83,6 @@ int demo(int argc, char** argv) {
            model_config.input, model_config.hidden, model_config.layers - 1, model_config.classes, N,
            z2::to_string(device), z2::to_string(backend), z2::to_string(collectives), model_config.micro_batch,
            arguments.accumulation, N, arguments.bucket, arguments.overlap ? "on" : "off", arguments.steps);
-  if (rank == 0 && arguments.markdown)
-    printf("| N | stage | Psi_padded | params | grads | optimizer | model states | formula | staging | "
-           "sent per step | formula |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
 
   uint64_t hashes[3] = {};
   double median_ms[3] = {};
@@ -100,6 +99,7 @@ int demo(int argc, char** argv) {
     engine.build();
     model.initialize();
     if (talk) printf("stage %d  step  loss        grad norm   ms\n", stage);
+    float last_loss = 0;
     std::vector<double> times;
     for (int s = 0; s < arguments.steps; ++s) {
       double start = MPI_Wtime();
@@ -107,6 +107,7 @@ int demo(int argc, char** argv) {
       compute.synchronize_all();  // a step is done when the device is
       double milliseconds = (MPI_Wtime() - start) * 1e3;
       times.push_back(milliseconds);
+      last_loss = report.loss;
       if (talk && (s < 3 || s + 1 == arguments.steps || s % 10 == 0))
         printf("         %4d  %.6f  %.6f  %.2f\n", s + 1, report.loss, report.grad_norm, milliseconds);
     }
@@ -119,13 +120,19 @@ int demo(int argc, char** argv) {
       engine.print_ledgers(stdout);
       printf("\n");
     }
-    if (rank == 0 && arguments.markdown) {
+    if (rank == 0 && arguments.markdown == "ledger") {
       z2::MemoryLedger m = engine.memory_ledger();
       z2::CommLedger c = engine.comm_ledger();
       size_t sent = c.per_step.reduce_scatter + c.per_step.all_gather + c.per_step.all_reduce;
       printf("| %d | %d | %zu | %zu | %zu | %zu | %zu | %zu | %zu | %zu | %zu |\n", N, stage, engine.psi_padded(),
              m.params, m.grads, m.optimizer, m.model_states, m.model_states_formula, m.staging, sent,
              c.formula_per_step);
+    }
+    if (rank == 0 && arguments.markdown == "hashes") {
+      uint32_t bits;
+      std::memcpy(&bits, &last_loss, sizeof bits);
+      printf("| %d | %d | %d | %s | %.7f | %08x | %016llx |\n", N, arguments.accumulation, stage,
+             z2::to_string(collectives), last_loss, bits, (unsigned long long)hashes[stage]);
     }
   }
   const bool same = hashes[0] == hashes[1] && hashes[1] == hashes[2];

@@ -158,6 +158,51 @@ TEST_CASE("all-gather puts every rank's shard everywhere, and all-reduce = reduc
   }
 }
 
+TEST_CASE("many all-reduces in flight: MPI collectives start in the same order on every rank") {
+  // Each deterministic all-reduce is point-to-point slices, then an
+  // MPI_Iallgather. With large buckets (beyond MPI's eager limit) the slices of
+  // an older bucket can arrive after a younger one's, and the all-gathers must
+  // still be started in bucket order on every rank, or ranks mismatch them.
+  // Native collectives are all ordered collectives: the same hazard.
+  const size_t sizes[] = {70001, 150011, 33, 90007, 120001, 5};
+  for (const auto& backend : harness::backends())
+    for (z2::Communicator* comm : {backend.deterministic, backend.native}) {
+      z2::Compute& compute = *backend.compute;
+      const int N = comm->world_size(), me = comm->rank(), count = (int)(sizeof sizes / sizeof sizes[0]);
+      size_t max_padded = 0;
+      for (size_t length : sizes) max_padded = std::max(max_padded, padded_for(length, N));
+      z2::BucketExchange exchange(compute, *comm, max_padded, 3, false);
+      std::vector<z2::DeviceArray<float>> buckets;
+      for (int b = 0; b < count; ++b) {
+        const size_t padded = padded_for(sizes[b], N);
+        std::vector<float> mine(padded);
+        // Small integers: every summation order gives the same exact result,
+        // so native and deterministic can be compared exactly here.
+        for (size_t i = 0; i < padded; ++i) mine[i] = i < sizes[b] ? (float)((me + 1) * (b + 1) + i % 7) : 0.0f;
+        buckets.emplace_back(compute, padded, z2::MemoryKind::activations);
+        compute.copy(buckets.back().data(), mine.data(), padded * sizeof(float), compute.compute_stream());
+        compute.synchronize(compute.compute_stream());
+        exchange.all_reduce(exchange.acquire(b), buckets.back().data(), padded, z2::AccumulateInto{});
+      }
+      exchange.finish_all();
+      compute.synchronize_all();
+      bool equal = true;
+      for (int b = 0; b < count; ++b) {
+        const size_t padded = padded_for(sizes[b], N);
+        std::vector<float> got(padded);
+        compute.copy(got.data(), buckets[b].data(), padded * sizeof(float), compute.compute_stream());
+        compute.synchronize(compute.compute_stream());
+        for (size_t i = 0; i < padded; ++i) {
+          float expected = 0.0f;
+          for (int r = 0; r < N; ++r) expected += i < sizes[b] ? (float)((r + 1) * (b + 1) + i % 7) : 0.0f;
+          equal &= got[i] == expected;
+        }
+      }
+      CHECK_MESSAGE(agree(equal, backend.name + ": in-flight all-reduces mixed up"), backend.name, " ",
+                    z2::to_string(comm->collectives()));
+    }
+}
+
 TEST_CASE("accumulating A reduce-scatters equals the canonical tree over the N*A micro-batches") {
   // Micro-step a on rank r is global micro-batch m = a N + r (interleaved).
   // For N a power of two this is exactly the tree over m = 0 .. NA-1.
