@@ -47,7 +47,7 @@ endif
 
 # --- what gets built ------------------------------------------------------------
 ENGINE  := zero2.cu zero2.h Makefile
-MODEL   := tests/mlp_model.cu tests/mlp_model.h
+MODEL   := tests/mlp_model.h
 TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp
 TEST_H  := tests/harness.h tests/mlp_model.h zero2.h Makefile
 
@@ -61,6 +61,8 @@ endif
 all: found build/test_zero2 build/demo_stages
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages
 
+# What the build found; `make cpu` says it ignores nvcc.
+cpu: BUILD_KIND = cpu (make cpu: nvcc not used)
 found:
 	@echo "zero2 build: $(BUILD_KIND)"
 	@echo "  nvcc:     $(if $(NVCC),$(NVCC),not found (cpu-only build))"
@@ -71,11 +73,11 @@ found:
 
 # --- the default build (nvcc when present) --------------------------------------
 ifeq ($(BUILD_KIND),nvcc)
-build/%.o: %.cu $(ENGINE) | build/tests
+build/%.o: %.cu $(ENGINE) $(MODEL) | build/tests
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 build/test_zero2 build/demo_stages: LIBS = $(CUDA_LIBS) $(BLAS_LIBS)
 else
-build/%.o: %.cu $(ENGINE) | build/tests
+build/%.o: %.cu $(ENGINE) $(MODEL) | build/tests
 	$(MPICXX) $(CXXFLAGS) -x c++ -c $< -o $@
 build/test_zero2 build/demo_stages: LIBS = $(BLAS_LIBS)
 endif
@@ -91,7 +93,7 @@ build/tests:
 # --- the cpu-only build: .cu files compiled as C++ ----------------------------
 # -x c++ makes g++ read a .cu file as C++ (it would take it for a linker
 # script); -x none stops that from applying to the objects that follow.
-build-cpu/%.o: %.cu $(ENGINE) | build-cpu/tests
+build-cpu/%.o: %.cu $(ENGINE) $(MODEL) | build-cpu/tests
 	$(MPICXX) $(CXXFLAGS) -x c++ -c $< -o $@ -x none
 build-cpu/tests/%.o: tests/%.cpp $(TEST_H) | build-cpu/tests
 	$(MPICXX) $(CXXFLAGS) -c $< -o $@

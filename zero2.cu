@@ -20,8 +20,8 @@
 //   1. Checks and errors
 //   2. Compute backend: memory, streams, events, gemm
 //   3. Communicator: MPI and NCCL start-up, scalar helpers
-//   4. Layout: parameters, norm chunks, buckets, shards
-//   5. Bucket jobs: the deterministic and native collectives, step by step
+//   4. The bucket collectives: deterministic and native, step by step
+//   5. Layout: parameters, norm chunks, buckets, shards
 //   6. The three stages: where gradients live and how they are reduced
 //   7. The optimizer step: loss, global norm, clipping, AdamW, all-gather
 //   8. Ledgers: memory and communication, as a table and as JSON
@@ -73,6 +73,8 @@ namespace z2 {
     hint = "NCCL needs one GPU per rank (several ranks on one GPU: --comm mpi); NCCL_DEBUG=INFO says more";
   else if (!strcmp(library, "MPI"))
     hint = "every rank must call the same collectives in the same order; check the mpirun command";
+  else if (!strcmp(library, "memory"))
+    hint = "a smaller model or micro-batch, fewer ranks per host, or a higher stage to shard more";
   fprintf(stderr, "[zero2] rank %d: %s error at %s:%d\n  call:    %s\n  message: %s\n  hint:    %s\n", rank,
           library, file, line, call, message, hint);
   fflush(stderr);
@@ -192,6 +194,8 @@ bool cuda_available(std::string* why) {
 #endif
 }
 
+// Every live allocation with its size and kind: release() needs both to keep
+// the per-kind counters exact, and ~Compute frees what is left.
 struct Compute::Live {
   std::unordered_map<void*, std::pair<size_t, MemoryKind>> allocations;
   std::unordered_map<void*, size_t> pinned;
@@ -229,6 +233,8 @@ Compute::Compute(Device device, int device_index)
 Compute::~Compute() {
 #if defined(__CUDACC__)
   if (device_ == Device::cuda) {
+    // No checks here: a destructor may run while an error unwinds, and a
+    // failing cleanup call must not hide the first error.
     cudaDeviceSynchronize();
     for (auto& entry : live_->allocations) cudaFree(entry.first);
     for (auto& entry : live_->pinned) cudaFreeHost(entry.first);
@@ -242,6 +248,8 @@ Compute::~Compute() {
   for (auto& entry : live_->pinned) std::free(entry.first);
 }
 
+// The memory ledger is these counters: the bytes actually handed out, by kind,
+// now and at their peak.
 void Compute::count_allocation(void* pointer, size_t bytes, MemoryKind kind) {
   live_->allocations[pointer] = {bytes, kind};
   counters_.current[(int)kind] += bytes;
@@ -264,7 +272,9 @@ void* Compute::allocate(size_t bytes, MemoryKind kind) {
     // 64-byte alignment, as cudaMalloc gives at least 256: vector loads and
     // sgemm like aligned rows. aligned_alloc wants a multiple of the alignment.
     pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!pointer) usage_error("out of host memory allocating %zu bytes for %s", bytes, to_string(kind));
+    // Running out may happen on one rank only: take every rank down rather
+    // than leave the others waiting in their next collective.
+    if (!pointer) abort_all_ranks("memory", "out of host memory", to_string(kind), __FILE__, __LINE__);
     std::memset(pointer, 0, bytes);
   } else {
 #if defined(__CUDACC__)
@@ -304,7 +314,7 @@ void* Compute::allocate_host_pinned(size_t bytes) {
   void* pointer = nullptr;
   if (device_ == Device::cpu) {
     pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!pointer) usage_error("out of host memory allocating %zu pinned bytes", bytes);
+    if (!pointer) abort_all_ranks("memory", "out of host memory", "pinned staging", __FILE__, __LINE__);
   } else {
 #if defined(__CUDACC__)
     // Page-locked: cudaMemcpyAsync from pageable memory silently serializes.
@@ -607,6 +617,8 @@ struct Slot {
   bool running = false;               // a transfer is using it
 };
 
+// A transfer is a small program: its steps run in order, and a step that must
+// wait returns false and is asked again on the next progress().
 struct Transfer {
   int slot = -1;
   std::vector<std::function<bool()>> steps;  // each returns true once finished
@@ -704,7 +716,11 @@ struct BucketExchange::State {
   }
 
   // --- the three collectives as lists of steps -------------------------------
-  void add_reduce_scatter(Transfer* transfer, float* bucket, size_t padded, const AccumulateInto& into) {
+  // Each adds the bytes it sends to `sent` at the moment it calls MPI or
+  // NCCL, so the ledger counts traffic that happened, by the collective that
+  // sent it (a reduce-scatter that quietly became an all-reduce would show).
+  void add_reduce_scatter(Transfer* transfer, float* bucket, size_t padded, const AccumulateInto& into,
+                          size_t* sent) {
     Slot& slot = slots[transfer->slot];
     const size_t shard = padded / world;
     float* own = bucket + (size_t)rank * shard;
@@ -720,6 +736,7 @@ struct BucketExchange::State {
       transfer->steps.push_back(now([=] {
         if (native) {
           Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard, ncclFloat, ncclSum, nccl, stream));
+          *sent += (size_t)(world - 1) * shard * sizeof(float);  // what a ring sends
           accumulate(received, shard, into);
           return;
         }
@@ -729,6 +746,7 @@ struct BucketExchange::State {
           // Counts are elements, not bytes.
           Z2_NCCL_CHECK(ncclSend(bucket + (size_t)j * shard, shard, ncclFloat, j, nccl, stream));
           Z2_NCCL_CHECK(ncclRecv(received + (size_t)(j - (j > rank)) * shard, shard, ncclFloat, j, nccl, stream));
+          *sent += shard * sizeof(float);
         }
         Z2_NCCL_CHECK(ncclGroupEnd());
         sum_and_accumulate(shard, own, received, into);
@@ -750,6 +768,7 @@ struct BucketExchange::State {
         transfer->requests.resize(1);
         Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, MPI_FLOAT, MPI_SUM, mpi,
                                                &transfer->requests[0]));
+        *sent += (size_t)(world - 1) * shard * sizeof(float);  // what a ring sends
       }));
     } else {
       // Point-to-point slices match by (source, tag), not by order: no ticket.
@@ -762,6 +781,7 @@ struct BucketExchange::State {
           transfer->requests.emplace_back();
           Z2_MPI_CHECK(MPI_Isend(send + (size_t)j * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
                                  &transfer->requests.back()));
+          *sent += shard * sizeof(float);
         }
       }));
     }
@@ -778,7 +798,7 @@ struct BucketExchange::State {
     }));
   }
 
-  void add_all_gather(Transfer* transfer, float* bucket, size_t padded) {
+  void add_all_gather(Transfer* transfer, float* bucket, size_t padded, size_t* sent) {
     Slot& slot = slots[transfer->slot];
     const size_t shard = padded / world;
     if (world == 1) return;
@@ -788,6 +808,7 @@ struct BucketExchange::State {
       cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
       transfer->steps.push_back(now([=] {
         Z2_NCCL_CHECK(ncclAllGather(bucket + (size_t)rank * shard, bucket, shard, ncclFloat, nccl, stream));
+        *sent += (size_t)(world - 1) * shard * sizeof(float);
       }));
 #endif
       return;
@@ -800,20 +821,24 @@ struct BucketExchange::State {
       transfer->requests.resize(1);
       Z2_MPI_CHECK(
           MPI_Iallgather(MPI_IN_PLACE, 0, MPI_FLOAT, host, (int)shard, MPI_FLOAT, mpi, &transfer->requests[0]));
+      *sent += (size_t)(world - 1) * shard * sizeof(float);
     }));
     transfer->steps.push_back(wait_requests(transfer));
     if (staged_through_host)
       transfer->steps.push_back(now([=] { compute.copy(bucket, host, padded * sizeof(float), compute.comm_stream()); }));
   }
 
-  void add_native_all_reduce(Transfer* transfer, float* bucket, size_t padded) {
+  void add_native_all_reduce(Transfer* transfer, float* bucket, size_t padded, size_t* sent) {
+    const size_t ring_bytes = 2 * (size_t)(world - 1) * (padded / world) * sizeof(float);
     Slot& slot = slots[transfer->slot];
     if (comm.backend() == CommBackend::nccl) {
 #if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
       ncclComm_t nccl = (ncclComm_t)comm.nccl();
       cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
-      transfer->steps.push_back(
-          now([=] { Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, ncclFloat, ncclSum, nccl, stream)); }));
+      transfer->steps.push_back(now([=] {
+        Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, ncclFloat, ncclSum, nccl, stream));
+        *sent += ring_bytes;
+      }));
 #endif
       return;
     }
@@ -823,6 +848,7 @@ struct BucketExchange::State {
     transfer->steps.push_back(post_in_order([=] {
       transfer->requests.resize(1);
       Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, MPI_FLOAT, MPI_SUM, mpi, &transfer->requests[0]));
+      *sent += ring_bytes;
     }));
     transfer->steps.push_back(wait_requests(transfer));
     if (staged_through_host)
@@ -851,13 +877,21 @@ struct BucketExchange::State {
     while (!transfer.finished() && transfer.steps[transfer.next]()) ++transfer.next;
     return transfer.finished();
   }
+  // Blocking: poll until done. We yield between polls because ranks often
+  // share cores (4 ranks on 2 here) and the rank we wait for needs the CPU.
   void finish(Transfer& transfer) {
     while (!advance(transfer)) std::this_thread::yield();
   }
+  // Transfers leave the queue oldest first. A finished younger one waits for
+  // the older: slots come back in the order they were taken, and the oldest
+  // transfer is always the one to finish when a slot is needed.
   void retire_finished() {
     while (!transfers.empty() && transfers.front()->finished()) {
       Transfer& transfer = *transfers.front();
       Slot& slot = slots[transfer.slot];
+      // Everything the transfer queued is on the comm stream before this
+      // event: whoever reuses the slot's buffers on the compute stream waits
+      // for it on the GPU, not on the host.
       compute.record(slot.done, compute.comm_stream());
       slot.running = false;
       slot.bucket = -1;
@@ -921,6 +955,8 @@ int BucketExchange::slot_of(int bucket) const {
   return -1;
 }
 
+// Constant memory is the point of stage 2: at most slot_count buckets are in
+// flight, and a bucket that needs a slot waits for the oldest transfer.
 int BucketExchange::acquire(int bucket) {
   State& s = *state_;
   int slot = s.free_slot();
@@ -947,36 +983,37 @@ float* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
   return buffer;
 }
 
+// The three public collectives: build the transfer's steps and take the first
+// ones at once.
 void BucketExchange::reduce_scatter(int slot, float* bucket, size_t padded, const AccumulateInto& into) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
-  s.add_reduce_scatter(transfer, bucket, padded, into);
-  s.comm.counters().reduce_scatter += (size_t)(s.world - 1) * (padded / s.world) * sizeof(float);
+  s.add_reduce_scatter(transfer, bucket, padded, into, &s.comm.counters().reduce_scatter);
   progress();
 }
 
 void BucketExchange::all_gather(int slot, float* bucket, size_t padded) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
-  s.add_all_gather(transfer, bucket, padded);
-  s.comm.counters().all_gather += (size_t)(s.world - 1) * (padded / s.world) * sizeof(float);
+  s.add_all_gather(transfer, bucket, padded, &s.comm.counters().all_gather);
   progress();
 }
 
-void BucketExchange::all_reduce(int slot, float* bucket, size_t padded, const AccumulateInto& after) {
+void BucketExchange::all_reduce(int slot, float* bucket, size_t padded, const AccumulateInto& into) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
-  if (s.native && s.world > 1) {
-    s.add_native_all_reduce(transfer, bucket, padded);
-  } else {  // reduce-scatter into the own slice, then all-gather the slices
-    AccumulateInto own;
-    own.result = bucket + (size_t)s.rank * (padded / s.world);
-    s.add_reduce_scatter(transfer, bucket, padded, own);
-    s.add_all_gather(transfer, bucket, padded);
+  float* own = bucket + (size_t)s.rank * (padded / s.world);
+  size_t* sent = &s.comm.counters().all_reduce;
+  AccumulateInto target = into;
+  if (!target.result) target.result = own;
+  if (target.result != own)
+    usage_error("all_reduce: the reduced shard must land in the bucket's own slice, to be all-gathered from there");
+  if (s.native && s.world > 1 && target.steps == 1) {
+    s.add_native_all_reduce(transfer, bucket, padded, sent);
+  } else {  // reduce-scatter into the own slice (through `target`), then all-gather the slices
+    s.add_reduce_scatter(transfer, bucket, padded, target, sent);
+    s.add_all_gather(transfer, bucket, padded, sent);
   }
-  if (after.steps > 1)
-    transfer->steps.push_back(State::now([&s, bucket, padded, after] { s.accumulate(bucket, padded, after); }));
-  s.comm.counters().all_reduce += 2 * (size_t)(s.world - 1) * (padded / s.world) * sizeof(float);
   progress();
 }
 
@@ -1075,9 +1112,13 @@ void Engine::require_built(const char* what) const {
 // 6. The three stages: where gradients live and how they are reduced
 //
 // Stage 0, data parallel (the baseline, paper section 2.1): every rank keeps
-// the full gradient [Psi_padded] and, per micro-step, all-reduces it, as
-// PyTorch DDP does without no_sync. Model states: 4 Psi params + 4 Psi grads
-// + 8 Psi AdamW (m, v) = 16 Psi bytes per rank.
+// the full gradient [Psi_padded] and all-reduces it. With A = 1 that is one
+// all-reduce per bucket per step, as PyTorch DDP. With A > 1 we split the
+// all-reduce in time: each micro-step reduce-scatters (every micro-step must
+// be reduced across ranks, see below), the last one also all-gathers. The
+// bits are those of an all-reduce of the accumulated gradient (an all-gather
+// does no arithmetic) and every stage sends the same bytes for any A.
+// Model states: 4 Psi params + 4 Psi grads + 8 Psi AdamW (m, v) = 16 Psi.
 //
 // Stage 1, P_os (paper section 5.1): AdamW state is split N ways; each rank
 // updates only its own shard of each bucket and all-gathers the parameters.
@@ -1109,17 +1150,19 @@ struct Engine::Impl {
   DeviceArray<float> params;          // [Psi_padded]             every stage
   DeviceArray<float> grads;           // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2
   DeviceArray<float> adam_m, adam_v;  // [Psi_padded] stage 0,    [Psi_padded / N] stages 1/2
-  std::vector<DeviceArray<float>> accumulation;  // floor(log2 A) blocks of the gradient's size
+  std::vector<DeviceArray<float>> accumulation;  // floor(log2 A) x [Psi_padded / N]
   DeviceArray<float> chunk_sums;      // [update region / norm_chunk]
   DeviceArray<unsigned char> decay;   // [Psi_padded / norm_chunk] 1 = weight decay applies
   std::unique_ptr<BucketExchange> exchange;
   Event comm_done;
 
   // Per micro-step state.
+  std::vector<float*> staged_bucket;  // stage 2: where bucket b is being written this micro-step
   std::vector<char> parameter_ready, bucket_reduced;
   std::vector<int> bucket_ready_count;
   std::vector<float> micro_losses;  // this rank's A loss contributions
   int reduced_during_backward = 0;
+  long allocations_at_step1 = -1;  // the allocator's count when step 1 ended
   CommCounters step_start_counters, last_step_counters;
 
   Impl(Engine& e, Compute& c) : engine(e), compute(c), stage(e.options_.stage), rank(e.comm_.rank()) {}
@@ -1138,10 +1181,16 @@ struct Engine::Impl {
     if (stage == 2) return grads.data() + bucket(b).shard_offset;
     return grads.data() + bucket(b).offset + (stage == 0 ? 0 : (size_t)rank * bucket(b).shard_length);
   }
+  // Where the reduce-scatter of bucket b leaves this rank's shard of the sum:
+  // the own slice of the full gradient (stages 0, 1), the gradient shard
+  // (stage 2). The accumulation tree's open blocks are shard-sized in every
+  // stage.
   AccumulateInto accumulate_into(int b) {
     AccumulateInto into;
-    into.result = region_gradient(b);
-    for (size_t d = 0; d < accumulation.size(); ++d) into.stack.entries[d] = accumulation[d].data() + region_offset(b);
+    into.result = stage == 2 ? grads.data() + bucket(b).shard_offset
+                             : grads.data() + bucket(b).offset + (size_t)rank * bucket(b).shard_length;
+    for (size_t d = 0; d < accumulation.size(); ++d)
+      into.stack.entries[d] = accumulation[d].data() + bucket(b).shard_offset;
     into.step = engine.micro_step_;
     into.steps = engine.options_.accumulation_steps;
     return into;
@@ -1149,9 +1198,10 @@ struct Engine::Impl {
 
   void reduce_bucket(int b) {
     const BucketInfo& info = bucket(b);
-    if (stage == 0) {
+    const bool last_micro_step = engine.micro_step_ == engine.options_.accumulation_steps - 1;
+    if (stage == 0 && last_micro_step) {
       exchange->all_reduce(exchange->acquire(b), grads.data() + info.offset, info.padded_length, accumulate_into(b));
-    } else if (stage == 1) {
+    } else if (stage < 2) {
       exchange->reduce_scatter(exchange->acquire(b), grads.data() + info.offset, info.padded_length,
                                accumulate_into(b));
     } else {
@@ -1161,7 +1211,6 @@ struct Engine::Impl {
     bucket_reduced[b] = 1;
     if (!engine.options_.overlap) exchange->finish_all();
   }
-  std::vector<float*> staged_bucket;  // stage 2: where bucket b is being written this micro-step
 };
 
 // The public entry points of a micro-step, in the order a model calls them.
@@ -1265,6 +1314,8 @@ Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& option
 
 Engine::~Engine() = default;
 
+static int staging_slots(const EngineOptions& options) { return options.overlap || options.stage == 2 ? 2 : 1; }
+
 static size_t accumulation_blocks(int accumulation_steps) {  // floor(log2 A)
   size_t blocks = 0;
   while ((2l << blocks) <= accumulation_steps) ++blocks;
@@ -1274,6 +1325,17 @@ static size_t accumulation_blocks(int accumulation_steps) {  // floor(log2 A)
 void Engine::build() {
   if (built_) usage_error("build() called twice");
   if (parameters_.empty()) usage_error("build(): no parameters registered");
+  // Every rank must register the same parameters, or the buckets would not
+  // match and the first collective would fail with an opaque MPI error. Agree
+  // on a hash of the names, sizes and decay flags.
+  uint64_t layout = 0xcbf29ce484222325ull;
+  for (auto& p : parameters_) layout = hash_keys(layout, std::hash<std::string>()(p.name), p.numel, p.decay);
+  unsigned long long mine = layout, lowest = 0, highest = 0;
+  Z2_MPI_CHECK(MPI_Allreduce(&mine, &lowest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm_.mpi()));
+  Z2_MPI_CHECK(MPI_Allreduce(&mine, &highest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_.mpi()));
+  if (lowest != highest)
+    usage_error("build(): the ranks registered different parameters (names, sizes or decay flags differ); every "
+                "rank must register the same model");
   const size_t N = (size_t)comm_.world_size();
   const size_t bucket_limit = round_up((size_t)options_.bucket_elements, norm_chunk);
 
@@ -1317,13 +1379,16 @@ void Engine::build() {
   impl.grads = DeviceArray<float>(compute_, stage == 2 ? shard : padded, MemoryKind::grads);
   impl.adam_m = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::optimizer);
   impl.adam_v = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::optimizer);
-  // The accumulation tree's open blocks, each the size of the reduced gradient.
+  // The accumulation tree's open blocks, each the size of this rank's shard.
   for (size_t d = 0; d < accumulation_blocks(options_.accumulation_steps); ++d)
-    impl.accumulation.emplace_back(compute_, stage == 0 ? padded : shard, MemoryKind::accumulation);
+    impl.accumulation.emplace_back(compute_, shard, MemoryKind::accumulation);
 
   // Staging: two slots with overlap (one reduces while backward fills the
-  // other), one without. Stage 2 slots also hold a bucket's gradient.
-  impl.exchange.reset(new BucketExchange(compute_, comm_, max_padded_bucket, options_.overlap ? 2 : 1, stage == 2));
+  // other), one without. Stage 2 slots also hold a bucket's gradient, and
+  // stage 2 needs two even without overlap: a bucket that starts with a layer's
+  // bias and ends with the next layer's weight is still open when backward
+  // reaches the previous bucket.
+  impl.exchange.reset(new BucketExchange(compute_, comm_, max_padded_bucket, staging_slots(options_), stage == 2));
   impl.comm_done = compute_.create_event();
 
   // Bookkeeping: a norm chunk sum per chunk of the update region, and a
@@ -1418,6 +1483,8 @@ StepReport Engine::step() {
   const long t = optimizer_step_ + 1;
   report.step = t;
   report.lr = options_.lr_schedule ? options_.lr_schedule(t) : options_.lr;
+  if (!std::isfinite(report.lr) || report.lr < 0)
+    usage_error("the learning-rate schedule gave %g for step %ld: it must be finite and >= 0", report.lr, t);
   AdamWConstants constants;
   constants.decay_factor = (float)(1.0 - report.lr * options_.weight_decay);
   constants.one_minus_beta1 = (float)(1.0 - options_.beta1);
@@ -1460,6 +1527,7 @@ StepReport Engine::step() {
 
   micro_step_ = 0;
   optimizer_step_ = t;
+  if (t == 1) impl.allocations_at_step1 = compute_.memory().allocations;
   return report;
 }
 
@@ -1505,12 +1573,13 @@ uint64_t Engine::parameters_hash() {
 //   staging      — slots x (stage 2 bucket + (N-1) x shard) elements,
 //                  constant in the model size;
 //   accumulation — with A > 1 micro-steps, floor(log2 A) open blocks of the
-//                  canonical tree, each the size of the gradient.
+//                  canonical tree, each Psi / N elements.
 //
-// Communication per rank per step (section 7.2), counted as a ring sends:
-//   stage 0: A all-reduces of 2 (N-1)/N Psi elements
-//   stage 1, 2: A reduce-scatters of (N-1)/N Psi, one all-gather of (N-1)/N Psi
-// With A = 1 all three equal 2 (N-1)/N Psi x 4 bytes.
+// Communication per rank per step (section 7.2), counted as a ring sends, the
+// same in every stage: A reduce-scatters of (N-1)/N Psi elements and one
+// all-gather of (N-1)/N Psi (of gradients in stage 0, where the last
+// reduce-scatter and the all-gather form an all-reduce; of parameters in
+// stages 1, 2). With A = 1: 2 (N-1)/N Psi x 4 bytes, one all-reduce's worth.
 
 MemoryLedger Engine::memory_ledger() const {
   require_built("memory_ledger");
@@ -1531,15 +1600,18 @@ MemoryLedger Engine::memory_ledger() const {
     case 1: ledger.model_states_formula = 8 * psi + 8 * psi / N; break;
     default: ledger.model_states_formula = 4 * psi + 12 * psi / N; break;
   }
-  ledger.accumulation_formula = accumulation_blocks(options_.accumulation_steps) * (options_.stage == 0 ? psi : psi / N) * f;
+  ledger.accumulation_formula = accumulation_blocks(options_.accumulation_steps) * (psi / N) * f;
   size_t max_padded_bucket = 0;
   for (auto& b : buckets_) max_padded_bucket = std::max(max_padded_bucket, b.padded_length);
-  ledger.staging_formula = (options_.overlap ? 2 : 1) *
+  ledger.staging_formula = staging_slots(options_) *
                            ((options_.stage == 2 ? max_padded_bucket : 0) + (N - 1) * (max_padded_bucket / N)) * f;
   ledger.device_current = c.total_current;
   ledger.device_peak = c.total_peak;
   ledger.host_pinned = c.host_pinned_current;
-  ledger.device_allocations = c.allocations;
+  ledger.reserved = c.total_peak;
+  ledger.fragmentation = ledger.reserved ? 1.0 - (double)c.total_peak / (double)ledger.reserved : 0.0;
+  if (impl_->allocations_at_step1 >= 0)
+    ledger.device_allocations_after_step1 = c.allocations - impl_->allocations_at_step1;
   return ledger;
 }
 
@@ -1549,7 +1621,7 @@ CommLedger Engine::comm_ledger() const {
   const size_t one_way = (N - 1) * (psi / N) * sizeof(float);  // (N-1)/N Psi elements
   CommLedger ledger;
   ledger.per_step = impl_->last_step_counters;
-  ledger.formula_per_step = options_.stage == 0 ? A * 2 * one_way : A * one_way + one_way;
+  ledger.formula_per_step = A * one_way + one_way;  // A reduce-scatters + 1 all-gather, in every stage
   return ledger;
 }
 
@@ -1576,7 +1648,7 @@ void Engine::print_ledgers(FILE* out) const {
   fprintf(out, "  %-22s %14s   (fp32: the parameters are the master copy)\n", "master", with_commas(m.master).c_str());
   fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(m.model_states).c_str(), formula,
           with_commas(m.model_states_formula).c_str(), m.model_states == m.model_states_formula ? "(equal)" : "(DIFFERS)");
-  fprintf(out, "  %-22s %14s   floor(log2 A) gradient blocks = %s\n", "accumulation tree",
+  fprintf(out, "  %-22s %14s   floor(log2 A) x 4 Psi/N = %s\n", "accumulation tree",
           with_commas(m.accumulation).c_str(), with_commas(m.accumulation_formula).c_str());
   fprintf(out, "  %-22s %14s   slots x (bucket + (N-1) shards) = %s\n", "staging", with_commas(m.staging).c_str(),
           with_commas(m.staging_formula).c_str());
@@ -1584,13 +1656,14 @@ void Engine::print_ledgers(FILE* out) const {
   fprintf(out, "  %-22s %14s\n", "bookkeeping", with_commas(m.bookkeeping).c_str());
   fprintf(out, "  %-22s %14s   (host, for --comm mpi on cuda)\n", "pinned staging", with_commas(m.host_pinned).c_str());
   fprintf(out, "  %-22s %14s\n", "device peak", with_commas(m.device_peak).c_str());
+  fprintf(out, "  %-22s %14ld   (device allocations after step 1)\n", "allocations", m.device_allocations_after_step1);
   fprintf(out, "communication per rank per step (bytes, as a ring sends them)\n");
   fprintf(out, "  %-22s %14s\n", "reduce-scatter", with_commas(c.per_step.reduce_scatter).c_str());
   fprintf(out, "  %-22s %14s\n", "all-gather", with_commas(c.per_step.all_gather).c_str());
   fprintf(out, "  %-22s %14s\n", "all-reduce", with_commas(c.per_step.all_reduce).c_str());
   size_t total = c.per_step.reduce_scatter + c.per_step.all_gather + c.per_step.all_reduce;
   fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "total", with_commas(total).c_str(),
-          options_.stage == 0 ? "A x 2 (N-1)/N Psi x 4" : "(A + 1) (N-1)/N Psi x 4",
+          "(A + 1) (N-1)/N Psi x 4",
           with_commas(c.formula_per_step).c_str(), total == c.formula_per_step ? "(equal)" : "(DIFFERS)");
   fprintf(out, "  %-22s %14s   (loss and norm chunk sums, over MPI)\n", "other", with_commas(c.per_step.other).c_str());
 }
@@ -1604,8 +1677,11 @@ std::string Engine::ledgers_json() const {
        << ", \"grads_bytes\": " << m.grads << ", \"optimizer_bytes\": " << m.optimizer
        << ", \"master_bytes\": " << m.master << ", \"accumulation_bytes\": " << m.accumulation
        << ", \"staging_bytes\": " << m.staging << ", \"activation_peak_bytes\": " << m.activations
-       << ", \"host_pinned_bytes\": " << m.host_pinned << ", \"device_peak_bytes\": " << m.device_peak
-       << ", \"device_allocations\": " << m.device_allocations << "}, \"comm\": {\"reduce_scatter_bytes_per_step\": "
+       << ", \"host_offload_peak_bytes\": " << m.host_offload_peak << ", \"host_pinned_bytes\": " << m.host_pinned
+       << ", \"device_peak_bytes\": " << m.device_peak << ", \"reserved_bytes\": " << m.reserved
+       << ", \"fragmentation\": " << m.fragmentation
+       << ", \"device_allocations_after_step1\": " << m.device_allocations_after_step1
+       << "}, \"comm\": {\"reduce_scatter_bytes_per_step\": "
        << c.per_step.reduce_scatter << ", \"all_gather_bytes_per_step\": " << c.per_step.all_gather
        << ", \"all_reduce_bytes_per_step\": " << c.per_step.all_reduce
        << ", \"other_bytes_per_step\": " << c.per_step.other

@@ -4,13 +4,14 @@
 // plain C++ (no CUDA types), so test files compiled by mpicxx and model files
 // compiled by nvcc include the same declarations.
 //
-// What you find here, in the order zero2.cu implements it:
+// What you find here (zero2.cu's sections 1-8 implement it in this order):
 //   1. errors and check macros (MPI, CUDA, cuBLAS, NCCL)
 //   2. Z2_HD math shared by CPU loops and CUDA kernels: counter-based random
-//      numbers and the canonical summation tree of DESIGN.md section 4
+//      numbers, the canonical summation tree of DESIGN.md section 4, AdamW
 //   3. the compute backend (cpu | cuda): memory with a ledger, streams, events,
 //      for_each (one Z2_HD body, run as a CPU loop or a CUDA kernel), gemm
-//   4. the communicator (mpi | nccl) and its byte ledger
+//   4. the communicator (mpi | nccl), its byte ledger, and the bucket
+//      collectives (BucketExchange)
 //   5. the engine: flat buckets, stages 0/1/2, gradient accumulation,
 //      clipping, AdamW, and the memory and communication ledgers
 //
@@ -167,11 +168,13 @@ Z2_HD inline void accumulate_micro_step(const AccumulationStack& stack, long ste
 // multiplies the gradient by it in place before the optimizer reads it, and
 // so do we, element by element.
 // Scalars are computed in double on the host, as torch does in Python, and
-// rounded to float once; the element-wise operations follow torch's kernels
-// operand by operand (addcmul: v + (c * g) * g; addcdiv: p + (c * m) / d).
+// rounded to float once; the element-wise operations follow the formulas of
+// torch's scalar CPU kernels (lerp in its two branches; addcmul:
+// v + (c * g) * g; addcdiv: p + (c * m) / d). Bitwise equality with torch is
+// not claimed: its vectorized kernels fuse multiply-adds.
 struct AdamWConstants {
   float decay_factor;           // 1 - lr * weight_decay
-  float one_minus_beta1;        // lerp weight
+  float one_minus_beta1;        // lerp weight w
   float beta2, one_minus_beta2;
   float eps;
   float negative_step_size;     // -lr / (1 - beta1^t)
@@ -184,7 +187,8 @@ Z2_HD inline void adamw_update(const AdamWConstants& c, bool decay, float* param
   if (c.grad_scale != 1.0f) g = g * c.grad_scale;
   float p = param[i];
   if (decay) p = p * c.decay_factor;
-  float m_new = m[i] + c.one_minus_beta1 * (g - m[i]);
+  const float w = c.one_minus_beta1;  // m.lerp_(g, w): exact at both ends
+  float m_new = w < 0.5f ? m[i] + w * (g - m[i]) : g - (g - m[i]) * (1.0f - w);
   float v_new = v[i] * c.beta2 + (c.one_minus_beta2 * g) * g;
   float denom = sqrtf(v_new) / c.bias_correction2_sqrt + c.eps;
   param[i] = p + (c.negative_step_size * m_new) / denom;
@@ -437,9 +441,10 @@ class BucketExchange {
   void reduce_scatter(int slot, float* bucket, size_t padded, const AccumulateInto& into);
   // all_gather: in place, rank r's shard at r * shard (NCCL's layout).
   void all_gather(int slot, float* bucket, size_t padded);
-  // all_reduce: in place; then, if after.steps > 1, the whole bucket goes into
-  // the accumulation tree (after.result is then the bucket itself).
-  void all_reduce(int slot, float* bucket, size_t padded, const AccumulateInto& after);
+  // all_reduce: in place. The reduce-scatter half goes through `into`, whose
+  // result must be the bucket's own slice (so the final micro-step of an
+  // accumulation can fold into it), then the slices are all-gathered.
+  void all_reduce(int slot, float* bucket, size_t padded, const AccumulateInto& into);
 
   void progress();    // advance every transfer as far as it goes without blocking
   void finish_all();  // block until every transfer has finished
@@ -516,7 +521,13 @@ struct MemoryLedger {
   size_t accumulation_formula = 0;   // floor(log2 A) blocks of the stage's gradient size
   size_t staging_formula = 0;
   size_t device_current = 0, device_peak = 0, host_pinned = 0;
-  long device_allocations = 0;
+  // Device memory held at the peak. Every buffer is its own allocation here
+  // (no caching allocator, no arena yet), so reserved = live and fragmentation
+  // = 1 - peak live / peak reserved = 0; host offload does not exist yet.
+  size_t reserved = 0, host_offload_peak = 0;
+  double fragmentation = 0;
+  // Device allocations made after the end of optimizer step 1 (-1 before it).
+  long device_allocations_after_step1 = -1;
 };
 
 struct CommLedger {

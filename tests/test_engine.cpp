@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
 #include "harness.h"
 #include "mlp_model.h"
 
@@ -12,23 +14,26 @@ using harness::same_bits;
 
 namespace {
 
-// The test model: 3 layers, 24 -> 40 -> 40 -> 10, 3,090 parameters in 6
-// tensors. A layer's weight is 960 or 1,600 elements.
+// The test model: 3 layers, 24 -> 40 -> 40 -> 10, 3,050 parameters in 6
+// tensors. A layer's weight is 960, 1,600 or 400 elements.
 mlp::Config model_config() {
   mlp::Config config;
   config.micro_batch = 8;
   return config;
 }
 
-// Bucket sizes: smaller than a layer (every tensor its own bucket), one in the
-// middle, and larger than the model (one bucket).
-const long small_bucket = 256, mid_bucket = 2048, large_bucket = 1 << 20;
+// Bucket sizes: smaller than a layer (every tensor its own bucket), two in the
+// middle, and larger than the model (one bucket). The 1,024 one puts layer 1's
+// bias and layer 2's weight and bias in one bucket, which backward opens
+// before the bucket of layer 1's weight and completes after it.
+const long small_bucket = 256, straddling_bucket = 1024, mid_bucket = 2048, large_bucket = 1 << 20;
 
 struct Run {
   std::vector<float> losses, grad_norms, params;
   uint64_t hash = 0;
   z2::MemoryLedger memory;
   z2::CommLedger comm;
+  std::string json;
 };
 
 Run train(z2::Compute& compute, z2::Communicator& comm, z2::EngineOptions options, int steps = 5,
@@ -47,6 +52,7 @@ Run train(z2::Compute& compute, z2::Communicator& comm, z2::EngineOptions option
   run.hash = engine.parameters_hash();
   run.memory = engine.memory_ledger();
   run.comm = engine.comm_ledger();
+  run.json = engine.ledgers_json();
   return run;
 }
 
@@ -82,7 +88,7 @@ TEST_CASE("stage matrix: stages 0/1/2 x overlap x bucket sizes give identical bi
     CHECK(reference.losses.back() < reference.losses.front());
     for (int stage : {0, 1, 2})
       for (bool overlap : {false, true})
-        for (long bucket : {small_bucket, mid_bucket, large_bucket}) {
+        for (long bucket : {small_bucket, straddling_bucket, mid_bucket, large_bucket}) {
           Run run = train(compute, comm, options_for(stage, overlap, bucket));
           CHECK_MESSAGE(agree(same_run(run, reference), backend.name + ": stage matrix run differs"), backend.name,
                         " stage ", stage, " overlap ", overlap, " bucket ", bucket);
@@ -90,7 +96,7 @@ TEST_CASE("stage matrix: stages 0/1/2 x overlap x bucket sizes give identical bi
   }
 }
 
-TEST_CASE("overlap: with it every bucket is reduced during backward, without it (stages 0/1) none") {
+TEST_CASE("overlap: with it every bucket's reduction starts during backward; without it (stages 0/1) none does") {
   for (const auto& backend : harness::backends())
     for (int stage : {0, 1, 2})
       for (bool overlap : {false, true}) {
@@ -112,7 +118,7 @@ TEST_CASE("stage matrix with accumulation: A = 3 (not a power of two) gives iden
     Run reference = train(*backend.compute, *backend.deterministic, options_for(0, false, mid_bucket, 3), 3);
     for (int stage : {1, 2})
       for (bool overlap : {false, true}) {
-        Run run = train(*backend.compute, *backend.deterministic, options_for(stage, overlap, small_bucket, 3), 3);
+        Run run = train(*backend.compute, *backend.deterministic, options_for(stage, overlap, straddling_bucket, 3), 3);
         CHECK_MESSAGE(agree(same_run(run, reference), backend.name + ": accumulation run differs"), backend.name,
                       " stage ", stage, " overlap ", overlap);
       }
@@ -160,28 +166,44 @@ TEST_CASE("memory ledger: model-state bytes equal the paper's formula for every 
     const size_t N = backend.deterministic->world_size();
     for (int stage : {0, 1, 2})
       for (int A : {1, 4}) {
-        Run run = train(*backend.compute, *backend.deterministic, options_for(stage, true, mid_bucket, A), 1);
-        // Psi_padded from the layout: recompute it here from the rule, not
-        // from the engine, so a layout bug shows as a mismatch.
+        Run run = train(*backend.compute, *backend.deterministic, options_for(stage, true, mid_bucket, A), 2);
+        // Psi_padded recomputed here from the rule, from the parameters' sizes
+        // and the bucket grouping only, so a layout bug shows as a mismatch.
         z2::Engine layout(*backend.compute, *backend.deterministic, options_for(stage, true, mid_bucket, A));
         mlp::Model model(*backend.compute, layout, model_config());
         layout.build();
+        const size_t C = z2::norm_chunk;
         size_t psi = 0;
-        for (auto& b : layout.buckets()) psi += (b.length + N * z2::norm_chunk - 1) / (N * z2::norm_chunk) * (N * z2::norm_chunk);
+        for (auto& b : layout.buckets()) {
+          size_t span = 0;
+          for (int p = b.first_parameter; p < b.end_parameter; ++p) span += (layout.parameters()[p].numel + C - 1) / C * C;
+          psi += (span + N * C - 1) / (N * C) * (N * C);
+        }
         const size_t formula = stage == 0 ? 16 * psi : stage == 1 ? 8 * psi + 8 * psi / N : 4 * psi + 12 * psi / N;
         const size_t blocks = A == 4 ? 2 : 0;  // floor(log2 A)
         bool ok = run.memory.model_states == formula && run.memory.model_states_formula == formula &&
-                  run.memory.accumulation == blocks * (stage == 0 ? psi : psi / N) * 4 &&
+                  run.memory.accumulation == blocks * (psi / N) * 4 &&
+                  run.memory.device_allocations_after_step1 == 0 &&
                   run.memory.accumulation == run.memory.accumulation_formula &&
                   run.memory.staging == run.memory.staging_formula && run.memory.master == 0 &&
                   run.memory.params == 4 * psi && run.memory.grads == (stage == 2 ? 4 * psi / N : 4 * psi);
         CHECK_MESSAGE(agree(ok, backend.name + ": memory ledger differs from the formula"), backend.name, " stage ",
                       stage, " A ", A, " measured ", run.memory.model_states, " formula ", formula);
+        // The JSON form carries the same numbers (DESIGN.md section 7 names).
+        nlohmann::json json = nlohmann::json::parse(run.json);
+        bool json_ok = json["memory"]["model_states_bytes"] == run.memory.model_states &&
+                       json["memory"]["model_states_formula_bytes"] == formula &&
+                       json["memory"]["staging_bytes"] == run.memory.staging &&
+                       json["memory"]["device_allocations_after_step1"] == 0 &&
+                       json["memory"].contains("reserved_bytes") && json["memory"].contains("fragmentation") &&
+                       json["memory"].contains("host_offload_peak_bytes") &&
+                       json["comm"]["formula_bytes_per_step"] == run.comm.formula_per_step;
+        CHECK(agree(json_ok, "ledger JSON differs from the ledger"));
       }
   }
 }
 
-TEST_CASE("communication ledger: 2 (N-1)/N Psi x 4 bytes per step in stages 0, 1 and 2") {
+TEST_CASE("communication ledger: stages 0, 1 and 2 send the same bytes, 2 (N-1)/N Psi x 4 per step at A = 1") {
   for (const auto& backend : harness::backends()) {
     const size_t N = backend.deterministic->world_size();
     for (int stage : {0, 1, 2})
@@ -194,9 +216,11 @@ TEST_CASE("communication ledger: 2 (N-1)/N Psi x 4 bytes per step in stages 0, 1
         const size_t psi = layout.psi_padded(), one_way = (N - 1) * (psi / N) * 4;
         const z2::CommCounters& c = run.comm.per_step;
         const size_t moved = c.reduce_scatter + c.all_gather + c.all_reduce;
-        bool ok = run.comm.formula_per_step == moved;
-        if (A == 1) ok &= moved == 2 * one_way;  // the same volume in every stage
-        if (stage == 0) ok &= c.reduce_scatter == 0 && c.all_gather == 0 && c.all_reduce == A * 2 * one_way;
+        // The same volume in every stage: A reduce-scatters and one all-gather.
+        bool ok = run.comm.formula_per_step == moved && moved == (A + 1) * one_way;
+        // Stage 0: the last micro-step's reduce-scatter and all-gather are an
+        // all-reduce; stages 1, 2 all-gather parameters instead.
+        if (stage == 0) ok &= c.reduce_scatter == (A - 1) * one_way && c.all_gather == 0 && c.all_reduce == 2 * one_way;
         if (stage > 0) ok &= c.all_reduce == 0 && c.reduce_scatter == A * one_way && c.all_gather == one_way;
         CHECK_MESSAGE(agree(ok, backend.name + ": communication ledger differs"), backend.name, " stage ", stage,
                       " A ", A, " moved ", moved, " formula ", run.comm.formula_per_step);
@@ -205,128 +229,161 @@ TEST_CASE("communication ledger: 2 (N-1)/N Psi x 4 bytes per step in stages 0, 1
 }
 
 TEST_CASE("AdamW matches torch.optim.AdamW's formulas computed in double") {
-  // Two parameters: "weight" (weight decay) and "bias" (none). Every rank
-  // writes gradient g_r(step, i); the engine reduces them, clips, and applies
+  // Two parameters: "weight" (weight decay) and "bias" (none). At each
+  // micro-step every rank writes the gradient of its global micro-batch m,
+  // g_m(step, i); the engine reduces and accumulates them, clips, and applies
   // AdamW. The reference does the same in double. Tolerance: float rounds
   // each operation to 2^-24 relative; the parameters stay O(1) and change by
   // O(lr) a step, so after 6 steps the float and double paths differ by a few
   // ulps of 1, far below 1e-6, while a wrong formula (bias correction, decay
-  // on the bias, clipping) moves them by ~1e-3.
+  // on the bias, clipping, a lerp branch) moves them by ~1e-3.
+  // beta1 = 0.8 and 0.3 take both branches of torch's lerp (weight 1 - beta1
+  // below and above 0.5).
   const size_t sizes[] = {300, 45};
   const bool decays[] = {true, false};
   const int steps = 6;
   for (const auto& backend : harness::backends())
-    for (int stage : {0, 2}) {
-      z2::Compute& compute = *backend.compute;
-      z2::Communicator& comm = *backend.deterministic;
-      const int N = comm.world_size();
-      z2::EngineOptions options;
-      options.stage = stage;
-      options.bucket_elements = 128;
-      options.lr = 0.05;
-      options.beta1 = 0.8;
-      options.beta2 = 0.95;
-      options.eps = 1e-6;
-      options.weight_decay = 0.3;
-      options.clip = 2.0;
-      options.lr_schedule = [](long t) { return 0.05 / (double)t; };
-      z2::Engine engine(compute, comm, options);
-      std::vector<z2::ParameterId> ids;
-      for (int p = 0; p < 2; ++p) ids.push_back(engine.add_parameter(p ? "bias" : "weight", sizes[p], decays[p]));
-      engine.build();
-      // Initial values p0(i), the same on every rank.
-      std::vector<float> initial;
-      for (int p = 0; p < 2; ++p)
-        for (size_t i = 0; i < sizes[p]; ++i) initial.push_back(harness::test_value(77, p, i) / 8.0f);
-      engine.parameters_from_host(initial);
-      auto gradient = [&](int rank, int step, int p, size_t i) { return harness::test_value(100 + step, rank * 2 + p, i) / 8.0f; };
+    for (int stage : {0, 1, 2})
+      for (int A : {1, 2})
+        for (double beta1 : {0.8, 0.3}) {
+          z2::Compute& compute = *backend.compute;
+          z2::Communicator& comm = *backend.deterministic;
+          const int N = comm.world_size();
+          z2::EngineOptions options;
+          options.stage = stage;
+          options.accumulation_steps = A;
+          options.bucket_elements = 128;
+          options.lr = 0.05;
+          options.beta1 = beta1;
+          options.beta2 = 0.95;
+          options.eps = 1e-6;
+          options.weight_decay = 0.3;
+          options.clip = 2.0;
+          options.lr_schedule = [](long t) { return 0.05 / (double)t; };
+          z2::Engine engine(compute, comm, options);
+          std::vector<z2::ParameterId> ids;
+          for (int p = 0; p < 2; ++p) ids.push_back(engine.add_parameter(p ? "bias" : "weight", sizes[p], decays[p]));
+          engine.build();
+          // Initial values p0(i), the same on every rank.
+          std::vector<float> initial;
+          for (int p = 0; p < 2; ++p)
+            for (size_t i = 0; i < sizes[p]; ++i) initial.push_back(harness::test_value(77, p, i) / 8.0f);
+          engine.parameters_from_host(initial);
+          auto gradient = [](long m, int step, int p, size_t i) {
+            return harness::test_value(100 + step, m * 2 + p, i) / 8.0f;
+          };
 
-      std::vector<double> param(initial.begin(), initial.end()), m(param.size(), 0.0), v(param.size(), 0.0);
-      bool clipped_once = false;
-      for (int t = 1; t <= steps; ++t) {
-        for (int p = 0; p < 2; ++p) {
-          std::vector<float> g(sizes[p]);
-          for (size_t i = 0; i < sizes[p]; ++i) g[i] = gradient(comm.rank(), t, p, i);
-          compute.copy(engine.gradient_output(ids[p]), g.data(), g.size() * sizeof(float), compute.compute_stream());
-          compute.synchronize(compute.compute_stream());
-          engine.gradient_ready(ids[p]);
+          std::vector<double> param(initial.begin(), initial.end()), mean(param.size(), 0.0),
+              variance(param.size(), 0.0);
+          bool clipped_once = false, norms_agree = true;
+          for (int t = 1; t <= steps; ++t) {
+            for (int a = 0; a < A; ++a) {
+              const long m = engine.micro_batch_index(a);
+              for (int p = 0; p < 2; ++p) {
+                std::vector<float> g(sizes[p]);
+                for (size_t i = 0; i < sizes[p]; ++i) g[i] = gradient(m, t, p, i);
+                compute.copy(engine.gradient_output(ids[p]), g.data(), g.size() * sizeof(float),
+                             compute.compute_stream());
+                compute.synchronize(compute.compute_stream());
+                engine.gradient_ready(ids[p]);
+              }
+              engine.end_micro_step(0.0f);
+            }
+            z2::StepReport report = engine.step();
+            // The reference, in double: the sum over all N * A micro-batches.
+            std::vector<double> g(param.size());
+            double squared = 0;
+            size_t k = 0;
+            for (int p = 0; p < 2; ++p)
+              for (size_t i = 0; i < sizes[p]; ++i, ++k) {
+                for (long m = 0; m < (long)N * A; ++m) g[k] += gradient(m, t, p, i);
+                squared += g[k] * g[k];
+              }
+            const double norm = std::sqrt(squared), coefficient = std::min(1.0, options.clip / (norm + 1e-6));
+            clipped_once |= coefficient < 1.0;
+            norms_agree &= std::fabs(report.grad_norm - norm) <= 1e-5 * norm;
+            const double lr = 0.05 / t;
+            k = 0;
+            for (int p = 0; p < 2; ++p)
+              for (size_t i = 0; i < sizes[p]; ++i, ++k) {
+                const double gk = g[k] * coefficient;
+                if (decays[p]) param[k] *= 1.0 - lr * options.weight_decay;
+                mean[k] = options.beta1 * mean[k] + (1 - options.beta1) * gk;
+                variance[k] = options.beta2 * variance[k] + (1 - options.beta2) * gk * gk;
+                const double m_hat = mean[k] / (1 - std::pow(options.beta1, t));
+                const double v_hat = variance[k] / (1 - std::pow(options.beta2, t));
+                param[k] -= lr * m_hat / (std::sqrt(v_hat) + options.eps);
+              }
+          }
+          std::vector<float> got = engine.parameters_to_host();
+          double worst = 0;
+          for (size_t k = 0; k < got.size(); ++k) worst = std::max(worst, std::fabs((double)got[k] - param[k]));
+          CHECK_MESSAGE(agree(worst <= 1e-6 && norms_agree, backend.name + ": AdamW differs from the double reference"),
+                        backend.name, " stage ", stage, " A ", A, " beta1 ", beta1, " worst ", worst);
+          CHECK(agree(clipped_once, "the AdamW test never clipped"));
         }
-        engine.end_micro_step(0.0f);
-        z2::StepReport report = engine.step();
-        // The reference, in double.
-        std::vector<double> g(param.size());
-        double squared = 0;
-        size_t k = 0;
-        for (int p = 0; p < 2; ++p)
-          for (size_t i = 0; i < sizes[p]; ++i, ++k) {
-            for (int r = 0; r < N; ++r) g[k] += gradient(r, t, p, i);
-            squared += g[k] * g[k];
-          }
-        const double norm = std::sqrt(squared), coefficient = std::min(1.0, options.clip / (norm + 1e-6));
-        clipped_once |= coefficient < 1.0;
-        const double lr = 0.05 / t;
-        k = 0;
-        for (int p = 0; p < 2; ++p)
-          for (size_t i = 0; i < sizes[p]; ++i, ++k) {
-            const double gk = g[k] * coefficient;
-            if (decays[p]) param[k] *= 1.0 - lr * options.weight_decay;
-            m[k] = options.beta1 * m[k] + (1 - options.beta1) * gk;
-            v[k] = options.beta2 * v[k] + (1 - options.beta2) * gk * gk;
-            const double m_hat = m[k] / (1 - std::pow(options.beta1, t));
-            const double v_hat = v[k] / (1 - std::pow(options.beta2, t));
-            param[k] -= lr * m_hat / (std::sqrt(v_hat) + options.eps);
-          }
-        CHECK(agree(std::fabs(report.grad_norm - norm) <= 1e-5 * norm, "grad norm differs from double"));
-      }
-      std::vector<float> got = engine.parameters_to_host();
-      double worst = 0;
-      for (size_t k = 0; k < got.size(); ++k) worst = std::max(worst, std::fabs((double)got[k] - param[k]));
-      CHECK_MESSAGE(agree(worst <= 1e-6, backend.name + ": AdamW differs from the double reference"), backend.name,
-                    " stage ", stage, " worst ", worst);
-      CHECK(agree(clipped_once, "the AdamW test never clipped"));
-    }
 }
 
 TEST_CASE("bad input: a clear error on every rank, no crash, no hang") {
-  const harness::Backend& backend = harness::backends().front();
-  z2::Compute& compute = *backend.compute;
-  z2::Communicator& comm = *backend.deterministic;
-  const int N = comm.world_size();
+  for (const auto& backend : harness::backends()) {
+    z2::Compute& compute = *backend.compute;
+    z2::Communicator& comm = *backend.deterministic;
+    const int N = comm.world_size();
 
-  z2::EngineOptions zero_bucket;
-  zero_bucket.bucket_elements = 0;
-  CHECK_THROWS_WITH_AS(z2::Engine(compute, comm, zero_bucket), doctest::Contains("bucket size must be a positive"),
-                       z2::Error);
-  z2::EngineOptions bad_stage;
-  bad_stage.stage = 3;
-  CHECK_THROWS_WITH_AS(z2::Engine(compute, comm, bad_stage), doctest::Contains("stage must be 0, 1 or 2"), z2::Error);
+    z2::EngineOptions zero_bucket;
+    zero_bucket.bucket_elements = 0;
+    CHECK_THROWS_WITH_AS(z2::Engine(compute, comm, zero_bucket), doctest::Contains("bucket size must be a positive"),
+                         z2::Error);
+    z2::EngineOptions bad_stage;
+    bad_stage.stage = 3;
+    CHECK_THROWS_WITH_AS(z2::Engine(compute, comm, bad_stage), doctest::Contains("stage must be 0, 1 or 2"),
+                         z2::Error);
 
-  z2::EngineOptions options;
-  options.bucket_elements = 64;
-  z2::Engine engine(compute, comm, options);
-  mlp::Model model(compute, engine, model_config());
-  CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("before build()"), z2::Error);
-  engine.build();
-  model.initialize();
-  model.train_step(0);
-  // A parameter registered after the first step (after build()).
-  CHECK_THROWS_WITH_AS(engine.add_parameter("late", 10, true), doctest::Contains("registered after build()"),
-                       z2::Error);
-  // Shard requests out of range.
-  CHECK_THROWS_WITH_AS(engine.shard_range(0, N), doctest::Contains("rank"), z2::Error);
-  CHECK_THROWS_WITH_AS(engine.shard_range(-1, 0), doctest::Contains("bucket -1 out of range"), z2::Error);
-  CHECK_THROWS_WITH_AS(engine.shard_range((int)engine.buckets().size(), 0), doctest::Contains("out of range"),
-                       z2::Error);
-  // Steps out of order.
-  CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("after 0 micro-step"), z2::Error);
-  CHECK_THROWS_WITH_AS(engine.end_micro_step(0.0f), doctest::Contains("no gradient was handed over"), z2::Error);
-  CHECK_THROWS_WITH_AS(engine.micro_batch_index(1), doctest::Contains("out of range"), z2::Error);
-  // The engine is still usable after the refusals: a normal step goes through.
-  z2::StepReport report = model.train_step(1);
-  CHECK(agree(std::isfinite(report.loss)));
-  // Shard ranges tile each bucket.
-  bool tiles = true;
-  for (int b = 0; b < (int)engine.buckets().size(); ++b)
-    for (int r = 0; r + 1 < N; ++r) tiles &= engine.shard_range(b, r).second == engine.shard_range(b, r + 1).first;
-  CHECK(tiles);
+    z2::EngineOptions options;
+    options.bucket_elements = 64;
+    z2::Engine engine(compute, comm, options);
+    mlp::Model model(compute, engine, model_config());
+    CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("before build()"), z2::Error);
+    engine.build();
+    model.initialize();
+    model.train_step(0);
+    // A parameter registered after the first step (after build()).
+    CHECK_THROWS_WITH_AS(engine.add_parameter("late", 10, true), doctest::Contains("registered after build()"),
+                         z2::Error);
+    // Shard requests out of range.
+    CHECK_THROWS_WITH_AS(engine.shard_range(0, N), doctest::Contains("rank"), z2::Error);
+    CHECK_THROWS_WITH_AS(engine.shard_range(-1, 0), doctest::Contains("bucket -1 out of range"), z2::Error);
+    CHECK_THROWS_WITH_AS(engine.shard_range((int)engine.buckets().size(), 0), doctest::Contains("out of range"),
+                         z2::Error);
+    // Steps out of order.
+    CHECK_THROWS_WITH_AS(engine.step(), doctest::Contains("after 0 micro-step"), z2::Error);
+    CHECK_THROWS_WITH_AS(engine.end_micro_step(0.0f), doctest::Contains("no gradient was handed over"), z2::Error);
+    CHECK_THROWS_WITH_AS(engine.micro_batch_index(1), doctest::Contains("out of range"), z2::Error);
+    // The engine is still usable after the refusals: a normal step goes through.
+    z2::StepReport report = model.train_step(1);
+    CHECK(agree(std::isfinite(report.loss)));
+    // Shard ranges tile each bucket.
+    bool tiles = true;
+    for (int b = 0; b < (int)engine.buckets().size(); ++b)
+      for (int r = 0; r + 1 < N; ++r) tiles &= engine.shard_range(b, r).second == engine.shard_range(b, r + 1).first;
+    CHECK(tiles);
+
+    // A learning-rate schedule that gives nonsense.
+    z2::EngineOptions negative_lr;
+    negative_lr.lr_schedule = [](long) { return -1.0; };
+    z2::Engine refusing(compute, comm, negative_lr);
+    mlp::Model refused(compute, refusing, model_config());
+    refusing.build();
+    refused.initialize();
+    CHECK_THROWS_WITH_AS(refused.train_step(0), doctest::Contains("learning-rate schedule gave -1"), z2::Error);
+
+    // Ranks that register different parameters: refused at build() on every
+    // rank (with one rank there is nothing to disagree with).
+    z2::Engine mismatched(compute, comm, z2::EngineOptions());
+    mismatched.add_parameter("w", comm.rank() == N - 1 ? 100 : 101, true);
+    if (N > 1)
+      CHECK_THROWS_WITH_AS(mismatched.build(), doctest::Contains("registered different parameters"), z2::Error);
+    else
+      CHECK_NOTHROW(mismatched.build());
+  }
 }
