@@ -1176,19 +1176,19 @@ struct Engine::Impl {
   float* region_param(int b) {
     return params.data() + bucket(b).offset + (stage == 0 ? 0 : (size_t)rank * bucket(b).shard_length);
   }
-  // The reduced gradient of the update region.
-  float* region_gradient(int b) {
-    if (stage == 2) return grads.data() + bucket(b).shard_offset;
-    return grads.data() + bucket(b).offset + (stage == 0 ? 0 : (size_t)rank * bucket(b).shard_length);
-  }
   // Where the reduce-scatter of bucket b leaves this rank's shard of the sum:
   // the own slice of the full gradient (stages 0, 1), the gradient shard
-  // (stage 2). The accumulation tree's open blocks are shard-sized in every
-  // stage.
+  // (stage 2).
+  float* shard_gradient(int b) {
+    if (stage == 2) return grads.data() + bucket(b).shard_offset;
+    return grads.data() + bucket(b).offset + (size_t)rank * bucket(b).shard_length;
+  }
+  // The reduced gradient of the update region (stage 0: after the all-gather).
+  float* region_gradient(int b) { return stage == 0 ? grads.data() + bucket(b).offset : shard_gradient(b); }
+  // The accumulation tree's open blocks are shard-sized in every stage.
   AccumulateInto accumulate_into(int b) {
     AccumulateInto into;
-    into.result = stage == 2 ? grads.data() + bucket(b).shard_offset
-                             : grads.data() + bucket(b).offset + (size_t)rank * bucket(b).shard_length;
+    into.result = shard_gradient(b);
     for (size_t d = 0; d < accumulation.size(); ++d)
       into.stack.entries[d] = accumulation[d].data() + bucket(b).shard_offset;
     into.step = engine.micro_step_;
