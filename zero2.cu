@@ -613,6 +613,7 @@ struct Slot {
   float* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda
   float* host_receive = nullptr;      // [(N-1) x max shard]  pinned, --comm mpi on cuda
   Event done;                         // recorded on the comm stream when its transfer ends
+  Event copied;                       // its transfer's device-to-host staging copy has finished
   int bucket = -1;                    // the bucket holding the slot, -1 when free
   bool running = false;               // a transfer is using it
 };
@@ -624,7 +625,6 @@ struct Transfer {
   std::vector<std::function<bool()>> steps;  // each returns true once finished
   size_t next = 0;
   std::vector<MPI_Request> requests;
-  Event copied;  // the device-to-host staging copy has finished
   bool finished() const { return next == steps.size(); }
 };
 
@@ -681,11 +681,13 @@ struct BucketExchange::State {
   // Copy `count` floats at `device` to pinned `host` on the comm stream and
   // wait (without blocking) until they are there.
   void add_copy_to_host(Transfer* transfer, float* host, const float* device, size_t count) {
+    // A slot has one transfer at a time, so the slot's event is this transfer's.
+    Event copied = slots[transfer->slot].copied;
     transfer->steps.push_back(now([=] {
       compute.copy(host, device, count * sizeof(float), compute.comm_stream());
-      compute.record(transfer->copied, compute.comm_stream());
+      compute.record(copied, compute.comm_stream());
     }));
-    transfer->steps.push_back([this, transfer] { return compute.query(transfer->copied); });
+    transfer->steps.push_back([this, copied] { return compute.query(copied); });
   }
 
   // The kernels that follow a reduce-scatter, on the comm stream.
@@ -866,7 +868,6 @@ struct BucketExchange::State {
     transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
     Transfer* transfer = transfers.back().get();
     transfer->slot = slot;
-    transfer->copied = compute.create_event();
     slots[slot].running = true;
     // The comm stream must see everything the compute stream wrote so far.
     compute.record(ready, compute.compute_stream());
@@ -895,7 +896,6 @@ struct BucketExchange::State {
       compute.record(slot.done, compute.comm_stream());
       slot.running = false;
       slot.bucket = -1;
-      compute.destroy_event(transfer.copied);
       transfers.pop_front();
     }
   }
@@ -926,6 +926,7 @@ BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_
       slot.host_receive = (float*)compute.allocate_host_pinned(receive_part * sizeof(float));
     }
     slot.done = compute.create_event();
+    slot.copied = compute.create_event();
     compute.record(slot.done, compute.comm_stream());
     s.slots.push_back(slot);
   }
@@ -940,14 +941,12 @@ BucketExchange::~BucketExchange() {
   s.compute.synchronize_all();
   for (auto& slot : s.slots) {
     s.compute.destroy_event(slot.done);
+    s.compute.destroy_event(slot.copied);
     s.compute.release_host_pinned(slot.host_send);
     s.compute.release_host_pinned(slot.host_receive);
   }
-  for (auto& transfer : s.transfers) s.compute.destroy_event(transfer->copied);
   s.compute.destroy_event(s.ready);
 }
-
-int BucketExchange::slot_count() const { return (int)state_->slots.size(); }
 
 int BucketExchange::slot_of(int bucket) const {
   for (size_t k = 0; k < state_->slots.size(); ++k)
@@ -1029,14 +1028,6 @@ void BucketExchange::finish_all() {
   s.retire_finished();
 }
 
-size_t BucketExchange::staging_elements() const { return state_->staging.size(); }
-
-size_t BucketExchange::pinned_host_elements() const {
-  size_t total = 0;
-  for (auto& slot : state_->slots)
-    if (slot.host_send) total += state_->max_padded + (state_->world - 1) * state_->max_shard;
-  return total;
-}
 
 // ----------------------------------------------------------------------------
 // 5. Layout: parameters, norm chunks, buckets, shards
@@ -1608,8 +1599,8 @@ MemoryLedger Engine::memory_ledger() const {
   ledger.device_current = c.total_current;
   ledger.device_peak = c.total_peak;
   ledger.host_pinned = c.host_pinned_current;
-  ledger.reserved = c.total_peak;
-  ledger.fragmentation = ledger.reserved ? 1.0 - (double)c.total_peak / (double)ledger.reserved : 0.0;
+  ledger.reserved = c.total_peak;  // every buffer its own allocation: reserved = live
+  ledger.fragmentation = 0.0;      // 1 - peak live / peak reserved
   if (impl_->allocations_at_step1 >= 0)
     ledger.device_allocations_after_step1 = c.allocations - impl_->allocations_at_step1;
   return ledger;

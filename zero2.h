@@ -428,7 +428,6 @@ class BucketExchange {
   BucketExchange(const BucketExchange&) = delete;
   BucketExchange& operator=(const BucketExchange&) = delete;
 
-  int slot_count() const;
   // Take a free slot for bucket `bucket`, finishing the oldest transfer if all
   // are busy. Throws if every slot is held by a bucket not yet handed over.
   int acquire(int bucket);
@@ -448,8 +447,6 @@ class BucketExchange {
 
   void progress();    // advance every transfer as far as it goes without blocking
   void finish_all();  // block until every transfer has finished
-  size_t staging_elements() const;      // device staging this exchange holds
-  size_t pinned_host_elements() const;  // pinned host staging (--comm mpi on cuda)
 
   struct State;
 
@@ -518,7 +515,7 @@ struct MemoryLedger {
   size_t accumulation = 0, staging = 0, activations = 0, bookkeeping = 0;
   size_t model_states = 0;           // params + grads + optimizer + master
   size_t model_states_formula = 0;   // the paper's formula for this stage, from Psi_padded
-  size_t accumulation_formula = 0;   // floor(log2 A) blocks of the stage's gradient size
+  size_t accumulation_formula = 0;   // floor(log2 A) blocks of Psi_padded / N
   size_t staging_formula = 0;
   size_t device_current = 0, device_peak = 0, host_pinned = 0;
   // Device memory held at the peak. Every buffer is its own allocation here
