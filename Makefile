@@ -3,16 +3,22 @@
 #   make          build with nvcc if it is on PATH or in /usr/local/cuda (cpu + cuda
 #                 compute, mpi + nccl communication), else with mpicxx alone (cpu + mpi)
 #   make cpu      force the mpicxx-only build (into build-cpu/)
-#   make run      the demo: the three stages on the test model, 2 ranks
+#   make run      train BERT-mini with stage 2 on 2 ranks on the embedded corpus
+#   make demo     the engine demo: the three stages on the test MLP, 2 ranks
 #   make test     the doctest suite under mpirun -n 1, 2, 4 (build/)
 #   make test-cpu the same suite for the mpicxx-only build (build-cpu/)
+#   make bench    tokens/s: stage 0 vs stage 2 at N = 2, and PyTorch on the same model and batch
 #   make notes    regenerate the measured tables in notes/
+#   make figures  regenerate the pictures in notes/figures/ (the BERT-mini loss curve)
 #   make deps     install missing Debian packages (as root), or print the command
 #
 # Every flag that matters is below; nothing is hidden in a script.
 
 # --- what we need from Debian -------------------------------------------------
-PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev
+# python3-torch (with numpy) is the independent reference the tests compare with;
+# matplotlib only draws the figures, so only `make figures` asks for it.
+PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev python3-torch python3-numpy
+FIGURE_PACKAGES := python3-matplotlib
 
 # --- tools --------------------------------------------------------------------
 CUDA_HOME ?= /usr/local/cuda
@@ -47,9 +53,12 @@ endif
 
 # --- what gets built ------------------------------------------------------------
 ENGINE  := zero2.cu zero2.h Makefile
-MODEL   := tests/mlp_model.h
+MODEL   := tests/mlp_model.h train_bert_mini.cu
 TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp
 TEST_H  := tests/harness.h tests/mlp_model.h zero2.h Makefile
+# The trainer embeds data/corpus.txt as a C++ raw string (build*/corpus.inc),
+# so `make run` needs no download and no file at run time.
+CORPUS_INC = { printf 'R"corpus('; cat $<; printf ')corpus"\n'; } > $@
 
 ifneq ($(NVCC),)
 BUILD_KIND := nvcc
@@ -57,9 +66,9 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run test test-cpu notes deps found clean
-all: found build/test_zero2 build/demo_stages
-cpu: found build-cpu/test_zero2 build-cpu/demo_stages
+.PHONY: all cpu run demo bench test test-cpu notes figures deps figure-deps found clean
+all: found build/test_zero2 build/demo_stages build/train_bert_mini
+cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini
 
 # What the build found; `make cpu` says it ignores nvcc.
 cpu: BUILD_KIND = cpu (make cpu: nvcc not used)
@@ -72,35 +81,45 @@ found:
 	@echo "  OpenBLAS: $$(ls /usr/lib/x86_64-linux-gnu/libopenblas.so 2>/dev/null || echo 'not found: make deps')"
 
 # --- the default build (nvcc when present) --------------------------------------
+# .cu files (the engine, the models and tests/test_bert.cu, which #includes
+# the trainer) go through nvcc; plain test files through mpicxx.
 ifeq ($(BUILD_KIND),nvcc)
-build/%.o: %.cu $(ENGINE) $(MODEL) | build/tests
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
-build/test_zero2 build/demo_stages: LIBS = $(CUDA_LIBS) $(BLAS_LIBS)
+build/%.o: %.cu $(ENGINE) $(MODEL) build/corpus.inc | build/tests
+	$(NVCC) $(NVCCFLAGS) -Ibuild -c $< -o $@
+build/test_zero2 build/demo_stages build/train_bert_mini: LIBS = $(CUDA_LIBS) $(BLAS_LIBS)
 else
-build/%.o: %.cu $(ENGINE) $(MODEL) | build/tests
-	$(MPICXX) $(CXXFLAGS) -x c++ -c $< -o $@
-build/test_zero2 build/demo_stages: LIBS = $(BLAS_LIBS)
+build/%.o: %.cu $(ENGINE) $(MODEL) build/corpus.inc | build/tests
+	$(MPICXX) $(CXXFLAGS) -Ibuild -x c++ -c $< -o $@ -x none
+build/test_zero2 build/demo_stages build/train_bert_mini: LIBS = $(BLAS_LIBS)
 endif
 build/tests/%.o: tests/%.cpp $(TEST_H) | build/tests
 	$(MPICXX) $(CXXFLAGS) -c $< -o $@
-build/test_zero2: build/zero2.o build/tests/mlp_model.o $(TESTS:tests/%.cpp=build/tests/%.o)
+build/test_zero2: build/zero2.o build/tests/mlp_model.o build/tests/test_bert.o $(TESTS:tests/%.cpp=build/tests/%.o)
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/demo_stages: build/zero2.o build/tests/mlp_model.o build/tests/demo_stages.o
 	$(MPICXX) $^ -o $@ $(LIBS)
+build/train_bert_mini: build/zero2.o build/train_bert_mini.o
+	$(MPICXX) $^ -o $@ $(LIBS)
+build/corpus.inc: data/corpus.txt | build/tests
+	$(CORPUS_INC)
 build/tests:
 	mkdir -p $@
 
 # --- the cpu-only build: .cu files compiled as C++ ----------------------------
 # -x c++ makes g++ read a .cu file as C++ (it would take it for a linker
 # script); -x none stops that from applying to the objects that follow.
-build-cpu/%.o: %.cu $(ENGINE) $(MODEL) | build-cpu/tests
-	$(MPICXX) $(CXXFLAGS) -x c++ -c $< -o $@ -x none
+build-cpu/%.o: %.cu $(ENGINE) $(MODEL) build-cpu/corpus.inc | build-cpu/tests
+	$(MPICXX) $(CXXFLAGS) -Ibuild-cpu -x c++ -c $< -o $@ -x none
 build-cpu/tests/%.o: tests/%.cpp $(TEST_H) | build-cpu/tests
 	$(MPICXX) $(CXXFLAGS) -c $< -o $@
-build-cpu/test_zero2: build-cpu/zero2.o build-cpu/tests/mlp_model.o $(TESTS:tests/%.cpp=build-cpu/tests/%.o)
+build-cpu/test_zero2: build-cpu/zero2.o build-cpu/tests/mlp_model.o build-cpu/tests/test_bert.o $(TESTS:tests/%.cpp=build-cpu/tests/%.o)
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/demo_stages: build-cpu/zero2.o build-cpu/tests/mlp_model.o build-cpu/tests/demo_stages.o
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+build-cpu/train_bert_mini: build-cpu/zero2.o build-cpu/train_bert_mini.o
+	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+build-cpu/corpus.inc: data/corpus.txt | build-cpu/tests
+	$(CORPUS_INC)
 build-cpu/tests:
 	mkdir -p $@
 
@@ -109,8 +128,18 @@ build-cpu/tests:
 # starts its own threads regardless of OpenMP settings.
 RUN_ENV := OPENBLAS_NUM_THREADS=1
 
-run: deps all
+# BERT-mini, stage 2, 2 ranks, on the embedded corpus (GPUs when present).
+# Only the trainer is built here, its two objects side by side (-j2), so a
+# first `make run` starts training in about a minute.
+run: deps found
+	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
+	$(RUN_ENV) timeout 600 mpirun -n 2 build/train_bert_mini --stage 2
+
+demo: deps all
 	$(RUN_ENV) timeout 300 mpirun -n 2 build/demo_stages
+
+bench: deps all
+	$(RUN_ENV) tests/bench.sh build
 
 test: deps all
 	$(RUN_ENV) tests/run_tests.sh build
@@ -121,7 +150,11 @@ test-cpu: deps cpu
 notes: deps all
 	$(RUN_ENV) notes/generate.sh build
 
-deps:
+figures: deps figure-deps all
+	$(RUN_ENV) notes/figures.sh build
+
+figure-deps: PACKAGES = $(FIGURE_PACKAGES)
+deps figure-deps:
 	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then \

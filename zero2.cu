@@ -469,6 +469,32 @@ static int local_size_of(MPI_Comm comm) {
   return size;
 }
 
+size_t memory_per_rank(Device device, MPI_Comm comm) {
+  const int sharing = local_size_of(comm);
+  unsigned long long available = 0;
+  if (device == Device::cuda) {
+#if defined(__CUDACC__)
+    size_t free_bytes = 0, total_bytes = 0;
+    int gpus = 1;
+    Z2_CUDA_CHECK(cudaGetDeviceCount(&gpus));
+    Z2_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    // Ranks share GPUs round-robin: ceil(local ranks / GPUs) per GPU.
+    available = free_bytes / (unsigned long long)((sharing + gpus - 1) / gpus);
+#endif
+  } else {
+    std::FILE* meminfo = std::fopen("/proc/meminfo", "r");
+    char line[256];
+    unsigned long long kib = 0;
+    while (meminfo && std::fgets(line, sizeof line, meminfo))
+      if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    if (meminfo) std::fclose(meminfo);
+    available = kib * 1024ull / (unsigned long long)sharing;
+  }
+  unsigned long long smallest = 0;
+  Z2_MPI_CHECK(MPI_Allreduce(&available, &smallest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm));
+  return (size_t)smallest;
+}
+
 static bool all_ranks(bool local, MPI_Comm comm) {
   int value = local ? 1 : 0, all = 0;
   Z2_MPI_CHECK(MPI_Allreduce(&value, &all, 1, MPI_INT, MPI_MIN, comm));
@@ -1544,6 +1570,25 @@ void Engine::parameters_from_host(const std::vector<float>& canonical) {
     position += p.numel;
   }
   compute_.synchronize(compute_.compute_stream());
+}
+
+std::vector<float> Engine::gradients_to_host() {
+  require_built("gradients_to_host");
+  if (micro_step_ != options_.accumulation_steps)
+    usage_error("gradients_to_host: only after all %d micro-steps and before step()", options_.accumulation_steps);
+  if (options_.stage != 0 && comm_.world_size() != 1)
+    usage_error("gradients_to_host: stage %d holds only a shard of the gradient on each of %d ranks",
+                options_.stage, comm_.world_size());
+  compute_.synchronize_all();
+  // With stage 0 or N = 1, each bucket's update region is the whole bucket.
+  std::vector<float> padded(psi_padded()), canonical;
+  for (int b = 0; b < (int)buckets_.size(); ++b)
+    compute_.copy(padded.data() + buckets_[b].offset, impl_->region_gradient(b),
+                  buckets_[b].padded_length * sizeof(float), compute_.compute_stream());
+  compute_.synchronize(compute_.compute_stream());
+  canonical.reserve(psi());
+  for (auto& p : parameters_) canonical.insert(canonical.end(), padded.begin() + p.offset, padded.begin() + p.offset + p.numel);
+  return canonical;
 }
 
 uint64_t Engine::parameters_hash() {

@@ -456,6 +456,11 @@ class BucketExchange {
 
 // The local rank (rank among the processes of this host) of `comm`.
 int local_rank_of(MPI_Comm comm);
+// Bytes one rank of `comm` can plan to use on `device`: the smallest over all
+// ranks of (free device memory, or MemAvailable on cpu) / (ranks of its host
+// sharing that memory). Collective; the same value on every rank, so a
+// "does not fit" decision is taken by all ranks together.
+size_t memory_per_rank(Device device, MPI_Comm comm);
 
 // Resolve --device auto / --comm auto the same way on every rank.
 Device choose_device(const std::string& requested, MPI_Comm comm);
@@ -581,6 +586,11 @@ class Engine {
   std::vector<float> parameters_to_host();
   void parameters_from_host(const std::vector<float>& canonical);
   uint64_t parameters_hash();  // FNV-1a 64 over parameters_to_host()
+  // The step's reduced gradient (sum over all micro-batches, before clipping)
+  // in canonical order, real elements only. Valid after the last
+  // end_micro_step() and before step(), where one rank holds all of it:
+  // stage 0, or N = 1 (for --dump-batch and the reference checks).
+  std::vector<float> gradients_to_host();
 
   MemoryLedger memory_ledger() const;
   CommLedger comm_ledger() const;

@@ -45,12 +45,58 @@ model="--device cpu --hidden 512 --layers 16 --micro-batch 16 --bucket 65536 --s
   timeout 300 mpirun -n 4 "$demo" --device cpu --accum 1 --collectives native --markdown hashes
 } >"$out/hashes"
 
-# demo: the stage-2 part of `make run`'s output, for the README.
+# demo: the stage-2 part of `make demo`'s output (the engine on the test MLP).
 {
   echo '```'
   timeout 300 mpirun -n 2 "$demo" --device cpu | awk '/^stage 2 /{show=1} show'
   echo '```'
 } >"$out/demo"
+
+# --- BERT-mini (notes/07-bert-mini.md, README.md) ------------------------------------
+trainer="$build/train_bert_mini"
+# bert_ledger: the default BERT-mini, N = 1, 2, 4 x stage 0, 1, 2, two steps each.
+for ranks in 1 2 4; do
+  for stage in 0 1 2; do
+    timeout 600 mpirun -n "$ranks" "$trainer" --device cpu --stage "$stage" --steps 2 --quiet \
+      --json "$out/bert_${ranks}_${stage}.json"
+  done
+done
+python3 - "$out" "$trainer" >"$out/bert_ledger" <<'PY'
+import json, os, sys
+out, trainer = sys.argv[1], sys.argv[2]
+def mib(x): return f"{x / 1048576:.1f}"
+print(f"Measured by `make notes` (`mpirun -n N {trainer} --device cpu --stage S --steps 2 --json ...`):")
+print("the default BERT-mini (micro-batch 8 x 128 tokens, bucket 524,288 elements). MiB per rank;")
+print("traffic is MiB sent per rank per optimizer step.")
+print()
+print("| N | stage | Psi_padded | params | grads | optimizer (m, v) | model states | formula | staging | activations | device peak | reduce-scatter | all-gather | formula |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for n in (1, 2, 4):
+    for stage in (0, 1, 2):
+        d = json.load(open(os.path.join(out, f"bert_{n}_{stage}.json")))
+        m, c = d["memory"], d["comm"]
+        rs = c["reduce_scatter_bytes_per_step"]; ag = c["all_gather_bytes_per_step"]; ar = c["all_reduce_bytes_per_step"]
+        print(f"| {n} | {stage} | {d['params_padded']:,} | {mib(m['params_bytes'])} | {mib(m['grads_bytes'])} | "
+              f"{mib(m['optimizer_bytes'])} | {mib(m['model_states_bytes'])} | {mib(m['model_states_formula_bytes'])} | "
+              f"{mib(m['staging_bytes'])} | {mib(m['activation_peak_bytes'])} | {mib(m['device_peak_bytes'])} | "
+              f"{mib(rs + ar / 2)} | {mib(ag + ar / 2)} | {mib(c['formula_bytes_per_step'])} |")
+PY
+
+# bert_run: what `make run` prints (2 ranks, stage 2, the embedded corpus).
+{
+  echo '```'
+  echo "\$ make run"
+  timeout 900 mpirun -n 2 "$trainer" --device cpu --stage 2
+  echo '```'
+} >"$out/bert_run"
+
+# bert_bench: `make bench`.
+{
+  echo '```'
+  echo "\$ make bench"
+  tests/bench.sh "$build"
+  echo '```'
+} >"$out/bert_bench"
 
 python3 - "$out" README.md notes/*.md <<'PY'
 import os, re, sys

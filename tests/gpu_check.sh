@@ -17,15 +17,21 @@
 #      NCCL as well as MPI, N = 2 and 4 run over MPI sharing the GPU (NCCL
 #      refuses two ranks on one GPU); every suite includes the bitwise stage
 #      matrix on the CUDA backend;
+#      the suite ends with tests/test_trainer.sh: the BERT-mini stage matrix
+#      through the command line (N = 1, 2, 4 x stage x overlap, on the GPU),
+#      the ledgers and the bad-input list (the PyTorch comparison is skipped:
+#      the GPU image has no python3-torch);
 #   4. the stage demo on the GPU at N = 1 (NCCL) and N = 2, 4 (MPI): bitwise
 #      equal stages, and median step times with overlap on and off;
-#   5. a summary.
+#   5. BERT-mini on the GPU: 30 steps at N = 1 (NCCL) and N = 2 (MPI), stage 2,
+#      tokens/s and ms per step;
+#   6. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
 packages="mpich libmpich12 libmpich-dev libhwloc15 libucx0 libnuma1 libibverbs1 librdmacm1 libnl-3-200
           libnl-route-3-200 libopenblas0-pthread libopenblas-pthread-dev libopenblas-dev doctest-dev
-          libgfortran5 libquadmath0"
+          libgfortran5 libquadmath0 nlohmann-json3-dev"
 
 if [ "${1:-}" = prepare ]; then
   mkdir -p "$debs_dir"
@@ -46,6 +52,7 @@ nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
 # Z2_CARRIED_DEBS=1 uses the .debs even where the system has the packages
 # (how this path is tested on the dev machine).
 if [ -z "${Z2_CARRIED_DEBS:-}" ] && command -v mpicxx >/dev/null && [ -f /usr/include/doctest/doctest.h ] &&
+   [ -f /usr/include/nlohmann/json.hpp ] &&
    { [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ]; }; then
   note "dependencies: from the system"
 elif [ -d "$debs_dir" ]; then
@@ -73,6 +80,7 @@ else
   exit 1
 fi
 export OPENBLAS_NUM_THREADS=1
+export Z2_NO_TORCH=1  # no python3-torch on the GPU image: test_trainer.sh skips that part, saying so
 
 # --- 2. build ---------------------------------------------------------------------
 t=$(date +%s)
@@ -108,6 +116,22 @@ for run in "1 nccl 1" "1 nccl 0" "2 mpi 1" "2 mpi 0" "4 mpi 1"; do
     note "demo N=$1 $2 overlap=$3: FAILED ($(echo "$out" | grep -v '^$' | tail -n 1 | cut -c1-160))"
     failures=$((failures + 1))
   fi
+done
+
+# --- 5. BERT-mini on the GPU, timed ----------------------------------------------------
+for run in "1 nccl" "2 mpi"; do
+  set -- $run
+  out=$(timeout 120 mpirun -n "$1" build/train_bert_mini --device cuda --comm "$2" --stage 2 --steps 30 --log-every 10 \
+          --json /tmp/z2_bert_gpu.json 2>&1)
+  if [ $? -eq 0 ] && [ -f /tmp/z2_bert_gpu.json ]; then
+    echo "$out" | grep -E "^step|loss  "
+    note "BERT-mini N=$1 $2 stage 2: $(python3 -c "import json; d=json.load(open('/tmp/z2_bert_gpu.json')); print('%s, %.1f ms/step median, %.0f tokens/s, loss %.3f -> %.3f' % (d['device'], d['time']['step_ms_median'], d['time']['tokens_per_s_median'], d['steps'][0]['loss'], d['steps'][-1]['loss']))")"
+  else
+    echo "$out" | tail -n 8
+    note "BERT-mini N=$1 $2: FAILED"
+    failures=$((failures + 1))
+  fi
+  rm -f /tmp/z2_bert_gpu.json
 done
 
 echo

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # tests/run_tests.sh BUILD_DIR — run the doctest suite under mpirun -n 1, 2, 4,
-# each run under a timeout, and end with one plain line: "N passed, M failed"
-# (test cases summed over the three runs; a run that dies or times out without
-# doctest's summary counts as one failed).
+# each run under a timeout, then the trainer's command-line tests
+# (tests/test_trainer.sh), and end with one plain line: "N passed, M failed"
+# (doctest test cases summed over the three runs plus the trainer checks; a
+# run that dies or times out without its summary counts as one failed).
 set -u
 build=${1:-build}
 binary="$build/test_zero2"
@@ -33,5 +34,21 @@ for ranks in 1 2 4; do
   failed=$((failed + run_failed))
   rm -f "$log"
 done
+# The trainer through its command line (stage matrix, ledgers, bad input,
+# PyTorch reference): its own plain summary line is added in.
+echo "=== tests/test_trainer.sh $build"
+log=$(mktemp)
+start=$(date +%s)
+timeout 1200 tests/test_trainer.sh "$build" 2>&1 | tee "$log"
+line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -n 1)
+if [ -n "$line" ]; then
+  passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
+  failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
+else
+  failed=$((failed + 1))
+fi
+echo "=== trainer tests: ${line:-no summary}, $(($(date +%s) - start)) s"
+rm -f "$log"
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

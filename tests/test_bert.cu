@@ -1,0 +1,269 @@
+// tests/test_bert.cu — tests of the BERT-mini trainer that need its insides:
+// it #includes train_bert_mini.cu (main compiled out), as llm.c's test_gpt2
+// includes train_gpt2, so the code under test is exactly the code that trains.
+// Compiled by nvcc in the default build (the model's kernels need it) and by
+// mpicxx as C++ in `make cpu`.
+//
+// What is here: the finite-difference gradient check of every parameter
+// tensor, the data pipeline's determinism and masking rates, the config file
+// (DeepSpeed keys, overrides, unknown keys), and the learning-rate schedule.
+// The stage matrix, the bad-input list and the PyTorch reference run through
+// the real command line in tests/test_trainer.sh.
+#define BERT_NO_MAIN
+#include "../train_bert_mini.cu"
+
+#include <cstdio>
+#include <fstream>
+
+#include "harness.h"
+
+namespace {
+
+// A model small enough to differentiate numerically in a second, with every
+// feature switched on: 2 blocks, 2 heads, dropout (its masks are fixed by
+// their keys, so the loss is a fixed, differentiable function of the weights).
+bert::Settings tiny_settings() {
+  bert::Settings s;
+  s.layers = 2, s.hidden = 8, s.heads = 2, s.intermediate = 16, s.seq = 10, s.max_positions = 12;
+  s.micro_batch = 4, s.dropout = 0.1f, s.seed = 11;
+  return s;
+}
+
+bert::ModelShape shape_of(const bert::Settings& s) {
+  return {s.layers, s.hidden, s.heads, s.intermediate, s.seq, s.max_positions, s.micro_batch, s.dropout, s.seed};
+}
+
+}  // namespace
+
+TEST_CASE("BERT finite differences: every element of every parameter tensor matches the loss's slope") {
+  // One rank computes (the check needs no communication); the others wait.
+  bool all_ok = true;
+  for (const auto& backend : harness::sub_world(1)) {
+    if (!backend.deterministic) continue;
+    z2::Compute& compute = *backend.compute;
+    bert::Settings settings = tiny_settings();
+    z2::EngineOptions options;
+    options.stage = 0, options.bucket_elements = 4096, options.overlap = false;
+    z2::Engine engine(compute, *backend.deterministic, options);
+    bert::Model model(compute, engine, shape_of(settings));
+    engine.build();
+    // Weights of order one (not the 0.02 init), so every path through the
+    // network carries a gradient well above float noise; LayerNorm gains near 1.
+    std::vector<float> theta(engine.psi());
+    {
+      size_t position = 0;
+      for (size_t id = 0; id < engine.parameters().size(); ++id) {
+        const bool gain = engine.parameters()[id].name.find("LayerNorm.weight") != std::string::npos;
+        for (size_t i = 0; i < engine.parameters()[id].numel; ++i, ++position) {
+          float u = 2.0f * z2::uniform_from_hash(z2::hash_keys(99, id, i)) - 1.0f;
+          theta[position] = gain ? 1.0f + 0.3f * u : 0.5f * u;
+        }
+      }
+    }
+    engine.parameters_from_host(theta);
+    const std::string corpus = bert::default_corpus();
+    const long step = 3, micro_batch = 0;
+    bert::Batch batch = bert::make_batch(corpus, settings.seed, step, micro_batch, settings.micro_batch, settings.seq);
+    REQUIRE(batch.selected.size() > 0);
+    const float scale = 1.0f / (float)batch.selected.size();
+    auto loss_at = [&](const std::vector<float>& values) {
+      engine.parameters_from_host(values);
+      return (double)model.run(batch, step, micro_batch, scale, false);
+    };
+    engine.parameters_from_host(theta);
+    model.run(batch, step, micro_batch, scale, true);
+    const std::vector<float> gradient = engine.gradients_to_host();
+
+    // Every element of every tensor: the central difference
+    // (L(theta + h e_i) - L(theta - h e_i)) / 2h against backward's g_i.
+    // The tiny model makes this 2 x 3,748 forward passes, about a second.
+    //
+    // Tolerance: the loss is a float32 mean of ~10 cross-entropies of order
+    // 3, so each evaluation carries a rounding error of a few ulp(3) ~ 1e-6;
+    // the central difference with h = 1e-2 turns that into ~1e-4, and its
+    // truncation error h^2 |L'''| / 6 is ~1e-5 for weights of order one. Per
+    // element we allow 1e-3 + 2% of |g_i|; per tensor, the error vector's norm
+    // may be 1% of the gradient's plus the same noise floor (1e-3 sqrt(n)).
+    // Measured here, the worst element uses 12% of its allowance. A wrong backward (a
+    // missing dropout mask, a transposed product, a term left out of one
+    // embedding row) misses by a sizable part of the affected elements.
+    const double h = 1e-2;
+    size_t position = 0;
+    int checked = 0;
+    double worst = 0, worst_ratio = 0;  // largest error, largest error / allowed
+    std::vector<float> probe = theta;
+    for (size_t id = 0; id < engine.parameters().size(); ++id) {
+      const auto& info = engine.parameters()[id];
+      double error_squares = 0, gradient_squares = 0;
+      int bad_elements = 0;
+      for (size_t i = 0; i < info.numel; ++i) {
+        const size_t k = position + i;
+        probe[k] = (float)(theta[k] + h);
+        const double up = loss_at(probe);
+        probe[k] = (float)(theta[k] - h);
+        const double down = loss_at(probe);
+        probe[k] = theta[k];
+        // The step actually taken in float, not h, divides the difference.
+        const double slope = (up - down) / ((double)(float)(theta[k] + h) - (double)(float)(theta[k] - h));
+        const double error = std::fabs(slope - gradient[k]);
+        worst = std::max(worst, error);
+        worst_ratio = std::max(worst_ratio, error / (1e-3 + 0.02 * std::fabs(gradient[k])));
+        error_squares += error * error;
+        gradient_squares += (double)gradient[k] * gradient[k];
+        if (!(error <= 1e-3 + 0.02 * std::fabs(gradient[k]))) {
+          if (bad_elements++ < 3)
+            fprintf(stderr, "[test] %s %s[%zu]: finite difference %.6g, backward %.6g\n", backend.name.c_str(),
+                    info.name.c_str(), i, slope, gradient[k]);
+          all_ok = false;
+        }
+      }
+      const double error_norm = std::sqrt(error_squares), gradient_norm = std::sqrt(gradient_squares);
+      if (!(error_norm <= 0.01 * gradient_norm + 1e-3 * std::sqrt((double)info.numel))) {
+        fprintf(stderr, "[test] %s %s: |finite difference - backward| = %.3g for |g| = %.3g\n", backend.name.c_str(),
+                info.name.c_str(), error_norm, gradient_norm);
+        all_ok = false;
+      }
+      ++checked;
+      position += info.numel;
+    }
+    MESSAGE(backend.name << ": " << checked << " tensors, " << position
+                         << " elements checked, worst |finite difference - backward| = " << worst
+                         << ", worst error / allowed = " << worst_ratio);
+    // The check must see real gradients: the embeddings, every block and the head.
+    double total = 0;
+    for (float g : gradient) total += (double)g * g;
+    all_ok &= total > 1e-4;
+  }
+  CHECK(harness::agree(all_ok, "finite-difference check failed"));
+}
+
+TEST_CASE("BERT data: a micro-batch is a pure function of (seed, step, micro-batch); masking is 15% / 80-10-10") {
+  const std::string corpus = bert::default_corpus();
+  bert::Batch a = bert::make_batch(corpus, 5, 7, 3, 8, 64), b = bert::make_batch(corpus, 5, 7, 3, 8, 64);
+  CHECK(a.tokens == b.tokens);
+  CHECK(a.labels == b.labels);
+  bert::Batch other = bert::make_batch(corpus, 5, 7, 4, 8, 64);
+  CHECK(a.tokens != other.tokens);
+  // Micro-batch m of size B holds samples m*B .. m*B+B-1: two micro-batches of
+  // 4 are the halves of one of 8.
+  bert::Batch whole = bert::make_batch(corpus, 5, 7, 1, 8, 64), low = bert::make_batch(corpus, 5, 7, 2, 4, 64);
+  CHECK(std::equal(low.tokens.begin(), low.tokens.end(), whole.tokens.begin()));
+  // Rates over many samples: 15% selected; of those 80% [MASK], 10% another byte, 10% unchanged.
+  long positions = 0, selected = 0, masked = 0, kept = 0;
+  for (long m = 0; m < 200; ++m) {
+    bert::Batch batch = bert::make_batch(corpus, 1, 0, m, 8, 128);
+    for (size_t i = 0; i < batch.tokens.size(); ++i) {
+      const int t = (int)(i % 128);
+      if (t == 0) CHECK(batch.tokens[i] == bert::cls_token);
+      if (t == 127) CHECK(batch.tokens[i] == bert::sep_token);
+      if (t == 0 || t == 127) continue;
+      ++positions;
+      if (batch.labels[i] < 0) continue;
+      ++selected;
+      masked += batch.tokens[i] == bert::mask_token;
+      kept += batch.tokens[i] == batch.labels[i];
+    }
+  }
+  const double select_rate = (double)selected / positions, mask_rate = (double)masked / selected,
+               keep_rate = (double)kept / selected;
+  // 200 x 8 x 126 = 201,600 positions: the binomial standard deviations are
+  // 0.0008 (selection) and about 0.002 (the splits); we allow five of them.
+  CHECK(std::fabs(select_rate - 0.15) < 0.004);
+  CHECK(std::fabs(mask_rate - 0.80) < 0.01);
+  // A random byte equals the original 1/256 of the time, so "kept" is 10% + 10%/256.
+  CHECK(std::fabs(keep_rate - (0.10 + 0.10 / 256)) < 0.01);
+  // The CSR lists of the word-embedding gradient cover every position once, in order.
+  bert::Batch batch = bert::make_batch(corpus, 1, 0, 0, 4, 32);
+  CHECK(batch.token_offsets.back() == 4 * 32);
+  for (int v = 0; v < bert::vocab_size; ++v)
+    for (int k = batch.token_offsets[v]; k < batch.token_offsets[v + 1]; ++k) {
+      CHECK(batch.tokens[batch.token_rows[k]] == v);
+      if (k > batch.token_offsets[v]) CHECK(batch.token_rows[k] > batch.token_rows[k - 1]);
+    }
+}
+
+TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overrides, unknown keys are named") {
+  const std::string path = "/tmp/z2_test_config_" + std::to_string(harness::rank()) + ".json";
+  auto write = [&](const std::string& text) { std::ofstream(path) << text; };
+  auto parse = [&](std::vector<std::string> arguments) {
+    std::vector<char*> argv{(char*)"train_bert_mini"};
+    for (auto& a : arguments) argv.push_back((char*)a.c_str());
+    return bert::parse_command_line((int)argv.size(), argv.data());
+  };
+  write(R"({"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
+           "zero_optimization": {"stage": 1, "reduce_bucket_size": 5000, "overlap_comm": false,
+                                 "contiguous_gradients": true},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.0002, "betas": [0.8, 0.95], "eps": 1e-6,
+                                                     "weight_decay": 0.1}},
+           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 50,
+                                                            "warmup_max_lr": 0.0003}}})");
+  bert::Settings s = parse({"--config", path});
+  CHECK(s.micro_batch == 6);
+  CHECK(s.accum == 3);
+  CHECK(s.clip == 0.5);
+  CHECK(s.stage == 1);
+  CHECK(s.bucket == 5000);
+  CHECK(!s.overlap);
+  CHECK(s.beta1 == 0.8);
+  CHECK(s.beta2 == 0.95);
+  CHECK(s.eps == 1e-6);
+  CHECK(s.weight_decay == 0.1);
+  CHECK(s.warmup == 5);
+  CHECK(s.steps == 50);
+  CHECK(s.lr == 0.0003);  // the scheduler's peak, read after the optimizer's lr
+  // Flags win over the file wherever they appear on the line.
+  s = parse({"--stage", "2", "--config", path, "--micro-batch", "2"});
+  CHECK(s.stage == 2);
+  CHECK(s.micro_batch == 2);
+  CHECK(s.accum == 3);
+  // Unknown keys, at any depth, are errors that name the key.
+  auto error_of = [&](const std::string& text) -> std::string {
+    write(text);
+    try {
+      parse({"--config", path});
+    } catch (const z2::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  CHECK(error_of(R"({"train_micro_batch_size": 4})").find("'train_micro_batch_size'") != std::string::npos);
+  CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {}}})")
+            .find("'zero_optimization.offload_optimizer'") != std::string::npos);
+  CHECK(error_of(R"({"optimizer": {"params": {"momentum": 0.9}}})").find("'optimizer.params.momentum'") != std::string::npos);
+  CHECK(error_of(R"({"zero_optimization": {"stage": 3}})").find("--stage") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"enabled": true}})").find("fp16.enabled") != std::string::npos);
+  CHECK(error_of("{not json").find("not valid JSON") != std::string::npos);
+  std::remove(path.c_str());
+}
+
+TEST_CASE("BERT learning-rate schedule: linear warmup to lr, then linear decay that still learns at the last step") {
+  bert::Settings s;
+  s.lr = 1.0, s.steps = 10, s.warmup = 4;
+  CHECK(bert::learning_rate(s, 1) == 0.25);
+  CHECK(bert::learning_rate(s, 4) == 1.0);
+  CHECK(bert::learning_rate(s, 5) == 1.0);
+  CHECK(bert::learning_rate(s, 10) == doctest::Approx(1.0 / 6));
+  s.warmup = 0;
+  CHECK(bert::learning_rate(s, 1) == 1.0);
+  CHECK(bert::learning_rate(s, 10) == doctest::Approx(0.1));
+}
+
+TEST_CASE("BERT sizes: parameter_count and activation_bytes (the fit check's inputs) equal what is allocated") {
+  bool all_ok = true;
+  for (const auto& backend : harness::sub_world(1)) {
+    if (!backend.deterministic) continue;
+    for (bert::Settings settings : {tiny_settings(), bert::Settings()}) {
+      const z2::MemoryCounters before = backend.compute->memory();
+      z2::EngineOptions options;
+      z2::Engine engine(*backend.compute, *backend.deterministic, options);
+      bert::Model model(*backend.compute, engine, shape_of(settings));
+      engine.build();
+      const size_t activations = backend.compute->memory().current[(int)z2::MemoryKind::activations] -
+                                 before.current[(int)z2::MemoryKind::activations];
+      all_ok &= engine.psi() == bert::parameter_count(shape_of(settings));
+      all_ok &= activations == bert::activation_bytes(shape_of(settings));
+      MESSAGE(backend.name << ": Psi " << engine.psi() << ", activations " << activations << " bytes");
+    }
+  }
+  CHECK(harness::agree(all_ok, "parameter_count or activation_bytes differs from the allocation"));
+}

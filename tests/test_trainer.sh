@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# tests/test_trainer.sh BUILD_DIR — the BERT-mini trainer through its real
+# command line, as a user runs it:
+#   1. the stage matrix: N = 1, 2, 4 (with A = 4/N, so the global batch is the
+#      same 4 micro-batches) x stage 0/1/2 x overlap on/off: all 18 runs end
+#      with the same final_params_hash and the same loss bits at every step;
+#      --collectives native agrees within a tolerance;
+#   2. the ledgers in the JSON summary against formulas recomputed here from
+#      the model's sizes;
+#   3. bad input: one clear message from rank 0, a non-zero exit, no crash, no
+#      hang, no output file left behind;
+#   4. the PyTorch reference (tests/torch_reference.py) on a dumped batch.
+# Ends with the plain line "N passed, M failed".
+set -u
+build=${1:-build}
+trainer="$build/train_bert_mini"
+[ -x "$trainer" ] || { echo "no $trainer: build it first (make)"; echo "0 passed, 1 failed"; exit 1; }
+export OPENBLAS_NUM_THREADS=1
+PYTHON=/usr/bin/python3  # Debian's, which has python3-torch
+work=$(mktemp -d /tmp/z2_trainer.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+passed=0
+failed=0
+pass() { echo "PASS $*"; passed=$((passed + 1)); }
+fail() { echo "FAIL $*"; failed=$((failed + 1)); }
+# A small model that still has every part: 2 blocks, 2 heads, several buckets.
+tiny=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2
+      --steps 3 --warmup 1 --dropout 0.1 --clip 0.5 --bucket 3000 --quiet)
+json_get() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
+
+# --- 1. the stage matrix ---------------------------------------------------------
+echo "=== stage matrix through the command line (N x stage x overlap, A = 4/N)"
+reference=""
+for N in 1 2 4; do
+  A=$((4 / N))
+  for stage in 0 1 2; do
+    for overlap in 0 1; do
+      out="$work/matrix_${N}_${stage}_${overlap}.json"
+      if ! timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --accum $A --stage $stage --overlap $overlap --json "$out" \
+          > "$work/log" 2>&1; then
+        fail "matrix N=$N A=$A stage=$stage overlap=$overlap: exit non-zero"; cat "$work/log"; continue
+      fi
+      bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+      [ -z "$reference" ] && reference=$bits && echo "    reference (N=1 A=4 stage 0 overlap 0): $bits"
+      if [ "$bits" = "$reference" ]; then pass "matrix N=$N A=$A stage=$stage overlap=$overlap: same bits"
+      else fail "matrix N=$N A=$A stage=$stage overlap=$overlap: $bits != $reference"; fi
+    done
+  done
+done
+# The run must have trained: the loss moved (identical bits of a dead run would prove nothing).
+first_last=$(json_get "$work/matrix_1_0_0.json" "str(d['steps'][0]['loss'] != d['steps'][-1]['loss'])")
+[ "$first_last" = True ] && pass "matrix: the loss changes over the steps" || fail "matrix: the loss did not change"
+
+# Native collectives (MPI_Reduce_scatter's own order): close, not bitwise.
+# Three steps of AdamW amplify a last-bit difference in the reduced gradient
+# into ~1e-6 relative changes of the loss; 1e-4 leaves a wide margin while
+# still catching a wrong sum (off by a factor N, a missing rank: > 10%).
+if timeout 300 mpirun -n 2 "$trainer" "${tiny[@]}" --accum 2 --stage 2 --collectives native --json "$work/native.json" \
+    > "$work/log" 2>&1; then
+  verdict=$(python3 - "$work/native.json" "$work/matrix_2_2_1.json" <<'EOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+worst = max(abs(x['loss'] - y['loss']) / abs(y['loss']) for x, y in zip(a['steps'], b['steps']))
+print(("ok" if worst <= 1e-4 else "bad") + " worst relative loss difference %.2e" % worst)
+EOF
+)
+  case "$verdict" in ok*) pass "native collectives: $verdict";; *) fail "native collectives: $verdict";; esac
+else
+  fail "native collectives: exit non-zero"; cat "$work/log"
+fi
+
+# --- 2. ledgers against formulas from the config -----------------------------------
+echo "=== ledgers in the JSON summary against formulas from the model's sizes"
+for N in 1 2 4; do
+  for stage in 0 1 2; do
+    verdict=$(python3 - "$work/matrix_${N}_${stage}_1.json" $N $stage <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1])); N = int(sys.argv[2]); stage = int(sys.argv[3])
+V, P, H, F, L, chunk = 260, 20, 32, 64, 2, 32           # the tiny model above; norm chunk 32
+block = [H*H, H, H*H, H, H*H, H, H*H, H, H, H, F*H, F, H*F, H, H, H]
+tensors = [V*H, P*H, H, H, H] + block * L + [H*H, H, H, H, V]
+psi = sum(tensors)
+problems = []
+if d['params'] != psi: problems.append("params %d != %d" % (d['params'], psi))
+# Padding: each tensor to a multiple of the chunk, each bucket to N chunks.
+# The bucket grouping depends on --bucket, so we take Psi_padded from the
+# summary and check the rules it must obey instead.
+padded = d['params_padded']
+aligned = sum((t + chunk - 1) // chunk * chunk for t in tensors)
+if padded < aligned or padded % (N * chunk) or padded - aligned >= len(tensors) * N * chunk:
+    problems.append("params_padded %d inconsistent with %d aligned" % (padded, aligned))
+m = d['memory']
+formula = {0: 16 * padded, 1: 8 * padded + 8 * padded // N, 2: 4 * padded + 12 * padded // N}[stage]
+if m['model_states_bytes'] != formula: problems.append("model states %d != formula %d" % (m['model_states_bytes'], formula))
+if m['model_states_formula_bytes'] != formula: problems.append("formula field %d != %d" % (m['model_states_formula_bytes'], formula))
+c = d['comm']; A = 4 // N
+moved = c['reduce_scatter_bytes_per_step'] + c['all_gather_bytes_per_step'] + c['all_reduce_bytes_per_step']
+expect = (A + 1) * (N - 1) * padded // N * 4     # (A + 1) (N-1)/N Psi elements, 4 bytes each
+if moved != expect or c['formula_bytes_per_step'] != expect: problems.append("comm %d, formula field %d, expected %d" % (moved, c['formula_bytes_per_step'], expect))
+print("ok Psi=%d padded=%d model states %d comm %d" % (psi, padded, m['model_states_bytes'], moved) if not problems else "bad " + "; ".join(problems))
+EOF
+)
+    case "$verdict" in ok*) pass "ledger N=$N stage=$stage: $verdict";; *) fail "ledger N=$N stage=$stage: $verdict";; esac
+  done
+done
+
+# --- 3. bad input ---------------------------------------------------------------------
+echo "=== bad input: one message, non-zero exit, no crash, no hang, no file"
+printf 'short' > "$work/short.txt"
+: > "$work/empty.txt"
+head -c 4096 /dev/urandom > "$work/binary.bin"; printf '\0' >> "$work/binary.bin"
+printf 'ok \xff\xfe bad utf-8 %.0s' $(seq 1 20) > "$work/latin1.txt"
+echo '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "sub_group_size": 1000}}' > "$work/unknown_key.json"
+echo '{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}' > "$work/bad_batch.json"
+bad_case() {  # expected message fragment, then the arguments
+  local expect=$1; shift
+  local out="$work/bad_out.json"
+  rm -f "$out"
+  # --json first: the case's own flags come later and win (the last value of a flag counts).
+  timeout 60 mpirun -n 2 "$trainer" --json "$out" "$@" > "$work/bad_stdout" 2> "$work/bad_stderr"
+  local status=$?
+  local messages
+  messages=$(grep -c "train_bert_mini: error:" "$work/bad_stderr")
+  local label="bad input [$*]"
+  if [ $status -eq 0 ]; then fail "$label: exit 0"
+  elif [ $status -eq 124 ] || [ $status -eq 137 ]; then fail "$label: hung (timeout)"
+  elif grep -qiE "segmentation|core dumped|terminate called|Assertion|BAD TERMINATION" "$work/bad_stderr"; then
+    fail "$label: crashed: $(head -c 300 "$work/bad_stderr")"
+  elif [ "$messages" != 1 ]; then fail "$label: $messages error messages (want exactly 1): $(head -c 300 "$work/bad_stderr")"
+  elif ! grep -qF -- "$expect" "$work/bad_stderr"; then fail "$label: message lacks '$expect': $(cat "$work/bad_stderr")"
+  elif [ -e "$out" ] || [ -e "$out.partial" ] || [ -e "$work/no" ]; then fail "$label: left an output file"
+  else pass "$label -> $(sed 's/^train_bert_mini: error: //' "$work/bad_stderr" | head -c 110)"; fi
+}
+small=(--layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --micro-batch 2 --steps 1)
+bad_case "unknown flag '--bogus'" "${small[@]}" --bogus 3
+bad_case "--steps needs a value" "${small[@]}" --steps
+bad_case "unexpected argument" "${small[@]}" stray
+for flag_value in "--device gpu" "--comm tcp" "--stage 3" "--stage two" "--collectives fast" "--micro-batch 0" \
+                  "--accum 0" "--seq 2" "--layers 0" "--hidden -4" "--heads 0" "--intermediate 0" "--steps 0" \
+                  "--lr -1" "--lr nan" "--warmup -2" "--weight-decay -0.1" "--clip -1" "--dropout 1" \
+                  "--dropout 1.5" "--seed -1" "--bucket 0" "--overlap 2" "--log-every 0" "--max-positions 1"; do
+  set -- $flag_value
+  bad_case "$1 wants" "${small[@]}" $flag_value
+done
+bad_case "cannot open --data" "${small[@]}" --data "$work/missing.txt"
+bad_case "is empty" "${small[@]}" --data "$work/empty.txt"
+bad_case "looks binary" "${small[@]}" --data "$work/binary.bin"
+bad_case "is not UTF-8" "${small[@]}" --data "$work/latin1.txt"
+bad_case "is a directory" "${small[@]}" --data "$work"
+bad_case "needs at least 14" "${small[@]}" --data "$work/short.txt"
+bad_case "longer than the 20 learned positions" "${small[@]}" --seq 32 --max-positions 20
+bad_case "not divisible by --heads 3" "${small[@]}" --heads 3
+bad_case "--warmup 5 is longer than --steps 1" "${small[@]}" --warmup 5
+bad_case "unknown config key 'zero_optimization.sub_group_size'" "${small[@]}" --config "$work/unknown_key.json"
+bad_case "cannot open the config file" "${small[@]}" --config "$work/missing.json"
+bad_case "train_batch_size 7" "${small[@]}" --config "$work/bad_batch.json"
+bad_case "run it with 1 rank" "${small[@]}" --dump-batch "$work/dump_from_two"
+bad_case "does not exist" "${small[@]}" --json "$work/no/such/dir/out.json"
+bad_case "too large" "${small[@]}" --micro-batch 1000000 --seq 4096 --max-positions 4096
+bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm nccl
+bad_case "GiB are available per rank" "${small[@]}" --layers 256 --hidden 16384 --heads 16
+
+# --- 4. the PyTorch reference ---------------------------------------------------------
+echo "=== PyTorch reference: loss, every gradient and one AdamW step on a dumped batch"
+if ! $PYTHON -c "import torch" 2>/dev/null && [ -n "${Z2_NO_TORCH:-}" ]; then
+  echo "SKIP torch reference: no torch here and Z2_NO_TORCH is set (the GPU image; make deps installs python3-torch)"
+elif ! $PYTHON -c "import torch" 2>/dev/null; then
+  fail "torch reference: $PYTHON cannot import torch (make deps installs python3-torch)"
+elif timeout 300 mpirun -n 1 "$trainer" --layers 2 --hidden 64 --heads 4 --intermediate 128 --seq 32 --max-positions 40 \
+      --micro-batch 4 --accum 2 --steps 1 --dropout 0 --clip 0.5 --lr 1e-3 --weight-decay 0.01 --seed 3 --quiet \
+      --dump-batch "$work/dump" --export-hf "$work/after" > "$work/log" 2>&1; then
+  $PYTHON tests/torch_reference.py check "$work/dump" "$work/after" > "$work/torch.log" 2>&1
+  status=$?
+  cat "$work/torch.log"
+  line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$work/torch.log" | tail -n 1)
+  if [ -n "$line" ]; then
+    passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
+    failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
+  fi
+  [ $status -ne 0 ] && [ -z "$line" ] && fail "torch reference: exit $status without a summary"
+else
+  fail "torch reference: the dump run failed"; cat "$work/log"
+fi
+
+# The reference's own self-test: its file I/O and each of its checks failing
+# on a planted fault (so a passing comparison above means something).
+if [ -n "${Z2_NO_TORCH:-}" ] && ! $PYTHON -c "import torch" 2>/dev/null; then
+  echo "SKIP torch reference selftest (no torch here)"
+elif $PYTHON tests/torch_reference.py selftest > "$work/selftest.log" 2>&1; then
+  pass "torch reference selftest: $(tail -n 1 "$work/selftest.log")"
+else
+  fail "torch reference selftest"; cat "$work/selftest.log"
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

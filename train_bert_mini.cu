@@ -1,0 +1,1445 @@
+// train_bert_mini.cu — BERT-mini masked-language-model training through the
+// zero2 engine, on the CPU (loops + OpenBLAS) or CUDA (kernels + cuBLAS), with
+// ZeRO stage 0, 1 or 2 over MPI or NCCL.
+//
+// The model is Hugging Face's BertForMaskedLM (DESIGN.md section 6): byte-level
+// tokens, learned positions, one token type, post-LayerNorm blocks with GELU
+// (erf form), an MLM head whose decoder is tied to the word embeddings. Every
+// per-element or per-row operation is one Z2_HD function that a CPU loop and a
+// CUDA kernel both call (through Compute::for_each); the matrix products go to
+// Compute::gemm. There are no float atomics: every sum over rows (bias,
+// LayerNorm and embedding gradients) has one thread per output walking the
+// rows in order, so the same inputs give the same bits on every run.
+//
+// What it leaves out: mixed precision, activation checkpointing and offload,
+// the arena allocator, checkpoints (later issues); attention masks (every
+// sequence is a full window of text, so there is no padding); a tokenizer
+// (bytes are tokens).
+//
+// Build and run (see the Makefile):
+//   make                         # nvcc if present, else mpicxx alone
+//   make run                     # 2 ranks, stage 2, on the embedded corpus
+//   mpirun -n 4 build/train_bert_mini --stage 2 --data my.txt --steps 500 --json out.json
+//
+// Tests #include this file with BERT_NO_MAIN defined (as llm.c's test_gpt2
+// includes train_gpt2), so the model is tested exactly as it trains.
+//
+// Sections:
+//   1. settings, command line and DeepSpeed-style config
+//   2. data: corpus, windows, MLM masking (all keyed by (seed, step, sample))
+//   3. Z2_HD math: GELU, LayerNorm, softmax, dropout, cross-entropy
+//   4. the model: parameters, initialization, forward, backward
+//   5. safetensors and the Hugging Face export, the batch dump
+//   6. training loop, progress lines, summary, JSON
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "zero2.h"
+
+namespace bert {
+
+using json = nlohmann::json;
+
+// Byte-level vocabulary: ids 0..255 are bytes, then four special tokens.
+constexpr int vocab_size = 260;
+constexpr int pad_token = 256, cls_token = 257, sep_token = 258, mask_token = 259;
+constexpr float layer_norm_eps = 1e-12f;
+constexpr float initializer_range = 0.02f;  // Hugging Face's normal(0, 0.02) init
+
+// ----------------------------------------------------------------------------
+// 1. Settings, command line and config file
+
+struct Settings {
+  // where and how to run
+  std::string device = "auto", comm = "auto", collectives = "deterministic";
+  int stage = 2;
+  long bucket = 1 << 19;  // elements per gradient bucket (about 2/3 of a block at the default size)
+  bool overlap = true;
+  // model (BERT-Mini of Turc et al.)
+  int layers = 4, hidden = 256, heads = 4, intermediate = 1024, seq = 128, max_positions = 512;
+  float dropout = 0.1f;
+  // batch and optimizer
+  int micro_batch = 8, accum = 1;
+  long steps = 100, warmup = -1;  // warmup -1: a tenth of the steps
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01, clip = 1.0;
+  uint64_t seed = 1;
+  long train_batch_size = 0;  // from a config file only: checked against micro x accum x N
+  // files and output
+  std::string data, config, json_path, export_dir, dump_dir;
+  long log_every = 10;
+  bool quiet = false;
+};
+
+// Every error a user can cause ends here: one message, the same on every rank
+// (each rank parses the same arguments), printed by rank 0 in main().
+[[noreturn]] inline void fail(const char* format, ...) {
+  char message[1024];
+  va_list arguments;
+  va_start(arguments, format);
+  vsnprintf(message, sizeof message, format, arguments);
+  va_end(arguments);
+  throw z2::Error(message);
+}
+
+inline long parse_integer(const std::string& flag, const std::string& text, long low, long high) {
+  char* end = nullptr;
+  errno = 0;
+  long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end || errno == ERANGE || value < low || value > high)
+    fail("%s wants an integer from %ld to %ld (got '%s')", flag.c_str(), low, high, text.c_str());
+  return value;
+}
+
+inline double parse_real(const std::string& flag, const std::string& text, double low, double high,
+                         bool high_inclusive = true) {
+  char* end = nullptr;
+  errno = 0;
+  double value = std::strtod(text.c_str(), &end);
+  bool in_range = value >= low && (high_inclusive ? value <= high : value < high);
+  if (text.empty() || *end || errno == ERANGE || !std::isfinite(value) || !in_range)
+    fail("%s wants a number from %g to %g%s (got '%s')", flag.c_str(), low, high, high_inclusive ? "" : " (exclusive)",
+         text.c_str());
+  return value;
+}
+
+inline std::string parse_choice(const std::string& flag, const std::string& text, std::vector<std::string> choices) {
+  for (auto& choice : choices)
+    if (text == choice) return text;
+  std::string list;
+  for (auto& choice : choices) list += (list.empty() ? "" : "|") + choice;
+  fail("%s wants %s (got '%s')", flag.c_str(), list.c_str(), text.c_str());
+}
+
+// One flag and its value (as text) into the settings. Config files and the
+// command line both end up here, so a value from either is checked the same way.
+inline void apply(Settings& s, const std::string& flag, const std::string& value) {
+  const long big = 1l << 30;
+  if (flag == "--device") s.device = parse_choice(flag, value, {"auto", "cpu", "cuda"});
+  else if (flag == "--comm") s.comm = parse_choice(flag, value, {"auto", "mpi", "nccl"});
+  else if (flag == "--collectives") s.collectives = parse_choice(flag, value, {"deterministic", "native"});
+  else if (flag == "--stage") s.stage = (int)parse_integer(flag, value, 0, 2);
+  else if (flag == "--bucket") s.bucket = parse_integer(flag, value, 1, INT_MAX);
+  else if (flag == "--overlap") s.overlap = parse_integer(flag, value, 0, 1) != 0;
+  else if (flag == "--layers") s.layers = (int)parse_integer(flag, value, 1, 256);
+  else if (flag == "--hidden") s.hidden = (int)parse_integer(flag, value, 1, 16384);
+  else if (flag == "--heads") s.heads = (int)parse_integer(flag, value, 1, 1024);
+  else if (flag == "--intermediate") s.intermediate = (int)parse_integer(flag, value, 1, 65536);
+  else if (flag == "--seq") s.seq = (int)parse_integer(flag, value, 3, 65536);
+  else if (flag == "--max-positions") s.max_positions = (int)parse_integer(flag, value, 3, 65536);
+  else if (flag == "--dropout") s.dropout = (float)parse_real(flag, value, 0.0, 1.0, false);
+  else if (flag == "--micro-batch") s.micro_batch = (int)parse_integer(flag, value, 1, 1 << 20);
+  else if (flag == "--accum") s.accum = (int)parse_integer(flag, value, 1, 1 << 20);
+  else if (flag == "--steps") s.steps = parse_integer(flag, value, 1, big);
+  else if (flag == "--warmup") s.warmup = parse_integer(flag, value, 0, big);
+  else if (flag == "--lr") s.lr = parse_real(flag, value, 0.0, 10.0);
+  else if (flag == "--weight-decay") s.weight_decay = parse_real(flag, value, 0.0, 10.0);
+  else if (flag == "--clip") s.clip = parse_real(flag, value, 0.0, 1e30);
+  else if (flag == "--seed") s.seed = (uint64_t)parse_integer(flag, value, 0, LONG_MAX);
+  else if (flag == "--log-every") s.log_every = parse_integer(flag, value, 1, big);
+  else if (flag == "--data") s.data = value;
+  else if (flag == "--config") s.config = value;
+  else if (flag == "--json") s.json_path = value;
+  else if (flag == "--export-hf") s.export_dir = value;
+  else if (flag == "--dump-batch") s.dump_dir = value;
+  // Not command-line flags: only a config file sets these.
+  else if (flag == "beta1") s.beta1 = parse_real("optimizer.params.betas[0]", value, 0.0, 1.0, false);
+  else if (flag == "beta2") s.beta2 = parse_real("optimizer.params.betas[1]", value, 0.0, 1.0, false);
+  else if (flag == "eps") s.eps = parse_real("optimizer.params.eps", value, 1e-30, 1.0);
+  else if (flag == "train_batch_size") s.train_batch_size = parse_integer("train_batch_size", value, 1, big);
+  else fail("unknown flag '%s' (see the usage at the top of train_bert_mini.cu or DESIGN.md section 7)", flag.c_str());
+}
+
+// A DeepSpeed configuration file (the subset that means something here). Each
+// known key becomes the flag it corresponds to; a key we do not know is an
+// error that names it, because silently ignoring a setting the user believes
+// is in force is worse than refusing it.
+inline std::vector<std::pair<std::string, std::string>> read_config(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) fail("cannot open the config file '%s': %s", path.c_str(), std::strerror(errno));
+  json config;
+  try {
+    config = json::parse(file);
+  } catch (const std::exception& e) {
+    fail("the config file '%s' is not valid JSON: %s", path.c_str(), e.what());
+  }
+  if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path.c_str());
+  std::vector<std::pair<std::string, std::string>> flags;
+  auto number = [&](const json& value, const std::string& key) -> std::string {
+    if (value.is_boolean()) return value.get<bool>() ? "1" : "0";
+    if (!value.is_number()) fail("config key '%s' wants a number (got %s)", key.c_str(), value.dump().c_str());
+    if (value.is_number_integer()) return std::to_string(value.get<long long>());
+    char text[64];
+    snprintf(text, sizeof text, "%.17g", value.get<double>());
+    return text;
+  };
+  auto object = [&](const json& value, const std::string& key) -> const json& {
+    if (!value.is_object()) fail("config key '%s' wants an object", key.c_str());
+    return value;
+  };
+  auto must_be = [&](const json& value, const std::string& key, const json& expected, const char* why) {
+    if (value != expected) fail("config key '%s' = %s is not supported: %s", key.c_str(), value.dump().c_str(), why);
+  };
+  for (auto& [key, value] : config.items()) {
+    if (key == "train_batch_size") flags.push_back({"train_batch_size", number(value, key)});
+    else if (key == "train_micro_batch_size_per_gpu") flags.push_back({"--micro-batch", number(value, key)});
+    else if (key == "gradient_accumulation_steps") flags.push_back({"--accum", number(value, key)});
+    else if (key == "gradient_clipping") flags.push_back({"--clip", number(value, key)});
+    else if (key == "steps_per_print") flags.push_back({"--log-every", number(value, key)});
+    else if (key == "fp16" || key == "bf16") {
+      for (auto& [inner, setting] : object(value, key).items()) {
+        if (inner != "enabled") fail("unknown config key '%s.%s'", key.c_str(), inner.c_str());
+        must_be(setting, key + ".enabled", false, "mixed precision is a later issue; this trainer runs fp32");
+      }
+    } else if (key == "zero_optimization") {
+      for (auto& [inner, setting] : object(value, key).items()) {
+        const std::string name = key + "." + inner;
+        if (inner == "stage") flags.push_back({"--stage", number(setting, name)});
+        else if (inner == "reduce_bucket_size") flags.push_back({"--bucket", number(setting, name)});
+        else if (inner == "overlap_comm") flags.push_back({"--overlap", number(setting, name)});
+        else if (inner == "contiguous_gradients")
+          must_be(setting, name, true, "gradients always live in one contiguous buffer here");
+        else if (inner == "reduce_scatter")
+          must_be(setting, name, true, "gradients are always reduce-scattered here (the deterministic all-to-all)");
+        else if (inner == "allgather_partitions")
+          must_be(setting, name, true, "parameters are always all-gathered bucket by bucket here");
+        else fail("unknown config key '%s'", name.c_str());
+      }
+    } else if (key == "optimizer") {
+      for (auto& [inner, setting] : object(value, key).items()) {
+        const std::string name = key + "." + inner;
+        if (inner == "type") must_be(setting, name, "AdamW", "the optimizer is torch.optim.AdamW");
+        else if (inner == "params") {
+          for (auto& [param, entry] : object(setting, name).items()) {
+            const std::string full = name + "." + param;
+            if (param == "lr") flags.push_back({"--lr", number(entry, full)});
+            else if (param == "weight_decay") flags.push_back({"--weight-decay", number(entry, full)});
+            else if (param == "eps") flags.push_back({"eps", number(entry, full)});
+            else if (param == "betas") {
+              if (!entry.is_array() || entry.size() != 2) fail("config key '%s' wants [beta1, beta2]", full.c_str());
+              flags.push_back({"beta1", number(entry[0], full)});
+              flags.push_back({"beta2", number(entry[1], full)});
+            } else fail("unknown config key '%s'", full.c_str());
+          }
+        } else fail("unknown config key '%s'", name.c_str());
+      }
+    } else if (key == "scheduler") {
+      for (auto& [inner, setting] : object(value, key).items()) {
+        const std::string name = key + "." + inner;
+        if (inner == "type")
+          must_be(setting, name, "WarmupDecayLR", "the schedule is linear warmup then linear decay");
+        else if (inner == "params") {
+          for (auto& [param, entry] : object(setting, name).items()) {
+            const std::string full = name + "." + param;
+            if (param == "warmup_num_steps") flags.push_back({"--warmup", number(entry, full)});
+            else if (param == "total_num_steps") flags.push_back({"--steps", number(entry, full)});
+            else if (param == "warmup_max_lr") flags.push_back({"--lr", number(entry, full)});
+            else if (param == "warmup_min_lr") must_be(entry, full, 0, "warmup starts from 0");
+            else if (param == "warmup_type") must_be(entry, full, "linear", "warmup is linear");
+            else fail("unknown config key '%s'", full.c_str());
+          }
+        } else fail("unknown config key '%s'", name.c_str());
+      }
+    } else fail("unknown config key '%s'", key.c_str());
+  }
+  return flags;
+}
+
+// The command line. --config is read first, whatever its position, so that
+// every flag given on the command line overrides the file.
+inline Settings parse_command_line(int argc, char** argv) {
+  Settings settings;
+  std::vector<std::pair<std::string, std::string>> flags;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (flag == "--quiet") {
+      flags.push_back({flag, ""});
+      continue;
+    }
+    if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
+    // A missing value shows as the next flag taking its place (negative
+    // numbers start with a single dash, so they still pass).
+    if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) fail("%s needs a value", flag.c_str());
+    flags.push_back({flag, argv[++i]});
+  }
+  for (auto& [flag, value] : flags)
+    if (flag == "--config") {
+      settings.config = value;
+      for (auto& [key, setting] : read_config(value)) apply(settings, key, setting);
+    }
+  for (auto& [flag, value] : flags) {
+    if (flag == "--quiet") settings.quiet = true;
+    else apply(settings, flag, value);
+  }
+  return settings;
+}
+
+// Checks that need several settings at once (world size known).
+inline void check_consistency(Settings& s, int world_size) {
+  if (s.hidden % s.heads != 0)
+    fail("--hidden %d is not divisible by --heads %d (each head gets hidden / heads features)", s.hidden, s.heads);
+  if (s.seq > s.max_positions)
+    fail("--seq %d is longer than the %d learned positions (--max-positions)", s.seq, s.max_positions);
+  if (s.warmup > s.steps) fail("--warmup %ld is longer than --steps %ld", s.warmup, s.steps);
+  if (s.warmup < 0) s.warmup = s.steps / 10;
+  if (s.train_batch_size && s.train_batch_size != (long)s.micro_batch * s.accum * world_size)
+    fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks", s.train_batch_size,
+         s.micro_batch, s.accum, world_size);
+  if (!s.dump_dir.empty() && world_size != 1)
+    fail("--dump-batch writes step 0 of a single-rank run: run it with 1 rank (got %d)", world_size);
+  const double tokens = (double)s.micro_batch * s.seq;
+  if (tokens * std::max(s.hidden, s.intermediate) > 1.5e9)
+    fail("--micro-batch %d x --seq %d is too large for one micro-batch's activations", s.micro_batch, s.seq);
+}
+
+// ----------------------------------------------------------------------------
+// 2. Data
+//
+// A sample is a window of T - 2 bytes of the corpus between [CLS] and [SEP].
+// Global sample g = m * B + b of optimizer step s (m the global micro-batch)
+// starts at a position drawn from hash(seed, step, g), and its masking from
+// hash(seed, step, g, position): a pure function of (seed, s, m) as DESIGN.md
+// section 4.1 requires, whatever N, A or the rank that computes it.
+
+enum Site : uint64_t {  // the first key after the seed: which random decision
+  site_window = 1, site_select, site_action, site_random_byte,
+  site_dropout = 16  // + 8 * layer + one of the dropout sites below
+};
+enum DropoutSite : uint64_t { dropout_embeddings, dropout_attention_probs, dropout_attention_output, dropout_ffn_output };
+constexpr uint64_t embeddings_layer = 255;  // dropout key of the embeddings (not a block)
+
+// The embedded default corpus (data/corpus.txt, made into a string by the Makefile).
+inline const std::string& default_corpus() {
+  static const std::string text =
+#include "corpus.inc"
+      ;
+  return text;
+}
+
+// A text file as bytes: it must exist, be non-empty, be UTF-8 and have no NUL
+// bytes (a binary file is almost certainly a mistake, not a corpus).
+inline std::string read_corpus(const std::string& path) {
+  if (path.empty()) return default_corpus();
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error)) fail("--data '%s' is a directory, not a text file", path.c_str());
+  std::ifstream file(path, std::ios::binary);
+  if (!file) fail("cannot open --data '%s': %s", path.c_str(), std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (text.empty()) fail("--data '%s' is empty", path.c_str());
+  const size_t nul = text.find('\0');
+  if (nul != std::string::npos)
+    fail("--data '%s' has a NUL byte at offset %zu: it looks binary, not UTF-8 text", path.c_str(), nul);
+  for (size_t i = 0; i < text.size();) {
+    unsigned char c = (unsigned char)text[i];
+    int length = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    bool valid = length > 0 && i + length <= text.size();
+    for (int k = 1; valid && k < length; ++k) valid = ((unsigned char)text[i + k] >> 6) == 2;
+    if (!valid) fail("--data '%s' is not UTF-8 text (bad byte 0x%02x at offset %zu)", path.c_str(), c, i);
+    i += length;
+  }
+  return text;
+}
+
+// One micro-batch on the host: tokens, which positions the loss reads, and
+// the word-embedding gradient's gather lists.
+struct Batch {
+  std::vector<int> tokens;        // [B, T] input ids after masking
+  std::vector<long> labels;       // [B, T] original byte where selected, -100 elsewhere (Hugging Face's convention)
+  std::vector<int> selected;      // [S] flat positions b * T + t whose label counts, in order
+  std::vector<int> targets;       // [S] their labels
+  std::vector<int> token_offsets; // [V + 1] CSR over token ids: positions with token v are
+  std::vector<int> token_rows;    //   token_rows[token_offsets[v] .. token_offsets[v + 1]), in order
+};
+
+// Sample `sample` of step `step`: fills row b of the batch.
+inline void make_sample(const std::string& corpus, uint64_t seed, long step, long sample, int T, int b, Batch& batch) {
+  const size_t window = (size_t)T - 2;
+  const size_t starts = corpus.size() - window + 1;
+  const size_t start = z2::hash_keys(seed, site_window, (uint64_t)step, (uint64_t)sample) % starts;
+  int* tokens = batch.tokens.data() + (size_t)b * T;
+  long* labels = batch.labels.data() + (size_t)b * T;
+  tokens[0] = cls_token;
+  tokens[T - 1] = sep_token;
+  labels[0] = labels[T - 1] = -100;
+  for (int t = 1; t + 1 < T; ++t) {
+    const int byte = (unsigned char)corpus[start + t - 1];
+    tokens[t] = byte;
+    labels[t] = -100;
+    // 15% of the positions are selected; of those 80% become [MASK], 10% a
+    // random byte and 10% stay (BERT's recipe). [CLS] and [SEP] never are.
+    float select = z2::uniform_from_hash(z2::hash_keys(seed, site_select, (uint64_t)step, (uint64_t)sample, (uint64_t)t));
+    if (select >= 0.15f) continue;
+    labels[t] = byte;
+    float action = z2::uniform_from_hash(z2::hash_keys(seed, site_action, (uint64_t)step, (uint64_t)sample, (uint64_t)t));
+    if (action < 0.8f) tokens[t] = mask_token;
+    else if (action < 0.9f)
+      tokens[t] = (int)(z2::hash_keys(seed, site_random_byte, (uint64_t)step, (uint64_t)sample, (uint64_t)t) % 256);
+  }
+}
+
+inline Batch make_batch(const std::string& corpus, uint64_t seed, long step, long micro_batch, int B, int T) {
+  Batch batch;
+  batch.tokens.resize((size_t)B * T);
+  batch.labels.resize((size_t)B * T);
+  for (int b = 0; b < B; ++b) make_sample(corpus, seed, step, micro_batch * B + b, T, b, batch);
+  for (int i = 0; i < B * T; ++i)
+    if (batch.labels[i] >= 0) batch.selected.push_back(i), batch.targets.push_back((int)batch.labels[i]);
+  // Counting sort of positions by token id, stable: each embedding row sums
+  // its positions in increasing order.
+  batch.token_offsets.assign(vocab_size + 1, 0);
+  for (int token : batch.tokens) ++batch.token_offsets[token + 1];
+  for (int v = 0; v < vocab_size; ++v) batch.token_offsets[v + 1] += batch.token_offsets[v];
+  batch.token_rows.resize(batch.tokens.size());
+  std::vector<int> next(batch.token_offsets.begin(), batch.token_offsets.end() - 1);
+  for (int i = 0; i < B * T; ++i) batch.token_rows[next[batch.tokens[i]]++] = i;
+  return batch;
+}
+
+// The loss is the mean over the selected positions of the whole global batch
+// (all N x A micro-batches), so every rank needs that count. Each rank
+// recomputes the masks of all M micro-batches (cheap hashes) instead of asking.
+inline long global_selected_count(const std::string& corpus, uint64_t seed, long step, long micro_batches, int B, int T) {
+  long count = 0;
+  Batch scratch;
+  scratch.tokens.resize((size_t)B * T);
+  scratch.labels.resize((size_t)B * T);
+  for (long m = 0; m < micro_batches; ++m)
+    for (int b = 0; b < B; ++b) {
+      make_sample(corpus, seed, step, m * B + b, T, b, scratch);
+      for (int t = 0; t < T; ++t) count += scratch.labels[(size_t)b * T + t] >= 0;
+    }
+  return count;
+}
+
+// ----------------------------------------------------------------------------
+// 3. Math shared by the CPU loops and the CUDA kernels (Z2_HD)
+
+// GELU, erf form (Hugging Face "gelu"), and its derivative.
+Z2_HD inline float gelu(float x) { return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f)); }
+Z2_HD inline float gelu_grad(float x) {
+  const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+  const float pdf = expf(-0.5f * x * x) * 0.39894228040143268f;  // 1 / sqrt(2 pi)
+  return cdf + x * pdf;
+}
+
+// Inverted dropout: the scale an element is multiplied by, 0 or 1 / (1 - p),
+// from the element's keys alone (DESIGN.md section 4.1). The keys that are
+// the same for a whole tensor, (seed, layer and site, step), are folded into
+// `tensor_key` once on the host (dropout_tensor_key); per element we mix in
+// only the global sample and the element: two rounds of mix64, not five
+// (dropout was a tenth of a CPU step with all five).
+inline uint64_t dropout_tensor_key(uint64_t seed, uint64_t layer_site, long step) {
+  return z2::hash_keys(seed, site_dropout + layer_site, (uint64_t)step);
+}
+Z2_HD inline float dropout_scale(float p, uint64_t tensor_key, long sample, size_t element) {
+  float u = z2::uniform_from_hash(z2::mix64(z2::mix64(tensor_key ^ (uint64_t)sample) ^ element));
+  return u < p ? 0.0f : 1.0f / (1.0f - p);
+}
+// The dropout key of (layer, site): layers 0..254, embeddings 255.
+Z2_HD inline uint64_t dropout_key(uint64_t layer, uint64_t site) { return layer * 8 + site; }
+
+// LayerNorm of one row of n: y = (x - mean) / sqrt(var + eps) * gamma + beta,
+// with the biased variance, two passes (mean, then squared deviations), in
+// index order. We keep mean and 1/sqrt(var + eps) for backward.
+Z2_HD inline void layer_norm_row(const float* x, const float* gamma, const float* beta, int n, float* y, float* mean_out,
+                                 float* rstd_out) {
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) sum += x[j];
+  const float mean = sum / n;
+  float squares = 0.0f;
+  for (int j = 0; j < n; ++j) squares += (x[j] - mean) * (x[j] - mean);
+  const float rstd = 1.0f / sqrtf(squares / n + layer_norm_eps);
+  for (int j = 0; j < n; ++j) y[j] = (x[j] - mean) * rstd * gamma[j] + beta[j];
+  *mean_out = mean;
+  *rstd_out = rstd;
+}
+// dx of one row: with xhat = (x - mean) rstd and g = dy * gamma,
+// dx = rstd (g - mean(g) - xhat mean(g xhat)). `accumulate` adds into dx.
+Z2_HD inline void layer_norm_backward_row(const float* x, float mean, float rstd, const float* gamma, const float* dy,
+                                          int n, float* dx) {
+  float sum_g = 0.0f, sum_g_xhat = 0.0f;
+  for (int j = 0; j < n; ++j) {
+    const float g = dy[j] * gamma[j];
+    sum_g += g;
+    sum_g_xhat += g * ((x[j] - mean) * rstd);
+  }
+  const float mean_g = sum_g / n, mean_g_xhat = sum_g_xhat / n;
+  for (int j = 0; j < n; ++j) dx[j] = rstd * (dy[j] * gamma[j] - mean_g - (x[j] - mean) * rstd * mean_g_xhat);
+}
+
+// Softmax of one row of n, in place (max subtracted for range).
+Z2_HD inline void softmax_row(float* row, int n) {
+  float max_value = row[0];
+  for (int j = 1; j < n; ++j) max_value = fmaxf(max_value, row[j]);
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) sum += expf(row[j] - max_value);
+  for (int j = 0; j < n; ++j) row[j] = expf(row[j] - max_value) / sum;
+}
+
+// Cross-entropy of one row of logits against `target`; writes the gradient
+// (softmax - one_hot) * scale into dlogits (which may be logits itself) and
+// returns -log softmax[target].
+Z2_HD inline float cross_entropy_row(const float* logits, int n, int target, float scale, float* dlogits) {
+  float max_value = logits[0];
+  for (int j = 1; j < n; ++j) max_value = fmaxf(max_value, logits[j]);
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) sum += expf(logits[j] - max_value);
+  const float log_sum = logf(sum);
+  const float loss = log_sum + max_value - logits[target];  // read before dlogits may overwrite it
+  for (int j = 0; j < n; ++j)
+    dlogits[j] = (expf(logits[j] - max_value - log_sum) - (j == target ? 1.0f : 0.0f)) * scale;
+  return loss;
+}
+
+// ----------------------------------------------------------------------------
+// 4. The model
+
+struct ModelShape {
+  int layers, hidden, heads, intermediate, seq, max_positions, micro_batch;
+  float dropout;
+  uint64_t seed;
+  int head_dim() const { return hidden / heads; }
+};
+
+// Parameter ids, registered in layer order (embeddings first, MLM head last)
+// so that stage 2 can reduce a block's bucket while the blocks below are still
+// in backward. Names are Hugging Face's, so an export needs no renaming.
+struct BlockParameters {
+  z2::ParameterId query_weight, query_bias, key_weight, key_bias, value_weight, value_bias;
+  z2::ParameterId attention_output_weight, attention_output_bias, attention_norm_weight, attention_norm_bias;
+  z2::ParameterId intermediate_weight, intermediate_bias, output_weight, output_bias, output_norm_weight, output_norm_bias;
+};
+struct Parameters {
+  z2::ParameterId word_embeddings, position_embeddings, token_type_embeddings, embedding_norm_weight, embedding_norm_bias;
+  std::vector<BlockParameters> blocks;
+  z2::ParameterId head_dense_weight, head_dense_bias, head_norm_weight, head_norm_bias, decoder_bias;
+};
+
+// Parameter count of the model (the tensors registered below), and the bytes
+// of activations the Model constructor allocates: both from the shape alone,
+// so train() can refuse a configuration that cannot fit before allocating.
+// A test checks activation_bytes against the memory ledger.
+inline size_t parameter_count(const ModelShape& s) {
+  const size_t H = s.hidden, F = s.intermediate, V = vocab_size;
+  const size_t block = 4 * (H * H + H) + 2 * H + (F * H + F) + (H * F + H) + 2 * H;
+  return V * H + (size_t)s.max_positions * H + H + 2 * H + s.layers * block + (H * H + H) + 2 * H + V;
+}
+inline size_t activation_bytes(const ModelShape& s) {
+  const size_t B = s.micro_batch, T = s.seq, R = B * T, S = B * (T - 2), H = s.hidden, F = s.intermediate,
+               V = vocab_size, attention = B * s.heads * T * T;
+  const size_t ints = R + 2 * S + (V + 1) + R;
+  const size_t floats = R * H + 2 * R + s.layers * (8 * R * H + 2 * R * F + attention + 4 * R) + R * H +
+                        4 * S * H + 2 * S + S * V + S + V * H + 2 * attention + 3 * R * std::max(H, F) +
+                        R * std::max(2 * H, F);
+  return ints * sizeof(int) + floats * sizeof(float);
+}
+
+// How a parameter is initialized (Hugging Face's _init_weights).
+enum class Init { normal, zeros, ones };
+
+// Activations of one block, kept from forward for backward. Shapes use
+// R = B * T rows (every token of the micro-batch).
+struct BlockActivations {
+  z2::DeviceArray<float> input;             // [R, H]   the block's input x
+  z2::DeviceArray<float> query, key, value; // [R, H]   heads side by side: head h is columns h*D .. h*D+D-1
+  z2::DeviceArray<float> probs;             // [B, NH, T, T] softmax before dropout
+  z2::DeviceArray<float> context;           // [R, H]   probs (after dropout) x value
+  z2::DeviceArray<float> attention_sum;     // [R, H]   x + dropout(dense(context)), LayerNorm's input
+  z2::DeviceArray<float> attention_stats;   // [R, 2]   its mean and rstd
+  z2::DeviceArray<float> attention_out;     // [R, H]   LayerNorm output: the FFN's input and residual
+  z2::DeviceArray<float> ffn_pre;           // [R, F]   before GELU
+  z2::DeviceArray<float> ffn_act;           // [R, F]   after GELU
+  z2::DeviceArray<float> output_sum;        // [R, H]   attention_out + dropout(dense(ffn_act))
+  z2::DeviceArray<float> output_stats;      // [R, 2]
+};
+
+class Model {
+ public:
+  Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape);
+
+  // After engine.build(): Hugging Face's initialization (normal(0, 0.02) for
+  // weights and embeddings, zeros for biases, ones for LayerNorm weights),
+  // drawn on the host in double from hash(seed, parameter, element) and
+  // rounded once, so both backends and every N start from the same bits.
+  void initialize();
+  // Forward (and, when `backward`, backward with the gradients handed to the
+  // engine) of one micro-batch. `loss_scale` is 1 / (selected positions in the
+  // global batch). Returns this micro-batch's loss contribution: the sum over
+  // its selected positions of loss / count, in the canonical tree.
+  float run(const Batch& batch, long step, long micro_batch, float loss_scale, bool backward);
+
+  const Parameters& ids() const { return ids_; }
+  const ModelShape& shape() const { return shape_; }
+  // Tensor shape of parameter `id` as Hugging Face stores it.
+  const std::vector<long>& tensor_shape(z2::ParameterId id) const { return shapes_[id]; }
+
+  // The steps of run(). Public only because nvcc does not allow extended
+  // (__host__ __device__) lambdas inside private member functions.
+  z2::ParameterId add(const std::string& name, std::vector<long> shape, bool decay, Init init);
+  float* param(z2::ParameterId id) { return engine_.parameter(id); }
+  void upload(const Batch& batch);
+  void embeddings_forward(long step, long first_sample);
+  void block_forward(int layer, long step, long first_sample);
+  float head_forward_backward(long step, float loss_scale, bool backward);
+  void block_backward(int layer, long step, long first_sample);
+  void embeddings_backward(long step, long first_sample);
+  // Small building blocks (section 4 continued).
+  void linear(const float* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out, float* output);
+  void linear_backward(const float* input, const float* doutput, z2::ParameterId weight, z2::ParameterId bias, int rows,
+                       int in, int out, float* dinput, float dinput_beta);
+  void column_sums(const float* matrix, int rows, int columns, float* sums);
+  void layer_norm(const float* x, z2::ParameterId weight, z2::ParameterId bias, int rows, float* y, float* stats);
+  void layer_norm_backward(const float* x, const float* stats, const float* dy, z2::ParameterId weight,
+                           z2::ParameterId bias, int rows, float* dx);
+  void dropout(float* values, size_t count, size_t per_sample, long step, long first_sample, uint64_t key);
+
+ private:
+  z2::Compute& compute_;
+  z2::Engine& engine_;
+  ModelShape shape_;
+  Parameters ids_;
+  std::vector<std::vector<long>> shapes_;
+  std::vector<Init> inits_;
+
+  // Device copies of the batch.
+  z2::DeviceArray<int> tokens_, selected_, targets_, token_offsets_, token_rows_;
+  int selected_count_ = 0;
+  // Activations (kept for backward) and scratch, sized for the micro-batch.
+  z2::DeviceArray<float> embedding_sum_, embedding_stats_;  // [R, H], [R, 2]
+  std::vector<BlockActivations> blocks_;
+  z2::DeviceArray<float> final_hidden_;                     // [R, H] the last block's output
+  z2::DeviceArray<float> head_input_, head_pre_, head_act_, head_stats_, head_out_;  // [S, H] (stats [S, 2])
+  z2::DeviceArray<float> logits_, sample_loss_;             // [S, V], [S]
+  z2::DeviceArray<float> decoder_gradient_;                 // [V, H] the tied decoder's part of dL/d word_embeddings
+  z2::DeviceArray<float> scratch_probs_, scratch_dprobs_;   // [B, NH, T, T]
+  z2::DeviceArray<float> gradient_a_, gradient_b_, gradient_d_;  // [R, max(H, F)] backward scratch
+  z2::DeviceArray<float> gradient_c_;                            // [R, max(2H, F)]: also holds dq and dk
+};
+
+inline z2::ParameterId Model::add(const std::string& name, std::vector<long> shape, bool decay, Init init) {
+  size_t numel = 1;
+  for (long d : shape) numel *= (size_t)d;
+  z2::ParameterId id = engine_.add_parameter(name, numel, decay);
+  shapes_.push_back(shape);
+  inits_.push_back(init);
+  return id;
+}
+
+inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape)
+    : compute_(compute), engine_(engine), shape_(shape) {
+  const long H = shape.hidden, F = shape.intermediate, V = vocab_size;
+  // Weight decay on linear weights and embeddings; none on biases and
+  // LayerNorm (DESIGN.md section 6).
+  ids_.word_embeddings = add("bert.embeddings.word_embeddings.weight", {V, H}, true, Init::normal);
+  ids_.position_embeddings = add("bert.embeddings.position_embeddings.weight", {shape.max_positions, H}, true, Init::normal);
+  ids_.token_type_embeddings = add("bert.embeddings.token_type_embeddings.weight", {1, H}, true, Init::normal);
+  ids_.embedding_norm_weight = add("bert.embeddings.LayerNorm.weight", {H}, false, Init::ones);
+  ids_.embedding_norm_bias = add("bert.embeddings.LayerNorm.bias", {H}, false, Init::zeros);
+  for (int l = 0; l < shape.layers; ++l) {
+    const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
+    BlockParameters b;
+    b.query_weight = add(p + "attention.self.query.weight", {H, H}, true, Init::normal);
+    b.query_bias = add(p + "attention.self.query.bias", {H}, false, Init::zeros);
+    b.key_weight = add(p + "attention.self.key.weight", {H, H}, true, Init::normal);
+    b.key_bias = add(p + "attention.self.key.bias", {H}, false, Init::zeros);
+    b.value_weight = add(p + "attention.self.value.weight", {H, H}, true, Init::normal);
+    b.value_bias = add(p + "attention.self.value.bias", {H}, false, Init::zeros);
+    b.attention_output_weight = add(p + "attention.output.dense.weight", {H, H}, true, Init::normal);
+    b.attention_output_bias = add(p + "attention.output.dense.bias", {H}, false, Init::zeros);
+    b.attention_norm_weight = add(p + "attention.output.LayerNorm.weight", {H}, false, Init::ones);
+    b.attention_norm_bias = add(p + "attention.output.LayerNorm.bias", {H}, false, Init::zeros);
+    b.intermediate_weight = add(p + "intermediate.dense.weight", {F, H}, true, Init::normal);
+    b.intermediate_bias = add(p + "intermediate.dense.bias", {F}, false, Init::zeros);
+    b.output_weight = add(p + "output.dense.weight", {H, F}, true, Init::normal);
+    b.output_bias = add(p + "output.dense.bias", {H}, false, Init::zeros);
+    b.output_norm_weight = add(p + "output.LayerNorm.weight", {H}, false, Init::ones);
+    b.output_norm_bias = add(p + "output.LayerNorm.bias", {H}, false, Init::zeros);
+    ids_.blocks.push_back(b);
+  }
+  ids_.head_dense_weight = add("cls.predictions.transform.dense.weight", {H, H}, true, Init::normal);
+  ids_.head_dense_bias = add("cls.predictions.transform.dense.bias", {H}, false, Init::zeros);
+  ids_.head_norm_weight = add("cls.predictions.transform.LayerNorm.weight", {H}, false, Init::ones);
+  ids_.head_norm_bias = add("cls.predictions.transform.LayerNorm.bias", {H}, false, Init::zeros);
+  ids_.decoder_bias = add("cls.predictions.bias", {V}, false, Init::zeros);
+
+  // Activation memory, allocated once. R rows of the micro-batch; at most
+  // S = B (T - 2) selected rows reach the head.
+  const size_t B = shape.micro_batch, T = shape.seq, R = B * T, S = B * (T - 2);
+  const size_t attention = B * shape.heads * T * T;
+  auto array = [&](size_t count) { return z2::DeviceArray<float>(compute, count, z2::MemoryKind::activations); };
+  auto ints = [&](size_t count) { return z2::DeviceArray<int>(compute, count, z2::MemoryKind::activations); };
+  tokens_ = ints(R), selected_ = ints(S), targets_ = ints(S), token_offsets_ = ints(V + 1), token_rows_ = ints(R);
+  embedding_sum_ = array(R * H), embedding_stats_ = array(R * 2);
+  for (int l = 0; l < shape.layers; ++l) {
+    BlockActivations a;
+    a.input = array(R * H), a.query = array(R * H), a.key = array(R * H), a.value = array(R * H);
+    a.probs = array(attention), a.context = array(R * H);
+    a.attention_sum = array(R * H), a.attention_stats = array(R * 2), a.attention_out = array(R * H);
+    a.ffn_pre = array(R * F), a.ffn_act = array(R * F);
+    a.output_sum = array(R * H), a.output_stats = array(R * 2);
+    blocks_.push_back(std::move(a));
+  }
+  final_hidden_ = array(R * H);
+  head_input_ = array(S * H), head_pre_ = array(S * H), head_act_ = array(S * H), head_stats_ = array(S * 2);
+  head_out_ = array(S * H), logits_ = array(S * V), sample_loss_ = array(S);
+  decoder_gradient_ = array(V * H);
+  scratch_probs_ = array(attention), scratch_dprobs_ = array(attention);
+  const size_t widest = R * std::max(H, F);
+  gradient_a_ = array(widest), gradient_b_ = array(widest), gradient_d_ = array(widest);
+  gradient_c_ = array(R * std::max(2 * H, F));
+}
+
+inline void Model::initialize() {
+  std::vector<float> values;
+  values.reserve(engine_.psi());
+  const auto& infos = engine_.parameters();
+  for (size_t id = 0; id < infos.size(); ++id)
+    for (size_t i = 0; i < infos[id].numel; ++i) {
+      if (inits_[id] != Init::normal) {
+        values.push_back(inits_[id] == Init::ones ? 1.0f : 0.0f);
+        continue;
+      }
+      // Box-Muller from two 53-bit uniforms in double: host-only, so the same
+      // bits on every backend. u1 in (0, 1] keeps the logarithm finite.
+      uint64_t h1 = z2::hash_keys(shape_.seed, 0x1417, id, i, 1), h2 = z2::hash_keys(shape_.seed, 0x1417, id, i, 2);
+      double u1 = ((h1 >> 11) + 1) * (1.0 / 9007199254740992.0), u2 = (h2 >> 11) * (1.0 / 9007199254740992.0);
+      double normal = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+      values.push_back((float)(normal * initializer_range));
+    }
+  engine_.parameters_from_host(values);
+}
+
+// --- building blocks ---------------------------------------------------------
+
+// output [rows, out] = input [rows, in] x W^T + b, with W [out, in] (torch's Linear).
+inline void Model::linear(const float* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out,
+                          float* output) {
+  compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, output, out);
+  const float* b = param(bias);
+  compute_.for_each((size_t)rows * out, [=] Z2_HD(size_t i) { output[i] += b[i % out]; });
+}
+
+// sums [columns] = the sum over rows of matrix [rows, columns]: one thread per
+// column adding the rows in order (the fixed-order reduction that replaces
+// atomics for bias and LayerNorm gradients).
+inline void Model::column_sums(const float* matrix, int rows, int columns, float* sums) {
+  compute_.for_each((size_t)columns, [=] Z2_HD(size_t j) {
+    float sum = 0.0f;
+    for (int r = 0; r < rows; ++r) sum += matrix[(size_t)r * columns + j];
+    sums[j] = sum;
+  });
+}
+
+// Given doutput [rows, out]: db = column sums and dW [out, in] = doutput^T x
+// input go to the engine (bias first: the reverse of registration order);
+// dinput [rows, in] = doutput x W (+ dinput_beta x dinput, so three
+// projections can add into one dinput in a fixed order).
+inline void Model::linear_backward(const float* input, const float* doutput, z2::ParameterId weight,
+                                   z2::ParameterId bias, int rows, int in, int out, float* dinput, float dinput_beta) {
+  column_sums(doutput, rows, out, engine_.gradient_output(bias));
+  engine_.gradient_ready(bias);
+  compute_.gemm(true, false, out, in, rows, 1.0f, doutput, out, input, in, 0.0f, engine_.gradient_output(weight), in);
+  engine_.gradient_ready(weight);
+  if (dinput) compute_.gemm(false, false, rows, in, out, 1.0f, doutput, out, param(weight), in, dinput_beta, dinput, in);
+}
+
+inline void Model::layer_norm(const float* x, z2::ParameterId weight, z2::ParameterId bias, int rows, float* y,
+                              float* stats) {
+  const int n = shape_.hidden;
+  const float *gamma = param(weight), *beta = param(bias);
+  compute_.for_each((size_t)rows, [=] Z2_HD(size_t r) {
+    layer_norm_row(x + r * n, gamma, beta, n, y + r * n, stats + 2 * r, stats + 2 * r + 1);
+  });
+}
+
+// dx [rows, H] from dy; dbeta = sum_rows dy and dgamma = sum_rows dy * xhat go
+// to the engine (one thread per column, rows in order; bias first as above).
+inline void Model::layer_norm_backward(const float* x, const float* stats, const float* dy, z2::ParameterId weight,
+                                       z2::ParameterId bias, int rows, float* dx) {
+  const int n = shape_.hidden;
+  const float* gamma = param(weight);
+  column_sums(dy, rows, n, engine_.gradient_output(bias));
+  engine_.gradient_ready(bias);
+  float* dgamma = engine_.gradient_output(weight);
+  compute_.for_each((size_t)n, [=] Z2_HD(size_t j) {
+    float sum = 0.0f;
+    for (int r = 0; r < rows; ++r) sum += dy[(size_t)r * n + j] * ((x[(size_t)r * n + j] - stats[2 * r]) * stats[2 * r + 1]);
+    dgamma[j] = sum;
+  });
+  engine_.gradient_ready(weight);
+  compute_.for_each((size_t)rows, [=] Z2_HD(size_t r) {
+    layer_norm_backward_row(x + r * n, stats[2 * r], stats[2 * r + 1], gamma, dy + r * n, n, dx + r * n);
+  });
+}
+
+// values [B, per_sample] *= dropout scale, keyed by (sample, key, element in sample).
+// Backward calls the same function on the gradient: the mask is recomputed, not stored.
+inline void Model::dropout(float* values, size_t count, size_t per_sample, long step, long first_sample, uint64_t key) {
+  const float p = shape_.dropout;
+  if (p == 0.0f) return;
+  const uint64_t tensor_key = dropout_tensor_key(shape_.seed, key, step);
+  compute_.for_each(count, [=] Z2_HD(size_t i) {
+    values[i] *= dropout_scale(p, tensor_key, first_sample + (long)(i / per_sample), i % per_sample);
+  });
+}
+
+// --- forward -----------------------------------------------------------------
+
+inline void Model::upload(const Batch& batch) {
+  z2::Stream stream = compute_.compute_stream();
+  selected_count_ = (int)batch.selected.size();
+  compute_.copy(tokens_.data(), batch.tokens.data(), batch.tokens.size() * sizeof(int), stream);
+  compute_.copy(selected_.data(), batch.selected.data(), batch.selected.size() * sizeof(int), stream);
+  compute_.copy(targets_.data(), batch.targets.data(), batch.targets.size() * sizeof(int), stream);
+  compute_.copy(token_offsets_.data(), batch.token_offsets.data(), batch.token_offsets.size() * sizeof(int), stream);
+  compute_.copy(token_rows_.data(), batch.token_rows.data(), batch.token_rows.size() * sizeof(int), stream);
+}
+
+// x0 = dropout(LayerNorm(word[token] + position[t] + token_type[0])).
+inline void Model::embeddings_forward(long step, long first_sample) {
+  const int H = shape_.hidden, T = shape_.seq, R = shape_.micro_batch * T;
+  const int* tokens = tokens_.data();
+  const float *word = param(ids_.word_embeddings), *position = param(ids_.position_embeddings),
+              *token_type = param(ids_.token_type_embeddings);
+  float* sum = embedding_sum_.data();
+  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) {
+    const size_t row = i / H, j = i % H;
+    sum[i] = word[(size_t)tokens[row] * H + j] + position[(row % T) * H + j] + token_type[j];
+  });
+  float* x0 = blocks_.empty() ? final_hidden_.data() : blocks_[0].input.data();
+  layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data());
+  dropout(x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
+}
+
+// One post-LN block: a = LN(x + drop(attn(x) Wo + bo)), y = LN(a + drop(gelu(a Wi + bi) Wf + bf)).
+inline void Model::block_forward(int l, long step, long first_sample) {
+  const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
+            F = shape_.intermediate, R = B * T;
+  const BlockParameters& p = ids_.blocks[l];
+  BlockActivations& a = blocks_[l];
+  float* next = l + 1 < shape_.layers ? blocks_[l + 1].input.data() : final_hidden_.data();
+  linear(a.input.data(), p.query_weight, p.query_bias, R, H, H, a.query.data());
+  linear(a.input.data(), p.key_weight, p.key_bias, R, H, H, a.key.data());
+  linear(a.input.data(), p.value_weight, p.value_bias, R, H, H, a.value.data());
+
+  // Scores [T, T] per (sample, head) = Q K^T, then / sqrt(D) and softmax, a
+  // row per thread. Q of head h is the D columns at h*D of a [T, H] slab.
+  const size_t TT = (size_t)T * T;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const size_t offset = (size_t)b * T * H + (size_t)h * D;
+      compute_.gemm(false, true, T, T, D, 1.0f, a.query.data() + offset, H, a.key.data() + offset, H, 0.0f,
+                    a.probs.data() + ((size_t)b * NH + h) * TT, T);
+    }
+  float* probs = a.probs.data();
+  const float inverse_sqrt = 1.0f / sqrtf((float)D);
+  compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
+    float* values = probs + row * T;
+    for (int j = 0; j < T; ++j) values[j] = values[j] * inverse_sqrt;
+    softmax_row(values, T);
+  });
+  // Dropout on the probabilities into scratch (probs stays for backward).
+  const float* source = probs;
+  float* dropped = scratch_probs_.data();
+  if (shape_.dropout > 0.0f) {
+    compute_.copy(dropped, probs, (size_t)B * NH * TT * sizeof(float), compute_.compute_stream());
+    dropout(dropped, (size_t)B * NH * TT, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
+    source = dropped;
+  }
+  // Context [T, D] per (sample, head) = probs x V, into the head's columns.
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const size_t offset = (size_t)b * T * H + (size_t)h * D;
+      compute_.gemm(false, false, T, D, T, 1.0f, source + ((size_t)b * NH + h) * TT, T, a.value.data() + offset, H,
+                    0.0f, a.context.data() + offset, H);
+    }
+  // Attention output: dense, dropout, residual, LayerNorm.
+  float* sum = a.attention_sum.data();
+  linear(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
+  dropout(sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
+  const float* input = a.input.data();
+  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { sum[i] += input[i]; });
+  layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data(), a.attention_stats.data());
+  // Feed-forward: dense to F, GELU, dense to H, dropout, residual, LayerNorm.
+  linear(a.attention_out.data(), p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_pre.data());
+  const float* pre = a.ffn_pre.data();
+  float* act = a.ffn_act.data();
+  compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
+  float* out_sum = a.output_sum.data();
+  linear(act, p.output_weight, p.output_bias, R, F, H, out_sum);
+  dropout(out_sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
+  const float* residual = a.attention_out.data();
+  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { out_sum[i] += residual[i]; });
+  layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, next, a.output_stats.data());
+}
+
+// The MLM head on the S selected rows only: the loss reads no other row, so
+// computing the head there gives the same loss and gradients as Hugging
+// Face's head over all rows with labels -100 elsewhere, at S/R of the cost.
+// With `backward`, also the head's backward, ending with dL/d final_hidden in
+// gradient_a_ (zero on rows that were not selected).
+inline float Model::head_forward_backward(long step, float loss_scale, bool backward) {
+  const int H = shape_.hidden, V = vocab_size, R = shape_.micro_batch * shape_.seq, S = selected_count_;
+  const int* selected = selected_.data();
+  const int* targets = targets_.data();
+  const float* hidden = final_hidden_.data();
+  float* gathered = head_input_.data();
+  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { gathered[i] = hidden[(size_t)selected[i / H] * H + i % H]; });
+  linear(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, head_pre_.data());
+  const float* pre = head_pre_.data();
+  float* act = head_act_.data();
+  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
+  layer_norm(act, ids_.head_norm_weight, ids_.head_norm_bias, S, head_out_.data(), head_stats_.data());
+  // logits [S, V] = out x word_embeddings^T + decoder bias (the tied decoder).
+  float* logits = logits_.data();
+  compute_.gemm(false, true, S, V, H, 1.0f, head_out_.data(), H, param(ids_.word_embeddings), H, 0.0f, logits, V);
+  const float* decoder_bias = param(ids_.decoder_bias);
+  compute_.for_each((size_t)S * V, [=] Z2_HD(size_t i) { logits[i] += decoder_bias[i % V]; });
+  // Loss per row; logits are overwritten by their gradient (already divided by
+  // the global count, so the reduced sum over ranks is the mean's gradient).
+  float* sample_loss = sample_loss_.data();
+  compute_.for_each((size_t)S, [=] Z2_HD(size_t s) {
+    const float* row = logits + s * V;
+    sample_loss[s] = cross_entropy_row(row, V, targets[s], loss_scale, (float*)row);
+  });
+  std::vector<float> losses(S);
+  compute_.copy(losses.data(), sample_loss, (size_t)S * sizeof(float), compute_.compute_stream());
+  compute_.synchronize(compute_.compute_stream());
+  const float contribution = z2::canonical_tree_sum(S, [&](long s) { return losses[s] * loss_scale; });
+  if (!backward) return contribution;
+
+  const float* dlogits = logits;
+  column_sums(dlogits, S, V, engine_.gradient_output(ids_.decoder_bias));
+  engine_.gradient_ready(ids_.decoder_bias);
+  // The tied decoder's gradient [V, H] = dlogits^T x out. It belongs to the
+  // word embeddings, whose bucket is the very first (written last), so we
+  // keep it here until the embeddings' backward adds its own part: handing it
+  // over now would hold a stage-2 staging slot open through all of backward.
+  compute_.gemm(true, false, V, H, S, 1.0f, dlogits, V, head_out_.data(), H, 0.0f, decoder_gradient_.data(), H);
+  float* dout = gradient_b_.data();
+  compute_.gemm(false, false, S, H, V, 1.0f, dlogits, V, param(ids_.word_embeddings), H, 0.0f, dout, H);
+  float* dact = gradient_c_.data();
+  layer_norm_backward(act, head_stats_.data(), dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
+  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dact[i] *= gelu_grad(pre[i]); });
+  float* dgathered = gradient_d_.data();
+  linear_backward(gathered, dact, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, dgathered, 0.0f);
+  // Scatter back to the selected rows; the others get zero.
+  float* dhidden = gradient_a_.data();
+  compute_.fill_zero(dhidden, (size_t)R * H * sizeof(float), compute_.compute_stream());
+  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dhidden[(size_t)selected[i / H] * H + i % H] = dgathered[i]; });
+  return contribution;
+}
+
+// --- backward ----------------------------------------------------------------
+
+// Backward of block l: dL/d output in gradient_a_ in, dL/d input in gradient_a_ out.
+inline void Model::block_backward(int l, long step, long first_sample) {
+  const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
+            F = shape_.intermediate, R = B * T;
+  const BlockParameters& p = ids_.blocks[l];
+  BlockActivations& a = blocks_[l];
+  float *dy = gradient_a_.data(), *dsum = gradient_b_.data(), *dwide = gradient_c_.data(), *dattn = gradient_d_.data();
+
+  // Output LayerNorm: dsum = dL/d(attention_out + dropout(ffn)).
+  layer_norm_backward(a.output_sum.data(), a.output_stats.data(), dy, p.output_norm_weight, p.output_norm_bias, R, dsum);
+  // The FFN branch sees dsum through the dropout; the residual gets dsum itself.
+  float* dffn = dy;  // dy is no longer needed: reuse it
+  compute_.copy(dffn, dsum, (size_t)R * H * sizeof(float), compute_.compute_stream());
+  dropout(dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
+  linear_backward(a.ffn_act.data(), dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
+  const float* pre = a.ffn_pre.data();
+  compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { dwide[i] *= gelu_grad(pre[i]); });
+  // d attention_out = dsum (residual) + dwide x Wi: gemm with beta = 1 adds onto dsum.
+  linear_backward(a.attention_out.data(), dwide, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum, 1.0f);
+  // Attention LayerNorm: dattn = dL/d(x + dropout(dense(context))).
+  layer_norm_backward(a.attention_sum.data(), a.attention_stats.data(), dsum, p.attention_norm_weight,
+                      p.attention_norm_bias, R, dattn);
+  float* ddense = dsum;
+  compute_.copy(ddense, dattn, (size_t)R * H * sizeof(float), compute_.compute_stream());
+  dropout(ddense, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
+  float* dcontext = dy;
+  linear_backward(a.context.data(), ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext, 0.0f);
+
+  // Attention, per (sample, head): with P the probabilities and Pd = dropout(P),
+  // dV = Pd^T dC, dPd = dC V^T, dP = dropout(dPd), dS = P (dP - rowsum(dP P)) / sqrt(D),
+  // dQ = dS K, dK = dS^T Q. dq, dk, dv reuse gradient_c_ (it is R x max(H, F) wide).
+  const size_t TT = (size_t)T * T, attention = (size_t)B * NH * TT;
+  const float* probs = a.probs.data();
+  const float* dropped = probs;
+  if (shape_.dropout > 0.0f) {
+    compute_.copy(scratch_probs_.data(), probs, attention * sizeof(float), compute_.compute_stream());
+    dropout(scratch_probs_.data(), attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
+    dropped = scratch_probs_.data();
+  }
+  float *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
+  float* dprobs = scratch_dprobs_.data();
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const size_t offset = (size_t)b * T * H + (size_t)h * D, square = ((size_t)b * NH + h) * TT;
+      compute_.gemm(true, false, T, D, T, 1.0f, dropped + square, T, dcontext + offset, H, 0.0f, dv + offset, H);
+      compute_.gemm(false, true, T, T, D, 1.0f, dcontext + offset, H, a.value.data() + offset, H, 0.0f, dprobs + square, T);
+    }
+  dropout(dprobs, attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
+  const float inverse_sqrt = 1.0f / sqrtf((float)D);
+  compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
+    const float* p_row = probs + row * T;
+    float* d_row = dprobs + row * T;
+    float dot = 0.0f;
+    for (int j = 0; j < T; ++j) dot += d_row[j] * p_row[j];
+    for (int j = 0; j < T; ++j) d_row[j] = p_row[j] * (d_row[j] - dot) * inverse_sqrt;
+  });
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const size_t offset = (size_t)b * T * H + (size_t)h * D, square = ((size_t)b * NH + h) * TT;
+      compute_.gemm(false, false, T, D, T, 1.0f, dprobs + square, T, a.key.data() + offset, H, 0.0f, dq + offset, H);
+      compute_.gemm(true, false, T, D, T, 1.0f, dprobs + square, T, a.query.data() + offset, H, 0.0f, dk + offset, H);
+    }
+  // dx = dattn (residual) + dv Wv + dk Wk + dq Wq, added in that order into
+  // dy: value first, so gradients reach the engine in exactly the reverse of
+  // registration order and stage 2 never needs more than its two slots.
+  float* dx = dy;
+  compute_.copy(dx, dattn, (size_t)R * H * sizeof(float), compute_.compute_stream());
+  linear_backward(a.input.data(), dv, p.value_weight, p.value_bias, R, H, H, dx, 1.0f);
+  linear_backward(a.input.data(), dk, p.key_weight, p.key_bias, R, H, H, dx, 1.0f);
+  linear_backward(a.input.data(), dq, p.query_weight, p.query_bias, R, H, H, dx, 1.0f);
+}
+
+// Embeddings' backward, last: dL/d x0 in gradient_a_.
+inline void Model::embeddings_backward(long step, long first_sample) {
+  const int H = shape_.hidden, T = shape_.seq, B = shape_.micro_batch, R = B * T, P = shape_.max_positions;
+  float* dx0 = gradient_a_.data();
+  dropout(dx0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
+  float* dsum = gradient_b_.data();
+  layer_norm_backward(embedding_sum_.data(), embedding_stats_.data(), dx0, ids_.embedding_norm_weight,
+                      ids_.embedding_norm_bias, R, dsum);
+  // Token type 0 is at every position: the column sums.
+  column_sums(dsum, R, H, engine_.gradient_output(ids_.token_type_embeddings));
+  engine_.gradient_ready(ids_.token_type_embeddings);
+  // Position t collects row t of every sample, samples in order; unused positions get 0.
+  float* dposition = engine_.gradient_output(ids_.position_embeddings);
+  compute_.for_each((size_t)P * H, [=] Z2_HD(size_t i) {
+    const size_t t = i / H, j = i % H;
+    float sum = 0.0f;
+    if (t < (size_t)T)
+      for (int b = 0; b < B; ++b) sum += dsum[((size_t)b * T + t) * H + j];
+    dposition[i] = sum;
+  });
+  engine_.gradient_ready(ids_.position_embeddings);
+  // Word row v: the tied decoder's part plus the rows where token v occurs,
+  // in position order (the counting sort made on the host).
+  float* dword = engine_.gradient_output(ids_.word_embeddings);
+  const float* decoder = decoder_gradient_.data();
+  const int *offsets = token_offsets_.data(), *rows = token_rows_.data();
+  compute_.for_each((size_t)vocab_size * H, [=] Z2_HD(size_t i) {
+    const size_t v = i / H, j = i % H;
+    float sum = 0.0f;
+    for (int k = offsets[v]; k < offsets[v + 1]; ++k) sum += dsum[(size_t)rows[k] * H + j];
+    dword[i] = decoder[i] + sum;
+  });
+  engine_.gradient_ready(ids_.word_embeddings);
+}
+
+inline float Model::run(const Batch& batch, long step, long micro_batch, float loss_scale, bool backward) {
+  const long first_sample = micro_batch * shape_.micro_batch;
+  upload(batch);
+  embeddings_forward(step, first_sample);
+  for (int l = 0; l < shape_.layers; ++l) block_forward(l, step, first_sample);
+  const float contribution = head_forward_backward(step, loss_scale, backward);
+  if (!backward) return contribution;
+  for (int l = shape_.layers - 1; l >= 0; --l) {
+    block_backward(l, step, first_sample);
+    engine_.progress();  // let MPI move the buckets already handed over
+  }
+  embeddings_backward(step, first_sample);
+  engine_.end_micro_step(contribution);
+  return contribution;
+}
+
+// ----------------------------------------------------------------------------
+// 5. safetensors, the Hugging Face export and the batch dump
+
+struct Tensor {
+  std::string name, dtype;  // "F32" or "I64"
+  std::vector<long> shape;
+  std::string bytes;
+};
+inline Tensor tensor_f32(const std::string& name, std::vector<long> shape, const float* values, size_t count) {
+  return {name, "F32", shape, std::string((const char*)values, count * sizeof(float))};
+}
+
+// Write `path` atomically: into a temporary beside it, then rename, so a
+// failure never leaves a half-written file under the final name.
+inline void write_file_atomically(const std::string& path, const std::string& contents) {
+  const std::string temporary = path + ".partial";
+  {
+    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
+    if (!file) fail("cannot write '%s': %s", temporary.c_str(), std::strerror(errno));
+    file.write(contents.data(), (std::streamsize)contents.size());
+    file.flush();
+    if (!file) {
+      std::remove(temporary.c_str());
+      fail("writing '%s' failed (disk full?)", path.c_str());
+    }
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::remove(temporary.c_str());
+    fail("cannot rename '%s' to '%s': %s", temporary.c_str(), path.c_str(), std::strerror(errno));
+  }
+}
+
+// safetensors: an 8-byte little-endian header length, a JSON header naming
+// each tensor's dtype, shape and byte range, padded with spaces to a multiple
+// of 8, then the raw little-endian data.
+inline void write_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
+                              const std::map<std::string, std::string>& metadata = {}) {
+  json header = json::object();
+  size_t offset = 0;
+  for (auto& t : tensors) {
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
+    offset += t.bytes.size();
+  }
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string contents(8, '\0');
+  uint64_t length = text.size();
+  for (int k = 0; k < 8; ++k) contents[k] = (char)((length >> (8 * k)) & 0xff);
+  contents += text;
+  for (auto& t : tensors) contents += t.bytes;
+  write_file_atomically(path, contents);
+}
+
+// A directory we will write into: create it (and its parents) now, before
+// training, so a bad path fails in the first second and not after the run.
+inline void prepare_directory(const std::string& flag, const std::string& directory) {
+  std::error_code error;
+  std::filesystem::create_directories(directory, error);
+  if (!std::filesystem::is_directory(directory))
+    fail("%s '%s' cannot be created as a directory%s%s", flag.c_str(), directory.c_str(), error ? ": " : "",
+         error ? error.message().c_str() : "");
+}
+inline void check_output_file(const std::string& flag, const std::string& path) {
+  std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  if (parent.empty()) parent = ".";
+  if (!std::filesystem::is_directory(parent))
+    fail("%s '%s': the directory '%s' does not exist", flag.c_str(), path.c_str(), parent.c_str());
+  if (std::filesystem::is_directory(path)) fail("%s '%s' is a directory", flag.c_str(), path.c_str());
+}
+
+// config.json in Hugging Face's BertConfig keys, so BertForMaskedLM.from_pretrained loads the export.
+inline json hf_config(const ModelShape& s) {
+  return {{"architectures", {"BertForMaskedLM"}},
+          {"model_type", "bert"},
+          {"vocab_size", vocab_size},
+          {"hidden_size", s.hidden},
+          {"num_hidden_layers", s.layers},
+          {"num_attention_heads", s.heads},
+          {"intermediate_size", s.intermediate},
+          {"hidden_act", "gelu"},
+          {"hidden_dropout_prob", s.dropout},
+          {"attention_probs_dropout_prob", s.dropout},
+          {"max_position_embeddings", s.max_positions},
+          {"type_vocab_size", 1},
+          {"initializer_range", initializer_range},
+          {"layer_norm_eps", layer_norm_eps},
+          {"pad_token_id", pad_token},
+          {"position_embedding_type", "absolute"},
+          {"tie_word_embeddings", true},
+          {"torch_dtype", "float32"}};
+}
+
+// Parameters (canonical order, as Engine::parameters_to_host gives them) as
+// named tensors. The decoder weight is not stored: it is the word embedding
+// (Hugging Face ties it again on load).
+inline std::vector<Tensor> named_tensors(const Model& model, const z2::Engine& engine, const std::vector<float>& values,
+                                         const std::string& prefix = "") {
+  std::vector<Tensor> tensors;
+  size_t position = 0;
+  const auto& infos = engine.parameters();
+  for (size_t id = 0; id < infos.size(); ++id) {
+    tensors.push_back(tensor_f32(prefix + infos[id].name, model.tensor_shape((int)id), values.data() + position, infos[id].numel));
+    position += infos[id].numel;
+  }
+  return tensors;
+}
+
+inline void export_hf(const std::string& directory, const Model& model, const z2::Engine& engine,
+                      const std::vector<float>& values) {
+  write_file_atomically(directory + "/config.json", hf_config(model.shape()).dump(2) + "\n");
+  write_safetensors(directory + "/model.safetensors", named_tensors(model, engine, values), {{"format", "pt"}});
+}
+
+// ----------------------------------------------------------------------------
+// 6. Training
+
+// Linear warmup to lr over `warmup` steps, then linear decay to lr / (S - W)
+// at the last step (1-based t; the last step still learns).
+inline double learning_rate(const Settings& s, long t) {
+  if (t <= s.warmup) return s.lr * (double)t / (double)s.warmup;
+  return s.lr * (double)(s.steps - t + 1) / (double)(s.steps - s.warmup);
+}
+
+inline std::string with_commas(double value) {
+  char digits[64];
+  snprintf(digits, sizeof digits, "%.0f", value);
+  std::string text = digits, out;
+  int count = 0;
+  for (int i = (int)text.size() - 1; i >= 0; --i) {
+    out.insert(out.begin(), text[i]);
+    if (++count % 3 == 0 && i > 0 && text[i - 1] != '-') out.insert(out.begin(), ',');
+  }
+  return out;
+}
+
+inline std::string hex32(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  char text[16];
+  snprintf(text, sizeof text, "%08x", bits);
+  return text;
+}
+
+struct StepRecord {
+  long step;
+  float loss, grad_norm;
+  double lr, ms, tokens_per_s;
+};
+
+// The whole run on this rank. Returns the process exit code.
+inline int train(Settings settings, MPI_Comm world) {
+  int rank = 0, world_size = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_size(world, &world_size);
+  const bool speak = rank == 0 && !settings.quiet;
+  check_consistency(settings, world_size);
+  if (!settings.json_path.empty()) check_output_file("--json", settings.json_path);
+  if (!settings.export_dir.empty()) prepare_directory("--export-hf", settings.export_dir);
+  if (!settings.dump_dir.empty()) prepare_directory("--dump-batch", settings.dump_dir);
+  const std::string corpus = read_corpus(settings.data);
+  if (corpus.size() < (size_t)settings.seq - 2)
+    fail("the corpus has %zu bytes; --seq %d needs at least %d (a window is seq - 2 bytes)", corpus.size(), settings.seq,
+         settings.seq - 2);
+
+  const z2::Device device = z2::choose_device(settings.device, world);
+  const z2::CommBackend comm_backend = z2::choose_comm(settings.comm, device, world);
+  ModelShape shape{settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.seq,
+                   settings.max_positions, settings.micro_batch, settings.dropout, settings.seed};
+  {
+    // Refuse a configuration a rank cannot hold before allocating it (a CPU
+    // run would otherwise be killed by the kernel's OOM killer, not stopped
+    // with a message). Model states by the stage's formula, 5% for padding
+    // and bookkeeping, two staging slots, the accumulation tree, activations.
+    const double psi = (double)parameter_count(shape) * 1.05, N = world_size;
+    const double states[] = {16 * psi, 8 * psi + 8 * psi / N, 4 * psi + 12 * psi / N};
+    double accumulation_blocks = 0;
+    while ((2l << (long)accumulation_blocks) <= settings.accum) ++accumulation_blocks;
+    const double needed = states[settings.stage] + 2 * 8.0 * settings.bucket + accumulation_blocks * 4 * psi / N +
+                          (double)activation_bytes(shape);
+    const double available = (double)z2::memory_per_rank(device, world);
+    if (needed > available)
+      fail("this configuration needs about %.2f GiB per rank (%s parameters, stage %d, N = %d, activations %.2f GiB) "
+           "but %.2f GiB are available per rank on this %s: use a smaller model or micro-batch, a higher stage or "
+           "more ranks",
+           needed / 1073741824.0, with_commas(psi / 1.05).c_str(), settings.stage, world_size,
+           activation_bytes(shape) / 1073741824.0, available / 1073741824.0, z2::to_string(device));
+  }
+  const int local_rank = z2::local_rank_of(world);
+  z2::Compute compute(device, local_rank);
+  z2::Communicator comm(compute, world, comm_backend,
+                        settings.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic);
+  z2::EngineOptions options;
+  options.stage = settings.stage;
+  options.bucket_elements = settings.bucket;
+  options.overlap = settings.overlap;
+  options.accumulation_steps = settings.accum;
+  options.clip = settings.clip;
+  options.lr = settings.lr;
+  options.beta1 = settings.beta1, options.beta2 = settings.beta2, options.eps = settings.eps;
+  options.weight_decay = settings.weight_decay;
+  options.lr_schedule = [settings](long t) { return learning_rate(settings, t); };
+  z2::Engine engine(compute, comm, options);
+  Model model(compute, engine, shape);
+  engine.build();
+  model.initialize();
+
+  const int N = world_size, A = settings.accum, B = settings.micro_batch, T = settings.seq;
+  const long tokens_per_step = (long)N * A * B * T;
+  const z2::MemoryLedger start_ledger = engine.memory_ledger();
+  if (speak) {
+    const char* names[] = {"data parallel (baseline)", "P_os (optimizer states sharded)",
+                           "P_os+g (optimizer states and gradients sharded)"};
+    const char* formulas[] = {"16 Psi", "8 Psi + 8 Psi/N", "4 Psi + 12 Psi/N"};
+    printf("train_bert_mini: BERT-mini masked LM through zero2 (ZeRO stage %d)\n", settings.stage);
+    printf("  world     %d rank(s), device %s, comm %s, collectives %s, overlap %s, bucket %s elements\n", N,
+           z2::to_string(device), z2::to_string(comm_backend), settings.collectives.c_str(),
+           settings.overlap ? "on" : "off", with_commas((double)settings.bucket).c_str());
+    printf("  stage     %d: %s\n", settings.stage, names[settings.stage]);
+    printf("  model     layers %d, hidden %d, heads %d, intermediate %d, seq %d, vocab %d, positions %d, dropout %g\n",
+           settings.layers, settings.hidden, settings.heads, settings.intermediate, T, vocab_size,
+           settings.max_positions, settings.dropout);
+    printf("  Psi       %s parameters (%s padded into %zu bucket(s))\n", with_commas((double)engine.psi()).c_str(),
+           with_commas((double)engine.psi_padded()).c_str(), engine.buckets().size());
+    printf("  batch     %d sequences x accumulation %d x %d rank(s) = %s tokens per step\n", B, A, N,
+           with_commas((double)tokens_per_step).c_str());
+    printf("  data      %s (%s bytes), seed %llu\n",
+           settings.data.empty() ? "embedded corpus (data/corpus.txt)" : settings.data.c_str(),
+           with_commas((double)corpus.size()).c_str(), (unsigned long long)settings.seed);
+    printf("  optimizer AdamW lr %g, warmup %ld then linear decay over %ld steps, weight decay %g, clip %g\n",
+           settings.lr, settings.warmup, settings.steps, settings.weight_decay, settings.clip);
+    printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",
+           with_commas((double)start_ledger.model_states).c_str(), formulas[settings.stage],
+           with_commas((double)start_ledger.model_states_formula).c_str(),
+           start_ledger.model_states == start_ledger.model_states_formula ? "equal" : "DIFFERS");
+    printf("  initial loss should be near ln(%d) = %.3f\n\n", vocab_size, std::log((double)vocab_size));
+    fflush(stdout);
+  }
+
+  std::vector<StepRecord> records;
+  std::vector<float> dump_weights;
+  std::vector<Batch> dump_batches;
+  std::vector<float> dump_contributions;
+  for (long step = 0; step < settings.steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    const long selected = global_selected_count(corpus, settings.seed, step, (long)N * A, B, T);
+    // A global batch with no selected position has no loss; the scale 1/1 then
+    // multiplies nothing (every gradient is zero).
+    const float loss_scale = 1.0f / (float)std::max(1l, selected);
+    const bool dumping = step == 0 && !settings.dump_dir.empty();
+    if (dumping) dump_weights = engine.parameters_to_host();
+    for (int a = 0; a < A; ++a) {
+      const long m = engine.micro_batch_index(a);
+      Batch batch = make_batch(corpus, settings.seed, step, m, B, T);
+      float contribution = model.run(batch, step, m, loss_scale, true);
+      if (dumping) dump_batches.push_back(std::move(batch)), dump_contributions.push_back(contribution);
+    }
+    std::vector<float> dump_gradients;
+    if (dumping) dump_gradients = engine.gradients_to_host();
+    z2::StepReport report = engine.step();
+    compute.synchronize_all();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    records.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step / (ms / 1000.0)});
+    if (!std::isfinite(report.loss)) fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
+
+    if (dumping) {  // step 0, one rank: the weights, batch, loss and gradients of this step
+      std::vector<Tensor> tensors = named_tensors(model, engine, dump_gradients, "grad.");
+      std::vector<int64_t> ids, labels;
+      for (auto& batch : dump_batches) {
+        ids.insert(ids.end(), batch.tokens.begin(), batch.tokens.end());
+        labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
+      }
+      const long rows = (long)dump_batches.size() * B;
+      tensors.push_back({"input_ids", "I64", {rows, T}, std::string((const char*)ids.data(), ids.size() * 8)});
+      tensors.push_back({"labels", "I64", {rows, T}, std::string((const char*)labels.data(), labels.size() * 8)});
+      tensors.push_back(tensor_f32("loss", {}, &report.loss, 1));
+      char text[7][40];
+      const double values[] = {report.lr, settings.beta1, settings.beta2, settings.eps, settings.weight_decay,
+                               settings.clip, settings.dropout};
+      for (int k = 0; k < 7; ++k) snprintf(text[k], sizeof text[k], "%.17g", values[k]);
+      write_safetensors(settings.dump_dir + "/batch.safetensors", tensors,
+                        {{"format", "pt"}, {"lr", text[0]}, {"beta1", text[1]}, {"beta2", text[2]}, {"eps", text[3]},
+                         {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
+      export_hf(settings.dump_dir, model, engine, dump_weights);
+    }
+    if (speak && (report.step == 1 || report.step % settings.log_every == 0 || report.step == settings.steps)) {
+      const z2::MemoryCounters& memory = compute.memory();
+      printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e | %9s tok/s | %8.1f ms | %s %.1f MiB\n",
+             report.step, settings.steps, report.loss, report.grad_norm, report.lr,
+             with_commas(records.back().tokens_per_s).c_str(), ms, device == z2::Device::cuda ? "device" : "memory",
+             memory.total_current / 1048576.0);
+      fflush(stdout);
+    }
+  }
+
+  std::vector<double> times;
+  for (auto& r : records) times.push_back(r.ms);
+  std::sort(times.begin(), times.end());
+  const double median_ms = times[times.size() / 2];
+  const uint64_t hash = engine.parameters_hash();
+  char hash_text[24];
+  snprintf(hash_text, sizeof hash_text, "%016llx", (unsigned long long)hash);
+  if (!settings.export_dir.empty()) {
+    std::vector<float> values = engine.parameters_to_host();
+    if (rank == 0) export_hf(settings.export_dir, model, engine, values);
+  }
+  if (speak) {
+    printf("\nsummary\n");
+    printf("  %-24s %s -> %s (%s)\n", "loss", std::to_string(records.front().loss).c_str(),
+           std::to_string(records.back().loss).c_str(), records.back().loss < records.front().loss ? "falling" : "NOT falling");
+    printf("  %-24s %s\n", "last loss bits", hex32(records.back().loss).c_str());
+    printf("  %-24s %.1f ms\n", "median step", median_ms);
+    printf("  %-24s %s\n", "tokens/s (median step)", with_commas(tokens_per_step / (median_ms / 1000.0)).c_str());
+    printf("  %-24s %s\n", "final params hash", hash_text);
+    if (!settings.export_dir.empty()) printf("  %-24s %s/\n", "exported (HF layout)", settings.export_dir.c_str());
+    if (!settings.dump_dir.empty()) printf("  %-24s %s/\n", "step-0 dump", settings.dump_dir.c_str());
+    engine.print_ledgers(stdout);
+    fflush(stdout);
+  }
+  if (rank == 0 && !settings.json_path.empty()) {
+    json summary = json::parse(engine.ledgers_json());
+    json out = {{"world_size", N},
+                {"device", z2::to_string(device)},
+                {"comm", z2::to_string(comm_backend)},
+                {"collectives", settings.collectives},
+                {"stage", settings.stage},
+                {"precision", "fp32"},
+                {"accum", A},
+                {"micro_batch", B},
+                {"seq", T},
+                {"overlap", settings.overlap},
+                {"bucket", settings.bucket},
+                {"params", engine.psi()},
+                {"params_padded", engine.psi_padded()},
+                {"tokens_per_step", tokens_per_step}};
+    json steps = json::array();
+    for (auto& r : records)
+      steps.push_back({{"step", r.step}, {"loss", r.loss}, {"loss_bits", hex32(r.loss)}, {"grad_norm", r.grad_norm},
+                       {"lr", r.lr}, {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s}});
+    out["steps"] = steps;
+    out["final_params_hash"] = hash_text;
+    out["memory"] = summary["memory"];
+    out["comm"] = summary["comm"];
+    out["time"] = {{"step_ms_median", median_ms}, {"tokens_per_s_median", tokens_per_step / (median_ms / 1000.0)}};
+    write_file_atomically(settings.json_path, out.dump(2) + "\n");
+  }
+  return 0;
+}
+
+}  // namespace bert
+
+#ifndef BERT_NO_MAIN
+// Every rank runs the same code on the same arguments, so a bad setting
+// throws on every rank at the same point; rank 0 prints the one message, all
+// ranks finalize MPI and exit 2. Failures inside a library call (CUDA, NCCL,
+// MPI) abort every rank from the check macros instead.
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int status = 0;
+  try {
+    bert::Settings settings = bert::parse_command_line(argc, argv);
+    status = bert::train(settings, MPI_COMM_WORLD);
+  } catch (const z2::Error& error) {
+    if (rank == 0) fprintf(stderr, "train_bert_mini: error: %s\n", error.what());
+    status = 2;
+  } catch (const std::exception& error) {
+    if (rank == 0) fprintf(stderr, "train_bert_mini: error: %s\n", error.what());
+    status = 2;
+  }
+  MPI_Finalize();
+  return status;
+}
+#endif
