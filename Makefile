@@ -15,9 +15,11 @@
 # Every flag that matters is below; nothing is hidden in a script.
 
 # --- what we need from Debian -------------------------------------------------
-# python3-torch (with numpy) is the independent reference the tests compare with;
-# matplotlib only draws the figures, so only `make figures` asks for it.
-PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev python3-torch python3-numpy
+# To build and train. python3-torch (with numpy) is the independent reference
+# the tests and the benchmark compare with, so only `make test`, `bench` and
+# `notes` ask for it; matplotlib only draws the figures (`make figures`).
+PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev
+TEST_PACKAGES := python3-torch python3-numpy
 FIGURE_PACKAGES := python3-matplotlib
 
 # --- tools --------------------------------------------------------------------
@@ -66,7 +68,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run demo bench test test-cpu notes figures deps figure-deps found clean
+.PHONY: all cpu run demo bench test test-cpu notes figures deps test-deps figure-deps found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini
 
@@ -138,23 +140,24 @@ run: deps found
 demo: deps all
 	$(RUN_ENV) timeout 300 mpirun -n 2 build/demo_stages
 
-bench: deps all
+bench: deps test-deps all
 	$(RUN_ENV) tests/bench.sh build
 
-test: deps all
+test: deps test-deps all
 	$(RUN_ENV) tests/run_tests.sh build
 
-test-cpu: deps cpu
+test-cpu: deps test-deps cpu
 	$(RUN_ENV) tests/run_tests.sh build-cpu
 
-notes: deps all
+notes: deps test-deps all
 	$(RUN_ENV) notes/generate.sh build
 
 figures: deps figure-deps all
 	$(RUN_ENV) notes/figures.sh build
 
+test-deps: PACKAGES = $(TEST_PACKAGES)
 figure-deps: PACKAGES = $(FIGURE_PACKAGES)
-deps figure-deps:
+deps test-deps figure-deps:
 	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then \

@@ -42,6 +42,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -78,6 +79,7 @@ struct Settings {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01, clip = 1.0;
   uint64_t seed = 1;
   long train_batch_size = 0;  // from a config file only: checked against micro x accum x N
+  bool accum_given = false;   // else DeepSpeed derives accum from train_batch_size
   // files and output
   std::string data, config, json_path, export_dir, dump_dir;
   long log_every = 10;
@@ -126,40 +128,41 @@ inline std::string parse_choice(const std::string& flag, const std::string& text
 
 // One flag and its value (as text) into the settings. Config files and the
 // command line both end up here, so a value from either is checked the same way.
-inline void apply(Settings& s, const std::string& flag, const std::string& value) {
+inline void apply(Settings& s, const std::string& flag, const std::string& value, std::string name = "") {
+  if (name.empty()) name = flag;  // a config file passes its key, so messages name what the user wrote
   const long big = 1l << 30;
-  if (flag == "--device") s.device = parse_choice(flag, value, {"auto", "cpu", "cuda"});
-  else if (flag == "--comm") s.comm = parse_choice(flag, value, {"auto", "mpi", "nccl"});
-  else if (flag == "--collectives") s.collectives = parse_choice(flag, value, {"deterministic", "native"});
-  else if (flag == "--stage") s.stage = (int)parse_integer(flag, value, 0, 2);
-  else if (flag == "--bucket") s.bucket = parse_integer(flag, value, 1, INT_MAX);
-  else if (flag == "--overlap") s.overlap = parse_integer(flag, value, 0, 1) != 0;
-  else if (flag == "--layers") s.layers = (int)parse_integer(flag, value, 1, 256);
-  else if (flag == "--hidden") s.hidden = (int)parse_integer(flag, value, 1, 16384);
-  else if (flag == "--heads") s.heads = (int)parse_integer(flag, value, 1, 1024);
-  else if (flag == "--intermediate") s.intermediate = (int)parse_integer(flag, value, 1, 65536);
-  else if (flag == "--seq") s.seq = (int)parse_integer(flag, value, 3, 65536);
-  else if (flag == "--max-positions") s.max_positions = (int)parse_integer(flag, value, 3, 65536);
-  else if (flag == "--dropout") s.dropout = (float)parse_real(flag, value, 0.0, 1.0, false);
-  else if (flag == "--micro-batch") s.micro_batch = (int)parse_integer(flag, value, 1, 1 << 20);
-  else if (flag == "--accum") s.accum = (int)parse_integer(flag, value, 1, 1 << 20);
-  else if (flag == "--steps") s.steps = parse_integer(flag, value, 1, big);
-  else if (flag == "--warmup") s.warmup = parse_integer(flag, value, 0, big);
-  else if (flag == "--lr") s.lr = parse_real(flag, value, 0.0, 10.0);
-  else if (flag == "--weight-decay") s.weight_decay = parse_real(flag, value, 0.0, 10.0);
-  else if (flag == "--clip") s.clip = parse_real(flag, value, 0.0, 1e30);
-  else if (flag == "--seed") s.seed = (uint64_t)parse_integer(flag, value, 0, LONG_MAX);
-  else if (flag == "--log-every") s.log_every = parse_integer(flag, value, 1, big);
+  if (flag == "--device") s.device = parse_choice(name, value, {"auto", "cpu", "cuda"});
+  else if (flag == "--comm") s.comm = parse_choice(name, value, {"auto", "mpi", "nccl"});
+  else if (flag == "--collectives") s.collectives = parse_choice(name, value, {"deterministic", "native"});
+  else if (flag == "--stage") s.stage = (int)parse_integer(name, value, 0, 2);
+  else if (flag == "--bucket") s.bucket = parse_integer(name, value, 1, 1 << 30);  // MPI counts are int
+  else if (flag == "--overlap") s.overlap = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "--layers") s.layers = (int)parse_integer(name, value, 1, 256);
+  else if (flag == "--hidden") s.hidden = (int)parse_integer(name, value, 1, 16384);
+  else if (flag == "--heads") s.heads = (int)parse_integer(name, value, 1, 1024);
+  else if (flag == "--intermediate") s.intermediate = (int)parse_integer(name, value, 1, 65536);
+  else if (flag == "--seq") s.seq = (int)parse_integer(name, value, 3, 65536);
+  else if (flag == "--max-positions") s.max_positions = (int)parse_integer(name, value, 3, 65536);
+  else if (flag == "--dropout") s.dropout = (float)parse_real(name, value, 0.0, 1.0, false);
+  else if (flag == "--micro-batch") s.micro_batch = (int)parse_integer(name, value, 1, 1 << 20);
+  else if (flag == "--accum") s.accum = (int)parse_integer(name, value, 1, 1 << 20), s.accum_given = true;
+  else if (flag == "--steps") s.steps = parse_integer(name, value, 1, big);
+  else if (flag == "--warmup") s.warmup = parse_integer(name, value, 0, big);
+  else if (flag == "--lr") s.lr = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "--weight-decay") s.weight_decay = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "--clip") s.clip = parse_real(name, value, 0.0, 1e30);
+  else if (flag == "--seed") s.seed = (uint64_t)parse_integer(name, value, 0, LONG_MAX);
+  else if (flag == "--log-every") s.log_every = parse_integer(name, value, 1, big);
   else if (flag == "--data") s.data = value;
   else if (flag == "--config") s.config = value;
   else if (flag == "--json") s.json_path = value;
   else if (flag == "--export-hf") s.export_dir = value;
   else if (flag == "--dump-batch") s.dump_dir = value;
   // Not command-line flags: only a config file sets these.
-  else if (flag == "beta1") s.beta1 = parse_real("optimizer.params.betas[0]", value, 0.0, 1.0, false);
-  else if (flag == "beta2") s.beta2 = parse_real("optimizer.params.betas[1]", value, 0.0, 1.0, false);
-  else if (flag == "eps") s.eps = parse_real("optimizer.params.eps", value, 1e-30, 1.0);
-  else if (flag == "train_batch_size") s.train_batch_size = parse_integer("train_batch_size", value, 1, big);
+  else if (flag == "beta1") s.beta1 = parse_real(name, value, 0.0, 1.0, false);
+  else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
+  else if (flag == "eps") s.eps = parse_real(name, value, 1e-30, 1.0);
+  else if (flag == "train_batch_size") s.train_batch_size = parse_integer(name, value, 1, big);
   else fail("unknown flag '%s' (see the usage at the top of train_bert_mini.cu or DESIGN.md section 7)", flag.c_str());
 }
 
@@ -167,7 +170,10 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
 // known key becomes the flag it corresponds to; a key we do not know is an
 // error that names it, because silently ignoring a setting the user believes
 // is in force is worse than refusing it.
-inline std::vector<std::pair<std::string, std::string>> read_config(const std::string& path) {
+struct ConfigSetting {
+  std::string flag, value, key;  // the flag it acts as, its value as text, the config key (for messages)
+};
+inline std::vector<ConfigSetting> read_config(const std::string& path) {
   std::ifstream file(path);
   if (!file) fail("cannot open the config file '%s': %s", path.c_str(), std::strerror(errno));
   json config;
@@ -177,7 +183,7 @@ inline std::vector<std::pair<std::string, std::string>> read_config(const std::s
     fail("the config file '%s' is not valid JSON: %s", path.c_str(), e.what());
   }
   if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path.c_str());
-  std::vector<std::pair<std::string, std::string>> flags;
+  std::vector<ConfigSetting> flags;
   auto number = [&](const json& value, const std::string& key) -> std::string {
     if (value.is_boolean()) return value.get<bool>() ? "1" : "0";
     if (!value.is_number()) fail("config key '%s' wants a number (got %s)", key.c_str(), value.dump().c_str());
@@ -194,11 +200,11 @@ inline std::vector<std::pair<std::string, std::string>> read_config(const std::s
     if (value != expected) fail("config key '%s' = %s is not supported: %s", key.c_str(), value.dump().c_str(), why);
   };
   for (auto& [key, value] : config.items()) {
-    if (key == "train_batch_size") flags.push_back({"train_batch_size", number(value, key)});
-    else if (key == "train_micro_batch_size_per_gpu") flags.push_back({"--micro-batch", number(value, key)});
-    else if (key == "gradient_accumulation_steps") flags.push_back({"--accum", number(value, key)});
-    else if (key == "gradient_clipping") flags.push_back({"--clip", number(value, key)});
-    else if (key == "steps_per_print") flags.push_back({"--log-every", number(value, key)});
+    if (key == "train_batch_size") flags.push_back({"train_batch_size", number(value, key), key});
+    else if (key == "train_micro_batch_size_per_gpu") flags.push_back({"--micro-batch", number(value, key), key});
+    else if (key == "gradient_accumulation_steps") flags.push_back({"--accum", number(value, key), key});
+    else if (key == "gradient_clipping") flags.push_back({"--clip", number(value, key), key});
+    else if (key == "steps_per_print") flags.push_back({"--log-every", number(value, key), key});
     else if (key == "fp16" || key == "bf16") {
       for (auto& [inner, setting] : object(value, key).items()) {
         if (inner != "enabled") fail("unknown config key '%s.%s'", key.c_str(), inner.c_str());
@@ -207,9 +213,9 @@ inline std::vector<std::pair<std::string, std::string>> read_config(const std::s
     } else if (key == "zero_optimization") {
       for (auto& [inner, setting] : object(value, key).items()) {
         const std::string name = key + "." + inner;
-        if (inner == "stage") flags.push_back({"--stage", number(setting, name)});
-        else if (inner == "reduce_bucket_size") flags.push_back({"--bucket", number(setting, name)});
-        else if (inner == "overlap_comm") flags.push_back({"--overlap", number(setting, name)});
+        if (inner == "stage") flags.push_back({"--stage", number(setting, name), name});
+        else if (inner == "reduce_bucket_size") flags.push_back({"--bucket", number(setting, name), name});
+        else if (inner == "overlap_comm") flags.push_back({"--overlap", number(setting, name), name});
         else if (inner == "contiguous_gradients")
           must_be(setting, name, true, "gradients always live in one contiguous buffer here");
         else if (inner == "reduce_scatter")
@@ -225,18 +231,19 @@ inline std::vector<std::pair<std::string, std::string>> read_config(const std::s
         else if (inner == "params") {
           for (auto& [param, entry] : object(setting, name).items()) {
             const std::string full = name + "." + param;
-            if (param == "lr") flags.push_back({"--lr", number(entry, full)});
-            else if (param == "weight_decay") flags.push_back({"--weight-decay", number(entry, full)});
-            else if (param == "eps") flags.push_back({"eps", number(entry, full)});
+            if (param == "lr") flags.push_back({"--lr", number(entry, full), full});
+            else if (param == "weight_decay") flags.push_back({"--weight-decay", number(entry, full), full});
+            else if (param == "eps") flags.push_back({"eps", number(entry, full), full});
             else if (param == "betas") {
               if (!entry.is_array() || entry.size() != 2) fail("config key '%s' wants [beta1, beta2]", full.c_str());
-              flags.push_back({"beta1", number(entry[0], full)});
-              flags.push_back({"beta2", number(entry[1], full)});
+              flags.push_back({"beta1", number(entry[0], full), full + "[0]"});
+              flags.push_back({"beta2", number(entry[1], full), full + "[1]"});
             } else fail("unknown config key '%s'", full.c_str());
           }
         } else fail("unknown config key '%s'", name.c_str());
       }
     } else if (key == "scheduler") {
+      bool linear_warmup = false;
       for (auto& [inner, setting] : object(value, key).items()) {
         const std::string name = key + "." + inner;
         if (inner == "type")
@@ -244,15 +251,20 @@ inline std::vector<std::pair<std::string, std::string>> read_config(const std::s
         else if (inner == "params") {
           for (auto& [param, entry] : object(setting, name).items()) {
             const std::string full = name + "." + param;
-            if (param == "warmup_num_steps") flags.push_back({"--warmup", number(entry, full)});
-            else if (param == "total_num_steps") flags.push_back({"--steps", number(entry, full)});
-            else if (param == "warmup_max_lr") flags.push_back({"--lr", number(entry, full)});
+            if (param == "warmup_num_steps") flags.push_back({"--warmup", number(entry, full), full});
+            else if (param == "total_num_steps") flags.push_back({"--steps", number(entry, full), full});
+            else if (param == "warmup_max_lr") flags.push_back({"--lr", number(entry, full), full});
             else if (param == "warmup_min_lr") must_be(entry, full, 0, "warmup starts from 0");
-            else if (param == "warmup_type") must_be(entry, full, "linear", "warmup is linear");
+            else if (param == "warmup_type") must_be(entry, full, "linear", "warmup is linear"), linear_warmup = true;
             else fail("unknown config key '%s'", full.c_str());
           }
         } else fail("unknown config key '%s'", name.c_str());
       }
+      // DeepSpeed's warmup is logarithmic unless told otherwise; ours is
+      // linear, so a config that relies on the default would silently differ.
+      if (!linear_warmup)
+        fail("config key 'scheduler.params.warmup_type' is missing: DeepSpeed's default is \"log\", this trainer "
+             "warms up linearly; write \"warmup_type\": \"linear\"");
     } else fail("unknown config key '%s'", key.c_str());
   }
   return flags;
@@ -278,7 +290,7 @@ inline Settings parse_command_line(int argc, char** argv) {
   for (auto& [flag, value] : flags)
     if (flag == "--config") {
       settings.config = value;
-      for (auto& [key, setting] : read_config(value)) apply(settings, key, setting);
+      for (auto& setting : read_config(value)) apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
     }
   for (auto& [flag, value] : flags) {
     if (flag == "--quiet") settings.quiet = true;
@@ -295,9 +307,17 @@ inline void check_consistency(Settings& s, int world_size) {
     fail("--seq %d is longer than the %d learned positions (--max-positions)", s.seq, s.max_positions);
   if (s.warmup > s.steps) fail("--warmup %ld is longer than --steps %ld", s.warmup, s.steps);
   if (s.warmup < 0) s.warmup = s.steps / 10;
+  // DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks;
+  // without gradient_accumulation_steps, accumulation is what makes it hold.
+  if (s.train_batch_size && !s.accum_given && s.train_batch_size % ((long)s.micro_batch * world_size) == 0)
+    s.accum = (int)(s.train_batch_size / ((long)s.micro_batch * world_size));
   if (s.train_batch_size && s.train_batch_size != (long)s.micro_batch * s.accum * world_size)
     fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks", s.train_batch_size,
          s.micro_batch, s.accum, world_size);
+  if (!s.export_dir.empty() && !s.dump_dir.empty() &&
+      std::filesystem::weakly_canonical(s.export_dir) == std::filesystem::weakly_canonical(s.dump_dir))
+    fail("--export-hf and --dump-batch name the same directory '%s': the final weights would overwrite the dump's",
+         s.export_dir.c_str());
   if (!s.dump_dir.empty() && world_size != 1)
     fail("--dump-batch writes step 0 of a single-rank run: run it with 1 rank (got %d)", world_size);
   const double tokens = (double)s.micro_batch * s.seq;
@@ -319,7 +339,7 @@ enum Site : uint64_t {  // the first key after the seed: which random decision
   site_dropout = 16  // + 8 * layer + one of the dropout sites below
 };
 enum DropoutSite : uint64_t { dropout_embeddings, dropout_attention_probs, dropout_attention_output, dropout_ffn_output };
-constexpr uint64_t embeddings_layer = 255;  // dropout key of the embeddings (not a block)
+constexpr uint64_t embeddings_layer = 1000;  // dropout key of the embeddings: above any block (--layers <= 256)
 
 // The embedded default corpus (data/corpus.txt, made into a string by the Makefile).
 inline const std::string& default_corpus() {
@@ -448,7 +468,7 @@ Z2_HD inline float dropout_scale(float p, uint64_t tensor_key, long sample, size
   float u = z2::uniform_from_hash(z2::mix64(z2::mix64(tensor_key ^ (uint64_t)sample) ^ element));
   return u < p ? 0.0f : 1.0f / (1.0f - p);
 }
-// The dropout key of (layer, site): layers 0..254, embeddings 255.
+// The dropout key of (layer, site): blocks 0..255, the embeddings 1000.
 Z2_HD inline uint64_t dropout_key(uint64_t layer, uint64_t site) { return layer * 8 + site; }
 
 // LayerNorm of one row of n: y = (x - mean) / sqrt(var + eps) * gamma + beta,
@@ -467,7 +487,7 @@ Z2_HD inline void layer_norm_row(const float* x, const float* gamma, const float
   *rstd_out = rstd;
 }
 // dx of one row: with xhat = (x - mean) rstd and g = dy * gamma,
-// dx = rstd (g - mean(g) - xhat mean(g xhat)). `accumulate` adds into dx.
+// dx = rstd (g - mean(g) - xhat mean(g xhat)).
 Z2_HD inline void layer_norm_backward_row(const float* x, float mean, float rstd, const float* gamma, const float* dy,
                                           int n, float* dx) {
   float sum_g = 0.0f, sum_g_xhat = 0.0f;
@@ -708,7 +728,9 @@ inline void Model::initialize() {
   const auto& infos = engine_.parameters();
   for (size_t id = 0; id < infos.size(); ++id)
     for (size_t i = 0; i < infos[id].numel; ++i) {
-      if (inits_[id] != Init::normal) {
+      // Hugging Face zeroes the [PAD] row of the word embeddings (padding_idx).
+      const bool pad_row = (int)id == ids_.word_embeddings && i / shape_.hidden == (size_t)pad_token;
+      if (inits_[id] != Init::normal || pad_row) {
         values.push_back(inits_[id] == Init::ones ? 1.0f : 0.0f);
         continue;
       }
@@ -975,7 +997,8 @@ inline void Model::block_backward(int l, long step, long first_sample) {
 
   // Attention, per (sample, head): with P the probabilities and Pd = dropout(P),
   // dV = Pd^T dC, dPd = dC V^T, dP = dropout(dPd), dS = P (dP - rowsum(dP P)) / sqrt(D),
-  // dQ = dS K, dK = dS^T Q. dq, dk, dv reuse gradient_c_ (it is R x max(H, F) wide).
+  // dQ = dS K, dK = dS^T Q. dq and dk go to gradient_c_ (R x max(2H, F)), dv
+  // to gradient_b_ (free once the attention output's backward is done).
   const size_t TT = (size_t)T * T, attention = (size_t)B * NH * TT;
   const float* probs = a.probs.data();
   const float* dropped = probs;
@@ -1139,6 +1162,13 @@ inline void check_output_file(const std::string& flag, const std::string& path) 
   if (std::filesystem::is_directory(path)) fail("%s '%s' is a directory", flag.c_str(), path.c_str());
 }
 
+// A float setting as the decimal the user typed (0.1, not 0.100000001).
+inline double decimal(float value) {
+  char text[32];
+  snprintf(text, sizeof text, "%.7g", value);
+  return std::strtod(text, nullptr);
+}
+
 // config.json in Hugging Face's BertConfig keys, so BertForMaskedLM.from_pretrained loads the export.
 inline json hf_config(const ModelShape& s) {
   return {{"architectures", {"BertForMaskedLM"}},
@@ -1149,12 +1179,12 @@ inline json hf_config(const ModelShape& s) {
           {"num_attention_heads", s.heads},
           {"intermediate_size", s.intermediate},
           {"hidden_act", "gelu"},
-          {"hidden_dropout_prob", s.dropout},
-          {"attention_probs_dropout_prob", s.dropout},
+          {"hidden_dropout_prob", decimal(s.dropout)},
+          {"attention_probs_dropout_prob", decimal(s.dropout)},
           {"max_position_embeddings", s.max_positions},
           {"type_vocab_size", 1},
-          {"initializer_range", initializer_range},
-          {"layer_norm_eps", layer_norm_eps},
+          {"initializer_range", 0.02},
+          {"layer_norm_eps", 1e-12},
           {"pad_token_id", pad_token},
           {"position_embedding_type", "absolute"},
           {"tie_word_embeddings", true},
@@ -1178,8 +1208,10 @@ inline std::vector<Tensor> named_tensors(const Model& model, const z2::Engine& e
 
 inline void export_hf(const std::string& directory, const Model& model, const z2::Engine& engine,
                       const std::vector<float>& values) {
-  write_file_atomically(directory + "/config.json", hf_config(model.shape()).dump(2) + "\n");
+  // The weights first, the config last: a directory with a config.json is
+  // complete (each file itself is written atomically).
   write_safetensors(directory + "/model.safetensors", named_tensors(model, engine, values), {{"format", "pt"}});
+  write_file_atomically(directory + "/config.json", hf_config(model.shape()).dump(2) + "\n");
 }
 
 // ----------------------------------------------------------------------------
@@ -1218,6 +1250,28 @@ struct StepRecord {
   double lr, ms, tokens_per_s;
 };
 
+// Run `checks` on every rank; if any rank failed, every rank throws the
+// message of the lowest failing rank (so rank 0 can print it and all ranks
+// leave together instead of some waiting in a collective for the others).
+inline void agree_on_errors(MPI_Comm world, const std::function<void()>& checks) {
+  std::string message;
+  try {
+    checks();
+  } catch (const z2::Error& error) {
+    message = error.what();
+  }
+  int rank = 0, size = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_size(world, &size);
+  int mine = message.empty() ? size : rank, first = size;
+  Z2_MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, world));
+  if (first == size) return;
+  char text[1024] = {};
+  if (rank == first) snprintf(text, sizeof text, "%s", message.c_str());
+  Z2_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, first, world));
+  throw z2::Error(first == 0 ? std::string(text) : std::string(text) + " (on rank " + std::to_string(first) + ")");
+}
+
 // The whole run on this rank. Returns the process exit code.
 inline int train(Settings settings, MPI_Comm world) {
   int rank = 0, world_size = 1;
@@ -1225,18 +1279,26 @@ inline int train(Settings settings, MPI_Comm world) {
   MPI_Comm_size(world, &world_size);
   const bool speak = rank == 0 && !settings.quiet;
   check_consistency(settings, world_size);
-  if (!settings.json_path.empty()) check_output_file("--json", settings.json_path);
-  if (!settings.export_dir.empty()) prepare_directory("--export-hf", settings.export_dir);
-  if (!settings.dump_dir.empty()) prepare_directory("--dump-batch", settings.dump_dir);
-  const std::string corpus = read_corpus(settings.data);
-  if (corpus.size() < (size_t)settings.seq - 2)
-    fail("the corpus has %zu bytes; --seq %d needs at least %d (a window is seq - 2 bytes)", corpus.size(), settings.seq,
-         settings.seq - 2);
+  // Checks that touch this host's files: every rank reads its own copy of the
+  // data, rank 0 alone writes. On several hosts one of them may lack a file,
+  // so the ranks agree on the outcome before anyone enters a collective.
+  std::string corpus;
+  agree_on_errors(world, [&] {
+    if (rank == 0 && !settings.json_path.empty()) check_output_file("--json", settings.json_path);
+    if (rank == 0 && !settings.export_dir.empty()) prepare_directory("--export-hf", settings.export_dir);
+    if (rank == 0 && !settings.dump_dir.empty()) prepare_directory("--dump-batch", settings.dump_dir);
+    corpus = read_corpus(settings.data);
+    if (corpus.size() < (size_t)settings.seq - 2)
+      fail("the corpus has %zu bytes; --seq %d needs at least %d (a window is seq - 2 bytes)", corpus.size(),
+           settings.seq, settings.seq - 2);
+  });
 
   const z2::Device device = z2::choose_device(settings.device, world);
   const z2::CommBackend comm_backend = z2::choose_comm(settings.comm, device, world);
   ModelShape shape{settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.seq,
                    settings.max_positions, settings.micro_batch, settings.dropout, settings.seed};
+  const int local_rank = z2::local_rank_of(world);
+  z2::Compute compute(device, local_rank);  // selects this rank's GPU, which the fit check measures
   {
     // Refuse a configuration a rank cannot hold before allocating it (a CPU
     // run would otherwise be killed by the kernel's OOM killer, not stopped
@@ -1256,8 +1318,6 @@ inline int train(Settings settings, MPI_Comm world) {
            needed / 1073741824.0, with_commas(psi / 1.05).c_str(), settings.stage, world_size,
            activation_bytes(shape) / 1073741824.0, available / 1073741824.0, z2::to_string(device));
   }
-  const int local_rank = z2::local_rank_of(world);
-  z2::Compute compute(device, local_rank);
   z2::Communicator comm(compute, world, comm_backend,
                         settings.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic);
   z2::EngineOptions options;

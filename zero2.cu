@@ -425,6 +425,18 @@ void Compute::wait(Stream waiter, Event event) {
 
 void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
                    const float* B, int ldb, float beta, float* C, int ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    // An empty sum (a micro-batch that selected no position): C = beta C, as
+    // BLAS defines it. We do it ourselves because cuBLAS has, in some
+    // releases, returned without touching C when k = 0 (pytorch#31421), which
+    // would leave stale values where a zero gradient belongs.
+    for_each((size_t)M * N, [=] Z2_HD(size_t i) {
+      float* c = C + (i / N) * (size_t)ldc + i % N;
+      *c = beta == 0.0f ? 0.0f : beta * *c;
+    });
+    return;
+  }
   if (device_ == Device::cpu) {
     cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M,
                 N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -474,6 +486,9 @@ size_t memory_per_rank(Device device, MPI_Comm comm) {
   unsigned long long available = 0;
   if (device == Device::cuda) {
 #if defined(__CUDACC__)
+    // cudaMemGetInfo measures the current device: call this after Compute
+    // has selected this rank's GPU (else every rank measures, and creates a
+    // context on, GPU 0).
     size_t free_bytes = 0, total_bytes = 0;
     int gpus = 1;
     Z2_CUDA_CHECK(cudaGetDeviceCount(&gpus));

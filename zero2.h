@@ -457,9 +457,10 @@ class BucketExchange {
 // The local rank (rank among the processes of this host) of `comm`.
 int local_rank_of(MPI_Comm comm);
 // Bytes one rank of `comm` can plan to use on `device`: the smallest over all
-// ranks of (free device memory, or MemAvailable on cpu) / (ranks of its host
-// sharing that memory). Collective; the same value on every rank, so a
-// "does not fit" decision is taken by all ranks together.
+// ranks of (free memory of the current CUDA device, or MemAvailable on cpu) /
+// (ranks of its host sharing that memory). Call it after constructing the
+// Compute (which selects the rank's GPU). Collective; the same value on every
+// rank, so a "does not fit" decision is taken by all ranks together.
 size_t memory_per_rank(Device device, MPI_Comm comm);
 
 // Resolve --device auto / --comm auto the same way on every rank.

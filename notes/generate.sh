@@ -45,13 +45,6 @@ model="--device cpu --hidden 512 --layers 16 --micro-batch 16 --bucket 65536 --s
   timeout 300 mpirun -n 4 "$demo" --device cpu --accum 1 --collectives native --markdown hashes
 } >"$out/hashes"
 
-# demo: the stage-2 part of `make demo`'s output (the engine on the test MLP).
-{
-  echo '```'
-  timeout 300 mpirun -n 2 "$demo" --device cpu | awk '/^stage 2 /{show=1} show'
-  echo '```'
-} >"$out/demo"
-
 # --- BERT-mini (notes/07-bert-mini.md, README.md) ------------------------------------
 trainer="$build/train_bert_mini"
 # bert_ledger: the default BERT-mini, N = 1, 2, 4 x stage 0, 1, 2, two steps each.
@@ -89,6 +82,17 @@ PY
   timeout 900 mpirun -n 2 "$trainer" --device cpu --stage 2
   echo '```'
 } >"$out/bert_run"
+
+# bert_reference: the PyTorch comparison on a dumped batch (as tests/test_trainer.sh runs it).
+{
+  echo '```'
+  flags="--layers 2 --hidden 64 --heads 4 --intermediate 128 --seq 32 --max-positions 40 --micro-batch 4 --accum 2 --steps 1 --dropout 0 --clip 0.5 --seed 3"
+  echo "\$ $trainer $flags --dump-batch DUMP --export-hf AFTER"
+  echo "\$ tests/torch_reference.py check DUMP AFTER"
+  timeout 300 mpirun -n 1 "$trainer" $flags --quiet --dump-batch "$out/dump" --export-hf "$out/after"
+  /usr/bin/python3 tests/torch_reference.py check "$out/dump" "$out/after"
+  echo '```'
+} >"$out/bert_reference"
 
 # bert_bench: `make bench`.
 {

@@ -196,7 +196,7 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
            "optimizer": {"type": "AdamW", "params": {"lr": 0.0002, "betas": [0.8, 0.95], "eps": 1e-6,
                                                      "weight_decay": 0.1}},
            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 50,
-                                                            "warmup_max_lr": 0.0003}}})");
+                                                            "warmup_max_lr": 0.0003, "warmup_type": "linear"}}})");
   bert::Settings s = parse({"--config", path});
   CHECK(s.micro_batch == 6);
   CHECK(s.accum == 3);
@@ -230,9 +230,27 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {}}})")
             .find("'zero_optimization.offload_optimizer'") != std::string::npos);
   CHECK(error_of(R"({"optimizer": {"params": {"momentum": 0.9}}})").find("'optimizer.params.momentum'") != std::string::npos);
-  CHECK(error_of(R"({"zero_optimization": {"stage": 3}})").find("--stage") != std::string::npos);
+  // A bad value names the config key the user wrote, not the flag it maps to.
+  CHECK(error_of(R"({"zero_optimization": {"stage": 3}})").find("'zero_optimization.stage' wants") != std::string::npos);
+  // DeepSpeed's warmup default is "log": relying on it is refused, not silently made linear.
+  CHECK(error_of(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})")
+            .find("warmup_type") != std::string::npos);
   CHECK(error_of(R"({"fp16": {"enabled": true}})").find("fp16.enabled") != std::string::npos);
   CHECK(error_of("{not json").find("not valid JSON") != std::string::npos);
+  // train_batch_size without gradient_accumulation_steps: DeepSpeed derives
+  // the accumulation (32 = 8 x A x 2 ranks gives A = 2); with it, they must agree.
+  write(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8})");
+  s = parse({"--config", path});
+  bert::check_consistency(s, 2);
+  CHECK(s.accum == 2);
+  s = parse({"--config", path, "--accum", "3"});
+  bool refused = false;
+  try {
+    bert::check_consistency(s, 2);
+  } catch (const z2::Error&) {
+    refused = true;
+  }
+  CHECK(refused);
   std::remove(path.c_str());
 }
 

@@ -51,6 +51,24 @@ done
 first_last=$(json_get "$work/matrix_1_0_0.json" "str(d['steps'][0]['loss'] != d['steps'][-1]['loss'])")
 [ "$first_last" = True ] && pass "matrix: the loss changes over the steps" || fail "matrix: the loss did not change"
 
+# Micro-batches that select no position (seq 3: one byte per sample, selected
+# 15% of the time): the head's products have an empty sum (K = 0), which must
+# give zero gradients on every backend, so stages 0 and 2 still agree bitwise.
+empty=(--layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 3 --micro-batch 1 --steps 12 --warmup 1 --quiet)
+for stage in 0 2; do
+  timeout 300 mpirun -n 2 "$trainer" "${empty[@]}" --stage $stage --json "$work/empty_$stage.json" > "$work/log" 2>&1 ||
+    { fail "empty micro-batches stage $stage: exit non-zero"; cat "$work/log"; }
+done
+verdict=$(python3 - "$work/empty_0.json" "$work/empty_2.json" <<'EOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+zero = sum(1 for s in a['steps'] if s['loss'] == 0)
+same = a['final_params_hash'] == b['final_params_hash'] and [s['loss_bits'] for s in a['steps']] == [s['loss_bits'] for s in b['steps']]
+print(("ok" if same and 0 < zero < len(a['steps']) else "bad") + " %d of %d steps selected nothing; hashes %s %s" % (zero, len(a['steps']), a['final_params_hash'], b['final_params_hash']))
+EOF
+)
+case "$verdict" in ok*) pass "empty micro-batches: stages 0 and 2 equal: $verdict";; *) fail "empty micro-batches: $verdict";; esac
+
 # Native collectives (MPI_Reduce_scatter's own order): close, not bitwise.
 # Three steps of AdamW amplify a last-bit difference in the reduced gradient
 # into ~1e-6 relative changes of the loss; 1e-4 leaves a wide margin while
@@ -112,6 +130,7 @@ head -c 4096 /dev/urandom > "$work/binary.bin"; printf '\0' >> "$work/binary.bin
 printf 'ok \xff\xfe bad utf-8 %.0s' $(seq 1 20) > "$work/latin1.txt"
 echo '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "sub_group_size": 1000}}' > "$work/unknown_key.json"
 echo '{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}' > "$work/bad_batch.json"
+echo '{"zero_optimization": {"stage": 3}}' > "$work/stage3.json"
 bad_case() {  # expected message fragment, then the arguments
   local expect=$1; shift
   local out="$work/bad_out.json"
@@ -158,6 +177,8 @@ bad_case "run it with 1 rank" "${small[@]}" --dump-batch "$work/dump_from_two"
 bad_case "does not exist" "${small[@]}" --json "$work/no/such/dir/out.json"
 bad_case "too large" "${small[@]}" --micro-batch 1000000 --seq 4096 --max-positions 4096
 bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm nccl
+bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/same"
+bad_case "config key 'zero_optimization.stage' wants" "${small[@]}" --config "$work/stage3.json"
 bad_case "GiB are available per rank" "${small[@]}" --layers 256 --hidden 16384 --heads 16
 
 # --- 4. the PyTorch reference ---------------------------------------------------------
