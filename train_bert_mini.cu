@@ -613,7 +613,8 @@ class Model {
   void upload(const Batch& batch);
   void embeddings_forward(long step, long first_sample);
   void block_forward(int layer, long step, long first_sample);
-  float head_forward_backward(long step, float loss_scale, bool backward);
+  void head_forward_backward(long step, float loss_scale, bool backward);
+  float loss_contribution(float loss_scale);
   void block_backward(int layer, long step, long first_sample);
   void embeddings_backward(long step, long first_sample);
   // Small building blocks (section 4 continued).
@@ -859,13 +860,14 @@ inline void Model::block_forward(int l, long step, long first_sample) {
 
   // Scores [T, T] per (sample, head) = Q K^T, then / sqrt(D) and softmax, a
   // row per thread. Q of head h is the D columns at h*D of a [T, H] slab.
+  // One batched product per sample, the heads being the batch (stride D in
+  // Q, K, V; stride T x T in the scores).
   const size_t TT = (size_t)T * T;
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < NH; ++h) {
-      const size_t offset = (size_t)b * T * H + (size_t)h * D;
-      compute_.gemm(false, true, T, T, D, 1.0f, a.query.data() + offset, H, a.key.data() + offset, H, 0.0f,
-                    a.probs.data() + ((size_t)b * NH + h) * TT, T);
-    }
+  for (int b = 0; b < B; ++b) {
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
+    compute_.gemm_batched(false, true, T, T, D, 1.0f, a.query.data() + rows, H, D, a.key.data() + rows, H, D, 0.0f,
+                          a.probs.data() + square, T, (long)TT, NH);
+  }
   float* probs = a.probs.data();
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
   compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
@@ -882,12 +884,11 @@ inline void Model::block_forward(int l, long step, long first_sample) {
     source = dropped;
   }
   // Context [T, D] per (sample, head) = probs x V, into the head's columns.
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < NH; ++h) {
-      const size_t offset = (size_t)b * T * H + (size_t)h * D;
-      compute_.gemm(false, false, T, D, T, 1.0f, source + ((size_t)b * NH + h) * TT, T, a.value.data() + offset, H,
-                    0.0f, a.context.data() + offset, H);
-    }
+  for (int b = 0; b < B; ++b) {
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
+    compute_.gemm_batched(false, false, T, D, T, 1.0f, source + square, T, (long)TT, a.value.data() + rows, H, D, 0.0f,
+                          a.context.data() + rows, H, D, NH);
+  }
   // Attention output: dense, dropout, residual, LayerNorm.
   float* sum = a.attention_sum.data();
   linear(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
@@ -912,8 +913,9 @@ inline void Model::block_forward(int l, long step, long first_sample) {
 // computing the head there gives the same loss and gradients as Hugging
 // Face's head over all rows with labels -100 elsewhere, at S/R of the cost.
 // With `backward`, also the head's backward, ending with dL/d final_hidden in
-// gradient_a_ (zero on rows that were not selected).
-inline float Model::head_forward_backward(long step, float loss_scale, bool backward) {
+// gradient_a_ (zero on rows that were not selected). The per-row losses stay
+// on the device in sample_loss_ (loss_contribution reads them).
+inline void Model::head_forward_backward(long step, float loss_scale, bool backward) {
   const int H = shape_.hidden, V = vocab_size, R = shape_.micro_batch * shape_.seq, S = selected_count_;
   const int* selected = selected_.data();
   const int* targets = targets_.data();
@@ -937,11 +939,7 @@ inline float Model::head_forward_backward(long step, float loss_scale, bool back
     const float* row = logits + s * V;
     sample_loss[s] = cross_entropy_row(row, V, targets[s], loss_scale, (float*)row);
   });
-  std::vector<float> losses(S);
-  compute_.copy(losses.data(), sample_loss, (size_t)S * sizeof(float), compute_.compute_stream());
-  compute_.synchronize(compute_.compute_stream());
-  const float contribution = z2::canonical_tree_sum(S, [&](long s) { return losses[s] * loss_scale; });
-  if (!backward) return contribution;
+  if (!backward) return;
 
   const float* dlogits = logits;
   column_sums(dlogits, S, V, engine_.gradient_output(ids_.decoder_bias));
@@ -962,7 +960,18 @@ inline float Model::head_forward_backward(long step, float loss_scale, bool back
   float* dhidden = gradient_a_.data();
   compute_.fill_zero(dhidden, (size_t)R * H * sizeof(float), compute_.compute_stream());
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dhidden[(size_t)selected[i / H] * H + i % H] = dgathered[i]; });
-  return contribution;
+}
+
+// The micro-batch's loss contribution: sum over its S selected rows of
+// loss / count, in the canonical tree, on the host. run() calls it only after
+// backward has been queued, so the GPU does not sit idle in the middle of a
+// micro-step while the host waits for the losses.
+inline float Model::loss_contribution(float loss_scale) {
+  const int S = selected_count_;
+  std::vector<float> losses(S);
+  compute_.copy(losses.data(), sample_loss_.data(), (size_t)S * sizeof(float), compute_.compute_stream());
+  compute_.synchronize(compute_.compute_stream());
+  return z2::canonical_tree_sum(S, [&](long s) { return losses[s] * loss_scale; });
 }
 
 // --- backward ----------------------------------------------------------------
@@ -1009,12 +1018,13 @@ inline void Model::block_backward(int l, long step, long first_sample) {
   }
   float *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
   float* dprobs = scratch_dprobs_.data();
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < NH; ++h) {
-      const size_t offset = (size_t)b * T * H + (size_t)h * D, square = ((size_t)b * NH + h) * TT;
-      compute_.gemm(true, false, T, D, T, 1.0f, dropped + square, T, dcontext + offset, H, 0.0f, dv + offset, H);
-      compute_.gemm(false, true, T, T, D, 1.0f, dcontext + offset, H, a.value.data() + offset, H, 0.0f, dprobs + square, T);
-    }
+  for (int b = 0; b < B; ++b) {
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
+    compute_.gemm_batched(true, false, T, D, T, 1.0f, dropped + square, T, (long)TT, dcontext + rows, H, D, 0.0f,
+                          dv + rows, H, D, NH);
+    compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data() + rows, H, D, 0.0f,
+                          dprobs + square, T, (long)TT, NH);
+  }
   dropout(dprobs, attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
   compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
@@ -1024,12 +1034,13 @@ inline void Model::block_backward(int l, long step, long first_sample) {
     for (int j = 0; j < T; ++j) dot += d_row[j] * p_row[j];
     for (int j = 0; j < T; ++j) d_row[j] = p_row[j] * (d_row[j] - dot) * inverse_sqrt;
   });
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < NH; ++h) {
-      const size_t offset = (size_t)b * T * H + (size_t)h * D, square = ((size_t)b * NH + h) * TT;
-      compute_.gemm(false, false, T, D, T, 1.0f, dprobs + square, T, a.key.data() + offset, H, 0.0f, dq + offset, H);
-      compute_.gemm(true, false, T, D, T, 1.0f, dprobs + square, T, a.query.data() + offset, H, 0.0f, dk + offset, H);
-    }
+  for (int b = 0; b < B; ++b) {
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
+    compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.key.data() + rows, H, D, 0.0f,
+                          dq + rows, H, D, NH);
+    compute_.gemm_batched(true, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.query.data() + rows, H, D, 0.0f,
+                          dk + rows, H, D, NH);
+  }
   // dx = dattn (residual) + dv Wv + dk Wk + dq Wq, added in that order into
   // dy: value first, so gradients reach the engine in exactly the reverse of
   // registration order and stage 2 never needs more than its two slots.
@@ -1080,13 +1091,14 @@ inline float Model::run(const Batch& batch, long step, long micro_batch, float l
   upload(batch);
   embeddings_forward(step, first_sample);
   for (int l = 0; l < shape_.layers; ++l) block_forward(l, step, first_sample);
-  const float contribution = head_forward_backward(step, loss_scale, backward);
-  if (!backward) return contribution;
+  head_forward_backward(step, loss_scale, backward);
+  if (!backward) return loss_contribution(loss_scale);
   for (int l = shape_.layers - 1; l >= 0; --l) {
     block_backward(l, step, first_sample);
     engine_.progress();  // let MPI move the buckets already handed over
   }
   embeddings_backward(step, first_sample);
+  const float contribution = loss_contribution(loss_scale);
   engine_.end_micro_step(contribution);
   return contribution;
 }

@@ -451,6 +451,23 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
 #endif
 }
 
+void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                           int lda, long stride_a, const float* B, int ldb, long stride_b, float beta, float* C,
+                           int ldc, long stride_c, int batch) {
+  if (device_ == Device::cpu || M == 0 || N == 0 || K == 0) {
+    for (int k = 0; k < batch; ++k)
+      gemm(transpose_a, transpose_b, M, N, K, alpha, A + k * stride_a, lda, B + k * stride_b, ldb, beta,
+           C + k * stride_c, ldc);
+    return;
+  }
+#if defined(__CUDACC__)
+  // The same operand swap as gemm, batch by batch.
+  Z2_CUBLAS_CHECK(cublasSgemmStridedBatched((cublasHandle_t)cublas_, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                            transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, stride_b,
+                                            A, lda, stride_a, &beta, C, ldc, stride_c, batch));
+#endif
+}
+
 // ----------------------------------------------------------------------------
 // 3. Communicator
 //

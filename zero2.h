@@ -276,6 +276,14 @@ class Compute {
   void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
             int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
+  // `batch` independent products of the same shape, C_k = alpha op(A_k)
+  // op(B_k) + beta C_k with X_k = X + k * stride_x (elements): one cuBLAS
+  // strided-batched call on cuda (the heads of an attention layer), a loop of
+  // gemm on cpu. Each product is computed exactly as gemm would.
+  void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
+                    long stride_a, const float* B, int ldb, long stride_b, float beta, float* C, int ldc,
+                    long stride_c, int batch);
+
   // Run body(i) for i in [0, n): a CPU loop, or one CUDA thread per i on `stream`.
   template <class Body>
   void for_each(size_t n, Body body, Stream stream);

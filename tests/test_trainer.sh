@@ -177,6 +177,7 @@ bad_case "run it with 1 rank" "${small[@]}" --dump-batch "$work/dump_from_two"
 bad_case "does not exist" "${small[@]}" --json "$work/no/such/dir/out.json"
 bad_case "too large" "${small[@]}" --micro-batch 1000000 --seq 4096 --max-positions 4096
 bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm nccl
+bad_case "cannot be created as a directory" "${small[@]}" --export-hf "$work/short.txt"
 bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/same"
 bad_case "config key 'zero_optimization.stage' wants" "${small[@]}" --config "$work/stage3.json"
 bad_case "GiB are available per rank" "${small[@]}" --layers 256 --hidden 16384 --heads 16
