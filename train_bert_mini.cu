@@ -834,14 +834,16 @@ inline void Model::upload(const Batch& batch) {
 // x0 = dropout(LayerNorm(word[token] + position[t] + token_type[0])).
 inline void Model::embeddings_forward(long step, long first_sample) {
   const int H = shape_.hidden, T = shape_.seq, R = shape_.micro_batch * T;
-  const int* tokens = tokens_.data();
-  const float *word = param(ids_.word_embeddings), *position = param(ids_.position_embeddings),
-              *token_type = param(ids_.token_type_embeddings);
-  float* sum = embedding_sum_.data();
+  const int* tokens = tokens_.data();                      // [R] token ids, row r = sample r / T, position r % T
+  const float *word = param(ids_.word_embeddings),         // [V, H]
+              *position = param(ids_.position_embeddings),  // [P, H], rows 0..T-1 used
+              *token_type = param(ids_.token_type_embeddings);  // [1, H]: every token is type 0
+  float* sum = embedding_sum_.data();                      // [R, H] LayerNorm's input, kept for backward
   compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) {
     const size_t row = i / H, j = i % H;
     sum[i] = word[(size_t)tokens[row] * H + j] + position[(row % T) * H + j] + token_type[j];
   });
+  // x0 [R, H] is written straight into block 0's input buffer: no copy.
   float* x0 = blocks_.empty() ? final_hidden_.data() : blocks_[0].input.data();
   layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data());
   dropout(x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
@@ -852,7 +854,8 @@ inline void Model::block_forward(int l, long step, long first_sample) {
   const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
             F = shape_.intermediate, R = B * T;
   const BlockParameters& p = ids_.blocks[l];
-  BlockActivations& a = blocks_[l];
+  BlockActivations& a = blocks_[l];  // this block's saved activations (shapes in BlockActivations)
+  // The output [R, H] goes straight into the next block's input (or the head's).
   float* next = l + 1 < shape_.layers ? blocks_[l + 1].input.data() : final_hidden_.data();
   linear(a.input.data(), p.query_weight, p.query_bias, R, H, H, a.query.data());
   linear(a.input.data(), p.key_weight, p.key_bias, R, H, H, a.key.data());
@@ -868,7 +871,9 @@ inline void Model::block_forward(int l, long step, long first_sample) {
     compute_.gemm_batched(false, true, T, T, D, 1.0f, a.query.data() + rows, H, D, a.key.data() + rows, H, D, 0.0f,
                           a.probs.data() + square, T, (long)TT, NH);
   }
-  float* probs = a.probs.data();
+  float* probs = a.probs.data();  // [B, NH, T, T]: scores now, probabilities after the softmax
+  // torch divides the scores by sqrt(D) after the product; so do we (a
+  // separate rounding, not folded into the gemm's alpha).
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
   compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
     float* values = probs + row * T;
@@ -876,8 +881,8 @@ inline void Model::block_forward(int l, long step, long first_sample) {
     softmax_row(values, T);
   });
   // Dropout on the probabilities into scratch (probs stays for backward).
-  const float* source = probs;
-  float* dropped = scratch_probs_.data();
+  const float* source = probs;             // what multiplies V: probs, or their dropped copy
+  float* dropped = scratch_probs_.data();  // [B, NH, T, T] scratch shared by all blocks
   if (shape_.dropout > 0.0f) {
     compute_.copy(dropped, probs, (size_t)B * NH * TT * sizeof(float), compute_.compute_stream());
     dropout(dropped, (size_t)B * NH * TT, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
@@ -890,21 +895,21 @@ inline void Model::block_forward(int l, long step, long first_sample) {
                           a.context.data() + rows, H, D, NH);
   }
   // Attention output: dense, dropout, residual, LayerNorm.
-  float* sum = a.attention_sum.data();
+  float* sum = a.attention_sum.data();  // [R, H] x + dropout(context Wo^T + bo), kept for LayerNorm's backward
   linear(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
   dropout(sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
-  const float* input = a.input.data();
+  const float* input = a.input.data();  // [R, H] the residual
   compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { sum[i] += input[i]; });
   layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data(), a.attention_stats.data());
   // Feed-forward: dense to F, GELU, dense to H, dropout, residual, LayerNorm.
   linear(a.attention_out.data(), p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_pre.data());
-  const float* pre = a.ffn_pre.data();
-  float* act = a.ffn_act.data();
+  const float* pre = a.ffn_pre.data();  // [R, F] before GELU (backward needs GELU's derivative here)
+  float* act = a.ffn_act.data();        // [R, F] after GELU (the output dense's input)
   compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
-  float* out_sum = a.output_sum.data();
+  float* out_sum = a.output_sum.data();  // [R, H] attention_out + dropout(act Wf^T + bf)
   linear(act, p.output_weight, p.output_bias, R, F, H, out_sum);
   dropout(out_sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
-  const float* residual = a.attention_out.data();
+  const float* residual = a.attention_out.data();  // [R, H]
   compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { out_sum[i] += residual[i]; });
   layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, next, a.output_stats.data());
 }
@@ -917,18 +922,18 @@ inline void Model::block_forward(int l, long step, long first_sample) {
 // on the device in sample_loss_ (loss_contribution reads them).
 inline void Model::head_forward_backward(long step, float loss_scale, bool backward) {
   const int H = shape_.hidden, V = vocab_size, R = shape_.micro_batch * shape_.seq, S = selected_count_;
-  const int* selected = selected_.data();
-  const int* targets = targets_.data();
-  const float* hidden = final_hidden_.data();
-  float* gathered = head_input_.data();
+  const int* selected = selected_.data();     // [S] which of the R rows carry a label
+  const int* targets = targets_.data();       // [S] their labels (the original bytes)
+  const float* hidden = final_hidden_.data(); // [R, H] the last block's output
+  float* gathered = head_input_.data();       // [S, H] its selected rows
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { gathered[i] = hidden[(size_t)selected[i / H] * H + i % H]; });
   linear(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, head_pre_.data());
-  const float* pre = head_pre_.data();
-  float* act = head_act_.data();
+  const float* pre = head_pre_.data();  // [S, H] before GELU
+  float* act = head_act_.data();        // [S, H] after GELU: the head LayerNorm's input
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
   layer_norm(act, ids_.head_norm_weight, ids_.head_norm_bias, S, head_out_.data(), head_stats_.data());
   // logits [S, V] = out x word_embeddings^T + decoder bias (the tied decoder).
-  float* logits = logits_.data();
+  float* logits = logits_.data();  // [S, V]
   compute_.gemm(false, true, S, V, H, 1.0f, head_out_.data(), H, param(ids_.word_embeddings), H, 0.0f, logits, V);
   const float* decoder_bias = param(ids_.decoder_bias);
   compute_.for_each((size_t)S * V, [=] Z2_HD(size_t i) { logits[i] += decoder_bias[i % V]; });
@@ -941,7 +946,7 @@ inline void Model::head_forward_backward(long step, float loss_scale, bool backw
   });
   if (!backward) return;
 
-  const float* dlogits = logits;
+  const float* dlogits = logits;  // [S, V] dL/dlogits, in the logits' buffer
   column_sums(dlogits, S, V, engine_.gradient_output(ids_.decoder_bias));
   engine_.gradient_ready(ids_.decoder_bias);
   // The tied decoder's gradient [V, H] = dlogits^T x out. It belongs to the
@@ -949,15 +954,15 @@ inline void Model::head_forward_backward(long step, float loss_scale, bool backw
   // keep it here until the embeddings' backward adds its own part: handing it
   // over now would hold a stage-2 staging slot open through all of backward.
   compute_.gemm(true, false, V, H, S, 1.0f, dlogits, V, head_out_.data(), H, 0.0f, decoder_gradient_.data(), H);
-  float* dout = gradient_b_.data();
+  float* dout = gradient_b_.data();  // [S, H] dL/d head LayerNorm output = dlogits x word_embeddings
   compute_.gemm(false, false, S, H, V, 1.0f, dlogits, V, param(ids_.word_embeddings), H, 0.0f, dout, H);
-  float* dact = gradient_c_.data();
+  float* dact = gradient_c_.data();  // [S, H] dL/d GELU output, then (in place) dL/d its input
   layer_norm_backward(act, head_stats_.data(), dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dact[i] *= gelu_grad(pre[i]); });
-  float* dgathered = gradient_d_.data();
+  float* dgathered = gradient_d_.data();  // [S, H] dL/d the selected rows
   linear_backward(gathered, dact, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, dgathered, 0.0f);
   // Scatter back to the selected rows; the others get zero.
-  float* dhidden = gradient_a_.data();
+  float* dhidden = gradient_a_.data();  // [R, H] dL/d the last block's output
   compute_.fill_zero(dhidden, (size_t)R * H * sizeof(float), compute_.compute_stream());
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dhidden[(size_t)selected[i / H] * H + i % H] = dgathered[i]; });
 }
@@ -982,7 +987,12 @@ inline void Model::block_backward(int l, long step, long first_sample) {
             F = shape_.intermediate, R = B * T;
   const BlockParameters& p = ids_.blocks[l];
   BlockActivations& a = blocks_[l];
-  float *dy = gradient_a_.data(), *dsum = gradient_b_.data(), *dwide = gradient_c_.data(), *dattn = gradient_d_.data();
+  // Four scratch buffers, reused as backward goes up the block (the names
+  // say what each holds first; later reuses are named where they happen):
+  float* dy = gradient_a_.data();     // [R, H] dL/d block output in; dL/d block input out
+  float* dsum = gradient_b_.data();   // [R, H] dL/d output_sum, then dL/d attention_out
+  float* dwide = gradient_c_.data();  // [R, F] dL/d ffn_act, then d ffn_pre; later dq, dk [R, H] each
+  float* dattn = gradient_d_.data();  // [R, H] dL/d attention_sum (the residual into x)
 
   // Output LayerNorm: dsum = dL/d(attention_out + dropout(ffn)).
   layer_norm_backward(a.output_sum.data(), a.output_stats.data(), dy, p.output_norm_weight, p.output_norm_bias, R, dsum);
@@ -998,10 +1008,10 @@ inline void Model::block_backward(int l, long step, long first_sample) {
   // Attention LayerNorm: dattn = dL/d(x + dropout(dense(context))).
   layer_norm_backward(a.attention_sum.data(), a.attention_stats.data(), dsum, p.attention_norm_weight,
                       p.attention_norm_bias, R, dattn);
-  float* ddense = dsum;
+  float* ddense = dsum;  // [R, H] dL/d the attention output dense's result: dattn through the dropout
   compute_.copy(ddense, dattn, (size_t)R * H * sizeof(float), compute_.compute_stream());
   dropout(ddense, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
-  float* dcontext = dy;
+  float* dcontext = dy;  // [R, H] dL/d context, heads side by side
   linear_backward(a.context.data(), ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext, 0.0f);
 
   // Attention, per (sample, head): with P the probabilities and Pd = dropout(P),
@@ -1009,15 +1019,15 @@ inline void Model::block_backward(int l, long step, long first_sample) {
   // dQ = dS K, dK = dS^T Q. dq and dk go to gradient_c_ (R x max(2H, F)), dv
   // to gradient_b_ (free once the attention output's backward is done).
   const size_t TT = (size_t)T * T, attention = (size_t)B * NH * TT;
-  const float* probs = a.probs.data();
-  const float* dropped = probs;
+  const float* probs = a.probs.data();  // [B, NH, T, T] saved softmax output
+  const float* dropped = probs;         // the same after dropout: recomputed from its keys, not stored
   if (shape_.dropout > 0.0f) {
     compute_.copy(scratch_probs_.data(), probs, attention * sizeof(float), compute_.compute_stream());
     dropout(scratch_probs_.data(), attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
     dropped = scratch_probs_.data();
   }
   float *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
-  float* dprobs = scratch_dprobs_.data();
+  float* dprobs = scratch_dprobs_.data();  // [B, NH, T, T] dL/d dropped probs, then d scores
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
     compute_.gemm_batched(true, false, T, D, T, 1.0f, dropped + square, T, (long)TT, dcontext + rows, H, D, 0.0f,
@@ -1054,16 +1064,16 @@ inline void Model::block_backward(int l, long step, long first_sample) {
 // Embeddings' backward, last: dL/d x0 in gradient_a_.
 inline void Model::embeddings_backward(long step, long first_sample) {
   const int H = shape_.hidden, T = shape_.seq, B = shape_.micro_batch, R = B * T, P = shape_.max_positions;
-  float* dx0 = gradient_a_.data();
+  float* dx0 = gradient_a_.data();  // [R, H] dL/d x0 (from block 0's backward)
   dropout(dx0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
-  float* dsum = gradient_b_.data();
+  float* dsum = gradient_b_.data();  // [R, H] dL/d (word + position + type)
   layer_norm_backward(embedding_sum_.data(), embedding_stats_.data(), dx0, ids_.embedding_norm_weight,
                       ids_.embedding_norm_bias, R, dsum);
   // Token type 0 is at every position: the column sums.
   column_sums(dsum, R, H, engine_.gradient_output(ids_.token_type_embeddings));
   engine_.gradient_ready(ids_.token_type_embeddings);
   // Position t collects row t of every sample, samples in order; unused positions get 0.
-  float* dposition = engine_.gradient_output(ids_.position_embeddings);
+  float* dposition = engine_.gradient_output(ids_.position_embeddings);  // [P, H]
   compute_.for_each((size_t)P * H, [=] Z2_HD(size_t i) {
     const size_t t = i / H, j = i % H;
     float sum = 0.0f;
@@ -1074,9 +1084,10 @@ inline void Model::embeddings_backward(long step, long first_sample) {
   engine_.gradient_ready(ids_.position_embeddings);
   // Word row v: the tied decoder's part plus the rows where token v occurs,
   // in position order (the counting sort made on the host).
-  float* dword = engine_.gradient_output(ids_.word_embeddings);
-  const float* decoder = decoder_gradient_.data();
-  const int *offsets = token_offsets_.data(), *rows = token_rows_.data();
+  float* dword = engine_.gradient_output(ids_.word_embeddings);  // [V, H]
+  const float* decoder = decoder_gradient_.data();                 // [V, H] the tied decoder's part
+  const int* offsets = token_offsets_.data();  // [V + 1] CSR offsets by token id
+  const int* rows = token_rows_.data();        // [R] positions sorted by token id, in order within an id
   compute_.for_each((size_t)vocab_size * H, [=] Z2_HD(size_t i) {
     const size_t v = i / H, j = i % H;
     float sum = 0.0f;

@@ -520,7 +520,19 @@ size_t memory_per_rank(Device device, MPI_Comm comm) {
     while (meminfo && std::fgets(line, sizeof line, meminfo))
       if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
     if (meminfo) std::fclose(meminfo);
-    available = kib * 1024ull / (unsigned long long)sharing;
+    available = kib * 1024ull;
+    // In a container the cgroup's limit may be far below the host's free
+    // memory, and exceeding it gets a rank killed, not an error: take the
+    // smaller of the two (cgroup v2; "max" means no limit).
+    unsigned long long limit = 0, used = 0;
+    std::FILE* limit_file = std::fopen("/sys/fs/cgroup/memory.max", "r");
+    std::FILE* used_file = std::fopen("/sys/fs/cgroup/memory.current", "r");
+    if (limit_file && used_file && std::fscanf(limit_file, "%llu", &limit) == 1 &&
+        std::fscanf(used_file, "%llu", &used) == 1)
+      available = std::min(available, limit > used ? limit - used : 0ull);
+    if (limit_file) std::fclose(limit_file);
+    if (used_file) std::fclose(used_file);
+    available /= (unsigned long long)sharing;
   }
   unsigned long long smallest = 0;
   Z2_MPI_CHECK(MPI_Allreduce(&available, &smallest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm));
