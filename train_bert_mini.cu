@@ -314,8 +314,13 @@ inline void check_consistency(Settings& s, int world_size) {
   if (s.train_batch_size && s.train_batch_size != (long)s.micro_batch * s.accum * world_size)
     fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks", s.train_batch_size,
          s.micro_batch, s.accum, world_size);
-  if (!s.export_dir.empty() && !s.dump_dir.empty() &&
-      std::filesystem::weakly_canonical(s.export_dir) == std::filesystem::weakly_canonical(s.dump_dir))
+  // Compared as normalised absolute paths without a trailing slash ("d" and "./d/" are one directory).
+  auto normal = [](const std::string& path) {
+    std::string text = std::filesystem::weakly_canonical(path).lexically_normal().string();
+    while (text.size() > 1 && text.back() == '/') text.pop_back();
+    return text;
+  };
+  if (!s.export_dir.empty() && !s.dump_dir.empty() && normal(s.export_dir) == normal(s.dump_dir))
     fail("--export-hf and --dump-batch name the same directory '%s': the final weights would overwrite the dump's",
          s.export_dir.c_str());
   if (!s.dump_dir.empty() && world_size != 1)
@@ -1232,7 +1237,9 @@ inline std::vector<Tensor> named_tensors(const Model& model, const z2::Engine& e
 inline void export_hf(const std::string& directory, const Model& model, const z2::Engine& engine,
                       const std::vector<float>& values) {
   // The weights first, the config last: a directory with a config.json is
-  // complete (each file itself is written atomically).
+  // complete (each file itself is written atomically). An old config.json
+  // from an earlier export goes first, so it cannot vouch for new weights.
+  std::remove((directory + "/config.json").c_str());
   write_safetensors(directory + "/model.safetensors", named_tensors(model, engine, values), {{"format", "pt"}});
   write_file_atomically(directory + "/config.json", hf_config(model.shape()).dump(2) + "\n");
 }
@@ -1280,7 +1287,7 @@ inline void agree_on_errors(MPI_Comm world, const std::function<void()>& checks)
   std::string message;
   try {
     checks();
-  } catch (const z2::Error& error) {
+  } catch (const std::exception& error) {  // z2::Error, and std::filesystem's errors (EACCES, a name too long)
     message = error.what();
   }
   int rank = 0, size = 1;

@@ -523,15 +523,22 @@ size_t memory_per_rank(Device device, MPI_Comm comm) {
     available = kib * 1024ull;
     // In a container the cgroup's limit may be far below the host's free
     // memory, and exceeding it gets a rank killed, not an error: take the
-    // smaller of the two (cgroup v2; "max" means no limit).
-    unsigned long long limit = 0, used = 0;
+    // smaller of the two (cgroup v2 at the usual mount; "max" means no
+    // limit). The cgroup's usage counts page cache, which is reclaimed before
+    // anything is killed, so we count only what is not file-backed.
+    unsigned long long limit = 0, used = 0, file_backed = 0;
     std::FILE* limit_file = std::fopen("/sys/fs/cgroup/memory.max", "r");
     std::FILE* used_file = std::fopen("/sys/fs/cgroup/memory.current", "r");
+    std::FILE* stat_file = std::fopen("/sys/fs/cgroup/memory.stat", "r");
+    while (stat_file && std::fgets(line, sizeof line, stat_file))
+      if (std::sscanf(line, "file %llu", &file_backed) == 1) break;
     if (limit_file && used_file && std::fscanf(limit_file, "%llu", &limit) == 1 &&
-        std::fscanf(used_file, "%llu", &used) == 1)
-      available = std::min(available, limit > used ? limit - used : 0ull);
-    if (limit_file) std::fclose(limit_file);
-    if (used_file) std::fclose(used_file);
+        std::fscanf(used_file, "%llu", &used) == 1) {
+      const unsigned long long unreclaimable = used > file_backed ? used - file_backed : 0;
+      available = std::min(available, limit > unreclaimable ? limit - unreclaimable : 0ull);
+    }
+    for (std::FILE* file : {limit_file, used_file, stat_file})
+      if (file) std::fclose(file);
     available /= (unsigned long long)sharing;
   }
   unsigned long long smallest = 0;

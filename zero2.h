@@ -279,7 +279,8 @@ class Compute {
   // `batch` independent products of the same shape, C_k = alpha op(A_k)
   // op(B_k) + beta C_k with X_k = X + k * stride_x (elements): one cuBLAS
   // strided-batched call on cuda (the heads of an attention layer), a loop of
-  // gemm on cpu. Each product is computed exactly as gemm would.
+  // gemm on cpu (so on cpu each product has exactly gemm's bits; cuBLAS may
+  // pick another kernel for the batched call, deterministic all the same).
   void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
                     long stride_a, const float* B, int ldb, long stride_b, float beta, float* C, int ldc,
                     long stride_c, int batch);

@@ -41,6 +41,7 @@ for N in 1 2 4; do
         fail "matrix N=$N A=$A stage=$stage overlap=$overlap: exit non-zero"; cat "$work/log"; continue
       fi
       bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+      if [ -z "$bits" ]; then fail "matrix N=$N A=$A stage=$stage overlap=$overlap: no hash in $out"; continue; fi
       [ -z "$reference" ] && reference=$bits && echo "    reference (N=1 A=4 stage 0 overlap 0): $bits"
       if [ "$bits" = "$reference" ]; then pass "matrix N=$N A=$A stage=$stage overlap=$overlap: same bits"
       else fail "matrix N=$N A=$A stage=$stage overlap=$overlap: $bits != $reference"; fi
@@ -53,7 +54,10 @@ first_last=$(json_get "$work/matrix_1_0_0.json" "str(d['steps'][0]['loss'] != d[
 
 # Micro-batches that select no position (seq 3: one byte per sample, selected
 # 15% of the time): the head's products have an empty sum (K = 0), which must
-# give zero gradients on every backend, so stages 0 and 2 still agree bitwise.
+# give zero gradients on every backend. A step whose whole global batch
+# selected nothing must report a gradient norm of exactly 0 (a stale buffer
+# left by a gemm that skipped K = 0 would show here), and stages 0 and 2
+# still agree bitwise.
 empty=(--layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 3 --micro-batch 1 --steps 12 --warmup 1 --quiet)
 for stage in 0 2; do
   timeout 300 mpirun -n 2 "$trainer" "${empty[@]}" --stage $stage --json "$work/empty_$stage.json" > "$work/log" 2>&1 ||
@@ -63,19 +67,24 @@ verdict=$(python3 - "$work/empty_0.json" "$work/empty_2.json" <<'EOF'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 zero = sum(1 for s in a['steps'] if s['loss'] == 0)
+zero_norm = all(s['grad_norm'] == 0 for d in (a, b) for s in d['steps'] if s['loss'] == 0)
 same = a['final_params_hash'] == b['final_params_hash'] and [s['loss_bits'] for s in a['steps']] == [s['loss_bits'] for s in b['steps']]
-print(("ok" if same and 0 < zero < len(a['steps']) else "bad") + " %d of %d steps selected nothing; hashes %s %s" % (zero, len(a['steps']), a['final_params_hash'], b['final_params_hash']))
+ok = same and zero_norm and 0 < zero < len(a['steps'])
+print(("ok" if ok else "bad") + " %d of %d steps selected nothing, their gradient norms %s; hashes %s %s" % (zero, len(a['steps']), "all 0" if zero_norm else "NOT 0", a['final_params_hash'], b['final_params_hash']))
 EOF
 )
 case "$verdict" in ok*) pass "empty micro-batches: stages 0 and 2 equal: $verdict";; *) fail "empty micro-batches: $verdict";; esac
 
 # Native collectives (MPI_Reduce_scatter's own order): close, not bitwise.
-# Three steps of AdamW amplify a last-bit difference in the reduced gradient
-# into ~1e-6 relative changes of the loss; 1e-4 leaves a wide margin while
-# still catching a wrong sum (off by a factor N, a missing rank: > 10%).
-if timeout 300 mpirun -n 2 "$trainer" "${tiny[@]}" --accum 2 --stage 2 --collectives native --json "$work/native.json" \
+# At N = 4: at N = 2 there is only one order of a + b. (For these small
+# buckets MPICH's recursive halving may still pair ranks as our tree does and
+# agree bitwise; the tolerance is what DESIGN.md promises.) Three steps of AdamW amplify a last-bit
+# difference in the reduced gradient into ~1e-6 relative changes of the loss;
+# 1e-4 leaves a wide margin while still catching a wrong sum (off by a factor
+# N, a missing rank: > 10%).
+if timeout 300 mpirun -n 4 "$trainer" "${tiny[@]}" --accum 1 --stage 2 --collectives native --json "$work/native.json" \
     > "$work/log" 2>&1; then
-  verdict=$(python3 - "$work/native.json" "$work/matrix_2_2_1.json" <<'EOF'
+  verdict=$(python3 - "$work/native.json" "$work/matrix_4_2_1.json" <<'EOF'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 worst = max(abs(x['loss'] - y['loss']) / abs(y['loss']) for x, y in zip(a['steps'], b['steps']))
@@ -179,6 +188,7 @@ bad_case "too large" "${small[@]}" --micro-batch 1000000 --seq 4096 --max-positi
 bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm nccl
 bad_case "cannot be created as a directory" "${small[@]}" --export-hf "$work/short.txt"
 bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/same"
+bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/./same/"
 bad_case "config key 'zero_optimization.stage' wants" "${small[@]}" --config "$work/stage3.json"
 bad_case "GiB are available per rank" "${small[@]}" --layers 256 --hidden 16384 --heads 16
 
@@ -199,7 +209,7 @@ elif timeout 300 mpirun -n 1 "$trainer" --layers 2 --hidden 64 --heads 4 --inter
     passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
     failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
   fi
-  [ $status -ne 0 ] && [ -z "$line" ] && fail "torch reference: exit $status without a summary"
+  [ -z "$line" ] && fail "torch reference: exit $status without a summary line"
 else
   fail "torch reference: the dump run failed"; cat "$work/log"
 fi
