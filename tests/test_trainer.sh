@@ -184,6 +184,8 @@ bad_case "cannot open the config file" "${small[@]}" --config "$work/missing.jso
 bad_case "train_batch_size 7" "${small[@]}" --config "$work/bad_batch.json"
 bad_case "run it with 1 rank" "${small[@]}" --dump-batch "$work/dump_from_two"
 bad_case "does not exist" "${small[@]}" --json "$work/no/such/dir/out.json"
+long_name=$(printf 'a%.0s' $(seq 1 300))
+bad_case "too long" "${small[@]}" --json "$work/$long_name/$long_name/out.json"  # a filesystem error on rank 0 only
 bad_case "too large" "${small[@]}" --micro-batch 1000000 --seq 4096 --max-positions 4096
 bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm nccl
 bad_case "cannot be created as a directory" "${small[@]}" --export-hf "$work/short.txt"
