@@ -630,7 +630,8 @@ class Model {
   void layer_norm(const float* x, z2::ParameterId weight, z2::ParameterId bias, int rows, float* y, float* stats);
   void layer_norm_backward(const float* x, const float* stats, const float* dy, z2::ParameterId weight,
                            z2::ParameterId bias, int rows, float* dx);
-  void dropout(float* values, size_t count, size_t per_sample, long step, long first_sample, uint64_t key);
+  void dropout(const float* input, float* output, size_t count, size_t per_sample, long step, long first_sample,
+               uint64_t key);
 
  private:
   z2::Compute& compute_;
@@ -813,14 +814,20 @@ inline void Model::layer_norm_backward(const float* x, const float* stats, const
   });
 }
 
-// values [B, per_sample] *= dropout scale, keyed by (sample, key, element in sample).
-// Backward calls the same function on the gradient: the mask is recomputed, not stored.
-inline void Model::dropout(float* values, size_t count, size_t per_sample, long step, long first_sample, uint64_t key) {
+// output [B, per_sample] = input x dropout scale, keyed by (sample, key,
+// element in sample); output may be input. Backward calls the same function
+// on the gradient: the mask is recomputed, not stored. Out of place it is one
+// pass (a plain copy when p = 0), not a copy and then a scaling pass.
+inline void Model::dropout(const float* input, float* output, size_t count, size_t per_sample, long step,
+                           long first_sample, uint64_t key) {
   const float p = shape_.dropout;
-  if (p == 0.0f) return;
+  if (p == 0.0f) {
+    compute_.copy(output, input, count * sizeof(float), compute_.compute_stream());  // nothing if in place
+    return;
+  }
   const uint64_t tensor_key = dropout_tensor_key(shape_.seed, key, step);
   compute_.for_each(count, [=] Z2_HD(size_t i) {
-    values[i] *= dropout_scale(p, tensor_key, first_sample + (long)(i / per_sample), i % per_sample);
+    output[i] = input[i] * dropout_scale(p, tensor_key, first_sample + (long)(i / per_sample), i % per_sample);
   });
 }
 
@@ -851,7 +858,7 @@ inline void Model::embeddings_forward(long step, long first_sample) {
   // x0 [R, H] is written straight into block 0's input buffer: no copy.
   float* x0 = blocks_.empty() ? final_hidden_.data() : blocks_[0].input.data();
   layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data());
-  dropout(x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
+  dropout(x0, x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
 }
 
 // One post-LN block: a = LN(x + drop(attn(x) Wo + bo)), y = LN(a + drop(gelu(a Wi + bi) Wf + bf)).
@@ -886,11 +893,11 @@ inline void Model::block_forward(int l, long step, long first_sample) {
     softmax_row(values, T);
   });
   // Dropout on the probabilities into scratch (probs stays for backward).
-  const float* source = probs;             // what multiplies V: probs, or their dropped copy
-  float* dropped = scratch_probs_.data();  // [B, NH, T, T] scratch shared by all blocks
+  const float* source = probs;  // what multiplies V: probs, or their dropped copy
   if (shape_.dropout > 0.0f) {
-    compute_.copy(dropped, probs, (size_t)B * NH * TT * sizeof(float), compute_.compute_stream());
-    dropout(dropped, (size_t)B * NH * TT, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
+    float* dropped = scratch_probs_.data();  // [B, NH, T, T] scratch shared by all blocks
+    dropout(probs, dropped, (size_t)B * NH * TT, (size_t)NH * TT, step, first_sample,
+            dropout_key(l, dropout_attention_probs));
     source = dropped;
   }
   // Context [T, D] per (sample, head) = probs x V, into the head's columns.
@@ -902,7 +909,7 @@ inline void Model::block_forward(int l, long step, long first_sample) {
   // Attention output: dense, dropout, residual, LayerNorm.
   float* sum = a.attention_sum.data();  // [R, H] x + dropout(context Wo^T + bo), kept for LayerNorm's backward
   linear(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
-  dropout(sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
+  dropout(sum, sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
   const float* input = a.input.data();  // [R, H] the residual
   compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { sum[i] += input[i]; });
   layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data(), a.attention_stats.data());
@@ -913,7 +920,7 @@ inline void Model::block_forward(int l, long step, long first_sample) {
   compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
   float* out_sum = a.output_sum.data();  // [R, H] attention_out + dropout(act Wf^T + bf)
   linear(act, p.output_weight, p.output_bias, R, F, H, out_sum);
-  dropout(out_sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
+  dropout(out_sum, out_sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
   const float* residual = a.attention_out.data();  // [R, H]
   compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { out_sum[i] += residual[i]; });
   layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, next, a.output_stats.data());
@@ -1003,8 +1010,7 @@ inline void Model::block_backward(int l, long step, long first_sample) {
   layer_norm_backward(a.output_sum.data(), a.output_stats.data(), dy, p.output_norm_weight, p.output_norm_bias, R, dsum);
   // The FFN branch sees dsum through the dropout; the residual gets dsum itself.
   float* dffn = dy;  // dy is no longer needed: reuse it
-  compute_.copy(dffn, dsum, (size_t)R * H * sizeof(float), compute_.compute_stream());
-  dropout(dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
+  dropout(dsum, dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
   linear_backward(a.ffn_act.data(), dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
   const float* pre = a.ffn_pre.data();
   compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { dwide[i] *= gelu_grad(pre[i]); });
@@ -1014,8 +1020,7 @@ inline void Model::block_backward(int l, long step, long first_sample) {
   layer_norm_backward(a.attention_sum.data(), a.attention_stats.data(), dsum, p.attention_norm_weight,
                       p.attention_norm_bias, R, dattn);
   float* ddense = dsum;  // [R, H] dL/d the attention output dense's result: dattn through the dropout
-  compute_.copy(ddense, dattn, (size_t)R * H * sizeof(float), compute_.compute_stream());
-  dropout(ddense, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
+  dropout(dattn, ddense, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
   float* dcontext = dy;  // [R, H] dL/d context, heads side by side
   linear_backward(a.context.data(), ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext, 0.0f);
 
@@ -1027,8 +1032,8 @@ inline void Model::block_backward(int l, long step, long first_sample) {
   const float* probs = a.probs.data();  // [B, NH, T, T] saved softmax output
   const float* dropped = probs;         // the same after dropout: recomputed from its keys, not stored
   if (shape_.dropout > 0.0f) {
-    compute_.copy(scratch_probs_.data(), probs, attention * sizeof(float), compute_.compute_stream());
-    dropout(scratch_probs_.data(), attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
+    dropout(probs, scratch_probs_.data(), attention, (size_t)NH * TT, step, first_sample,
+            dropout_key(l, dropout_attention_probs));
     dropped = scratch_probs_.data();
   }
   float *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
@@ -1040,7 +1045,7 @@ inline void Model::block_backward(int l, long step, long first_sample) {
     compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data() + rows, H, D, 0.0f,
                           dprobs + square, T, (long)TT, NH);
   }
-  dropout(dprobs, attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
+  dropout(dprobs, dprobs, attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
   compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
     const float* p_row = probs + row * T;
@@ -1070,7 +1075,7 @@ inline void Model::block_backward(int l, long step, long first_sample) {
 inline void Model::embeddings_backward(long step, long first_sample) {
   const int H = shape_.hidden, T = shape_.seq, B = shape_.micro_batch, R = B * T, P = shape_.max_positions;
   float* dx0 = gradient_a_.data();  // [R, H] dL/d x0 (from block 0's backward)
-  dropout(dx0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
+  dropout(dx0, dx0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
   float* dsum = gradient_b_.data();  // [R, H] dL/d (word + position + type)
   layer_norm_backward(embedding_sum_.data(), embedding_stats_.data(), dx0, ids_.embedding_norm_weight,
                       ids_.embedding_norm_bias, R, dsum);
@@ -1254,18 +1259,6 @@ inline double learning_rate(const Settings& s, long t) {
   return s.lr * (double)(s.steps - t + 1) / (double)(s.steps - s.warmup);
 }
 
-inline std::string with_commas(double value) {
-  char digits[64];
-  snprintf(digits, sizeof digits, "%.0f", value);
-  std::string text = digits, out;
-  int count = 0;
-  for (int i = (int)text.size() - 1; i >= 0; --i) {
-    out.insert(out.begin(), text[i]);
-    if (++count % 3 == 0 && i > 0 && text[i - 1] != '-') out.insert(out.begin(), ',');
-  }
-  return out;
-}
-
 inline std::string hex32(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, 4);
@@ -1336,16 +1329,15 @@ inline int train(Settings settings, MPI_Comm world) {
     // and bookkeeping, two staging slots, the accumulation tree, activations.
     const double psi = (double)parameter_count(shape) * 1.05, N = world_size;
     const double states[] = {16 * psi, 8 * psi + 8 * psi / N, 4 * psi + 12 * psi / N};
-    double accumulation_blocks = 0;
-    while ((2l << (long)accumulation_blocks) <= settings.accum) ++accumulation_blocks;
-    const double needed = states[settings.stage] + 2 * 8.0 * settings.bucket + accumulation_blocks * 4 * psi / N +
+    const double needed = states[settings.stage] + 2 * 8.0 * settings.bucket +
+                          (double)z2::accumulation_blocks(settings.accum) * 4 * psi / N +
                           (double)activation_bytes(shape);
     const double available = (double)z2::memory_per_rank(device, world);
     if (needed > available)
       fail("this configuration needs about %.2f GiB per rank (%s parameters, stage %d, N = %d, activations %.2f GiB) "
            "but %.2f GiB are available per rank on this %s: use a smaller model or micro-batch, a higher stage or "
            "more ranks",
-           needed / 1073741824.0, with_commas(psi / 1.05).c_str(), settings.stage, world_size,
+           needed / 1073741824.0, z2::with_commas(parameter_count(shape)).c_str(), settings.stage, world_size,
            activation_bytes(shape) / 1073741824.0, available / 1073741824.0, z2::to_string(device));
   }
   z2::Communicator comm(compute, world, comm_backend,
@@ -1375,23 +1367,23 @@ inline int train(Settings settings, MPI_Comm world) {
     printf("train_bert_mini: BERT-mini masked LM through zero2 (ZeRO stage %d)\n", settings.stage);
     printf("  world     %d rank(s), device %s, comm %s, collectives %s, overlap %s, bucket %s elements\n", N,
            z2::to_string(device), z2::to_string(comm_backend), settings.collectives.c_str(),
-           settings.overlap ? "on" : "off", with_commas((double)settings.bucket).c_str());
+           settings.overlap ? "on" : "off", z2::with_commas((size_t)settings.bucket).c_str());
     printf("  stage     %d: %s\n", settings.stage, names[settings.stage]);
     printf("  model     layers %d, hidden %d, heads %d, intermediate %d, seq %d, vocab %d, positions %d, dropout %g\n",
            settings.layers, settings.hidden, settings.heads, settings.intermediate, T, vocab_size,
            settings.max_positions, settings.dropout);
-    printf("  Psi       %s parameters (%s padded into %zu bucket(s))\n", with_commas((double)engine.psi()).c_str(),
-           with_commas((double)engine.psi_padded()).c_str(), engine.buckets().size());
+    printf("  Psi       %s parameters (%s padded into %zu bucket(s))\n", z2::with_commas((size_t)engine.psi()).c_str(),
+           z2::with_commas((size_t)engine.psi_padded()).c_str(), engine.buckets().size());
     printf("  batch     %d sequences x accumulation %d x %d rank(s) = %s tokens per step\n", B, A, N,
-           with_commas((double)tokens_per_step).c_str());
+           z2::with_commas((size_t)tokens_per_step).c_str());
     printf("  data      %s (%s bytes), seed %llu\n",
            settings.data.empty() ? "embedded corpus (data/corpus.txt)" : settings.data.c_str(),
-           with_commas((double)corpus.size()).c_str(), (unsigned long long)settings.seed);
+           z2::with_commas((size_t)corpus.size()).c_str(), (unsigned long long)settings.seed);
     printf("  optimizer AdamW lr %g, warmup %ld then linear decay over %ld steps, weight decay %g, clip %g\n",
            settings.lr, settings.warmup, settings.steps, settings.weight_decay, settings.clip);
     printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",
-           with_commas((double)start_ledger.model_states).c_str(), formulas[settings.stage],
-           with_commas((double)start_ledger.model_states_formula).c_str(),
+           z2::with_commas((size_t)start_ledger.model_states).c_str(), formulas[settings.stage],
+           z2::with_commas((size_t)start_ledger.model_states_formula).c_str(),
            start_ledger.model_states == start_ledger.model_states_formula ? "equal" : "DIFFERS");
     printf("  initial loss should be near ln(%d) = %.3f\n\n", vocab_size, std::log((double)vocab_size));
     fflush(stdout);
@@ -1447,7 +1439,7 @@ inline int train(Settings settings, MPI_Comm world) {
       const z2::MemoryCounters& memory = compute.memory();
       printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e | %9s tok/s | %8.1f ms | %s %.1f MiB\n",
              report.step, settings.steps, report.loss, report.grad_norm, report.lr,
-             with_commas(records.back().tokens_per_s).c_str(), ms, device == z2::Device::cuda ? "device" : "memory",
+             z2::with_commas((size_t)std::llround(records.back().tokens_per_s)).c_str(), ms, device == z2::Device::cuda ? "device" : "memory",
              memory.total_current / 1048576.0);
       fflush(stdout);
     }
@@ -1460,17 +1452,15 @@ inline int train(Settings settings, MPI_Comm world) {
   const uint64_t hash = engine.parameters_hash();
   char hash_text[24];
   snprintf(hash_text, sizeof hash_text, "%016llx", (unsigned long long)hash);
-  if (!settings.export_dir.empty()) {
-    std::vector<float> values = engine.parameters_to_host();
-    if (rank == 0) export_hf(settings.export_dir, model, engine, values);
-  }
+  if (rank == 0 && !settings.export_dir.empty())
+    export_hf(settings.export_dir, model, engine, engine.parameters_to_host());
   if (speak) {
     printf("\nsummary\n");
     printf("  %-24s %s -> %s (%s)\n", "loss", std::to_string(records.front().loss).c_str(),
            std::to_string(records.back().loss).c_str(), records.back().loss < records.front().loss ? "falling" : "NOT falling");
     printf("  %-24s %s\n", "last loss bits", hex32(records.back().loss).c_str());
     printf("  %-24s %.1f ms\n", "median step", median_ms);
-    printf("  %-24s %s\n", "tokens/s (median step)", with_commas(tokens_per_step / (median_ms / 1000.0)).c_str());
+    printf("  %-24s %s\n", "tokens/s (median step)", z2::with_commas((size_t)std::llround(tokens_per_step / (median_ms / 1000.0))).c_str());
     printf("  %-24s %s\n", "final params hash", hash_text);
     if (!settings.export_dir.empty()) printf("  %-24s %s/\n", "exported (HF layout)", settings.export_dir.c_str());
     if (!settings.dump_dir.empty()) printf("  %-24s %s/\n", "step-0 dump", settings.dump_dir.c_str());

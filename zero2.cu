@@ -1384,7 +1384,7 @@ Engine::~Engine() = default;
 
 static int staging_slots(const EngineOptions& options) { return options.overlap || options.stage == 2 ? 2 : 1; }
 
-static size_t accumulation_blocks(int accumulation_steps) {  // floor(log2 A)
+size_t accumulation_blocks(int accumulation_steps) {  // floor(log2 A)
   size_t blocks = 0;
   while ((2l << blocks) <= accumulation_steps) ++blocks;
   return blocks;
@@ -1712,7 +1712,7 @@ CommLedger Engine::comm_ledger() const {
   return ledger;
 }
 
-static std::string with_commas(size_t value) {
+std::string with_commas(size_t value) {
   std::string digits = std::to_string(value), out;
   for (size_t i = 0; i < digits.size(); ++i) {
     if (i && (digits.size() - i) % 3 == 0) out += ',';

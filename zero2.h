@@ -629,4 +629,10 @@ class Engine {
 // FNV-1a 64 over the bytes of `count` floats.
 uint64_t fnv1a64(const float* values, size_t count);
 
+// floor(log2 A): how many open blocks the accumulation tree of A micro-steps
+// keeps (each Psi_padded / N floats).
+size_t accumulation_blocks(int accumulation_steps);
+// 1234567 -> "1,234,567", for the ledgers and the trainer's output.
+std::string with_commas(size_t value);
+
 }  // namespace z2
