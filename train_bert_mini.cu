@@ -11,8 +11,12 @@
 // LayerNorm and embedding gradients) has one thread per output walking the
 // rows in order, so the same inputs give the same bits on every run.
 //
-// What it leaves out: mixed precision, activation checkpointing and offload,
-// the arena allocator, checkpoints (later issues); attention masks (every
+// ZeRO-R (paper section 6): --activations keep|recompute|offload chooses what
+// forward leaves for backward (section 4 below), --alloc arena|naive where
+// device memory comes from (zero2.cu section 2), --device-memory-limit how
+// much there is. Every combination gives the same bits.
+//
+// What it leaves out: mixed precision, checkpoints (later issues); attention masks (every
 // sequence is a full window of text, so there is no padding); a tokenizer
 // (bytes are tokens).
 //
@@ -81,7 +85,11 @@ struct Settings {
   long train_batch_size = 0;  // from a config file only: checked against micro x accum x N
   bool accum_given = false;   // else DeepSpeed derives accum from train_batch_size
   // files and output
-  std::string data, config, json_path, export_dir, dump_dir;
+  // memory (ZeRO-R)
+  std::string activations = "keep", alloc = "arena";
+  long device_memory_limit = 0;  // bytes per rank; 0: enough for the run
+  // files and output
+  std::string data, config, json_path, export_dir, dump_dir, memory_trace;
   long log_every = 10;
   bool quiet = false;
 };
@@ -158,6 +166,10 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--json") s.json_path = value;
   else if (flag == "--export-hf") s.export_dir = value;
   else if (flag == "--dump-batch") s.dump_dir = value;
+  else if (flag == "--activations") s.activations = parse_choice(name, value, {"keep", "recompute", "offload"});
+  else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive"});
+  else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
+  else if (flag == "--memory-trace") s.memory_trace = value;
   // Not command-line flags: only a config file sets these.
   else if (flag == "beta1") s.beta1 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
@@ -553,47 +565,161 @@ struct Parameters {
   z2::ParameterId head_dense_weight, head_dense_bias, head_norm_weight, head_norm_bias, decoder_bias;
 };
 
-// Parameter count of the model (the tensors registered below), and the bytes
-// of activations the Model constructor allocates: both from the shape alone,
-// so train() can refuse a configuration that cannot fit before allocating.
-// A test checks activation_bytes against the memory ledger.
+// Parameter count of the model (the tensors registered below), from the
+// shape alone, so train() can refuse a configuration that cannot fit before
+// allocating anything.
 inline size_t parameter_count(const ModelShape& s) {
   const size_t H = s.hidden, F = s.intermediate, V = vocab_size;
   const size_t block = 4 * (H * H + H) + 2 * H + (F * H + F) + (H * F + H) + 2 * H;
   return V * H + (size_t)s.max_positions * H + H + 2 * H + s.layers * block + (H * H + H) + 2 * H + V;
 }
-inline size_t activation_bytes(const ModelShape& s) {
+
+// --- activation memory (ZeRO-R, P_a and P_a+cpu: paper section 6.1) ----------
+//
+// What backward needs from forward, three ways (--activations):
+//   keep       every intermediate of every block stays on the device until
+//              the block's backward: L x W bytes, W = one block's working set.
+//   recompute  only each block's input (its checkpoint, R x H floats) stays;
+//              backward runs the block's forward again from it just before
+//              the block's backward. Saves (L - 1) W - L R H x 4 bytes; costs
+//              one more forward (about a third more compute).
+//   offload    as recompute, but the checkpoints go to pinned host memory
+//              while forward goes on (the copy stream) and come back one block
+//              ahead of backward. The device holds one working set plus two
+//              checkpoints, whatever L is; the host holds L - 1 checkpoints
+//              (the last one is the first backward needs, so it stays).
+// The bits are the same in all three: the recomputed forward is the same code
+// on the same inputs with the same dropout keys.
+enum class ActivationMode { keep, recompute, offload };
+
+// Activation bytes the model holds at once, for the fit check and for the
+// tests that hold the ledger to it. The model's buffers, in floats (R = B T
+// rows, S = B (T - 2) the most rows the head can select, A = B NH T T):
+//   always:      batch ints (2R + 2S + V + 1), per-row losses S
+//   per block:   W = 7 R H (q, k, v, context, two residual sums, attention_out)
+//                  + A (probabilities) + 2 R F (FFN) + 4 R (LayerNorm stats)
+//   backward:    the tied decoder's gradient V H, the gradient flowing down R H;
+//                block scratch 2 R H + R max(2H, F) + A (+ A for dropped
+//                probabilities when dropout is on)
+//   head:        4 S H + 2 S + S V forward, + 3 S H backward
+// Buffers that live across blocks (checkpoints, kept blocks, the two backward
+// buffers) are carved once by the arena (live from start-up) and allocated
+// when first written by naive; temporaries are pushed and popped by both.
+// (With keep, the last block's output is a temporary: see the Model.)
+struct ActivationSizes {
+  size_t always, working_set, checkpoint, embedding_sum, backward_long, block_scratch, recompute_scratch, head;
+};
+inline ActivationSizes activation_sizes(const ModelShape& s) {
   const size_t B = s.micro_batch, T = s.seq, R = B * T, S = B * (T - 2), H = s.hidden, F = s.intermediate,
-               V = vocab_size, attention = B * s.heads * T * T;
-  const size_t ints = R + 2 * S + (V + 1) + R;
-  const size_t floats = R * H + 2 * R + s.layers * (8 * R * H + 2 * R * F + attention + 4 * R) + R * H +
-                        4 * S * H + 2 * S + S * V + S + V * H + 2 * attention + 3 * R * std::max(H, F) +
-                        R * std::max(2 * H, F);
-  return ints * sizeof(int) + floats * sizeof(float);
+               V = vocab_size, A = B * s.heads * T * T, dropped = s.dropout > 0.0f ? A : 0, f = sizeof(float);
+  ActivationSizes z;
+  z.always = (2 * R + 2 * S + V + 1) * sizeof(int) + S * f;
+  z.working_set = (7 * R * H + A + 2 * R * F + 4 * R) * f;
+  z.checkpoint = R * H * f;
+  z.embedding_sum = (R * H + 2 * R) * f;
+  z.backward_long = (V * H + R * H) * f;
+  z.block_scratch = (2 * R * H + R * std::max(2 * H, F) + A + dropped) * f;
+  // The recomputed forward pushes dropped probabilities, pops them, then the
+  // output it does not need: never both at once.
+  z.recompute_scratch = std::max(dropped * f, R * H * f);
+  z.head = (7 * S * H + 2 * S + S * V) * f;
+  return z;
+}
+
+// The device activation peak (bytes) the ledger must show, by mode and
+// allocator. Phase by phase: what is live while that phase's temporaries are.
+inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bool arena) {
+  const ActivationSizes z = activation_sizes(s);
+  const size_t L = s.layers, dropped = s.dropout > 0.0f ? (size_t)s.micro_batch * s.heads * s.seq * s.seq * 4 : 0;
+  // Buffers that live across blocks, all at once (the arena carves exactly these).
+  size_t carved = z.backward_long;
+  if (mode == ActivationMode::keep) carved += z.embedding_sum + L * (z.checkpoint + z.working_set);
+  if (mode == ActivationMode::recompute) carved += (L + 1) * z.checkpoint;
+  if (mode == ActivationMode::offload) carved += 2 * z.checkpoint;
+  const size_t largest_temporary =
+      mode == ActivationMode::keep
+          ? std::max({dropped, z.checkpoint + z.head, z.block_scratch})
+          : std::max({z.working_set + dropped, z.head, z.working_set + std::max(z.recompute_scratch, z.block_scratch),
+                      z.embedding_sum + z.checkpoint});
+  if (arena) return z.always + carved + largest_temporary;
+  // naive: the long-lived buffers live only from first write to last read.
+  const size_t C = z.checkpoint;
+  size_t peak = 0;
+  if (mode == ActivationMode::keep) {
+    const size_t forward = z.embedding_sum + L * (C + z.working_set);  // before the head's input exists
+    peak = std::max({forward + dropped, forward + C + z.backward_long + z.head,
+                     forward + z.backward_long + z.block_scratch});
+  } else {
+    // checkpoints on the device: while the head runs, and in block L-1's backward
+    const size_t head_checkpoints = mode == ActivationMode::recompute ? (L + 1) * C : std::min<size_t>(2, L + 1) * C;
+    const size_t backward_checkpoints = mode == ActivationMode::recompute ? L * C : std::min<size_t>(2, L) * C;
+    const size_t forward_checkpoints = mode == ActivationMode::recompute ? L * C : std::min<size_t>(1, L) * C;
+    peak = std::max({forward_checkpoints + z.working_set + std::max(dropped, C),
+                     head_checkpoints + z.backward_long + z.head,
+                     backward_checkpoints + z.backward_long + z.working_set +
+                         std::max(z.recompute_scratch, z.block_scratch)});
+  }
+  return z.always + peak;
+}
+
+// The bound issue 4 asks of offload, from the configuration: one block's
+// working set (its activations and backward scratch) plus two checkpoints,
+// plus what every mode holds (the batch, the per-row losses, the two
+// backward buffers). The head and the embeddings are smaller phases at any
+// BERT-like size; the bound takes the largest phase all the same.
+inline size_t offload_activation_bound(const ModelShape& s) {
+  const ActivationSizes z = activation_sizes(s);
+  const size_t phase = std::max({z.working_set + std::max(z.recompute_scratch, z.block_scratch), z.head,
+                                 z.embedding_sum + z.checkpoint});
+  return z.always + z.backward_long + 2 * z.checkpoint + phase;
 }
 
 // How a parameter is initialized (Hugging Face's _init_weights).
 enum class Init { normal, zeros, ones };
 
+// One model buffer. The model opens it where a framework would allocate the
+// tensor (its first write) and closes it after its last read; where the
+// memory comes from depends on the allocator and on how long it lives:
+//   long-lived (checkpoints, kept blocks, the backward's two long buffers):
+//     arena: carved once at start-up (`carved`), open and close do nothing;
+//     naive: allocated at open, released at close, from the free list;
+//   temporary (one block's or the head's working set, scratch):
+//     pushed at open and popped at close, in last-in-first-out order.
+struct Buffer {
+  size_t count = 0;         // floats
+  bool long_lived = false;
+  bool carved = false;      // arena: `data` is fixed for the whole run
+  float* data = nullptr;    // while open (always, when carved)
+};
+
 // Activations of one block, kept from forward for backward. Shapes use
-// R = B * T rows (every token of the micro-batch).
+// R = B * T rows (every token of the micro-batch). The block's input x is
+// its checkpoint (Model::checkpoints_[l]).
 struct BlockActivations {
-  z2::DeviceArray<float> input;             // [R, H]   the block's input x
-  z2::DeviceArray<float> query, key, value; // [R, H]   heads side by side: head h is columns h*D .. h*D+D-1
-  z2::DeviceArray<float> probs;             // [B, NH, T, T] softmax before dropout
-  z2::DeviceArray<float> context;           // [R, H]   probs (after dropout) x value
-  z2::DeviceArray<float> attention_sum;     // [R, H]   x + dropout(dense(context)), LayerNorm's input
-  z2::DeviceArray<float> attention_stats;   // [R, 2]   its mean and rstd
-  z2::DeviceArray<float> attention_out;     // [R, H]   LayerNorm output: the FFN's input and residual
-  z2::DeviceArray<float> ffn_pre;           // [R, F]   before GELU
-  z2::DeviceArray<float> ffn_act;           // [R, F]   after GELU
-  z2::DeviceArray<float> output_sum;        // [R, H]   attention_out + dropout(dense(ffn_act))
-  z2::DeviceArray<float> output_stats;      // [R, 2]
+  Buffer query, key, value;  // [R, H]   heads side by side: head h is columns h*D .. h*D+D-1
+  Buffer probs;              // [B, NH, T, T] softmax before dropout
+  Buffer context;            // [R, H]   probs (after dropout) x value
+  Buffer attention_sum;      // [R, H]   x + dropout(dense(context)), LayerNorm's input
+  Buffer attention_stats;    // [R, 2]   its mean and rstd
+  Buffer attention_out;      // [R, H]   LayerNorm output: the FFN's input and residual
+  Buffer ffn_pre;            // [R, F]   before GELU
+  Buffer ffn_act;            // [R, F]   after GELU
+  Buffer output_sum;         // [R, H]   attention_out + dropout(dense(ffn_act))
+  Buffer output_stats;       // [R, 2]
+  // In the order forward opens them (backward closes them in reverse).
+  std::vector<Buffer*> in_order() {
+    return {&query, &key, &value, &probs, &context, &attention_sum, &attention_stats, &attention_out,
+            &ffn_pre, &ffn_act, &output_sum, &output_stats};
+  }
 };
 
 class Model {
  public:
-  Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape);
+  // Construct after compute.use_allocator(): with the arena, the long-lived
+  // buffers are carved here, before the engine's model states.
+  Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape,
+        ActivationMode mode = ActivationMode::keep);
+  ~Model();
 
   // After engine.build(): Hugging Face's initialization (normal(0, 0.02) for
   // weights and embeddings, zeros for biases, ones for LayerNorm weights),
@@ -616,12 +742,21 @@ class Model {
   z2::ParameterId add(const std::string& name, std::vector<long> shape, bool decay, Init init);
   float* param(z2::ParameterId id) { return engine_.parameter(id); }
   void upload(const Batch& batch);
-  void embeddings_forward(long step, long first_sample);
-  void block_forward(int layer, long step, long first_sample);
+  void embeddings_forward(long step, long first_sample, float* x0);
+  void block_forward(int layer, long step, long first_sample, Buffer& output);
   void head_forward_backward(long step, float loss_scale, bool backward);
   float loss_contribution(float loss_scale);
   void block_backward(int layer, long step, long first_sample);
   void embeddings_backward(long step, long first_sample);
+  // Where buffers come from (see Buffer), and the checkpoints' trips to the host.
+  float* open(Buffer& buffer);
+  void close(Buffer& buffer);
+  void open_block(BlockActivations& block);
+  void close_block(BlockActivations& block);
+  BlockActivations& block(int layer) { return blocks_[mode_ == ActivationMode::keep ? layer : 0]; }
+  void offload(int checkpoint);   // device -> host, on the copy stream
+  void prefetch(int checkpoint);  // host -> device, on the copy stream
+  ActivationMode mode() const { return mode_; }
   // Small building blocks (section 4 continued).
   void linear(const float* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out, float* output);
   void linear_backward(const float* input, const float* doutput, z2::ParameterId weight, z2::ParameterId bias, int rows,
@@ -637,23 +772,38 @@ class Model {
   z2::Compute& compute_;
   z2::Engine& engine_;
   ModelShape shape_;
+  ActivationMode mode_;
   Parameters ids_;
   std::vector<std::vector<long>> shapes_;
   std::vector<Init> inits_;
 
-  // Device copies of the batch.
+  // Device copies of the batch, and the per-row losses: allocated once, as
+  // they live through every micro-step.
   z2::DeviceArray<int> tokens_, selected_, targets_, token_offsets_, token_rows_;
+  z2::DeviceArray<float> sample_loss_;  // [S]
   int selected_count_ = 0;
-  // Activations (kept for backward) and scratch, sized for the micro-batch.
-  z2::DeviceArray<float> embedding_sum_, embedding_stats_;  // [R, H], [R, 2]
-  std::vector<BlockActivations> blocks_;
-  z2::DeviceArray<float> final_hidden_;                     // [R, H] the last block's output
-  z2::DeviceArray<float> head_input_, head_pre_, head_act_, head_stats_, head_out_;  // [S, H] (stats [S, 2])
-  z2::DeviceArray<float> logits_, sample_loss_;             // [S, V], [S]
-  z2::DeviceArray<float> decoder_gradient_;                 // [V, H] the tied decoder's part of dL/d word_embeddings
-  z2::DeviceArray<float> scratch_probs_, scratch_dprobs_;   // [B, NH, T, T]
-  z2::DeviceArray<float> gradient_a_, gradient_b_, gradient_d_;  // [R, max(H, F)] backward scratch
-  z2::DeviceArray<float> gradient_c_;                            // [R, max(2H, F)]: also holds dq and dk
+  // Checkpoint l is block l's input ([R, H]); checkpoint L is the last
+  // block's output, the head's input. Long-lived in every mode.
+  std::vector<Buffer> checkpoints_;
+  Buffer embedding_sum_, embedding_stats_;  // [R, H], [R, 2]: long-lived with keep, temporaries otherwise
+  std::vector<BlockActivations> blocks_;    // keep: one per layer, long-lived; else one working set, temporary
+  Buffer head_input_, head_pre_, head_act_, head_out_;  // [S, H] temporaries (S = the most rows the head can select)
+  Buffer head_stats_, logits_;                          // [S, 2], [S, V]
+  Buffer head_dout_, head_dact_, head_dgathered_;       // [S, H] the head's backward
+  // Long-lived through backward: the tied decoder's part of dL/d
+  // word_embeddings [V, H], and dL/d the current block's output [R, H].
+  Buffer decoder_gradient_, gradient_flow_;
+  // Backward scratch of one block (temporaries).
+  Buffer dsum_, dattention_;     // [R, H]
+  Buffer dwide_;                 // [R, max(2H, F)]: d ffn, later dq and dk side by side
+  Buffer dropped_, dprobs_;      // [B, NH, T, T] dropped probabilities (dropout only), d probabilities
+  Buffer recomputed_output_;     // [R, H] the output a recomputed forward writes and nobody reads
+  // The arena's carved memory (freed when the model goes), and for offload
+  // the host copies of checkpoints 0 .. L-2 (pinned) and their events.
+  std::vector<z2::DeviceArray<float>> carved_;
+  float* host_checkpoints_ = nullptr;  // [L - 1, R, H]
+  std::vector<z2::Event> produced_, offloaded_, prefetched_;
+  z2::Event slot_free_;
 };
 
 inline z2::ParameterId Model::add(const std::string& name, std::vector<long> shape, bool decay, Init init) {
@@ -665,8 +815,8 @@ inline z2::ParameterId Model::add(const std::string& name, std::vector<long> sha
   return id;
 }
 
-inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape)
-    : compute_(compute), engine_(engine), shape_(shape) {
+inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape, ActivationMode mode)
+    : compute_(compute), engine_(engine), shape_(shape), mode_(mode) {
   const long H = shape.hidden, F = shape.intermediate, V = vocab_size;
   // Weight decay on linear weights and embeddings; none on biases and
   // LayerNorm (DESIGN.md section 6).
@@ -702,31 +852,134 @@ inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& 
   ids_.head_norm_bias = add("cls.predictions.transform.LayerNorm.bias", {H}, false, Init::zeros);
   ids_.decoder_bias = add("cls.predictions.bias", {V}, false, Init::zeros);
 
-  // Activation memory, allocated once. R rows of the micro-batch; at most
-  // S = B (T - 2) selected rows reach the head.
+  // Activation buffers. R rows of the micro-batch; at most S = B (T - 2)
+  // selected rows reach the head. Every rank makes the same requests in the
+  // same order (the head's buffers are sized for S whatever the batch
+  // selected), so an out-of-memory is met by all ranks at the same request.
   const size_t B = shape.micro_batch, T = shape.seq, R = B * T, S = B * (T - 2);
   const size_t attention = B * shape.heads * T * T;
-  auto array = [&](size_t count) { return z2::DeviceArray<float>(compute, count, z2::MemoryKind::activations); };
   auto ints = [&](size_t count) { return z2::DeviceArray<int>(compute, count, z2::MemoryKind::activations); };
   tokens_ = ints(R), selected_ = ints(S), targets_ = ints(S), token_offsets_ = ints(V + 1), token_rows_ = ints(R);
-  embedding_sum_ = array(R * H), embedding_stats_ = array(R * 2);
-  for (int l = 0; l < shape.layers; ++l) {
-    BlockActivations a;
-    a.input = array(R * H), a.query = array(R * H), a.key = array(R * H), a.value = array(R * H);
-    a.probs = array(attention), a.context = array(R * H);
-    a.attention_sum = array(R * H), a.attention_stats = array(R * 2), a.attention_out = array(R * H);
-    a.ffn_pre = array(R * F), a.ffn_act = array(R * F);
-    a.output_sum = array(R * H), a.output_stats = array(R * 2);
-    blocks_.push_back(std::move(a));
+  sample_loss_ = z2::DeviceArray<float>(compute, S, z2::MemoryKind::activations);
+  const bool keep = mode == ActivationMode::keep;
+  auto sized = [](Buffer& buffer, size_t count, bool long_lived) { buffer.count = count, buffer.long_lived = long_lived; };
+  checkpoints_.resize(shape.layers + 1);
+  for (auto& checkpoint : checkpoints_) sized(checkpoint, R * H, true);
+  // With keep, the last block's output lives only from its LayerNorm to the
+  // end of the head, while no other temporary is open: a stack entry. (In
+  // the other modes that block's working set is still pushed when it is made.)
+  if (keep) checkpoints_[shape.layers].long_lived = false;
+  sized(embedding_sum_, R * H, keep), sized(embedding_stats_, R * 2, keep);
+  blocks_.resize(keep ? shape.layers : 1);
+  for (auto& a : blocks_) {
+    sized(a.query, R * H, keep), sized(a.key, R * H, keep), sized(a.value, R * H, keep);
+    sized(a.probs, attention, keep), sized(a.context, R * H, keep);
+    sized(a.attention_sum, R * H, keep), sized(a.attention_stats, R * 2, keep), sized(a.attention_out, R * H, keep);
+    sized(a.ffn_pre, R * F, keep), sized(a.ffn_act, R * F, keep);
+    sized(a.output_sum, R * H, keep), sized(a.output_stats, R * 2, keep);
   }
-  final_hidden_ = array(R * H);
-  head_input_ = array(S * H), head_pre_ = array(S * H), head_act_ = array(S * H), head_stats_ = array(S * 2);
-  head_out_ = array(S * H), logits_ = array(S * V), sample_loss_ = array(S);
-  decoder_gradient_ = array(V * H);
-  scratch_probs_ = array(attention), scratch_dprobs_ = array(attention);
-  const size_t widest = R * std::max(H, F);
-  gradient_a_ = array(widest), gradient_b_ = array(widest), gradient_d_ = array(widest);
-  gradient_c_ = array(R * std::max(2 * H, F));
+  for (Buffer* b : {&head_input_, &head_pre_, &head_act_, &head_out_, &head_dout_, &head_dact_, &head_dgathered_})
+    sized(*b, S * H, false);
+  sized(head_stats_, S * 2, false), sized(logits_, S * V, false);
+  sized(decoder_gradient_, V * H, true), sized(gradient_flow_, R * H, true);
+  sized(dsum_, R * H, false), sized(dattention_, R * H, false), sized(dwide_, R * std::max(2 * H, F), false);
+  sized(dropped_, attention, false), sized(dprobs_, attention, false), sized(recomputed_output_, R * H, false);
+
+  if (compute.allocator() == z2::Allocator::arena) {
+    // The arena's region for long-lived activations: carve each one once.
+    // With offload only two checkpoints are ever on the device at once
+    // (checkpoint c uses slot c mod 2), so two slots serve all L + 1.
+    auto carve = [&](Buffer& buffer) {
+      carved_.emplace_back(compute, buffer.count, z2::MemoryKind::activations);
+      buffer.data = carved_.back().data(), buffer.carved = true;
+    };
+    if (mode == ActivationMode::offload) {
+      for (int slot = 0; slot < 2 && slot <= shape.layers; ++slot) carve(checkpoints_[slot]);
+      for (int c = 2; c <= shape.layers; ++c) checkpoints_[c].data = checkpoints_[c % 2].data, checkpoints_[c].carved = true;
+    } else {
+      for (auto& checkpoint : checkpoints_)
+        if (checkpoint.long_lived) carve(checkpoint);
+    }
+    if (keep) {
+      carve(embedding_sum_), carve(embedding_stats_);
+      for (auto& a : blocks_)
+        for (Buffer* b : a.in_order()) carve(*b);
+    }
+    carve(decoder_gradient_), carve(gradient_flow_);
+  }
+  if (mode == ActivationMode::offload) {
+    // Host copies of checkpoints 0 .. L-2: the last one (L-1) is still on the
+    // device when backward starts, and backward needs it first.
+    if (shape.layers >= 2)
+      host_checkpoints_ = (float*)compute.allocate_host_pinned((size_t)(shape.layers - 1) * R * H * sizeof(float), true);
+    for (int c = 0; c <= shape.layers; ++c)
+      produced_.push_back(compute.create_event()), offloaded_.push_back(compute.create_event()),
+          prefetched_.push_back(compute.create_event());
+    slot_free_ = compute.create_event();
+  }
+}
+
+inline Model::~Model() {
+  compute_.synchronize_all();
+  compute_.synchronize(compute_.copy_stream());
+  for (auto* events : {&produced_, &offloaded_, &prefetched_})
+    for (z2::Event event : *events) compute_.destroy_event(event);
+  if (slot_free_.handle) compute_.destroy_event(slot_free_);
+  if (host_checkpoints_) compute_.release_host_pinned(host_checkpoints_);
+  // Carved buffers go back in reverse order, so the arena's bump pointer steps back.
+  while (!carved_.empty()) carved_.pop_back();
+}
+
+// --- where buffers come from -------------------------------------------------
+
+inline float* Model::open(Buffer& buffer) {
+  if (buffer.carved) return buffer.data;
+  const size_t bytes = buffer.count * sizeof(float);
+  buffer.data = (float*)(buffer.long_lived ? compute_.allocate(bytes, z2::MemoryKind::activations)
+                                           : compute_.push(bytes, z2::MemoryKind::activations));
+  return buffer.data;
+}
+
+inline void Model::close(Buffer& buffer) {
+  if (buffer.carved || !buffer.data) return;
+  if (buffer.long_lived) compute_.release(buffer.data);
+  else compute_.pop(buffer.data);
+  buffer.data = nullptr;
+}
+
+inline void Model::open_block(BlockActivations& block) {
+  for (Buffer* b : block.in_order()) open(*b);
+}
+
+inline void Model::close_block(BlockActivations& block) {
+  auto buffers = block.in_order();
+  for (auto b = buffers.rbegin(); b != buffers.rend(); ++b) close(**b);
+}
+
+// Checkpoint c (0 <= c <= L-2) to the host, once forward has written it: the
+// copy stream waits for the compute stream's event, then copies while the
+// next block computes. On cpu the copy happens at once (into host memory
+// that plays the role of pinned memory).
+inline void Model::offload(int c) {
+  const size_t count = checkpoints_[c].count;
+  compute_.record(produced_[c], compute_.compute_stream());
+  compute_.wait(compute_.copy_stream(), produced_[c]);
+  compute_.copy(host_checkpoints_ + (size_t)c * count, checkpoints_[c].data, count * sizeof(float),
+                compute_.copy_stream());
+  compute_.record(offloaded_[c], compute_.copy_stream());
+}
+
+// Checkpoint c back to the device, one block ahead of its backward. Its slot
+// (arena) or fresh memory (naive) was last used by work on the compute
+// stream: the copy waits for that, and block c's backward waits for the copy.
+inline void Model::prefetch(int c) {
+  const size_t count = checkpoints_[c].count;
+  open(checkpoints_[c]);
+  compute_.record(slot_free_, compute_.compute_stream());
+  compute_.wait(compute_.copy_stream(), slot_free_);
+  compute_.copy(checkpoints_[c].data, host_checkpoints_ + (size_t)c * count, count * sizeof(float),
+                compute_.copy_stream());
+  compute_.record(prefetched_[c], compute_.copy_stream());
 }
 
 inline void Model::initialize() {
@@ -843,35 +1096,39 @@ inline void Model::upload(const Batch& batch) {
   compute_.copy(token_rows_.data(), batch.token_rows.data(), batch.token_rows.size() * sizeof(int), stream);
 }
 
-// x0 = dropout(LayerNorm(word[token] + position[t] + token_type[0])).
-inline void Model::embeddings_forward(long step, long first_sample) {
+// x0 = dropout(LayerNorm(word[token] + position[t] + token_type[0])) into
+// `x0`; the sum and its LayerNorm stats into embedding_sum_ and
+// embedding_stats_, which the caller has opened.
+inline void Model::embeddings_forward(long step, long first_sample, float* x0) {
   const int H = shape_.hidden, T = shape_.seq, R = shape_.micro_batch * T;
   const int* tokens = tokens_.data();                      // [R] token ids, row r = sample r / T, position r % T
   const float *word = param(ids_.word_embeddings),         // [V, H]
               *position = param(ids_.position_embeddings),  // [P, H], rows 0..T-1 used
               *token_type = param(ids_.token_type_embeddings);  // [1, H]: every token is type 0
-  float* sum = embedding_sum_.data();                      // [R, H] LayerNorm's input, kept for backward
+  float* sum = embedding_sum_.data;                        // [R, H] LayerNorm's input, for backward
   compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) {
     const size_t row = i / H, j = i % H;
     sum[i] = word[(size_t)tokens[row] * H + j] + position[(row % T) * H + j] + token_type[j];
   });
-  // x0 [R, H] is written straight into block 0's input buffer: no copy.
-  float* x0 = blocks_.empty() ? final_hidden_.data() : blocks_[0].input.data();
-  layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data());
+  layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data);
   dropout(x0, x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
 }
 
 // One post-LN block: a = LN(x + drop(attn(x) Wo + bo)), y = LN(a + drop(gelu(a Wi + bi) Wf + bf)).
-inline void Model::block_forward(int l, long step, long first_sample) {
+// x is checkpoint l; the block's buffers are open; `output` [R, H] receives y
+// (checkpoint l + 1, or a scratch buffer when backward recomputes the block).
+// We open `output` only when its LayerNorm runs, as a framework allocates a
+// result when the operation that makes it runs: with the naive allocator the
+// long-lived checkpoint then lands above this block's temporaries.
+inline void Model::block_forward(int l, long step, long first_sample, Buffer& output) {
   const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
             F = shape_.intermediate, R = B * T;
   const BlockParameters& p = ids_.blocks[l];
-  BlockActivations& a = blocks_[l];  // this block's saved activations (shapes in BlockActivations)
-  // The output [R, H] goes straight into the next block's input (or the head's).
-  float* next = l + 1 < shape_.layers ? blocks_[l + 1].input.data() : final_hidden_.data();
-  linear(a.input.data(), p.query_weight, p.query_bias, R, H, H, a.query.data());
-  linear(a.input.data(), p.key_weight, p.key_bias, R, H, H, a.key.data());
-  linear(a.input.data(), p.value_weight, p.value_bias, R, H, H, a.value.data());
+  BlockActivations& a = block(l);          // this block's activations (shapes in BlockActivations)
+  const float* x = checkpoints_[l].data;   // [R, H] the block's input
+  linear(x, p.query_weight, p.query_bias, R, H, H, a.query.data);
+  linear(x, p.key_weight, p.key_bias, R, H, H, a.key.data);
+  linear(x, p.value_weight, p.value_bias, R, H, H, a.value.data);
 
   // Scores [T, T] per (sample, head) = Q K^T, then / sqrt(D) and softmax, a
   // row per thread. Q of head h is the D columns at h*D of a [T, H] slab.
@@ -880,10 +1137,10 @@ inline void Model::block_forward(int l, long step, long first_sample) {
   const size_t TT = (size_t)T * T;
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(false, true, T, T, D, 1.0f, a.query.data() + rows, H, D, a.key.data() + rows, H, D, 0.0f,
-                          a.probs.data() + square, T, (long)TT, NH);
+    compute_.gemm_batched(false, true, T, T, D, 1.0f, a.query.data + rows, H, D, a.key.data + rows, H, D, 0.0f,
+                          a.probs.data + square, T, (long)TT, NH);
   }
-  float* probs = a.probs.data();  // [B, NH, T, T]: scores now, probabilities after the softmax
+  float* probs = a.probs.data;  // [B, NH, T, T]: scores now, probabilities after the softmax
   // torch divides the scores by sqrt(D) after the product; so do we (a
   // separate rounding, not folded into the gemm's alpha).
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
@@ -892,10 +1149,10 @@ inline void Model::block_forward(int l, long step, long first_sample) {
     for (int j = 0; j < T; ++j) values[j] = values[j] * inverse_sqrt;
     softmax_row(values, T);
   });
-  // Dropout on the probabilities into scratch (probs stays for backward).
+  // Dropout on the probabilities into a temporary (probs stays for backward).
   const float* source = probs;  // what multiplies V: probs, or their dropped copy
   if (shape_.dropout > 0.0f) {
-    float* dropped = scratch_probs_.data();  // [B, NH, T, T] scratch shared by all blocks
+    float* dropped = open(dropped_);  // [B, NH, T, T]
     dropout(probs, dropped, (size_t)B * NH * TT, (size_t)NH * TT, step, first_sample,
             dropout_key(l, dropout_attention_probs));
     source = dropped;
@@ -903,50 +1160,54 @@ inline void Model::block_forward(int l, long step, long first_sample) {
   // Context [T, D] per (sample, head) = probs x V, into the head's columns.
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(false, false, T, D, T, 1.0f, source + square, T, (long)TT, a.value.data() + rows, H, D, 0.0f,
-                          a.context.data() + rows, H, D, NH);
+    compute_.gemm_batched(false, false, T, D, T, 1.0f, source + square, T, (long)TT, a.value.data + rows, H, D, 0.0f,
+                          a.context.data + rows, H, D, NH);
   }
+  if (shape_.dropout > 0.0f) close(dropped_);
   // Attention output: dense, dropout, residual, LayerNorm.
-  float* sum = a.attention_sum.data();  // [R, H] x + dropout(context Wo^T + bo), kept for LayerNorm's backward
-  linear(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
+  float* sum = a.attention_sum.data;  // [R, H] x + dropout(context Wo^T + bo), kept for LayerNorm's backward
+  linear(a.context.data, p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
   dropout(sum, sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
-  const float* input = a.input.data();  // [R, H] the residual
-  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { sum[i] += input[i]; });
-  layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data(), a.attention_stats.data());
+  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { sum[i] += x[i]; });
+  layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data, a.attention_stats.data);
   // Feed-forward: dense to F, GELU, dense to H, dropout, residual, LayerNorm.
-  linear(a.attention_out.data(), p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_pre.data());
-  const float* pre = a.ffn_pre.data();  // [R, F] before GELU (backward needs GELU's derivative here)
-  float* act = a.ffn_act.data();        // [R, F] after GELU (the output dense's input)
+  linear(a.attention_out.data, p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_pre.data);
+  const float* pre = a.ffn_pre.data;  // [R, F] before GELU (backward needs GELU's derivative here)
+  float* act = a.ffn_act.data;        // [R, F] after GELU (the output dense's input)
   compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
-  float* out_sum = a.output_sum.data();  // [R, H] attention_out + dropout(act Wf^T + bf)
+  float* out_sum = a.output_sum.data;  // [R, H] attention_out + dropout(act Wf^T + bf)
   linear(act, p.output_weight, p.output_bias, R, F, H, out_sum);
   dropout(out_sum, out_sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
-  const float* residual = a.attention_out.data();  // [R, H]
+  const float* residual = a.attention_out.data;  // [R, H]
   compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { out_sum[i] += residual[i]; });
-  layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, next, a.output_stats.data());
+  layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, open(output), a.output_stats.data);
 }
 
 // The MLM head on the S selected rows only: the loss reads no other row, so
 // computing the head there gives the same loss and gradients as Hugging
 // Face's head over all rows with labels -100 elsewhere, at S/R of the cost.
-// With `backward`, also the head's backward, ending with dL/d final_hidden in
-// gradient_a_ (zero on rows that were not selected). The per-row losses stay
-// on the device in sample_loss_ (loss_contribution reads them).
+// With `backward`, also the head's backward, ending with dL/d the last
+// block's output in gradient_flow_ (zero on rows that were not selected).
+// The per-row losses stay on the device in sample_loss_ (loss_contribution
+// reads them). The head's buffers are temporaries, pushed here and popped
+// before the blocks' backward starts.
 inline void Model::head_forward_backward(long step, float loss_scale, bool backward) {
   const int H = shape_.hidden, V = vocab_size, R = shape_.micro_batch * shape_.seq, S = selected_count_;
   const int* selected = selected_.data();     // [S] which of the R rows carry a label
   const int* targets = targets_.data();       // [S] their labels (the original bytes)
-  const float* hidden = final_hidden_.data(); // [R, H] the last block's output
-  float* gathered = head_input_.data();       // [S, H] its selected rows
+  const float* hidden = checkpoints_[shape_.layers].data;  // [R, H] the last block's output
+  float* gathered = open(head_input_);                     // [S, H] its selected rows
+  float* pre = open(head_pre_);                            // [S, H] before GELU
+  float* act = open(head_act_);                            // [S, H] after GELU: the head LayerNorm's input
+  float* stats = open(head_stats_);                        // [S, 2]
+  float* out = open(head_out_);                            // [S, H] LayerNorm's output: the decoder's input
+  float* logits = open(logits_);                           // [S, V]
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { gathered[i] = hidden[(size_t)selected[i / H] * H + i % H]; });
-  linear(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, head_pre_.data());
-  const float* pre = head_pre_.data();  // [S, H] before GELU
-  float* act = head_act_.data();        // [S, H] after GELU: the head LayerNorm's input
+  linear(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, pre);
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
-  layer_norm(act, ids_.head_norm_weight, ids_.head_norm_bias, S, head_out_.data(), head_stats_.data());
+  layer_norm(act, ids_.head_norm_weight, ids_.head_norm_bias, S, out, stats);
   // logits [S, V] = out x word_embeddings^T + decoder bias (the tied decoder).
-  float* logits = logits_.data();  // [S, V]
-  compute_.gemm(false, true, S, V, H, 1.0f, head_out_.data(), H, param(ids_.word_embeddings), H, 0.0f, logits, V);
+  compute_.gemm(false, true, S, V, H, 1.0f, out, H, param(ids_.word_embeddings), H, 0.0f, logits, V);
   const float* decoder_bias = param(ids_.decoder_bias);
   compute_.for_each((size_t)S * V, [=] Z2_HD(size_t i) { logits[i] += decoder_bias[i % V]; });
   // Loss per row; logits are overwritten by their gradient (already divided by
@@ -956,8 +1217,7 @@ inline void Model::head_forward_backward(long step, float loss_scale, bool backw
     const float* row = logits + s * V;
     sample_loss[s] = cross_entropy_row(row, V, targets[s], loss_scale, (float*)row);
   });
-  if (!backward) return;
-
+  if (backward) {
   const float* dlogits = logits;  // [S, V] dL/dlogits, in the logits' buffer
   column_sums(dlogits, S, V, engine_.gradient_output(ids_.decoder_bias));
   engine_.gradient_ready(ids_.decoder_bias);
@@ -965,18 +1225,21 @@ inline void Model::head_forward_backward(long step, float loss_scale, bool backw
   // word embeddings, whose bucket is the very first (written last), so we
   // keep it here until the embeddings' backward adds its own part: handing it
   // over now would hold a stage-2 staging slot open through all of backward.
-  compute_.gemm(true, false, V, H, S, 1.0f, dlogits, V, head_out_.data(), H, 0.0f, decoder_gradient_.data(), H);
-  float* dout = gradient_b_.data();  // [S, H] dL/d head LayerNorm output = dlogits x word_embeddings
+  compute_.gemm(true, false, V, H, S, 1.0f, dlogits, V, out, H, 0.0f, open(decoder_gradient_), H);
+  float* dhidden = open(gradient_flow_);  // [R, H] dL/d the last block's output
+  float* dout = open(head_dout_);  // [S, H] dL/d head LayerNorm output = dlogits x word_embeddings
   compute_.gemm(false, false, S, H, V, 1.0f, dlogits, V, param(ids_.word_embeddings), H, 0.0f, dout, H);
-  float* dact = gradient_c_.data();  // [S, H] dL/d GELU output, then (in place) dL/d its input
-  layer_norm_backward(act, head_stats_.data(), dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
+  float* dact = open(head_dact_);  // [S, H] dL/d GELU output, then (in place) dL/d its input
+  layer_norm_backward(act, stats, dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dact[i] *= gelu_grad(pre[i]); });
-  float* dgathered = gradient_d_.data();  // [S, H] dL/d the selected rows
+  float* dgathered = open(head_dgathered_);  // [S, H] dL/d the selected rows
   linear_backward(gathered, dact, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, dgathered, 0.0f);
   // Scatter back to the selected rows; the others get zero.
-  float* dhidden = gradient_a_.data();  // [R, H] dL/d the last block's output
   compute_.fill_zero(dhidden, (size_t)R * H * sizeof(float), compute_.compute_stream());
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dhidden[(size_t)selected[i / H] * H + i % H] = dgathered[i]; });
+  close(head_dgathered_), close(head_dact_), close(head_dout_);
+  }
+  close(logits_), close(head_out_), close(head_stats_), close(head_act_), close(head_pre_), close(head_input_);
 }
 
 // The micro-batch's loss contribution: sum over its S selected rows of
@@ -993,56 +1256,60 @@ inline float Model::loss_contribution(float loss_scale) {
 
 // --- backward ----------------------------------------------------------------
 
-// Backward of block l: dL/d output in gradient_a_ in, dL/d input in gradient_a_ out.
+// Backward of block l: dL/d output in gradient_flow_ in, dL/d input in
+// gradient_flow_ out. The block's activations are open (kept, or just
+// recomputed); its scratch is pushed here and popped in reverse.
 inline void Model::block_backward(int l, long step, long first_sample) {
   const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
             F = shape_.intermediate, R = B * T;
   const BlockParameters& p = ids_.blocks[l];
-  BlockActivations& a = blocks_[l];
-  // Four scratch buffers, reused as backward goes up the block (the names
-  // say what each holds first; later reuses are named where they happen):
-  float* dy = gradient_a_.data();     // [R, H] dL/d block output in; dL/d block input out
-  float* dsum = gradient_b_.data();   // [R, H] dL/d output_sum, then dL/d attention_out
-  float* dwide = gradient_c_.data();  // [R, F] dL/d ffn_act, then d ffn_pre; later dq, dk [R, H] each
-  float* dattn = gradient_d_.data();  // [R, H] dL/d attention_sum (the residual into x)
+  BlockActivations& a = block(l);
+  const float* x = checkpoints_[l].data;  // [R, H] the block's input
+  // The flow buffer and three scratch buffers, reused as backward goes up the
+  // block (the names say what each holds first; later reuses are named where
+  // they happen):
+  float* dy = gradient_flow_.data;  // [R, H] dL/d block output in; dL/d block input out
+  float* dsum = open(dsum_);        // [R, H] dL/d output_sum, then dL/d attention_out
+  float* dwide = open(dwide_);      // [R, F] dL/d ffn_act, then d ffn_pre; later dq, dk [R, H] each
+  float* dattn = open(dattention_); // [R, H] dL/d attention_sum (the residual into x)
 
   // Output LayerNorm: dsum = dL/d(attention_out + dropout(ffn)).
-  layer_norm_backward(a.output_sum.data(), a.output_stats.data(), dy, p.output_norm_weight, p.output_norm_bias, R, dsum);
+  layer_norm_backward(a.output_sum.data, a.output_stats.data, dy, p.output_norm_weight, p.output_norm_bias, R, dsum);
   // The FFN branch sees dsum through the dropout; the residual gets dsum itself.
   float* dffn = dy;  // dy is no longer needed: reuse it
   dropout(dsum, dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
-  linear_backward(a.ffn_act.data(), dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
-  const float* pre = a.ffn_pre.data();
+  linear_backward(a.ffn_act.data, dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
+  const float* pre = a.ffn_pre.data;
   compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { dwide[i] *= gelu_grad(pre[i]); });
   // d attention_out = dsum (residual) + dwide x Wi: gemm with beta = 1 adds onto dsum.
-  linear_backward(a.attention_out.data(), dwide, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum, 1.0f);
+  linear_backward(a.attention_out.data, dwide, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum, 1.0f);
   // Attention LayerNorm: dattn = dL/d(x + dropout(dense(context))).
-  layer_norm_backward(a.attention_sum.data(), a.attention_stats.data(), dsum, p.attention_norm_weight,
+  layer_norm_backward(a.attention_sum.data, a.attention_stats.data, dsum, p.attention_norm_weight,
                       p.attention_norm_bias, R, dattn);
   float* ddense = dsum;  // [R, H] dL/d the attention output dense's result: dattn through the dropout
   dropout(dattn, ddense, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
   float* dcontext = dy;  // [R, H] dL/d context, heads side by side
-  linear_backward(a.context.data(), ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext, 0.0f);
+  linear_backward(a.context.data, ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext, 0.0f);
 
   // Attention, per (sample, head): with P the probabilities and Pd = dropout(P),
   // dV = Pd^T dC, dPd = dC V^T, dP = dropout(dPd), dS = P (dP - rowsum(dP P)) / sqrt(D),
-  // dQ = dS K, dK = dS^T Q. dq and dk go to gradient_c_ (R x max(2H, F)), dv
-  // to gradient_b_ (free once the attention output's backward is done).
+  // dQ = dS K, dK = dS^T Q. dq and dk go to dwide (R x max(2H, F)), dv to
+  // dsum (free once the attention output's backward is done).
   const size_t TT = (size_t)T * T, attention = (size_t)B * NH * TT;
-  const float* probs = a.probs.data();  // [B, NH, T, T] saved softmax output
-  const float* dropped = probs;         // the same after dropout: recomputed from its keys, not stored
+  const float* probs = a.probs.data;  // [B, NH, T, T] saved softmax output
+  const float* dropped = probs;       // the same after dropout: recomputed from its keys, not stored
   if (shape_.dropout > 0.0f) {
-    dropout(probs, scratch_probs_.data(), attention, (size_t)NH * TT, step, first_sample,
+    dropout(probs, open(dropped_), attention, (size_t)NH * TT, step, first_sample,
             dropout_key(l, dropout_attention_probs));
-    dropped = scratch_probs_.data();
+    dropped = dropped_.data;
   }
   float *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
-  float* dprobs = scratch_dprobs_.data();  // [B, NH, T, T] dL/d dropped probs, then d scores
+  float* dprobs = open(dprobs_);  // [B, NH, T, T] dL/d dropped probs, then d scores
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
     compute_.gemm_batched(true, false, T, D, T, 1.0f, dropped + square, T, (long)TT, dcontext + rows, H, D, 0.0f,
                           dv + rows, H, D, NH);
-    compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data() + rows, H, D, 0.0f,
+    compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data + rows, H, D, 0.0f,
                           dprobs + square, T, (long)TT, NH);
   }
   dropout(dprobs, dprobs, attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
@@ -1056,28 +1323,33 @@ inline void Model::block_backward(int l, long step, long first_sample) {
   });
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.key.data() + rows, H, D, 0.0f,
+    compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.key.data + rows, H, D, 0.0f,
                           dq + rows, H, D, NH);
-    compute_.gemm_batched(true, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.query.data() + rows, H, D, 0.0f,
+    compute_.gemm_batched(true, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.query.data + rows, H, D, 0.0f,
                           dk + rows, H, D, NH);
   }
+  close(dprobs_);
+  if (shape_.dropout > 0.0f) close(dropped_);
   // dx = dattn (residual) + dv Wv + dk Wk + dq Wq, added in that order into
   // dy: value first, so gradients reach the engine in exactly the reverse of
   // registration order and stage 2 never needs more than its two slots.
   float* dx = dy;
   compute_.copy(dx, dattn, (size_t)R * H * sizeof(float), compute_.compute_stream());
-  linear_backward(a.input.data(), dv, p.value_weight, p.value_bias, R, H, H, dx, 1.0f);
-  linear_backward(a.input.data(), dk, p.key_weight, p.key_bias, R, H, H, dx, 1.0f);
-  linear_backward(a.input.data(), dq, p.query_weight, p.query_bias, R, H, H, dx, 1.0f);
+  close(dattention_);
+  linear_backward(x, dv, p.value_weight, p.value_bias, R, H, H, dx, 1.0f);
+  linear_backward(x, dk, p.key_weight, p.key_bias, R, H, H, dx, 1.0f);
+  linear_backward(x, dq, p.query_weight, p.query_bias, R, H, H, dx, 1.0f);
+  close(dwide_), close(dsum_);
 }
 
-// Embeddings' backward, last: dL/d x0 in gradient_a_.
+// Embeddings' backward, last: dL/d x0 in gradient_flow_, the embedding sum
+// and stats open (kept, or just recomputed).
 inline void Model::embeddings_backward(long step, long first_sample) {
   const int H = shape_.hidden, T = shape_.seq, B = shape_.micro_batch, R = B * T, P = shape_.max_positions;
-  float* dx0 = gradient_a_.data();  // [R, H] dL/d x0 (from block 0's backward)
+  float* dx0 = gradient_flow_.data;  // [R, H] dL/d x0 (from block 0's backward)
   dropout(dx0, dx0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
-  float* dsum = gradient_b_.data();  // [R, H] dL/d (word + position + type)
-  layer_norm_backward(embedding_sum_.data(), embedding_stats_.data(), dx0, ids_.embedding_norm_weight,
+  float* dsum = open(dsum_);  // [R, H] dL/d (word + position + type)
+  layer_norm_backward(embedding_sum_.data, embedding_stats_.data, dx0, ids_.embedding_norm_weight,
                       ids_.embedding_norm_bias, R, dsum);
   // Token type 0 is at every position: the column sums.
   column_sums(dsum, R, H, engine_.gradient_output(ids_.token_type_embeddings));
@@ -1095,7 +1367,7 @@ inline void Model::embeddings_backward(long step, long first_sample) {
   // Word row v: the tied decoder's part plus the rows where token v occurs,
   // in position order (the counting sort made on the host).
   float* dword = engine_.gradient_output(ids_.word_embeddings);  // [V, H]
-  const float* decoder = decoder_gradient_.data();                 // [V, H] the tied decoder's part
+  const float* decoder = decoder_gradient_.data;                   // [V, H] the tied decoder's part
   const int* offsets = token_offsets_.data();  // [V + 1] CSR offsets by token id
   const int* rows = token_rows_.data();        // [R] positions sorted by token id, in order within an id
   compute_.for_each((size_t)vocab_size * H, [=] Z2_HD(size_t i) {
@@ -1105,20 +1377,74 @@ inline void Model::embeddings_backward(long step, long first_sample) {
     dword[i] = decoder[i] + sum;
   });
   engine_.gradient_ready(ids_.word_embeddings);
+  close(dsum_);
 }
 
+// One micro-step. The order of open and close below is the order a framework
+// would allocate and free these tensors in; the arena and naive allocators
+// serve the same requests (notes/05).
 inline float Model::run(const Batch& batch, long step, long micro_batch, float loss_scale, bool backward) {
   const long first_sample = micro_batch * shape_.micro_batch;
+  const int L = shape_.layers;
+  const bool keep = mode_ == ActivationMode::keep, offloading = mode_ == ActivationMode::offload;
   upload(batch);
-  embeddings_forward(step, first_sample);
-  for (int l = 0; l < shape_.layers; ++l) block_forward(l, step, first_sample);
+  // Forward. With keep, every block's buffers stay open until its backward;
+  // otherwise one working set is pushed and popped per block and only the
+  // checkpoints stay.
+  open(embedding_sum_), open(embedding_stats_);
+  embeddings_forward(step, first_sample, open(checkpoints_[0]));
+  if (!keep) close(embedding_stats_), close(embedding_sum_);
+  if (offloading && 0 <= L - 2) offload(0);
+  for (int l = 0; l < L; ++l) {
+    open_block(block(l));
+    block_forward(l, step, first_sample, checkpoints_[l + 1]);
+    if (!keep) close_block(block(l));
+    if (offloading && l + 1 <= L - 2) offload(l + 1);
+    if (offloading && l <= L - 2) {
+      // Checkpoint l has been read and copied out: its slot may be reused
+      // once the copy is done (the compute stream waits for it, not the host).
+      compute_.wait(compute_.compute_stream(), offloaded_[l]);
+      close(checkpoints_[l]);
+    }
+  }
   head_forward_backward(step, loss_scale, backward);
-  if (!backward) return loss_contribution(loss_scale);
-  for (int l = shape_.layers - 1; l >= 0; --l) {
+  close(checkpoints_[L]);
+  if (!backward) {
+    // Loss only (the tests' finite differences): give back what forward kept.
+    for (int l = L - 1; l >= 0; --l) {
+      if (keep) close_block(block(l));
+      close(checkpoints_[l]);
+    }
+    close(embedding_stats_), close(embedding_sum_);
+    return loss_contribution(loss_scale);
+  }
+
+  // Backward, last block first. Checkpoint l - 1 comes back from the host
+  // while block l works (offload), so it is there when block l - 1 starts.
+  for (int l = L - 1; l >= 0; --l) {
+    if (offloading && l - 1 >= 0 && l - 1 <= L - 2) prefetch(l - 1);
+    if (offloading && l <= L - 2) compute_.wait(compute_.compute_stream(), prefetched_[l]);
+    if (!keep) {
+      // Recompute the block's forward from its checkpoint: the same code,
+      // inputs and dropout keys, so the same bits as the first time.
+      open_block(block(l));
+      block_forward(l, step, first_sample, recomputed_output_);
+      close(recomputed_output_);
+    }
     block_backward(l, step, first_sample);
+    close_block(block(l));
+    close(checkpoints_[l]);
     engine_.progress();  // let MPI move the buckets already handed over
   }
+  if (!keep) {
+    // The embeddings' sum and stats, recomputed (their output is not needed).
+    open(embedding_sum_), open(embedding_stats_);
+    embeddings_forward(step, first_sample, open(recomputed_output_));
+    close(recomputed_output_);
+  }
   embeddings_backward(step, first_sample);
+  close(embedding_stats_), close(embedding_sum_);
+  close(gradient_flow_), close(decoder_gradient_);
   const float contribution = loss_contribution(loss_scale);
   engine_.end_micro_step(contribution);
   return contribution;
@@ -1308,6 +1634,7 @@ inline int train(Settings settings, MPI_Comm world) {
   std::string corpus;
   agree_on_errors(world, [&] {
     if (rank == 0 && !settings.json_path.empty()) check_output_file("--json", settings.json_path);
+    if (rank == 0 && !settings.memory_trace.empty()) check_output_file("--memory-trace", settings.memory_trace);
     if (rank == 0 && !settings.export_dir.empty()) prepare_directory("--export-hf", settings.export_dir);
     if (rank == 0 && !settings.dump_dir.empty()) prepare_directory("--dump-batch", settings.dump_dir);
     corpus = read_corpus(settings.data);
@@ -1322,24 +1649,37 @@ inline int train(Settings settings, MPI_Comm world) {
                    settings.max_positions, settings.micro_batch, settings.dropout, settings.seed};
   const int local_rank = z2::local_rank_of(world);
   z2::Compute compute(device, local_rank);  // selects this rank's GPU, which the fit check measures
-  {
-    // Refuse a configuration a rank cannot hold before allocating it (a CPU
-    // run would otherwise be killed by the kernel's OOM killer, not stopped
-    // with a message). Model states by the stage's formula, 5% for padding
-    // and bookkeeping, two staging slots, the accumulation tree, activations.
-    const double psi = (double)parameter_count(shape) * 1.05, N = world_size;
-    const double states[] = {16 * psi, 8 * psi + 8 * psi / N, 4 * psi + 12 * psi / N};
-    const double needed = states[settings.stage] + 2 * 8.0 * settings.bucket +
-                          (double)z2::accumulation_blocks(settings.accum) * 4 * psi / N +
-                          (double)activation_bytes(shape);
-    const double available = (double)z2::memory_per_rank(device, world);
-    if (needed > available)
-      fail("this configuration needs about %.2f GiB per rank (%s parameters, stage %d, N = %d, activations %.2f GiB) "
-           "but %.2f GiB are available per rank on this %s: use a smaller model or micro-batch, a higher stage or "
-           "more ranks",
-           needed / 1073741824.0, z2::with_commas(parameter_count(shape)).c_str(), settings.stage, world_size,
-           activation_bytes(shape) / 1073741824.0, available / 1073741824.0, z2::to_string(device));
-  }
+  const ActivationMode mode = settings.activations == "recompute" ? ActivationMode::recompute
+                              : settings.activations == "offload" ? ActivationMode::offload
+                                                                  : ActivationMode::keep;
+  const z2::Allocator allocator = settings.alloc == "naive" ? z2::Allocator::naive : z2::Allocator::arena;
+  // Refuse a configuration a rank cannot hold before allocating it (a CPU
+  // run would otherwise be killed by the kernel's OOM killer, not stopped
+  // with a message). Model states by the stage's formula, 5% for padding
+  // and bookkeeping, two staging slots, the accumulation tree, activations.
+  const double psi = (double)parameter_count(shape) * 1.05, ranks = world_size;
+  const double states[] = {16 * psi, 8 * psi + 8 * psi / ranks, 4 * psi + 12 * psi / ranks};
+  const double activations = (double)activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena);
+  const double needed = states[settings.stage] + 2 * 8.0 * settings.bucket +
+                        (double)z2::accumulation_blocks(settings.accum) * 4 * psi / ranks + activations;
+  const double available = (double)z2::memory_per_rank(device, world);
+  if (needed > available)
+    fail("this configuration needs about %.2f GiB per rank (%s parameters, stage %d, N = %d, activations %.2f GiB "
+         "with --activations %s) but %.2f GiB are available per rank on this %s: use a smaller model or "
+         "micro-batch, --activations recompute or offload, a higher stage or more ranks",
+         needed / 1073741824.0, z2::with_commas(parameter_count(shape)).c_str(), settings.stage, world_size,
+         activations / 1073741824.0, settings.activations.c_str(), available / 1073741824.0, z2::to_string(device));
+  if ((double)settings.device_memory_limit > available)
+    fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s",
+         settings.device_memory_limit, available, z2::to_string(device));
+  // The one block each rank reserves. By default: twice the estimate (the
+  // naive allocator needs room for its fragmentation; make fraglab shows how
+  // much it took) plus 64 MiB for the engine's bookkeeping, within what is
+  // available. On cpu the block is address space until it is touched.
+  const size_t capacity = settings.device_memory_limit > 0
+                              ? (size_t)settings.device_memory_limit
+                              : (size_t)std::min(available, 2 * needed + 64.0 * 1048576.0);
+  compute.use_allocator(allocator, capacity);
   z2::Communicator comm(compute, world, comm_backend,
                         settings.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic);
   z2::EngineOptions options;
@@ -1353,7 +1693,7 @@ inline int train(Settings settings, MPI_Comm world) {
   options.weight_decay = settings.weight_decay;
   options.lr_schedule = [settings](long t) { return learning_rate(settings, t); };
   z2::Engine engine(compute, comm, options);
-  Model model(compute, engine, shape);
+  Model model(compute, engine, shape, mode);
   engine.build();
   model.initialize();
 
@@ -1381,6 +1721,15 @@ inline int train(Settings settings, MPI_Comm world) {
            z2::with_commas((size_t)corpus.size()).c_str(), (unsigned long long)settings.seed);
     printf("  optimizer AdamW lr %g, warmup %ld then linear decay over %ld steps, weight decay %g, clip %g\n",
            settings.lr, settings.warmup, settings.steps, settings.weight_decay, settings.clip);
+    printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
+           settings.activations.c_str(), settings.alloc.c_str(), z2::with_commas(compute.capacity()).c_str(),
+           settings.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB");
+    printf("  activations per rank: peak %s bytes by the formula%s\n",
+           z2::with_commas(activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena)).c_str(),
+           mode == ActivationMode::offload
+               ? (", offload bound " + z2::with_commas(offload_activation_bound(shape)) + " (one block + 2 checkpoints)")
+                     .c_str()
+               : "");
     printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",
            z2::with_commas((size_t)start_ledger.model_states).c_str(), formulas[settings.stage],
            z2::with_commas((size_t)start_ledger.model_states_formula).c_str(),
@@ -1400,6 +1749,7 @@ inline int train(Settings settings, MPI_Comm world) {
     // multiplies nothing (every gradient is zero).
     const float loss_scale = 1.0f / (float)std::max(1l, selected);
     const bool dumping = step == 0 && !settings.dump_dir.empty();
+    if (step == 0 && !settings.memory_trace.empty()) compute.set_tracing(true);
     if (dumping) dump_weights = engine.parameters_to_host();
     for (int a = 0; a < A; ++a) {
       const long m = engine.micro_batch_index(a);
@@ -1411,6 +1761,18 @@ inline int train(Settings settings, MPI_Comm world) {
     if (dumping) dump_gradients = engine.gradients_to_host();
     z2::StepReport report = engine.step();
     compute.synchronize_all();
+    if (step == 0 && !settings.memory_trace.empty()) {
+      compute.set_tracing(false);
+      if (rank == 0) {
+        std::ostringstream csv;
+        csv << "event,live_bytes,reserved_bytes,activation_bytes\n";
+        for (size_t k = 0; k < compute.trace().size(); ++k) {
+          const z2::MemorySample& sample = compute.trace()[k];
+          csv << k << ',' << sample.live << ',' << sample.reserved << ',' << sample.activations << '\n';
+        }
+        write_file_atomically(settings.memory_trace, csv.str());
+      }
+    }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     records.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step / (ms / 1000.0)});
     if (!std::isfinite(report.loss)) fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
@@ -1475,6 +1837,11 @@ inline int train(Settings settings, MPI_Comm world) {
                 {"collectives", settings.collectives},
                 {"stage", settings.stage},
                 {"precision", "fp32"},
+                {"activations", settings.activations},
+                {"alloc", settings.alloc},
+                {"device_memory_limit", settings.device_memory_limit},
+                {"activation_peak_formula_bytes", activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena)},
+                {"offload_activation_bound_bytes", offload_activation_bound(shape)},
                 {"accum", A},
                 {"micro_batch", B},
                 {"seq", T},

@@ -7,8 +7,10 @@
 // paper's (5.1 P_os, 5.2 P_g, 7.1-7.2 communication analysis).
 //
 // What it leaves out: parameter partitioning (P_p, "stage 3"), mixed precision
-// (fp32 only for now), activation offload and the contiguous arena (ZeRO-R,
-// later issues), checkpoints.
+// (fp32 only for now), checkpoints. Of ZeRO-R, this file holds the memory
+// side (the arena, the naive allocator it is compared with, host offload
+// space); the activation checkpointing itself lives in the model
+// (train_bert_mini.cu, section 4).
 //
 // Build and run (see the Makefile for every flag):
 //   make            nvcc build: cpu + cuda compute, mpi + nccl communication
@@ -35,6 +37,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <sys/mman.h>
 #include <numeric>
 #include <sstream>
 #include <thread>
@@ -135,6 +139,10 @@ const char* to_string(CommBackend backend) { return backend == CommBackend::nccl
 const char* to_string(Collectives collectives) {
   return collectives == Collectives::native ? "native" : "deterministic";
 }
+const char* to_string(Allocator allocator) {
+  return allocator == Allocator::arena ? "arena" : allocator == Allocator::naive ? "naive" : "direct";
+}
+
 const char* to_string(MemoryKind kind) {
   static const char* names[] = {"params",  "grads",   "optimizer",   "master",     "accumulation",
                                 "staging", "activations", "bookkeeping"};
@@ -154,7 +162,8 @@ uint64_t fnv1a64(const float* values, size_t count) {
 // On cpu, "device memory" is host memory and every operation runs at once, in
 // program order; streams and events are no-ops. On cuda we keep two streams:
 // `compute` for the model and the optimizer, `comm` for collectives and the
-// reductions that follow them, so a bucket is reduced while backward goes on.
+// reductions that follow them, so a bucket is reduced while backward goes on,
+// and `copy` for activation checkpoints on their way to and from the host.
 // The ledger counts every byte by kind; the memory formulas are checked
 // against these counters, not against what we think we allocated.
 
@@ -195,11 +204,29 @@ bool cuda_available(std::string* why) {
 }
 
 // Every live allocation with its size and kind: release() needs both to keep
-// the per-kind counters exact, and ~Compute frees what is left.
+// the per-kind counters exact, and ~Compute frees what is left. With arena
+// or naive, also the block and where its free memory is.
 struct Compute::Live {
   std::unordered_map<void*, std::pair<size_t, MemoryKind>> allocations;
-  std::unordered_map<void*, size_t> pinned;
+  std::unordered_map<void*, std::pair<size_t, bool>> pinned;  // bytes, offload space
+  char* block = nullptr;   // the one reserved block (arena, naive)
+  size_t capacity = 0;     // its size in bytes
+  // naive: the free pieces, offset -> size, ordered so neighbours coalesce;
+  // `end` is the highest byte any buffer has used (the caching allocator's
+  // reserved segments end there).
+  std::map<size_t, size_t> free_pieces;
+  size_t end = 0;
+  // arena: [0, bottom) holds long-lived buffers, [top, capacity) the stack;
+  // stack[k] is the offset of the k-th pushed buffer.
+  size_t bottom = 0, top = 0;
+  std::vector<size_t> stack;
+  size_t offset_of(const void* pointer) const { return (size_t)((const char*)pointer - block); }
 };
+
+// Every buffer in the block starts on a 256-byte boundary, as cudaMalloc's
+// do, so cuBLAS sees the same alignment (and picks the same kernels) in every
+// allocator mode.
+static size_t block_round(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 Compute::Compute(Device device, int device_index)
     : device_(device), device_index_(device_index), live_(new Live) {
@@ -211,13 +238,15 @@ Compute::Compute(Device device, int device_index)
   Z2_CUDA_CHECK(cudaGetDeviceCount(&count));
   device_index_ = device_index % count;  // ranks beyond the GPU count share GPUs (MPI comm only)
   Z2_CUDA_CHECK(cudaSetDevice(device_index_));
-  cudaStream_t compute_stream, comm_stream;
-  // Non-blocking streams: neither waits for the legacy default stream, so the
+  cudaStream_t compute_stream, comm_stream, copy_stream;
+  // Non-blocking streams: none waits for the legacy default stream, so the
   // only orderings are the events we record on purpose.
   Z2_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream, cudaStreamNonBlocking));
   Z2_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+  Z2_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
   compute_stream_.handle = compute_stream;
   comm_stream_.handle = comm_stream;
+  copy_stream_.handle = copy_stream;
   cublasHandle_t handle;
   Z2_CUBLAS_CHECK(cublasCreate(&handle));
   Z2_CUBLAS_CHECK(cublasSetStream(handle, compute_stream));
@@ -236,37 +265,106 @@ Compute::~Compute() {
     // No checks here: a destructor may run while an error unwinds, and a
     // failing cleanup call must not hide the first error.
     cudaDeviceSynchronize();
-    for (auto& entry : live_->allocations) cudaFree(entry.first);
+    if (live_->block) {
+      cudaFree(live_->block);
+    } else {
+      for (auto& entry : live_->allocations) cudaFree(entry.first);
+    }
     for (auto& entry : live_->pinned) cudaFreeHost(entry.first);
     cublasDestroy((cublasHandle_t)cublas_);
     cudaStreamDestroy((cudaStream_t)compute_stream_.handle);
     cudaStreamDestroy((cudaStream_t)comm_stream_.handle);
+    cudaStreamDestroy((cudaStream_t)copy_stream_.handle);
     return;
   }
 #endif
-  for (auto& entry : live_->allocations) std::free(entry.first);
+  if (live_->block) {
+    munmap(live_->block, live_->capacity);
+  } else {
+    for (auto& entry : live_->allocations) std::free(entry.first);
+  }
   for (auto& entry : live_->pinned) std::free(entry.first);
 }
 
-// The memory ledger is these counters: the bytes actually handed out, by kind,
-// now and at their peak.
-void Compute::count_allocation(void* pointer, size_t bytes, MemoryKind kind) {
-  live_->allocations[pointer] = {bytes, kind};
-  counters_.current[(int)kind] += bytes;
-  counters_.peak[(int)kind] = std::max(counters_.peak[(int)kind], counters_.current[(int)kind]);
-  counters_.total_current += bytes;
-  counters_.total_peak = std::max(counters_.total_peak, counters_.total_current);
-  counters_.allocations += 1;
+// --- where device memory comes from (ZeRO-R, M_D) ---------------------------
+//
+// The paper (section 6.3) observed out-of-memory errors with over 30% of the
+// memory still free: long-lived tensors (activation checkpoints, gradients)
+// are allocated between short-lived ones, and when the short-lived ones go
+// the free memory is left in pieces too small for the next large request.
+// Its remedy, M_D, pre-allocates contiguous buffers for the long-lived
+// tensors. We model both sides over one block of the same capacity:
+//
+//   naive  every request searches a best-fit free list (the caching allocator)
+//   arena  long-lived buffers from the bottom, temporaries on a stack from the
+//          top: the free memory is the one gap between them, never in pieces.
+//
+// reserved = the block's used part at its peak: the highest byte a buffer has
+// touched for naive (a caching allocator's segments would end there), the
+// bottom plus the stack for the arena, the live bytes for direct.
+
+void Compute::use_allocator(Allocator allocator, size_t capacity) {
+  if (counters_.device_mallocs != 0 || allocator_ != Allocator::direct)
+    usage_error("use_allocator() must come before the first allocation, once");
+  allocator_ = allocator;
+  if (allocator == Allocator::direct) return;
+  if (capacity < 256) usage_error("--device-memory-limit %zu: the block needs at least 256 bytes", capacity);
+  capacity = capacity / 256 * 256;
+  live_->capacity = capacity;
+  if (device_ == Device::cpu) {
+    // Address space only: the kernel gives pages when they are first
+    // touched, so an unused capacity costs nothing on a CPU run.
+    void* block = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (block == MAP_FAILED)
+      usage_error("cannot reserve %s bytes of address space for the memory block", with_commas(capacity).c_str());
+    live_->block = (char*)block;
+  } else {
+#if defined(__CUDACC__)
+    void* block = nullptr;
+    cudaError_t status = cudaMalloc(&block, capacity);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      usage_error("cannot reserve a block of %s bytes on GPU %d (%s): lower --device-memory-limit",
+                  with_commas(capacity).c_str(), device_index_, cudaGetErrorString(status));
+    }
+    live_->block = (char*)block;
+#endif
+  }
+  counters_.device_mallocs += 1;
+  live_->free_pieces[0] = capacity;
+  live_->top = capacity;
 }
 
-void Compute::reset_peaks() {
-  for (int k = 0; k < (int)MemoryKind::count; ++k) counters_.peak[k] = counters_.current[k];
-  counters_.total_peak = counters_.total_current;
-  counters_.host_pinned_peak = counters_.host_pinned_current;
+size_t Compute::capacity() const { return live_->capacity; }
+
+void Compute::free_space(size_t* total, size_t* pieces, size_t* largest) const {
+  *total = *pieces = *largest = 0;
+  if (allocator_ == Allocator::arena) {
+    *total = *largest = live_->top - live_->bottom;
+    *pieces = *total > 0 ? 1 : 0;
+  } else if (allocator_ == Allocator::naive) {
+    for (auto& piece : live_->free_pieces) {
+      *total += piece.second;
+      *pieces += 1;
+      *largest = std::max(*largest, piece.second);
+    }
+  }
 }
 
-void* Compute::allocate(size_t bytes, MemoryKind kind) {
-  if (bytes == 0) return nullptr;
+void Compute::out_of_memory(size_t bytes, MemoryKind kind) const {
+  size_t total = 0, pieces = 0, largest = 0;
+  free_space(&total, &pieces, &largest);
+  char message[512];
+  snprintf(message, sizeof message,
+           "out of device memory (--alloc %s, --device-memory-limit %s): %s bytes of %s asked for; %s bytes free in "
+           "%zu piece(s), the largest %s bytes; %s bytes live",
+           to_string(allocator_), with_commas(live_->capacity).c_str(), with_commas(bytes).c_str(), to_string(kind),
+           with_commas(total).c_str(), pieces, with_commas(largest).c_str(),
+           with_commas(counters_.total_current).c_str());
+  throw OutOfMemory(message);
+}
+
+void* Compute::device_malloc(size_t bytes) {
   void* pointer = nullptr;
   if (device_ == Device::cpu) {
     // 64-byte alignment, as cudaMalloc gives at least 256: vector loads and
@@ -274,42 +372,160 @@ void* Compute::allocate(size_t bytes, MemoryKind kind) {
     pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     // Running out may happen on one rank only: take every rank down rather
     // than leave the others waiting in their next collective.
-    if (!pointer) abort_all_ranks("memory", "out of host memory", to_string(kind), __FILE__, __LINE__);
-    std::memset(pointer, 0, bytes);
+    if (!pointer) abort_all_ranks("memory", "out of host memory", "allocate", __FILE__, __LINE__);
   } else {
 #if defined(__CUDACC__)
     Z2_CUDA_CHECK(cudaMalloc(&pointer, bytes));
-    // cudaMemset runs on the legacy stream, which our non-blocking streams do
-    // not wait for: fill on the compute stream and wait, so the zeros are
-    // there before either stream touches the memory.
-    Z2_CUDA_CHECK(cudaMemsetAsync(pointer, 0, bytes, (cudaStream_t)compute_stream_.handle));
-    Z2_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)compute_stream_.handle));
 #endif
   }
-  count_allocation(pointer, bytes, kind);
+  counters_.device_mallocs += 1;
   return pointer;
 }
 
-void Compute::release(void* pointer) {
-  if (!pointer) return;
-  auto found = live_->allocations.find(pointer);
-  if (found == live_->allocations.end()) usage_error("release of a pointer this Compute did not allocate");
-  counters_.current[(int)found->second.second] -= found->second.first;
-  counters_.total_current -= found->second.first;
-  live_->allocations.erase(found);
-  if (device_ == Device::cpu) {
-    std::free(pointer);
-    return;
+// The one place memory is found. `from_stack` is a push (the arena's top).
+void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
+  if (bytes == 0) return nullptr;
+  void* pointer = nullptr;
+  Live& live = *live_;
+  const size_t rounded = block_round(bytes);
+  if (allocator_ == Allocator::direct) {
+    pointer = device_malloc(bytes);
+    counters_.allocations += 1;
+  } else if (allocator_ == Allocator::arena) {
+    if (rounded > live.top - live.bottom) out_of_memory(bytes, kind);
+    if (from_stack) {
+      live.top -= rounded;
+      live.stack.push_back(live.top);
+      pointer = live.block + live.top;
+      counters_.pushes += 1;
+    } else {
+      pointer = live.block + live.bottom;
+      live.bottom += rounded;
+      counters_.allocations += 1;
+    }
+    counters_.reserved_current = live.bottom + (live.capacity - live.top);
+  } else {
+    // Best fit: the smallest free piece that holds the request, the lowest
+    // such on a tie; the request takes the piece's start.
+    auto best = live.free_pieces.end();
+    for (auto piece = live.free_pieces.begin(); piece != live.free_pieces.end(); ++piece)
+      if (piece->second >= rounded && (best == live.free_pieces.end() || piece->second < best->second)) best = piece;
+    if (best == live.free_pieces.end()) out_of_memory(bytes, kind);
+    const size_t offset = best->first, left = best->second - rounded;
+    live.free_pieces.erase(best);
+    if (left > 0) live.free_pieces[offset + rounded] = left;
+    pointer = live.block + offset;
+    live.end = std::max(live.end, offset + rounded);
+    counters_.reserved_current = live.end;
+    counters_.allocations += 1;
   }
-#if defined(__CUDACC__)
-  // Nothing queued may still use it. (cudaFree happens to wait for the device,
-  // but that is not a documented promise.)
-  synchronize_all();
-  Z2_CUDA_CHECK(cudaFree(pointer));
-#endif
+  // Zeroed, on the compute stream. Model buffers (activations) are used on
+  // that stream only, so stream order is enough; the engine's buffers are
+  // made at start-up and also touched by the comm stream, so we wait.
+  fill_zero(pointer, bytes, compute_stream_);
+  if (kind != MemoryKind::activations) synchronize(compute_stream_);
+  count(pointer, bytes, kind);
+  return pointer;
 }
 
-void* Compute::allocate_host_pinned(size_t bytes) {
+void Compute::give_back(void* pointer, bool from_stack) {
+  if (!pointer) return;
+  Live& live = *live_;
+  auto found = live.allocations.find(pointer);
+  if (found == live.allocations.end()) usage_error("release of a pointer this Compute did not allocate");
+  const size_t bytes = found->second.first;
+  const MemoryKind kind = found->second.second;
+  counters_.current[(int)kind] -= bytes;
+  counters_.total_current -= bytes;
+  live.allocations.erase(found);
+  const size_t rounded = block_round(bytes);
+  if (allocator_ == Allocator::direct) {
+    if (device_ == Device::cpu) {
+      std::free(pointer);
+    } else {
+#if defined(__CUDACC__)
+      // Nothing queued may still use it. (cudaFree happens to wait for the
+      // device, but that is not a documented promise.)
+      synchronize_all();
+      Z2_CUDA_CHECK(cudaFree(pointer));
+#endif
+    }
+  } else if (allocator_ == Allocator::arena) {
+    const size_t offset = live.offset_of(pointer);
+    if (from_stack) {
+      if (live.stack.empty() || live.stack.back() != offset)
+        usage_error("arena stack: pop of a buffer that is not the last one pushed (temporaries must be popped in "
+                    "the reverse order of their pushes)");
+      live.stack.pop_back();
+      live.top += rounded;
+    } else if (offset + rounded == live.bottom) {
+      live.bottom = offset;  // the last long-lived buffer: the bump pointer steps back
+    }
+    // (Any other long-lived buffer keeps its place until the block goes: the
+    // arena never searches, so it never reuses a hole.)
+  } else {
+    // Return the piece and merge it with free neighbours on both sides.
+    size_t offset = live.offset_of(pointer), size = rounded;
+    auto next = live.free_pieces.lower_bound(offset);
+    if (next != live.free_pieces.end() && offset + size == next->first) {
+      size += next->second;
+      next = live.free_pieces.erase(next);
+    }
+    if (next != live.free_pieces.begin()) {
+      auto previous = std::prev(next);
+      if (previous->first + previous->second == offset) {
+        offset = previous->first;
+        size += previous->second;
+        live.free_pieces.erase(previous);
+      }
+    }
+    live.free_pieces[offset] = size;
+  }
+  if (allocator_ == Allocator::arena) counters_.reserved_current = live.bottom + (live.capacity - live.top);
+  sample();
+}
+
+// The memory ledger is these counters: the bytes actually handed out, by kind,
+// now and at their peak.
+void Compute::count(void* pointer, size_t bytes, MemoryKind kind) {
+  live_->allocations[pointer] = {bytes, kind};
+  counters_.current[(int)kind] += bytes;
+  counters_.peak[(int)kind] = std::max(counters_.peak[(int)kind], counters_.current[(int)kind]);
+  counters_.total_current += bytes;
+  counters_.total_peak = std::max(counters_.total_peak, counters_.total_current);
+  if (allocator_ == Allocator::direct) counters_.reserved_current = counters_.total_current;
+  counters_.reserved_peak = std::max(counters_.reserved_peak, counters_.reserved_current);
+  sample();
+}
+
+void Compute::sample() {
+  if (allocator_ == Allocator::direct) counters_.reserved_current = counters_.total_current;
+  if (tracing_)
+    trace_.push_back({counters_.total_current, counters_.reserved_current,
+                      counters_.current[(int)MemoryKind::activations]});
+}
+
+void Compute::set_tracing(bool on) {
+  tracing_ = on;
+  if (!on) return;
+  trace_.clear();
+  sample();
+}
+
+void Compute::reset_peaks() {
+  for (int k = 0; k < (int)MemoryKind::count; ++k) counters_.peak[k] = counters_.current[k];
+  counters_.total_peak = counters_.total_current;
+  counters_.reserved_peak = counters_.reserved_current;
+  counters_.host_pinned_peak = counters_.host_pinned_current;
+  counters_.host_offload_peak = counters_.host_offload_current;
+}
+
+void* Compute::allocate(size_t bytes, MemoryKind kind) { return take(bytes, kind, false); }
+void Compute::release(void* pointer) { give_back(pointer, false); }
+void* Compute::push(size_t bytes, MemoryKind kind) { return take(bytes, kind, true); }
+void Compute::pop(void* pointer) { give_back(pointer, true); }
+
+void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
   if (bytes == 0) return nullptr;
   void* pointer = nullptr;
   if (device_ == Device::cpu) {
@@ -322,15 +538,18 @@ void* Compute::allocate_host_pinned(size_t bytes) {
 #endif
   }
   std::memset(pointer, 0, bytes);
-  live_->pinned[pointer] = bytes;
-  counters_.host_pinned_current += bytes;
-  counters_.host_pinned_peak = std::max(counters_.host_pinned_peak, counters_.host_pinned_current);
+  live_->pinned[pointer] = {bytes, offload};
+  size_t& current = offload ? counters_.host_offload_current : counters_.host_pinned_current;
+  size_t& peak = offload ? counters_.host_offload_peak : counters_.host_pinned_peak;
+  current += bytes;
+  peak = std::max(peak, current);
   return pointer;
 }
 
 void Compute::release_host_pinned(void* pointer) {
   if (!pointer) return;
-  counters_.host_pinned_current -= live_->pinned.at(pointer);
+  const std::pair<size_t, bool> recorded = live_->pinned.at(pointer);
+  (recorded.second ? counters_.host_offload_current : counters_.host_pinned_current) -= recorded.first;
   live_->pinned.erase(pointer);
   if (device_ == Device::cpu) {
     std::free(pointer);
@@ -1231,6 +1450,10 @@ struct Engine::Impl {
   std::vector<float> micro_losses;  // this rank's A loss contributions
   int reduced_during_backward = 0;
   long allocations_at_step1 = -1;  // the allocator's count when step 1 ended
+  // Allocator calls and stack pushes: when the last step began (the end of
+  // build() or of the step before), and how many that step made.
+  long allocations_at_step_start = 0, pushes_at_step_start = 0;
+  long allocations_last_step = 0, pushes_last_step = 0;
   CommCounters step_start_counters, last_step_counters;
 
   Impl(Engine& e, Compute& c) : engine(e), compute(c), stage(e.options_.stage), rank(e.comm_.rank()) {}
@@ -1477,6 +1700,8 @@ void Engine::build() {
   impl.staged_bucket.assign(buckets_.size(), nullptr);
   impl.micro_losses.assign(options_.accumulation_steps, 0.0f);
   impl.step_start_counters = comm_.counters();
+  impl.allocations_at_step_start = compute_.memory().allocations;
+  impl.pushes_at_step_start = compute_.memory().pushes;
   built_ = true;
 }
 
@@ -1596,6 +1821,11 @@ StepReport Engine::step() {
   micro_step_ = 0;
   optimizer_step_ = t;
   if (t == 1) impl.allocations_at_step1 = compute_.memory().allocations;
+  const MemoryCounters& memory = compute_.memory();
+  impl.allocations_last_step = memory.allocations - impl.allocations_at_step_start;
+  impl.pushes_last_step = memory.pushes - impl.pushes_at_step_start;
+  impl.allocations_at_step_start = memory.allocations;
+  impl.pushes_at_step_start = memory.pushes;
   return report;
 }
 
@@ -1695,10 +1925,15 @@ MemoryLedger Engine::memory_ledger() const {
   ledger.device_current = c.total_current;
   ledger.device_peak = c.total_peak;
   ledger.host_pinned = c.host_pinned_current;
-  ledger.reserved = c.total_peak;  // every buffer its own allocation: reserved = live
-  ledger.fragmentation = 0.0;      // 1 - peak live / peak reserved
+  ledger.reserved = c.reserved_peak;
+  ledger.capacity = compute_.capacity();
+  ledger.fragmentation = c.reserved_peak > 0 ? 1.0 - (double)c.total_peak / (double)c.reserved_peak : 0.0;
+  ledger.host_offload_peak = c.host_offload_peak;
   if (impl_->allocations_at_step1 >= 0)
     ledger.device_allocations_after_step1 = c.allocations - impl_->allocations_at_step1;
+  ledger.device_allocations_per_step = impl_->allocations_last_step;
+  ledger.stack_pushes_per_step = impl_->pushes_last_step;
+  ledger.device_mallocs = c.device_mallocs;
   return ledger;
 }
 
@@ -1739,11 +1974,22 @@ void Engine::print_ledgers(FILE* out) const {
           with_commas(m.accumulation).c_str(), with_commas(m.accumulation_formula).c_str());
   fprintf(out, "  %-22s %14s   slots x (bucket + (N-1) shards) = %s\n", "staging", with_commas(m.staging).c_str(),
           with_commas(m.staging_formula).c_str());
-  fprintf(out, "  %-22s %14s\n", "activations (peak)", with_commas(m.activations).c_str());
+  fprintf(out, "  %-22s %14s\n", "activation peak", with_commas(m.activations).c_str());
   fprintf(out, "  %-22s %14s\n", "bookkeeping", with_commas(m.bookkeeping).c_str());
   fprintf(out, "  %-22s %14s   (host, for --comm mpi on cuda)\n", "pinned staging", with_commas(m.host_pinned).c_str());
-  fprintf(out, "  %-22s %14s\n", "device peak", with_commas(m.device_peak).c_str());
-  fprintf(out, "  %-22s %14ld   (device allocations after step 1)\n", "allocations", m.device_allocations_after_step1);
+  fprintf(out, "  %-22s %14s   (host, activation checkpoints)\n", "host offload peak",
+          with_commas(m.host_offload_peak).c_str());
+  fprintf(out, "  %-22s %14s   (peak live bytes)\n", "device peak", with_commas(m.device_peak).c_str());
+  if (compute_.allocator() == Allocator::direct)
+    fprintf(out, "  %-22s %14s   (--alloc direct: one allocation per buffer)\n", "reserved", with_commas(m.reserved).c_str());
+  else
+    fprintf(out, "  %-22s %14s   (peak used part of the %s-byte block, --alloc %s)\n", "reserved",
+            with_commas(m.reserved).c_str(), with_commas(m.capacity).c_str(), to_string(compute_.allocator()));
+  fprintf(out, "  %-22s %14.4f   (1 - peak live / peak reserved)\n", "fragmentation", m.fragmentation);
+  fprintf(out, "  %-22s %14ld   (allocator calls in the last step; %ld arena stack pushes)\n", "allocations/step",
+          m.device_allocations_per_step, m.stack_pushes_per_step);
+  fprintf(out, "  %-22s %14ld   (allocator calls after step 1; %ld device mallocs in all)\n", "after step 1",
+          m.device_allocations_after_step1, m.device_mallocs);
   fprintf(out, "communication per rank per step (bytes, as a ring sends them)\n");
   fprintf(out, "  %-22s %14s\n", "reduce-scatter", with_commas(c.per_step.reduce_scatter).c_str());
   fprintf(out, "  %-22s %14s\n", "all-gather", with_commas(c.per_step.all_gather).c_str());
@@ -1766,9 +2012,12 @@ std::string Engine::ledgers_json() const {
        << ", \"staging_bytes\": " << m.staging << ", \"activation_peak_bytes\": " << m.activations
        << ", \"host_offload_peak_bytes\": " << m.host_offload_peak << ", \"host_pinned_bytes\": " << m.host_pinned
        << ", \"device_peak_bytes\": " << m.device_peak << ", \"reserved_bytes\": " << m.reserved
-       << ", \"fragmentation\": " << m.fragmentation
+       << ", \"capacity_bytes\": " << m.capacity << ", \"fragmentation\": " << m.fragmentation
        << ", \"device_allocations_after_step1\": " << m.device_allocations_after_step1
-       << "}, \"comm\": {\"reduce_scatter_bytes_per_step\": "
+       << ", \"device_allocations_per_step\": " << m.device_allocations_per_step
+       << ", \"stack_pushes_per_step\": " << m.stack_pushes_per_step
+       << ", \"device_mallocs\": " << m.device_mallocs << ", \"allocator\": \"" << to_string(compute_.allocator())
+       << "\"}, \"comm\": {\"reduce_scatter_bytes_per_step\": "
        << c.per_step.reduce_scatter << ", \"all_gather_bytes_per_step\": " << c.per_step.all_gather
        << ", \"all_reduce_bytes_per_step\": " << c.per_step.all_reduce
        << ", \"other_bytes_per_step\": " << c.per_step.other

@@ -226,13 +226,49 @@ struct Event {
   void* handle = nullptr;  // cudaEvent_t on cuda
 };
 
+// Where device memory comes from (ZeRO-R's M_D, paper section 6.3; notes/05).
+//   direct: every buffer is its own cudaMalloc (host allocation on cpu); the
+//           engine's tests and the MLP demo use it.
+//   arena:  one block of `capacity` bytes reserved at start-up. allocate()
+//           carves long-lived buffers from its bottom (model states, staging,
+//           checkpoints: a bump pointer); push()/pop() run a stack from its
+//           top for per-block temporaries, strictly last in, first out.
+//           Neither searches anything, so after start-up no allocation is
+//           made at all, and free memory is always one piece.
+//   naive:  the same block, but every buffer (pushed or allocated) comes from
+//           a best-fit free list and goes back to it when released, in program
+//           order: a model of a framework's caching allocator without the
+//           arena. Long-lived buffers land between short-lived ones and the
+//           free memory breaks into pieces.
+enum class Allocator { direct, arena, naive };
+const char* to_string(Allocator allocator);
+
+// Thrown when the block cannot serve a request. The message says what was
+// asked, how much is free, in how many pieces, and the largest piece. Every
+// rank makes the same requests in the same order (the trainer sees to it), so
+// every rank throws at the same point and they all stop together.
+struct OutOfMemory : Error {
+  using Error::Error;
+};
+
 // Byte counts per kind; `current` now, `peak` the high-water mark.
 struct MemoryCounters {
   size_t current[(int)MemoryKind::count] = {};
   size_t peak[(int)MemoryKind::count] = {};
-  size_t total_current = 0, total_peak = 0;
-  size_t host_pinned_current = 0, host_pinned_peak = 0;  // staging for --comm mpi on cuda
-  long allocations = 0;                                    // device allocations made so far
+  size_t total_current = 0, total_peak = 0;                // live bytes (what buffers asked for)
+  size_t reserved_current = 0, reserved_peak = 0;          // bytes of the block in use (see Compute::reserved)
+  size_t host_pinned_current = 0, host_pinned_peak = 0;    // staging for --comm mpi on cuda
+  size_t host_offload_current = 0, host_offload_peak = 0;  // activation checkpoints moved to the host
+  long allocations = 0;   // allocator calls that find memory (cudaMalloc, a free-list search, a bump at start-up)
+  long pushes = 0;        // arena stack pushes (pointer arithmetic inside the reserved block)
+  long device_mallocs = 0;  // cudaMalloc (or host allocations on cpu) of device memory
+};
+
+// One point of a memory trace (Compute::set_tracing): after each allocate,
+// release, push or pop, the live bytes, the reserved bytes and the live
+// activation bytes.
+struct MemorySample {
+  size_t live = 0, reserved = 0, activations = 0;
 };
 
 class Compute {
@@ -248,15 +284,35 @@ class Compute {
   int device_index() const { return device_index_; }
   Stream compute_stream() const { return compute_stream_; }
   Stream comm_stream() const { return comm_stream_; }
+  Stream copy_stream() const { return copy_stream_; }  // activation offload and prefetch
+
+  // Choose the allocator before the first allocation. arena and naive
+  // reserve their one block of `capacity` bytes here.
+  void use_allocator(Allocator allocator, size_t capacity);
+  Allocator allocator() const { return allocator_; }
+  size_t capacity() const;  // the block's size (0 for direct)
 
   // Device memory (host memory on cpu), zero-filled, counted by kind.
+  // allocate/release: long-lived buffers. push/pop: temporaries, popped in
+  // the reverse order of their pushes (the arena's stack; the same as
+  // allocate/release for naive and direct). Buffers of kind `activations` are
+  // only used on the compute stream (or after an event on it), so releasing
+  // one does not wait: work queued later on the compute stream reuses it safely.
   void* allocate(size_t bytes, MemoryKind kind);
   void release(void* pointer);
-  // Page-locked host memory (cudaMallocHost on cuda, plain on cpu).
-  void* allocate_host_pinned(size_t bytes);
+  void* push(size_t bytes, MemoryKind kind);
+  void pop(void* pointer);
+  // Page-locked host memory (cudaMallocHost on cuda, plain on cpu). `offload`
+  // counts it as activation offload space rather than communication staging.
+  void* allocate_host_pinned(size_t bytes, bool offload = false);
   void release_host_pinned(void* pointer);
   const MemoryCounters& memory() const { return counters_; }
   void reset_peaks();  // peaks start again from what is allocated now
+  // Free memory of the block, for messages and tests: total, pieces, largest.
+  void free_space(size_t* total, size_t* pieces, size_t* largest) const;
+  // Record a MemorySample at every allocator event while on.
+  void set_tracing(bool on);
+  const std::vector<MemorySample>& trace() const { return trace_; }
 
   // Copies are asynchronous on `stream` for cuda (host side must be pinned to
   // really overlap) and immediate on cpu.
@@ -292,14 +348,22 @@ class Compute {
   void for_each(size_t n, Body body) { for_each(n, body, compute_stream_); }
 
  private:
-  void count_allocation(void* pointer, size_t bytes, MemoryKind kind);
+  void* device_malloc(size_t bytes);             // cudaMalloc / aligned host allocation, zeroed
+  void* take(size_t bytes, MemoryKind kind, bool from_stack);
+  void give_back(void* pointer, bool from_stack);
+  [[noreturn]] void out_of_memory(size_t bytes, MemoryKind kind) const;
+  void count(void* pointer, size_t bytes, MemoryKind kind);
+  void sample();
   Device device_;
   int device_index_;
-  Stream compute_stream_, comm_stream_;
+  Stream compute_stream_, comm_stream_, copy_stream_;
   void* cublas_ = nullptr;  // cublasHandle_t
+  Allocator allocator_ = Allocator::direct;
   MemoryCounters counters_;
+  bool tracing_ = false;
+  std::vector<MemorySample> trace_;
   struct Live;
-  std::unique_ptr<Live> live_;  // pointer -> (bytes, kind)
+  std::unique_ptr<Live> live_;  // pointer -> (bytes, kind), and the block's bookkeeping
 };
 
 // A typed, owning device array: frees itself, counts itself in the ledger.
@@ -533,13 +597,16 @@ struct MemoryLedger {
   size_t accumulation_formula = 0;   // floor(log2 A) blocks of Psi_padded / N
   size_t staging_formula = 0;
   size_t device_current = 0, device_peak = 0, host_pinned = 0;
-  // Device memory held at the peak. Every buffer is its own allocation here
-  // (no caching allocator, no arena yet), so reserved = live and fragmentation
-  // = 1 - peak live / peak reserved = 0; host offload does not exist yet.
-  size_t reserved = 0, host_offload_peak = 0;
+  // reserved: the peak of the device memory held for the buffers. With
+  // --alloc direct every buffer is its own allocation, so reserved = peak
+  // live; with arena and naive it is the peak of the block's used part (see
+  // Compute). fragmentation = 1 - peak live / peak reserved.
+  size_t reserved = 0, capacity = 0, host_offload_peak = 0;
   double fragmentation = 0;
-  // Device allocations made after the end of optimizer step 1 (-1 before it).
-  long device_allocations_after_step1 = -1;
+  // Allocator calls made after the end of optimizer step 1 (-1 before it),
+  // and in the last step; arena stack pushes in the last step.
+  long device_allocations_after_step1 = -1, device_allocations_per_step = 0, stack_pushes_per_step = 0;
+  long device_mallocs = 0;  // cudaMalloc calls (host allocations on cpu) in all
 };
 
 struct CommLedger {
