@@ -7,9 +7,12 @@
 #   make demo     the engine demo: the three stages on the test MLP, 2 ranks
 #   make test     the doctest suite under mpirun -n 1, 2, 4 (build/)
 #   make test-cpu the same suite for the mpicxx-only build (build-cpu/)
-#   make bench    tokens/s: stage 0 vs stage 2 at N = 2, and PyTorch on the same model and batch
+#   make bench    tokens/s: stage 0 vs stage 2 at N = 2, and PyTorch on the same model and batch;
+#                 step-time ratios recompute / keep and offload / keep
+#   make fraglab  the smallest --device-memory-limit one BERT-mini step needs, for every
+#                 --activations x --alloc (binary search; about 4 minutes on 2 cores)
 #   make notes    regenerate the measured tables in notes/
-#   make figures  regenerate the pictures in notes/figures/ (the BERT-mini loss curve)
+#   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
 #   make deps     install missing Debian packages (as root), or print the command
 #
 # Every flag that matters is below; nothing is hidden in a script.
@@ -68,7 +71,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run demo bench test test-cpu notes figures deps test-deps figure-deps found clean
+.PHONY: all cpu run demo bench fraglab test test-cpu notes figures deps test-deps figure-deps found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini
 
@@ -142,6 +145,11 @@ demo: deps all
 
 bench: deps test-deps all
 	$(RUN_ENV) tests/bench.sh build
+
+# Only the trainer is needed, built as `make run` builds it.
+fraglab: deps found
+	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
+	$(RUN_ENV) tests/fraglab.sh build
 
 test: deps test-deps all
 	$(RUN_ENV) tests/run_tests.sh build

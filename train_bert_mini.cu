@@ -1765,10 +1765,11 @@ inline int train(Settings settings, MPI_Comm world) {
       compute.set_tracing(false);
       if (rank == 0) {
         std::ostringstream csv;
-        csv << "event,live_bytes,reserved_bytes,activation_bytes\n";
+        csv << "event,live_bytes,reserved_bytes,activation_bytes,free_pieces\n";
         for (size_t k = 0; k < compute.trace().size(); ++k) {
           const z2::MemorySample& sample = compute.trace()[k];
-          csv << k << ',' << sample.live << ',' << sample.reserved << ',' << sample.activations << '\n';
+          csv << k << ',' << sample.live << ',' << sample.reserved << ',' << sample.activations << ','
+              << sample.free_pieces << '\n';
         }
         write_file_atomically(settings.memory_trace, csv.str());
       }

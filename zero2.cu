@@ -356,11 +356,12 @@ void Compute::out_of_memory(size_t bytes, MemoryKind kind) const {
   free_space(&total, &pieces, &largest);
   char message[512];
   snprintf(message, sizeof message,
-           "out of device memory (--alloc %s, --device-memory-limit %s): %s bytes of %s asked for; %s bytes free in "
-           "%zu piece(s), the largest %s bytes; %s bytes live",
-           to_string(allocator_), with_commas(live_->capacity).c_str(), with_commas(bytes).c_str(), to_string(kind),
+           "out of device memory in the %s-byte block (--alloc %s): %s bytes of %s asked for; %s bytes free in "
+           "%zu piece(s), the largest %s bytes; %s bytes live. Raise --device-memory-limit%s",
+           with_commas(live_->capacity).c_str(), to_string(allocator_), with_commas(bytes).c_str(), to_string(kind),
            with_commas(total).c_str(), pieces, with_commas(largest).c_str(),
-           with_commas(counters_.total_current).c_str());
+           with_commas(counters_.total_current).c_str(),
+           allocator_ == Allocator::naive ? ", or use --alloc arena (free memory in pieces is what it avoids)" : "");
   throw OutOfMemory(message);
 }
 
@@ -500,9 +501,11 @@ void Compute::count(void* pointer, size_t bytes, MemoryKind kind) {
 
 void Compute::sample() {
   if (allocator_ == Allocator::direct) counters_.reserved_current = counters_.total_current;
-  if (tracing_)
-    trace_.push_back({counters_.total_current, counters_.reserved_current,
-                      counters_.current[(int)MemoryKind::activations]});
+  if (!tracing_) return;
+  size_t free_total = 0, pieces = 0, largest = 0;
+  free_space(&free_total, &pieces, &largest);
+  trace_.push_back({counters_.total_current, counters_.reserved_current,
+                    counters_.current[(int)MemoryKind::activations], pieces});
 }
 
 void Compute::set_tracing(bool on) {
@@ -2005,6 +2008,7 @@ std::string Engine::ledgers_json() const {
   MemoryLedger m = memory_ledger();
   CommLedger c = comm_ledger();
   std::ostringstream json;
+  json.precision(17);  // the fragmentation, exactly as 1 - peak / reserved computed it
   json << "{\"memory\": {\"model_states_bytes\": " << m.model_states
        << ", \"model_states_formula_bytes\": " << m.model_states_formula << ", \"params_bytes\": " << m.params
        << ", \"grads_bytes\": " << m.grads << ", \"optimizer_bytes\": " << m.optimizer

@@ -265,10 +265,10 @@ struct MemoryCounters {
 };
 
 // One point of a memory trace (Compute::set_tracing): after each allocate,
-// release, push or pop, the live bytes, the reserved bytes and the live
-// activation bytes.
+// release, push or pop, the live bytes, the reserved bytes, the live
+// activation bytes, and how many pieces the free memory of the block is in.
 struct MemorySample {
-  size_t live = 0, reserved = 0, activations = 0;
+  size_t live = 0, reserved = 0, activations = 0, free_pieces = 0;
 };
 
 class Compute {

@@ -3,11 +3,21 @@
 #   bert_mini_run.json  the summary (--json) of `make run`'s training: BERT-mini,
 #                       stage 2, 2 ranks, the embedded corpus, default settings
 #   bert_mini_loss.png  its loss and gradient norm per step (notes/plot_loss.py)
-# The JSON is kept beside the picture, so `notes/plot_loss.py` can redraw it
-# without training again.
+#   memory_*.csv        one step's allocator events (--memory-trace) of the default
+#                       BERT-mini on one rank, per --activations x --alloc
+#   memory_keep_vs_offload.png, memory_naive_vs_arena.png   (notes/plot_memory.py)
+# The JSON and CSV files are kept beside the pictures, so the plot scripts can
+# redraw them without training again.
 set -eu
 cd "$(dirname "$0")/.."
 build=${1:-build}
 export OPENBLAS_NUM_THREADS=1
 timeout 900 mpirun -n 2 "$build/train_bert_mini" --stage 2 --quiet --json notes/figures/bert_mini_run.json
 /usr/bin/python3 notes/plot_loss.py notes/figures/bert_mini_run.json notes/figures/bert_mini_loss.png
+for activations in keep recompute offload; do
+  for alloc in arena naive; do
+    timeout 300 "$build/train_bert_mini" --steps 1 --stage 2 --quiet --activations "$activations" --alloc "$alloc" \
+      --memory-trace "notes/figures/memory_${activations}_${alloc}.csv"
+  done
+done
+/usr/bin/python3 notes/plot_memory.py notes/figures notes/figures

@@ -94,13 +94,66 @@ PY
   echo '```'
 } >"$out/bert_reference"
 
-# bert_bench: `make bench`.
+# bert_bench: `make bench`; zero_r_bench: its ZeRO-R lines (notes/04).
+tests/bench.sh "$build" >"$out/bench_output"
 {
   echo '```'
   echo "\$ make bench"
-  tests/bench.sh "$build"
+  cat "$out/bench_output"
   echo '```'
 } >"$out/bert_bench"
+{
+  echo '```'
+  echo "\$ make bench    # (its last lines)"
+  sed -n '/^ZeRO-R/,$p' "$out/bench_output"
+  echo '```'
+} >"$out/zero_r_bench"
+
+# --- ZeRO-R (notes/04-activation-offload.md, notes/05-arena.md) ---------------------
+# zero_r_modes: the default BERT-mini, N = 2, stage 2, every --activations x --alloc.
+for activations in keep recompute offload; do
+  for alloc in arena naive; do
+    timeout 600 mpirun -n 2 "$trainer" --device cpu --stage 2 --steps 3 --warmup 1 --quiet \
+      --activations "$activations" --alloc "$alloc" --json "$out/zr_${activations}_${alloc}.json"
+  done
+done
+python3 - "$out" "$trainer" >"$out/zero_r_modes" <<'PY'
+import json, os, sys
+out, trainer = sys.argv[1], sys.argv[2]
+def mib(x): return f"{x / 1048576:.2f}"
+print(f"Measured by `make notes` (`mpirun -n 2 {trainer} --device cpu --stage 2 --steps 3 --activations X --alloc Y --json ...`):")
+print("the default BERT-mini, MiB per rank. The formula is `bert::activation_peak_bytes`; allocations are")
+print("allocator calls in the last step.")
+print()
+print("| activations | alloc | activation peak | formula | host offload peak | device peak | reserved | fragmentation | allocations / step | median step (ms) | final hash |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for act in ("keep", "recompute", "offload"):
+    for alloc in ("arena", "naive"):
+        d = json.load(open(os.path.join(out, f"zr_{act}_{alloc}.json"))); m = d["memory"]
+        print(f"| {act} | {alloc} | {mib(m['activation_peak_bytes'])} | {mib(d['activation_peak_formula_bytes'])} | "
+              f"{mib(m['host_offload_peak_bytes'])} | {mib(m['device_peak_bytes'])} | {mib(m['reserved_bytes'])} | "
+              f"{m['fragmentation']:.4f} | {m['device_allocations_per_step']} | {d['time']['step_ms_median']:.0f} | "
+              f"`{d['final_params_hash']}` |")
+PY
+
+# fraglab: `make fraglab` (notes/05).
+tests/fraglab.sh "$build" >"$out/fraglab"
+
+# oom_message: naive in a block the arena's measured need (tests/test_trainer.sh's case, N = 2).
+oom="--layers 3 --hidden 64 --heads 2 --intermediate 256 --seq 32 --micro-batch 4 --steps 2 --activations offload"
+timeout 300 mpirun -n 2 "$trainer" --device cpu $oom --alloc arena --quiet --json "$out/oom.json"
+need=$(python3 -c "import json; print(json.load(open('$out/oom.json'))['memory']['reserved_bytes'])")
+{
+  echo '```'
+  echo "\$ mpirun -n 2 $trainer $oom --alloc naive --device-memory-limit $need"
+  status=0
+  timeout 300 mpirun -n 2 "$trainer" --device cpu $oom --alloc naive --device-memory-limit "$need" --quiet \
+    >"$out/oom_log" 2>&1 || status=$?
+  fold -w 110 -s "$out/oom_log"
+  echo "\$ echo \$?"
+  echo "$status"
+  echo '```'
+} >"$out/oom_message"
 
 python3 - "$out" README.md notes/*.md <<'PY'
 import os, re, sys

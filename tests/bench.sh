@@ -2,6 +2,8 @@
 # tests/bench.sh BUILD_DIR — `make bench`: throughput of the default BERT-mini,
 # from one run each (figures, not a timed test):
 #   - stage 0 and stage 2 at N = 2 (one OpenBLAS thread per rank), and their ratio;
+#   - stage 2 at N = 2 with --activations recompute and offload: the
+#     step-time ratios recompute / keep and offload / keep (ZeRO-R's price);
 #   - PyTorch (tests/torch_reference.py bench) on the same model, the same
 #     global batch (N x micro-batch sequences per step), the same dropout and the
 #     same number of threads (2), and the ratio of ours to it.
@@ -20,20 +22,32 @@ for stage in 0 2; do
   timeout 900 mpirun -n $N "$trainer" "${model[@]}" --stage $stage --steps "$steps" --warmup 1 --quiet \
     --json "$work/stage$stage.json"
 done
+for activations in recompute offload; do
+  timeout 900 mpirun -n $N "$trainer" "${model[@]}" --stage 2 --activations $activations --steps "$steps" --warmup 1 \
+    --quiet --json "$work/$activations.json"
+done
 field() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
 device=$(field "$work/stage0.json" "d['device']")
 s0=$(field "$work/stage0.json" "d['time']['tokens_per_s_median']")
 s2=$(field "$work/stage2.json" "d['time']['tokens_per_s_median']")
+keep_ms=$(field "$work/stage2.json" "d['time']['step_ms_median']")
+recompute_ms=$(field "$work/recompute.json" "d['time']['step_ms_median']")
+offload_ms=$(field "$work/offload.json" "d['time']['step_ms_median']")
 torch_line=$(/usr/bin/python3 tests/torch_reference.py bench --layers 4 --hidden 256 --heads 4 --intermediate 1024 \
   --seq 128 --batch $((N * 8)) --steps "$steps" --threads $N --dropout 0.1 | grep '^torch tokens/s:')
 torch=${torch_line#torch tokens/s: }
-python3 - "$s0" "$s2" "$torch" "$device" "$steps" <<'PY'
+python3 - "$s0" "$s2" "$torch" "$device" "$steps" "$keep_ms" "$recompute_ms" "$offload_ms" <<'PY'
 import sys
 s0, s2, torch = (float(x) for x in sys.argv[1:4]); device, steps = sys.argv[4], sys.argv[5]
+keep, recompute, offload = (float(x) for x in sys.argv[6:9])
 print(f"BERT-mini (L=4 H=256 heads=4 F=1024 T=128), global batch 16 sequences, {steps} steps, 2 ranks / 2 threads")
 print(f"  zero2 stage 0 ({device}, N=2)   {s0:10,.0f} tokens/s")
 print(f"  zero2 stage 2 ({device}, N=2)   {s2:10,.0f} tokens/s")
 print(f"  stage 2 / stage 0           {s2 / s0:10.3f}")
 print(f"  PyTorch (cpu, 2 threads)    {torch:10,.0f} tokens/s")
 print(f"  zero2 stage 2 / PyTorch     {s2 / torch:10.3f}")
+print(f"ZeRO-R at stage 2, N=2: median step time by --activations")
+print(f"  keep                        {keep:10.1f} ms")
+print(f"  recompute                   {recompute:10.1f} ms   recompute / keep {recompute / keep:6.3f}")
+print(f"  offload                     {offload:10.1f} ms   offload / keep   {offload / keep:6.3f}")
 PY

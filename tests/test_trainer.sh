@@ -9,7 +9,11 @@
 #      the model's sizes;
 #   3. bad input: one clear message from rank 0, a non-zero exit, no crash, no
 #      hang, no output file left behind;
-#   4. the PyTorch reference (tests/torch_reference.py) on a dumped batch.
+#   4. the PyTorch reference (tests/torch_reference.py) on a dumped batch;
+#   5. ZeRO-R: every --activations x --alloc in every (N, stage) of the matrix
+#      gives the matrix's bits; the offload bound computed here from the
+#      config; the arena allocates nothing after step 1; naive runs out of
+#      memory in a block the arena fits in, cleanly, on every rank.
 # Ends with the plain line "N passed, M failed".
 set -u
 build=${1:-build}
@@ -145,7 +149,7 @@ bad_case() {  # expected message fragment, then the arguments
   local out="$work/bad_out.json"
   rm -f "$out"
   # --json first: the case's own flags come later and win (the last value of a flag counts).
-  timeout 60 mpirun -n 2 "$trainer" --json "$out" "$@" > "$work/bad_stdout" 2> "$work/bad_stderr"
+  timeout 60 mpirun -n "${bad_ranks:-2}" "$trainer" --json "$out" "$@" > "$work/bad_stdout" 2> "$work/bad_stderr"
   local status=$?
   local messages
   messages=$(grep -c "train_bert_mini: error:" "$work/bad_stderr")
@@ -193,6 +197,13 @@ bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump
 bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/./same/"
 bad_case "config key 'zero_optimization.stage' wants" "${small[@]}" --config "$work/stage3.json"
 bad_case "GiB are available per rank" "${small[@]}" --layers 256 --hidden 16384 --heads 16
+for flag_value in "--activations all" "--alloc malloc" "--device-memory-limit 100" "--device-memory-limit lots"; do
+  set -- $flag_value
+  bad_case "$1 wants" "${small[@]}" $flag_value
+done
+bad_case "is more than the" "${small[@]}" --device-memory-limit 9000000000000000000
+bad_case "out of device memory in the 4,096-byte block (--alloc arena)" "${small[@]}" --device-memory-limit 4096
+bad_case "out of device memory in the 4,096-byte block (--alloc naive)" "${small[@]}" --alloc naive --device-memory-limit 4096
 
 # --- 4. the PyTorch reference ---------------------------------------------------------
 echo "=== PyTorch reference: loss, every gradient and one AdamW step on a dumped batch"
@@ -225,6 +236,89 @@ elif $PYTHON tests/torch_reference.py selftest > "$work/selftest.log" 2>&1; then
 else
   fail "torch reference selftest"; cat "$work/selftest.log"
 fi
+
+# --- 5. ZeRO-R ------------------------------------------------------------------------
+echo "=== ZeRO-R: --activations x --alloc against the stage matrix's bits; bounds; allocations; out of memory"
+# Every (N, stage) of the matrix (A = 4/N, overlap on) with the other five
+# combinations; keep + arena (the default) is the matrix's own run.
+for N in 1 2 4; do
+  A=$((4 / N))
+  for stage in 0 1 2; do
+    cp "$work/matrix_${N}_${stage}_1.json" "$work/zero_r_${N}_${stage}_keep_arena.json"
+    for activations in keep recompute offload; do
+      for alloc in arena naive; do
+        [ "$activations/$alloc" = keep/arena ] && continue
+        label="ZeRO-R N=$N A=$A stage=$stage --activations $activations --alloc $alloc"
+        out="$work/zero_r_${N}_${stage}_${activations}_${alloc}.json"
+        if ! timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --accum $A --stage $stage --activations $activations \
+            --alloc $alloc --json "$out" > "$work/log" 2>&1; then
+          fail "$label: exit non-zero"; cat "$work/log"; continue
+        fi
+        bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+        if [ -n "$bits" ] && [ "$bits" = "$reference" ]; then pass "$label: same bits as the matrix"
+        else fail "$label: $bits != $reference"; fi
+      done
+    done
+  done
+done
+# The ledger rules, from the config alone (the tiny model: L 2, H 32, F 64,
+# heads 2, T 16, B 2, dropout on).
+verdict=$(python3 - "$work" <<'EOF'
+import glob, json, os, sys
+L, H, F, NH, T, B, V = 2, 32, 64, 2, 16, 2, 260
+R, S, A = B * T, B * (T - 2), B * NH * T * T
+f = 4
+always = (2 * R + 2 * S + V + 1) * 4 + S * f                 # batch ints, per-row losses
+working_set = (7 * R * H + A + 2 * R * F + 4 * R) * f          # one block's activations
+scratch = (2 * R * H + R * max(2 * H, F) + A + A) * f          # its backward scratch (dropped probs: dropout on)
+backward_long = (V * H + R * H) * f                            # tied-decoder gradient, the flowing gradient
+checkpoint = R * H * f
+bound = always + backward_long + working_set + scratch + 2 * checkpoint  # one block + two checkpoints
+problems, count = [], 0
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "zero_r_*.json"))):
+    name = os.path.basename(path)[len("zero_r_"):-len(".json")]
+    n, stage, activations, alloc = name.split("_")
+    d = json.load(open(path)); m = d["memory"]; count += 1
+    if activations == "offload" and m["activation_peak_bytes"] > bound:
+        problems.append(f"{name}: offload activation peak {m['activation_peak_bytes']} > bound {bound}")
+    if activations == "offload" and m["host_offload_peak_bytes"] != (L - 1) * checkpoint:
+        problems.append(f"{name}: host offload peak {m['host_offload_peak_bytes']} != (L-1) checkpoints")
+    if alloc == "arena" and (m["device_allocations_after_step1"] != 0 or m["device_allocations_per_step"] != 0):
+        problems.append(f"{name}: the arena allocated after step 1 ({m['device_allocations_after_step1']})")
+    if alloc == "naive" and m["device_allocations_per_step"] <= 0:
+        problems.append(f"{name}: naive made no allocation in a step")
+    if m["reserved_bytes"] > m["capacity_bytes"] or m["device_peak_bytes"] > m["reserved_bytes"]:
+        problems.append(f"{name}: peak {m['device_peak_bytes']} <= reserved {m['reserved_bytes']} <= capacity {m['capacity_bytes']} fails")
+    if abs(m["fragmentation"] - (1 - m["device_peak_bytes"] / m["reserved_bytes"])) > 1e-9:
+        problems.append(f"{name}: fragmentation is not 1 - peak / reserved")
+    if m["activation_peak_bytes"] != d["activation_peak_formula_bytes"]:
+        problems.append(f"{name}: activation peak {m['activation_peak_bytes']} != formula {d['activation_peak_formula_bytes']}")
+ok = not problems and count == 54
+print(("ok" if ok else "bad") + f" {count} runs; offload bound {bound:,} bytes; " + "; ".join(problems[:4]))
+EOF
+)
+case "$verdict" in ok*) pass "ZeRO-R ledgers: $verdict";; *) fail "ZeRO-R ledgers: $verdict";; esac
+
+# Out of memory. A model where offload's long-lived checkpoints, allocated
+# between temporaries, leave naive's free memory in pieces: the arena's
+# measured need (its peak reserved, exactly what it needs: the block is its
+# bottom plus its stack) is enough for the arena and not for naive, at every
+# N. One step less (256 bytes) is not enough for the arena either.
+oom=(--layers 3 --hidden 64 --heads 2 --intermediate 256 --seq 32 --micro-batch 4 --steps 2 --activations offload)
+for N in 1 2 4; do
+  if ! timeout 300 mpirun -n $N "$trainer" "${oom[@]}" --alloc arena --quiet --json "$work/oom_arena.json" > "$work/log" 2>&1; then
+    fail "out of memory N=$N: the roomy arena run failed"; cat "$work/log"; continue
+  fi
+  need=$(json_get "$work/oom_arena.json" "d['memory']['reserved_bytes']")
+  if timeout 300 mpirun -n $N "$trainer" "${oom[@]}" --alloc arena --device-memory-limit "$need" --quiet \
+      --json "$work/oom_arena_tight.json" > "$work/log" 2>&1; then
+    pass "out of memory N=$N: the arena runs in its measured need, $need bytes"
+  else
+    fail "out of memory N=$N: the arena failed in its measured need $need"; cat "$work/log"
+  fi
+  bad_ranks=$N bad_case "bytes free in" "${oom[@]}" --alloc naive --device-memory-limit "$need"
+  bad_ranks=$N bad_case "(--alloc arena)" "${oom[@]}" --alloc arena --device-memory-limit $((need - 256))
+done
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
