@@ -1724,10 +1724,12 @@ inline int train(Settings settings, MPI_Comm world) {
     printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
            settings.activations.c_str(), settings.alloc.c_str(), z2::with_commas(compute.capacity()).c_str(),
            settings.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB");
-    printf("  activations per rank: peak %s bytes by the formula%s\n",
+    const size_t checkpoint_bytes = (size_t)B * T * settings.hidden * sizeof(float);
+    printf("  activations per rank: device peak %s bytes by the formula%s\n",
            z2::with_commas(activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena)).c_str(),
            mode == ActivationMode::offload
-               ? (", offload bound " + z2::with_commas(offload_activation_bound(shape)) + " (one block + 2 checkpoints)")
+               ? (" (bound: one block + 2 checkpoints = " + z2::with_commas(offload_activation_bound(shape)) +
+                  "); host " + z2::with_commas((size_t)(settings.layers - 1) * checkpoint_bytes) + " (L - 1 checkpoints)")
                      .c_str()
                : "");
     printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",

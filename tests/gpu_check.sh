@@ -25,7 +25,12 @@
 #      equal stages, and median step times with overlap on and off;
 #   5. BERT-mini on the GPU: 30 steps at N = 1 (NCCL) and N = 2 (MPI), stage 2,
 #      tokens/s and ms per step;
-#   6. a summary.
+#   6. ZeRO-R on the GPU: BERT-mini at N = 1 (NCCL), stage 2, with
+#      --activations keep, recompute and offload: median step times and the
+#      ratios (offload close to recompute means the copy stream hid the
+#      copies), the same final hash in all three, and the arena's promise: one
+#      cudaMalloc (the block) and no allocation after step 1;
+#   7. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
@@ -134,6 +139,31 @@ for run in "1 nccl" "2 mpi"; do
   fi
   rm -f /tmp/z2_bert_gpu.json
 done
+
+# --- 6. ZeRO-R on the GPU ------------------------------------------------------------
+declare -A step_ms hash
+for activations in keep recompute offload; do
+  if timeout 120 build/train_bert_mini --device cuda --comm nccl --stage 2 --steps 30 --quiet \
+       --activations "$activations" --json "/tmp/z2_zr_$activations.json" >/tmp/z2_zr.log 2>&1; then
+    step_ms[$activations]=$(python3 -c "import json; print('%.2f' % json.load(open('/tmp/z2_zr_$activations.json'))['time']['step_ms_median'])")
+    hash[$activations]=$(python3 -c "import json; print(json.load(open('/tmp/z2_zr_$activations.json'))['final_params_hash'])")
+    arena=$(python3 -c "import json; m=json.load(open('/tmp/z2_zr_$activations.json'))['memory']; print('%d cudaMalloc, %d allocations after step 1, activation peak %.1f MiB' % (m['device_mallocs'], m['device_allocations_after_step1'], m['activation_peak_bytes'] / 1048576))")
+    note "ZeRO-R --activations $activations (arena): ${step_ms[$activations]} ms/step median; $arena"
+    case "$arena" in "1 cudaMalloc, 0 allocations"*) ;; *) note "ZeRO-R arena: FAILED (allocations after start-up)"; failures=$((failures + 1));; esac
+  else
+    tail -n 8 /tmp/z2_zr.log
+    note "ZeRO-R --activations $activations: FAILED"
+    failures=$((failures + 1))
+  fi
+done
+if [ -n "${hash[keep]:-}" ] && [ "${hash[keep]}" = "${hash[recompute]:-}" ] && [ "${hash[keep]}" = "${hash[offload]:-}" ]; then
+  note "ZeRO-R on the GPU: keep, recompute and offload give the same final hash ${hash[keep]}; $(python3 -c "
+k, r, o = ${step_ms[keep]}, ${step_ms[recompute]}, ${step_ms[offload]}
+print('recompute/keep %.3f, offload/keep %.3f, offload/recompute %.3f (1.0: the copies are hidden)' % (r / k, o / k, o / r))")"
+else
+  note "ZeRO-R on the GPU: FAILED (hashes ${hash[keep]:-none} ${hash[recompute]:-none} ${hash[offload]:-none})"
+  failures=$((failures + 1))
+fi
 
 echo
 echo "=== summary ($(elapsed "$started") s)"
