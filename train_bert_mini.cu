@@ -581,7 +581,7 @@ inline size_t parameter_count(const ModelShape& s) {
 //              the block's backward: L x W bytes, W = one block's working set.
 //   recompute  only each block's input (its checkpoint, R x H floats) stays;
 //              backward runs the block's forward again from it just before
-//              the block's backward. Saves (L - 1) W - L R H x 4 bytes; costs
+//              the block's backward. Saves (L - 1) W bytes at the peak; costs
 //              one more forward (about a third more compute).
 //   offload    as recompute, but the checkpoints go to pinned host memory
 //              while forward goes on (the copy stream) and come back one block
@@ -926,7 +926,8 @@ inline Model::~Model() {
     for (z2::Event event : *events) compute_.destroy_event(event);
   if (slot_free_.handle) compute_.destroy_event(slot_free_);
   if (host_checkpoints_) compute_.release_host_pinned(host_checkpoints_);
-  // Carved buffers go back in reverse order, so the arena's bump pointer steps back.
+  // Carved buffers go back in reverse order. (The arena reuses none of it:
+  // the engine's buffers were carved above them.)
   while (!carved_.empty()) carved_.pop_back();
 }
 
@@ -1674,12 +1675,15 @@ inline int train(Settings settings, MPI_Comm world) {
          settings.device_memory_limit, available, z2::to_string(device));
   // The one block each rank reserves. By default: twice the estimate (the
   // naive allocator needs room for its fragmentation; make fraglab shows how
-  // much it took) plus 64 MiB for the engine's bookkeeping, within what is
-  // available. On cpu the block is address space until it is touched.
+  // much it took) plus 64 MiB for the engine's bookkeeping, within 90% of
+  // what is available (cuBLAS's workspace, NCCL's buffers and the CUDA
+  // context live outside the block). On cpu the block is address space until
+  // it is touched. Reserving can fail on one rank only (ranks sharing a GPU
+  // measured its free memory at slightly different times), so the ranks agree.
   const size_t capacity = settings.device_memory_limit > 0
                               ? (size_t)settings.device_memory_limit
-                              : (size_t)std::min(available, 2 * needed + 64.0 * 1048576.0);
-  compute.use_allocator(allocator, capacity);
+                              : (size_t)std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
+  agree_on_errors(world, [&] { compute.use_allocator(allocator, capacity); });
   z2::Communicator comm(compute, world, comm_backend,
                         settings.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic);
   z2::EngineOptions options;

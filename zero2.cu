@@ -440,6 +440,13 @@ void Compute::give_back(void* pointer, bool from_stack) {
   counters_.total_current -= bytes;
   live.allocations.erase(found);
   const size_t rounded = block_round(bytes);
+  // Only model buffers (activations) are released without waiting: work on
+  // the compute stream that reuses them is queued after their last use. The
+  // engine's buffers are also read by the comm stream, so we wait for it.
+  if (allocator_ != Allocator::direct && kind != MemoryKind::activations) {
+    synchronize_all();
+    synchronize(copy_stream_);
+  }
   if (allocator_ == Allocator::direct) {
     if (device_ == Device::cpu) {
       std::free(pointer);

@@ -62,11 +62,13 @@ for activations in keep recompute offload; do
     # The answer, run once more for its ledger; one step less must fail.
     run "$activations" "$alloc" "$high" "$work/min.json" ||
       { echo "fraglab: $activations/$alloc failed at the capacity the search found" >&2; exit 1; }
-    if run "$activations" "$alloc" $((high - 256)) "$work/try.json"; then
-      echo "fraglab: $activations/$alloc also succeeded at $((high - 256)) (not monotone)" >&2; exit 1
-    fi
+    # Best fit's choices depend on the size of the last free piece, so a
+    # larger block is not guaranteed to do at least as well: we say so if
+    # one step less happens to succeed, rather than claim a minimum.
+    monotone=yes
+    if run "$activations" "$alloc" $((high - 256)) "$work/try.json"; then monotone=no; fi
     rows+=("$activations $alloc $high $(field "$work/min.json" \
-      "'%d %d %.6f %d' % (d['memory']['device_peak_bytes'], d['memory']['reserved_bytes'], d['memory']['fragmentation'], d['memory']['activation_peak_bytes'])") $runs")
+      "'%d %d %.6f %d' % (d['memory']['device_peak_bytes'], d['memory']['reserved_bytes'], d['memory']['fragmentation'], d['memory']['activation_peak_bytes'])") $runs $monotone")
   done
 done
 
@@ -80,8 +82,10 @@ print()
 print("| activations | alloc | smallest capacity (bytes) | peak live | activation peak | peak reserved | fragmentation | naive / arena capacity | runs |")
 print("|---|---|---|---|---|---|---|---|---|")
 arena = {}
-for act, alloc, capacity, live, reserved, frag, activation, runs in rows:
+for act, alloc, capacity, live, reserved, frag, activation, runs, monotone in rows:
     capacity = int(capacity)
+    if monotone != "yes":
+        runs += " (capacity - 256 also succeeded: not a strict minimum)"
     if alloc == "arena":
         arena[act] = capacity
     ratio = f"{capacity / arena[act]:.4f}" if alloc == "naive" else ""

@@ -273,7 +273,10 @@ working_set = (7 * R * H + A + 2 * R * F + 4 * R) * f          # one block's act
 scratch = (2 * R * H + R * max(2 * H, F) + A + A) * f          # its backward scratch (dropped probs: dropout on)
 backward_long = (V * H + R * H) * f                            # tied-decoder gradient, the flowing gradient
 checkpoint = R * H * f
-bound = always + backward_long + working_set + scratch + 2 * checkpoint  # one block + two checkpoints
+head = (7 * S * H + 2 * S + S * V) * f                         # the MLM head's phase
+embeddings = (R * H + 2 * R) * f + checkpoint                  # the embeddings' recomputation
+# one block (or the largest other phase) + two checkpoints
+bound = always + backward_long + 2 * checkpoint + max(working_set + scratch, head, embeddings)
 problems, count = [], 0
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "zero_r_*.json"))):
     name = os.path.basename(path)[len("zero_r_"):-len(".json")]
