@@ -58,7 +58,10 @@ nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
 # --- 1. dependencies --------------------------------------------------------------
 # Z2_CARRIED_DEBS=1 uses the .debs even where the system has the packages
 # (how this path is tested on the dev machine).
-if [ -z "${Z2_CARRIED_DEBS:-}" ] && command -v mpicxx >/dev/null && [ -f /usr/include/doctest/doctest.h ] &&
+# The system's MPI counts only if it is MPICH: an image may ship Open MPI,
+# whose mpirun refuses to run as root and which this project is not tested on.
+if [ -z "${Z2_CARRIED_DEBS:-}" ] && command -v mpicxx >/dev/null && command -v mpichversion >/dev/null &&
+   [ -f /usr/include/doctest/doctest.h ] &&
    [ -f /usr/include/nlohmann/json.hpp ] &&
    { [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ]; }; then
   note "dependencies: from the system"
@@ -91,7 +94,9 @@ export Z2_NO_TORCH=1  # no python3-torch on the GPU image: test_trainer.sh skips
 
 # --- 2. build ---------------------------------------------------------------------
 t=$(date +%s)
-# Only the GPU at hand: sm_90 code for Hopper keeps the build short.
+# Only the GPU at hand: sm_90 code for Hopper keeps the build short. From
+# scratch: objects left by an earlier call may come from another MPI.
+rm -rf build
 if make -j"$(nproc)" all CUDA_ARCH="-arch=sm_90" >/tmp/z2build.log 2>&1; then
   note "build: nvcc, $(elapsed "$t") s"
   grep -E "^  (nvcc|NCCL|MPI):" /tmp/z2build.log
