@@ -155,6 +155,21 @@ need=$(python3 -c "import json; print(json.load(open('$out/oom.json'))['memory']
   echo '```'
 } >"$out/oom_message"
 
+# gpu_summary, gpu_zero_r: from the saved log of tests/gpu_check.sh's last GPU run
+# (this machine has no GPU; the log is what the GPU machine printed).
+gpu_log=notes/gpu/gpu_check_h200.log
+{
+  echo '```'
+  echo "\$ tests/gpu_check.sh    # $(head -n 1 "$gpu_log" | cut -d'(' -f1)"
+  sed -n '/^=== summary/,$p' "$gpu_log"
+  echo '```'
+} >"$out/gpu_summary"
+{
+  echo '```'
+  sed -n '/^=== summary/,$p' "$gpu_log" | grep '^ZeRO-R'
+  echo '```'
+} >"$out/gpu_zero_r"
+
 python3 - "$out" README.md notes/*.md <<'PY'
 import os, re, sys
 blocks = sys.argv[1]
