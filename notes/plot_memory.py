@@ -5,8 +5,12 @@ Reads the traces that `train_bert_mini --memory-trace FILE` writes (one line
 per allocator event of the first step: live bytes, reserved bytes, live
 activation bytes, pieces of free memory) from TRACE_DIR/memory_<activations>_<alloc>.csv
 and draws:
-  memory_keep_vs_offload.png   live device memory over one step, keep / recompute / offload (arena)
-  memory_naive_vs_arena.png    reserved memory and free pieces over one step, naive vs arena (recompute)
+  memory_keep_vs_offload.png   live activation memory over one step, keep / recompute / offload,
+                               with the naive allocator (so every tensor counts from its first
+                               write to its last read; the arena counts its carved buffers from
+                               start-up)
+  memory_naive_vs_arena.png    live memory, peak reserved so far, and pieces of free memory over
+                               one step, naive vs arena (recompute)
 The x axis is the position in the step (allocator event k of n), because the
 modes make different numbers of allocator calls.
 """
@@ -18,8 +22,17 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 MiB = 1048576.0
+
+
+def running_max(values):
+    out, best = [], 0.0
+    for v in values:
+        best = max(best, v)
+        out.append(best)
+    return out
 
 
 def load(directory, activations, alloc):
@@ -31,6 +44,8 @@ def load(directory, activations, alloc):
         "x": [int(r["event"]) / n for r in rows],
         "live": [int(r["live_bytes"]) / MiB for r in rows],
         "reserved": [int(r["reserved_bytes"]) / MiB for r in rows],
+        # The peak so far: what the ledger's "reserved" is at that point of the step.
+        "peak_reserved": running_max(int(r["reserved_bytes"]) / MiB for r in rows),
         "activations": [int(r["activation_bytes"]) / MiB for r in rows],
         "pieces": [int(r["free_pieces"]) for r in rows],
     }
@@ -41,11 +56,11 @@ def main():
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for activations, style in (("keep", "-"), ("recompute", "--"), ("offload", ":")):
-        t = load(traces, activations, "arena")
+        t = load(traces, activations, "naive")
         ax.step(t["x"], t["activations"], style, where="post", label=f"--activations {activations}")
     ax.set_xlabel("position in one training step (allocator event k / n)")
     ax.set_ylabel("live activation memory (MiB)")
-    ax.set_title("BERT-mini, one rank, --alloc arena: activations over one step")
+    ax.set_title("BERT-mini, one rank: activations over one step (each tensor from first write to last read)")
     ax.set_ylim(bottom=0)
     ax.legend()
     fig.tight_layout()
@@ -54,13 +69,14 @@ def main():
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for alloc, style in (("arena", "-"), ("naive", "--")):
         t = load(traces, "recompute", alloc)
-        top.step(t["x"], t["reserved"], style, where="post", label=f"--alloc {alloc}: reserved")
-        top.step(t["x"], t["live"], style, where="post", alpha=0.5, label=f"--alloc {alloc}: live")
+        top.step(t["x"], t["peak_reserved"], style, where="post", linewidth=2, label=f"--alloc {alloc}: peak reserved so far")
+        top.step(t["x"], t["live"], style, where="post", alpha=0.45, label=f"--alloc {alloc}: live")
         bottom.step(t["x"], t["pieces"], style, where="post", label=f"--alloc {alloc}")
     top.set_ylabel("device memory (MiB)")
     top.set_title("BERT-mini, one rank, --activations recompute: naive vs arena")
     top.legend(fontsize=8)
     bottom.set_ylabel("pieces of free memory")
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_xlabel("position in one training step (allocator event k / n)")
     bottom.legend(fontsize=8)
     fig.tight_layout()
