@@ -10,7 +10,7 @@
 #   make bench    tokens/s: stage 0 vs stage 2 at N = 2, and PyTorch on the same model and batch;
 #                 step-time ratios recompute / keep and offload / keep
 #   make fraglab  the smallest --device-memory-limit one BERT-mini step needs, for every
-#                 --activations x --alloc (binary search; about 4 minutes on 2 cores)
+#                 --activations x --alloc (a binary search of one-step runs; it prints how long it took)
 #   make notes    regenerate the measured tables in notes/
 #   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
 #   make deps     install missing Debian packages (as root), or print the command

@@ -84,7 +84,6 @@ struct Settings {
   uint64_t seed = 1;
   long train_batch_size = 0;  // from a config file only: checked against micro x accum x N
   bool accum_given = false;   // else DeepSpeed derives accum from train_batch_size
-  // files and output
   // memory (ZeRO-R)
   std::string activations = "keep", alloc = "arena";
   long device_memory_limit = 0;  // bytes per rank; 0: enough for the run
@@ -1727,7 +1726,7 @@ inline int train(Settings settings, MPI_Comm world) {
            settings.lr, settings.warmup, settings.steps, settings.weight_decay, settings.clip);
     printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
            settings.activations.c_str(), settings.alloc.c_str(), z2::with_commas(compute.capacity()).c_str(),
-           settings.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB");
+           settings.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB, at most 90% of what is free");
     const size_t checkpoint_bytes = (size_t)B * T * settings.hidden * sizeof(float);
     printf("  activations per rank: device peak %s bytes by the formula%s\n",
            z2::with_commas(activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena)).c_str(),

@@ -160,7 +160,7 @@ uint64_t fnv1a64(const float* values, size_t count) {
 // 2. Compute backend
 //
 // On cpu, "device memory" is host memory and every operation runs at once, in
-// program order; streams and events are no-ops. On cuda we keep two streams:
+// program order; streams and events are no-ops. On cuda we keep three streams:
 // `compute` for the model and the optimizer, `comm` for collectives and the
 // reductions that follow them, so a bucket is reduced while backward goes on,
 // and `copy` for activation checkpoints on their way to and from the host.
@@ -288,11 +288,11 @@ Compute::~Compute() {
 
 // --- where device memory comes from (ZeRO-R, M_D) ---------------------------
 //
-// The paper (section 6.3) observed out-of-memory errors with over 30% of the
+// The paper (section 3.2) observed out-of-memory errors with over 30% of the
 // memory still free: long-lived tensors (activation checkpoints, gradients)
 // are allocated between short-lived ones, and when the short-lived ones go
 // the free memory is left in pieces too small for the next large request.
-// Its remedy, M_D, pre-allocates contiguous buffers for the long-lived
+// Its remedy, M_D (section 6.3), pre-allocates contiguous buffers for the long-lived
 // tensors. We model both sides over one block of the same capacity:
 //
 //   naive  every request searches a best-fit free list (the caching allocator)
@@ -1991,7 +1991,7 @@ void Engine::print_ledgers(FILE* out) const {
           with_commas(m.host_offload_peak).c_str());
   fprintf(out, "  %-22s %14s   (peak live bytes)\n", "device peak", with_commas(m.device_peak).c_str());
   if (compute_.allocator() == Allocator::direct)
-    fprintf(out, "  %-22s %14s   (--alloc direct: one allocation per buffer)\n", "reserved", with_commas(m.reserved).c_str());
+    fprintf(out, "  %-22s %14s   (Allocator::direct: one allocation per buffer)\n", "reserved", with_commas(m.reserved).c_str());
   else
     fprintf(out, "  %-22s %14s   (peak used part of the %s-byte block, --alloc %s)\n", "reserved",
             with_commas(m.reserved).c_str(), with_commas(m.capacity).c_str(), to_string(compute_.allocator()));

@@ -256,7 +256,7 @@ struct MemoryCounters {
   size_t current[(int)MemoryKind::count] = {};
   size_t peak[(int)MemoryKind::count] = {};
   size_t total_current = 0, total_peak = 0;                // live bytes (what buffers asked for)
-  size_t reserved_current = 0, reserved_peak = 0;          // bytes of the block in use (see Compute::reserved)
+  size_t reserved_current = 0, reserved_peak = 0;          // bytes of the block in use (zero2.cu section 2: "reserved =")
   size_t host_pinned_current = 0, host_pinned_peak = 0;    // staging for --comm mpi on cuda
   size_t host_offload_current = 0, host_offload_peak = 0;  // activation checkpoints moved to the host
   long allocations = 0;   // allocator calls that find memory (cudaMalloc, a free-list search, a bump at start-up)
@@ -598,7 +598,7 @@ struct MemoryLedger {
   size_t staging_formula = 0;
   size_t device_current = 0, device_peak = 0, host_pinned = 0;
   // reserved: the peak of the device memory held for the buffers. With
-  // --alloc direct every buffer is its own allocation, so reserved = peak
+  // Allocator::direct every buffer is its own allocation, so reserved = peak
   // live; with arena and naive it is the peak of the block's used part (see
   // Compute). fragmentation = 1 - peak live / peak reserved.
   size_t reserved = 0, capacity = 0, host_offload_peak = 0;

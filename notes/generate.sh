@@ -121,7 +121,7 @@ python3 - "$out" "$trainer" >"$out/zero_r_modes" <<'PY'
 import json, os, sys
 out, trainer = sys.argv[1], sys.argv[2]
 def mib(x): return f"{x / 1048576:.2f}"
-print(f"Measured by `make notes` (`mpirun -n 2 {trainer} --device cpu --stage 2 --steps 3 --activations X --alloc Y --json ...`):")
+print(f"Measured by `make notes` (`mpirun -n 2 {trainer} --device cpu --stage 2 --steps 3 --warmup 1 --activations X --alloc Y --json ...`):")
 print("the default BERT-mini, MiB per rank. The formula is `bert::activation_peak_bytes`; allocations are")
 print("allocator calls in the last step.")
 print()
@@ -145,7 +145,7 @@ timeout 300 mpirun -n 2 "$trainer" --device cpu $oom --alloc arena --quiet --jso
 need=$(python3 -c "import json; print(json.load(open('$out/oom.json'))['memory']['reserved_bytes'])")
 {
   echo '```'
-  echo "\$ mpirun -n 2 $trainer $oom --alloc naive --device-memory-limit $need"
+  echo "\$ mpirun -n 2 $trainer --device cpu $oom --alloc naive --device-memory-limit $need"
   status=0
   timeout 300 mpirun -n 2 "$trainer" --device cpu $oom --alloc naive --device-memory-limit "$need" --quiet \
     >"$out/oom_log" 2>&1 || status=$?

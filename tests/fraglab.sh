@@ -42,6 +42,7 @@ run() {
 }
 
 rows=()
+started=$(date +%s)
 for activations in keep recompute offload; do
   for alloc in arena naive; do
     run "$activations" "$alloc" default "$work/roomy.json" ||
@@ -72,9 +73,9 @@ for activations in keep recompute offload; do
   done
 done
 
-python3 - "$trainer" "${rows[@]}" <<'PY'
+python3 - "$trainer" "$(( $(date +%s) - started ))" "${rows[@]}" <<'PY'
 import sys
-trainer, rows = sys.argv[1], [r.split() for r in sys.argv[2:]]
+trainer, seconds, rows = sys.argv[1], int(sys.argv[2]), [r.split() for r in sys.argv[3:]]
 print(f"Measured by `make fraglab` ({trainer} --steps 1 --stage 2, one rank, the default BERT-mini:")
 print("L 4, H 256, 4 heads, F 1024, micro-batch 8 x 128 tokens). Smallest --device-memory-limit at which")
 print("one step succeeds, found by binary search to 256 bytes; the other columns are that run's ledger.")
@@ -91,4 +92,6 @@ for act, alloc, capacity, live, reserved, frag, activation, runs, monotone in ro
     ratio = f"{capacity / arena[act]:.4f}" if alloc == "naive" else ""
     print(f"| {act} | {alloc} | {capacity:,} | {int(live):,} | {int(activation):,} | {int(reserved):,} | "
           f"{float(frag):.4f} | {ratio} | {runs} |")
+print()
+print(f"The search took {sum(int(r[7]) for r in rows)} runs and {seconds // 60} min {seconds % 60} s on this machine.")
 PY
