@@ -36,6 +36,7 @@
 //   5. safetensors and the Hugging Face export, the batch dump
 //   6. training loop, progress lines, summary, JSON
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -607,6 +608,7 @@ enum class ActivationMode { keep, recompute, offload };
 // (With keep, the last block's output is a temporary: see the Model.)
 struct ActivationSizes {
   size_t always, working_set, checkpoint, embedding_sum, backward_long, block_scratch, recompute_scratch, head;
+  size_t dropped;  // the dropped probabilities' temporary (0 without dropout)
 };
 inline ActivationSizes activation_sizes(const ModelShape& s) {
   const size_t B = s.micro_batch, T = s.seq, R = B * T, S = B * (T - 2), H = s.hidden, F = s.intermediate,
@@ -622,24 +624,32 @@ inline ActivationSizes activation_sizes(const ModelShape& s) {
   // output it does not need: never both at once.
   z.recompute_scratch = std::max(dropped * f, R * H * f);
   z.head = (7 * S * H + 2 * S + S * V) * f;
+  z.dropped = dropped * f;
   return z;
+}
+
+// The most temporaries open at once when a block's working set is itself a
+// temporary (recompute, offload): a block's backward (recomputed working set
+// plus scratch), the head, or the embeddings' recomputation. (A block's
+// forward, W + dropped probabilities, is never more: the scratch holds them too.)
+inline size_t recomputing_temporaries(const ActivationSizes& z) {
+  return std::max({z.working_set + std::max(z.recompute_scratch, z.block_scratch), z.head,
+                   z.embedding_sum + z.checkpoint});
 }
 
 // The device activation peak (bytes) the ledger must show, by mode and
 // allocator. Phase by phase: what is live while that phase's temporaries are.
 inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bool arena) {
   const ActivationSizes z = activation_sizes(s);
-  const size_t L = s.layers, dropped = s.dropout > 0.0f ? (size_t)s.micro_batch * s.heads * s.seq * s.seq * 4 : 0;
+  const size_t L = s.layers, dropped = z.dropped;
   // Buffers that live across blocks, all at once (the arena carves exactly these).
   size_t carved = z.backward_long;
   if (mode == ActivationMode::keep) carved += z.embedding_sum + L * (z.checkpoint + z.working_set);
   if (mode == ActivationMode::recompute) carved += (L + 1) * z.checkpoint;
   if (mode == ActivationMode::offload) carved += 2 * z.checkpoint;
-  const size_t largest_temporary =
-      mode == ActivationMode::keep
-          ? std::max({dropped, z.checkpoint + z.head, z.block_scratch})
-          : std::max({z.working_set + dropped, z.head, z.working_set + std::max(z.recompute_scratch, z.block_scratch),
-                      z.embedding_sum + z.checkpoint});
+  const size_t largest_temporary = mode == ActivationMode::keep
+                                       ? std::max({dropped, z.checkpoint + z.head, z.block_scratch})
+                                       : recomputing_temporaries(z);
   if (arena) return z.always + carved + largest_temporary;
   // naive: the long-lived buffers live only from first write to last read.
   const size_t C = z.checkpoint;
@@ -668,9 +678,7 @@ inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bo
 // BERT-like size; the bound takes the largest phase all the same.
 inline size_t offload_activation_bound(const ModelShape& s) {
   const ActivationSizes z = activation_sizes(s);
-  const size_t phase = std::max({z.working_set + std::max(z.recompute_scratch, z.block_scratch), z.head,
-                                 z.embedding_sum + z.checkpoint});
-  return z.always + z.backward_long + 2 * z.checkpoint + phase;
+  return z.always + z.backward_long + 2 * z.checkpoint + recomputing_temporaries(z);
 }
 
 // How a parameter is initialized (Hugging Face's _init_weights).
@@ -706,7 +714,7 @@ struct BlockActivations {
   Buffer output_sum;         // [R, H]   attention_out + dropout(dense(ffn_act))
   Buffer output_stats;       // [R, 2]
   // In the order forward opens them (backward closes them in reverse).
-  std::vector<Buffer*> in_order() {
+  std::array<Buffer*, 12> in_order() {
     return {&query, &key, &value, &probs, &context, &attention_sum, &attention_stats, &attention_out,
             &ffn_pre, &ffn_act, &output_sum, &output_stats};
   }
@@ -920,7 +928,6 @@ inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& 
 
 inline Model::~Model() {
   compute_.synchronize_all();
-  compute_.synchronize(compute_.copy_stream());
   for (auto* events : {&produced_, &offloaded_, &prefetched_})
     for (z2::Event event : *events) compute_.destroy_event(event);
   if (slot_free_.handle) compute_.destroy_event(slot_free_);

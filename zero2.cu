@@ -404,7 +404,6 @@ void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
       live.bottom += rounded;
       counters_.allocations += 1;
     }
-    counters_.reserved_current = live.bottom + (live.capacity - live.top);
   } else {
     // Best fit: the smallest free piece that holds the request, the lowest
     // such on a tie; the request takes the piece's start.
@@ -417,7 +416,6 @@ void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
     if (left > 0) live.free_pieces[offset + rounded] = left;
     pointer = live.block + offset;
     live.end = std::max(live.end, offset + rounded);
-    counters_.reserved_current = live.end;
     counters_.allocations += 1;
   }
   // Zeroed, on the compute stream. Model buffers (activations) are used on
@@ -440,21 +438,17 @@ void Compute::give_back(void* pointer, bool from_stack) {
   counters_.total_current -= bytes;
   live.allocations.erase(found);
   const size_t rounded = block_round(bytes);
-  // Only model buffers (activations) are released without waiting: work on
-  // the compute stream that reuses them is queued after their last use. The
-  // engine's buffers are also read by the comm stream, so we wait for it.
-  if (allocator_ != Allocator::direct && kind != MemoryKind::activations) {
-    synchronize_all();
-    synchronize(copy_stream_);
-  }
+  // Nothing queued may still use what we give back. Model buffers
+  // (activations) in the block need no wait: they are used on the compute
+  // stream (or after an event on it), where the next user is queued after
+  // their last use. The engine's buffers are also read by the comm stream,
+  // and cudaFree's wait for the device is not a documented promise.
+  if (allocator_ == Allocator::direct || kind != MemoryKind::activations) synchronize_all();
   if (allocator_ == Allocator::direct) {
     if (device_ == Device::cpu) {
       std::free(pointer);
     } else {
 #if defined(__CUDACC__)
-      // Nothing queued may still use it. (cudaFree happens to wait for the
-      // device, but that is not a documented promise.)
-      synchronize_all();
       Z2_CUDA_CHECK(cudaFree(pointer));
 #endif
     }
@@ -489,8 +483,17 @@ void Compute::give_back(void* pointer, bool from_stack) {
     }
     live.free_pieces[offset] = size;
   }
-  if (allocator_ == Allocator::arena) counters_.reserved_current = live.bottom + (live.capacity - live.top);
+  counters_.reserved_current = reserved_now();
   sample();
+}
+
+// The block's used part now (see "reserved =" above).
+size_t Compute::reserved_now() const {
+  switch (allocator_) {
+    case Allocator::arena: return live_->bottom + (live_->capacity - live_->top);
+    case Allocator::naive: return live_->end;
+    default: return counters_.total_current;
+  }
 }
 
 // The memory ledger is these counters: the bytes actually handed out, by kind,
@@ -501,13 +504,12 @@ void Compute::count(void* pointer, size_t bytes, MemoryKind kind) {
   counters_.peak[(int)kind] = std::max(counters_.peak[(int)kind], counters_.current[(int)kind]);
   counters_.total_current += bytes;
   counters_.total_peak = std::max(counters_.total_peak, counters_.total_current);
-  if (allocator_ == Allocator::direct) counters_.reserved_current = counters_.total_current;
+  counters_.reserved_current = reserved_now();
   counters_.reserved_peak = std::max(counters_.reserved_peak, counters_.reserved_current);
   sample();
 }
 
 void Compute::sample() {
-  if (allocator_ == Allocator::direct) counters_.reserved_current = counters_.total_current;
   if (!tracing_) return;
   size_t free_total = 0, pieces = 0, largest = 0;
   free_space(&free_total, &pieces, &largest);
@@ -603,6 +605,7 @@ void Compute::synchronize(Stream stream) {
 void Compute::synchronize_all() {
   synchronize(compute_stream_);
   synchronize(comm_stream_);
+  synchronize(copy_stream_);
 }
 
 Event Compute::create_event() {

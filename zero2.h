@@ -353,6 +353,7 @@ class Compute {
   void give_back(void* pointer, bool from_stack);
   [[noreturn]] void out_of_memory(size_t bytes, MemoryKind kind) const;
   void count(void* pointer, size_t bytes, MemoryKind kind);
+  size_t reserved_now() const;
   void sample();
   Device device_;
   int device_index_;
