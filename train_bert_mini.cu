@@ -85,6 +85,12 @@ struct Settings {
   uint64_t seed = 1;
   long train_batch_size = 0;  // from a config file only: checked against micro x accum x N
   bool accum_given = false;   // else DeepSpeed derives accum from train_batch_size
+  // precision (notes/08): fp32, or bf16 / fp16 mixed precision
+  std::string precision = "fp32";
+  bool precision_given = false;                           // --precision on the command line
+  int config_fp16_enabled = -1, config_bf16_enabled = -1;  // a config's "enabled": -1 absent, 0 false, 1 true
+  z2::LossScaling loss_scaling;                           // the config's "fp16" block (DeepSpeed's keys)
+  std::string grad_accum_dtype = "fp32";                  // the config's data_types.grad_accum_dtype
   // memory (ZeRO-R)
   std::string activations = "keep", alloc = "arena";
   long device_memory_limit = 0;  // bytes per rank; 0: enough for the run
@@ -170,7 +176,17 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive"});
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
   else if (flag == "--memory-trace") s.memory_trace = value;
+  else if (flag == "--precision") s.precision = parse_choice(name, value, {"fp32", "bf16", "fp16"}), s.precision_given = true;
   // Not command-line flags: only a config file sets these.
+  else if (flag == "fp16.enabled") s.config_fp16_enabled = (int)parse_integer(name, value, 0, 1);
+  else if (flag == "bf16.enabled") s.config_bf16_enabled = (int)parse_integer(name, value, 0, 1);
+  else if (flag == "loss_scale") s.loss_scaling.static_scale = parse_real(name, value, 0.0, 1e30);
+  else if (flag == "initial_scale_power") s.loss_scaling.initial_scale_power = (int)parse_integer(name, value, 0, 100);
+  else if (flag == "loss_scale_window") s.loss_scaling.window = parse_integer(name, value, 1, big);
+  else if (flag == "hysteresis") s.loss_scaling.hysteresis = (int)parse_integer(name, value, 1, big);
+  else if (flag == "consecutive_hysteresis") s.loss_scaling.consecutive_hysteresis = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "min_loss_scale") s.loss_scaling.min_scale = parse_real(name, value, 1e-30, 1e30);
+  else if (flag == "grad_accum_dtype") s.grad_accum_dtype = parse_choice(name, value, {"fp32", "bf16", "fp16"});
   else if (flag == "beta1") s.beta1 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "eps") s.eps = parse_real(name, value, 1e-30, 1.0);
@@ -218,9 +234,36 @@ inline std::vector<ConfigSetting> read_config(const std::string& path) {
     else if (key == "gradient_clipping") flags.push_back({"--clip", number(value, key), key});
     else if (key == "steps_per_print") flags.push_back({"--log-every", number(value, key), key});
     else if (key == "fp16" || key == "bf16") {
+      // DeepSpeed's mixed-precision blocks (notes/08). The loss-scaling keys
+      // are fp16's; inside a disabled block they are read and have no effect.
       for (auto& [inner, setting] : object(value, key).items()) {
-        if (inner != "enabled") fail("unknown config key '%s.%s'", key.c_str(), inner.c_str());
-        must_be(setting, key + ".enabled", false, "mixed precision is a later issue; this trainer runs fp32");
+        const std::string name = key + "." + inner;
+        if (inner == "enabled") {
+          if (!setting.is_boolean()) fail("config key '%s' wants true or false (got %s)", name.c_str(), setting.dump().c_str());
+          flags.push_back({name, setting.get<bool>() ? "1" : "0", name});
+        } else if (key == "fp16" && (inner == "loss_scale" || inner == "initial_scale_power" ||
+                                     inner == "loss_scale_window" || inner == "hysteresis" || inner == "min_loss_scale"))
+          flags.push_back({inner, number(setting, name), name});
+        else if (key == "fp16" && inner == "consecutive_hysteresis") {
+          if (!setting.is_boolean()) fail("config key '%s' wants true or false (got %s)", name.c_str(), setting.dump().c_str());
+          flags.push_back({inner, setting.get<bool>() ? "1" : "0", name});
+        } else if (key == "fp16" && inner == "auto_cast")
+          must_be(setting, name, false, "the model casts nothing: its inputs are token ids");
+        else fail("unknown config key '%s'", name.c_str());
+      }
+    } else if (key == "data_types") {
+      for (auto& [inner, setting] : object(value, key).items()) {
+        const std::string name = key + "." + inner;
+        if (inner != "grad_accum_dtype") fail("unknown config key '%s'", name.c_str());
+        // DeepSpeed's spellings of the three types.
+        static const std::map<std::string, std::string> names = {
+            {"fp32", "fp32"}, {"float32", "fp32"}, {"float", "fp32"}, {"torch.float32", "fp32"},
+            {"bf16", "bf16"}, {"bfloat16", "bf16"}, {"bfloat", "bf16"}, {"torch.bfloat16", "bf16"},
+            {"fp16", "fp16"}, {"float16", "fp16"}, {"half", "fp16"}, {"torch.float16", "fp16"}};
+        const auto found = setting.is_string() ? names.find(setting.get<std::string>()) : names.end();
+        if (found == names.end())
+          fail("config key '%s' wants \"fp32\", \"bf16\" or \"fp16\" (got %s)", name.c_str(), setting.dump().c_str());
+        flags.push_back({"grad_accum_dtype", found->second, name});
       }
     } else if (key == "zero_optimization") {
       for (auto& [inner, setting] : object(value, key).items()) {
@@ -282,6 +325,33 @@ inline std::vector<ConfigSetting> read_config(const std::string& path) {
   return flags;
 }
 
+// The precision, from --precision and a config's fp16 / bf16 blocks. A
+// config alone decides as DeepSpeed does; --precision alone decides; when
+// both are given they must agree (the Hugging Face Trainer refuses the same
+// contradiction between its --fp16 / --bf16 and a DeepSpeed config).
+inline void resolve_precision(Settings& s) {
+  if (s.config_fp16_enabled == 1 && s.config_bf16_enabled == 1)
+    fail("config keys 'fp16.enabled' and 'bf16.enabled' are both true: enable one of them");
+  const std::string from_config = s.config_fp16_enabled == 1 ? "fp16" : s.config_bf16_enabled == 1 ? "bf16" : "";
+  if (s.precision_given) {
+    if (!from_config.empty() && from_config != s.precision)
+      fail("--precision %s contradicts config key '%s.enabled' = true: give one or make them agree",
+           s.precision.c_str(), from_config.c_str());
+    if ((s.precision == "fp16" && s.config_fp16_enabled == 0) || (s.precision == "bf16" && s.config_bf16_enabled == 0))
+      fail("--precision %s contradicts config key '%s.enabled' = false: give one or make them agree",
+           s.precision.c_str(), s.precision.c_str());
+  } else if (!from_config.empty()) {
+    s.precision = from_config;
+  }
+  if (s.grad_accum_dtype != "fp32" && s.grad_accum_dtype != s.precision)
+    fail("config key 'data_types.grad_accum_dtype' = \"%s\" with precision %s: accumulate in fp32 or in the "
+         "training precision", s.grad_accum_dtype.c_str(), s.precision.c_str());
+}
+
+inline z2::Precision precision_of(const Settings& s) {
+  return s.precision == "bf16" ? z2::Precision::bf16 : s.precision == "fp16" ? z2::Precision::fp16 : z2::Precision::fp32;
+}
+
 // The command line. --config is read first, whatever its position, so that
 // every flag given on the command line overrides the file.
 inline Settings parse_command_line(int argc, char** argv) {
@@ -308,6 +378,7 @@ inline Settings parse_command_line(int argc, char** argv) {
     if (flag == "--quiet") settings.quiet = true;
     else apply(settings, flag, value);
   }
+  resolve_precision(settings);
   return settings;
 }
 
@@ -463,6 +534,14 @@ inline long global_selected_count(const std::string& corpus, uint64_t seed, long
 
 // ----------------------------------------------------------------------------
 // 3. Math shared by the CPU loops and the CUDA kernels (Z2_HD)
+//
+// Each row function is written once over the storage type T: float in fp32
+// training, z2::bfloat16 or z2::float16 in mixed precision. Whatever T is, the
+// arithmetic is fp32: inputs are widened as they are read, and each result is
+// rounded to T once, when it is stored (notes/08). With T = float the
+// widening and rounding are identities, so fp32 keeps its bits.
+using z2::from_float;
+using z2::to_float;
 
 // GELU, erf form (Hugging Face "gelu"), and its derivative.
 Z2_HD inline float gelu(float x) { return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f)); }
@@ -490,54 +569,67 @@ Z2_HD inline uint64_t dropout_key(uint64_t layer, uint64_t site) { return layer 
 
 // LayerNorm of one row of n: y = (x - mean) / sqrt(var + eps) * gamma + beta,
 // with the biased variance, two passes (mean, then squared deviations), in
-// index order. We keep mean and 1/sqrt(var + eps) for backward.
-Z2_HD inline void layer_norm_row(const float* x, const float* gamma, const float* beta, int n, float* y, float* mean_out,
+// index order. We keep mean and 1/sqrt(var + eps) for backward, in fp32 (as
+// torch does for a 16-bit LayerNorm).
+template <class T>
+Z2_HD inline void layer_norm_row(const T* x, const T* gamma, const T* beta, int n, T* y, float* mean_out,
                                  float* rstd_out) {
   float sum = 0.0f;
-  for (int j = 0; j < n; ++j) sum += x[j];
+  for (int j = 0; j < n; ++j) sum += to_float(x[j]);
   const float mean = sum / n;
   float squares = 0.0f;
-  for (int j = 0; j < n; ++j) squares += (x[j] - mean) * (x[j] - mean);
+  for (int j = 0; j < n; ++j) {
+    const float deviation = to_float(x[j]) - mean;
+    squares += deviation * deviation;
+  }
   const float rstd = 1.0f / sqrtf(squares / n + layer_norm_eps);
-  for (int j = 0; j < n; ++j) y[j] = (x[j] - mean) * rstd * gamma[j] + beta[j];
+  for (int j = 0; j < n; ++j)
+    y[j] = from_float<T>((to_float(x[j]) - mean) * rstd * to_float(gamma[j]) + to_float(beta[j]));
   *mean_out = mean;
   *rstd_out = rstd;
 }
 // dx of one row: with xhat = (x - mean) rstd and g = dy * gamma,
 // dx = rstd (g - mean(g) - xhat mean(g xhat)).
-Z2_HD inline void layer_norm_backward_row(const float* x, float mean, float rstd, const float* gamma, const float* dy,
-                                          int n, float* dx) {
+template <class T>
+Z2_HD inline void layer_norm_backward_row(const T* x, float mean, float rstd, const T* gamma, const T* dy, int n,
+                                          T* dx) {
   float sum_g = 0.0f, sum_g_xhat = 0.0f;
   for (int j = 0; j < n; ++j) {
-    const float g = dy[j] * gamma[j];
+    const float g = to_float(dy[j]) * to_float(gamma[j]);
     sum_g += g;
-    sum_g_xhat += g * ((x[j] - mean) * rstd);
+    sum_g_xhat += g * ((to_float(x[j]) - mean) * rstd);
   }
   const float mean_g = sum_g / n, mean_g_xhat = sum_g_xhat / n;
-  for (int j = 0; j < n; ++j) dx[j] = rstd * (dy[j] * gamma[j] - mean_g - (x[j] - mean) * rstd * mean_g_xhat);
+  for (int j = 0; j < n; ++j)
+    dx[j] = from_float<T>(rstd * (to_float(dy[j]) * to_float(gamma[j]) - mean_g -
+                                  (to_float(x[j]) - mean) * rstd * mean_g_xhat));
 }
 
-// Softmax of one row of n, in place (max subtracted for range).
-Z2_HD inline void softmax_row(float* row, int n) {
-  float max_value = row[0];
-  for (int j = 1; j < n; ++j) max_value = fmaxf(max_value, row[j]);
+// Softmax of one row of n scores times `scale` (1/sqrt(D), applied after the
+// product as torch does), in place (max subtracted for range). The scaled
+// scores are formed in fp32 as each pass reads them, never stored.
+template <class T>
+Z2_HD inline void scaled_softmax_row(T* row, int n, float scale) {
+  float max_value = to_float(row[0]) * scale;
+  for (int j = 1; j < n; ++j) max_value = fmaxf(max_value, to_float(row[j]) * scale);
   float sum = 0.0f;
-  for (int j = 0; j < n; ++j) sum += expf(row[j] - max_value);
-  for (int j = 0; j < n; ++j) row[j] = expf(row[j] - max_value) / sum;
+  for (int j = 0; j < n; ++j) sum += expf(to_float(row[j]) * scale - max_value);
+  for (int j = 0; j < n; ++j) row[j] = from_float<T>(expf(to_float(row[j]) * scale - max_value) / sum);
 }
 
 // Cross-entropy of one row of logits against `target`; writes the gradient
 // (softmax - one_hot) * scale into dlogits (which may be logits itself) and
-// returns -log softmax[target].
-Z2_HD inline float cross_entropy_row(const float* logits, int n, int target, float scale, float* dlogits) {
-  float max_value = logits[0];
-  for (int j = 1; j < n; ++j) max_value = fmaxf(max_value, logits[j]);
+// returns -log softmax[target], in fp32.
+template <class T>
+Z2_HD inline float cross_entropy_row(const T* logits, int n, int target, float scale, T* dlogits) {
+  float max_value = to_float(logits[0]);
+  for (int j = 1; j < n; ++j) max_value = fmaxf(max_value, to_float(logits[j]));
   float sum = 0.0f;
-  for (int j = 0; j < n; ++j) sum += expf(logits[j] - max_value);
+  for (int j = 0; j < n; ++j) sum += expf(to_float(logits[j]) - max_value);
   const float log_sum = logf(sum);
-  const float loss = log_sum + max_value - logits[target];  // read before dlogits may overwrite it
+  const float loss = log_sum + max_value - to_float(logits[target]);  // read before dlogits may overwrite it
   for (int j = 0; j < n; ++j)
-    dlogits[j] = (expf(logits[j] - max_value - log_sum) - (j == target ? 1.0f : 0.0f)) * scale;
+    dlogits[j] = from_float<T>((expf(to_float(logits[j]) - max_value - log_sum) - (j == target ? 1.0f : 0.0f)) * scale);
   return loss;
 }
 
@@ -548,6 +640,7 @@ struct ModelShape {
   int layers, hidden, heads, intermediate, seq, max_positions, micro_batch;
   float dropout;
   uint64_t seed;
+  z2::Precision precision = z2::Precision::fp32;  // of the parameters and activations (notes/08)
   int head_dim() const { return hidden / heads; }
 };
 
@@ -593,15 +686,17 @@ inline size_t parameter_count(const ModelShape& s) {
 enum class ActivationMode { keep, recompute, offload };
 
 // Activation bytes the model holds at once, for the fit check and for the
-// tests that hold the ledger to it. The model's buffers, in floats (R = B T
-// rows, S = B (T - 2) the most rows the head can select, A = B NH T T):
-//   always:      batch ints (2R + 2S + V + 1), per-row losses S
+// tests that hold the ledger to it. The model's buffers, in elements (R = B T
+// rows, S = B (T - 2) the most rows the head can select, A = B NH T T), of e
+// bytes (4 in fp32, 2 in bf16 and fp16: every activation and activation
+// gradient is stored in the precision's type) except the fp32 statistics:
+//   always:      batch ints (2R + 2S + V + 1), per-row losses S (fp32)
 //   per block:   W = 7 R H (q, k, v, context, two residual sums, attention_out)
-//                  + A (probabilities) + 2 R F (FFN) + 4 R (LayerNorm stats)
+//                  + A (probabilities) + 2 R F (FFN), + 4 R (LayerNorm stats, fp32)
 //   backward:    the tied decoder's gradient V H, the gradient flowing down R H;
 //                block scratch 2 R H + R max(2H, F) + A (+ A for dropped
 //                probabilities when dropout is on)
-//   head:        4 S H + 2 S + S V forward, + 3 S H backward
+//   head:        4 S H + S V forward, + 3 S H backward, + 2 S (stats, fp32)
 // Buffers that live across blocks (checkpoints, kept blocks, the two backward
 // buffers) are carved once by the arena (live from start-up) and allocated
 // when first written by naive; temporaries are pushed and popped by both.
@@ -612,19 +707,20 @@ struct ActivationSizes {
 };
 inline ActivationSizes activation_sizes(const ModelShape& s) {
   const size_t B = s.micro_batch, T = s.seq, R = B * T, S = B * (T - 2), H = s.hidden, F = s.intermediate,
-               V = vocab_size, A = B * s.heads * T * T, dropped = s.dropout > 0.0f ? A : 0, f = sizeof(float);
+               V = vocab_size, A = B * s.heads * T * T, dropped = s.dropout > 0.0f ? A : 0, f = sizeof(float),
+               e = z2::element_bytes(s.precision);
   ActivationSizes z;
   z.always = (2 * R + 2 * S + V + 1) * sizeof(int) + S * f;
-  z.working_set = (7 * R * H + A + 2 * R * F + 4 * R) * f;
-  z.checkpoint = R * H * f;
-  z.embedding_sum = (R * H + 2 * R) * f;
-  z.backward_long = (V * H + R * H) * f;
-  z.block_scratch = (2 * R * H + R * std::max(2 * H, F) + A + dropped) * f;
+  z.working_set = (7 * R * H + A + 2 * R * F) * e + 4 * R * f;
+  z.checkpoint = R * H * e;
+  z.embedding_sum = R * H * e + 2 * R * f;
+  z.backward_long = (V * H + R * H) * e;
+  z.block_scratch = (2 * R * H + R * std::max(2 * H, F) + A + dropped) * e;
   // The recomputed forward pushes dropped probabilities, pops them, then the
   // output it does not need: never both at once.
-  z.recompute_scratch = std::max(dropped * f, R * H * f);
-  z.head = (7 * S * H + 2 * S + S * V) * f;
-  z.dropped = dropped * f;
+  z.recompute_scratch = std::max(dropped, R * H) * e;
+  z.head = (7 * S * H + S * V) * e + 2 * S * f;
+  z.dropped = dropped * e;
   return z;
 }
 
@@ -692,27 +788,37 @@ enum class Init { normal, zeros, ones };
 //     naive: allocated at open, released at close, from the free list;
 //   temporary (one block's or the head's working set, scratch):
 //     pushed at open and popped at close, in last-in-first-out order.
+// The allocator sees only bytes; BufferOf<T> gives the model typed access.
 struct Buffer {
-  size_t count = 0;         // floats
+  size_t count = 0;          // elements
+  size_t element_bytes = 4;  // 4 (float), 2 (a 16-bit activation)
   bool long_lived = false;
-  bool carved = false;      // arena: `data` is fixed for the whole run
-  float* data = nullptr;    // while open (always, when carved)
+  bool carved = false;       // arena: `storage` is fixed for the whole run
+  void* storage = nullptr;   // while open (always, when carved)
+  size_t bytes() const { return count * element_bytes; }
+};
+template <class T>
+struct BufferOf : Buffer {
+  BufferOf() { element_bytes = sizeof(T); }
+  T* data() const { return static_cast<T*>(storage); }
 };
 
-// Activations of one block, kept from forward for backward. Shapes use
-// R = B * T rows (every token of the micro-batch). The block's input x is
-// its checkpoint (Model::checkpoints_[l]).
+// Activations of one block, kept from forward for backward, in the
+// activation type `Act` (LayerNorm statistics in fp32). Shapes use R = B * T
+// rows (every token of the micro-batch). The block's input x is its
+// checkpoint (Model::checkpoints_[l]).
+template <class Act>
 struct BlockActivations {
-  Buffer query, key, value;  // [R, H]   heads side by side: head h is columns h*D .. h*D+D-1
-  Buffer probs;              // [B, NH, T, T] softmax before dropout
-  Buffer context;            // [R, H]   probs (after dropout) x value
-  Buffer attention_sum;      // [R, H]   x + dropout(dense(context)), LayerNorm's input
-  Buffer attention_stats;    // [R, 2]   its mean and rstd
-  Buffer attention_out;      // [R, H]   LayerNorm output: the FFN's input and residual
-  Buffer ffn_pre;            // [R, F]   before GELU
-  Buffer ffn_act;            // [R, F]   after GELU
-  Buffer output_sum;         // [R, H]   attention_out + dropout(dense(ffn_act))
-  Buffer output_stats;       // [R, 2]
+  BufferOf<Act> query, key, value;   // [R, H]   heads side by side: head h is columns h*D .. h*D+D-1
+  BufferOf<Act> probs;               // [B, NH, T, T] softmax before dropout
+  BufferOf<Act> context;             // [R, H]   probs (after dropout) x value
+  BufferOf<Act> attention_sum;       // [R, H]   x + dropout(dense(context)), LayerNorm's input
+  BufferOf<float> attention_stats;   // [R, 2]   its mean and rstd
+  BufferOf<Act> attention_out;       // [R, H]   LayerNorm output: the FFN's input and residual
+  BufferOf<Act> ffn_pre;             // [R, F]   before GELU
+  BufferOf<Act> ffn_act;             // [R, F]   after GELU
+  BufferOf<Act> output_sum;          // [R, H]   attention_out + dropout(dense(ffn_act))
+  BufferOf<float> output_stats;      // [R, 2]
   // In the order forward opens them (backward closes them in reverse).
   std::array<Buffer*, 12> in_order() {
     return {&query, &key, &value, &probs, &context, &attention_sum, &attention_stats, &attention_out,
@@ -720,6 +826,10 @@ struct BlockActivations {
   }
 };
 
+// The model, written once over its activation type: float (fp32), or
+// z2::bfloat16 / z2::float16 (mixed precision: the engine's working
+// parameters and gradients are that type too). train() picks one.
+template <class Act>
 class Model {
  public:
   // Construct after compute.use_allocator(): with the arena, the long-lived
@@ -736,7 +846,8 @@ class Model {
   // Forward (and, when `backward`, backward with the gradients handed to the
   // engine) of one micro-batch. `loss_scale` is 1 / (selected positions in the
   // global batch). Returns this micro-batch's loss contribution: the sum over
-  // its selected positions of loss / count, in the canonical tree.
+  // its selected positions of loss / count, in the canonical tree. In fp16
+  // the gradient also carries the engine's loss scale; the loss does not.
   float run(const Batch& batch, long step, long micro_batch, float loss_scale, bool backward);
 
   const Parameters& ids() const { return ids_; }
@@ -747,32 +858,38 @@ class Model {
   // The steps of run(). Public only because nvcc does not allow extended
   // (__host__ __device__) lambdas inside private member functions.
   z2::ParameterId add(const std::string& name, std::vector<long> shape, bool decay, Init init);
-  float* param(z2::ParameterId id) { return engine_.parameter(id); }
+  Act* param(z2::ParameterId id) { return engine_.template parameter_as<Act>(id); }
+  Act* gradient(z2::ParameterId id) { return engine_.template gradient_output_as<Act>(id); }
   void upload(const Batch& batch);
-  void embeddings_forward(long step, long first_sample, float* x0);
-  void block_forward(int layer, long step, long first_sample, Buffer& output);
-  void head_forward_backward(long step, float loss_scale, bool backward);
+  void embeddings_forward(long step, long first_sample, Act* x0);
+  void block_forward(int layer, long step, long first_sample, BufferOf<Act>& output);
+  void head_forward_backward(long step, float gradient_scale, bool backward);
   float loss_contribution(float loss_scale);
   void block_backward(int layer, long step, long first_sample);
   void embeddings_backward(long step, long first_sample);
   // Where buffers come from (see Buffer), and the checkpoints' trips to the host.
-  float* open(Buffer& buffer);
+  void* open_storage(Buffer& buffer);
+  template <class T>
+  T* open(BufferOf<T>& buffer) {
+    return static_cast<T*>(open_storage(buffer));
+  }
   void close(Buffer& buffer);
-  void open_block(BlockActivations& block);
-  void close_block(BlockActivations& block);
-  BlockActivations& block(int layer) { return blocks_[mode_ == ActivationMode::keep ? layer : 0]; }
+  void open_block(BlockActivations<Act>& block);
+  void close_block(BlockActivations<Act>& block);
+  BlockActivations<Act>& block(int layer) { return blocks_[mode_ == ActivationMode::keep ? layer : 0]; }
   void offload(int checkpoint);   // device -> host, on the copy stream
   void prefetch(int checkpoint);  // host -> device, on the copy stream
   ActivationMode mode() const { return mode_; }
   // Small building blocks (section 4 continued).
-  void linear(const float* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out, float* output);
-  void linear_backward(const float* input, const float* doutput, z2::ParameterId weight, z2::ParameterId bias, int rows,
-                       int in, int out, float* dinput, float dinput_beta);
-  void column_sums(const float* matrix, int rows, int columns, float* sums);
-  void layer_norm(const float* x, z2::ParameterId weight, z2::ParameterId bias, int rows, float* y, float* stats);
-  void layer_norm_backward(const float* x, const float* stats, const float* dy, z2::ParameterId weight,
-                           z2::ParameterId bias, int rows, float* dx);
-  void dropout(const float* input, float* output, size_t count, size_t per_sample, long step, long first_sample,
+  void matmul_bias(const Act* input, const Act* weight, const Act* bias, int rows, int in, int out, Act* output);
+  void linear(const Act* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out, Act* output);
+  void linear_backward(const Act* input, const Act* doutput, z2::ParameterId weight, z2::ParameterId bias, int rows,
+                       int in, int out, Act* dinput, float dinput_beta);
+  void column_sums(const Act* matrix, int rows, int columns, Act* sums);
+  void layer_norm(const Act* x, z2::ParameterId weight, z2::ParameterId bias, int rows, Act* y, float* stats);
+  void layer_norm_backward(const Act* x, const float* stats, const Act* dy, z2::ParameterId weight,
+                           z2::ParameterId bias, int rows, Act* dx);
+  void dropout(const Act* input, Act* output, size_t count, size_t per_sample, long step, long first_sample,
                uint64_t key);
 
  private:
@@ -787,33 +904,36 @@ class Model {
   // Device copies of the batch, and the per-row losses: allocated once, as
   // they live through every micro-step.
   z2::DeviceArray<int> tokens_, selected_, targets_, token_offsets_, token_rows_;
-  z2::DeviceArray<float> sample_loss_;  // [S]
+  z2::DeviceArray<float> sample_loss_;  // [S] fp32 in every precision
   int selected_count_ = 0;
   // Checkpoint l is block l's input ([R, H]); checkpoint L is the last
   // block's output, the head's input. Long-lived in every mode.
-  std::vector<Buffer> checkpoints_;
-  Buffer embedding_sum_, embedding_stats_;  // [R, H], [R, 2]: long-lived with keep, temporaries otherwise
-  std::vector<BlockActivations> blocks_;    // keep: one per layer, long-lived; else one working set, temporary
-  Buffer head_input_, head_pre_, head_act_, head_out_;  // [S, H] temporaries (S = the most rows the head can select)
-  Buffer head_stats_, logits_;                          // [S, 2], [S, V]
-  Buffer head_dout_, head_dact_, head_dgathered_;       // [S, H] the head's backward
+  std::vector<BufferOf<Act>> checkpoints_;
+  BufferOf<Act> embedding_sum_;      // [R, H] long-lived with keep, a temporary otherwise
+  BufferOf<float> embedding_stats_;  // [R, 2] likewise
+  std::vector<BlockActivations<Act>> blocks_;  // keep: one per layer, long-lived; else one working set, temporary
+  BufferOf<Act> head_input_, head_pre_, head_act_, head_out_;  // [S, H] temporaries (S = the most rows the head can select)
+  BufferOf<float> head_stats_;                                  // [S, 2]
+  BufferOf<Act> logits_;                                        // [S, V]
+  BufferOf<Act> head_dout_, head_dact_, head_dgathered_;        // [S, H] the head's backward
   // Long-lived through backward: the tied decoder's part of dL/d
   // word_embeddings [V, H], and dL/d the current block's output [R, H].
-  Buffer decoder_gradient_, gradient_flow_;
+  BufferOf<Act> decoder_gradient_, gradient_flow_;
   // Backward scratch of one block (temporaries).
-  Buffer dsum_, dattention_;     // [R, H]
-  Buffer dwide_;                 // [R, max(2H, F)]: d ffn, later dq and dk side by side
-  Buffer dropped_, dprobs_;      // [B, NH, T, T] dropped probabilities (dropout only), d probabilities
-  Buffer recomputed_output_;     // [R, H] the output a recomputed forward writes and nobody reads
+  BufferOf<Act> dsum_, dattention_;  // [R, H]
+  BufferOf<Act> dwide_;              // [R, max(2H, F)]: d ffn, later dq and dk side by side
+  BufferOf<Act> dropped_, dprobs_;   // [B, NH, T, T] dropped probabilities (dropout only), d probabilities
+  BufferOf<Act> recomputed_output_;  // [R, H] the output a recomputed forward writes and nobody reads
   // The arena's carved memory (freed when the model goes), and for offload
   // the host copies of checkpoints 0 .. L-2 (pinned) and their events.
-  std::vector<z2::DeviceArray<float>> carved_;
-  float* host_checkpoints_ = nullptr;  // [L - 1, R, H]
+  std::vector<z2::DeviceArray<char>> carved_;
+  Act* host_checkpoints_ = nullptr;  // [L - 1, R, H]
   std::vector<z2::Event> produced_, offloaded_, prefetched_;
   z2::Event slot_free_;
 };
 
-inline z2::ParameterId Model::add(const std::string& name, std::vector<long> shape, bool decay, Init init) {
+template <class Act>
+inline z2::ParameterId Model<Act>::add(const std::string& name, std::vector<long> shape, bool decay, Init init) {
   size_t numel = 1;
   for (long d : shape) numel *= (size_t)d;
   z2::ParameterId id = engine_.add_parameter(name, numel, decay);
@@ -822,7 +942,8 @@ inline z2::ParameterId Model::add(const std::string& name, std::vector<long> sha
   return id;
 }
 
-inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape, ActivationMode mode)
+template <class Act>
+inline Model<Act>::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape, ActivationMode mode)
     : compute_(compute), engine_(engine), shape_(shape), mode_(mode) {
   const long H = shape.hidden, F = shape.intermediate, V = vocab_size;
   // Weight decay on linear weights and embeddings; none on biases and
@@ -859,6 +980,9 @@ inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& 
   ids_.head_norm_bias = add("cls.predictions.transform.LayerNorm.bias", {H}, false, Init::zeros);
   ids_.decoder_bias = add("cls.predictions.bias", {V}, false, Init::zeros);
 
+  if (shape.precision != z2::precision_of<Act>() || engine.precision() != shape.precision)
+    fail("the model's activations (%s), its shape's precision (%s) and the engine's (%s) must agree",
+         z2::to_string(z2::precision_of<Act>()), z2::to_string(shape.precision), z2::to_string(engine.precision()));
   // Activation buffers. R rows of the micro-batch; at most S = B (T - 2)
   // selected rows reach the head. Every rank makes the same requests in the
   // same order (the head's buffers are sized for S whatever the batch
@@ -897,12 +1021,13 @@ inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& 
     // With offload only two checkpoints are ever on the device at once
     // (checkpoint c uses slot c mod 2), so two slots serve all L + 1.
     auto carve = [&](Buffer& buffer) {
-      carved_.emplace_back(compute, buffer.count, z2::MemoryKind::activations);
-      buffer.data = carved_.back().data(), buffer.carved = true;
+      carved_.emplace_back(compute, buffer.bytes(), z2::MemoryKind::activations);
+      buffer.storage = carved_.back().data(), buffer.carved = true;
     };
     if (mode == ActivationMode::offload) {
       for (int slot = 0; slot < 2 && slot <= shape.layers; ++slot) carve(checkpoints_[slot]);
-      for (int c = 2; c <= shape.layers; ++c) checkpoints_[c].data = checkpoints_[c % 2].data, checkpoints_[c].carved = true;
+      for (int c = 2; c <= shape.layers; ++c)
+        checkpoints_[c].storage = checkpoints_[c % 2].storage, checkpoints_[c].carved = true;
     } else {
       for (auto& checkpoint : checkpoints_)
         if (checkpoint.long_lived) carve(checkpoint);
@@ -918,7 +1043,7 @@ inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& 
     // Host copies of checkpoints 0 .. L-2: the last one (L-1) is still on the
     // device when backward starts, and backward needs it first.
     if (shape.layers >= 2)
-      host_checkpoints_ = (float*)compute.allocate_host_pinned((size_t)(shape.layers - 1) * R * H * sizeof(float), true);
+      host_checkpoints_ = (Act*)compute.allocate_host_pinned((size_t)(shape.layers - 1) * R * H * sizeof(Act), true);
     for (int c = 0; c <= shape.layers; ++c)
       produced_.push_back(compute.create_event()), offloaded_.push_back(compute.create_event()),
           prefetched_.push_back(compute.create_event());
@@ -926,7 +1051,8 @@ inline Model::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& 
   }
 }
 
-inline Model::~Model() {
+template <class Act>
+inline Model<Act>::~Model() {
   compute_.synchronize_all();
   for (auto* events : {&produced_, &offloaded_, &prefetched_})
     for (z2::Event event : *events) compute_.destroy_event(event);
@@ -939,26 +1065,29 @@ inline Model::~Model() {
 
 // --- where buffers come from -------------------------------------------------
 
-inline float* Model::open(Buffer& buffer) {
-  if (buffer.carved) return buffer.data;
-  const size_t bytes = buffer.count * sizeof(float);
-  buffer.data = (float*)(buffer.long_lived ? compute_.allocate(bytes, z2::MemoryKind::activations)
-                                           : compute_.push(bytes, z2::MemoryKind::activations));
-  return buffer.data;
+template <class Act>
+inline void* Model<Act>::open_storage(Buffer& buffer) {
+  if (buffer.carved) return buffer.storage;
+  buffer.storage = buffer.long_lived ? compute_.allocate(buffer.bytes(), z2::MemoryKind::activations)
+                                     : compute_.push(buffer.bytes(), z2::MemoryKind::activations);
+  return buffer.storage;
 }
 
-inline void Model::close(Buffer& buffer) {
-  if (buffer.carved || !buffer.data) return;
-  if (buffer.long_lived) compute_.release(buffer.data);
-  else compute_.pop(buffer.data);
-  buffer.data = nullptr;
+template <class Act>
+inline void Model<Act>::close(Buffer& buffer) {
+  if (buffer.carved || !buffer.storage) return;
+  if (buffer.long_lived) compute_.release(buffer.storage);
+  else compute_.pop(buffer.storage);
+  buffer.storage = nullptr;
 }
 
-inline void Model::open_block(BlockActivations& block) {
-  for (Buffer* b : block.in_order()) open(*b);
+template <class Act>
+inline void Model<Act>::open_block(BlockActivations<Act>& block) {
+  for (Buffer* b : block.in_order()) open_storage(*b);
 }
 
-inline void Model::close_block(BlockActivations& block) {
+template <class Act>
+inline void Model<Act>::close_block(BlockActivations<Act>& block) {
   auto buffers = block.in_order();
   for (auto b = buffers.rbegin(); b != buffers.rend(); ++b) close(**b);
 }
@@ -967,11 +1096,12 @@ inline void Model::close_block(BlockActivations& block) {
 // copy stream waits for the compute stream's event, then copies while the
 // next block computes. On cpu the copy happens at once (into host memory
 // that plays the role of pinned memory).
-inline void Model::offload(int c) {
+template <class Act>
+inline void Model<Act>::offload(int c) {
   const size_t count = checkpoints_[c].count;
   compute_.record(produced_[c], compute_.compute_stream());
   compute_.wait(compute_.copy_stream(), produced_[c]);
-  compute_.copy(host_checkpoints_ + (size_t)c * count, checkpoints_[c].data, count * sizeof(float),
+  compute_.copy(host_checkpoints_ + (size_t)c * count, checkpoints_[c].data(), checkpoints_[c].bytes(),
                 compute_.copy_stream());
   compute_.record(offloaded_[c], compute_.copy_stream());
 }
@@ -979,17 +1109,19 @@ inline void Model::offload(int c) {
 // Checkpoint c back to the device, one block ahead of its backward. Its slot
 // (arena) or fresh memory (naive) was last used by work on the compute
 // stream: the copy waits for that, and block c's backward waits for the copy.
-inline void Model::prefetch(int c) {
+template <class Act>
+inline void Model<Act>::prefetch(int c) {
   const size_t count = checkpoints_[c].count;
   open(checkpoints_[c]);
   compute_.record(slot_free_, compute_.compute_stream());
   compute_.wait(compute_.copy_stream(), slot_free_);
-  compute_.copy(checkpoints_[c].data, host_checkpoints_ + (size_t)c * count, count * sizeof(float),
+  compute_.copy(checkpoints_[c].data(), host_checkpoints_ + (size_t)c * count, checkpoints_[c].bytes(),
                 compute_.copy_stream());
   compute_.record(prefetched_[c], compute_.copy_stream());
 }
 
-inline void Model::initialize() {
+template <class Act>
+inline void Model<Act>::initialize() {
   std::vector<float> values;
   values.reserve(engine_.psi());
   const auto& infos = engine_.parameters();
@@ -1012,23 +1144,39 @@ inline void Model::initialize() {
 }
 
 // --- building blocks ---------------------------------------------------------
+// --- building blocks ---------------------------------------------------------
 
-// output [rows, out] = input [rows, in] x W^T + b, with W [out, in] (torch's Linear).
-inline void Model::linear(const float* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out,
-                          float* output) {
-  compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, output, out);
-  const float* b = param(bias);
-  compute_.for_each((size_t)rows * out, [=] Z2_HD(size_t i) { output[i] += b[i % out]; });
+// output [rows, out] = input [rows, in] x W^T + b, with W [out, in] (torch's
+// Linear, and the tied decoder). fp32: the product, then the bias added (the
+// bits zero2 has always had). 16-bit: the bias first, then the product with
+// beta = 1, so x W^T + b is summed in fp32 and rounded once, as torch's addmm
+// (cuBLAS's epilogue) does; a separate bias add would round twice.
+template <class Act>
+inline void Model<Act>::matmul_bias(const Act* input, const Act* weight, const Act* bias, int rows, int in, int out,
+                                    Act* output) {
+  if constexpr (std::is_same<Act, float>::value) {
+    compute_.gemm(false, true, rows, out, in, 1.0f, input, in, weight, in, 0.0f, output, out);
+    compute_.for_each((size_t)rows * out, [=] Z2_HD(size_t i) { output[i] += bias[i % out]; });
+  } else {
+    compute_.for_each((size_t)rows * out, [=] Z2_HD(size_t i) { output[i] = bias[i % out]; });
+    compute_.gemm(false, true, rows, out, in, 1.0f, input, in, weight, in, 1.0f, output, out);
+  }
+}
+template <class Act>
+inline void Model<Act>::linear(const Act* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in,
+                               int out, Act* output) {
+  matmul_bias(input, param(weight), param(bias), rows, in, out, output);
 }
 
 // sums [columns] = the sum over rows of matrix [rows, columns]: one thread per
 // column adding the rows in order (the fixed-order reduction that replaces
 // atomics for bias and LayerNorm gradients).
-inline void Model::column_sums(const float* matrix, int rows, int columns, float* sums) {
+template <class Act>
+inline void Model<Act>::column_sums(const Act* matrix, int rows, int columns, Act* sums) {
   compute_.for_each((size_t)columns, [=] Z2_HD(size_t j) {
     float sum = 0.0f;
-    for (int r = 0; r < rows; ++r) sum += matrix[(size_t)r * columns + j];
-    sums[j] = sum;
+    for (int r = 0; r < rows; ++r) sum += to_float(matrix[(size_t)r * columns + j]);
+    sums[j] = from_float<Act>(sum);
   });
 }
 
@@ -1036,19 +1184,22 @@ inline void Model::column_sums(const float* matrix, int rows, int columns, float
 // input go to the engine (bias first: the reverse of registration order);
 // dinput [rows, in] = doutput x W (+ dinput_beta x dinput, so three
 // projections can add into one dinput in a fixed order).
-inline void Model::linear_backward(const float* input, const float* doutput, z2::ParameterId weight,
-                                   z2::ParameterId bias, int rows, int in, int out, float* dinput, float dinput_beta) {
-  column_sums(doutput, rows, out, engine_.gradient_output(bias));
+template <class Act>
+inline void Model<Act>::linear_backward(const Act* input, const Act* doutput, z2::ParameterId weight,
+                                        z2::ParameterId bias, int rows, int in, int out, Act* dinput,
+                                        float dinput_beta) {
+  column_sums(doutput, rows, out, gradient(bias));
   engine_.gradient_ready(bias);
-  compute_.gemm(true, false, out, in, rows, 1.0f, doutput, out, input, in, 0.0f, engine_.gradient_output(weight), in);
+  compute_.gemm(true, false, out, in, rows, 1.0f, doutput, out, input, in, 0.0f, gradient(weight), in);
   engine_.gradient_ready(weight);
   if (dinput) compute_.gemm(false, false, rows, in, out, 1.0f, doutput, out, param(weight), in, dinput_beta, dinput, in);
 }
 
-inline void Model::layer_norm(const float* x, z2::ParameterId weight, z2::ParameterId bias, int rows, float* y,
-                              float* stats) {
+template <class Act>
+inline void Model<Act>::layer_norm(const Act* x, z2::ParameterId weight, z2::ParameterId bias, int rows, Act* y,
+                                   float* stats) {
   const int n = shape_.hidden;
-  const float *gamma = param(weight), *beta = param(bias);
+  const Act *gamma = param(weight), *beta = param(bias);
   compute_.for_each((size_t)rows, [=] Z2_HD(size_t r) {
     layer_norm_row(x + r * n, gamma, beta, n, y + r * n, stats + 2 * r, stats + 2 * r + 1);
   });
@@ -1056,17 +1207,19 @@ inline void Model::layer_norm(const float* x, z2::ParameterId weight, z2::Parame
 
 // dx [rows, H] from dy; dbeta = sum_rows dy and dgamma = sum_rows dy * xhat go
 // to the engine (one thread per column, rows in order; bias first as above).
-inline void Model::layer_norm_backward(const float* x, const float* stats, const float* dy, z2::ParameterId weight,
-                                       z2::ParameterId bias, int rows, float* dx) {
+template <class Act>
+inline void Model<Act>::layer_norm_backward(const Act* x, const float* stats, const Act* dy, z2::ParameterId weight,
+                                            z2::ParameterId bias, int rows, Act* dx) {
   const int n = shape_.hidden;
-  const float* gamma = param(weight);
-  column_sums(dy, rows, n, engine_.gradient_output(bias));
+  const Act* gamma = param(weight);
+  column_sums(dy, rows, n, gradient(bias));
   engine_.gradient_ready(bias);
-  float* dgamma = engine_.gradient_output(weight);
+  Act* dgamma = gradient(weight);
   compute_.for_each((size_t)n, [=] Z2_HD(size_t j) {
     float sum = 0.0f;
-    for (int r = 0; r < rows; ++r) sum += dy[(size_t)r * n + j] * ((x[(size_t)r * n + j] - stats[2 * r]) * stats[2 * r + 1]);
-    dgamma[j] = sum;
+    for (int r = 0; r < rows; ++r)
+      sum += to_float(dy[(size_t)r * n + j]) * ((to_float(x[(size_t)r * n + j]) - stats[2 * r]) * stats[2 * r + 1]);
+    dgamma[j] = from_float<Act>(sum);
   });
   engine_.gradient_ready(weight);
   compute_.for_each((size_t)rows, [=] Z2_HD(size_t r) {
@@ -1078,22 +1231,25 @@ inline void Model::layer_norm_backward(const float* x, const float* stats, const
 // element in sample); output may be input. Backward calls the same function
 // on the gradient: the mask is recomputed, not stored. Out of place it is one
 // pass (a plain copy when p = 0), not a copy and then a scaling pass.
-inline void Model::dropout(const float* input, float* output, size_t count, size_t per_sample, long step,
-                           long first_sample, uint64_t key) {
+template <class Act>
+inline void Model<Act>::dropout(const Act* input, Act* output, size_t count, size_t per_sample, long step,
+                                long first_sample, uint64_t key) {
   const float p = shape_.dropout;
   if (p == 0.0f) {
-    compute_.copy(output, input, count * sizeof(float), compute_.compute_stream());  // nothing if in place
+    compute_.copy(output, input, count * sizeof(Act), compute_.compute_stream());  // nothing if in place
     return;
   }
   const uint64_t tensor_key = dropout_tensor_key(shape_.seed, key, step);
   compute_.for_each(count, [=] Z2_HD(size_t i) {
-    output[i] = input[i] * dropout_scale(p, tensor_key, first_sample + (long)(i / per_sample), i % per_sample);
+    output[i] = from_float<Act>(to_float(input[i]) *
+                                dropout_scale(p, tensor_key, first_sample + (long)(i / per_sample), i % per_sample));
   });
 }
 
 // --- forward -----------------------------------------------------------------
 
-inline void Model::upload(const Batch& batch) {
+template <class Act>
+inline void Model<Act>::upload(const Batch& batch) {
   z2::Stream stream = compute_.compute_stream();
   selected_count_ = (int)batch.selected.size();
   compute_.copy(tokens_.data(), batch.tokens.data(), batch.tokens.size() * sizeof(int), stream);
@@ -1106,18 +1262,20 @@ inline void Model::upload(const Batch& batch) {
 // x0 = dropout(LayerNorm(word[token] + position[t] + token_type[0])) into
 // `x0`; the sum and its LayerNorm stats into embedding_sum_ and
 // embedding_stats_, which the caller has opened.
-inline void Model::embeddings_forward(long step, long first_sample, float* x0) {
+template <class Act>
+inline void Model<Act>::embeddings_forward(long step, long first_sample, Act* x0) {
   const int H = shape_.hidden, T = shape_.seq, R = shape_.micro_batch * T;
-  const int* tokens = tokens_.data();                      // [R] token ids, row r = sample r / T, position r % T
-  const float *word = param(ids_.word_embeddings),         // [V, H]
-              *position = param(ids_.position_embeddings),  // [P, H], rows 0..T-1 used
-              *token_type = param(ids_.token_type_embeddings);  // [1, H]: every token is type 0
-  float* sum = embedding_sum_.data;                        // [R, H] LayerNorm's input, for backward
+  const int* tokens = tokens_.data();                    // [R] token ids, row r = sample r / T, position r % T
+  const Act *word = param(ids_.word_embeddings),         // [V, H]
+            *position = param(ids_.position_embeddings),  // [P, H], rows 0..T-1 used
+            *token_type = param(ids_.token_type_embeddings);  // [1, H]: every token is type 0
+  Act* sum = embedding_sum_.data();                      // [R, H] LayerNorm's input, for backward
   compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) {
     const size_t row = i / H, j = i % H;
-    sum[i] = word[(size_t)tokens[row] * H + j] + position[(row % T) * H + j] + token_type[j];
+    sum[i] = from_float<Act>(to_float(word[(size_t)tokens[row] * H + j]) + to_float(position[(row % T) * H + j]) +
+                             to_float(token_type[j]));
   });
-  layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data);
+  layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data());
   dropout(x0, x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
 }
 
@@ -1127,15 +1285,16 @@ inline void Model::embeddings_forward(long step, long first_sample, float* x0) {
 // We open `output` only when its LayerNorm runs, as a framework allocates a
 // result when the operation that makes it runs: with the naive allocator the
 // long-lived checkpoint then lands above this block's temporaries.
-inline void Model::block_forward(int l, long step, long first_sample, Buffer& output) {
+template <class Act>
+inline void Model<Act>::block_forward(int l, long step, long first_sample, BufferOf<Act>& output) {
   const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
             F = shape_.intermediate, R = B * T;
   const BlockParameters& p = ids_.blocks[l];
-  BlockActivations& a = block(l);          // this block's activations (shapes in BlockActivations)
-  const float* x = checkpoints_[l].data;   // [R, H] the block's input
-  linear(x, p.query_weight, p.query_bias, R, H, H, a.query.data);
-  linear(x, p.key_weight, p.key_bias, R, H, H, a.key.data);
-  linear(x, p.value_weight, p.value_bias, R, H, H, a.value.data);
+  BlockActivations<Act>& a = block(l);     // this block's activations (shapes in BlockActivations)
+  const Act* x = checkpoints_[l].data();   // [R, H] the block's input
+  linear(x, p.query_weight, p.query_bias, R, H, H, a.query.data());
+  linear(x, p.key_weight, p.key_bias, R, H, H, a.key.data());
+  linear(x, p.value_weight, p.value_bias, R, H, H, a.value.data());
 
   // Scores [T, T] per (sample, head) = Q K^T, then / sqrt(D) and softmax, a
   // row per thread. Q of head h is the D columns at h*D of a [T, H] slab.
@@ -1144,22 +1303,18 @@ inline void Model::block_forward(int l, long step, long first_sample, Buffer& ou
   const size_t TT = (size_t)T * T;
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(false, true, T, T, D, 1.0f, a.query.data + rows, H, D, a.key.data + rows, H, D, 0.0f,
-                          a.probs.data + square, T, (long)TT, NH);
+    compute_.gemm_batched(false, true, T, T, D, 1.0f, a.query.data() + rows, H, D, a.key.data() + rows, H, D, 0.0f,
+                          a.probs.data() + square, T, (long)TT, NH);
   }
-  float* probs = a.probs.data;  // [B, NH, T, T]: scores now, probabilities after the softmax
+  Act* probs = a.probs.data();  // [B, NH, T, T]: scores now, probabilities after the softmax
   // torch divides the scores by sqrt(D) after the product; so do we (a
   // separate rounding, not folded into the gemm's alpha).
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
-  compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
-    float* values = probs + row * T;
-    for (int j = 0; j < T; ++j) values[j] = values[j] * inverse_sqrt;
-    softmax_row(values, T);
-  });
+  compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) { scaled_softmax_row(probs + row * T, T, inverse_sqrt); });
   // Dropout on the probabilities into a temporary (probs stays for backward).
-  const float* source = probs;  // what multiplies V: probs, or their dropped copy
+  const Act* source = probs;  // what multiplies V: probs, or their dropped copy
   if (shape_.dropout > 0.0f) {
-    float* dropped = open(dropped_);  // [B, NH, T, T]
+    Act* dropped = open(dropped_);  // [B, NH, T, T]
     dropout(probs, dropped, (size_t)B * NH * TT, (size_t)NH * TT, step, first_sample,
             dropout_key(l, dropout_attention_probs));
     source = dropped;
@@ -1167,27 +1322,29 @@ inline void Model::block_forward(int l, long step, long first_sample, Buffer& ou
   // Context [T, D] per (sample, head) = probs x V, into the head's columns.
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(false, false, T, D, T, 1.0f, source + square, T, (long)TT, a.value.data + rows, H, D, 0.0f,
-                          a.context.data + rows, H, D, NH);
+    compute_.gemm_batched(false, false, T, D, T, 1.0f, source + square, T, (long)TT, a.value.data() + rows, H, D, 0.0f,
+                          a.context.data() + rows, H, D, NH);
   }
   if (shape_.dropout > 0.0f) close(dropped_);
   // Attention output: dense, dropout, residual, LayerNorm.
-  float* sum = a.attention_sum.data;  // [R, H] x + dropout(context Wo^T + bo), kept for LayerNorm's backward
-  linear(a.context.data, p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
+  Act* sum = a.attention_sum.data();  // [R, H] x + dropout(context Wo^T + bo), kept for LayerNorm's backward
+  linear(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
   dropout(sum, sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
-  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { sum[i] += x[i]; });
-  layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data, a.attention_stats.data);
+  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { sum[i] = from_float<Act>(to_float(sum[i]) + to_float(x[i])); });
+  layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data(), a.attention_stats.data());
   // Feed-forward: dense to F, GELU, dense to H, dropout, residual, LayerNorm.
-  linear(a.attention_out.data, p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_pre.data);
-  const float* pre = a.ffn_pre.data;  // [R, F] before GELU (backward needs GELU's derivative here)
-  float* act = a.ffn_act.data;        // [R, F] after GELU (the output dense's input)
-  compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
-  float* out_sum = a.output_sum.data;  // [R, H] attention_out + dropout(act Wf^T + bf)
+  linear(a.attention_out.data(), p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_pre.data());
+  const Act* pre = a.ffn_pre.data();  // [R, F] before GELU (backward needs GELU's derivative here)
+  Act* act = a.ffn_act.data();        // [R, F] after GELU (the output dense's input)
+  compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { act[i] = from_float<Act>(gelu(to_float(pre[i]))); });
+  Act* out_sum = a.output_sum.data();  // [R, H] attention_out + dropout(act Wf^T + bf)
   linear(act, p.output_weight, p.output_bias, R, F, H, out_sum);
   dropout(out_sum, out_sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
-  const float* residual = a.attention_out.data;  // [R, H]
-  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { out_sum[i] += residual[i]; });
-  layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, open(output), a.output_stats.data);
+  const Act* residual = a.attention_out.data();  // [R, H]
+  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) {
+    out_sum[i] = from_float<Act>(to_float(out_sum[i]) + to_float(residual[i]));
+  });
+  layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, open(output), a.output_stats.data());
 }
 
 // The MLM head on the S selected rows only: the loss reads no other row, so
@@ -1198,51 +1355,53 @@ inline void Model::block_forward(int l, long step, long first_sample, Buffer& ou
 // The per-row losses stay on the device in sample_loss_ (loss_contribution
 // reads them). The head's buffers are temporaries, pushed here and popped
 // before the blocks' backward starts.
-inline void Model::head_forward_backward(long step, float loss_scale, bool backward) {
+template <class Act>
+inline void Model<Act>::head_forward_backward(long step, float gradient_scale, bool backward) {
   const int H = shape_.hidden, V = vocab_size, R = shape_.micro_batch * shape_.seq, S = selected_count_;
   const int* selected = selected_.data();     // [S] which of the R rows carry a label
   const int* targets = targets_.data();       // [S] their labels (the original bytes)
-  const float* hidden = checkpoints_[shape_.layers].data;  // [R, H] the last block's output
-  float* gathered = open(head_input_);                     // [S, H] its selected rows
-  float* pre = open(head_pre_);                            // [S, H] before GELU
-  float* act = open(head_act_);                            // [S, H] after GELU: the head LayerNorm's input
-  float* stats = open(head_stats_);                        // [S, 2]
-  float* out = open(head_out_);                            // [S, H] LayerNorm's output: the decoder's input
-  float* logits = open(logits_);                           // [S, V]
+  const Act* hidden = checkpoints_[shape_.layers].data();  // [R, H] the last block's output
+  Act* gathered = open(head_input_);                     // [S, H] its selected rows
+  Act* pre = open(head_pre_);                            // [S, H] before GELU
+  Act* act = open(head_act_);                            // [S, H] after GELU: the head LayerNorm's input
+  float* stats = open(head_stats_);                      // [S, 2] fp32
+  Act* out = open(head_out_);                            // [S, H] LayerNorm's output: the decoder's input
+  Act* logits = open(logits_);                           // [S, V]
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { gathered[i] = hidden[(size_t)selected[i / H] * H + i % H]; });
   linear(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, pre);
-  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { act[i] = gelu(pre[i]); });
+  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { act[i] = from_float<Act>(gelu(to_float(pre[i]))); });
   layer_norm(act, ids_.head_norm_weight, ids_.head_norm_bias, S, out, stats);
   // logits [S, V] = out x word_embeddings^T + decoder bias (the tied decoder).
-  compute_.gemm(false, true, S, V, H, 1.0f, out, H, param(ids_.word_embeddings), H, 0.0f, logits, V);
-  const float* decoder_bias = param(ids_.decoder_bias);
-  compute_.for_each((size_t)S * V, [=] Z2_HD(size_t i) { logits[i] += decoder_bias[i % V]; });
-  // Loss per row; logits are overwritten by their gradient (already divided by
-  // the global count, so the reduced sum over ranks is the mean's gradient).
+  matmul_bias(out, param(ids_.word_embeddings), param(ids_.decoder_bias), S, H, V, logits);
+  // Loss per row (fp32); logits are overwritten by their gradient, already
+  // divided by the global count (so the reduced sum over ranks is the mean's
+  // gradient) and, in fp16, multiplied by the loss scale.
   float* sample_loss = sample_loss_.data();
   compute_.for_each((size_t)S, [=] Z2_HD(size_t s) {
-    const float* row = logits + s * V;
-    sample_loss[s] = cross_entropy_row(row, V, targets[s], loss_scale, (float*)row);
+    Act* row = logits + s * V;
+    sample_loss[s] = cross_entropy_row(row, V, targets[s], gradient_scale, row);
   });
   if (backward) {
-  const float* dlogits = logits;  // [S, V] dL/dlogits, in the logits' buffer
-  column_sums(dlogits, S, V, engine_.gradient_output(ids_.decoder_bias));
+  const Act* dlogits = logits;  // [S, V] dL/dlogits, in the logits' buffer
+  column_sums(dlogits, S, V, gradient(ids_.decoder_bias));
   engine_.gradient_ready(ids_.decoder_bias);
   // The tied decoder's gradient [V, H] = dlogits^T x out. It belongs to the
   // word embeddings, whose bucket is the very first (written last), so we
   // keep it here until the embeddings' backward adds its own part: handing it
   // over now would hold a stage-2 staging slot open through all of backward.
   compute_.gemm(true, false, V, H, S, 1.0f, dlogits, V, out, H, 0.0f, open(decoder_gradient_), H);
-  float* dhidden = open(gradient_flow_);  // [R, H] dL/d the last block's output
-  float* dout = open(head_dout_);  // [S, H] dL/d head LayerNorm output = dlogits x word_embeddings
+  Act* dhidden = open(gradient_flow_);  // [R, H] dL/d the last block's output
+  Act* dout = open(head_dout_);  // [S, H] dL/d head LayerNorm output = dlogits x word_embeddings
   compute_.gemm(false, false, S, H, V, 1.0f, dlogits, V, param(ids_.word_embeddings), H, 0.0f, dout, H);
-  float* dact = open(head_dact_);  // [S, H] dL/d GELU output, then (in place) dL/d its input
+  Act* dact = open(head_dact_);  // [S, H] dL/d GELU output, then (in place) dL/d its input
   layer_norm_backward(act, stats, dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
-  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dact[i] *= gelu_grad(pre[i]); });
-  float* dgathered = open(head_dgathered_);  // [S, H] dL/d the selected rows
+  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) {
+    dact[i] = from_float<Act>(to_float(dact[i]) * gelu_grad(to_float(pre[i])));
+  });
+  Act* dgathered = open(head_dgathered_);  // [S, H] dL/d the selected rows
   linear_backward(gathered, dact, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, dgathered, 0.0f);
   // Scatter back to the selected rows; the others get zero.
-  compute_.fill_zero(dhidden, (size_t)R * H * sizeof(float), compute_.compute_stream());
+  compute_.fill_zero(dhidden, (size_t)R * H * sizeof(Act), compute_.compute_stream());
   compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dhidden[(size_t)selected[i / H] * H + i % H] = dgathered[i]; });
   close(head_dgathered_), close(head_dact_), close(head_dout_);
   }
@@ -1253,7 +1412,8 @@ inline void Model::head_forward_backward(long step, float loss_scale, bool backw
 // loss / count, in the canonical tree, on the host. run() calls it only after
 // backward has been queued, so the GPU does not sit idle in the middle of a
 // micro-step while the host waits for the losses.
-inline float Model::loss_contribution(float loss_scale) {
+template <class Act>
+inline float Model<Act>::loss_contribution(float loss_scale) {
   const int S = selected_count_;
   std::vector<float> losses(S);
   compute_.copy(losses.data(), sample_loss_.data(), (size_t)S * sizeof(float), compute_.compute_stream());
@@ -1266,73 +1426,76 @@ inline float Model::loss_contribution(float loss_scale) {
 // Backward of block l: dL/d output in gradient_flow_ in, dL/d input in
 // gradient_flow_ out. The block's activations are open (kept, or just
 // recomputed); its scratch is pushed here and popped in reverse.
-inline void Model::block_backward(int l, long step, long first_sample) {
+template <class Act>
+inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
             F = shape_.intermediate, R = B * T;
   const BlockParameters& p = ids_.blocks[l];
-  BlockActivations& a = block(l);
-  const float* x = checkpoints_[l].data;  // [R, H] the block's input
+  BlockActivations<Act>& a = block(l);
+  const Act* x = checkpoints_[l].data();  // [R, H] the block's input
   // The flow buffer and three scratch buffers, reused as backward goes up the
   // block (the names say what each holds first; later reuses are named where
   // they happen):
-  float* dy = gradient_flow_.data;  // [R, H] dL/d block output in; dL/d block input out
-  float* dsum = open(dsum_);        // [R, H] dL/d output_sum, then dL/d attention_out
-  float* dwide = open(dwide_);      // [R, F] dL/d ffn_act, then d ffn_pre; later dq, dk [R, H] each
-  float* dattn = open(dattention_); // [R, H] dL/d attention_sum (the residual into x)
+  Act* dy = gradient_flow_.data();  // [R, H] dL/d block output in; dL/d block input out
+  Act* dsum = open(dsum_);        // [R, H] dL/d output_sum, then dL/d attention_out
+  Act* dwide = open(dwide_);      // [R, F] dL/d ffn_act, then d ffn_pre; later dq, dk [R, H] each
+  Act* dattn = open(dattention_); // [R, H] dL/d attention_sum (the residual into x)
 
   // Output LayerNorm: dsum = dL/d(attention_out + dropout(ffn)).
-  layer_norm_backward(a.output_sum.data, a.output_stats.data, dy, p.output_norm_weight, p.output_norm_bias, R, dsum);
+  layer_norm_backward(a.output_sum.data(), a.output_stats.data(), dy, p.output_norm_weight, p.output_norm_bias, R, dsum);
   // The FFN branch sees dsum through the dropout; the residual gets dsum itself.
-  float* dffn = dy;  // dy is no longer needed: reuse it
+  Act* dffn = dy;  // dy is no longer needed: reuse it
   dropout(dsum, dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
-  linear_backward(a.ffn_act.data, dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
-  const float* pre = a.ffn_pre.data;
-  compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { dwide[i] *= gelu_grad(pre[i]); });
+  linear_backward(a.ffn_act.data(), dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
+  const Act* pre = a.ffn_pre.data();
+  compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) {
+    dwide[i] = from_float<Act>(to_float(dwide[i]) * gelu_grad(to_float(pre[i])));
+  });
   // d attention_out = dsum (residual) + dwide x Wi: gemm with beta = 1 adds onto dsum.
-  linear_backward(a.attention_out.data, dwide, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum, 1.0f);
+  linear_backward(a.attention_out.data(), dwide, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum, 1.0f);
   // Attention LayerNorm: dattn = dL/d(x + dropout(dense(context))).
-  layer_norm_backward(a.attention_sum.data, a.attention_stats.data, dsum, p.attention_norm_weight,
+  layer_norm_backward(a.attention_sum.data(), a.attention_stats.data(), dsum, p.attention_norm_weight,
                       p.attention_norm_bias, R, dattn);
-  float* ddense = dsum;  // [R, H] dL/d the attention output dense's result: dattn through the dropout
+  Act* ddense = dsum;  // [R, H] dL/d the attention output dense's result: dattn through the dropout
   dropout(dattn, ddense, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
-  float* dcontext = dy;  // [R, H] dL/d context, heads side by side
-  linear_backward(a.context.data, ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext, 0.0f);
+  Act* dcontext = dy;  // [R, H] dL/d context, heads side by side
+  linear_backward(a.context.data(), ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext, 0.0f);
 
   // Attention, per (sample, head): with P the probabilities and Pd = dropout(P),
   // dV = Pd^T dC, dPd = dC V^T, dP = dropout(dPd), dS = P (dP - rowsum(dP P)) / sqrt(D),
   // dQ = dS K, dK = dS^T Q. dq and dk go to dwide (R x max(2H, F)), dv to
   // dsum (free once the attention output's backward is done).
   const size_t TT = (size_t)T * T, attention = (size_t)B * NH * TT;
-  const float* probs = a.probs.data;  // [B, NH, T, T] saved softmax output
-  const float* dropped = probs;       // the same after dropout: recomputed from its keys, not stored
+  const Act* probs = a.probs.data();  // [B, NH, T, T] saved softmax output
+  const Act* dropped = probs;       // the same after dropout: recomputed from its keys, not stored
   if (shape_.dropout > 0.0f) {
     dropout(probs, open(dropped_), attention, (size_t)NH * TT, step, first_sample,
             dropout_key(l, dropout_attention_probs));
-    dropped = dropped_.data;
+    dropped = dropped_.data();
   }
-  float *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
-  float* dprobs = open(dprobs_);  // [B, NH, T, T] dL/d dropped probs, then d scores
+  Act *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
+  Act* dprobs = open(dprobs_);  // [B, NH, T, T] dL/d dropped probs, then d scores
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
     compute_.gemm_batched(true, false, T, D, T, 1.0f, dropped + square, T, (long)TT, dcontext + rows, H, D, 0.0f,
                           dv + rows, H, D, NH);
-    compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data + rows, H, D, 0.0f,
+    compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data() + rows, H, D, 0.0f,
                           dprobs + square, T, (long)TT, NH);
   }
   dropout(dprobs, dprobs, attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
   compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
-    const float* p_row = probs + row * T;
-    float* d_row = dprobs + row * T;
+    const Act* p_row = probs + row * T;
+    Act* d_row = dprobs + row * T;
     float dot = 0.0f;
-    for (int j = 0; j < T; ++j) dot += d_row[j] * p_row[j];
-    for (int j = 0; j < T; ++j) d_row[j] = p_row[j] * (d_row[j] - dot) * inverse_sqrt;
+    for (int j = 0; j < T; ++j) dot += to_float(d_row[j]) * to_float(p_row[j]);
+    for (int j = 0; j < T; ++j) d_row[j] = from_float<Act>(to_float(p_row[j]) * (to_float(d_row[j]) - dot) * inverse_sqrt);
   });
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.key.data + rows, H, D, 0.0f,
+    compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.key.data() + rows, H, D, 0.0f,
                           dq + rows, H, D, NH);
-    compute_.gemm_batched(true, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.query.data + rows, H, D, 0.0f,
+    compute_.gemm_batched(true, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.query.data() + rows, H, D, 0.0f,
                           dk + rows, H, D, NH);
   }
   close(dprobs_);
@@ -1340,8 +1503,8 @@ inline void Model::block_backward(int l, long step, long first_sample) {
   // dx = dattn (residual) + dv Wv + dk Wk + dq Wq, added in that order into
   // dy: value first, so gradients reach the engine in exactly the reverse of
   // registration order and stage 2 never needs more than its two slots.
-  float* dx = dy;
-  compute_.copy(dx, dattn, (size_t)R * H * sizeof(float), compute_.compute_stream());
+  Act* dx = dy;
+  compute_.copy(dx, dattn, (size_t)R * H * sizeof(Act), compute_.compute_stream());
   close(dattention_);
   linear_backward(x, dv, p.value_weight, p.value_bias, R, H, H, dx, 1.0f);
   linear_backward(x, dk, p.key_weight, p.key_bias, R, H, H, dx, 1.0f);
@@ -1351,37 +1514,38 @@ inline void Model::block_backward(int l, long step, long first_sample) {
 
 // Embeddings' backward, last: dL/d x0 in gradient_flow_, the embedding sum
 // and stats open (kept, or just recomputed).
-inline void Model::embeddings_backward(long step, long first_sample) {
+template <class Act>
+inline void Model<Act>::embeddings_backward(long step, long first_sample) {
   const int H = shape_.hidden, T = shape_.seq, B = shape_.micro_batch, R = B * T, P = shape_.max_positions;
-  float* dx0 = gradient_flow_.data;  // [R, H] dL/d x0 (from block 0's backward)
+  Act* dx0 = gradient_flow_.data();  // [R, H] dL/d x0 (from block 0's backward)
   dropout(dx0, dx0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
-  float* dsum = open(dsum_);  // [R, H] dL/d (word + position + type)
-  layer_norm_backward(embedding_sum_.data, embedding_stats_.data, dx0, ids_.embedding_norm_weight,
+  Act* dsum = open(dsum_);  // [R, H] dL/d (word + position + type)
+  layer_norm_backward(embedding_sum_.data(), embedding_stats_.data(), dx0, ids_.embedding_norm_weight,
                       ids_.embedding_norm_bias, R, dsum);
   // Token type 0 is at every position: the column sums.
-  column_sums(dsum, R, H, engine_.gradient_output(ids_.token_type_embeddings));
+  column_sums(dsum, R, H, gradient(ids_.token_type_embeddings));
   engine_.gradient_ready(ids_.token_type_embeddings);
   // Position t collects row t of every sample, samples in order; unused positions get 0.
-  float* dposition = engine_.gradient_output(ids_.position_embeddings);  // [P, H]
+  Act* dposition = gradient(ids_.position_embeddings);  // [P, H]
   compute_.for_each((size_t)P * H, [=] Z2_HD(size_t i) {
     const size_t t = i / H, j = i % H;
     float sum = 0.0f;
     if (t < (size_t)T)
-      for (int b = 0; b < B; ++b) sum += dsum[((size_t)b * T + t) * H + j];
-    dposition[i] = sum;
+      for (int b = 0; b < B; ++b) sum += to_float(dsum[((size_t)b * T + t) * H + j]);
+    dposition[i] = from_float<Act>(sum);
   });
   engine_.gradient_ready(ids_.position_embeddings);
   // Word row v: the tied decoder's part plus the rows where token v occurs,
   // in position order (the counting sort made on the host).
-  float* dword = engine_.gradient_output(ids_.word_embeddings);  // [V, H]
-  const float* decoder = decoder_gradient_.data;                   // [V, H] the tied decoder's part
+  Act* dword = gradient(ids_.word_embeddings);  // [V, H]
+  const Act* decoder = decoder_gradient_.data();                   // [V, H] the tied decoder's part
   const int* offsets = token_offsets_.data();  // [V + 1] CSR offsets by token id
   const int* rows = token_rows_.data();        // [R] positions sorted by token id, in order within an id
   compute_.for_each((size_t)vocab_size * H, [=] Z2_HD(size_t i) {
     const size_t v = i / H, j = i % H;
     float sum = 0.0f;
-    for (int k = offsets[v]; k < offsets[v + 1]; ++k) sum += dsum[(size_t)rows[k] * H + j];
-    dword[i] = decoder[i] + sum;
+    for (int k = offsets[v]; k < offsets[v + 1]; ++k) sum += to_float(dsum[(size_t)rows[k] * H + j]);
+    dword[i] = from_float<Act>(to_float(decoder[i]) + sum);
   });
   engine_.gradient_ready(ids_.word_embeddings);
   close(dsum_);
@@ -1390,7 +1554,8 @@ inline void Model::embeddings_backward(long step, long first_sample) {
 // One micro-step. The order of open and close below is the order a framework
 // would allocate and free these tensors in; the arena and naive allocators
 // serve the same requests (notes/05).
-inline float Model::run(const Batch& batch, long step, long micro_batch, float loss_scale, bool backward) {
+template <class Act>
+inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, float loss_scale, bool backward) {
   const long first_sample = micro_batch * shape_.micro_batch;
   const int L = shape_.layers;
   const bool keep = mode_ == ActivationMode::keep, offloading = mode_ == ActivationMode::offload;
@@ -1414,7 +1579,9 @@ inline float Model::run(const Batch& batch, long step, long micro_batch, float l
       close(checkpoints_[l]);
     }
   }
-  head_forward_backward(step, loss_scale, backward);
+  // fp16: the gradient carries the engine's loss scale (a power of two, so
+  // the product with 1/count is exact); 1 in fp32 and bf16.
+  head_forward_backward(step, loss_scale * engine_.loss_scale(), backward);
   close(checkpoints_[L]);
   if (!backward) {
     // Loss only (the tests' finite differences): give back what forward kept.
@@ -1457,6 +1624,7 @@ inline float Model::run(const Batch& batch, long step, long micro_batch, float l
   return contribution;
 }
 
+// ----------------------------------------------------------------------------
 // ----------------------------------------------------------------------------
 // 5. safetensors, the Hugging Face export and the batch dump
 
@@ -1560,8 +1728,9 @@ inline json hf_config(const ModelShape& s) {
 // Parameters (canonical order, as Engine::parameters_to_host gives them) as
 // named tensors. The decoder weight is not stored: it is the word embedding
 // (Hugging Face ties it again on load).
-inline std::vector<Tensor> named_tensors(const Model& model, const z2::Engine& engine, const std::vector<float>& values,
-                                         const std::string& prefix = "") {
+template <class Act>
+inline std::vector<Tensor> named_tensors(const Model<Act>& model, const z2::Engine& engine,
+                                         const std::vector<float>& values, const std::string& prefix = "") {
   std::vector<Tensor> tensors;
   size_t position = 0;
   const auto& infos = engine.parameters();
@@ -1572,14 +1741,19 @@ inline std::vector<Tensor> named_tensors(const Model& model, const z2::Engine& e
   return tensors;
 }
 
-inline void export_hf(const std::string& directory, const Model& model, const z2::Engine& engine,
-                      const std::vector<float>& values) {
+// `weights_note`, when not empty, goes into config.json as "zero2_weights":
+// what the stored float32 values are (a dump's 16-bit working weights).
+template <class Act>
+inline void export_hf(const std::string& directory, const Model<Act>& model, const z2::Engine& engine,
+                      const std::vector<float>& values, const std::string& weights_note = "") {
   // The weights first, the config last: a directory with a config.json is
   // complete (each file itself is written atomically). An old config.json
   // from an earlier export goes first, so it cannot vouch for new weights.
   std::remove((directory + "/config.json").c_str());
   write_safetensors(directory + "/model.safetensors", named_tensors(model, engine, values), {{"format", "pt"}});
-  write_file_atomically(directory + "/config.json", hf_config(model.shape()).dump(2) + "\n");
+  json config = hf_config(model.shape());
+  if (!weights_note.empty()) config["zero2_weights"] = weights_note;
+  write_file_atomically(directory + "/config.json", config.dump(2) + "\n");
 }
 
 // ----------------------------------------------------------------------------
@@ -1602,8 +1776,10 @@ inline std::string hex32(float value) {
 
 struct StepRecord {
   long step;
-  float loss, grad_norm;
+  float loss, grad_norm;  // grad_norm NaN (null in the JSON) on a skipped step
   double lr, ms, tokens_per_s;
+  double loss_scale;  // the scale this step's gradients carried (fp16; 1 otherwise)
+  bool skipped;       // fp16 overflow: no update
 };
 
 // Run `checks` on every rank; if any rank failed, every rank throws the
@@ -1628,8 +1804,10 @@ inline void agree_on_errors(MPI_Comm world, const std::function<void()>& checks)
   throw z2::Error(first == 0 ? std::string(text) : std::string(text) + " (on rank " + std::to_string(first) + ")");
 }
 
-// The whole run on this rank. Returns the process exit code.
-inline int train(Settings settings, MPI_Comm world) {
+// The whole run on this rank, with activations (and the engine's working
+// parameters and gradients) of type Act. Returns the process exit code.
+template <class Act>
+inline int train_as(Settings settings, MPI_Comm world) {
   int rank = 0, world_size = 1;
   MPI_Comm_rank(world, &rank);
   MPI_Comm_size(world, &world_size);
@@ -1652,8 +1830,9 @@ inline int train(Settings settings, MPI_Comm world) {
 
   const z2::Device device = z2::choose_device(settings.device, world);
   const z2::CommBackend comm_backend = z2::choose_comm(settings.comm, device, world);
+  const z2::Precision precision = z2::precision_of<Act>();
   ModelShape shape{settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.seq,
-                   settings.max_positions, settings.micro_batch, settings.dropout, settings.seed};
+                   settings.max_positions, settings.micro_batch, settings.dropout, settings.seed, precision};
   const int local_rank = z2::local_rank_of(world);
   z2::Compute compute(device, local_rank);  // selects this rank's GPU, which the fit check measures
   const ActivationMode mode = settings.activations == "recompute" ? ActivationMode::recompute
@@ -1663,12 +1842,16 @@ inline int train(Settings settings, MPI_Comm world) {
   // Refuse a configuration a rank cannot hold before allocating it (a CPU
   // run would otherwise be killed by the kernel's OOM killer, not stopped
   // with a message). Model states by the stage's formula, 5% for padding
-  // and bookkeeping, two staging slots, the accumulation tree, activations.
+  // and bookkeeping, two staging slots (a bucket and N - 1 shards each), the
+  // accumulation tree, activations. A bucket holds at most Psi elements.
   const double psi = (double)parameter_count(shape) * 1.05, ranks = world_size;
-  const double states[] = {16 * psi, 8 * psi + 8 * psi / ranks, 4 * psi + 12 * psi / ranks};
+  const double element = (double)z2::element_bytes(precision);
+  const double accumulation_element = settings.grad_accum_dtype == "fp32" ? 4.0 : element;
   const double activations = (double)activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena);
-  const double needed = states[settings.stage] + 2 * 8.0 * settings.bucket +
-                        (double)z2::accumulation_blocks(settings.accum) * 4 * psi / ranks + activations;
+  const double needed = z2::model_states_formula(settings.stage, precision, psi, ranks) +
+                        2 * 2 * element * std::min((double)settings.bucket, psi) +
+                        (double)z2::accumulation_blocks(settings.accum) * accumulation_element * psi / ranks +
+                        activations;
   const double available = (double)z2::memory_per_rank(device, world);
   if (needed > available)
     fail("this configuration needs about %.2f GiB per rank (%s parameters, stage %d, N = %d, activations %.2f GiB "
@@ -1702,8 +1885,11 @@ inline int train(Settings settings, MPI_Comm world) {
   options.beta1 = settings.beta1, options.beta2 = settings.beta2, options.eps = settings.eps;
   options.weight_decay = settings.weight_decay;
   options.lr_schedule = [settings](long t) { return learning_rate(settings, t); };
+  options.precision = precision;
+  options.accumulate_fp32 = settings.grad_accum_dtype == "fp32";
+  options.loss_scaling = settings.loss_scaling;
   z2::Engine engine(compute, comm, options);
-  Model model(compute, engine, shape, mode);
+  Model<Act> model(compute, engine, shape, mode);
   engine.build();
   model.initialize();
 
@@ -1713,12 +1899,25 @@ inline int train(Settings settings, MPI_Comm world) {
   if (speak) {
     const char* names[] = {"data parallel (baseline)", "P_os (optimizer states sharded)",
                            "P_os+g (optimizer states and gradients sharded)"};
-    const char* formulas[] = {"16 Psi", "8 Psi + 8 Psi/N", "4 Psi + 12 Psi/N"};
     printf("train_bert_mini: BERT-mini masked LM through zero2 (ZeRO stage %d)\n", settings.stage);
     printf("  world     %d rank(s), device %s, comm %s, collectives %s, overlap %s, bucket %s elements\n", N,
            z2::to_string(device), z2::to_string(comm_backend), settings.collectives.c_str(),
            settings.overlap ? "on" : "off", z2::with_commas((size_t)settings.bucket).c_str());
     printf("  stage     %d: %s\n", settings.stage, names[settings.stage]);
+    if (precision == z2::Precision::fp32)
+      printf("  precision fp32: parameters, gradients, AdamW state and activations in fp32\n");
+    else
+      printf("  precision %s: %s parameters, gradients and activations, fp32 master weights and AdamW state "
+             "(K = 12); sums in fp32, accumulation in %s\n",
+             settings.precision.c_str(), settings.precision.c_str(), settings.grad_accum_dtype.c_str());
+    if (precision == z2::Precision::fp16) {
+      const z2::LossScaling& l = settings.loss_scaling;
+      if (l.static_scale > 0)
+        printf("  loss scale static %g (fp16.loss_scale)\n", l.static_scale);
+      else
+        printf("  loss scale dynamic: 2^%d, doubled after %ld clean steps, halved after %d overflow(s), at least %g\n",
+               l.initial_scale_power, l.window, l.hysteresis, l.min_scale);
+    }
     printf("  model     layers %d, hidden %d, heads %d, intermediate %d, seq %d, vocab %d, positions %d, dropout %g\n",
            settings.layers, settings.hidden, settings.heads, settings.intermediate, T, vocab_size,
            settings.max_positions, settings.dropout);
@@ -1734,7 +1933,7 @@ inline int train(Settings settings, MPI_Comm world) {
     printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
            settings.activations.c_str(), settings.alloc.c_str(), z2::with_commas(compute.capacity()).c_str(),
            settings.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB, at most 90% of what is free");
-    const size_t checkpoint_bytes = (size_t)B * T * settings.hidden * sizeof(float);
+    const size_t checkpoint_bytes = (size_t)B * T * settings.hidden * sizeof(Act);
     printf("  activations per rank: device peak %s bytes by the formula%s\n",
            z2::with_commas(activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena)).c_str(),
            mode == ActivationMode::offload
@@ -1743,7 +1942,8 @@ inline int train(Settings settings, MPI_Comm world) {
                      .c_str()
                : "");
     printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",
-           z2::with_commas((size_t)start_ledger.model_states).c_str(), formulas[settings.stage],
+           z2::with_commas((size_t)start_ledger.model_states).c_str(),
+           z2::model_states_formula_text(settings.stage, precision),
            z2::with_commas((size_t)start_ledger.model_states_formula).c_str(),
            start_ledger.model_states == start_ledger.model_states_formula ? "equal" : "DIFFERS");
     printf("  initial loss should be near ln(%d) = %.3f\n\n", vocab_size, std::log((double)vocab_size));
@@ -1762,7 +1962,7 @@ inline int train(Settings settings, MPI_Comm world) {
     const float loss_scale = 1.0f / (float)std::max(1l, selected);
     const bool dumping = step == 0 && !settings.dump_dir.empty();
     if (step == 0 && !settings.memory_trace.empty()) compute.set_tracing(true);
-    if (dumping) dump_weights = engine.parameters_to_host();
+    if (dumping) dump_weights = engine.working_parameters_to_host();  // what forward reads (16-bit: as floats)
     for (int a = 0; a < A; ++a) {
       const long m = engine.micro_batch_index(a);
       Batch batch = make_batch(corpus, settings.seed, step, m, B, T);
@@ -1787,9 +1987,15 @@ inline int train(Settings settings, MPI_Comm world) {
       }
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    records.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step / (ms / 1000.0)});
-    if (!std::isfinite(report.loss)) fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
-
+    records.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step / (ms / 1000.0),
+                       report.loss_scale, report.skipped});
+    // (An fp16 overflow skips the step instead: its loss may be inf.)
+    if (!report.skipped && !std::isfinite(report.loss))
+      fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
+    if (speak && report.skipped)
+      printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %g: step skipped (%ld so far); scale now %g%s\n",
+             report.step, settings.steps, report.loss_scale, engine.skipped_steps(), engine.loss_scaler().scale(),
+             engine.loss_scaler().scale() == report.loss_scale && engine.loss_scaler().dynamic() ? " (hysteresis)" : "");
     if (dumping) {  // step 0, one rank: the weights, batch, loss and gradients of this step
       std::vector<Tensor> tensors = named_tensors(model, engine, dump_gradients, "grad.");
       std::vector<int64_t> ids, labels;
@@ -1808,12 +2014,15 @@ inline int train(Settings settings, MPI_Comm world) {
       write_safetensors(settings.dump_dir + "/batch.safetensors", tensors,
                         {{"format", "pt"}, {"lr", text[0]}, {"beta1", text[1]}, {"beta2", text[2]}, {"eps", text[3]},
                          {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
-      export_hf(settings.dump_dir, model, engine, dump_weights);
+      export_hf(settings.dump_dir, model, engine, dump_weights,
+                precision == z2::Precision::fp32 ? "" : "the " + settings.precision + " working weights step 0 used, as float32");
     }
     if (speak && (report.step == 1 || report.step % settings.log_every == 0 || report.step == settings.steps)) {
       const z2::MemoryCounters& memory = compute.memory();
-      printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e | %9s tok/s | %8.1f ms | %s %.1f MiB\n",
-             report.step, settings.steps, report.loss, report.grad_norm, report.lr,
+      char scale[48] = "";
+      if (precision == z2::Precision::fp16) snprintf(scale, sizeof scale, " | scale %g", report.loss_scale);
+      printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e%s | %9s tok/s | %8.1f ms | %s %.1f MiB\n",
+             report.step, settings.steps, report.loss, report.grad_norm, report.lr, scale,
              z2::with_commas((size_t)std::llround(records.back().tokens_per_s)).c_str(), ms, device == z2::Device::cuda ? "device" : "memory",
              memory.total_current / 1048576.0);
       fflush(stdout);
@@ -1824,11 +2033,12 @@ inline int train(Settings settings, MPI_Comm world) {
   for (auto& r : records) times.push_back(r.ms);
   std::sort(times.begin(), times.end());
   const double median_ms = times[times.size() / 2];
-  const uint64_t hash = engine.parameters_hash();
+  // The fp32 master weights (collective: sharded in mixed precision stages 1, 2).
+  const std::vector<float> final_parameters = engine.parameters_to_host();
   char hash_text[24];
-  snprintf(hash_text, sizeof hash_text, "%016llx", (unsigned long long)hash);
-  if (rank == 0 && !settings.export_dir.empty())
-    export_hf(settings.export_dir, model, engine, engine.parameters_to_host());
+  snprintf(hash_text, sizeof hash_text, "%016llx",
+           (unsigned long long)z2::fnv1a64(final_parameters.data(), final_parameters.size()));
+  if (rank == 0 && !settings.export_dir.empty()) export_hf(settings.export_dir, model, engine, final_parameters);
   if (speak) {
     printf("\nsummary\n");
     printf("  %-24s %s -> %s (%s)\n", "loss", std::to_string(records.front().loss).c_str(),
@@ -1836,7 +2046,11 @@ inline int train(Settings settings, MPI_Comm world) {
     printf("  %-24s %s\n", "last loss bits", hex32(records.back().loss).c_str());
     printf("  %-24s %.1f ms\n", "median step", median_ms);
     printf("  %-24s %s\n", "tokens/s (median step)", z2::with_commas((size_t)std::llround(tokens_per_step / (median_ms / 1000.0))).c_str());
-    printf("  %-24s %s\n", "final params hash", hash_text);
+    printf("  %-24s %s%s\n", "final params hash", hash_text,
+           precision == z2::Precision::fp32 ? "" : " (of the fp32 master weights)");
+    if (precision == z2::Precision::fp16)
+      printf("  %-24s %g, %ld step(s) skipped on overflow\n", "loss scale (final)", engine.loss_scaler().scale(),
+             engine.skipped_steps());
     if (!settings.export_dir.empty()) printf("  %-24s %s/\n", "exported (HF layout)", settings.export_dir.c_str());
     if (!settings.dump_dir.empty()) printf("  %-24s %s/\n", "step-0 dump", settings.dump_dir.c_str());
     engine.print_ledgers(stdout);
@@ -1849,7 +2063,10 @@ inline int train(Settings settings, MPI_Comm world) {
                 {"comm", z2::to_string(comm_backend)},
                 {"collectives", settings.collectives},
                 {"stage", settings.stage},
-                {"precision", "fp32"},
+                {"precision", settings.precision},
+                {"grad_accum_dtype", settings.grad_accum_dtype},
+                {"loss_scale", engine.loss_scaler().scale()},
+                {"skipped_steps", engine.skipped_steps()},
                 {"activations", settings.activations},
                 {"alloc", settings.alloc},
                 {"device_memory_limit", settings.device_memory_limit},
@@ -1866,7 +2083,8 @@ inline int train(Settings settings, MPI_Comm world) {
     json steps = json::array();
     for (auto& r : records)
       steps.push_back({{"step", r.step}, {"loss", r.loss}, {"loss_bits", hex32(r.loss)}, {"grad_norm", r.grad_norm},
-                       {"lr", r.lr}, {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s}});
+                       {"lr", r.lr}, {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s}, {"loss_scale", r.loss_scale},
+                       {"skipped", r.skipped}});
     out["steps"] = steps;
     out["final_params_hash"] = hash_text;
     out["memory"] = summary["memory"];
@@ -1875,6 +2093,16 @@ inline int train(Settings settings, MPI_Comm world) {
     write_file_atomically(settings.json_path, out.dump(2) + "\n");
   }
   return 0;
+}
+
+// The run in the precision the settings name: the model, its activations and
+// the engine's working copy in float, bfloat16 or float16.
+inline int train(Settings settings, MPI_Comm world) {
+  switch (precision_of(settings)) {
+    case z2::Precision::bf16: return train_as<z2::bfloat16>(settings, world);
+    case z2::Precision::fp16: return train_as<z2::float16>(settings, world);
+    default: return train_as<float>(settings, world);
+  }
 }
 
 }  // namespace bert

@@ -6,8 +6,13 @@
 // Training Trillion Parameter Models", SC20. Section numbers below are the
 // paper's (5.1 P_os, 5.2 P_g, 7.1-7.2 communication analysis).
 //
-// What it leaves out: parameter partitioning (P_p, "stage 3"), mixed precision
-// (fp32 only for now), checkpoints. Of ZeRO-R, this file holds the memory
+// Precision: fp32, or mixed precision as the paper counts it (K = 12): bf16 or
+// fp16 working parameters and gradients, fp32 master weights and AdamW
+// state, 16-bit slices on the wire summed in fp32, fp16's dynamic loss
+// scaling (notes/08).
+//
+// What it leaves out: parameter partitioning (P_p, "stage 3"), checkpoints.
+// Of ZeRO-R, this file holds the memory
 // side (the arena, the naive allocator it is compared with, host offload
 // space); the activation checkpointing itself lives in the model
 // (train_bert_mini.cu, section 4).
@@ -139,6 +144,9 @@ const char* to_string(CommBackend backend) { return backend == CommBackend::nccl
 const char* to_string(Collectives collectives) {
   return collectives == Collectives::native ? "native" : "deterministic";
 }
+const char* to_string(Precision precision) {
+  return precision == Precision::bf16 ? "bf16" : precision == Precision::fp16 ? "fp16" : "fp32";
+}
 const char* to_string(Allocator allocator) {
   return allocator == Allocator::arena ? "arena" : allocator == Allocator::naive ? "naive" : "direct";
 }
@@ -221,6 +229,8 @@ struct Compute::Live {
   size_t bottom = 0, top = 0;
   std::vector<size_t> stack;
   size_t offset_of(const void* pointer) const { return (size_t)((const char*)pointer - block); }
+  // cpu 16-bit gemm: A, B and C widened to fp32 (host scratch, reused).
+  std::vector<float> gemm_a, gemm_b, gemm_c;
 };
 
 // Every buffer in the block starts on a 256-byte boundary, as cudaMalloc's
@@ -254,6 +264,14 @@ Compute::Compute(Device device, int device_index)
   // cuBLAS is bitwise reproducible for one handle on one stream.
   Z2_CUBLAS_CHECK(cublasSetMathMode(handle, CUBLAS_PEDANTIC_MATH));
   cublas_ = handle;
+  // 16-bit inputs (mixed precision): tensor cores, exact products summed in
+  // fp32; a split-K reduction must not round partial sums to 16 bits.
+  cublasHandle_t handle_16bit;
+  Z2_CUBLAS_CHECK(cublasCreate(&handle_16bit));
+  Z2_CUBLAS_CHECK(cublasSetStream(handle_16bit, compute_stream));
+  Z2_CUBLAS_CHECK(cublasSetMathMode(
+      handle_16bit, (cublasMath_t)(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  cublas_16bit_ = handle_16bit;
 #else
   usage_error("--device cuda: built without CUDA (make cpu); use --device cpu");
 #endif
@@ -272,6 +290,7 @@ Compute::~Compute() {
     }
     for (auto& entry : live_->pinned) cudaFreeHost(entry.first);
     cublasDestroy((cublasHandle_t)cublas_);
+    cublasDestroy((cublasHandle_t)cublas_16bit_);
     cudaStreamDestroy((cudaStream_t)compute_stream_.handle);
     cudaStreamDestroy((cudaStream_t)comm_stream_.handle);
     cudaStreamDestroy((cudaStream_t)copy_stream_.handle);
@@ -700,6 +719,110 @@ void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int
 #endif
 }
 
+// --- the 16-bit products (mixed precision) ----------------------------------
+
+// Elements a stored matrix of `rows` x `columns` (leading dimension `ld`)
+// spans, and the span of `batch` of them `stride` apart.
+static size_t matrix_span(int rows, int columns, int ld) { return rows == 0 ? 0 : (size_t)(rows - 1) * ld + columns; }
+static size_t batch_span(size_t span, long stride, int batch) { return span + (size_t)(batch - 1) * (size_t)stride; }
+
+template <class T>
+static void widen_to(const T* source, size_t count, std::vector<float>& target) {
+  target.resize(count);
+  for (size_t i = 0; i < count; ++i) target[i] = to_float(source[i]);
+}
+
+// C = beta C (an empty sum, K = 0): as the fp32 gemm does it, in the storage type.
+template <class T>
+static void scale_matrix(Compute& compute, int M, int N, float beta, T* C, int ldc, long stride_c, int batch) {
+  compute.for_each((size_t)batch * M * N, [=] Z2_HD(size_t i) {
+    const size_t k = i / ((size_t)M * N), within = i % ((size_t)M * N);
+    T* c = C + k * stride_c + (within / N) * (size_t)ldc + within % N;
+    *c = beta == 0.0f ? from_float<T>(0.0f) : from_float<T>(beta * to_float(*c));
+  });
+}
+
+// The cpu reference: widen each operand's span once, sgemm each product, and
+// round back only C's M x N elements (the columns between them may belong to
+// another head's product).
+template <class T>
+static void cpu_gemm_16bit(std::vector<float>& a, std::vector<float>& b, std::vector<float>& c, bool transpose_a,
+                           bool transpose_b, int M, int N, int K, float alpha, const T* A, int lda, long stride_a,
+                           const T* B, int ldb, long stride_b, float beta, T* C, int ldc, long stride_c, int batch) {
+  widen_to(A, batch_span(matrix_span(transpose_a ? K : M, transpose_a ? M : K, lda), stride_a, batch), a);
+  widen_to(B, batch_span(matrix_span(transpose_b ? N : K, transpose_b ? K : N, ldb), stride_b, batch), b);
+  const size_t c_span = batch_span(matrix_span(M, N, ldc), stride_c, batch);
+  if (beta == 0.0f) c.assign(c_span, 0.0f);  // C's old values (even NaN bits) must not matter
+  else widen_to(C, c_span, c);
+  for (int k = 0; k < batch; ++k) {
+    float* c_k = c.data() + k * stride_c;
+    cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
+                K, alpha, a.data() + k * stride_a, lda, b.data() + k * stride_b, ldb, beta, c_k, ldc);
+    T* C_k = C + k * stride_c;
+    for (int row = 0; row < M; ++row)
+      for (int column = 0; column < N; ++column)
+        C_k[(size_t)row * ldc + column] = from_float<T>(c_k[(size_t)row * ldc + column]);
+  }
+}
+
+void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
+                         const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta,
+                         void* C, int ldc, long stride_c, int batch) {
+  if (M == 0 || N == 0 || batch == 0) return;
+  const bool bf16 = precision == Precision::bf16;
+  if (K == 0) {  // see gemm(): C = beta C ourselves
+    if (bf16) scale_matrix(*this, M, N, beta, (bfloat16*)C, ldc, stride_c, batch);
+    else scale_matrix(*this, M, N, beta, (float16*)C, ldc, stride_c, batch);
+    return;
+  }
+  if (device_ == Device::cpu) {
+    Live& l = *live_;
+    if (bf16)
+      cpu_gemm_16bit(l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha, (const bfloat16*)A, lda,
+                     stride_a, (const bfloat16*)B, ldb, stride_b, beta, (bfloat16*)C, ldc, stride_c, batch);
+    else
+      cpu_gemm_16bit(l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha, (const float16*)A, lda,
+                     stride_a, (const float16*)B, ldb, stride_b, beta, (float16*)C, ldc, stride_c, batch);
+    return;
+  }
+#if defined(__CUDACC__)
+  // The operand swap of gemm() (row-major C is column-major C^T), with the
+  // 16-bit types and fp32 compute; alpha and beta are fp32 (the scale type of
+  // CUBLAS_COMPUTE_32F).
+  const cudaDataType type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  cublasHandle_t handle = (cublasHandle_t)cublas_16bit_;
+  const cublasOperation_t op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (batch == 1)
+    Z2_CUBLAS_CHECK(cublasGemmEx(handle, op_b, op_a, N, M, K, &alpha, B, type, ldb, A, type, lda, &beta, C, type, ldc,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  else
+    Z2_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, op_b, op_a, N, M, K, &alpha, B, type, ldb, stride_b, A, type,
+                                               lda, stride_a, &beta, C, type, ldc, stride_c, batch,
+                                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+#endif
+}
+
+void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A, int lda,
+                   const bfloat16* B, int ldb, float beta, bfloat16* C, int ldc) {
+  gemm_16bit(Precision::bf16, transpose_a, transpose_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+}
+void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A, int lda,
+                   const float16* B, int ldb, float beta, float16* C, int ldc) {
+  gemm_16bit(Precision::fp16, transpose_a, transpose_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+}
+void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A,
+                           int lda, long stride_a, const bfloat16* B, int ldb, long stride_b, float beta, bfloat16* C,
+                           int ldc, long stride_c, int batch) {
+  gemm_16bit(Precision::bf16, transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C,
+             ldc, stride_c, batch);
+}
+void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A,
+                           int lda, long stride_a, const float16* B, int ldb, long stride_b, float beta, float16* C,
+                           int ldc, long stride_c, int batch) {
+  gemm_16bit(Precision::fp16, transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C,
+             ldc, stride_c, batch);
+}
+
 // ----------------------------------------------------------------------------
 // 3. Communicator
 //
@@ -844,8 +967,19 @@ CommBackend choose_comm(const std::string& requested, Device device, MPI_Comm co
   usage_error("--comm must be auto, mpi or nccl (got '%s')", requested.c_str());
 }
 
+// The 16-bit sums for native MPI collectives: each partial sum is widened,
+// added in fp32 and rounded back to 16 bits, as a ring's every hop does.
+template <class T>
+static void sum_16bit(void* in, void* inout, int* length, MPI_Datatype*) {
+  const T* a = (const T*)in;
+  T* b = (T*)inout;
+  for (int i = 0; i < *length; ++i) b[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+}
+
 Communicator::Communicator(Compute& compute, MPI_Comm mpi_comm, CommBackend backend, Collectives collectives)
     : compute_(compute), backend_(backend), collectives_(collectives) {
+  Z2_MPI_CHECK(MPI_Op_create(&sum_16bit<bfloat16>, 1, &sum_bf16_));
+  Z2_MPI_CHECK(MPI_Op_create(&sum_16bit<float16>, 1, &sum_fp16_));
   Z2_MPI_CHECK(MPI_Comm_dup(mpi_comm, &mpi_comm_));
   // Errors come back to our check macro, which prints a message and a hint,
   // instead of MPI's default abort without one.
@@ -879,6 +1013,12 @@ Communicator::~Communicator() {
   }
 #endif
   if (mpi_comm_ != MPI_COMM_NULL) MPI_Comm_free(&mpi_comm_);
+  for (MPI_Op* op : {&sum_bf16_, &sum_fp16_})
+    if (*op != MPI_OP_NULL) MPI_Op_free(op);
+}
+
+MPI_Op Communicator::sum_op(Precision precision) const {
+  return precision == Precision::bf16 ? sum_bf16_ : precision == Precision::fp16 ? sum_fp16_ : MPI_SUM;
 }
 
 void Communicator::all_gather_host(const float* send, size_t count, float* receive) {
@@ -887,6 +1027,13 @@ void Communicator::all_gather_host(const float* send, size_t count, float* recei
 }
 
 bool Communicator::all_agree(bool local_ok) { return all_ranks(local_ok, mpi_comm_); }
+
+bool Communicator::any_rank(bool local) {
+  int value = local ? 1 : 0, any = 0;
+  Z2_MPI_CHECK(MPI_Allreduce(&value, &any, 1, MPI_INT, MPI_MAX, mpi_comm_));
+  counters_.other += (size_t)(world_size_ - 1) * sizeof(int);  // as a ring would send one int
+  return any == 1;
+}
 
 void Communicator::barrier() { Z2_MPI_CHECK(MPI_Barrier(mpi_comm_)); }
 
@@ -917,15 +1064,17 @@ void Communicator::barrier() { Z2_MPI_CHECK(MPI_Barrier(mpi_comm_)); }
 // and the received slices are copied back before the device sums them.
 
 struct Slot {
-  float* bucket_gradients = nullptr;  // [max padded bucket]   stage 2: backward writes here
-  float* receive = nullptr;           // [(N-1) x max shard]  slices from the other ranks
-  float* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda
-  float* host_receive = nullptr;      // [(N-1) x max shard]  pinned, --comm mpi on cuda
+  char* bucket_gradients = nullptr;   // [max padded bucket]   stage 2: backward writes here
+  char* receive = nullptr;            // [(N-1) x max shard]  slices from the other ranks
+  char* host_send = nullptr;          // [max padded bucket]   pinned, --comm mpi on cuda
+  char* host_receive = nullptr;       // [(N-1) x max shard]  pinned, --comm mpi on cuda
   Event done;                         // recorded on the comm stream when its transfer ends
   Event copied;                       // its transfer's device-to-host staging copy has finished
   int bucket = -1;                    // the bucket holding the slot, -1 when free
   bool running = false;               // a transfer is using it
 };
+// (Buffers are in elements of the exchange's wire type: 4 bytes for fp32, 2
+// for bf16 and fp16. State::at() does the byte arithmetic.)
 
 // A transfer is a small program: its steps run in order, and a step that must
 // wait returns false and is asked again on the next progress().
@@ -943,8 +1092,12 @@ struct BucketExchange::State {
   const int rank, world;
   const bool staged_through_host;  // --comm mpi with --device cuda
   const bool native;
+  const Precision wire;            // element type of buckets, gradients and parameters
+  const size_t element;            // its bytes
+  const bool accumulate_fp32;      // the accumulation tree's blocks in fp32 (else the wire type)
+  const MPI_Datatype mpi_type;     // MPI moves 16-bit elements as MPI_UINT16_T (it only copies them)
   size_t max_padded, max_shard;
-  DeviceArray<float> staging;  // slots x (bucket gradients + receive)
+  DeviceArray<char> staging;  // slots x (bucket gradients + receive)
   std::vector<Slot> slots;
   std::deque<std::unique_ptr<Transfer>> transfers;  // in flight, oldest first
   Event ready;                                      // "the compute stream got this far"
@@ -956,10 +1109,15 @@ struct BucketExchange::State {
   // same order on every rank, and may only run when its ticket is next.
   long next_ticket = 0, next_to_post = 0;
 
-  State(Compute& c, Communicator& m)
+  State(Compute& c, Communicator& m, Precision w, bool fp32_blocks)
       : compute(c), comm(m), rank(m.rank()), world(m.world_size()),
         staged_through_host(m.backend() == CommBackend::mpi && c.on_cuda()),
-        native(m.collectives() == Collectives::native) {}
+        native(m.collectives() == Collectives::native), wire(w), element(element_bytes(w)),
+        accumulate_fp32(fp32_blocks), mpi_type(w == Precision::fp32 ? MPI_FLOAT : MPI_UINT16_T) {}
+
+  // Element `index` of a wire-typed buffer, as a byte address.
+  char* at(void* base, size_t index) const { return (char*)base + index * element; }
+  size_t bytes(size_t count) const { return count * element; }
 
   // --- steps -----------------------------------------------------------------
   static std::function<bool()> now(std::function<void()> action) {
@@ -987,54 +1145,94 @@ struct BucketExchange::State {
       return done != 0;
     };
   }
-  // Copy `count` floats at `device` to pinned `host` on the comm stream and
+  // Copy `count` elements at `device` to pinned `host` on the comm stream and
   // wait (without blocking) until they are there.
-  void add_copy_to_host(Transfer* transfer, float* host, const float* device, size_t count) {
+  void add_copy_to_host(Transfer* transfer, void* host, const void* device, size_t count) {
     // A slot has one transfer at a time, so the slot's event is this transfer's.
     Event copied = slots[transfer->slot].copied;
     transfer->steps.push_back(now([=] {
-      compute.copy(host, device, count * sizeof(float), compute.comm_stream());
+      compute.copy(host, device, bytes(count), compute.comm_stream());
       compute.record(copied, compute.comm_stream());
     }));
     transfer->steps.push_back([this, copied] { return compute.query(copied); });
   }
 
   // The kernels that follow a reduce-scatter, on the comm stream.
-  // Sum the N slices of this rank's shard in canonical order and hand the sum
-  // to the accumulation tree. `own` is this rank's own slice (never sent),
+  // Sum the N slices of this rank's shard in canonical order, in fp32, and
+  // hand the sum to the accumulation tree (which rounds the finished sum to
+  // the wire type once). `own` is this rank's own slice (never sent),
   // `received` the N-1 others, rank j's at (j - (j > rank)) * shard.
-  void sum_and_accumulate(size_t shard, const float* own, const float* received, const AccumulateInto& into) {
+  template <class Wire, class Accum>
+  void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
+                             const AccumulateInto& into) {
     const int ranks = world, me = rank;
-    const AccumulateInto target = into;
+    const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
+    Wire* result = (Wire*)into.result;
+    AccumulationStackOf<Accum> stack;
+    for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
+    const long step = into.step, steps = into.steps;
     compute.for_each(
         shard,
         [=] Z2_HD(size_t i) {
           float value = canonical_tree_sum(ranks, [&](long j) {
-            return j == me ? own[i] : received[(size_t)(j - (j > me)) * shard + i];
+            return to_float(j == me ? own[i] : received[(size_t)(j - (j > me)) * shard + i]);
           });
-          accumulate_micro_step(target.stack, target.step, target.steps, value, target.result, i);
+          accumulate_micro_step(stack, step, steps, value, result, i);
         },
         compute.comm_stream());
   }
-  void accumulate(const float* values, size_t n, const AccumulateInto& into) {
-    const AccumulateInto target = into;
+  // One reduced value per element already (one rank, or a native reduce-scatter): into the tree.
+  template <class Wire, class Accum>
+  void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
+    const Wire* values = (const Wire*)reduced;
+    Wire* result = (Wire*)into.result;
+    AccumulationStackOf<Accum> stack;
+    for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
+    const long step = into.step, steps = into.steps;
     compute.for_each(
-        n,
-        [=] Z2_HD(size_t i) {
-          accumulate_micro_step(target.stack, target.step, target.steps, values[i], target.result, i);
-        },
+        n, [=] Z2_HD(size_t i) { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); },
         compute.comm_stream());
   }
+  // The two kernels for the exchange's types.
+  void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
+    switch (wire) {
+      case Precision::fp32: return sum_and_accumulate_as<float, float>(shard, own, received, into);
+      case Precision::bf16:
+        if (accumulate_fp32) return sum_and_accumulate_as<bfloat16, float>(shard, own, received, into);
+        return sum_and_accumulate_as<bfloat16, bfloat16>(shard, own, received, into);
+      case Precision::fp16:
+        if (accumulate_fp32) return sum_and_accumulate_as<float16, float>(shard, own, received, into);
+        return sum_and_accumulate_as<float16, float16>(shard, own, received, into);
+    }
+  }
+  void accumulate(const void* values, size_t n, const AccumulateInto& into) {
+    switch (wire) {
+      case Precision::fp32: return accumulate_as<float, float>(values, n, into);
+      case Precision::bf16:
+        if (accumulate_fp32) return accumulate_as<bfloat16, float>(values, n, into);
+        return accumulate_as<bfloat16, bfloat16>(values, n, into);
+      case Precision::fp16:
+        if (accumulate_fp32) return accumulate_as<float16, float>(values, n, into);
+        return accumulate_as<float16, float16>(values, n, into);
+    }
+  }
+
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+  ncclDataType_t nccl_type() const {
+    return wire == Precision::bf16 ? ncclBfloat16 : wire == Precision::fp16 ? ncclHalf : ncclFloat;
+  }
+#endif
 
   // --- the three collectives as lists of steps -------------------------------
   // Each adds the bytes it sends to `sent` at the moment it calls MPI or
   // NCCL, so the ledger counts traffic that happened, by the collective that
-  // sent it (a reduce-scatter that quietly became an all-reduce would show).
-  void add_reduce_scatter(Transfer* transfer, float* bucket, size_t padded, const AccumulateInto& into,
+  // sent it (a reduce-scatter that quietly became an all-reduce would show),
+  // in bytes of the wire type (16-bit slices count half of fp32's).
+  void add_reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into,
                           size_t* sent) {
     Slot& slot = slots[transfer->slot];
     const size_t shard = padded / world;
-    float* own = bucket + (size_t)rank * shard;
+    char* own = at(bucket, (size_t)rank * shard);
     if (world == 1) {  // one rank: the tree over one leaf is the leaf
       transfer->steps.push_back(now([=] { accumulate(own, shard, into); }));
       return;
@@ -1043,11 +1241,12 @@ struct BucketExchange::State {
 #if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
       ncclComm_t nccl = (ncclComm_t)comm.nccl();
       cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
-      float* received = slot.receive;
+      char* received = slot.receive;
+      const ncclDataType_t type = nccl_type();
       transfer->steps.push_back(now([=] {
         if (native) {
-          Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard, ncclFloat, ncclSum, nccl, stream));
-          *sent += (size_t)(world - 1) * shard * sizeof(float);  // what a ring sends
+          Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard, type, ncclSum, nccl, stream));
+          *sent += (size_t)(world - 1) * bytes(shard);  // what a ring sends
           accumulate(received, shard, into);
           return;
         }
@@ -1055,9 +1254,9 @@ struct BucketExchange::State {
         for (int j = 0; j < world; ++j) {
           if (j == rank) continue;
           // Counts are elements, not bytes.
-          Z2_NCCL_CHECK(ncclSend(bucket + (size_t)j * shard, shard, ncclFloat, j, nccl, stream));
-          Z2_NCCL_CHECK(ncclRecv(received + (size_t)(j - (j > rank)) * shard, shard, ncclFloat, j, nccl, stream));
-          *sent += shard * sizeof(float);
+          Z2_NCCL_CHECK(ncclSend(at(bucket, (size_t)j * shard), shard, type, j, nccl, stream));
+          Z2_NCCL_CHECK(ncclRecv(at(received, (size_t)(j - (j > rank)) * shard), shard, type, j, nccl, stream));
+          *sent += bytes(shard);
         }
         Z2_NCCL_CHECK(ncclGroupEnd());
         sum_and_accumulate(shard, own, received, into);
@@ -1065,21 +1264,24 @@ struct BucketExchange::State {
 #endif
       return;
     }
-    float* send = bucket;
-    float* receive = slot.receive;
+    char* send = (char*)bucket;
+    char* receive = slot.receive;
     if (staged_through_host) {
       send = slot.host_send;
       receive = slot.host_receive;
       add_copy_to_host(transfer, send, bucket, padded);
     }
     MPI_Comm mpi = comm.mpi();
+    const MPI_Datatype type = mpi_type;
+    // MPI tags need only tell apart transfers in flight (at most a few); the
+    // standard promises tags up to 32767 on every implementation.
     const int tag = sequence++ % 32768;
     if (native) {
+      const MPI_Op sum = comm.sum_op(wire);
       transfer->steps.push_back(post_in_order([=] {
         transfer->requests.resize(1);
-        Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, MPI_FLOAT, MPI_SUM, mpi,
-                                               &transfer->requests[0]));
-        *sent += (size_t)(world - 1) * shard * sizeof(float);  // what a ring sends
+        Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, type, sum, mpi, &transfer->requests[0]));
+        *sent += (size_t)(world - 1) * bytes(shard);  // what a ring sends
       }));
     } else {
       // Point-to-point slices match by (source, tag), not by order: no ticket.
@@ -1087,21 +1289,20 @@ struct BucketExchange::State {
         for (int j = 0; j < world; ++j) {
           if (j == rank) continue;
           transfer->requests.emplace_back();
-          Z2_MPI_CHECK(MPI_Irecv(receive + (size_t)(j - (j > rank)) * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
+          Z2_MPI_CHECK(MPI_Irecv(at(receive, (size_t)(j - (j > rank)) * shard), (int)shard, type, j, tag, mpi,
                                  &transfer->requests.back()));
           transfer->requests.emplace_back();
-          Z2_MPI_CHECK(MPI_Isend(send + (size_t)j * shard, (int)shard, MPI_FLOAT, j, tag, mpi,
+          Z2_MPI_CHECK(MPI_Isend(at(send, (size_t)j * shard), (int)shard, type, j, tag, mpi,
                                  &transfer->requests.back()));
-          *sent += shard * sizeof(float);
+          *sent += bytes(shard);
         }
       }));
     }
     transfer->steps.push_back(wait_requests(transfer));
-    float* received = slot.receive;
+    char* received = slot.receive;
     const size_t received_count = native ? shard : (size_t)(world - 1) * shard;
     transfer->steps.push_back(now([=] {
-      if (staged_through_host)
-        compute.copy(received, receive, received_count * sizeof(float), compute.comm_stream());
+      if (staged_through_host) compute.copy(received, receive, bytes(received_count), compute.comm_stream());
       if (native)
         accumulate(received, shard, into);
       else
@@ -1109,7 +1310,7 @@ struct BucketExchange::State {
     }));
   }
 
-  void add_all_gather(Transfer* transfer, float* bucket, size_t padded, size_t* sent) {
+  void add_all_gather(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
     Slot& slot = slots[transfer->slot];
     const size_t shard = padded / world;
     if (world == 1) return;
@@ -1117,53 +1318,57 @@ struct BucketExchange::State {
 #if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
       ncclComm_t nccl = (ncclComm_t)comm.nccl();
       cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+      const ncclDataType_t type = nccl_type();
       transfer->steps.push_back(now([=] {
-        Z2_NCCL_CHECK(ncclAllGather(bucket + (size_t)rank * shard, bucket, shard, ncclFloat, nccl, stream));
-        *sent += (size_t)(world - 1) * shard * sizeof(float);
+        Z2_NCCL_CHECK(ncclAllGather(at(bucket, (size_t)rank * shard), bucket, shard, type, nccl, stream));
+        *sent += (size_t)(world - 1) * bytes(shard);
       }));
 #endif
       return;
     }
-    float* host = staged_through_host ? slot.host_send : bucket;
+    char* host = staged_through_host ? slot.host_send : (char*)bucket;
     if (staged_through_host)
-      add_copy_to_host(transfer, host + (size_t)rank * shard, bucket + (size_t)rank * shard, shard);
+      add_copy_to_host(transfer, at(host, (size_t)rank * shard), at(bucket, (size_t)rank * shard), shard);
     MPI_Comm mpi = comm.mpi();
+    const MPI_Datatype type = mpi_type;
     transfer->steps.push_back(post_in_order([=] {
       transfer->requests.resize(1);
-      Z2_MPI_CHECK(
-          MPI_Iallgather(MPI_IN_PLACE, 0, MPI_FLOAT, host, (int)shard, MPI_FLOAT, mpi, &transfer->requests[0]));
-      *sent += (size_t)(world - 1) * shard * sizeof(float);
+      Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, mpi, &transfer->requests[0]));
+      *sent += (size_t)(world - 1) * bytes(shard);
     }));
     transfer->steps.push_back(wait_requests(transfer));
     if (staged_through_host)
-      transfer->steps.push_back(now([=] { compute.copy(bucket, host, padded * sizeof(float), compute.comm_stream()); }));
+      transfer->steps.push_back(now([=] { compute.copy(bucket, host, bytes(padded), compute.comm_stream()); }));
   }
 
-  void add_native_all_reduce(Transfer* transfer, float* bucket, size_t padded, size_t* sent) {
-    const size_t ring_bytes = 2 * (size_t)(world - 1) * (padded / world) * sizeof(float);
+  void add_native_all_reduce(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
+    const size_t ring_bytes = 2 * (size_t)(world - 1) * bytes(padded / world);
     Slot& slot = slots[transfer->slot];
     if (comm.backend() == CommBackend::nccl) {
 #if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
       ncclComm_t nccl = (ncclComm_t)comm.nccl();
       cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+      const ncclDataType_t type = nccl_type();
       transfer->steps.push_back(now([=] {
-        Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, ncclFloat, ncclSum, nccl, stream));
+        Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, type, ncclSum, nccl, stream));
         *sent += ring_bytes;
       }));
 #endif
       return;
     }
-    float* host = staged_through_host ? slot.host_send : bucket;
+    char* host = staged_through_host ? slot.host_send : (char*)bucket;
     if (staged_through_host) add_copy_to_host(transfer, host, bucket, padded);
     MPI_Comm mpi = comm.mpi();
+    const MPI_Datatype type = mpi_type;
+    const MPI_Op sum = comm.sum_op(wire);
     transfer->steps.push_back(post_in_order([=] {
       transfer->requests.resize(1);
-      Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, MPI_FLOAT, MPI_SUM, mpi, &transfer->requests[0]));
+      Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, type, sum, mpi, &transfer->requests[0]));
       *sent += ring_bytes;
     }));
     transfer->steps.push_back(wait_requests(transfer));
     if (staged_through_host)
-      transfer->steps.push_back(now([=] { compute.copy(bucket, host, padded * sizeof(float), compute.comm_stream()); }));
+      transfer->steps.push_back(now([=] { compute.copy(bucket, host, bytes(padded), compute.comm_stream()); }));
   }
 
   // --- the queue -------------------------------------------------------------
@@ -1216,23 +1421,24 @@ struct BucketExchange::State {
 };
 
 BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_padded, int slot_count,
-                               bool bucket_buffers)
-    : state_(new State(compute, comm)) {
+                               bool bucket_buffers, Precision wire, bool accumulate_fp32)
+    : state_(new State(compute, comm, wire, accumulate_fp32)) {
   State& s = *state_;
   const size_t N = (size_t)comm.world_size();
   if (slot_count < 1) usage_error("bucket exchange: at least one slot (got %d)", slot_count);
   s.max_padded = max_padded;
   s.max_shard = max_padded / N;
+  // In elements of the wire type: 16-bit buckets take half the bytes.
   const size_t bucket_part = bucket_buffers ? max_padded : 0, receive_part = (N - 1) * s.max_shard;
-  s.staging = DeviceArray<float>(compute, slot_count * (bucket_part + receive_part), MemoryKind::staging);
+  s.staging = DeviceArray<char>(compute, s.bytes(slot_count * (bucket_part + receive_part)), MemoryKind::staging);
   for (int k = 0; k < slot_count; ++k) {
     Slot slot;
-    float* base = s.staging.data() + k * (bucket_part + receive_part);
+    char* base = s.at(s.staging.data(), k * (bucket_part + receive_part));
     slot.bucket_gradients = bucket_part ? base : nullptr;
-    slot.receive = receive_part ? base + bucket_part : nullptr;
+    slot.receive = receive_part ? s.at(base, bucket_part) : nullptr;
     if (s.staged_through_host && N > 1) {
-      slot.host_send = (float*)compute.allocate_host_pinned(max_padded * sizeof(float));
-      slot.host_receive = (float*)compute.allocate_host_pinned(receive_part * sizeof(float));
+      slot.host_send = (char*)compute.allocate_host_pinned(s.bytes(max_padded));
+      slot.host_receive = (char*)compute.allocate_host_pinned(s.bytes(receive_part));
     }
     slot.done = compute.create_event();
     slot.copied = compute.create_event();
@@ -1281,36 +1487,36 @@ int BucketExchange::acquire(int bucket) {
   return slot;
 }
 
-float* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
+void* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
   State& s = *state_;
-  float* buffer = s.slots.at(slot).bucket_gradients;
+  char* buffer = s.slots.at(slot).bucket_gradients;
   if (!buffer) usage_error("open_bucket_buffer: this exchange was made without bucket buffers");
   // The slot's previous transfer may still read the buffer on the comm stream.
   s.compute.wait(s.compute.compute_stream(), s.slots[slot].done);
-  s.compute.fill_zero(buffer, padded * sizeof(float), s.compute.compute_stream());
+  s.compute.fill_zero(buffer, s.bytes(padded), s.compute.compute_stream());
   return buffer;
 }
 
 // The three public collectives: build the transfer's steps and take the first
 // ones at once.
-void BucketExchange::reduce_scatter(int slot, float* bucket, size_t padded, const AccumulateInto& into) {
+void BucketExchange::reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
   s.add_reduce_scatter(transfer, bucket, padded, into, &s.comm.counters().reduce_scatter);
   progress();
 }
 
-void BucketExchange::all_gather(int slot, float* bucket, size_t padded) {
+void BucketExchange::all_gather(int slot, void* bucket, size_t padded) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
   s.add_all_gather(transfer, bucket, padded, &s.comm.counters().all_gather);
   progress();
 }
 
-void BucketExchange::all_reduce(int slot, float* bucket, size_t padded, const AccumulateInto& into) {
+void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
-  float* own = bucket + (size_t)s.rank * (padded / s.world);
+  void* own = s.at(bucket, (size_t)s.rank * (padded / s.world));
   size_t* sent = &s.comm.counters().all_reduce;
   AccumulateInto target = into;
   if (!target.result) target.result = own;
@@ -1411,6 +1617,9 @@ void Engine::require_built(const char* what) const {
 // ----------------------------------------------------------------------------
 // 6. The three stages: where gradients live and how they are reduced
 //
+// Bytes per rank below are fp32's, then mixed precision's (16-bit working
+// parameters and gradients, fp32 master, m and v: the paper's K = 12).
+//
 // Stage 0, data parallel (the baseline, paper section 2.1): every rank keeps
 // the full gradient [Psi_padded] and all-reduces it. With A = 1 that is one
 // all-reduce per bucket per step, as PyTorch DDP. With A > 1 we split the
@@ -1418,46 +1627,56 @@ void Engine::require_built(const char* what) const {
 // be reduced across ranks, see below), the last one also all-gathers. The
 // bits are those of an all-reduce of the accumulated gradient (an all-gather
 // does no arithmetic) and every stage sends the same bytes for any A.
-// Model states: 4 Psi params + 4 Psi grads + 8 Psi AdamW (m, v) = 16 Psi.
+// Model states: fp32 4 Psi params + 4 Psi grads + 8 Psi AdamW (m, v) = 16 Psi;
+// mixed 2 Psi + 2 Psi + 12 Psi (master, m, v) = 16 Psi.
 //
-// Stage 1, P_os (paper section 5.1): AdamW state is split N ways; each rank
-// updates only its own shard of each bucket and all-gathers the parameters.
-// The full gradient is still written by backward, then reduce-scattered in
-// place (the own slice of each bucket receives the sum). Saves
-// 8 Psi (N - 1) / N bytes: 4 Psi + 4 Psi + 8 Psi / N.
+// Stage 1, P_os (paper section 5.1): AdamW state (and the master) is split N
+// ways; each rank updates only its own shard of each bucket and all-gathers
+// the parameters. The full gradient is still written by backward, then
+// reduce-scattered in place (the own slice of each bucket receives the sum).
+// Saves 8 Psi (N - 1) / N bytes in fp32 (4 Psi + 4 Psi + 8 Psi / N), 12 Psi
+// (N - 1) / N in mixed precision (2 Psi + 2 Psi + 12 Psi / N).
 //
 // Stage 2, P_os+g (paper section 5.2): the gradient is split too. Backward
 // writes each bucket into a constant-size staging buffer; as soon as the
 // bucket is complete it is reduce-scattered and only this rank's shard of the
-// sum is kept. Saves another 4 Psi (N - 1) / N bytes: 4 Psi + 12 Psi / N, plus
-// slots x (bucket + (N-1)/N bucket) staging elements that do not grow with the
-// model.
+// sum is kept. Saves another 4 Psi (N - 1) / N bytes in fp32 (4 Psi + 12
+// Psi / N), 2 Psi (N - 1) / N in mixed (2 Psi + 14 Psi / N), plus slots x
+// (bucket + (N-1)/N bucket) staging elements that do not grow with the model.
 //
 // All three send the same bytes per step when A = 1: an all-reduce is a
-// reduce-scatter plus an all-gather, 2 (N-1)/N Psi elements (section 7.2.1).
+// reduce-scatter plus an all-gather, 2 (N-1)/N Psi elements (section 7.2.1),
+// of 4 bytes or of 2. In mixed precision the slices travel as 16 bits and the
+// receiver sums them in fp32, rounding once (notes/08): the paper's volume
+// with better numerics than a 16-bit ring.
 //
-// Gradient accumulation (DESIGN.md section 4.2): rank r computes global
-// micro-batch m = a N + r at micro-step a, every micro-step is reduced across
-// ranks (the tree over the N ranks, a perfect subtree when N is a power of
-// two), and the A results go through accumulate_micro_step(). The whole is the
-// canonical tree over the M = N A micro-batches: 1 x 4 = 2 x 2 = 4 x 1.
+// Gradient accumulation (notes/06): rank r computes global micro-batch
+// m = a N + r at micro-step a, every micro-step is reduced across ranks (the
+// tree over the N ranks, a perfect subtree when N is a power of two), and the
+// A results go through accumulate_micro_step(). The whole is the canonical
+// tree over the M = N A micro-batches: 1 x 4 = 2 x 2 = 4 x 1.
 
 struct Engine::Impl {
   Engine& engine;
   Compute& compute;
   int stage, rank;
+  Precision precision;     // of the working parameters and gradients
+  size_t element;          // their bytes: 4 or 2
+  bool mixed;              // bf16 or fp16: a separate fp32 master
+  size_t accumulation_element;  // bytes of an accumulation block element
 
-  DeviceArray<float> params;          // [Psi_padded]             every stage
-  DeviceArray<float> grads;           // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2
+  DeviceArray<char> params;           // [Psi_padded] working parameters, every stage (fp32: also the master)
+  DeviceArray<char> grads;            // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2, working type
+  DeviceArray<float> master;          // mixed only: [Psi_padded] stage 0, [Psi_padded / N] stages 1/2
   DeviceArray<float> adam_m, adam_v;  // [Psi_padded] stage 0,    [Psi_padded / N] stages 1/2
-  std::vector<DeviceArray<float>> accumulation;  // floor(log2 A) x [Psi_padded / N]
+  std::vector<DeviceArray<char>> accumulation;  // floor(log2 A) x [Psi_padded / N]
   DeviceArray<float> chunk_sums;      // [update region / norm_chunk]
   DeviceArray<unsigned char> decay;   // [Psi_padded / norm_chunk] 1 = weight decay applies
   std::unique_ptr<BucketExchange> exchange;
   Event comm_done;
 
   // Per micro-step state.
-  std::vector<float*> staged_bucket;  // stage 2: where bucket b is being written this micro-step
+  std::vector<void*> staged_bucket;  // stage 2: where bucket b is being written this micro-step
   std::vector<char> parameter_ready, bucket_reduced;
   std::vector<int> bucket_ready_count;
   std::vector<float> micro_losses;  // this rank's A loss contributions
@@ -1469,32 +1688,43 @@ struct Engine::Impl {
   long allocations_last_step = 0, pushes_last_step = 0;
   CommCounters step_start_counters, last_step_counters;
 
-  Impl(Engine& e, Compute& c) : engine(e), compute(c), stage(e.options_.stage), rank(e.comm_.rank()) {}
+  Impl(Engine& e, Compute& c)
+      : engine(e), compute(c), stage(e.options_.stage), rank(e.comm_.rank()), precision(e.options_.precision),
+        element(element_bytes(precision)), mixed(precision != Precision::fp32),
+        accumulation_element(e.options_.accumulate_fp32 ? sizeof(float) : element) {}
   ~Impl() { compute.destroy_event(comm_done); }
 
   const BucketInfo& bucket(int b) const { return engine.buckets_[b]; }
+  // Element `index` of a buffer of the working type, as a byte address.
+  char* at(DeviceArray<char>& buffer, size_t index) { return buffer.data() + index * element; }
   // The update region of bucket b: the whole bucket in stage 0, the own shard
-  // in stages 1 and 2; its offset in the buffers that hold only that region.
+  // in stages 1 and 2; its offset in the buffers that hold only that region
+  // (m, v, the master, the chunk sums), and where it starts in the padded buffer.
   size_t region_offset(int b) const { return stage == 0 ? bucket(b).offset : bucket(b).shard_offset; }
   size_t region_length(int b) const { return stage == 0 ? bucket(b).padded_length : bucket(b).shard_length; }
-  float* region_param(int b) {
-    return params.data() + bucket(b).offset + (stage == 0 ? 0 : (size_t)rank * bucket(b).shard_length);
+  size_t region_start(int b) const {
+    return bucket(b).offset + (stage == 0 ? 0 : (size_t)rank * bucket(b).shard_length);
+  }
+  void* region_param(int b) { return at(params, region_start(b)); }
+  // The fp32 values AdamW updates: the parameters themselves in fp32.
+  float* region_master(int b) {
+    return mixed ? master.data() + region_offset(b) : (float*)params.data() + region_start(b);
   }
   // Where the reduce-scatter of bucket b leaves this rank's shard of the sum:
   // the own slice of the full gradient (stages 0, 1), the gradient shard
   // (stage 2).
-  float* shard_gradient(int b) {
-    if (stage == 2) return grads.data() + bucket(b).shard_offset;
-    return grads.data() + bucket(b).offset + (size_t)rank * bucket(b).shard_length;
+  void* shard_gradient(int b) {
+    if (stage == 2) return at(grads, bucket(b).shard_offset);
+    return at(grads, bucket(b).offset + (size_t)rank * bucket(b).shard_length);
   }
   // The reduced gradient of the update region (stage 0: after the all-gather).
-  float* region_gradient(int b) { return stage == 0 ? grads.data() + bucket(b).offset : shard_gradient(b); }
+  void* region_gradient(int b) { return stage == 0 ? at(grads, bucket(b).offset) : shard_gradient(b); }
   // The accumulation tree's open blocks are shard-sized in every stage.
   AccumulateInto accumulate_into(int b) {
     AccumulateInto into;
     into.result = shard_gradient(b);
     for (size_t d = 0; d < accumulation.size(); ++d)
-      into.stack.entries[d] = accumulation[d].data() + bucket(b).shard_offset;
+      into.stack.entries[d] = accumulation[d].data() + bucket(b).shard_offset * accumulation_element;
     into.step = engine.micro_step_;
     into.steps = engine.options_.accumulation_steps;
     return into;
@@ -1504,10 +1734,9 @@ struct Engine::Impl {
     const BucketInfo& info = bucket(b);
     const bool last_micro_step = engine.micro_step_ == engine.options_.accumulation_steps - 1;
     if (stage == 0 && last_micro_step) {
-      exchange->all_reduce(exchange->acquire(b), grads.data() + info.offset, info.padded_length, accumulate_into(b));
+      exchange->all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, accumulate_into(b));
     } else if (stage < 2) {
-      exchange->reduce_scatter(exchange->acquire(b), grads.data() + info.offset, info.padded_length,
-                               accumulate_into(b));
+      exchange->reduce_scatter(exchange->acquire(b), at(grads, info.offset), info.padded_length, accumulate_into(b));
     } else {
       int slot = exchange->slot_of(b);
       exchange->reduce_scatter(slot, staged_bucket[b], info.padded_length, accumulate_into(b));
@@ -1515,19 +1744,75 @@ struct Engine::Impl {
     bucket_reduced[b] = 1;
     if (!engine.options_.overlap) exchange->finish_all();
   }
+
+  // --- the optimizer step's kernels, written once over the working type -----
+  // Sum of squares of each norm chunk of bucket b's update region (a perfect
+  // tree of norm_chunk leaves, in fp32).
+  template <class Working>
+  void chunk_squares_as(int b) {
+    const Working* gradient = (const Working*)region_gradient(b);
+    float* sums = chunk_sums.data() + region_offset(b) / norm_chunk;
+    compute.for_each(region_length(b) / norm_chunk, [=] Z2_HD(size_t c) {
+      const Working* chunk = gradient + c * norm_chunk;
+      sums[c] = canonical_tree_sum(norm_chunk, [&](long k) {
+        const float value = to_float(chunk[k]);
+        return value * value;
+      });
+    });
+  }
+  // AdamW on bucket b's update region. fp32: the parameters are the master.
+  // Mixed: the fp32 master is updated, then rounded once into the working
+  // copy that forward reads and the all-gather sends.
+  template <class Working>
+  void adamw_as(int b, const AdamWConstants& constants) {
+    const unsigned char* decay_flags = decay.data();
+    const size_t first_chunk = region_start(b) / norm_chunk;
+    const Working* gradient = (const Working*)region_gradient(b);
+    float* param = region_master(b);
+    float* m = adam_m.data() + region_offset(b);
+    float* v = adam_v.data() + region_offset(b);
+    Working* working = mixed ? (Working*)region_param(b) : nullptr;
+    compute.for_each(region_length(b), [=] Z2_HD(size_t i) {
+      bool decay = decay_flags[first_chunk + i / norm_chunk] != 0;
+      adamw_update(constants, decay, param, gradient, m, v, i);
+      if (working) working[i] = from_float<Working>(param[i]);
+    });
+  }
+  template <class Call>
+  void for_working_type(Call call) {
+    switch (precision) {
+      case Precision::fp32: return call(float{});
+      case Precision::bf16: return call(bfloat16{});
+      case Precision::fp16: return call(float16{});
+    }
+  }
+
+  // --- the optimizer step, step by step (Engine::step calls them in order) ---
+  float global_loss();
+  std::vector<float> local_chunk_sums();
+  float global_squared_norm(const std::vector<float>& local);
+  AdamWConstants adamw_constants(double lr, long t, float grad_scale) const;
+  void all_gather_parameters();
+  void account_step();
 };
 
 // The public entry points of a micro-step, in the order a model calls them.
 
-float* Engine::parameter(ParameterId id) {
+void* Engine::parameter_storage(ParameterId id, Precision expected) {
   require_built("parameter");
   if (id < 0 || id >= (int)parameters_.size()) usage_error("parameter: id %d out of range", id);
-  return impl_->params.data() + parameters_[id].offset;
+  if (expected != options_.precision)
+    usage_error("parameter '%s' asked for as %s, but the engine trains in %s", parameters_[id].name.c_str(),
+                to_string(expected), to_string(options_.precision));
+  return impl_->at(impl_->params, parameters_[id].offset);
 }
 
-float* Engine::gradient_output(ParameterId id) {
+void* Engine::gradient_storage(ParameterId id, Precision expected) {
   require_built("gradient_output");
   if (id < 0 || id >= (int)parameters_.size()) usage_error("gradient_output: id %d out of range", id);
+  if (expected != options_.precision)
+    usage_error("gradient_output: '%s' asked for as %s, but the engine trains in %s", parameters_[id].name.c_str(),
+                to_string(expected), to_string(options_.precision));
   if (micro_step_ >= options_.accumulation_steps)
     usage_error("gradient_output: all %d micro-steps of this optimizer step are done; call step() first",
                 options_.accumulation_steps);
@@ -1535,14 +1820,14 @@ float* Engine::gradient_output(ParameterId id) {
   const ParameterInfo& p = parameters_[id];
   if (impl.parameter_ready[id])
     usage_error("gradient_output: '%s' was already handed over this micro-step", p.name.c_str());
-  if (impl.stage < 2) return impl.grads.data() + p.offset;
+  if (impl.stage < 2) return impl.at(impl.grads, p.offset);
   // Stage 2: the bucket's staging buffer, taken when its first parameter asks.
   const BucketInfo& b = buckets_[p.bucket];
   if (impl.exchange->slot_of(p.bucket) < 0) {
     int slot = impl.exchange->acquire(p.bucket);
     impl.staged_bucket[p.bucket] = impl.exchange->open_bucket_buffer(slot, b.padded_length);
   }
-  return impl.staged_bucket[p.bucket] + (p.offset - b.offset);
+  return (char*)impl.staged_bucket[p.bucket] + (p.offset - b.offset) * impl.element;
 }
 
 void Engine::gradient_ready(ParameterId id) {
@@ -1602,7 +1887,8 @@ void Engine::end_micro_step(float loss) {
 // build(): the layout of section 5 and the buffers of section 6.
 
 Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& options)
-    : compute_(compute), comm_(comm), options_(options) {
+    : compute_(compute), comm_(comm), options_(options),
+      scaler_(options.loss_scaling, options.precision == Precision::fp16) {
   if (options_.stage < 0 || options_.stage > 2) usage_error("stage must be 0, 1 or 2 (got %d)", options_.stage);
   if (options_.bucket_elements <= 0)
     usage_error("bucket size must be a positive number of elements (got %ld)", options_.bucket_elements);
@@ -1678,21 +1964,29 @@ void Engine::build() {
   size_t max_padded_bucket = 0;
   for (auto& b : buckets_) max_padded_bucket = std::max(max_padded_bucket, b.padded_length);
 
-  // Model states, the memory the paper's formulas count.
-  impl.params = DeviceArray<float>(compute_, padded, MemoryKind::params);
-  impl.grads = DeviceArray<float>(compute_, stage == 2 ? shard : padded, MemoryKind::grads);
+  // Model states, the memory the paper's formulas count. Element bytes e =
+  // 4 (fp32) or 2 (bf16, fp16); in fp32 the parameters are their own master.
+  //   working params  [Psi_padded] x e                  every stage
+  //   gradients       [Psi_padded] x e stages 0/1,      [Psi_padded / N] x e stage 2 (P_g, section 5.2)
+  //   master, m, v    [Psi_padded] x 4 each stage 0,    [Psi_padded / N] x 4 stages 1/2 (P_os, section 5.1)
+  const size_t e = impl.element;
+  impl.params = DeviceArray<char>(compute_, padded * e, MemoryKind::params);
+  impl.grads = DeviceArray<char>(compute_, (stage == 2 ? shard : padded) * e, MemoryKind::grads);
+  if (impl.mixed) impl.master = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::master);
   impl.adam_m = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::optimizer);
   impl.adam_v = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::optimizer);
-  // The accumulation tree's open blocks, each the size of this rank's shard.
+  // The accumulation tree's open blocks, each the size of this rank's shard
+  // (fp32, or 16-bit with accumulate_fp32 off).
   for (size_t d = 0; d < accumulation_blocks(options_.accumulation_steps); ++d)
-    impl.accumulation.emplace_back(compute_, shard, MemoryKind::accumulation);
+    impl.accumulation.emplace_back(compute_, shard * impl.accumulation_element, MemoryKind::accumulation);
 
   // Staging: two slots with overlap (one reduces while backward fills the
   // other), one without. Stage 2 slots also hold a bucket's gradient, and
   // stage 2 needs two even without overlap: a bucket that starts with a layer's
   // bias and ends with the next layer's weight is still open when backward
   // reaches the previous bucket.
-  impl.exchange.reset(new BucketExchange(compute_, comm_, max_padded_bucket, staging_slots(options_), stage == 2));
+  impl.exchange.reset(new BucketExchange(compute_, comm_, max_padded_bucket, staging_slots(options_), stage == 2,
+                                         options_.precision, options_.accumulate_fp32));
   impl.comm_done = compute_.create_event();
 
   // Bookkeeping: a norm chunk sum per chunk of the update region, and a
@@ -1719,7 +2013,7 @@ void Engine::build() {
 }
 
 // ----------------------------------------------------------------------------
-// 7. The optimizer step: loss, global norm, clipping, AdamW, all-gather
+// 7. The optimizer step: loss, global norm, overflow, clipping, AdamW, all-gather
 //
 // Everything here is element-wise on the update region (the whole buffer in
 // stage 0, the own shards in stages 1 and 2) with the same Z2_HD functions, so
@@ -1727,143 +2021,245 @@ void Engine::build() {
 // two reductions that feed the update use the canonical tree over pieces that
 // do not depend on N: the loss over the M = N A micro-batches, the squared
 // norm over norm chunks of the canonical layout.
+//
+// fp16 (notes/08): the gradients carry the loss scale S. A rank that finds
+// inf or NaN in its own reduced shard raises one flag, the flags are
+// max-reduced, and on an overflow every rank skips the step: no update, no
+// all-gather, AdamW's t and the lr schedule stay (DeepSpeed's rule; its
+// global step still counts). Every stage reduces the same bits, so every
+// stage skips the same steps. Otherwise the unscaling by 1/S (a power of two:
+// exact) is folded into the clipping coefficient, one multiply per element.
 
-StepReport Engine::step() {
-  require_built("step");
-  Impl& impl = *impl_;
-  const int A = options_.accumulation_steps, N = comm_.world_size(), stage = options_.stage;
-  if (micro_step_ != A)
-    usage_error("step() after %d micro-step(s); accumulation_steps is %d", micro_step_, A);
-  Stream stream = compute_.compute_stream();
-
-  // Loss: rank r's micro-step a is global micro-batch m = a N + r.
+// Loss: rank r's micro-step a is global micro-batch m = a N + r.
+float Engine::Impl::global_loss() {
+  const int A = engine.options_.accumulation_steps, N = engine.comm_.world_size();
   std::vector<float> gathered((size_t)N * A), by_micro_batch((size_t)N * A);
-  comm_.all_gather_host(impl.micro_losses.data(), A, gathered.data());
+  engine.comm_.all_gather_host(micro_losses.data(), A, gathered.data());
   for (int r = 0; r < N; ++r)
     for (int a = 0; a < A; ++a) by_micro_batch[(size_t)a * N + r] = gathered[(size_t)r * A + a];
-  StepReport report;
-  report.loss = canonical_tree_sum((long)by_micro_batch.size(), [&](long m) { return by_micro_batch[m]; });
+  return canonical_tree_sum((long)by_micro_batch.size(), [&](long m) { return by_micro_batch[m]; });
+}
 
-  // Global norm: the sum of squares of each norm chunk (a perfect tree of
-  // norm_chunk leaves), then the canonical tree over the chunks in canonical
-  // order. Padding chunks take no part.
-  float* chunk_sums = impl.chunk_sums.data();
-  for (int b = 0; b < (int)buckets_.size(); ++b) {
-    const float* gradient = impl.region_gradient(b);
-    float* sums = chunk_sums + impl.region_offset(b) / norm_chunk;
-    compute_.for_each(impl.region_length(b) / norm_chunk, [=] Z2_HD(size_t c) {
-      const float* chunk = gradient + c * norm_chunk;
-      sums[c] = canonical_tree_sum(norm_chunk, [&](long k) { return chunk[k] * chunk[k]; });
-    }, stream);
-  }
-  std::vector<float> local(impl.chunk_sums.size());
-  compute_.copy(local.data(), chunk_sums, local.size() * sizeof(float), stream);
-  compute_.synchronize(stream);
+// The sum of squares of every norm chunk of this rank's update region, on the host.
+std::vector<float> Engine::Impl::local_chunk_sums() {
+  for (int b = 0; b < (int)engine.buckets_.size(); ++b)
+    for_working_type([&](auto zero) { chunk_squares_as<decltype(zero)>(b); });
+  std::vector<float> local(chunk_sums.size());
+  compute.copy(local.data(), chunk_sums.data(), local.size() * sizeof(float), compute.compute_stream());
+  compute.synchronize(compute.compute_stream());
+  return local;
+}
+
+// The global squared norm: the chunk sums of all ranks in canonical order,
+// then the canonical tree over them. Padding chunks take no part.
+float Engine::Impl::global_squared_norm(const std::vector<float>& local) {
+  const int N = engine.comm_.world_size();
+  const auto& buckets = engine.buckets_;
   std::vector<float> all_chunks;  // indexed by chunk of the padded buffer
   if (stage == 0) {
     all_chunks = local;
   } else {
     std::vector<float> gathered_chunks(local.size() * N);
-    comm_.all_gather_host(local.data(), local.size(), gathered_chunks.data());
-    all_chunks.assign(psi_padded() / norm_chunk, 0.0f);
+    engine.comm_.all_gather_host(local.data(), local.size(), gathered_chunks.data());
+    all_chunks.assign(engine.psi_padded() / norm_chunk, 0.0f);
     for (int r = 0; r < N; ++r)
-      for (auto& b : buckets_)
+      for (auto& b : buckets)
         for (size_t k = 0; k < b.shard_length / norm_chunk; ++k)
           all_chunks[(b.offset + r * b.shard_length) / norm_chunk + k] =
               gathered_chunks[r * local.size() + b.shard_offset / norm_chunk + k];
   }
-  std::vector<float> canonical(canonical_elements_ / norm_chunk);
-  for (auto& b : buckets_)
-    for (size_t k = 0; k < b.length / norm_chunk; ++k) canonical[b.canonical_chunk + k] = all_chunks[b.offset / norm_chunk + k];
-  float squared = canonical_tree_sum((long)canonical.size(), [&](long c) { return canonical[c]; });
-  report.grad_norm = std::sqrt(squared);
+  std::vector<float> canonical(engine.canonical_elements_ / norm_chunk);
+  for (auto& b : buckets)
+    for (size_t k = 0; k < b.length / norm_chunk; ++k)
+      canonical[b.canonical_chunk + k] = all_chunks[b.offset / norm_chunk + k];
+  return canonical_tree_sum((long)canonical.size(), [&](long c) { return canonical[c]; });
+}
 
+// torch.optim.AdamW's scalars, computed in double, for update t (1-based).
+AdamWConstants Engine::Impl::adamw_constants(double lr, long t, float grad_scale) const {
+  const EngineOptions& o = engine.options_;
+  AdamWConstants constants;
+  constants.decay_factor = (float)(1.0 - lr * o.weight_decay);
+  constants.one_minus_beta1 = (float)(1.0 - o.beta1);
+  constants.beta2 = (float)o.beta2;
+  constants.one_minus_beta2 = (float)(1.0 - o.beta2);
+  constants.eps = (float)o.eps;
+  constants.negative_step_size = (float)(-lr / (1.0 - std::pow(o.beta1, (double)t)));
+  constants.bias_correction2_sqrt = (float)std::sqrt(1.0 - std::pow(o.beta2, (double)t));
+  constants.grad_scale = grad_scale;
+  return constants;
+}
+
+// Stages 1 and 2: every rank updated only its own shards; all-gather them
+// (16-bit working parameters in mixed precision: half the bytes).
+void Engine::Impl::all_gather_parameters() {
+  if (stage == 0) return;
+  for (int b = 0; b < (int)engine.buckets_.size(); ++b)
+    exchange->all_gather(exchange->acquire(b), at(params, bucket(b).offset), bucket(b).padded_length);
+  exchange->finish_all();
+  compute.record(comm_done, compute.comm_stream());
+  compute.wait(compute.compute_stream(), comm_done);
+}
+
+// This step's communication and allocations, for the ledger.
+void Engine::Impl::account_step() {
+  const CommCounters& now = engine.comm_.counters();
+  last_step_counters.reduce_scatter = now.reduce_scatter - step_start_counters.reduce_scatter;
+  last_step_counters.all_gather = now.all_gather - step_start_counters.all_gather;
+  last_step_counters.all_reduce = now.all_reduce - step_start_counters.all_reduce;
+  last_step_counters.other = now.other - step_start_counters.other;
+  step_start_counters = now;
+  const MemoryCounters& memory = compute.memory();
+  if (engine.steps_taken_ == 1) allocations_at_step1 = memory.allocations;
+  allocations_last_step = memory.allocations - allocations_at_step_start;
+  pushes_last_step = memory.pushes - pushes_at_step_start;
+  allocations_at_step_start = memory.allocations;
+  pushes_at_step_start = memory.pushes;
+}
+
+StepReport Engine::step() {
+  require_built("step");
+  Impl& impl = *impl_;
+  const int A = options_.accumulation_steps;
+  if (micro_step_ != A)
+    usage_error("step() after %d micro-step(s); accumulation_steps is %d", micro_step_, A);
+  StepReport report;
+  report.loss = impl.global_loss();
+  report.step = ++steps_taken_;
+  report.loss_scale = scaler_.scale();
+  const long t = optimizer_step_ + 1;  // the update this step makes, unless it is skipped
+  report.lr = options_.lr_schedule ? options_.lr_schedule(t) : options_.lr;
+  if (!std::isfinite(report.lr) || report.lr < 0)
+    usage_error("the learning-rate schedule gave %g for step %ld: it must be finite and >= 0", report.lr, t);
+  const std::vector<float> local = impl.local_chunk_sums();
+
+  // fp16: overflow anywhere? (A chunk sum of finite fp16 values is finite:
+  // 32 x 65504^2 < 2^37, so a non-finite chunk is a non-finite element.)
+  if (options_.precision == Precision::fp16) {
+    bool overflow = false;
+    for (float sum : local) overflow |= !std::isfinite(sum);
+    report.skipped = comm_.any_rank(overflow);
+    scaler_.update(report.skipped);  // throws, on every rank, at the minimum scale
+  }
+  micro_step_ = 0;
+  if (report.skipped) {
+    ++skipped_steps_;
+    report.applied = optimizer_step_;
+    report.grad_norm = NAN;
+    impl.account_step();
+    return report;
+  }
+
+  report.grad_norm = std::sqrt(impl.global_squared_norm(local)) / (float)report.loss_scale;
   // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
   // 1e-6), capped at 1, in float.
   if (options_.clip > 0) {
     float coefficient = (float)options_.clip / (report.grad_norm + 1e-6f);
     report.clip_coefficient = std::min(coefficient, 1.0f);
   }
-
-  // AdamW, torch.optim.AdamW's scalars computed in double.
-  const long t = optimizer_step_ + 1;
-  report.step = t;
-  report.lr = options_.lr_schedule ? options_.lr_schedule(t) : options_.lr;
-  if (!std::isfinite(report.lr) || report.lr < 0)
-    usage_error("the learning-rate schedule gave %g for step %ld: it must be finite and >= 0", report.lr, t);
-  AdamWConstants constants;
-  constants.decay_factor = (float)(1.0 - report.lr * options_.weight_decay);
-  constants.one_minus_beta1 = (float)(1.0 - options_.beta1);
-  constants.beta2 = (float)options_.beta2;
-  constants.one_minus_beta2 = (float)(1.0 - options_.beta2);
-  constants.eps = (float)options_.eps;
-  constants.negative_step_size = (float)(-report.lr / (1.0 - std::pow(options_.beta1, (double)t)));
-  constants.bias_correction2_sqrt = (float)std::sqrt(1.0 - std::pow(options_.beta2, (double)t));
-  constants.grad_scale = report.clip_coefficient;
-  const unsigned char* decay_flags = impl.decay.data();
-  for (int b = 0; b < (int)buckets_.size(); ++b) {
-    float* param = impl.region_param(b);
-    const size_t first_chunk = (size_t)(param - impl.params.data()) / norm_chunk;
-    const float* gradient = impl.region_gradient(b);
-    float* m = impl.adam_m.data() + impl.region_offset(b);
-    float* v = impl.adam_v.data() + impl.region_offset(b);
-    compute_.for_each(impl.region_length(b), [=] Z2_HD(size_t i) {
-      bool decay = decay_flags[first_chunk + i / norm_chunk] != 0;
-      adamw_update(constants, decay, param, gradient, m, v, i);
-    }, stream);
-  }
-
-  // Stages 1 and 2: every rank updated only its own shards; all-gather them.
-  if (stage > 0) {
-    for (int b = 0; b < (int)buckets_.size(); ++b)
-      impl.exchange->all_gather(impl.exchange->acquire(b), impl.params.data() + buckets_[b].offset,
-                                buckets_[b].padded_length);
-    impl.exchange->finish_all();
-    compute_.record(impl.comm_done, compute_.comm_stream());
-    compute_.wait(stream, impl.comm_done);
-  }
-
-  // This step's communication, for the ledger.
-  const CommCounters& now = comm_.counters();
-  impl.last_step_counters.reduce_scatter = now.reduce_scatter - impl.step_start_counters.reduce_scatter;
-  impl.last_step_counters.all_gather = now.all_gather - impl.step_start_counters.all_gather;
-  impl.last_step_counters.all_reduce = now.all_reduce - impl.step_start_counters.all_reduce;
-  impl.last_step_counters.other = now.other - impl.step_start_counters.other;
-  impl.step_start_counters = now;
-
-  micro_step_ = 0;
+  // One multiply per element: the clipping coefficient and fp16's 1/S.
+  const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
+  const AdamWConstants constants = impl.adamw_constants(report.lr, t, grad_scale);
+  for (int b = 0; b < (int)buckets_.size(); ++b)
+    impl.for_working_type([&](auto zero) { impl.adamw_as<decltype(zero)>(b, constants); });
+  impl.all_gather_parameters();
   optimizer_step_ = t;
-  if (t == 1) impl.allocations_at_step1 = compute_.memory().allocations;
-  const MemoryCounters& memory = compute_.memory();
-  impl.allocations_last_step = memory.allocations - impl.allocations_at_step_start;
-  impl.pushes_last_step = memory.pushes - impl.pushes_at_step_start;
-  impl.allocations_at_step_start = memory.allocations;
-  impl.pushes_at_step_start = memory.pushes;
+  report.applied = t;
+  impl.account_step();
   return report;
+}
+
+// --- host copies in canonical order -------------------------------------------
+
+// The working type's bits <-> float on the host (uint16_t is either 16-bit format).
+static std::vector<float> widen_bits(const std::vector<uint16_t>& bits, Precision precision) {
+  std::vector<float> values(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i)
+    values[i] = precision == Precision::bf16 ? float_from_bf16_bits(bits[i]) : float_from_fp16_bits(bits[i]);
+  return values;
+}
+static std::vector<uint16_t> narrow_bits(const std::vector<float>& values, Precision precision) {
+  std::vector<uint16_t> bits(values.size());
+  for (size_t i = 0; i < values.size(); ++i)
+    bits[i] = precision == Precision::bf16 ? bf16_bits_from_float(values[i]) : fp16_bits_from_float(values[i]);
+  return bits;
+}
+
+// `count` elements of the working type at `device`, as floats on the host.
+static std::vector<float> working_to_host(Compute& compute, const void* device, size_t count, Precision precision) {
+  std::vector<float> values(count);
+  if (precision == Precision::fp32) {
+    compute.copy(values.data(), device, count * sizeof(float), compute.compute_stream());
+  } else {
+    std::vector<uint16_t> bits(count);
+    compute.copy(bits.data(), device, count * sizeof(uint16_t), compute.compute_stream());
+    compute.synchronize(compute.compute_stream());
+    values = widen_bits(bits, precision);
+  }
+  compute.synchronize(compute.compute_stream());
+  return values;
+}
+
+std::vector<float> Engine::canonical_from_padded(const std::vector<float>& padded) const {
+  std::vector<float> canonical;
+  canonical.reserve(psi());
+  for (auto& p : parameters_)
+    canonical.insert(canonical.end(), padded.begin() + p.offset, padded.begin() + p.offset + p.numel);
+  return canonical;
 }
 
 std::vector<float> Engine::parameters_to_host() {
   require_built("parameters_to_host");
   compute_.synchronize_all();
-  std::vector<float> padded(psi_padded()), canonical;
-  compute_.copy(padded.data(), impl_->params.data(), padded.size() * sizeof(float), compute_.compute_stream());
+  Impl& impl = *impl_;
+  if (!impl.mixed) return canonical_from_padded(working_to_host(compute_, impl.params.data(), psi_padded(), Precision::fp32));
+  std::vector<float> master(impl.master.size());
+  compute_.copy(master.data(), impl.master.data(), master.size() * sizeof(float), compute_.compute_stream());
   compute_.synchronize(compute_.compute_stream());
-  canonical.reserve(psi());
-  for (auto& p : parameters_) canonical.insert(canonical.end(), padded.begin() + p.offset, padded.begin() + p.offset + p.numel);
-  return canonical;
+  if (options_.stage == 0) return canonical_from_padded(master);
+  // Stages 1 and 2 hold the master sharded: gather every rank's shards (not
+  // training traffic, so not in the communication ledger) and put rank r's
+  // shard of bucket b back at b.offset + r * shard_length.
+  const int N = comm_.world_size();
+  std::vector<float> gathered(master.size() * N), padded(psi_padded(), 0.0f);
+  Z2_MPI_CHECK(MPI_Allgather(master.data(), (int)master.size(), MPI_FLOAT, gathered.data(), (int)master.size(),
+                             MPI_FLOAT, comm_.mpi()));
+  for (int r = 0; r < N; ++r)
+    for (auto& b : buckets_)
+      std::copy_n(gathered.begin() + (size_t)r * master.size() + b.shard_offset, b.shard_length,
+                  padded.begin() + b.offset + (size_t)r * b.shard_length);
+  return canonical_from_padded(padded);
+}
+
+std::vector<float> Engine::working_parameters_to_host() {
+  require_built("working_parameters_to_host");
+  compute_.synchronize_all();
+  return canonical_from_padded(working_to_host(compute_, impl_->params.data(), psi_padded(), options_.precision));
 }
 
 void Engine::parameters_from_host(const std::vector<float>& canonical) {
   require_built("parameters_from_host");
   if (canonical.size() != psi())
     usage_error("parameters_from_host: %zu values for %zu parameters", canonical.size(), psi());
+  Impl& impl = *impl_;
+  std::vector<float> padded(psi_padded(), 0.0f);  // padding stays zero
   size_t position = 0;
   for (auto& p : parameters_) {
-    compute_.copy(impl_->params.data() + p.offset, canonical.data() + position, p.numel * sizeof(float),
-                  compute_.compute_stream());
+    std::copy_n(canonical.begin() + position, p.numel, padded.begin() + p.offset);
     position += p.numel;
   }
-  compute_.synchronize(compute_.compute_stream());
+  Stream stream = compute_.compute_stream();
+  if (!impl.mixed) {
+    compute_.copy(impl.params.data(), padded.data(), padded.size() * sizeof(float), stream);
+  } else {
+    // The working copy is the master rounded; the master holds this rank's region.
+    const std::vector<uint16_t> working = narrow_bits(padded, options_.precision);
+    compute_.copy(impl.params.data(), working.data(), working.size() * sizeof(uint16_t), stream);
+    for (int b = 0; b < (int)buckets_.size(); ++b)
+      compute_.copy(impl.master.data() + impl.region_offset(b), padded.data() + impl.region_start(b),
+                    impl.region_length(b) * sizeof(float), stream);
+  }
+  compute_.synchronize(stream);
 }
 
 std::vector<float> Engine::gradients_to_host() {
@@ -1875,14 +2271,17 @@ std::vector<float> Engine::gradients_to_host() {
                 options_.stage, comm_.world_size());
   compute_.synchronize_all();
   // With stage 0 or N = 1, each bucket's update region is the whole bucket.
-  std::vector<float> padded(psi_padded()), canonical;
-  for (int b = 0; b < (int)buckets_.size(); ++b)
-    compute_.copy(padded.data() + buckets_[b].offset, impl_->region_gradient(b),
-                  buckets_[b].padded_length * sizeof(float), compute_.compute_stream());
-  compute_.synchronize(compute_.compute_stream());
-  canonical.reserve(psi());
-  for (auto& p : parameters_) canonical.insert(canonical.end(), padded.begin() + p.offset, padded.begin() + p.offset + p.numel);
-  return canonical;
+  std::vector<float> padded(psi_padded());
+  for (int b = 0; b < (int)buckets_.size(); ++b) {
+    std::vector<float> values =
+        working_to_host(compute_, impl_->region_gradient(b), buckets_[b].padded_length, options_.precision);
+    std::copy(values.begin(), values.end(), padded.begin() + buckets_[b].offset);
+  }
+  // fp16: divide the loss scale out (a power of two: exact).
+  const float unscale = 1.0f / loss_scale();
+  if (unscale != 1.0f)
+    for (float& value : padded) value *= unscale;
+  return canonical_from_padded(padded);
 }
 
 uint64_t Engine::parameters_hash() {
@@ -1890,32 +2289,91 @@ uint64_t Engine::parameters_hash() {
   return fnv1a64(values.data(), values.size());
 }
 
+// --- fp16 loss scaling (DeepSpeed's DynamicLossScaler) ------------------------
+
+LossScaler::LossScaler(const LossScaling& settings, bool fp16) : settings_(settings) {
+  if (!fp16) return;  // bf16 and fp32 need no scaling: scale 1, never updated
+  if (!(settings.static_scale >= 0) || !std::isfinite(settings.static_scale))
+    usage_error("fp16 loss_scale %g: 0 (dynamic) or a positive static scale", settings.static_scale);
+  if (settings.initial_scale_power < 0 || settings.initial_scale_power > 100)
+    usage_error("fp16 initial_scale_power %d: from 0 to 100", settings.initial_scale_power);
+  if (settings.window < 1) usage_error("fp16 loss_scale_window %ld: at least 1", settings.window);
+  if (settings.hysteresis < 1) usage_error("fp16 hysteresis %d: at least 1", settings.hysteresis);
+  if (!(settings.min_scale > 0) || !std::isfinite(settings.min_scale))
+    usage_error("fp16 min_loss_scale %g: must be > 0", settings.min_scale);
+  dynamic_ = settings.static_scale == 0;
+  scale_ = dynamic_ ? std::ldexp(1.0, settings.initial_scale_power) : settings.static_scale;
+  hysteresis_left_ = settings.hysteresis;
+}
+
+// update_scale of deepspeed/runtime/fp16/loss_scaler.py, line by line.
+void LossScaler::update(bool overflow) {
+  if (!dynamic_) return;  // a static scale never changes (an overflow still skips the step)
+  if (overflow) {
+    if (settings_.hysteresis == 1 || hysteresis_left_ == 1) {
+      if (scale_ == settings_.min_scale)
+        usage_error("fp16 gradients overflowed at the minimum loss scale %g (min_loss_scale) with no hysteresis "
+                    "left: the scale cannot go lower (DeepSpeed stops here too). Lower --lr, use bf16, or clip",
+                    scale_);
+      scale_ = std::max(scale_ / 2, settings_.min_scale);
+    } else {
+      hysteresis_left_ -= 1;
+    }
+    last_overflow_ = iteration_;
+  } else {
+    if (settings_.consecutive_hysteresis) hysteresis_left_ = settings_.hysteresis;
+    if ((iteration_ - last_overflow_) % settings_.window == 0) {
+      if (!settings_.consecutive_hysteresis) hysteresis_left_ = settings_.hysteresis;
+      scale_ *= 2;
+    }
+  }
+  iteration_ += 1;
+}
+
 // ----------------------------------------------------------------------------
 // 8. Ledgers
 //
-// Memory (paper section 3.1 and Figure 1, fp32 here, Psi = Psi_padded):
-//   stage 0: 4 Psi params + 4 Psi grads + 8 Psi AdamW        = 16 Psi
-//   stage 1: 4 Psi + 4 Psi + 8 Psi / N                       = 8 Psi + 8 Psi / N
-//   stage 2: 4 Psi + 4 Psi / N + 8 Psi / N                   = 4 Psi + 12 Psi / N
-// In fp32 the parameters are their own master copy, so "master" is 0 (the
-// paper's K = 12 counts fp32 master weights next to fp16 parameters).
+// Memory (paper section 3.1 and Figure 1, Psi = Psi_padded):
+//                 fp32                                  bf16 / fp16 (K = 12: master, m, v)
+//   stage 0: 4 + 4 + 8 Psi        = 16 Psi             2 + 2 + 12 Psi           = 16 Psi
+//   stage 1: 4 + 4 + 8 Psi / N    = 8 Psi + 8 Psi/N    2 + 2 + 12 Psi / N       = 4 Psi + 12 Psi/N
+//   stage 2: 4 + (4 + 8) Psi / N  = 4 Psi + 12 Psi/N   2 + (2 + 12) Psi / N     = 2 Psi + 14 Psi/N
+// In fp32 the parameters are their own master copy, so "master" is 0.
 // Two things the formulas do not count, printed on their own lines:
-//   staging      — slots x (stage 2 bucket + (N-1) x shard) elements,
-//                  constant in the model size;
+//   staging      — slots x (stage 2 bucket + (N-1) x shard) elements of 4 or
+//                  2 bytes, constant in the model size;
 //   accumulation — with A > 1 micro-steps, floor(log2 A) open blocks of the
-//                  canonical tree, each Psi / N elements.
+//                  canonical tree, each Psi / N elements (fp32 by default in
+//                  mixed precision too, where the paper counts none).
 //
 // Communication per rank per step (section 7.2), counted as a ring sends, the
 // same in every stage: A reduce-scatters of (N-1)/N Psi elements and one
 // all-gather of (N-1)/N Psi (of gradients in stage 0, where the last
 // reduce-scatter and the all-gather form an all-reduce; of parameters in
-// stages 1, 2). With A = 1: 2 (N-1)/N Psi x 4 bytes, one all-reduce's worth.
+// stages 1, 2). With A = 1: 2 (N-1)/N Psi x 4 bytes in fp32, x 2 in mixed
+// precision, one all-reduce's worth.
+
+double model_states_formula(int stage, Precision precision, double psi, double ranks) {
+  if (precision == Precision::fp32) {
+    const double fp32[] = {16 * psi, 8 * psi + 8 * psi / ranks, 4 * psi + 12 * psi / ranks};
+    return fp32[stage];
+  }
+  const double mixed[] = {16 * psi, 4 * psi + 12 * psi / ranks, 2 * psi + 14 * psi / ranks};
+  return mixed[stage];
+}
+
+const char* model_states_formula_text(int stage, Precision precision) {
+  static const char* fp32[] = {"16 Psi", "8 Psi + 8 Psi/N", "4 Psi + 12 Psi/N"};
+  static const char* mixed[] = {"16 Psi", "4 Psi + 12 Psi/N", "2 Psi + 14 Psi/N"};
+  return precision == Precision::fp32 ? fp32[stage] : mixed[stage];
+}
 
 MemoryLedger Engine::memory_ledger() const {
   require_built("memory_ledger");
   const MemoryCounters& c = compute_.memory();
-  const size_t psi = psi_padded(), N = comm_.world_size(), f = sizeof(float);
+  const size_t psi = psi_padded(), N = comm_.world_size(), e = impl_->element;
   MemoryLedger ledger;
+  ledger.precision = options_.precision;
   ledger.params = c.current[(int)MemoryKind::params];
   ledger.grads = c.current[(int)MemoryKind::grads];
   ledger.optimizer = c.current[(int)MemoryKind::optimizer];
@@ -1925,16 +2383,14 @@ MemoryLedger Engine::memory_ledger() const {
   ledger.activations = c.peak[(int)MemoryKind::activations];
   ledger.bookkeeping = c.current[(int)MemoryKind::bookkeeping];
   ledger.model_states = ledger.params + ledger.grads + ledger.optimizer + ledger.master;
-  switch (options_.stage) {
-    case 0: ledger.model_states_formula = 16 * psi; break;
-    case 1: ledger.model_states_formula = 8 * psi + 8 * psi / N; break;
-    default: ledger.model_states_formula = 4 * psi + 12 * psi / N; break;
-  }
-  ledger.accumulation_formula = accumulation_blocks(options_.accumulation_steps) * (psi / N) * f;
+  // Exact in double: Psi_padded is a multiple of N, and far below 2^53.
+  ledger.model_states_formula = (size_t)model_states_formula(options_.stage, options_.precision, (double)psi, (double)N);
+  ledger.accumulation_formula =
+      accumulation_blocks(options_.accumulation_steps) * (psi / N) * impl_->accumulation_element;
   size_t max_padded_bucket = 0;
   for (auto& b : buckets_) max_padded_bucket = std::max(max_padded_bucket, b.padded_length);
   ledger.staging_formula = staging_slots(options_) *
-                           ((options_.stage == 2 ? max_padded_bucket : 0) + (N - 1) * (max_padded_bucket / N)) * f;
+                           ((options_.stage == 2 ? max_padded_bucket : 0) + (N - 1) * (max_padded_bucket / N)) * e;
   ledger.device_current = c.total_current;
   ledger.device_peak = c.total_peak;
   ledger.host_pinned = c.host_pinned_current;
@@ -1953,7 +2409,7 @@ MemoryLedger Engine::memory_ledger() const {
 CommLedger Engine::comm_ledger() const {
   require_built("comm_ledger");
   const size_t psi = psi_padded(), N = comm_.world_size(), A = options_.accumulation_steps;
-  const size_t one_way = (N - 1) * (psi / N) * sizeof(float);  // (N-1)/N Psi elements
+  const size_t one_way = (N - 1) * (psi / N) * impl_->element;  // (N-1)/N Psi elements of 4 or 2 bytes
   CommLedger ledger;
   ledger.per_step = impl_->last_step_counters;
   ledger.formula_per_step = A * one_way + one_way;  // A reduce-scatters + 1 all-gather, in every stage
@@ -1973,18 +2429,24 @@ void Engine::print_ledgers(FILE* out) const {
   MemoryLedger m = memory_ledger();
   CommLedger c = comm_ledger();
   const int N = comm_.world_size();
-  const char* formula = options_.stage == 0 ? "16 Psi" : options_.stage == 1 ? "8 Psi + 8 Psi/N" : "4 Psi + 12 Psi/N";
-  fprintf(out, "memory per rank: stage %d, N = %d, Psi = %s, Psi_padded = %s, %zu bucket(s), device %s\n",
-          options_.stage, N, with_commas(psi()).c_str(), with_commas(psi_padded()).c_str(), buckets_.size(),
+  const Precision precision = options_.precision;
+  const bool mixed = precision != Precision::fp32;
+  const char* type = to_string(precision);
+  const int e = (int)element_bytes(precision), accumulation_e = (int)impl_->accumulation_element;
+  fprintf(out, "memory per rank: stage %d, N = %d, %s, Psi = %s, Psi_padded = %s, %zu bucket(s), device %s\n",
+          options_.stage, N, type, with_commas(psi()).c_str(), with_commas(psi_padded()).c_str(), buckets_.size(),
           to_string(compute_.device()));
-  fprintf(out, "  %-22s %14s\n", "params", with_commas(m.params).c_str());
-  fprintf(out, "  %-22s %14s\n", "grads", with_commas(m.grads).c_str());
-  fprintf(out, "  %-22s %14s\n", "optimizer (m, v)", with_commas(m.optimizer).c_str());
-  fprintf(out, "  %-22s %14s   (fp32: the parameters are the master copy)\n", "master", with_commas(m.master).c_str());
-  fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(m.model_states).c_str(), formula,
-          with_commas(m.model_states_formula).c_str(), m.model_states == m.model_states_formula ? "(equal)" : "(DIFFERS)");
-  fprintf(out, "  %-22s %14s   floor(log2 A) x 4 Psi/N = %s\n", "accumulation tree",
-          with_commas(m.accumulation).c_str(), with_commas(m.accumulation_formula).c_str());
+  fprintf(out, "  %-22s %14s   (%s, %d bytes an element)\n", "params", with_commas(m.params).c_str(), type, e);
+  fprintf(out, "  %-22s %14s   (%s)\n", "grads", with_commas(m.grads).c_str(), type);
+  fprintf(out, "  %-22s %14s   (fp32)\n", "optimizer (m, v)", with_commas(m.optimizer).c_str());
+  fprintf(out, "  %-22s %14s   %s\n", "master", with_commas(m.master).c_str(),
+          mixed ? "(fp32 weights AdamW updates; the params are them rounded)" : "(fp32: the parameters are the master copy)");
+  fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(m.model_states).c_str(),
+          model_states_formula_text(options_.stage, precision), with_commas(m.model_states_formula).c_str(),
+          m.model_states == m.model_states_formula ? "(equal)" : "(DIFFERS)");
+  fprintf(out, "  %-22s %14s   floor(log2 A) x %d Psi/N = %s%s\n", "accumulation tree",
+          with_commas(m.accumulation).c_str(), accumulation_e, with_commas(m.accumulation_formula).c_str(),
+          mixed && accumulation_e == 4 ? " (fp32 blocks: not in the paper's K = 12)" : "");
   fprintf(out, "  %-22s %14s   slots x (bucket + (N-1) shards) = %s\n", "staging", with_commas(m.staging).c_str(),
           with_commas(m.staging_formula).c_str());
   fprintf(out, "  %-22s %14s\n", "activation peak", with_commas(m.activations).c_str());
@@ -2009,9 +2471,10 @@ void Engine::print_ledgers(FILE* out) const {
   fprintf(out, "  %-22s %14s\n", "all-reduce", with_commas(c.per_step.all_reduce).c_str());
   size_t total = c.per_step.reduce_scatter + c.per_step.all_gather + c.per_step.all_reduce;
   fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "total", with_commas(total).c_str(),
-          "(A + 1) (N-1)/N Psi x 4",
+          e == 4 ? "(A + 1) (N-1)/N Psi x 4" : "(A + 1) (N-1)/N Psi x 2",
           with_commas(c.formula_per_step).c_str(), total == c.formula_per_step ? "(equal)" : "(DIFFERS)");
-  fprintf(out, "  %-22s %14s   (loss and norm chunk sums, over MPI)\n", "other", with_commas(c.per_step.other).c_str());
+  fprintf(out, "  %-22s %14s   (loss and norm chunk sums%s, over MPI)\n", "other", with_commas(c.per_step.other).c_str(),
+          precision == Precision::fp16 ? ", the overflow flag" : "");
 }
 
 std::string Engine::ledgers_json() const {
@@ -2023,6 +2486,9 @@ std::string Engine::ledgers_json() const {
        << ", \"model_states_formula_bytes\": " << m.model_states_formula << ", \"params_bytes\": " << m.params
        << ", \"grads_bytes\": " << m.grads << ", \"optimizer_bytes\": " << m.optimizer
        << ", \"master_bytes\": " << m.master << ", \"accumulation_bytes\": " << m.accumulation
+       << ", \"accumulation_formula_bytes\": " << m.accumulation_formula << ", \"precision\": \""
+       << to_string(m.precision) << "\", \"model_states_formula\": \""
+       << model_states_formula_text(options_.stage, m.precision) << "\""
        << ", \"staging_bytes\": " << m.staging << ", \"activation_peak_bytes\": " << m.activations
        << ", \"host_offload_peak_bytes\": " << m.host_offload_peak << ", \"host_pinned_bytes\": " << m.host_pinned
        << ", \"device_peak_bytes\": " << m.device_peak << ", \"reserved_bytes\": " << m.reserved

@@ -42,6 +42,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -108,6 +109,117 @@ Z2_HD inline uint64_t hash_keys(uint64_t a, uint64_t b, uint64_t c = 0, uint64_t
 // Uniform in [0, 1) with 24 random bits: every value is exactly a float.
 Z2_HD inline float uniform_from_hash(uint64_t h) { return (float)(h >> 40) * (1.0f / 16777216.0f); }
 
+// --- 16-bit floating point (mixed precision, notes/08) ----------------------
+//
+// Two 16-bit formats, stored as their bits:
+//   bf16  1 sign, 8 exponent, 7 mantissa bits: the top half of a float, so the
+//         same range (to 3.4e38) with 8 significant bits;
+//   fp16  IEEE binary16: 1 sign, 5 exponent, 10 mantissa bits, largest finite
+//         65504, subnormals down to 2^-24 (hence loss scaling).
+// Narrowing rounds to nearest, ties to even, as the CUDA intrinsics
+// __float2bfloat16_rn / __float2half_rn do, bit for bit: overflow goes to
+// +-inf, subnormals are kept (no flush to zero), a NaN becomes 0x7fff (CUDA's
+// canonical NaN; torch gives 0x7fc0 / 0x7e00, also NaN). Widening is exact.
+// Plain bit manipulation, so one function serves the CPU and the kernels.
+struct bfloat16 {
+  uint16_t bits;
+};
+struct float16 {
+  uint16_t bits;
+};
+enum class Precision { fp32, bf16, fp16 };
+const char* to_string(Precision precision);
+inline size_t element_bytes(Precision precision) { return precision == Precision::fp32 ? 4 : 2; }
+
+Z2_HD inline uint32_t bits_of(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+Z2_HD inline float float_of(uint32_t bits) {
+  float value;
+  memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+Z2_HD inline uint16_t bf16_bits_from_float(float value) {
+  uint32_t bits = bits_of(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;  // NaN
+  // Round the 16 dropped bits to nearest even: add just under half, plus the
+  // kept lowest bit. A carry ripples into the exponent, which is right (it
+  // also takes the values above the largest finite bf16 to infinity).
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+Z2_HD inline float float_from_bf16_bits(uint16_t bits) { return float_of((uint32_t)bits << 16); }
+
+Z2_HD inline uint16_t fp16_bits_from_float(float value) {
+  const uint32_t bits = bits_of(value), magnitude = bits & 0x7fffffffu;
+  const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+  if (magnitude > 0x7f800000u) return 0x7fffu;  // NaN
+  // 65520 (0x477ff000) is halfway between 65504, the largest finite, and
+  // 65536; its tie goes to the even neighbour, which is infinity.
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;
+  if (magnitude >= 0x38800000u) {  // a normal fp16 (2^-14 and up): rebias 127 -> 15, round 13 bits
+    uint32_t rebased = magnitude - 0x38000000u;
+    rebased += 0xfffu + ((rebased >> 13) & 1u);
+    return sign | (uint16_t)(rebased >> 13);
+  }
+  if (magnitude <= 0x33000000u) return sign;  // at most 2^-25, half the smallest subnormal: ties to 0
+  // Subnormal: the value is (24-bit significand) x 2^(exponent - 150); in
+  // units of 2^-24 that is the significand shifted right by 126 - exponent.
+  const uint32_t exponent = magnitude >> 23, shift = 126 - exponent;  // 14 .. 24
+  const uint32_t significand = (magnitude & 0x7fffffu) | 0x800000u;
+  uint32_t result = significand >> shift;
+  const uint32_t dropped = significand << (32 - shift);  // the bits shifted out, left-aligned
+  if (dropped > 0x80000000u || (dropped == 0x80000000u && (result & 1u))) ++result;
+  return sign | (uint16_t)result;  // a carry out of the subnormals is the smallest normal: right
+}
+Z2_HD inline float float_from_fp16_bits(uint16_t bits) {
+  const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
+  if (exponent == 0x1fu) return float_of(mantissa ? 0x7fffffffu : sign | 0x7f800000u);  // NaN (as CUDA), +-inf
+  if (exponent != 0) return float_of(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  // Zero or subnormal: mantissa x 2^-24, exact in float.
+  const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+  return sign ? -magnitude : magnitude;
+}
+
+// Reading and writing an element of any storage type: the model's and the
+// engine's kernels are written once over `T` and run as float (fp32: these
+// are identities, the fp32 bits do not change), bfloat16 or float16.
+Z2_HD inline float to_float(float value) { return value; }
+Z2_HD inline float to_float(bfloat16 value) { return float_from_bf16_bits(value.bits); }
+Z2_HD inline float to_float(float16 value) { return float_from_fp16_bits(value.bits); }
+template <class T>
+Z2_HD inline T from_float(float value);
+template <>
+Z2_HD inline float from_float<float>(float value) {
+  return value;
+}
+template <>
+Z2_HD inline bfloat16 from_float<bfloat16>(float value) {
+  return bfloat16{bf16_bits_from_float(value)};
+}
+template <>
+Z2_HD inline float16 from_float<float16>(float value) {
+  return float16{fp16_bits_from_float(value)};
+}
+// The Precision a storage type stands for.
+template <class T>
+constexpr Precision precision_of();
+template <>
+constexpr Precision precision_of<float>() {
+  return Precision::fp32;
+}
+template <>
+constexpr Precision precision_of<bfloat16>() {
+  return Precision::bf16;
+}
+template <>
+constexpr Precision precision_of<float16>() {
+  return Precision::fp16;
+}
+
 // The canonical summation tree (DESIGN.md section 4.2). Float addition is not
 // associative, so "the sum" of n numbers is only defined once we fix the tree.
 // Ours is the left-complete pairwise tree: a range of n > 1 leaves splits after
@@ -146,19 +258,27 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
 // one buffer each); `step` is this micro-step (0-based). Before the last step
 // the new value is pushed exactly as in canonical_tree_sum; at the last step
 // the stack is folded from the right into `result`.
-struct AccumulationStack {
-  float* entries[32];  // entries[d][i]: element i of open block d (A < 2^32)
+// In mixed precision `value` is the fp32 sum of the ranks' 16-bit slices, the
+// blocks are fp32 (`Accum` = float, DeepSpeed's grad_accum_dtype "fp32") or
+// 16-bit, and `result` is the 16-bit gradient: the sums happen in fp32 and
+// only the finished sum is rounded, once (notes/08).
+template <class Accum = float>
+struct AccumulationStackOf {
+  Accum* entries[32];  // entries[d][i]: element i of open block d (A < 2^32)
 };
-Z2_HD inline void accumulate_micro_step(const AccumulationStack& stack, long step, long steps, float value,
-                                 float* result, size_t i) {
+using AccumulationStack = AccumulationStackOf<float>;
+template <class Accum, class Result>
+Z2_HD inline void accumulate_micro_step(const AccumulationStackOf<Accum>& stack, long step, long steps, float value,
+                                        Result* result, size_t i) {
   int depth = count_bits((unsigned long)step);  // open blocks before this push
   if (step == steps - 1) {
-    while (depth > 0) value = stack.entries[--depth][i] + value;
-    result[i] = value;
+    while (depth > 0) value = to_float(stack.entries[--depth][i]) + value;
+    result[i] = from_float<Result>(value);
     return;
   }
-  for (unsigned long closed = (unsigned long)step; closed & 1ul; closed >>= 1) value = stack.entries[--depth][i] + value;
-  stack.entries[depth][i] = value;
+  for (unsigned long closed = (unsigned long)step; closed & 1ul; closed >>= 1)
+    value = to_float(stack.entries[--depth][i]) + value;
+  stack.entries[depth][i] = from_float<Accum>(value);
 }
 
 // AdamW exactly as torch.optim.AdamW (single-tensor path, amsgrad off):
@@ -179,11 +299,15 @@ struct AdamWConstants {
   float eps;
   float negative_step_size;     // -lr / (1 - beta1^t)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
-  float grad_scale;             // clipping coefficient, 1 when not clipping
+  float grad_scale;             // clipping coefficient / fp16 loss scale, 1 when neither applies
 };
-Z2_HD inline void adamw_update(const AdamWConstants& c, bool decay, float* param, const float* grad, float* m,
-                        float* v, size_t i) {
-  float g = grad[i];
+// `grad` is float (fp32 training) or the 16-bit reduced gradient, widened
+// here; `param` is always fp32: the parameters themselves in fp32, the
+// master weights in mixed precision.
+template <class Grad>
+Z2_HD inline void adamw_update(const AdamWConstants& c, bool decay, float* param, const Grad* grad, float* m,
+                               float* v, size_t i) {
+  float g = to_float(grad[i]);
   if (c.grad_scale != 1.0f) g = g * c.grad_scale;
   float p = param[i];
   if (decay) p = p * c.decay_factor;
@@ -201,10 +325,10 @@ Z2_HD inline void adamw_update(const AdamWConstants& c, bool decay, float* param
 
 enum class Device { cpu, cuda };
 enum class MemoryKind {
-  params,        // full fp32 parameters (every stage keeps them: 4 Psi)
-  grads,         // full gradients (stages 0, 1) or the own gradient shard (stage 2)
-  optimizer,     // AdamW m and v (full in stage 0, own shard in stages 1, 2)
-  master,        // fp32 master weights (none while training in fp32)
+  params,        // full working parameters, every stage: fp32 (4 Psi) or 16-bit (2 Psi)
+  grads,         // full gradients (stages 0, 1) or the own gradient shard (stage 2), same type
+  optimizer,     // AdamW m and v, fp32 (full in stage 0, own shard in stages 1, 2)
+  master,        // fp32 master weights in mixed precision (as m); none in fp32
   accumulation,  // open blocks of the accumulation tree (A > 1 only)
   staging,       // constant-size gradient staging and receive buffers
   activations,   // the model's activations and temporaries
@@ -341,6 +465,24 @@ class Compute {
                     long stride_a, const float* B, int ldb, long stride_b, float beta, float* C, int ldc,
                     long stride_c, int batch);
 
+  // The same with 16-bit A, B and C (mixed precision, notes/08): exact
+  // products summed in fp32, alpha and beta in fp32, C rounded once. On cuda
+  // cublasGemmEx / cublasGemmStridedBatchedEx with CUBLAS_COMPUTE_32F (and no
+  // reduced-precision split-K reduction); on cpu the operands are widened to
+  // fp32 in host scratch (outside the ledger, as cuBLAS's workspace is) and
+  // sgemm runs: the same products and the same one rounding of C, so the CPU
+  // path is a faithful reference (its summation order is OpenBLAS's).
+  void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A, int lda,
+            const bfloat16* B, int ldb, float beta, bfloat16* C, int ldc);
+  void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A, int lda,
+            const float16* B, int ldb, float beta, float16* C, int ldc);
+  void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A, int lda,
+                    long stride_a, const bfloat16* B, int ldb, long stride_b, float beta, bfloat16* C, int ldc,
+                    long stride_c, int batch);
+  void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A, int lda,
+                    long stride_a, const float16* B, int ldb, long stride_b, float beta, float16* C, int ldc,
+                    long stride_c, int batch);
+
   // Run body(i) for i in [0, n): a CPU loop, or one CUDA thread per i on `stream`.
   template <class Body>
   void for_each(size_t n, Body body, Stream stream);
@@ -355,10 +497,14 @@ class Compute {
   void count(void* pointer, size_t bytes, MemoryKind kind);
   size_t reserved_now() const;
   void sample();
+  void gemm_16bit(Precision precision, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
+                  const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta, void* C,
+                  int ldc, long stride_c, int batch);
   Device device_;
   int device_index_;
   Stream compute_stream_, comm_stream_, copy_stream_;
-  void* cublas_ = nullptr;  // cublasHandle_t
+  void* cublas_ = nullptr;       // cublasHandle_t for fp32: pedantic math (no TF32)
+  void* cublas_16bit_ = nullptr; // cublasHandle_t for 16-bit inputs: tensor cores, fp32 accumulation
   Allocator allocator_ = Allocator::direct;
   MemoryCounters counters_;
   bool tracing_ = false;
@@ -467,7 +613,12 @@ class Communicator {
   // Counted under "other".
   void all_gather_host(const float* send, size_t count, float* receive);
   bool all_agree(bool local_ok);  // logical AND over ranks
+  bool any_rank(bool local);      // logical OR over ranks (one flag, max-reduced), counted under "other"
   void barrier();
+  // MPI_SUM for fp32; for bf16 / fp16 an MPI_Op that adds in fp32 and rounds
+  // each partial sum back to 16 bits, as NCCL's 16-bit sum does (native
+  // collectives only: the deterministic ones do no arithmetic in MPI).
+  MPI_Op sum_op(Precision precision) const;
 
  private:
   Compute& compute_;
@@ -477,15 +628,17 @@ class Communicator {
   Collectives collectives_;
   void* nccl_ = nullptr;
   CommCounters counters_;
+  MPI_Op sum_bf16_ = MPI_OP_NULL, sum_fp16_ = MPI_OP_NULL;
 };
 
 // Where the reduced shard of a bucket goes: straight into `result` (steps = 1),
 // or into the accumulation tree as micro-step `step` of `steps`
 // (accumulate_micro_step). `result` and the stack entries point at the
-// bucket's own region.
+// bucket's own region; `result` has the exchange's wire type (the gradient's
+// type), the entries its accumulation type.
 struct AccumulateInto {
-  float* result = nullptr;
-  AccumulationStack stack{};
+  void* result = nullptr;
+  AccumulationStackOf<void> stack{};
   long step = 0, steps = 1;
 };
 
@@ -496,8 +649,13 @@ struct AccumulateInto {
 class BucketExchange {
  public:
   // `max_padded` bounds every bucket; with `bucket_buffers` each slot also has
-  // a buffer backward can write a bucket's gradient into (stage 2).
-  BucketExchange(Compute& compute, Communicator& comm, size_t max_padded, int slots, bool bucket_buffers);
+  // a buffer backward can write a bucket's gradient into (stage 2). `wire` is
+  // the element type of buckets, gradients and parameters alike (what goes on
+  // the wire: 4 or 2 bytes an element); the N slices are always summed in
+  // fp32, and the accumulation tree's blocks are fp32 (`accumulate_fp32`) or
+  // of the wire type.
+  BucketExchange(Compute& compute, Communicator& comm, size_t max_padded, int slots, bool bucket_buffers,
+                 Precision wire = Precision::fp32, bool accumulate_fp32 = true);
   ~BucketExchange();
   BucketExchange(const BucketExchange&) = delete;
   BucketExchange& operator=(const BucketExchange&) = delete;
@@ -506,18 +664,19 @@ class BucketExchange {
   // are busy. Throws if every slot is held by a bucket not yet handed over.
   int acquire(int bucket);
   int slot_of(int bucket) const;  // the slot `bucket` holds, or -1
-  // The slot's bucket buffer, zeroed, once the compute stream may write it.
-  float* open_bucket_buffer(int slot, size_t padded);
+  // The slot's bucket buffer (wire type), zeroed, once the compute stream may write it.
+  void* open_bucket_buffer(int slot, size_t padded);
 
   // Each collective runs in `slot` (from acquire) and frees it when finished.
+  // `bucket` holds `padded` elements of the wire type.
   // reduce_scatter: the sum over ranks of `bucket`'s own slice, into `into`.
-  void reduce_scatter(int slot, float* bucket, size_t padded, const AccumulateInto& into);
+  void reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into);
   // all_gather: in place, rank r's shard at r * shard (NCCL's layout).
-  void all_gather(int slot, float* bucket, size_t padded);
+  void all_gather(int slot, void* bucket, size_t padded);
   // all_reduce: in place. The reduce-scatter half goes through `into`, whose
   // result must be the bucket's own slice (so the final micro-step of an
   // accumulation can fold into it), then the slices are all-gathered.
-  void all_reduce(int slot, float* bucket, size_t padded, const AccumulateInto& into);
+  void all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into);
 
   void progress();    // advance every transfer as far as it goes without blocking
   void finish_all();  // block until every transfer has finished
@@ -544,6 +703,44 @@ CommBackend choose_comm(const std::string& requested, Device device, MPI_Comm co
 // ----------------------------------------------------------------------------
 // 5. The engine
 
+// fp16's loss scaling, with DeepSpeed's "fp16" config keys and defaults
+// (deepspeed/runtime/fp16/loss_scaler.py, DynamicLossScaler): the loss, and so
+// every gradient, is multiplied by a power of two large enough that small
+// gradients do not vanish below fp16's 2^-24, and small enough that none
+// overflows 65504. An overflow anywhere skips the step and, after
+// `hysteresis` of them, halves the scale; `window` clean steps double it.
+struct LossScaling {
+  double static_scale = 0;       // "loss_scale": > 0 a fixed scale (no halving or doubling), 0 dynamic
+  int initial_scale_power = 16;  // "initial_scale_power": the dynamic scale starts at 2^this
+  long window = 1000;            // "loss_scale_window": clean steps before the scale doubles
+  int hysteresis = 2;            // "hysteresis": overflows before the scale halves (DeepSpeed's delayed_shift)
+  bool consecutive_hysteresis = false;  // "consecutive_hysteresis": a clean step restores the hysteresis
+  double min_scale = 1;          // "min_loss_scale": an overflow at this scale stops the run
+};
+
+// DeepSpeed's DynamicLossScaler.update_scale, step by step (its LossScaler
+// when the scale is static; scale 1 and no updates outside fp16).
+class LossScaler {
+ public:
+  LossScaler(const LossScaling& settings, bool fp16);
+  double scale() const { return scale_; }
+  bool dynamic() const { return dynamic_; }
+  int hysteresis_left() const { return hysteresis_left_; }
+  long iteration() const { return iteration_; }          // update() calls so far (DeepSpeed's cur_iter)
+  long last_overflow() const { return last_overflow_; }  // the iteration of the last overflow, -1 if none
+  // After every step's overflow check, on every rank with the same verdict.
+  // Throws z2::Error when an overflow comes at the minimum scale with no
+  // hysteresis left (DeepSpeed raises "Current loss scale already at minimum").
+  void update(bool overflow);
+
+ private:
+  LossScaling settings_;
+  bool dynamic_ = false;
+  double scale_ = 1;
+  int hysteresis_left_ = 1;
+  long iteration_ = 0, last_overflow_ = -1;
+};
+
 struct EngineOptions {
   int stage = 2;                   // 0: data parallel, 1: P_os, 2: P_os+g
   long bucket_elements = 1 << 20;  // rounded up to a multiple of norm_chunk
@@ -554,6 +751,15 @@ struct EngineOptions {
   // Learning rate of optimizer step `step` (1-based, as torch counts); when
   // empty, `lr` is used throughout. This is the hook for warmup and decay.
   std::function<double(long step)> lr_schedule;
+  // Mixed precision (notes/08): bf16 or fp16 working parameters and
+  // gradients (2 bytes each), fp32 master weights and AdamW state. fp32: the
+  // parameters are their own master copy.
+  Precision precision = Precision::fp32;
+  // A > 1 in mixed precision: the accumulation tree's blocks in fp32
+  // (DeepSpeed's data_types.grad_accum_dtype "fp32", the default), or 16-bit.
+  // Only fp32 blocks keep (N, A) invariance: a 16-bit block rounds a partial sum.
+  bool accumulate_fp32 = true;
+  LossScaling loss_scaling;  // fp16 only
 };
 
 // The global gradient norm is computed over fixed chunks of this many elements
@@ -583,19 +789,23 @@ struct BucketInfo {
 };
 
 struct StepReport {
-  long step = 0;          // 1-based optimizer step just taken
+  long step = 0;          // 1-based: step() calls so far, skipped ones included (DeepSpeed's global_steps)
+  long applied = 0;       // optimizer updates made so far (AdamW's t; the lr schedule's position)
   float loss = 0;         // canonical-tree sum of the micro-batch loss contributions
-  float grad_norm = 0;    // global L2 norm before clipping
+  float grad_norm = 0;    // global L2 norm before clipping (unscaled; inf or NaN on an fp16 overflow)
   float clip_coefficient = 1;
-  double lr = 0;
+  double lr = 0;          // the learning rate of the update (of the update it would have been, when skipped)
+  double loss_scale = 1;  // the scale this step's gradients carry (fp16; 1 otherwise)
+  bool skipped = false;   // fp16: a gradient overflowed on some rank, so no rank updated
 };
 
 struct MemoryLedger {
+  Precision precision = Precision::fp32;
   size_t params = 0, grads = 0, optimizer = 0, master = 0;  // model states (measured)
   size_t accumulation = 0, staging = 0, activations = 0, bookkeeping = 0;
   size_t model_states = 0;           // params + grads + optimizer + master
   size_t model_states_formula = 0;   // the paper's formula for this stage, from Psi_padded
-  size_t accumulation_formula = 0;   // floor(log2 A) blocks of Psi_padded / N
+  size_t accumulation_formula = 0;   // floor(log2 A) blocks of Psi_padded / N (fp32 or 16-bit elements)
   size_t staging_formula = 0;
   size_t device_current = 0, device_peak = 0, host_pinned = 0;
   // reserved: the peak of the device memory held for the buffers. With
@@ -627,12 +837,27 @@ class Engine {
   ParameterId add_parameter(const std::string& name, size_t numel, bool decay);
   void build();  // fix the layout and allocate; after this, no more parameters
 
-  // The full parameter (every stage keeps all parameters on every rank).
-  float* parameter(ParameterId id);
+  // The full (working) parameter: every stage keeps all parameters on every
+  // rank, in the precision's type (fp32, or the 16-bit copy of the master).
+  // `T` must be that type (float, bfloat16 or float16); parameter() is the fp32 form.
+  template <class T>
+  T* parameter_as(ParameterId id) {
+    return static_cast<T*>(parameter_storage(id, precision_of<T>()));
+  }
+  float* parameter(ParameterId id) { return parameter_as<float>(id); }
   // Where backward writes the gradient of `id` for this micro-step (overwrite,
-  // do not accumulate), and the call that hands it over.
-  float* gradient_output(ParameterId id);
+  // do not accumulate), in the same type, and the call that hands it over.
+  // In fp16 the model multiplies its loss gradient by loss_scale() first.
+  template <class T>
+  T* gradient_output_as(ParameterId id) {
+    return static_cast<T*>(gradient_storage(id, precision_of<T>()));
+  }
+  float* gradient_output(ParameterId id) { return gradient_output_as<float>(id); }
   void gradient_ready(ParameterId id);
+  Precision precision() const { return options_.precision; }
+  float loss_scale() const { return (float)scaler_.scale(); }  // for this step's backward
+  const LossScaler& loss_scaler() const { return scaler_; }
+  long skipped_steps() const { return skipped_steps_; }
   // Between layers: lets MPI make progress on buckets in flight.
   void progress();
   // End of a micro-step's backward. `loss` is this micro-batch's contribution
@@ -660,14 +885,20 @@ class Engine {
   // [begin, end) of bucket `bucket`'s shard owned by `rank` in the padded buffer.
   std::pair<size_t, size_t> shard_range(int bucket, int rank) const;
 
-  // Parameters in canonical order, real elements only, copied to the host.
+  // The fp32 parameters in canonical order, real elements only, on the
+  // host: the master weights in mixed precision. Collective (every rank
+  // calls it): in mixed precision stages 1 and 2 hold the master sharded.
   std::vector<float> parameters_to_host();
+  // Sets the master weights and the working copy (rounded) from fp32 values.
   void parameters_from_host(const std::vector<float>& canonical);
-  uint64_t parameters_hash();  // FNV-1a 64 over parameters_to_host()
-  // The step's reduced gradient (sum over all micro-batches, before clipping)
-  // in canonical order, real elements only. Valid after the last
-  // end_micro_step() and before step(), where one rank holds all of it:
-  // stage 0, or N = 1 (for --dump-batch and the reference checks).
+  uint64_t parameters_hash();  // FNV-1a 64 over parameters_to_host(); collective
+  // The working parameters forward and backward use, widened to float
+  // (equal to parameters_to_host() in fp32). Every rank holds them all.
+  std::vector<float> working_parameters_to_host();
+  // The step's reduced gradient (sum over all micro-batches, before clipping;
+  // fp16's loss scale divided out) in canonical order, real elements only.
+  // Valid after the last end_micro_step() and before step(), where one rank
+  // holds all of it: stage 0, or N = 1 (for --dump-batch and the reference checks).
   std::vector<float> gradients_to_host();
 
   MemoryLedger memory_ledger() const;
@@ -682,6 +913,9 @@ class Engine {
 
  private:
   void require_built(const char* what) const;
+  void* parameter_storage(ParameterId id, Precision expected);
+  void* gradient_storage(ParameterId id, Precision expected);
+  std::vector<float> canonical_from_padded(const std::vector<float>& padded) const;
   Compute& compute_;
   Communicator& comm_;
   EngineOptions options_;
@@ -690,7 +924,10 @@ class Engine {
   size_t canonical_elements_ = 0;
   bool built_ = false;
   int micro_step_ = 0;
-  long optimizer_step_ = 0;
+  long optimizer_step_ = 0;  // updates applied (AdamW's t)
+  long steps_taken_ = 0;     // step() calls, skipped ones included
+  long skipped_steps_ = 0;
+  LossScaler scaler_;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -698,8 +935,16 @@ class Engine {
 uint64_t fnv1a64(const float* values, size_t count);
 
 // floor(log2 A): how many open blocks the accumulation tree of A micro-steps
-// keeps (each Psi_padded / N floats).
+// keeps (each Psi_padded / N elements).
 size_t accumulation_blocks(int accumulation_steps);
+
+// The paper's model-state bytes per rank (section 3.1 and Table 1), for Psi
+// parameters over N ranks: the one formula the ledger, the fit check and
+// the paper's table in notes/08 all use.
+//   fp32:            stage 0: 16 Psi   stage 1: 8 Psi + 8 Psi/N    stage 2: 4 Psi + 12 Psi/N
+//   bf16, fp16 (K = 12): 16 Psi             4 Psi + 12 Psi/N            2 Psi + 14 Psi/N
+double model_states_formula(int stage, Precision precision, double psi, double ranks);
+const char* model_states_formula_text(int stage, Precision precision);  // e.g. "2 Psi + 14 Psi/N"
 // 1234567 -> "1,234,567", for the ledgers and the trainer's output.
 std::string with_commas(size_t value);
 

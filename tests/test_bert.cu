@@ -50,7 +50,7 @@ TEST_CASE("BERT finite differences: every element of every parameter tensor matc
     z2::EngineOptions options;
     options.stage = 0, options.bucket_elements = 4096, options.overlap = false;
     z2::Engine engine(compute, *backend.deterministic, options);
-    bert::Model model(compute, engine, shape_of(settings));
+    bert::Model<float> model(compute, engine, shape_of(settings));
     engine.build();
     // Weights of order one (not the 0.02 init), so every path through the
     // network carries a gradient well above float noise; LayerNorm gains near 1.
@@ -278,7 +278,7 @@ TEST_CASE("BERT sizes: parameter_count (the fit check's input) equals what the e
     for (bert::Settings settings : {tiny_settings(), bert::Settings()}) {
       z2::EngineOptions options;
       z2::Engine engine(*backend.compute, *backend.deterministic, options);
-      bert::Model model(*backend.compute, engine, shape_of(settings));
+      bert::Model<float> model(*backend.compute, engine, shape_of(settings));
       engine.build();
       all_ok &= engine.psi() == bert::parameter_count(shape_of(settings));
       MESSAGE(backend.name << ": Psi " << engine.psi());
@@ -425,7 +425,7 @@ TEST_CASE("ZeRO-R: loss-only and full micro-steps give every buffer back, stack 
         z2::EngineOptions options;
         options.stage = 0, options.bucket_elements = 4096;
         z2::Engine engine(compute, comm, options);
-        bert::Model model(compute, engine, shape_of(settings), mode);
+        bert::Model<float> model(compute, engine, shape_of(settings), mode);
         engine.build();
         model.initialize();
         const size_t live_before = compute.memory().current[(int)z2::MemoryKind::activations];
