@@ -59,7 +59,7 @@ endif
 # --- what gets built ------------------------------------------------------------
 ENGINE  := zero2.cu zero2.h Makefile
 MODEL   := tests/mlp_model.h train_bert_mini.cu
-TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp
+TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp
 TEST_H  := tests/harness.h tests/mlp_model.h zero2.h Makefile
 # The trainer embeds data/corpus.txt as a C++ raw string (build*/corpus.inc),
 # so `make run` needs no download and no file at run time.
@@ -99,7 +99,8 @@ build/test_zero2 build/demo_stages build/train_bert_mini: LIBS = $(BLAS_LIBS)
 endif
 build/tests/%.o: tests/%.cpp $(TEST_H) | build/tests
 	$(MPICXX) $(CXXFLAGS) -c $< -o $@
-build/test_zero2: build/zero2.o build/tests/mlp_model.o build/tests/test_bert.o $(TESTS:tests/%.cpp=build/tests/%.o)
+build/test_zero2: build/zero2.o build/tests/mlp_model.o build/tests/test_bert.o build/tests/test_conversions_gpu.o \
+                  $(TESTS:tests/%.cpp=build/tests/%.o)
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/demo_stages: build/zero2.o build/tests/mlp_model.o build/tests/demo_stages.o
 	$(MPICXX) $^ -o $@ $(LIBS)
@@ -117,7 +118,8 @@ build-cpu/%.o: %.cu $(ENGINE) $(MODEL) build-cpu/corpus.inc | build-cpu/tests
 	$(MPICXX) $(CXXFLAGS) -Ibuild-cpu -x c++ -c $< -o $@ -x none
 build-cpu/tests/%.o: tests/%.cpp $(TEST_H) | build-cpu/tests
 	$(MPICXX) $(CXXFLAGS) -c $< -o $@
-build-cpu/test_zero2: build-cpu/zero2.o build-cpu/tests/mlp_model.o build-cpu/tests/test_bert.o $(TESTS:tests/%.cpp=build-cpu/tests/%.o)
+build-cpu/test_zero2: build-cpu/zero2.o build-cpu/tests/mlp_model.o build-cpu/tests/test_bert.o \
+                      build-cpu/tests/test_conversions_gpu.o $(TESTS:tests/%.cpp=build-cpu/tests/%.o)
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/demo_stages: build-cpu/zero2.o build-cpu/tests/mlp_model.o build-cpu/tests/demo_stages.o
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)

@@ -240,8 +240,61 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   // DeepSpeed's warmup default is "log": relying on it is refused, not silently made linear.
   CHECK(error_of(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})")
             .find("warmup_type") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"enabled": true}})").find("fp16.enabled") != std::string::npos);
   CHECK(error_of("{not json").find("not valid JSON") != std::string::npos);
+  // Mixed precision (notes/08): DeepSpeed's fp16 block, keys and defaults.
+  write(R"({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 50,
+                     "hysteresis": 3, "min_loss_scale": 0.25, "consecutive_hysteresis": true},
+           "data_types": {"grad_accum_dtype": "float16"}})");
+  s = parse({"--config", path});
+  CHECK(s.precision == "fp16");
+  CHECK(s.grad_accum_dtype == "fp16");
+  CHECK(s.loss_scaling.static_scale == 0);
+  CHECK(s.loss_scaling.initial_scale_power == 12);
+  CHECK(s.loss_scaling.window == 50);
+  CHECK(s.loss_scaling.hysteresis == 3);
+  CHECK(s.loss_scaling.min_scale == 0.25);
+  CHECK(s.loss_scaling.consecutive_hysteresis);
+  CHECK(parse({"--config", path, "--precision", "fp16"}).precision == "fp16");  // they agree
+  write(R"({"bf16": {"enabled": true}})");
+  CHECK(parse({"--config", path}).precision == "bf16");
+  // Unset, DeepSpeed's documented defaults.
+  s = parse({"--precision", "fp16"});
+  CHECK(s.loss_scaling.static_scale == 0);
+  CHECK(s.loss_scaling.initial_scale_power == 16);
+  CHECK(s.loss_scaling.window == 1000);
+  CHECK(s.loss_scaling.hysteresis == 2);
+  CHECK(s.loss_scaling.min_scale == 1);
+  CHECK(!s.loss_scaling.consecutive_hysteresis);
+  CHECK(s.grad_accum_dtype == "fp32");
+  // A disabled block's keys are read and do nothing.
+  write(R"({"fp16": {"enabled": false, "loss_scale": 128}})");
+  CHECK(parse({"--config", path}).precision == "fp32");
+  // Contradictions and bad values name the key or the flag.
+  CHECK(error_of(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})").find("both true") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"enabled": 1}})").find("'fp16.enabled' wants true or false") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"loss_scale": -1}})").find("'fp16.loss_scale' wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"min_loss_scale": 0}})").find("'fp16.min_loss_scale' wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"hysteresis": 0}})").find("'fp16.hysteresis' wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"loss_scale_window": 0}})").find("'fp16.loss_scale_window' wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"fp16_master_weights_and_grads": true}})").find("'fp16.fp16_master_weights_and_grads'") !=
+        std::string::npos);
+  CHECK(error_of(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp16"}})")
+            .find("grad_accum_dtype") != std::string::npos);
+  auto flag_error = [&](std::vector<std::string> arguments) -> std::string {
+    try {
+      parse(arguments);
+    } catch (const z2::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  write(R"({"fp16": {"enabled": false}})");
+  CHECK(flag_error({"--config", path, "--precision", "fp16"}).find("contradicts config key 'fp16.enabled' = false") !=
+        std::string::npos);
+  write(R"({"bf16": {"enabled": true}})");
+  CHECK(flag_error({"--config", path, "--precision", "fp16"}).find("contradicts config key 'bf16.enabled' = true") !=
+        std::string::npos);
+  CHECK(flag_error({"--precision", "fp8"}).find("--precision wants fp32|bf16|fp16") != std::string::npos);
   // train_batch_size without gradient_accumulation_steps: DeepSpeed derives
   // the accumulation (32 = 8 x A x 2 ranks gives A = 2); with it, they must agree.
   write(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8})");

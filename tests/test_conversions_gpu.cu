@@ -1,0 +1,85 @@
+// tests/test_conversions_gpu.cu — z2's 16-bit conversions (zero2.h) against
+// the CUDA intrinsics the GPU's kernels would otherwise use, bit for bit:
+// __float2bfloat16_rn and __float2half_rn over all 2^32 floats, and the two
+// widenings over all 2^16 values. Compiled by nvcc; skipped with a message
+// without a GPU (and in the cpu-only build). tests/gpu_check.sh runs it.
+#include "harness.h"
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace {
+
+// For `count` floats starting at bit pattern `first`, thread t compares the
+// 64 inputs first + 64 t .. and writes how many differ into its own slot:
+// no atomics, the host adds the slots.
+void count_mismatches(z2::Compute& compute, uint64_t first, size_t threads, unsigned* bf16_slots, unsigned* fp16_slots) {
+  compute.for_each(threads, [=] Z2_HD(size_t t) {
+    unsigned bf16_bad = 0, fp16_bad = 0;
+    for (uint64_t k = 0; k < 64; ++k) {
+      const float x = z2::float_of((uint32_t)(first + t * 64 + k));
+#if defined(__CUDA_ARCH__)
+      bf16_bad += z2::bf16_bits_from_float(x) != __bfloat16_as_ushort(__float2bfloat16_rn(x));
+      fp16_bad += z2::fp16_bits_from_float(x) != __half_as_ushort(__float2half_rn(x));
+#else
+      (void)x;  // the host never runs this body: it is launched on the GPU only
+#endif
+    }
+    bf16_slots[t] = bf16_bad;
+    fp16_slots[t] = fp16_bad;
+  });
+}
+
+void count_widening_mismatches(z2::Compute& compute, unsigned* slots) {
+  compute.for_each(65536, [=] Z2_HD(size_t b) {
+    unsigned bad = 0;
+#if defined(__CUDA_ARCH__)
+    const uint16_t bits = (uint16_t)b;
+    const float ours_bf16 = z2::float_from_bf16_bits(bits), theirs_bf16 = __bfloat162float(__ushort_as_bfloat16(bits));
+    const float ours_fp16 = z2::float_from_fp16_bits(bits), theirs_fp16 = __half2float(__ushort_as_half(bits));
+    bad += z2::bits_of(ours_bf16) != z2::bits_of(theirs_bf16);
+    bad += z2::bits_of(ours_fp16) != z2::bits_of(theirs_fp16);
+#endif
+    slots[b] = bad;
+  });
+}
+
+}  // namespace
+#endif
+
+TEST_CASE("GPU: bf16 and fp16 conversions equal __float2bfloat16_rn / __float2half_rn on all 2^32 floats") {
+#if defined(__CUDACC__)
+  bool ran = false, ok = true;
+  for (const auto& backend : harness::sub_world(1)) {
+    if (!backend.compute->on_cuda() || !backend.deterministic || ran) continue;  // rank 0's GPU, once
+    ran = true;
+    z2::Compute& compute = *backend.compute;
+    const size_t chunk = 1ull << 28, threads = chunk / 64;
+    z2::DeviceArray<unsigned> bf16_slots(compute, threads, z2::MemoryKind::activations),
+        fp16_slots(compute, threads, z2::MemoryKind::activations), widening(compute, 65536, z2::MemoryKind::activations);
+    std::vector<unsigned> host(threads);
+    uint64_t bf16_total = 0, fp16_total = 0, widening_total = 0;
+    for (uint64_t first = 0; first < (1ull << 32); first += chunk) {
+      count_mismatches(compute, first, threads, bf16_slots.data(), fp16_slots.data());
+      compute.copy(host.data(), bf16_slots.data(), threads * sizeof(unsigned), compute.compute_stream());
+      compute.synchronize(compute.compute_stream());
+      for (unsigned c : host) bf16_total += c;
+      compute.copy(host.data(), fp16_slots.data(), threads * sizeof(unsigned), compute.compute_stream());
+      compute.synchronize(compute.compute_stream());
+      for (unsigned c : host) fp16_total += c;
+    }
+    count_widening_mismatches(compute, widening.data());
+    compute.copy(host.data(), widening.data(), 65536 * sizeof(unsigned), compute.compute_stream());
+    compute.synchronize(compute.compute_stream());
+    for (size_t b = 0; b < 65536; ++b) widening_total += host[b];
+    MESSAGE("all 2^32 floats on the GPU: " << bf16_total << " bf16 and " << fp16_total
+                                           << " fp16 results differ from the intrinsics; widening: " << widening_total);
+    ok = bf16_total == 0 && fp16_total == 0 && widening_total == 0;
+  }
+  if (!harness::from_rank0(ran)) MESSAGE("SKIP: no GPU (" << (z2::cuda_available() ? "" : "cudaGetDeviceCount failed") << ")");
+  CHECK(harness::agree(ok, "a 16-bit conversion differs from the CUDA intrinsic"));
+#else
+  MESSAGE("SKIP: the cpu-only build has no CUDA intrinsics");
+#endif
+}
