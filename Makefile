@@ -72,8 +72,8 @@ BUILD_KIND := cpu
 endif
 
 .PHONY: all cpu run demo bench fraglab test test-cpu notes figures deps test-deps figure-deps found clean
-all: found build/test_zero2 build/demo_stages build/train_bert_mini
-cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini
+all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool
+cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool
 
 # What the build found; `make cpu` says it ignores nvcc.
 cpu: BUILD_KIND = cpu (make cpu: nvcc not used)
@@ -106,6 +106,9 @@ build/demo_stages: build/zero2.o build/tests/mlp_model.o build/tests/demo_stages
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/train_bert_mini: build/zero2.o build/train_bert_mini.o
 	$(MPICXX) $^ -o $@ $(LIBS)
+# The 16-bit conversions as a filter, for tests/convert_check.py (torch's rounding).
+build/convert_tool: tests/convert_tool.cpp zero2.h | build/tests
+	$(MPICXX) $(CXXFLAGS) $< -o $@
 build/corpus.inc: data/corpus.txt | build/tests
 	$(CORPUS_INC)
 build/tests:
@@ -125,6 +128,8 @@ build-cpu/demo_stages: build-cpu/zero2.o build-cpu/tests/mlp_model.o build-cpu/t
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/train_bert_mini: build-cpu/zero2.o build-cpu/train_bert_mini.o
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+build-cpu/convert_tool: tests/convert_tool.cpp zero2.h | build-cpu/tests
+	$(MPICXX) $(CXXFLAGS) $< -o $@
 build-cpu/corpus.inc: data/corpus.txt | build-cpu/tests
 	$(CORPUS_INC)
 build-cpu/tests:

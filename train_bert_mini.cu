@@ -1741,18 +1741,22 @@ inline std::vector<Tensor> named_tensors(const Model<Act>& model, const z2::Engi
   return tensors;
 }
 
-// `weights_note`, when not empty, goes into config.json as "zero2_weights":
-// what the stored float32 values are (a dump's 16-bit working weights).
+// A dump in mixed precision says in config.json what its float32 values are
+// ("zero2_weights") and their precision ("zero2_precision"): the 16-bit
+// working weights that step used. (Hugging Face ignores keys it does not know.)
 template <class Act>
 inline void export_hf(const std::string& directory, const Model<Act>& model, const z2::Engine& engine,
-                      const std::vector<float>& values, const std::string& weights_note = "") {
+                      const std::vector<float>& values, z2::Precision dumped = z2::Precision::fp32) {
   // The weights first, the config last: a directory with a config.json is
   // complete (each file itself is written atomically). An old config.json
   // from an earlier export goes first, so it cannot vouch for new weights.
   std::remove((directory + "/config.json").c_str());
   write_safetensors(directory + "/model.safetensors", named_tensors(model, engine, values), {{"format", "pt"}});
   json config = hf_config(model.shape());
-  if (!weights_note.empty()) config["zero2_weights"] = weights_note;
+  if (dumped != z2::Precision::fp32) {
+    config["zero2_precision"] = z2::to_string(dumped);
+    config["zero2_weights"] = std::string("the ") + z2::to_string(dumped) + " working weights of the dumped step, as float32";
+  }
   write_file_atomically(directory + "/config.json", config.dump(2) + "\n");
 }
 
@@ -2014,8 +2018,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
       write_safetensors(settings.dump_dir + "/batch.safetensors", tensors,
                         {{"format", "pt"}, {"lr", text[0]}, {"beta1", text[1]}, {"beta2", text[2]}, {"eps", text[3]},
                          {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
-      export_hf(settings.dump_dir, model, engine, dump_weights,
-                precision == z2::Precision::fp32 ? "" : "the " + settings.precision + " working weights step 0 used, as float32");
+      export_hf(settings.dump_dir, model, engine, dump_weights, precision);
     }
     if (speak && (report.step == 1 || report.step % settings.log_every == 0 || report.step == settings.steps)) {
       const z2::MemoryCounters& memory = compute.memory();

@@ -372,7 +372,7 @@ ZeroRRun run_trainer(bert::Settings settings, const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("ZeRO-R: keep/recompute/offload x arena/naive give keep+naive's bits in every stage; ledgers hold") {
+TEST_CASE("ZeRO-R: keep/recompute/offload x arena/naive give keep+naive's bits in every stage and precision; ledgers hold") {
   const int N = harness::world_size();
   // Only rank 0 writes the summary, to its own file.
   const std::string path = "/tmp/z2_test_zero_r_" + std::to_string((long)getpid()) + ".json";
@@ -380,14 +380,23 @@ TEST_CASE("ZeRO-R: keep/recompute/offload x arena/naive give keep+naive's bits i
   std::string why;
   if (z2::cuda_available(&why)) devices.push_back("cuda");
   bool all_ok = true;
-  for (const std::string& device : devices) {
+  std::map<std::string, std::string> bits_by_precision;  // one hash per precision, whatever the stage
+  for (const std::string& device : devices)
+  for (const std::string precision : {"fp32", "bf16", "fp16"}) {
+    const size_t element = precision == "fp32" ? 4 : 2;
     for (int stage = 0; stage <= 2; ++stage) {
       bert::Settings settings = tiny_settings();
       settings.layers = 3, settings.steps = 2, settings.warmup = 1, settings.accum = 4 / N;
       settings.device = device, settings.comm = "mpi", settings.stage = stage, settings.bucket = 600;
-      settings.activations = "keep", settings.alloc = "naive";
+      settings.activations = "keep", settings.alloc = "naive", settings.precision = precision;
       const ZeroRRun reference = run_trainer(settings, path);
       all_ok &= reference.ok;
+      if (harness::rank() == 0 && reference.ok) {
+        const std::string key = device + " " + precision;
+        if (!bits_by_precision.count(key)) bits_by_precision[key] = reference.bits;
+        all_ok &= bits_by_precision[key] == reference.bits;  // the same bits in every stage
+        all_ok &= reference.summary["precision"] == precision;
+      }
       for (std::string activations : {"keep", "recompute", "offload"})
         for (std::string alloc : {"arena", "naive"}) {
           settings.activations = activations, settings.alloc = alloc;
@@ -407,17 +416,21 @@ TEST_CASE("ZeRO-R: keep/recompute/offload x arena/naive give keep+naive's bits i
           ok &= alloc == "arena" ? after_step1 == 0 && per_step == 0 : per_step > 0;
           ok &= memory["host_offload_peak_bytes"].get<size_t>() ==
                 (activations == "offload" ? (size_t)(settings.layers - 1) * settings.micro_batch * settings.seq *
-                                                settings.hidden * sizeof(float)
+                                                settings.hidden * element
                                           : 0);
           if (!ok)
-            fprintf(stderr, "%s stage %d %s/%s: bits %s vs %s; activation peak %zu formula %zu bound %zu; "
-                    "allocations after step 1 %ld, per step %ld\n", device.c_str(), stage, activations.c_str(),
-                    alloc.c_str(), run.bits.c_str(), reference.bits.c_str(), peak, formula, bound, after_step1,
-                    per_step);
+            fprintf(stderr, "%s %s stage %d %s/%s: bits %s vs %s; activation peak %zu formula %zu bound %zu; "
+                    "allocations after step 1 %ld, per step %ld\n", device.c_str(), precision.c_str(), stage,
+                    activations.c_str(), alloc.c_str(), run.bits.c_str(), reference.bits.c_str(), peak, formula,
+                    bound, after_step1, per_step);
           all_ok &= ok;
         }
     }
   }
+  // Three precisions, three different results (16-bit rounding shows).
+  if (harness::rank() == 0)
+    all_ok &= bits_by_precision["cpu fp32"] != bits_by_precision["cpu bf16"] &&
+              bits_by_precision["cpu bf16"] != bits_by_precision["cpu fp16"];
   if (harness::rank() == 0) std::remove(path.c_str());
   CHECK(harness::agree(all_ok, "a ZeRO-R mode changed the bits or broke a ledger rule"));
 }
@@ -456,11 +469,12 @@ TEST_CASE("ZeRO-R: offload's measured peak is its bound, one block plus two chec
   CHECK(harness::agree(all_ok, "offload's measured peak is not its bound, or keep does not grow with depth"));
 }
 
-TEST_CASE("ZeRO-R: loss-only and full micro-steps give every buffer back, stack in order, in every mode") {
-  // What the finite-difference test does (run with backward = false), but
-  // with the arena and naive allocators: a pop out of order throws, a buffer
-  // left open shows in the live bytes or the free pieces. Rank-local (its own
-  // communicator over MPI_COMM_SELF), so every rank checks it on its own.
+namespace {
+
+// One precision's part of the test below: every mode and allocator, against
+// the first one's loss and gradient bits.
+template <class Act>
+bool buffers_come_back() {
   const bert::Settings settings = tiny_settings();
   const std::string corpus = bert::default_corpus();
   const long step = 3;
@@ -469,6 +483,8 @@ TEST_CASE("ZeRO-R: loss-only and full micro-steps give every buffer back, stack 
   bool all_ok = true;
   float reference_loss = 0.0f;
   std::vector<float> reference_gradient;
+  bert::ModelShape shape = shape_of(settings);
+  shape.precision = z2::precision_of<Act>();
   for (auto mode : {bert::ActivationMode::keep, bert::ActivationMode::recompute, bert::ActivationMode::offload})
     for (auto allocator : {z2::Allocator::arena, z2::Allocator::naive}) {
       try {
@@ -476,9 +492,9 @@ TEST_CASE("ZeRO-R: loss-only and full micro-steps give every buffer back, stack 
         compute.use_allocator(allocator, 64 << 20);
         z2::Communicator comm(compute, MPI_COMM_SELF, z2::CommBackend::mpi, z2::Collectives::deterministic);
         z2::EngineOptions options;
-        options.stage = 0, options.bucket_elements = 4096;
+        options.stage = 0, options.bucket_elements = 4096, options.precision = shape.precision;
         z2::Engine engine(compute, comm, options);
-        bert::Model<float> model(compute, engine, shape_of(settings), mode);
+        bert::Model<Act> model(compute, engine, shape, mode);
         engine.build();
         model.initialize();
         const size_t live_before = compute.memory().current[(int)z2::MemoryKind::activations];
@@ -499,9 +515,21 @@ TEST_CASE("ZeRO-R: loss-only and full micro-steps give every buffer back, stack 
         if (reference_gradient.empty()) reference_loss = loss, reference_gradient = gradient;
         all_ok &= std::memcmp(&loss, &reference_loss, sizeof loss) == 0 && harness::same_bits(gradient, reference_gradient);
       } catch (const std::exception& error) {
-        fprintf(stderr, "mode %d, %s: %s\n", (int)mode, z2::to_string(allocator), error.what());
+        fprintf(stderr, "%s mode %d, %s: %s\n", z2::to_string(shape.precision), (int)mode, z2::to_string(allocator),
+                error.what());
         all_ok = false;
       }
     }
+  return all_ok;
+}
+
+}  // namespace
+
+TEST_CASE("ZeRO-R: loss-only and full micro-steps give every buffer back, stack in order, in every mode and precision") {
+  // What the finite-difference test does (run with backward = false), but
+  // with the arena and naive allocators: a pop out of order throws, a buffer
+  // left open shows in the live bytes or the free pieces. Rank-local (its own
+  // communicator over MPI_COMM_SELF), so every rank checks it on its own.
+  const bool all_ok = buffers_come_back<float>() && buffers_come_back<z2::bfloat16>() && buffers_come_back<z2::float16>();
   CHECK(harness::agree(all_ok, "a micro-step left a buffer open, popped out of order, or changed the loss or gradient"));
 }

@@ -13,7 +13,14 @@
 #   5. ZeRO-R: every --activations x --alloc in every (N, stage) of the matrix
 #      gives the matrix's bits; the offload bound computed here from the
 #      config; the arena allocates nothing after step 1; naive runs out of
-#      memory in a block the arena fits in, cleanly, on every rank.
+#      memory in a block the arena fits in, cleanly, on every rank;
+#   6. mixed precision: in bf16 and in fp16 the stage matrix and ZeRO-R give
+#      one hash per precision; the ledgers against 16 Psi, 4 Psi + 12 Psi/N,
+#      2 Psi + 14 Psi/N and 2 bytes an element; an fp16 run forced to
+#      overflow skips the same steps in every stage and N, with DeepSpeed's
+#      scale trajectory recomputed here; bf16 and fp16 train as fp32 does
+#      (within a margin); the 16-bit rounding against torch's; one bf16 and
+#      one fp16 step against fp64 and torch.autocast; bad input.
 # Ends with the plain line "N passed, M failed".
 set -u
 build=${1:-build}
@@ -322,6 +329,203 @@ for N in 1 2 4; do
   bad_ranks=$N bad_case "bytes free in" "${oom[@]}" --alloc naive --device-memory-limit "$need"
   bad_ranks=$N bad_case "(--alloc arena)" "${oom[@]}" --alloc arena --device-memory-limit $((need - 256))
 done
+
+# --- 6. mixed precision ---------------------------------------------------------------
+echo "=== mixed precision: bf16 and fp16 through the command line"
+declare -A precision_bits
+for precision in bf16 fp16; do
+  reference=""
+  for N in 1 2 4; do
+    A=$((4 / N))
+    for stage in 0 1 2; do
+      for overlap in 0 1; do
+        label="$precision matrix N=$N A=$A stage=$stage overlap=$overlap"
+        out="$work/mixed_${precision}_${N}_${stage}_${overlap}.json"
+        if ! timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --precision $precision --accum $A --stage $stage \
+            --overlap $overlap --json "$out" > "$work/log" 2>&1; then
+          fail "$label: exit non-zero"; cat "$work/log"; continue
+        fi
+        bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+        [ -z "$reference" ] && reference=$bits && echo "    reference ($precision, N=1 A=4 stage 0 overlap 0): $bits"
+        if [ -n "$bits" ] && [ "$bits" = "$reference" ]; then pass "$label: same bits"
+        else fail "$label: $bits != $reference"; fi
+      done
+    done
+    # ZeRO-R in this precision: two combinations per N (every one of them
+    # runs in process in every precision and stage: tests/test_bert.cu).
+    stage=$(( (N + 1) % 3 ))
+    for pair in "recompute naive" "offload arena"; do
+      set -- $pair
+      label="$precision ZeRO-R N=$N A=$A stage=$stage --activations $1 --alloc $2"
+      out="$work/mixed_zero_r_${precision}_${N}_$1_$2.json"
+      if timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --precision $precision --accum $A --stage $stage \
+          --activations $1 --alloc $2 --json "$out" > "$work/log" 2>&1; then
+        bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+        [ "$bits" = "$reference" ] && pass "$label: same bits" || fail "$label: $bits != $reference"
+      else
+        fail "$label: exit non-zero"; cat "$work/log"
+      fi
+    done
+  done
+  precision_bits[$precision]=$reference
+done
+fp32_bits=$(json_get "$work/matrix_1_0_0.json" "d['final_params_hash']")
+if [ "${precision_bits[bf16]%% *}" != "$fp32_bits" ] && [ "${precision_bits[fp16]%% *}" != "$fp32_bits" ] &&
+   [ "${precision_bits[bf16]%% *}" != "${precision_bits[fp16]%% *}" ]; then
+  pass "mixed: fp32, bf16 and fp16 give three different hashes (the 16-bit roundings show)"
+else
+  fail "mixed: a 16-bit run has another precision's hash"
+fi
+
+# The ledgers from the config alone (the tiny model of section 2).
+for precision in bf16 fp16; do
+  verdict=$(python3 - "$work" $precision <<'EOF'
+import json, sys, os
+work, precision = sys.argv[1], sys.argv[2]
+problems, count = [], 0
+for N in (1, 2, 4):
+    for stage in (0, 1, 2):
+        d = json.load(open(os.path.join(work, f"mixed_{precision}_{N}_{stage}_1.json"))); count += 1
+        psi = d["params_padded"]; m = d["memory"]; c = d["comm"]; A = 4 // N
+        # The paper's K = 12: 2-byte parameters and gradients, 12 bytes of fp32 master, m and v.
+        formula = {0: 16 * psi, 1: 4 * psi + 12 * psi // N, 2: 2 * psi + 14 * psi // N}[stage]
+        expect = {"params_bytes": 2 * psi, "grads_bytes": 2 * psi if stage < 2 else 2 * psi // N,
+                  "master_bytes": 4 * psi if stage == 0 else 4 * psi // N,
+                  "optimizer_bytes": 8 * psi if stage == 0 else 8 * psi // N,
+                  "model_states_bytes": formula, "model_states_formula_bytes": formula,
+                  # floor(log2 A) fp32 blocks of Psi/N (grad_accum_dtype fp32)
+                  "accumulation_bytes": {1: 0, 2: 1, 4: 2}[A] * (psi // N) * 4}
+        for key, value in expect.items():
+            if m[key] != value: problems.append(f"N={N} stage={stage} {key} {m[key]} != {value}")
+        moved = c["reduce_scatter_bytes_per_step"] + c["all_gather_bytes_per_step"] + c["all_reduce_bytes_per_step"]
+        wire = (A + 1) * (N - 1) * (psi // N) * 2       # (A + 1) (N-1)/N Psi elements, 2 bytes each
+        if moved != wire or c["formula_bytes_per_step"] != wire:
+            problems.append(f"N={N} stage={stage} comm {moved} (formula {c['formula_bytes_per_step']}) != {wire}")
+        if d["precision"] != precision or m["precision"] != precision: problems.append(f"N={N} precision field")
+print(("ok" if not problems and count == 9 else "bad") + f" {count} runs" + (": " + "; ".join(problems[:4]) if problems else ""))
+EOF
+)
+  case "$verdict" in ok*) pass "$precision ledgers: 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 2 bytes on the wire: $verdict";;
+                     *) fail "$precision ledgers: $verdict";; esac
+done
+
+# fp16 forced to overflow: 2^30 overflows at once; hysteresis 2 and a window
+# of 4 clean steps make the scale fall and rise again. Every stage and N
+# must skip the same steps, and the scale of every step must follow
+# DeepSpeed's update_scale, recomputed here from the skips alone.
+echo '{"fp16": {"enabled": true, "initial_scale_power": 30, "loss_scale_window": 4, "hysteresis": 2, "min_loss_scale": 1}}' \
+  > "$work/fp16_overflow.json"
+overflow_runs=()
+for run in "1 4 2" "2 2 0" "2 2 1" "2 2 2" "4 1 2"; do
+  set -- $run
+  out="$work/overflow_$1_$3.json"
+  if timeout 300 mpirun -n $1 "$trainer" "${tiny[@]}" --steps 24 --config "$work/fp16_overflow.json" --accum $2 \
+      --stage $3 --json "$out" > "$work/log" 2>&1; then
+    overflow_runs+=("$out")
+  else
+    fail "fp16 overflow N=$1 stage=$3: exit non-zero"; cat "$work/log"
+  fi
+done
+verdict=$(python3 - "${overflow_runs[@]}" <<'EOF'
+import json, sys
+runs = [json.load(open(p)) for p in sys.argv[1:]]
+def key(d): return ([s["skipped"] for s in d["steps"]], [s["loss_scale"] for s in d["steps"]], d["final_params_hash"])
+same = len(runs) == 5 and all(key(d) == key(runs[0]) for d in runs)
+# DeepSpeed's DynamicLossScaler.update_scale (loss_scaler.py), re-typed here.
+scale, hysteresis, window, delayed, last, problems = 2.0 ** 30, 2, 4, 2, -1, []
+d = runs[0]
+for it, s in enumerate(d["steps"]):
+    if s["loss_scale"] != scale: problems.append(f"step {s['step']}: scale {s['loss_scale']} != {scale}")
+    if s["skipped"]:
+        if delayed == 1 or hysteresis == 1: scale = max(scale / 2, 1.0)
+        else: hysteresis -= 1
+        last = it
+    elif (it - last) % window == 0:
+        hysteresis = delayed; scale *= 2
+skips = sum(s["skipped"] for s in d["steps"])
+grew = any(b["loss_scale"] > a["loss_scale"] for a, b in zip(d["steps"], d["steps"][1:]))
+ok = same and not problems and d["skipped_steps"] == skips and 0 < skips < len(d["steps"]) and grew and d["loss_scale"] == scale
+print(("ok" if ok else "bad") + f" {len(runs)} runs alike: {same}; {skips} of {len(d['steps'])} steps skipped, "
+      f"the scale grew again: {grew}; final scale {d['loss_scale']:g} (DeepSpeed's rule: {scale:g}) " + "; ".join(problems[:3]))
+EOF
+)
+case "$verdict" in ok*) pass "fp16 overflow: $verdict";; *) fail "fp16 overflow: $verdict";; esac
+
+# bf16 and fp16 train as fp32 does: the mean loss of the last 10 of 60 steps
+# within 1% of fp32's (measured: within 1e-4 here; 1% is 2.5 bf16 roundings
+# of the loss, while a broken 16-bit path, an unscaled fp16 gradient or a
+# lost update, stalls far above it).
+small_train=(--layers 2 --hidden 64 --heads 4 --intermediate 256 --seq 64 --max-positions 64 --micro-batch 8 --steps 60 --lr 2e-3 --quiet)
+for precision in fp32 bf16 fp16; do
+  timeout 300 mpirun -n 2 "$trainer" "${small_train[@]}" --precision $precision --json "$work/accuracy_$precision.json" \
+    > "$work/log" 2>&1 || { fail "accuracy $precision: exit non-zero"; cat "$work/log"; }
+done
+verdict=$(python3 - "$work" <<'EOF'
+import json, sys, os
+tail = {}
+for p in ("fp32", "bf16", "fp16"):
+    d = json.load(open(os.path.join(sys.argv[1], f"accuracy_{p}.json")))
+    losses = [s["loss"] for s in d["steps"]]
+    tail[p] = sum(losses[-10:]) / 10
+fell = tail["fp32"] < 0.8 * json.load(open(os.path.join(sys.argv[1], "accuracy_fp32.json")))["steps"][0]["loss"]
+worst = max(abs(tail[p] - tail["fp32"]) / tail["fp32"] for p in ("bf16", "fp16"))
+print(("ok" if worst <= 0.01 and fell else "bad") + " last-10 mean loss fp32 %.4f bf16 %.4f fp16 %.4f, worst relative gap %.1e (<= 1e-2)" % (tail["fp32"], tail["bf16"], tail["fp16"], worst))
+EOF
+)
+case "$verdict" in ok*) pass "mixed accuracy: $verdict";; *) fail "mixed accuracy: $verdict";; esac
+
+# The 16-bit rounding against torch's (every exponent, every boundary).
+if ! $PYTHON -c "import torch" 2>/dev/null && [ -n "${Z2_NO_TORCH:-}" ]; then
+  echo "SKIP 16-bit rounding against torch (no torch here)"
+elif $PYTHON tests/convert_check.py "$build/convert_tool" > "$work/convert.log" 2>&1; then
+  while read -r line; do case "$line" in PASS*) pass "${line#PASS }";; esac; done < "$work/convert.log"
+else
+  fail "16-bit rounding against torch"; cat "$work/convert.log"
+fi
+
+# One bf16 and one fp16 step against fp64 on the same 16-bit weights, and bf16
+# against torch.autocast (tests/torch_reference.py mixed: the tolerances are
+# justified there).
+for precision in bf16 fp16; do
+  if ! $PYTHON -c "import torch" 2>/dev/null && [ -n "${Z2_NO_TORCH:-}" ]; then
+    echo "SKIP torch mixed reference (no torch here)"; continue
+  fi
+  if timeout 300 mpirun -n 1 "$trainer" --layers 2 --hidden 64 --heads 4 --intermediate 128 --seq 32 --max-positions 40 \
+      --micro-batch 4 --accum 2 --steps 1 --dropout 0 --clip 0.5 --seed 3 --quiet --precision $precision \
+      --dump-batch "$work/dump_$precision" > "$work/log" 2>&1; then
+    $PYTHON tests/torch_reference.py mixed "$work/dump_$precision" > "$work/torch_mixed.log" 2>&1
+    cat "$work/torch_mixed.log"
+    line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$work/torch_mixed.log" | tail -n 1)
+    if [ -n "$line" ]; then
+      passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
+      failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
+    else
+      fail "torch mixed reference ($precision): no summary line"
+    fi
+  else
+    fail "torch mixed reference: the $precision dump run failed"; cat "$work/log"
+  fi
+done
+
+# Bad input for mixed precision.
+echo '{"fp16": {"enabled": true}, "bf16": {"enabled": true}}' > "$work/both.json"
+echo '{"fp16": {"enabled": false}}' > "$work/fp16_off.json"
+echo '{"fp16": {"loss_scale": -1}}' > "$work/negative_scale.json"
+echo '{"fp16": {"min_loss_scale": 0}}' > "$work/zero_min.json"
+echo '{"fp16": {"hysteresis": 0}}' > "$work/zero_hysteresis.json"
+echo '{"fp16": {"loss_scale_window": 0}}' > "$work/zero_window.json"
+echo '{"bf16": {"enabled": "yes"}}' > "$work/bf16_string.json"
+echo '{"fp16": {"enabled": true, "initial_scale_power": 40, "hysteresis": 1, "min_loss_scale": 1099511627776}}' > "$work/at_minimum.json"
+bad_case "--precision wants fp32|bf16|fp16" "${small[@]}" --precision fp8
+bad_case "'fp16.enabled' and 'bf16.enabled' are both true" "${small[@]}" --config "$work/both.json"
+bad_case "contradicts config key 'fp16.enabled' = false" "${small[@]}" --config "$work/fp16_off.json" --precision fp16
+bad_case "config key 'fp16.loss_scale' wants" "${small[@]}" --config "$work/negative_scale.json"
+bad_case "config key 'fp16.min_loss_scale' wants" "${small[@]}" --config "$work/zero_min.json"
+bad_case "config key 'fp16.hysteresis' wants" "${small[@]}" --config "$work/zero_hysteresis.json"
+bad_case "config key 'fp16.loss_scale_window' wants" "${small[@]}" --config "$work/zero_window.json"
+bad_case "config key 'bf16.enabled' wants true or false" "${small[@]}" --config "$work/bf16_string.json"
+# At the minimum scale an overflow ends the run (DeepSpeed raises), on every rank.
+bad_case "minimum loss scale" "${small[@]}" --steps 3 --config "$work/at_minimum.json"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -15,7 +15,9 @@ so our tokens/s figure has a familiar yardstick.
 What it leaves out. No dropout in the check (a random mask cannot be
 reproduced across implementations, so we refuse such dumps), no attention
 mask (our batches have no padding), no next-sentence head or pooler, no
-token types other than 0, no mixed precision (checks are fp32). It does not
+token types other than 0. Mixed precision is checked by `mixed`: a bf16 or
+fp16 dump's loss and gradients against fp64 on the same (16-bit) weights,
+and a bf16 dump against torch.autocast("cpu", bfloat16) too. It does not
 use `transformers` or the `safetensors` package: the model is ~60 lines below
 and the file format ~60 more, so the reference depends on nothing but torch
 and numpy, and shares no code with what it checks. (We validated the model
@@ -30,6 +32,8 @@ How to run (Debian's interpreter, which has torch and numpy):
         (same flags and seed for both, --dropout 0)
     /usr/bin/python3 tests/torch_reference.py bench --layers 4 --hidden 256 \
         --heads 4 --intermediate 1024 --seq 128 --batch 16 --steps 10 --threads 2
+    /usr/bin/python3 tests/torch_reference.py mixed DUMP_DIR
+        DUMP_DIR  = ./train_bert_mini ... --precision bf16|fp16 --dropout 0 --dump-batch DUMP_DIR
     /usr/bin/python3 tests/torch_reference.py selftest
 
 Exit status: 0 when every check passes, 1 when one fails, 2 on bad input
@@ -574,6 +578,96 @@ def check(dump_dir, after_dir, rep):
 
 
 # ----------------------------------------------------------------------------
+# mixed: a bf16 / fp16 dump
+#
+# Our mixed precision stores every activation, activation gradient and
+# parameter gradient in 16 bits and computes each operation in fp32, rounding
+# its result once (notes/08). torch.autocast keeps LayerNorm outputs and
+# residual sums in fp32 instead, so the two round in different places and can
+# only agree within rounding. The yardstick is the exact result: fp64 on the
+# same 16-bit weights. Tolerances, with u the format's unit roundoff (2^-8
+# bf16, 2^-11 fp16):
+#   loss   relative error <= u: the loss is a mean of fp32 cross-entropies of
+#          16-bit logits; its error is far below one 16-bit rounding of it.
+#   grads  per tensor, ||g - g_ref|| / ||g_ref|| <= 8u. The longest path a
+#          gradient takes through a 2-block model passes about 20 roundings
+#          to 16 bits (forward and backward), each at most u relative;
+#          independent errors add like a random walk, sqrt(20) u ~ 4.5 u for
+#          each side, and two sides differ by up to sqrt(2) of that ~ 6.3 u,
+#          rounded up to 8u. A wrong formula (a missing scale, a transposed
+#          product, an unscaled fp16 gradient) is off by O(1), not O(u).
+#          The key biases' exact gradient is 0 (a key bias shifts a softmax
+#          row uniformly), so their residue is measured against the key
+#          weight's gradient, as `check` does.
+# torch 1.13's CPU autocast knows only bfloat16, and does not cast a 16-bit
+# input of layer_norm to fp32 as CUDA autocast does (it fails on the mixed
+# dtypes): we give layer_norm fp32 inputs, as CUDA autocast would.
+
+def mixed(dump_dir, rep):
+    cfg = Config.load(dump_dir)
+    precision = cfg.raw.get("zero2_precision")
+    if precision not in ("bf16", "fp16"):
+        raise BadInput(f"{dump_dir}/config.json has no \"zero2_precision\": \"bf16\" or \"fp16\": "
+                       "not a mixed-precision dump (run the trainer with --precision bf16 or fp16)")
+    weights, _ = read_safetensors(os.path.join(dump_dir, "model.safetensors"))
+    batch, meta = read_safetensors(os.path.join(dump_dir, "batch.safetensors"))
+    if float(meta.get("dropout", "nan")) != 0.0:
+        raise BadInput("the dump was made with dropout; re-run with --dropout 0")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    u = 2.0 ** (-8 if precision == "bf16" else -11)
+    # The dump holds the 16-bit working weights: each is exact in the format.
+    inexact = [n for n, a in weights.items()
+               if not np.array_equal(torch.from_numpy(a).to(dtype).float().numpy(), a)]
+    rep.result(not inexact, "mixed weights",
+               f"{len(weights)} tensors, every value a {precision} number"
+               + ("" if not inexact else f": not in {', '.join(inexact[:3])}"))
+    ids, labels = torch.from_numpy(batch["input_ids"]), torch.from_numpy(batch["labels"])
+    ours_loss = float(batch["loss"])
+
+    def run(param_dtype, autocast=None):
+        m = model_from(cfg, weights, param_dtype)
+        if autocast is None:
+            loss = m(ids, labels)
+        else:
+            layer_norm = F.layer_norm
+            F.layer_norm = lambda x, *a, **k: layer_norm(x.float(), *a, **k)
+            try:
+                with torch.autocast("cpu", dtype=autocast):
+                    loss = m(ids, labels)
+            finally:
+                F.layer_norm = layer_norm
+        loss.backward()
+        return float(loss), {n: p.grad.double() for n, p in m.named_parameters()}
+
+    l64, g64 = run(torch.float64)
+    references = [("fp64", l64, g64)]
+    if precision == "bf16":
+        lac, gac = run(torch.float32, torch.bfloat16)
+        references.append(("torch.autocast bf16", lac, gac))
+    ours = {n: torch.from_numpy(batch["grad." + n]).double() for n in g64}
+
+    def relative(a, ref, n, grads):
+        den = float(ref.norm())
+        if n.endswith("attention.self.key.bias"):
+            den = max(den, float(grads[n[:-len("bias")] + "weight"].norm()))
+        d = float((a - ref).norm())
+        return d / den if den > 0 else (0.0 if d == 0 else math.inf)
+
+    for name, loss, grads in references:
+        rel = abs(ours_loss - loss) / abs(loss)
+        rep.result(rel <= u, f"mixed loss vs {name}",
+                   f"ours {ours_loss:.7f} {name} {loss:.7f} rel {rel:.2e} (<= u = {u:.2e})")
+        rows = sorted(((relative(ours[n], grads[n], n, grads), n) for n in g64), reverse=True)
+        median = rows[len(rows) // 2][0]
+        line = (f"{len(rows)} tensors, worst ||d||/||g|| {rows[0][0]:.2e} in {rows[0][1]} (<= 8u = "
+                f"{8 * u:.2e}), median {median:.2e}")
+        if name != "fp64":
+            errors = sorted(relative(grads[n], g64[n], n, g64) for n in g64)
+            line += f"; {name} itself vs fp64: median {errors[len(errors) // 2]:.2e}, worst {errors[-1]:.2e}"
+        rep.result(rows[0][0] <= 8 * u, f"mixed grads vs {name}", line)
+
+
+# ----------------------------------------------------------------------------
 # selftest
 
 def _fake_dump(root, cfg, seed, hp):
@@ -763,6 +857,8 @@ def main(argv):
     c = sub.add_parser("check", help="compare a --dump-batch dump and a 1-step export")
     c.add_argument("dump_dir")
     c.add_argument("after_dir")
+    x = sub.add_parser("mixed", help="check a bf16 / fp16 dump against fp64 and torch.autocast")
+    x.add_argument("dump_dir")
     b = sub.add_parser("bench", help="time torch training steps")
     for k, d in (("layers", 4), ("hidden", 256), ("heads", 4), ("intermediate", 1024),
                  ("seq", 128), ("batch", 16), ("steps", 10), ("threads", 1), ("seed", 0)):
@@ -784,6 +880,8 @@ def main(argv):
         rep = Report()
         if a.mode == "check":
             check(a.dump_dir, a.after_dir, rep)
+        elif a.mode == "mixed":
+            mixed(a.dump_dir, rep)
         else:
             rep = selftest()
     except BadInput as e:
