@@ -7,8 +7,8 @@
 #   make demo     the engine demo: the three stages on the test MLP, 2 ranks
 #   make test     the doctest suite under mpirun -n 1, 2, 4 (build/)
 #   make test-cpu the same suite for the mpicxx-only build (build-cpu/)
-#   make bench    tokens/s: stage 0 vs stage 2 at N = 2, and PyTorch on the same model and batch;
-#                 step-time ratios recompute / keep and offload / keep
+#   make bench    tokens/s: stage 0 vs stage 2 at N = 2, fp32 vs bf16 vs fp16, and PyTorch on the
+#                 same model and batch; step-time ratios recompute / keep and offload / keep
 #   make fraglab  the smallest --device-memory-limit one BERT-mini step needs, for every
 #                 --activations x --alloc (a binary search of one-step runs; it prints how long it took)
 #   make notes    regenerate the measured tables in notes/
@@ -91,11 +91,11 @@ found:
 ifeq ($(BUILD_KIND),nvcc)
 build/%.o: %.cu $(ENGINE) $(MODEL) build/corpus.inc | build/tests
 	$(NVCC) $(NVCCFLAGS) -Ibuild -c $< -o $@
-build/test_zero2 build/demo_stages build/train_bert_mini: LIBS = $(CUDA_LIBS) $(BLAS_LIBS)
+build/test_zero2 build/demo_stages build/train_bert_mini build/reduce_precision build/paper_table: LIBS = $(CUDA_LIBS) $(BLAS_LIBS)
 else
 build/%.o: %.cu $(ENGINE) $(MODEL) build/corpus.inc | build/tests
 	$(MPICXX) $(CXXFLAGS) -Ibuild -x c++ -c $< -o $@ -x none
-build/test_zero2 build/demo_stages build/train_bert_mini: LIBS = $(BLAS_LIBS)
+build/test_zero2 build/demo_stages build/train_bert_mini build/reduce_precision build/paper_table: LIBS = $(BLAS_LIBS)
 endif
 build/tests/%.o: tests/%.cpp $(TEST_H) | build/tests
 	$(MPICXX) $(CXXFLAGS) -c $< -o $@
@@ -105,6 +105,12 @@ build/test_zero2: build/zero2.o build/tests/mlp_model.o build/tests/test_bert.o 
 build/demo_stages: build/zero2.o build/tests/mlp_model.o build/tests/demo_stages.o
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/train_bert_mini: build/zero2.o build/train_bert_mini.o
+	$(MPICXX) $^ -o $@ $(LIBS)
+# For notes/08 (make notes runs both): the 16-bit reduction's error against
+# DeepSpeed's, and the paper's Table 1 from the ledger's formula.
+build/reduce_precision: build/zero2.o build/tests/reduce_precision.o
+	$(MPICXX) $^ -o $@ $(LIBS)
+build/paper_table: build/zero2.o build/tests/paper_table.o
 	$(MPICXX) $^ -o $@ $(LIBS)
 # The 16-bit conversions as a filter, for tests/convert_check.py (torch's rounding).
 build/convert_tool: tests/convert_tool.cpp zero2.h | build/tests
@@ -164,7 +170,7 @@ test: deps test-deps all
 test-cpu: deps test-deps cpu
 	$(RUN_ENV) tests/run_tests.sh build-cpu
 
-notes: deps test-deps all
+notes: deps test-deps all build/reduce_precision build/paper_table
 	$(RUN_ENV) notes/generate.sh build
 
 figures: deps figure-deps all

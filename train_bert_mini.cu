@@ -16,7 +16,14 @@
 // device memory comes from (zero2.cu section 2), --device-memory-limit how
 // much there is. Every combination gives the same bits.
 //
-// What it leaves out: mixed precision, checkpoints (later issues); attention masks (every
+// Mixed precision (notes/08): --precision bf16|fp16 (or the config's "bf16"
+// / "fp16" blocks) trains the same model with 16-bit activations, working
+// parameters and gradients: the model is one template over its storage type,
+// Model<float> / Model<z2::bfloat16> / Model<z2::float16>, each operation
+// computed in fp32 and rounded once; fp16 scales the loss (the engine's
+// DeepSpeed-style scaler) and skips the steps whose gradients overflow.
+//
+// What it leaves out: checkpoints; attention masks (every
 // sequence is a full window of text, so there is no padding); a tokenizer
 // (bytes are tokens).
 //

@@ -21,7 +21,7 @@
 //   make            nvcc build: cpu + cuda compute, mpi + nccl communication
 //   make cpu        mpicxx build: cpu + mpi only (this file compiled as C++)
 //   make test       doctest suite under mpirun -n 1, 2, 4
-//   make run        a short demo of the three stages on the test model
+//   make demo       the three stages on the test model, 2 ranks
 //
 // Reading order: the sections are numbered and build on each other.
 //   1. Checks and errors

@@ -7,13 +7,15 @@
 // What you find here (zero2.cu's sections 1-8 implement it in this order):
 //   1. errors and check macros (MPI, CUDA, cuBLAS, NCCL)
 //   2. Z2_HD math shared by CPU loops and CUDA kernels: counter-based random
-//      numbers, the canonical summation tree of DESIGN.md section 4, AdamW
+//      numbers, bf16 / fp16 conversions, the canonical summation tree of
+//      DESIGN.md section 4, AdamW
 //   3. the compute backend (cpu | cuda): memory with a ledger, streams, events,
 //      for_each (one Z2_HD body, run as a CPU loop or a CUDA kernel), gemm
 //   4. the communicator (mpi | nccl), its byte ledger, and the bucket
 //      collectives (BucketExchange)
 //   5. the engine: flat buckets, stages 0/1/2, gradient accumulation,
-//      clipping, AdamW, and the memory and communication ledgers
+//      clipping, AdamW, mixed precision with fp16 loss scaling (notes/08),
+//      and the memory and communication ledgers
 //
 // Usage, in the shape of a training loop (tests/mlp_model.cu is a full example):
 //

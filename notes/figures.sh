@@ -3,6 +3,8 @@
 #   bert_mini_run.json  the summary (--json) of `make run`'s training: BERT-mini,
 #                       stage 2, 2 ranks, the embedded corpus, default settings
 #   bert_mini_loss.png  its loss and gradient norm per step (notes/plot_loss.py)
+#   bert_mini_run_bf16.json, bert_mini_run_fp16.json   the same training in bf16 and fp16
+#   bert_mini_precision.png   the three loss curves in one figure (notes/plot_precision.py)
 #   memory_*.csv        one step's allocator events (--memory-trace) of the default
 #                       BERT-mini on one rank, per --activations x --alloc
 #   memory_keep_vs_offload.png, memory_naive_vs_arena.png   (notes/plot_memory.py)
@@ -14,6 +16,12 @@ build=${1:-build}
 export OPENBLAS_NUM_THREADS=1
 timeout 900 mpirun -n 2 "$build/train_bert_mini" --stage 2 --quiet --json notes/figures/bert_mini_run.json
 /usr/bin/python3 notes/plot_loss.py notes/figures/bert_mini_run.json notes/figures/bert_mini_loss.png
+for precision in bf16 fp16; do
+  timeout 1800 mpirun -n 2 "$build/train_bert_mini" --stage 2 --precision $precision --quiet \
+    --json notes/figures/bert_mini_run_$precision.json
+done
+/usr/bin/python3 notes/plot_precision.py notes/figures/bert_mini_precision.png notes/figures/bert_mini_run.json \
+  notes/figures/bert_mini_run_bf16.json notes/figures/bert_mini_run_fp16.json
 for activations in keep recompute offload; do
   for alloc in arena naive; do
     timeout 300 "$build/train_bert_mini" --steps 1 --stage 2 --quiet --activations "$activations" --alloc "$alloc" \

@@ -76,10 +76,11 @@ for n in (1, 2, 4):
 PY
 
 # bert_run: what `make run` prints (2 ranks, stage 2, the embedded corpus).
+# Its summary (--json, which prints nothing) is mixed_accuracy's fp32 row.
 {
   echo '```'
   echo "\$ make run"
-  timeout 900 mpirun -n 2 "$trainer" --device cpu --stage 2
+  timeout 900 mpirun -n 2 "$trainer" --device cpu --stage 2 --json "$out/run_fp32.json"
   echo '```'
 } >"$out/bert_run"
 
@@ -154,6 +155,97 @@ need=$(python3 -c "import json; print(json.load(open('$out/oom.json'))['memory']
   echo "$status"
   echo '```'
 } >"$out/oom_message"
+
+# --- mixed precision (notes/08-mixed-precision.md) -----------------------------------
+# paper_table: the paper's Table 1 (7.5B, K = 12) from the ledger's formula.
+"$build/paper_table" >"$out/paper_table"
+
+# mixed_ledger: the default BERT-mini in bf16, N = 1, 2, 4 x stage 0, 1, 2, two steps each.
+for ranks in 1 2 4; do
+  for stage in 0 1 2; do
+    timeout 600 mpirun -n "$ranks" "$trainer" --device cpu --precision bf16 --stage "$stage" --steps 2 --quiet \
+      --json "$out/mixed_${ranks}_${stage}.json"
+  done
+done
+python3 - "$out" "$trainer" >"$out/mixed_ledger" <<'PY'
+import json, os, sys
+out, trainer = sys.argv[1], sys.argv[2]
+def mib(x): return f"{x / 1048576:.1f}"
+print(f"Measured by `make notes` (`mpirun -n N {trainer} --device cpu --precision bf16 --stage S --steps 2 --json ...`):")
+print("the default BERT-mini, MiB per rank. fp32 is the same run in fp32 (notes/07's table); traffic is")
+print("MiB sent per rank per step (A = 1), 16-bit slices.")
+print()
+print("| N | stage | params (bf16) | grads (bf16) | master (fp32) | m, v (fp32) | model states | formula | | fp32 model states | fp32 / bf16 | traffic | formula |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for n in (1, 2, 4):
+    for stage in (0, 1, 2):
+        d = json.load(open(os.path.join(out, f"mixed_{n}_{stage}.json")))
+        f = json.load(open(os.path.join(out, f"bert_{n}_{stage}.json")))
+        m, c = d["memory"], d["comm"]
+        moved = c["reduce_scatter_bytes_per_step"] + c["all_gather_bytes_per_step"] + c["all_reduce_bytes_per_step"]
+        equal = "equal" if m["model_states_bytes"] == m["model_states_formula_bytes"] else "DIFFERS"
+        print(f"| {n} | {stage} | {mib(m['params_bytes'])} | {mib(m['grads_bytes'])} | {mib(m['master_bytes'])} | "
+              f"{mib(m['optimizer_bytes'])} | {mib(m['model_states_bytes'])} | {m['model_states_formula']} = "
+              f"{mib(m['model_states_formula_bytes'])} | {equal} | {mib(f['memory']['model_states_bytes'])} | "
+              f"{f['memory']['model_states_bytes'] / m['model_states_bytes']:.2f} | {mib(moved)} | {mib(c['formula_bytes_per_step'])} |")
+PY
+
+# mixed_reduction: the 16-bit reduction's error against DeepSpeed's, N = 2 and 4.
+{
+  echo "Measured by \`make notes\` (\`mpirun -n N $build/reduce_precision\`, tests/reduce_precision.cu): the"
+  echo "default BERT-mini's 16-bit gradients of N micro-batches (step 0; fp16 scaled by 2^16), summed both"
+  echo "ways and compared element by element with the exact sum (float64). "Correctly rounded": within half"
+  echo "an ulp of the exact sum; ulps are the 16-bit format's at the exact sum."
+  echo
+  timeout 300 mpirun -n 2 "$build/reduce_precision" --header
+  timeout 300 mpirun -n 4 "$build/reduce_precision"
+} >"$out/mixed_reduction"
+
+# mixed_overflow: fp16 forced to overflow (a tiny model, 2^24 to start, window 4).
+echo '{"fp16": {"enabled": true, "initial_scale_power": 24, "loss_scale_window": 4, "hysteresis": 2}}' >"$out/overflow.json"
+overflow_flags="--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 14 --warmup 1 --log-every 1"
+{
+  echo '```'
+  echo "\$ cat ds_fp16.json"
+  cat "$out/overflow.json"
+  echo "\$ mpirun -n 2 $trainer $overflow_flags --config ds_fp16.json"
+  timeout 300 mpirun -n 2 "$trainer" --device cpu $overflow_flags --config "$out/overflow.json" |
+    sed -n '/^  precision/,/^  initial loss/p;/^step/p;/loss scale (final)/p'
+  echo '```'
+} >"$out/mixed_overflow"
+
+# mixed_accuracy: make run's training (100 steps, N = 2, stage 2) in each precision.
+for precision in bf16 fp16; do
+  timeout 1800 mpirun -n 2 "$trainer" --device cpu --stage 2 --precision $precision --quiet --json "$out/run_$precision.json"
+done
+python3 - "$out" "$trainer" >"$out/mixed_accuracy" <<'PY'
+import json, os, sys
+out, trainer = sys.argv[1], sys.argv[2]
+print(f"Measured by `make notes` (`mpirun -n 2 {trainer} --device cpu --stage 2 --precision P --json ...`: make run's")
+print("training, 100 steps of the default BERT-mini). The gap is the last-10-step mean loss's, relative to fp32's.")
+print()
+print("| precision | first loss | last loss | mean of the last 10 | gap to fp32 | skipped steps | final loss scale | median step (ms) | final hash |")
+print("|---|---|---|---|---|---|---|---|---|")
+runs = {p: json.load(open(os.path.join(out, f"run_{p}.json"))) for p in ("fp32", "bf16", "fp16")}
+tail = {p: sum(s["loss"] for s in d["steps"][-10:]) / 10 for p, d in runs.items()}
+for p, d in runs.items():
+    gap = (tail[p] - tail["fp32"]) / tail["fp32"]
+    print(f"| {p} | {d['steps'][0]['loss']:.4f} | {d['steps'][-1]['loss']:.4f} | {tail[p]:.4f} | {gap:+.2e} | "
+          f"{d.get('skipped_steps', 0)} | {d.get('loss_scale', 1):g} | {d['time']['step_ms_median']:.0f} | `{d['final_params_hash']}` |")
+PY
+
+# mixed_reference: one bf16 and one fp16 step against fp64 and torch.autocast (as tests/test_trainer.sh runs it).
+{
+  echo '```'
+  flags="--layers 2 --hidden 64 --heads 4 --intermediate 128 --seq 32 --max-positions 40 --micro-batch 4 --accum 2 --steps 1 --dropout 0 --clip 0.5 --seed 3"
+  for precision in bf16 fp16; do
+    echo "\$ $trainer $flags --precision $precision --dump-batch DUMP_$precision"
+    echo "\$ tests/torch_reference.py mixed DUMP_$precision"
+    timeout 300 mpirun -n 1 "$trainer" $flags --precision $precision --quiet --dump-batch "$out/dump_$precision"
+    /usr/bin/python3 tests/torch_reference.py mixed "$out/dump_$precision"
+  done
+  echo '```'
+} >"$out/mixed_reference"
 
 # gpu_summary, gpu_zero_r: from the saved log of tests/gpu_check.sh's last GPU run
 # (this machine has no GPU; the log is what the GPU machine printed).

@@ -32,7 +32,13 @@
 #      allocator, and the arena's promise: zero2 makes one cudaMalloc (the
 #      block; cuBLAS's and NCCL's own are not counted) and no allocation after
 #      step 1;
-#   7. a summary.
+#   7. mixed precision on the GPU (cuBLAS GemmEx, 16-bit NCCL): BERT-mini at
+#      N = 1 (NCCL), stage 2, in fp32, bf16 and fp16: median step times and
+#      the ratios to fp32; bf16 at stage 0 must give stage 2's hash; the
+#      16-bit conversions against __float2bfloat16_rn / __float2half_rn over
+#      all 2^32 floats (the suite's test_conversions_gpu.cu, quoted here);
+#      the bf16 / fp16 stage matrices themselves run in step 3's suite;
+#   8. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
@@ -180,6 +186,33 @@ k, r, o = ${step_ms[keep]}, ${step_ms[recompute]}, ${step_ms[offload]}
 print('recompute/keep %.3f, offload/keep %.3f, offload/recompute %.3f (1.0: the copies are hidden)' % (r / k, o / k, o / r))")"
 else
   note "ZeRO-R on the GPU: FAILED (hashes ${hash[keep]:-none} ${hash[recompute]:-none} ${hash[offload]:-none} ${hash[naive]:-none})"
+  failures=$((failures + 1))
+fi
+
+# --- 7. mixed precision on the GPU --------------------------------------------------
+conversions=$(grep -m 1 "all 2^32 floats on the GPU" /tmp/z2tests.log | sed 's/.*MESSAGE: //')
+if [ -n "$conversions" ]; then note "16-bit conversions vs CUDA intrinsics: $conversions"
+else note "16-bit conversions vs CUDA intrinsics: NOT RUN (no MESSAGE in the suite's log)"; failures=$((failures + 1)); fi
+declare -A mixed_ms mixed_hash
+for run in "fp32 2" "bf16 2" "fp16 2" "bf16 0"; do
+  set -- $run
+  if timeout 120 build/train_bert_mini --device cuda --comm nccl --stage "$2" --steps 30 --quiet --precision "$1" \
+       --json "/tmp/z2_mixed_$1_$2.json" >/tmp/z2_mixed.log 2>&1; then
+    mixed_ms[$1_$2]=$(python3 -c "import json; print('%.2f' % json.load(open('/tmp/z2_mixed_$1_$2.json'))['time']['step_ms_median'])")
+    mixed_hash[$1_$2]=$(python3 -c "import json; print(json.load(open('/tmp/z2_mixed_$1_$2.json'))['final_params_hash'])")
+    note "BERT-mini N=1 nccl stage $2 --precision $1: $(python3 -c "import json; d=json.load(open('/tmp/z2_mixed_$1_$2.json')); m=d['memory']; print('%.2f ms/step median, %.0f tokens/s, loss %.3f -> %.3f, model states %d bytes (formula %d), %d skipped' % (d['time']['step_ms_median'], d['time']['tokens_per_s_median'], d['steps'][0]['loss'], d['steps'][-1]['loss'], m['model_states_bytes'], m['model_states_formula_bytes'], d['skipped_steps']))")"
+  else
+    tail -n 8 /tmp/z2_mixed.log
+    note "BERT-mini --precision $1 stage $2 on the GPU: FAILED"
+    failures=$((failures + 1))
+  fi
+done
+if [ -n "${mixed_hash[bf16_2]:-}" ] && [ "${mixed_hash[bf16_2]}" = "${mixed_hash[bf16_0]:-}" ] && [ -n "${mixed_ms[fp32_2]:-}" ]; then
+  note "mixed precision on the GPU: bf16 stages 0 and 2 give the same hash ${mixed_hash[bf16_2]}; $(python3 -c "
+f, b, h = ${mixed_ms[fp32_2]}, ${mixed_ms[bf16_2]}, ${mixed_ms[fp16_2]:-0}
+print('step time fp32/bf16 %.2f, fp32/fp16 %.2f' % (f / b, f / h if h else 0))")"
+else
+  note "mixed precision on the GPU: FAILED (bf16 hashes ${mixed_hash[bf16_2]:-none} ${mixed_hash[bf16_0]:-none})"
   failures=$((failures + 1))
 fi
 

@@ -337,8 +337,12 @@ for precision in bf16 fp16; do
   reference=""
   for N in 1 2 4; do
     A=$((4 / N))
+    # Overlap off at N = 2 only: the engine's own matrix (tests/test_precision.cpp)
+    # crosses overlap with every stage and bucket size in both precisions.
+    overlaps="1"
+    [ $N -eq 2 ] && overlaps="0 1"
     for stage in 0 1 2; do
-      for overlap in 0 1; do
+      for overlap in $overlaps; do
         label="$precision matrix N=$N A=$A stage=$stage overlap=$overlap"
         out="$work/mixed_${precision}_${N}_${stage}_${overlap}.json"
         if ! timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --precision $precision --accum $A --stage $stage \
@@ -346,7 +350,7 @@ for precision in bf16 fp16; do
           fail "$label: exit non-zero"; cat "$work/log"; continue
         fi
         bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
-        [ -z "$reference" ] && reference=$bits && echo "    reference ($precision, N=1 A=4 stage 0 overlap 0): $bits"
+        [ -z "$reference" ] && reference=$bits && echo "    reference ($precision, N=1 A=4 stage 0 overlap 1): $bits"
         if [ -n "$bits" ] && [ "$bits" = "$reference" ]; then pass "$label: same bits"
         else fail "$label: $bits != $reference"; fi
       done

@@ -665,6 +665,12 @@ def mixed(dump_dir, rep):
             errors = sorted(relative(grads[n], g64[n], n, g64) for n in g64)
             line += f"; {name} itself vs fp64: median {errors[len(errors) // 2]:.2e}, worst {errors[-1]:.2e}"
         rep.result(rows[0][0] <= 8 * u, f"mixed grads vs {name}", line)
+    if precision == "bf16":
+        # For comparison only: torch with the whole model in bf16.
+        lbf, gbf = run(torch.bfloat16)
+        errors = sorted(relative(gbf[n], g64[n], n, g64) for n in g64)
+        rep.line(f"note: torch with the model in bf16 (module.bfloat16()), vs fp64: loss rel "
+                 f"{abs(lbf - l64) / abs(l64):.2e}, grads median {errors[len(errors) // 2]:.2e}, worst {errors[-1]:.2e}")
 
 
 # ----------------------------------------------------------------------------
