@@ -8,7 +8,7 @@
 //   1. errors and check macros (MPI, CUDA, cuBLAS, NCCL)
 //   2. Z2_HD math shared by CPU loops and CUDA kernels: counter-based random
 //      numbers, bf16 / fp16 conversions, the canonical summation tree of
-//      DESIGN.md section 4, AdamW
+//      chapter 06 of notes/ (the determinism contract), AdamW
 //   3. the compute backend (cpu | cuda): memory with a ledger, streams, events,
 //      for_each (one Z2_HD body, run as a CPU loop or a CUDA kernel), gemm
 //   4. the communicator (mpi | nccl), its byte ledger, and the bucket

@@ -27,7 +27,7 @@ int main() {
     const double N = ranks[k];
     double values[3] = {z2::model_states_formula(1, z2::Precision::bf16, psi, N) / gigabyte,
                         z2::model_states_formula(2, z2::Precision::bf16, psi, N) / gigabyte,
-                        16 * psi / N / gigabyte};  // P_p: not implemented here
+                        16 * psi / N / gigabyte};  // P_p: the formula only, zero2 has no stage 3
     std::string cells[3];
     for (int s = 0; s < 3; ++s) {
       // The paper's digits: as many decimals as it printed, halves rounded
