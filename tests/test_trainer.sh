@@ -38,6 +38,20 @@ fail() { echo "FAIL $*"; failed=$((failed + 1)); }
 tiny=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2
       --steps 3 --warmup 1 --dropout 0.1 --clip 0.5 --bucket 3000 --quiet)
 json_get() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
+# same_bits_run LABEL N OUT FLAGS...: train the tiny model on N ranks with
+# FLAGS, its summary into OUT, and compare its final hash and every step's
+# loss bits with $reference (the first run sets it, and says so).
+same_bits_run() {
+  local label=$1 ranks=$2 out=$3 bits
+  shift 3
+  if ! timeout 300 mpirun -n "$ranks" "$trainer" "${tiny[@]}" "$@" --json "$out" > "$work/log" 2>&1; then
+    fail "$label: exit non-zero"; cat "$work/log"; return
+  fi
+  bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+  if [ -z "$bits" ]; then fail "$label: no hash in $out"; return; fi
+  [ -z "$reference" ] && reference=$bits && echo "    reference ($label): $bits"
+  if [ "$bits" = "$reference" ]; then pass "$label: same bits"; else fail "$label: $bits != $reference"; fi
+}
 
 # --- 1. the stage matrix ---------------------------------------------------------
 echo "=== stage matrix through the command line (N x stage x overlap, A = 4/N)"
@@ -46,16 +60,8 @@ for N in 1 2 4; do
   A=$((4 / N))
   for stage in 0 1 2; do
     for overlap in 0 1; do
-      out="$work/matrix_${N}_${stage}_${overlap}.json"
-      if ! timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --accum $A --stage $stage --overlap $overlap --json "$out" \
-          > "$work/log" 2>&1; then
-        fail "matrix N=$N A=$A stage=$stage overlap=$overlap: exit non-zero"; cat "$work/log"; continue
-      fi
-      bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
-      if [ -z "$bits" ]; then fail "matrix N=$N A=$A stage=$stage overlap=$overlap: no hash in $out"; continue; fi
-      [ -z "$reference" ] && reference=$bits && echo "    reference (N=1 A=4 stage 0 overlap 0): $bits"
-      if [ "$bits" = "$reference" ]; then pass "matrix N=$N A=$A stage=$stage overlap=$overlap: same bits"
-      else fail "matrix N=$N A=$A stage=$stage overlap=$overlap: $bits != $reference"; fi
+      same_bits_run "matrix N=$N A=$A stage=$stage overlap=$overlap" $N "$work/matrix_${N}_${stage}_${overlap}.json" \
+        --accum $A --stage $stage --overlap $overlap
     done
   done
 done
@@ -255,15 +261,9 @@ for N in 1 2 4; do
     for activations in keep recompute offload; do
       for alloc in arena naive; do
         [ "$activations/$alloc" = keep/arena ] && continue
-        label="ZeRO-R N=$N A=$A stage=$stage --activations $activations --alloc $alloc"
-        out="$work/zero_r_${N}_${stage}_${activations}_${alloc}.json"
-        if ! timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --accum $A --stage $stage --activations $activations \
-            --alloc $alloc --json "$out" > "$work/log" 2>&1; then
-          fail "$label: exit non-zero"; cat "$work/log"; continue
-        fi
-        bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
-        if [ -n "$bits" ] && [ "$bits" = "$reference" ]; then pass "$label: same bits as the matrix"
-        else fail "$label: $bits != $reference"; fi
+        same_bits_run "ZeRO-R N=$N A=$A stage=$stage --activations $activations --alloc $alloc (the matrix's bits)" \
+          $N "$work/zero_r_${N}_${stage}_${activations}_${alloc}.json" --accum $A --stage $stage \
+          --activations $activations --alloc $alloc
       done
     done
   done
@@ -343,16 +343,9 @@ for precision in bf16 fp16; do
     [ $N -eq 2 ] && overlaps="0 1"
     for stage in 0 1 2; do
       for overlap in $overlaps; do
-        label="$precision matrix N=$N A=$A stage=$stage overlap=$overlap"
-        out="$work/mixed_${precision}_${N}_${stage}_${overlap}.json"
-        if ! timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --precision $precision --accum $A --stage $stage \
-            --overlap $overlap --json "$out" > "$work/log" 2>&1; then
-          fail "$label: exit non-zero"; cat "$work/log"; continue
-        fi
-        bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
-        [ -z "$reference" ] && reference=$bits && echo "    reference ($precision, N=1 A=4 stage 0 overlap 1): $bits"
-        if [ -n "$bits" ] && [ "$bits" = "$reference" ]; then pass "$label: same bits"
-        else fail "$label: $bits != $reference"; fi
+        same_bits_run "$precision matrix N=$N A=$A stage=$stage overlap=$overlap" $N \
+          "$work/mixed_${precision}_${N}_${stage}_${overlap}.json" --precision $precision --accum $A --stage $stage \
+          --overlap $overlap
       done
     done
     # ZeRO-R in this precision: two combinations per N (every one of them
@@ -360,15 +353,9 @@ for precision in bf16 fp16; do
     stage=$(( (N + 1) % 3 ))
     for pair in "recompute naive" "offload arena"; do
       set -- $pair
-      label="$precision ZeRO-R N=$N A=$A stage=$stage --activations $1 --alloc $2"
-      out="$work/mixed_zero_r_${precision}_${N}_$1_$2.json"
-      if timeout 300 mpirun -n $N "$trainer" "${tiny[@]}" --precision $precision --accum $A --stage $stage \
-          --activations $1 --alloc $2 --json "$out" > "$work/log" 2>&1; then
-        bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
-        [ "$bits" = "$reference" ] && pass "$label: same bits" || fail "$label: $bits != $reference"
-      else
-        fail "$label: exit non-zero"; cat "$work/log"
-      fi
+      same_bits_run "$precision ZeRO-R N=$N A=$A stage=$stage --activations $1 --alloc $2" $N \
+        "$work/mixed_zero_r_${precision}_${N}_$1_$2.json" --precision $precision --accum $A --stage $stage \
+        --activations $1 --alloc $2
     done
   done
   precision_bits[$precision]=$reference
