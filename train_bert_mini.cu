@@ -97,7 +97,10 @@ struct Settings {
   bool precision_given = false;                           // --precision on the command line
   int config_fp16_enabled = -1, config_bf16_enabled = -1;  // a config's "enabled": -1 absent, 0 false, 1 true
   z2::LossScaling loss_scaling;                           // the config's "fp16" block (DeepSpeed's keys)
-  std::string grad_accum_dtype = "fp32";                  // the config's data_types.grad_accum_dtype
+  // The config's data_types.grad_accum_dtype. zero2 defaults to fp32 (it keeps
+  // (N, A) invariance); DeepSpeed, without the key, accumulates in the model's
+  // 16-bit type under ZeRO (engine.py, get_data_types): name it to get that.
+  std::string grad_accum_dtype = "fp32";
   // memory (ZeRO-R)
   std::string activations = "keep", alloc = "arena";
   long device_memory_limit = 0;  // bytes per rank; 0: enough for the run

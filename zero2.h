@@ -261,9 +261,9 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
 // the new value is pushed exactly as in canonical_tree_sum; at the last step
 // the stack is folded from the right into `result`.
 // In mixed precision `value` is the fp32 sum of the ranks' 16-bit slices, the
-// blocks are fp32 (`Accum` = float, DeepSpeed's grad_accum_dtype "fp32") or
-// 16-bit, and `result` is the 16-bit gradient: the sums happen in fp32 and
-// only the finished sum is rounded, once (notes/08).
+// blocks are fp32 (`Accum` = float, grad_accum_dtype "fp32") or 16-bit, and
+// `result` is the 16-bit gradient: with fp32 blocks the sums happen in fp32
+// and only the finished sum is rounded, once (notes/08).
 template <class Accum = float>
 struct AccumulationStackOf {
   Accum* entries[32];  // entries[d][i]: element i of open block d (A < 2^32)
@@ -758,8 +758,9 @@ struct EngineOptions {
   // parameters are their own master copy.
   Precision precision = Precision::fp32;
   // A > 1 in mixed precision: the accumulation tree's blocks in fp32
-  // (DeepSpeed's data_types.grad_accum_dtype "fp32", the default), or 16-bit.
-  // Only fp32 blocks keep (N, A) invariance: a 16-bit block rounds a partial sum.
+  // (data_types.grad_accum_dtype "fp32", zero2's default), or 16-bit (what
+  // DeepSpeed does under ZeRO when the key is absent). Only fp32 blocks keep
+  // (N, A) invariance: a 16-bit block rounds a partial sum.
   bool accumulate_fp32 = true;
   LossScaling loss_scaling;  // fp16 only
 };

@@ -374,7 +374,7 @@ TEST_CASE("16-bit all-gather moves the bits unchanged; native 16-bit reduce-scat
         const size_t owner = i / shard;  // rank owner's shard holds its own values
         const float value = test_value(4000 + (int)owner, 1, i);
         expected[i] = precision == z2::Precision::bf16 ? z2::bf16_bits_from_float(value) : z2::fp16_bits_from_float(value);
-        mine[i] = owner == (size_t)me ? expected[i] : 0x7c01;  // the others' slices start as NaN
+        mine[i] = owner == (size_t)me ? expected[i] : 0x7fc1;  // the others' slices start as NaN (in both formats)
       }
       z2::BucketExchange exchange(compute, *backend.deterministic, padded, 1, false, precision);
       z2::DeviceArray<uint16_t> bucket(compute, padded, z2::MemoryKind::activations);
@@ -458,10 +458,13 @@ struct MixedRun {
   bool reduced_ok = true;  // step 1's reduced gradient = the fp32 tree of the leaves, rounded once
 };
 
-// `plant(step, m)`: an element index to overwrite with +inf in micro-batch m's gradient, or -1.
+// `plant(step, m)`: an element index to overwrite with +inf in micro-batch m's
+// gradient, or -1. `gradient` replaces synthetic_gradient.
+using GradientFunction = std::function<float(float w, long step, long m, size_t k)>;
 template <class T>
 MixedRun train_synthetic(z2::Compute& compute, z2::Communicator& comm, z2::EngineOptions options, int steps,
-                         std::function<long(long step, long m)> plant = nullptr) {
+                         std::function<long(long step, long m)> plant = nullptr,
+                         GradientFunction gradient = synthetic_gradient) {
   options.precision = z2::precision_of<T>();
   z2::Engine engine(compute, comm, options);
   std::vector<z2::ParameterId> ids;
@@ -480,7 +483,7 @@ MixedRun train_synthetic(z2::Compute& compute, z2::Communicator& comm, z2::Engin
     // Micro-batch m's 16-bit gradient at canonical element k (any rank can
     // compute any rank's: the working parameters are the same everywhere).
     auto leaf = [&](long m, size_t k) {
-      float g = synthetic_gradient(working[k], step, m, k) * scale;
+      float g = gradient(working[k], step, m, k) * scale;
       if (plant && plant(step, m) == (long)k) g = INFINITY;
       return z2::to_float(z2::from_float<T>(g));
     };
@@ -602,6 +605,9 @@ TEST_CASE("mixed precision world-size invariance: (N, A) = (1,4), (2,2), (4,1) g
         }
         if (harness::rank() == 0)
           for (const MixedRun& run : runs) equal &= same_mixed_run(run, runs[0]);
+        if (b == 0 && stage == 0 && precision == z2::Precision::bf16)
+          MESSAGE(runs.size() << " of the 3 (N, A) splits fit in this world (-n 4 runs all; at -n 1 only (1, 4),"
+                                 " compared with itself)");
       }
   CHECK(harness::from_rank0(equal));
 }
@@ -707,6 +713,31 @@ TEST_CASE("fp16 loss scaler: DeepSpeed's DynamicLossScaler on hand-worked sequen
   bad = z2::LossScaling();
   bad.min_scale = 0;
   CHECK_THROWS_WITH_AS(z2::LossScaler(bad, true), doctest::Contains("min_loss_scale"), z2::Error);
+}
+
+TEST_CASE("fp16 loss scale is divided out exactly: static scales 1 and 2^8 train to the same bits") {
+  // With gradients in fp16's normal range (here between 0.17 and 1) and a
+  // power-of-two scale, every scaled value, sum, square and norm is the
+  // unscaled one times a power of two, and the optimizer's 1/S (folded into
+  // the clipping coefficient) brings it back exactly. AdamW alone would not
+  // show a missing 1/S (m / sqrt(v) cancels a scale); bitwise equality does.
+  auto gradient = [](float w, long step, long m, size_t k) {
+    return 0.5f + 0.1f * w + test_value(700 + step, m, k) / 64.0f;
+  };
+  for (const auto& backend : harness::backends()) {
+    std::vector<MixedRun> runs;
+    for (double scale : {1.0, 256.0})
+      for (int stage : {0, 2}) {
+        z2::EngineOptions options = mixed_options(stage, true, 500);
+        options.loss_scaling.static_scale = scale;
+        runs.push_back(train_synthetic<z2::float16>(*backend.compute, *backend.deterministic, options, 6, nullptr,
+                                                    gradient));
+      }
+    bool ok = runs[1].scales == std::vector<double>(6, 1.0) && runs[3].scales == std::vector<double>(6, 256.0);
+    for (const MixedRun& run : runs)
+      ok &= same_bits(run.master, runs[0].master) && same_bits(run.grad_norms, runs[0].grad_norms) && run.reduced_ok;
+    CHECK_MESSAGE(agree(ok, backend.name + ": the loss scale changed the result"), backend.name);
+  }
 }
 
 TEST_CASE("fp16 overflow on one rank: every rank and every stage skips the same step; AdamW's t and the lr wait") {

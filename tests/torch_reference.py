@@ -587,8 +587,13 @@ def check(dump_dir, after_dir, rep):
 # only agree within rounding. The yardstick is the exact result: fp64 on the
 # same 16-bit weights. Tolerances, with u the format's unit roundoff (2^-8
 # bf16, 2^-11 fp16):
-#   loss   relative error <= u: the loss is a mean of fp32 cross-entropies of
-#          16-bit logits; its error is far below one 16-bit rounding of it.
+#   loss   relative error <= u. The loss is a mean of fp32 cross-entropies of
+#          16-bit logits, which the forward's roundings (about 20 on the
+#          longest path) perturb by a few u of their size; the loss moves
+#          by its derivative times that, and at step 0 (the dump's step,
+#          0.02-scale weights) the logits are small and the loss sits near
+#          ln 260, so this bound is loose: it checks that the loss is computed
+#          from the right logits, not how precise it is.
 #   grads  per tensor, ||g - g_ref|| / ||g_ref|| <= 8u. The longest path a
 #          gradient takes through a 2-block model passes about 20 roundings
 #          to 16 bits (forward and backward), each at most u relative;
