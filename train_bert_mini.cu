@@ -1788,6 +1788,14 @@ inline std::string hex32(float value) {
   return text;
 }
 
+// A loss scale as DeepSpeed prints it: a whole number when it is one.
+inline std::string scale_text(double scale) {
+  char text[40];
+  if (scale == std::floor(scale) && scale < 1e18) snprintf(text, sizeof text, "%.0f", scale);
+  else snprintf(text, sizeof text, "%g", scale);
+  return text;
+}
+
 struct StepRecord {
   long step;
   float loss, grad_norm;  // grad_norm NaN (null in the JSON) on a skipped step
@@ -1927,10 +1935,10 @@ inline int train_as(Settings settings, MPI_Comm world) {
     if (precision == z2::Precision::fp16) {
       const z2::LossScaling& l = settings.loss_scaling;
       if (l.static_scale > 0)
-        printf("  loss scale static %g (fp16.loss_scale)\n", l.static_scale);
+        printf("  loss scale static %s (fp16.loss_scale)\n", scale_text(l.static_scale).c_str());
       else
-        printf("  loss scale dynamic: 2^%d, doubled after %ld clean steps, halved after %d overflow(s), at least %g\n",
-               l.initial_scale_power, l.window, l.hysteresis, l.min_scale);
+        printf("  loss scale dynamic: 2^%d, doubled after %ld clean steps, halved after %d overflow(s), at least %s\n",
+               l.initial_scale_power, l.window, l.hysteresis, scale_text(l.min_scale).c_str());
     }
     printf("  model     layers %d, hidden %d, heads %d, intermediate %d, seq %d, vocab %d, positions %d, dropout %g\n",
            settings.layers, settings.hidden, settings.heads, settings.intermediate, T, vocab_size,
@@ -2006,9 +2014,11 @@ inline int train_as(Settings settings, MPI_Comm world) {
     // (An fp16 overflow skips the step instead: its loss may be inf.)
     if (!report.skipped && !std::isfinite(report.loss))
       fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
+    // An overflow gets its own line, every time (DeepSpeed logs each one too).
     if (speak && report.skipped)
-      printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %g: step skipped (%ld so far); scale now %g%s\n",
-             report.step, settings.steps, report.loss_scale, engine.skipped_steps(), engine.loss_scaler().scale(),
+      printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %s: step skipped (%ld so far); scale now %s%s\n",
+             report.step, settings.steps, scale_text(report.loss_scale).c_str(), engine.skipped_steps(),
+             scale_text(engine.loss_scaler().scale()).c_str(),
              engine.loss_scaler().scale() == report.loss_scale && engine.loss_scaler().dynamic() ? " (hysteresis)" : "");
     if (dumping) {  // step 0, one rank: the weights, batch, loss and gradients of this step
       std::vector<Tensor> tensors = named_tensors(model, engine, dump_gradients, "grad.");
@@ -2030,10 +2040,12 @@ inline int train_as(Settings settings, MPI_Comm world) {
                          {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
       export_hf(settings.dump_dir, model, engine, dump_weights, precision);
     }
-    if (speak && (report.step == 1 || report.step % settings.log_every == 0 || report.step == settings.steps)) {
+    if (speak && !report.skipped &&
+        (report.step == 1 || report.step % settings.log_every == 0 || report.step == settings.steps)) {
       const z2::MemoryCounters& memory = compute.memory();
       char scale[48] = "";
-      if (precision == z2::Precision::fp16) snprintf(scale, sizeof scale, " | scale %g", report.loss_scale);
+      if (precision == z2::Precision::fp16)
+        snprintf(scale, sizeof scale, " | scale %s", scale_text(report.loss_scale).c_str());
       printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e%s | %9s tok/s | %8.1f ms | %s %.1f MiB\n",
              report.step, settings.steps, report.loss, report.grad_norm, report.lr, scale,
              z2::with_commas((size_t)std::llround(records.back().tokens_per_s)).c_str(), ms, device == z2::Device::cuda ? "device" : "memory",
@@ -2062,8 +2074,8 @@ inline int train_as(Settings settings, MPI_Comm world) {
     printf("  %-24s %s%s\n", "final params hash", hash_text,
            precision == z2::Precision::fp32 ? "" : " (of the fp32 master weights)");
     if (precision == z2::Precision::fp16)
-      printf("  %-24s %g, %ld step(s) skipped on overflow\n", "loss scale (final)", engine.loss_scaler().scale(),
-             engine.skipped_steps());
+      printf("  %-24s %s, %ld step(s) skipped on overflow\n", "loss scale (final)",
+             scale_text(engine.loss_scaler().scale()).c_str(), engine.skipped_steps());
     if (!settings.export_dir.empty()) printf("  %-24s %s/\n", "exported (HF layout)", settings.export_dir.c_str());
     if (!settings.dump_dir.empty()) printf("  %-24s %s/\n", "step-0 dump", settings.dump_dir.c_str());
     engine.print_ledgers(stdout);
