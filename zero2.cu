@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <cblas.h>
+#include <chrono>
 #include <climits>
 #include <cstdarg>
 #include <cstdlib>
@@ -137,6 +138,219 @@ void launch_check(const char* file, int line) { check_cuda((int)cudaGetLastError
   vsnprintf(message, sizeof message, format, arguments);
   va_end(arguments);
   throw Error(message);
+}
+
+// --- the watchdog ----------------------------------------------------------------
+//
+// Every wait polls against a deadline. The rank whose deadline passes first
+// holds a roll call before it ends the job: it asks every other rank, by a
+// point-to-point message on MPI_COMM_WORLD (its own tags: the engine's
+// traffic is on duplicated communicators), what that rank is waiting for. A
+// rank that is itself waiting answers within a poll; one that is stopped,
+// stuck in a kernel or dead does not answer, and that is how the message can
+// name the ranks that have not arrived even for a collective, where MPI
+// itself says nothing about who is missing. This is PyTorch's idea (its
+// process-group watchdog dumps every rank's last collective) without a
+// separate store: the world communicator carries it.
+
+namespace {
+double watchdog_seconds = 600;
+std::string watchdog_where;
+std::vector<void*> nccl_to_abort;  // ncclComm_t of the live Communicators
+using Clock = std::chrono::steady_clock;
+
+constexpr int roll_call_tag = 0x7a32;    // "who is where?": the asker's rank, one int
+constexpr int roll_answer_tag = 0x7a33;  // the answer: one line of text
+constexpr int answer_chars = 320;
+
+// What this rank waits for now (null between waits), and since when.
+const std::function<std::string()>* current_wait = nullptr;
+Clock::time_point current_wait_began;
+Clock::time_point last_roll_call_probe;
+
+Clock::duration seconds(double count) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(count));
+}
+double seconds_since(Clock::time_point moment) {
+  return std::chrono::duration<double>(Clock::now() - moment).count();
+}
+int world_rank() {
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+int world_size() {
+  int size = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+// One line: what this rank waits for, in which step, for how long.
+std::string where_this_rank_is() {
+  char text[answer_chars];
+  if (current_wait == nullptr) {
+    snprintf(text, sizeof text, "is not waiting (computing)%s%s", watchdog_where.empty() ? "" : ", in ",
+             watchdog_where.c_str());
+  } else {
+    snprintf(text, sizeof text, "has waited %.1f s for %s%s%s", seconds_since(current_wait_began),
+             (*current_wait)().c_str(), watchdog_where.empty() ? "" : ", in ", watchdog_where.c_str());
+  }
+  return text;
+}
+
+// Answer every roll call that has come (at most every 10 ms: polls are
+// hot). The answer's buffer must outlive its send, and the job ends
+// soon after any roll call, so answers are kept, never reused.
+void answer_roll_calls() {
+  const Clock::time_point now = Clock::now();
+  if (now - last_roll_call_probe < std::chrono::milliseconds(10)) return;
+  last_roll_call_probe = now;
+  static std::deque<std::vector<char>> answers;
+  for (;;) {
+    int pending = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, roll_call_tag, MPI_COMM_WORLD, &pending, &status);
+    if (!pending) return;
+    int asker = -1;  // the same as status.MPI_SOURCE; received to take the message off the queue
+    MPI_Recv(&asker, 1, MPI_INT, status.MPI_SOURCE, roll_call_tag, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    const std::string line = where_this_rank_is();
+    answers.emplace_back(line.begin(), line.end());
+    answers.back().push_back('\0');
+    MPI_Request request;
+    MPI_Isend(answers.back().data(), (int)answers.back().size(), MPI_CHAR, status.MPI_SOURCE, roll_answer_tag,
+              MPI_COMM_WORLD, &request);
+    MPI_Request_free(&request);
+    // Quiet: the asker prints this answer, and this rank, waiting too,
+    // prints its own roll call when its deadline passes.
+  }
+}
+
+// Ask every other rank where it is; wait for the answers at most `grace`
+// seconds (answering the others' roll calls meanwhile: they may have
+// expired too). Returns one line per rank, "" for a rank that did not answer.
+std::vector<std::string> roll_call(double grace) {
+  const int rank = world_rank(), size = world_size();
+  std::vector<std::vector<char>> answers(size, std::vector<char>(answer_chars, '\0'));
+  std::vector<MPI_Request> receives(size, MPI_REQUEST_NULL);
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
+    static int asker;  // a send's buffer must outlive it, and freed sends are not waited for
+    asker = rank;
+    MPI_Request send;
+    MPI_Isend(&asker, 1, MPI_INT, peer, roll_call_tag, MPI_COMM_WORLD, &send);
+    MPI_Request_free(&send);
+    MPI_Irecv(answers[peer].data(), answer_chars, MPI_CHAR, peer, roll_answer_tag, MPI_COMM_WORLD, &receives[peer]);
+  }
+  std::vector<std::string> lines(size);
+  std::vector<bool> answered(size, false);
+  answered[rank] = true;
+  const Clock::time_point deadline = Clock::now() + seconds(grace);
+  for (;;) {
+    bool all = true;
+    for (int peer = 0; peer < size; ++peer) {
+      if (answered[peer]) continue;
+      int done = 0;
+      MPI_Test(&receives[peer], &done, MPI_STATUS_IGNORE);
+      if (done) {
+        answered[peer] = true;
+        answers[peer].back() = '\0';
+        lines[peer] = answers[peer].data();
+      } else {
+        all = false;
+      }
+    }
+    if (all || Clock::now() > deadline) break;
+    answer_roll_calls();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return lines;
+}
+}  // namespace
+
+void set_watchdog_timeout(double timeout) {
+  if (!(timeout > 0) || !std::isfinite(timeout)) usage_error("--timeout %g: a number of seconds > 0", timeout);
+  watchdog_seconds = timeout;
+}
+double watchdog_timeout() { return watchdog_seconds; }
+void set_watchdog_context(const std::string& where) { watchdog_where = where; }
+
+[[noreturn]] void watchdog_expired(const std::string& waited_for) {
+  const int rank = world_rank(), size = world_size();
+  // A tenth of the timeout, 1 to 10 s: waiting ranks answer within 10 ms;
+  // one busy computing gets a moment to reach its next wait.
+  const double grace = std::min(10.0, std::max(1.0, watchdog_seconds / 10));
+  const std::vector<std::string> lines = roll_call(grace);
+  std::string silent, report;
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
+    if (lines[peer].empty()) silent += (silent.empty() ? "" : ", ") + std::to_string(peer);
+    else report += "[zero2]   rank " + std::to_string(peer) + " " + lines[peer] + "\n";
+  }
+  const std::string verdict =
+      silent.empty() ? "every rank answered, so none is stopped: they wait for different things (collectives "
+                       "called in a different order on some rank?) or for a message the network lost"
+      : silent.find(',') == std::string::npos
+          ? "rank " + silent + " did not answer: it is stopped, stuck or dead (or the network is)"
+          : "ranks " + silent + " did not answer: they are stopped, stuck or dead (or the network is)";
+  fprintf(stderr,
+          "[zero2] rank %d of %d: watchdog: waited %g s for %s%s%s: ending the job (--timeout SECONDS sets the "
+          "limit)\n[zero2]   roll call (%g s): %s\n%s",
+          rank, size, watchdog_seconds, waited_for.c_str(), watchdog_where.empty() ? "" : ", in ",
+          watchdog_where.c_str(), grace, verdict.c_str(), report.c_str());
+  fflush(stderr);
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+  // Kernels waiting for a peer would never finish: abort them first.
+  for (void* comm : nccl_to_abort) ncclCommAbort((ncclComm_t)comm);
+#endif
+  // MPI_Abort has mpirun kill every rank at once, and what a rank last wrote
+  // can be lost on its way to mpirun's stderr: give the message a moment.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  MPI_Abort(MPI_COMM_WORLD, 3);
+  std::_Exit(3);
+}
+
+// Poll `done` (true once the waited-for thing has happened) until it is, or
+// the deadline passes; answer the roll calls of ranks whose deadline passed.
+// We yield between polls: ranks often share cores, and the rank we wait
+// for needs the CPU.
+void wait_until(const std::function<bool()>& done, const std::function<std::string()>& describe) {
+  if (done()) return;
+  const Clock::time_point began = Clock::now(), deadline = began + seconds(watchdog_seconds);
+  struct Waiting {  // what a roll call answers; cleared however the wait ends (done() may throw)
+    Waiting(const std::function<std::string()>& describe, Clock::time_point began) {
+      current_wait = &describe;
+      current_wait_began = began;
+    }
+    ~Waiting() { current_wait = nullptr; }
+  } waiting(describe, began);
+  while (!done()) {
+    if (Clock::now() > deadline) watchdog_expired(describe());
+    answer_roll_calls();
+    std::this_thread::yield();
+  }
+}
+
+void wait_request(MPI_Request* request, const std::string& what) {
+  wait_until(
+      [&] {
+        int done = 0;
+        Z2_MPI_CHECK(MPI_Test(request, &done, MPI_STATUS_IGNORE));
+        return done != 0;
+      },
+      [&] { return what; });
+}
+
+void watched_allreduce(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                       const std::string& what) {
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Iallreduce(send, receive, count, type, op, comm, &request));
+  wait_request(&request, what);
+}
+
+void watched_bcast(void* buffer, int count, MPI_Datatype type, int root, MPI_Comm comm, const std::string& what) {
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Ibcast(buffer, count, type, root, comm, &request));
+  wait_request(&request, what);
 }
 
 const char* to_string(Device device) { return device == Device::cuda ? "cuda" : "cpu"; }
@@ -614,9 +828,26 @@ void Compute::fill_zero(void* destination, size_t bytes, Stream stream) {
 #endif
 }
 
+// Polled, not cudaStreamSynchronize: a kernel waiting for a stopped peer
+// (an NCCL collective) would block the host forever; the watchdog ends it.
 void Compute::synchronize(Stream stream) {
 #if defined(__CUDACC__)
-  if (device_ == Device::cuda) Z2_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)stream.handle));
+  if (device_ == Device::cuda) {
+    cudaStream_t handle = (cudaStream_t)stream.handle;
+    const char* name = stream.handle == comm_stream_.handle   ? "comm"
+                       : stream.handle == copy_stream_.handle ? "copy"
+                                                              : "compute";
+    wait_until(
+        [&] {
+          const cudaError_t status = cudaStreamQuery(handle);
+          if (status == cudaErrorNotReady) return false;
+          Z2_CUDA_CHECK(status);
+          return true;
+        },
+        [&] {
+          return std::string("the GPU's ") + name + " stream (a kernel, a copy or an NCCL collective that did not finish)";
+        });
+  }
 #endif
   (void)stream;
 }
@@ -897,13 +1128,13 @@ size_t memory_per_rank(Device device, MPI_Comm comm) {
     available /= (unsigned long long)sharing;
   }
   unsigned long long smallest = 0;
-  Z2_MPI_CHECK(MPI_Allreduce(&available, &smallest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm));
+  watched_allreduce(&available, &smallest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm, "the memory check's all-reduce");
   return (size_t)smallest;
 }
 
 static bool all_ranks(bool local, MPI_Comm comm) {
   int value = local ? 1 : 0, all = 0;
-  Z2_MPI_CHECK(MPI_Allreduce(&value, &all, 1, MPI_INT, MPI_MIN, comm));
+  watched_allreduce(&value, &all, 1, MPI_INT, MPI_MIN, comm, "an all-reduce of one flag (the ranks agreeing)");
   return all == 1;
 }
 
@@ -995,11 +1226,12 @@ Communicator::Communicator(Compute& compute, MPI_Comm mpi_comm, CommBackend back
                 "use --comm mpi to share a GPU", gpus);
   ncclUniqueId id;
   if (rank_ == 0) Z2_NCCL_CHECK(ncclGetUniqueId(&id));
-  Z2_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, mpi_comm_));
+  watched_bcast(&id, sizeof id, MPI_BYTE, 0, mpi_comm_, "the broadcast of the NCCL unique id");
   Z2_CUDA_CHECK(cudaSetDevice(compute.device_index()));
   ncclComm_t nccl;
   Z2_NCCL_CHECK(ncclCommInitRank(&nccl, world_size_, id, rank_));
   nccl_ = nccl;
+  nccl_to_abort.push_back(nccl_);  // the watchdog aborts it before it takes the job down
 #else
   usage_error("--comm nccl: this binary was built without NCCL");
 #endif
@@ -1009,6 +1241,7 @@ Communicator::~Communicator() {
 #if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
   if (nccl_) {
     compute_.synchronize_all();
+    nccl_to_abort.erase(std::find(nccl_to_abort.begin(), nccl_to_abort.end(), nccl_));
     ncclCommDestroy((ncclComm_t)nccl_);
   }
 #endif
@@ -1021,8 +1254,11 @@ MPI_Op Communicator::sum_op(Precision precision) const {
   return precision == Precision::bf16 ? sum_bf16_ : precision == Precision::fp16 ? sum_fp16_ : MPI_SUM;
 }
 
-void Communicator::all_gather_host(const float* send, size_t count, float* receive) {
-  Z2_MPI_CHECK(MPI_Allgather(send, (int)count, MPI_FLOAT, receive, (int)count, MPI_FLOAT, mpi_comm_));
+void Communicator::all_gather_host(const float* send, size_t count, float* receive, const std::string& what) {
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Iallgather(send, (int)count, MPI_FLOAT, receive, (int)count, MPI_FLOAT, mpi_comm_, &request));
+  wait_request(&request, "the all-gather of " + what + " (an MPI collective of all " + std::to_string(world_size_) +
+                             " ranks: one of them has not joined)");
   counters_.other += (size_t)(world_size_ - 1) * count * sizeof(float);
 }
 
@@ -1030,12 +1266,16 @@ bool Communicator::all_agree(bool local_ok) { return all_ranks(local_ok, mpi_com
 
 bool Communicator::any_rank(bool local) {
   int value = local ? 1 : 0, any = 0;
-  Z2_MPI_CHECK(MPI_Allreduce(&value, &any, 1, MPI_INT, MPI_MAX, mpi_comm_));
+  watched_allreduce(&value, &any, 1, MPI_INT, MPI_MAX, mpi_comm_, "the all-reduce of a flag (an overflow, a non-finite gradient)");
   counters_.other += (size_t)(world_size_ - 1) * sizeof(int);  // as a ring would send one int
   return any == 1;
 }
 
-void Communicator::barrier() { Z2_MPI_CHECK(MPI_Barrier(mpi_comm_)); }
+void Communicator::barrier() {
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Ibarrier(mpi_comm_, &request));
+  wait_request(&request, "a barrier");
+}
 
 // ----------------------------------------------------------------------------
 // 4. The bucket collectives
@@ -1047,7 +1287,7 @@ void Communicator::barrier() { Z2_MPI_CHECK(MPI_Barrier(mpi_comm_)); }
 // while backward computes (MPICH progresses only inside MPI calls, so the
 // engine calls progress() each time the model hands over a gradient).
 //
-// The deterministic reduce-scatter (DESIGN.md section 4.3), per bucket:
+// The deterministic reduce-scatter (notes/06), per bucket:
 //   each rank sends slice j of the bucket to rank j (an all-to-all of slices:
 //   MPI point-to-point, or grouped ncclSend/ncclRecv), and the receiver sums
 //   the N slices of its shard with canonical_tree_sum over the ranks. Every
@@ -1083,6 +1323,8 @@ struct Transfer {
   std::vector<std::function<bool()>> steps;  // each returns true once finished
   size_t next = 0;
   std::vector<MPI_Request> requests;
+  std::vector<int> peers;  // the rank each request exchanges with; -1 for a collective over all ranks
+  std::string what;        // for the watchdog: "the reduce-scatter of bucket 3"
   bool finished() const { return next == steps.size(); }
 };
 
@@ -1141,7 +1383,7 @@ struct BucketExchange::State {
       int done = 0;
       Z2_MPI_CHECK(MPI_Testall((int)transfer->requests.size(), transfer->requests.data(), &done,
                                MPI_STATUSES_IGNORE));
-      if (done) transfer->requests.clear();
+      if (done) transfer->requests.clear(), transfer->peers.clear();
       return done != 0;
     };
   }
@@ -1280,6 +1522,7 @@ struct BucketExchange::State {
       const MPI_Op sum = comm.sum_op(wire);
       transfer->steps.push_back(post_in_order([=] {
         transfer->requests.resize(1);
+        transfer->peers.assign(1, -1);
         Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, type, sum, mpi, &transfer->requests[0]));
         *sent += (size_t)(world - 1) * bytes(shard);  // what a ring sends
       }));
@@ -1294,6 +1537,7 @@ struct BucketExchange::State {
           transfer->requests.emplace_back();
           Z2_MPI_CHECK(MPI_Isend(at(send, (size_t)j * shard), (int)shard, type, j, tag, mpi,
                                  &transfer->requests.back()));
+          transfer->peers.insert(transfer->peers.end(), {j, j});
           *sent += bytes(shard);
         }
       }));
@@ -1333,6 +1577,7 @@ struct BucketExchange::State {
     const MPI_Datatype type = mpi_type;
     transfer->steps.push_back(post_in_order([=] {
       transfer->requests.resize(1);
+      transfer->peers.assign(1, -1);
       Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, mpi, &transfer->requests[0]));
       *sent += (size_t)(world - 1) * bytes(shard);
     }));
@@ -1363,6 +1608,7 @@ struct BucketExchange::State {
     const MPI_Op sum = comm.sum_op(wire);
     transfer->steps.push_back(post_in_order([=] {
       transfer->requests.resize(1);
+      transfer->peers.assign(1, -1);
       Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, type, sum, mpi, &transfer->requests[0]));
       *sent += ring_bytes;
     }));
@@ -1392,10 +1638,34 @@ struct BucketExchange::State {
     while (!transfer.finished() && transfer.steps[transfer.next]()) ++transfer.next;
     return transfer.finished();
   }
-  // Blocking: poll until done. We yield between polls because ranks often
-  // share cores (4 ranks on 2 here) and the rank we wait for needs the CPU.
+  // Blocking: poll until done, against the watchdog's deadline (wait_until
+  // yields between polls: ranks often share cores, 4 ranks on 2 here).
   void finish(Transfer& transfer) {
-    while (!advance(transfer)) std::this_thread::yield();
+    wait_until([&] { return advance(transfer); }, [&] { return describe_waiting(transfer); });
+  }
+  // What a transfer is still waiting for: the ranks whose point-to-point
+  // slices have not come (or not been taken), or a collective of all ranks.
+  std::string describe_waiting(Transfer& transfer) {
+    std::vector<int> missing;
+    bool collective = false;
+    for (size_t k = 0; k < transfer.requests.size(); ++k) {
+      int done = 0;
+      Z2_MPI_CHECK(MPI_Test(&transfer.requests[k], &done, MPI_STATUS_IGNORE));
+      if (done) continue;
+      if (transfer.peers[k] < 0) collective = true;
+      else if (std::find(missing.begin(), missing.end(), transfer.peers[k]) == missing.end()) missing.push_back(transfer.peers[k]);
+    }
+    std::string text = transfer.what;
+    if (!missing.empty()) {
+      text += ": rank(s)";
+      for (int peer : missing) text += " " + std::to_string(peer);
+      text += " have not exchanged their slices with rank " + std::to_string(rank);
+    } else if (collective) {
+      text += " (an MPI collective of all " + std::to_string(world) + " ranks: one of them has not joined)";
+    } else {
+      text += " (its GPU copy or kernel has not finished)";
+    }
+    return text;
   }
   // Transfers leave the queue oldest first. A finished younger one waits for
   // the older: slots come back in the order they were taken, and the oldest
@@ -1502,6 +1772,7 @@ void* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
 void BucketExchange::reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
+  transfer->what = "the reduce-scatter of bucket " + std::to_string(s.slots[slot].bucket);
   s.add_reduce_scatter(transfer, bucket, padded, into, &s.comm.counters().reduce_scatter);
   progress();
 }
@@ -1509,6 +1780,7 @@ void BucketExchange::reduce_scatter(int slot, void* bucket, size_t padded, const
 void BucketExchange::all_gather(int slot, void* bucket, size_t padded) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
+  transfer->what = "the all-gather of bucket " + std::to_string(s.slots[slot].bucket);
   s.add_all_gather(transfer, bucket, padded, &s.comm.counters().all_gather);
   progress();
 }
@@ -1516,6 +1788,7 @@ void BucketExchange::all_gather(int slot, void* bucket, size_t padded) {
 void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   State& s = *state_;
   Transfer* transfer = s.start(slot, padded);
+  transfer->what = "the all-reduce of bucket " + std::to_string(s.slots[slot].bucket);
   void* own = s.at(bucket, (size_t)s.rank * (padded / s.world));
   size_t* sent = &s.comm.counters().all_reduce;
   AccumulateInto target = into;
@@ -1747,17 +2020,34 @@ struct Engine::Impl {
 
   // --- the optimizer step's kernels, written once over the working type -----
   // Sum of squares of each norm chunk of bucket b's update region (a perfect
-  // tree of norm_chunk leaves, in fp32).
+  // tree of norm_chunk leaves, in fp32), of the gradient times `scale` (1,
+  // or a power of two that keeps the squares from overflowing: see step()).
   template <class Working>
-  void chunk_squares_as(int b) {
+  void chunk_squares_as(int b, float scale) {
     const Working* gradient = (const Working*)region_gradient(b);
     float* sums = chunk_sums.data() + region_offset(b) / norm_chunk;
     compute.for_each(region_length(b) / norm_chunk, [=] Z2_HD(size_t c) {
       const Working* chunk = gradient + c * norm_chunk;
       sums[c] = canonical_tree_sum(norm_chunk, [&](long k) {
-        const float value = to_float(chunk[k]);
+        const float value = to_float(chunk[k]) * scale;  // exact: scale is a power of two (1 as a rule)
         return value * value;
       });
+    });
+  }
+  // The largest |g| of each norm chunk (NaN if the chunk holds one), into
+  // the same buffer: max is exact and order-free, so no tree is needed.
+  template <class Working>
+  void chunk_largest_as(int b) {
+    const Working* gradient = (const Working*)region_gradient(b);
+    float* largest = chunk_sums.data() + region_offset(b) / norm_chunk;
+    compute.for_each(region_length(b) / norm_chunk, [=] Z2_HD(size_t c) {
+      float value = 0.0f;
+      for (long k = 0; k < norm_chunk; ++k) {
+        const float magnitude = fabsf(to_float(gradient[c * norm_chunk + k]));
+        if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
+        if (value != value) break;
+      }
+      largest[c] = value;
     });
   }
   // AdamW on bucket b's update region. fp32: the parameters are the master.
@@ -1789,7 +2079,8 @@ struct Engine::Impl {
 
   // --- the optimizer step, step by step (Engine::step calls them in order) ---
   float global_loss();
-  std::vector<float> local_chunk_sums();
+  std::vector<float> local_chunk_sums(float scale = 1.0f);
+  float global_largest_magnitude(bool* finite);
   float global_squared_norm(const std::vector<float>& local);
   AdamWConstants adamw_constants(double lr, long t, float grad_scale) const;
   void all_gather_parameters();
@@ -1921,8 +2212,8 @@ void Engine::build() {
   uint64_t layout = 0xcbf29ce484222325ull;
   for (auto& p : parameters_) layout = hash_keys(layout, std::hash<std::string>()(p.name), p.numel, p.decay);
   unsigned long long mine = layout, lowest = 0, highest = 0;
-  Z2_MPI_CHECK(MPI_Allreduce(&mine, &lowest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm_.mpi()));
-  Z2_MPI_CHECK(MPI_Allreduce(&mine, &highest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_.mpi()));
+  watched_allreduce(&mine, &lowest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm_.mpi(), "the layout check's all-reduce");
+  watched_allreduce(&mine, &highest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_.mpi(), "the layout check's all-reduce");
   if (lowest != highest)
     usage_error("build(): the ranks registered different parameters (names, sizes or decay flags differ); every "
                 "rank must register the same model");
@@ -2010,6 +2301,7 @@ void Engine::build() {
   impl.allocations_at_step_start = compute_.memory().allocations;
   impl.pushes_at_step_start = compute_.memory().pushes;
   built_ = true;
+  set_watchdog_context("optimizer step 1");  // what the watchdog's message names, from here on
 }
 
 // ----------------------------------------------------------------------------
@@ -2034,20 +2326,40 @@ void Engine::build() {
 float Engine::Impl::global_loss() {
   const int A = engine.options_.accumulation_steps, N = engine.comm_.world_size();
   std::vector<float> gathered((size_t)N * A), by_micro_batch((size_t)N * A);
-  engine.comm_.all_gather_host(micro_losses.data(), A, gathered.data());
+  engine.comm_.all_gather_host(micro_losses.data(), A, gathered.data(), "the micro-batch losses");
   for (int r = 0; r < N; ++r)
     for (int a = 0; a < A; ++a) by_micro_batch[(size_t)a * N + r] = gathered[(size_t)r * A + a];
   return canonical_tree_sum((long)by_micro_batch.size(), [&](long m) { return by_micro_batch[m]; });
 }
 
 // The sum of squares of every norm chunk of this rank's update region, on the host.
-std::vector<float> Engine::Impl::local_chunk_sums() {
+std::vector<float> Engine::Impl::local_chunk_sums(float scale) {
   for (int b = 0; b < (int)engine.buckets_.size(); ++b)
-    for_working_type([&](auto zero) { chunk_squares_as<decltype(zero)>(b); });
+    for_working_type([&](auto zero) { chunk_squares_as<decltype(zero)>(b, scale); });
   std::vector<float> local(chunk_sums.size());
   compute.copy(local.data(), chunk_sums.data(), local.size() * sizeof(float), compute.compute_stream());
   compute.synchronize(compute.compute_stream());
   return local;
+}
+
+// The largest |g| over every rank's update region (collective); `finite`
+// says whether every element of the gradient is finite.
+float Engine::Impl::global_largest_magnitude(bool* finite) {
+  for (int b = 0; b < (int)engine.buckets_.size(); ++b)
+    for_working_type([&](auto zero) { chunk_largest_as<decltype(zero)>(b); });
+  std::vector<float> local(chunk_sums.size());
+  compute.copy(local.data(), chunk_sums.data(), local.size() * sizeof(float), compute.compute_stream());
+  compute.synchronize(compute.compute_stream());
+  float largest = 0.0f;
+  bool mine_finite = true;
+  for (float value : local) {
+    if (!std::isfinite(value)) mine_finite = false;
+    else largest = std::max(largest, value);
+  }
+  *finite = !engine.comm_.any_rank(!mine_finite);
+  float global = 0.0f;
+  watched_allreduce(&largest, &global, 1, MPI_FLOAT, MPI_MAX, engine.comm_.mpi(), "the all-reduce of the largest |gradient|");
+  return global;
 }
 
 // The global squared norm: the chunk sums of all ranks in canonical order,
@@ -2060,7 +2372,7 @@ float Engine::Impl::global_squared_norm(const std::vector<float>& local) {
     all_chunks = local;
   } else {
     std::vector<float> gathered_chunks(local.size() * N);
-    engine.comm_.all_gather_host(local.data(), local.size(), gathered_chunks.data());
+    engine.comm_.all_gather_host(local.data(), local.size(), gathered_chunks.data(), "the norm chunk sums");
     all_chunks.assign(engine.psi_padded() / norm_chunk, 0.0f);
     for (int r = 0; r < N; ++r)
       for (auto& b : buckets)
@@ -2126,6 +2438,7 @@ StepReport Engine::step() {
   StepReport report;
   report.loss = impl.global_loss();
   report.step = ++steps_taken_;
+  set_watchdog_context("optimizer step " + std::to_string(report.step) + " (its update)");
   report.loss_scale = scaler_.scale();
   const long t = optimizer_step_ + 1;  // the update this step makes, unless it is skipped
   report.lr = options_.lr_schedule ? options_.lr_schedule(t) : options_.lr;
@@ -2147,10 +2460,33 @@ StepReport Engine::step() {
     report.applied = optimizer_step_;
     report.grad_norm = NAN;
     impl.account_step();
+    set_watchdog_context("optimizer step " + std::to_string(report.step + 1));
     return report;
   }
 
-  report.grad_norm = std::sqrt(impl.global_squared_norm(local)) / (float)report.loss_scale;
+  // The global norm. Its fp32 sum of squares overflows where gradients are
+  // finite but above ~1.8e19 (bf16 reaches 3.4e38; so does fp32 under very
+  // high dropout): then the squares are taken again of g / 2^e, with 2^e the
+  // power of two just above the largest |g| (an all-reduce of the maxima,
+  // exact and N-independent), in the same chunks and tree, and the norm is
+  // scaled back. Runs that do not overflow keep their bits; a gradient that
+  // is itself inf or NaN ends the run (fp16 skipped the step above instead).
+  float squared = impl.global_squared_norm(local), scale_back = 1.0f;
+  if (!std::isfinite(squared)) {
+    bool finite = true;
+    const float largest = impl.global_largest_magnitude(&finite);
+    if (!finite)
+      usage_error("a gradient is not finite (inf or NaN) in optimizer step %ld: training diverged. Lower --lr, "
+                  "clip with --clip, or look at the data and --dropout", report.step);
+    int exponent = 0;
+    std::frexp(largest, &exponent);  // largest < 2^exponent
+    squared = impl.global_squared_norm(impl.local_chunk_sums(std::ldexp(1.0f, -exponent)));
+    scale_back = std::ldexp(1.0f, exponent);
+  }
+  report.grad_norm = std::sqrt(squared) * scale_back / (float)report.loss_scale;
+  if (!std::isfinite(report.grad_norm))
+    usage_error("the gradient norm is beyond float's range in optimizer step %ld (every element finite, their "
+                "norm not): training diverged. Lower --lr or clip with --clip", report.step);
   // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
   // 1e-6), capped at 1, in float.
   if (options_.clip > 0) {
@@ -2166,6 +2502,7 @@ StepReport Engine::step() {
   optimizer_step_ = t;
   report.applied = t;
   impl.account_step();
+  set_watchdog_context("optimizer step " + std::to_string(report.step + 1));
   return report;
 }
 
@@ -2222,8 +2559,10 @@ std::vector<float> Engine::parameters_to_host() {
   // shard of bucket b back at b.offset + r * shard_length.
   const int N = comm_.world_size();
   std::vector<float> gathered(master.size() * N), padded(psi_padded(), 0.0f);
-  Z2_MPI_CHECK(MPI_Allgather(master.data(), (int)master.size(), MPI_FLOAT, gathered.data(), (int)master.size(),
-                             MPI_FLOAT, comm_.mpi()));
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Iallgather(master.data(), (int)master.size(), MPI_FLOAT, gathered.data(), (int)master.size(),
+                              MPI_FLOAT, comm_.mpi(), &request));
+  wait_request(&request, "the all-gather of the fp32 master weights");
   for (int r = 0; r < N; ++r)
     for (auto& b : buckets_)
       std::copy_n(gathered.begin() + (size_t)r * master.size() + b.shard_offset, b.shard_length,

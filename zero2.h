@@ -92,11 +92,37 @@ void check_nccl(int code, const char* call, const char* file, int line);
 // Throw z2::Error with a printf-style message.
 [[noreturn]] void usage_error(const char* format, ...);
 
+// The watchdog (--timeout; README, "When something goes wrong"). Every wait
+// of the engine and the trainer — an MPI request, a CUDA stream — polls
+// against a deadline of watchdog_timeout() seconds from the moment it began.
+// Past it the rank holds a roll call (each waiting rank answers what it
+// waits for; a stopped, stuck or dead one does not), prints what it waited
+// for (which collective, which bucket, in which step), which ranks did not
+// answer and where the others are, and takes the job down: NCCL
+// communicators first (ncclCommAbort, as PyTorch's watchdog does), then
+// MPI_Abort. A stopped, stuck or dead rank ends the job within the timeout
+// (plus the roll call's grace, a tenth of it, 1 to 10 s) instead of leaving
+// the others waiting forever.
+void set_watchdog_timeout(double seconds);  // default 600; > 0
+double watchdog_timeout();
+void set_watchdog_context(const std::string& where);  // e.g. "optimizer step 7": named in the message
+[[noreturn]] void watchdog_expired(const std::string& waited_for);
+// Poll `done` until it returns true, or the watchdog expires; `describe`
+// names what is waited for (asked only at expiry or by a roll call).
+void wait_until(const std::function<bool()>& done, const std::function<std::string()>& describe);
+// MPI_Test polled until `request` completes, or the watchdog expires;
+// `what` names it in the message ("the all-gather of the loss").
+void wait_request(MPI_Request* request, const std::string& what);
+// MPI_Allreduce and MPI_Bcast with the watchdog (non-blocking, waited on).
+void watched_allreduce(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                       const std::string& what);
+void watched_bcast(void* buffer, int count, MPI_Datatype type, int root, MPI_Comm comm, const std::string& what);
+
 // ----------------------------------------------------------------------------
 // 2. Math written once for both backends (Z2_HD)
 //
 // Counter-based random numbers: a value is a pure function of its keys, never
-// of the rank or thread that asks (DESIGN.md section 4.1). splitmix64's
+// of the rank or thread that asks (notes/06). splitmix64's
 // finaliser mixes one 64-bit word; we fold the keys in one at a time.
 
 Z2_HD inline uint64_t mix64(uint64_t x) {
@@ -222,7 +248,7 @@ constexpr Precision precision_of<float16>() {
   return Precision::fp16;
 }
 
-// The canonical summation tree (DESIGN.md section 4.2). Float addition is not
+// The canonical summation tree (notes/06). Float addition is not
 // associative, so "the sum" of n numbers is only defined once we fix the tree.
 // Ours is the left-complete pairwise tree: a range of n > 1 leaves splits after
 // its first p leaves, p = the largest power of two below n.
@@ -255,7 +281,7 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
 }
 
 // The same tree, fed over time: the A micro-step results of one optimizer step
-// arrive one by one (DESIGN.md section 4.2, interleaved assignment). `stack`
+// arrive one by one (notes/06, the interleaved assignment). `stack`
 // holds the open blocks of earlier micro-steps (at most floor(log2 A) of them,
 // one buffer each); `step` is this micro-step (0-based). Before the last step
 // the new value is pushed exactly as in canonical_tree_sum; at the last step
@@ -613,7 +639,8 @@ class Communicator {
 
   // Small host-side helpers for scalars (loss, norm chunk sums): always MPI.
   // Counted under "other".
-  void all_gather_host(const float* send, size_t count, float* receive);
+  // `what` names it for the watchdog's message ("the micro-batch losses").
+  void all_gather_host(const float* send, size_t count, float* receive, const std::string& what = "floats");
   bool all_agree(bool local_ok);  // logical AND over ranks
   bool any_rank(bool local);      // logical OR over ranks (one flag, max-reduced), counted under "other"
   void barrier();
@@ -645,7 +672,7 @@ struct AccumulateInto {
 };
 
 // The bucket collectives, non-blocking, in a fixed number of constant-size
-// slots (DESIGN.md section 4.3; the deterministic forms are described in
+// slots (notes/06; the deterministic forms are described in
 // zero2.cu section 4). A bucket of `padded` elements splits into N shards of
 // padded / N; rank r owns elements [r * shard, (r + 1) * shard).
 class BucketExchange {
@@ -767,7 +794,7 @@ struct EngineOptions {
 
 // The global gradient norm is computed over fixed chunks of this many elements
 // of the canonical layout (every parameter starts on a chunk boundary), so it
-// is independent of N and of the bucket size (DESIGN.md section 4.4).
+// is independent of N and of the bucket size (notes/06).
 constexpr long norm_chunk = 32;
 
 using ParameterId = int;
@@ -870,7 +897,7 @@ class Engine {
   StepReport step();
 
   // The global micro-batch this rank computes at micro-step `a`: a*N + rank
-  // (the interleaved assignment of DESIGN.md section 4.2).
+  // (the interleaved assignment of notes/06).
   long micro_batch_index(int a) const;
   int world_size() const;
   int rank() const;

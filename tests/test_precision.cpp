@@ -715,6 +715,48 @@ TEST_CASE("fp16 loss scaler: DeepSpeed's DynamicLossScaler on hand-worked sequen
   CHECK_THROWS_WITH_AS(z2::LossScaler(bad, true), doctest::Contains("min_loss_scale"), z2::Error);
 }
 
+namespace {
+
+// fp32 or bf16: gradients finite but far beyond sqrt(FLT_MAX) ~ 1.8e19 at two
+// elements in different buckets (and shards) in step 1.
+template <class T>
+bool check_huge_gradient_norm(const harness::Backend& backend) {
+  auto gradient = [](float w, long step, long m, size_t k) {
+    if (step == 1 && k == 17) return 1e30f;
+    if (step == 1 && k == 900) return -3e29f;
+    return synthetic_gradient(w, step, m, k);
+  };
+  const MixedRun run = train_synthetic<T>(*backend.compute, *backend.deterministic, mixed_options(0, true, 500), 3,
+                                          nullptr, gradient);
+  // The norm of the reduced gradient (which run.reduced holds: stage 0), in double.
+  double squared = 0;
+  for (float g : run.reduced) squared += (double)g * g;
+  const double expected = std::sqrt(squared);
+  return run.reduced_ok && std::isfinite(run.grad_norms[0]) &&
+         std::fabs(run.grad_norms[0] - expected) <= 1e-6 * expected && std::isfinite(run.grad_norms[2]);
+}
+
+}  // namespace
+
+TEST_CASE("global norm: squares beyond fp32's range are taken again scaled; a non-finite gradient stops every rank") {
+  for (const auto& backend : harness::backends()) {
+    const bool ok = check_huge_gradient_norm<float>(backend) && check_huge_gradient_norm<z2::bfloat16>(backend);
+    CHECK_MESSAGE(agree(ok, backend.name + ": the norm of a huge finite gradient is wrong"), backend.name);
+    // An inf in one rank's micro-batch: every rank throws the same error at
+    // the same step (the verdict is agreed), so none is left waiting.
+    const int N = backend.deterministic->world_size();
+    auto plant = [N](long step, long m) { return step == 2 && m == N - 1 ? 5l : -1l; };
+    for (int stage : {0, 2}) {
+      CHECK_THROWS_WITH_AS(train_synthetic<float>(*backend.compute, *backend.deterministic, mixed_options(stage, true, 500),
+                                                  4, plant),
+                           doctest::Contains("a gradient is not finite (inf or NaN) in optimizer step 2"), z2::Error);
+      CHECK_THROWS_WITH_AS(train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic,
+                                                         mixed_options(stage, true, 500), 4, plant),
+                           doctest::Contains("not finite"), z2::Error);
+    }
+  }
+}
+
 TEST_CASE("fp16 loss scale is divided out exactly: static scales 1 and 2^8 train to the same bits") {
   // With gradients in fp16's normal range (here between 0.17 and 1) and a
   // power-of-two scale, every scaled value, sum, square and norm is the
