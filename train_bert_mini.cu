@@ -2,7 +2,7 @@
 // zero2 engine, on the CPU (loops + OpenBLAS) or CUDA (kernels + cuBLAS), with
 // ZeRO stage 0, 1 or 2 over MPI or NCCL.
 //
-// The model is Hugging Face's BertForMaskedLM (DESIGN.md section 6): byte-level
+// The model is Hugging Face's BertForMaskedLM (notes/07): byte-level
 // tokens, learned positions, one token type, post-LayerNorm blocks with GELU
 // (erf form), an MLM head whose decoder is tied to the word embeddings. Every
 // per-element or per-row operation is one Z2_HD function that a CPU loop and a
@@ -52,8 +52,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cfloat>
 #include <filesystem>
 #include <fstream>
+#include <random>
+#include <set>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -106,6 +114,7 @@ struct Settings {
   long device_memory_limit = 0;  // bytes per rank; 0: enough for the run
   // files and output
   std::string data, config, json_path, export_dir, dump_dir, memory_trace;
+  double timeout = 600;  // seconds the watchdog lets a collective or transfer wait (zero2.h)
   long log_every = 10;
   bool quiet = false;
 };
@@ -119,6 +128,26 @@ struct Settings {
   vsnprintf(message, sizeof message, format, arguments);
   va_end(arguments);
   throw z2::Error(message);
+}
+
+// An input file, read whole: `what` names it in messages. It must be a
+// regular file (a FIFO, a device or a terminal could block or never end:
+// /dev/stdin, /dev/zero) of at most `max_bytes`, checked before reading.
+inline std::string read_regular_file(const std::string& what, const std::string& path, size_t max_bytes) {
+  struct stat info;
+  if (stat(path.c_str(), &info) != 0) fail("cannot open %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  if (S_ISDIR(info.st_mode)) fail("%s '%s' is a directory, not a file", what.c_str(), path.c_str());
+  if (!S_ISREG(info.st_mode))
+    fail("%s '%s' is not a regular file (a FIFO, a device or a terminal could block or never end): give a file",
+         what.c_str(), path.c_str());
+  if ((unsigned long long)info.st_size > max_bytes)
+    fail("%s '%s' has %s bytes, more than the %s this trainer reads", what.c_str(), path.c_str(),
+         z2::with_commas((size_t)info.st_size).c_str(), z2::with_commas(max_bytes).c_str());
+  std::ifstream file(path, std::ios::binary);
+  if (!file) fail("cannot open %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  if (file.bad()) fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  return text;
 }
 
 inline long parse_integer(const std::string& flag, const std::string& text, long low, long high) {
@@ -135,8 +164,11 @@ inline double parse_real(const std::string& flag, const std::string& text, doubl
   char* end = nullptr;
   errno = 0;
   double value = std::strtod(text.c_str(), &end);
+  // strtod says ERANGE for a number too small for a normal double (1e-320)
+  // too; such a number is in range whenever 0 is, so only overflow refuses.
+  const bool overflow = errno == ERANGE && std::fabs(value) > DBL_MIN;
   bool in_range = value >= low && (high_inclusive ? value <= high : value < high);
-  if (text.empty() || *end || errno == ERANGE || !std::isfinite(value) || !in_range)
+  if (text.empty() || *end || overflow || !std::isfinite(value) || !in_range)
     fail("%s wants a number from %g to %g%s (got '%s')", flag.c_str(), low, high, high_inclusive ? "" : " (exclusive)",
          text.c_str());
   return value;
@@ -186,6 +218,7 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive"});
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
   else if (flag == "--memory-trace") s.memory_trace = value;
+  else if (flag == "--timeout") s.timeout = parse_real(name, value, 0.001, 1e9);
   else if (flag == "--precision") s.precision = parse_choice(name, value, {"fp32", "bf16", "fp16"}), s.precision_given = true;
   // Not command-line flags: only a config file sets these.
   else if (flag == "fp16.enabled") s.config_fp16_enabled = (int)parse_integer(name, value, 0, 1);
@@ -201,7 +234,7 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "eps") s.eps = parse_real(name, value, 1e-30, 1.0);
   else if (flag == "train_batch_size") s.train_batch_size = parse_integer(name, value, 1, big);
-  else fail("unknown flag '%s' (see the usage at the top of train_bert_mini.cu or DESIGN.md section 7)", flag.c_str());
+  else fail("unknown flag '%s' (train_bert_mini --help lists the flags)", flag.c_str());
 }
 
 // A DeepSpeed configuration file (the subset that means something here). Each
@@ -211,24 +244,74 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
 struct ConfigSetting {
   std::string flag, value, key;  // the flag it acts as, its value as text, the config key (for messages)
 };
-inline std::vector<ConfigSetting> read_config(const std::string& path) {
-  std::ifstream file(path);
-  if (!file) fail("cannot open the config file '%s': %s", path.c_str(), std::strerror(errno));
-  json config;
+// How deep a config's objects and arrays may nest. DeepSpeed's go 3 deep;
+// the JSON library recurses when it frees or prints a value, so a file
+// nested 100,000 deep would overflow the stack: we count before it parses.
+constexpr int max_config_depth = 16;
+
+// The config file as text, refused with its reason: not a regular file (a
+// FIFO would block), larger than a config can be, a NUL byte (which would
+// end the text early for some readers), nested too deep.
+inline std::string read_config_text(const std::string& path) {
+  const std::string text = read_regular_file("the config file", path, 1 << 20);
+  const size_t nul = text.find('\0');
+  if (nul != std::string::npos) fail("the config file '%s' has a NUL byte at offset %zu", path.c_str(), nul);
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;  // the escaped character cannot end the string
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_config_depth)
+        fail("the config file '%s' nests objects and arrays more than %d deep (at offset %zu)", path.c_str(),
+             max_config_depth, i);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return text;
+}
+
+// A JSON object's keys, once each: the JSON library keeps the last of two
+// equal keys silently, and a setting written twice is a mistake to name.
+inline json parse_config_json(const std::string& path, const std::string& text) {
+  std::vector<std::set<std::string>> keys;  // one set per open object
+  json::parser_callback_t no_duplicates = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) keys.emplace_back();
+    else if (event == json::parse_event_t::object_end) keys.pop_back();
+    else if (event == json::parse_event_t::key && !keys.back().insert(parsed.get<std::string>()).second)
+      fail("the config file '%s' has the key '%s' twice in one object", path.c_str(), parsed.get<std::string>().c_str());
+    return true;
+  };
   try {
-    config = json::parse(file);
-  } catch (const std::exception& e) {
+    return json::parse(text, no_duplicates);  // strict: nothing may follow the value
+  } catch (const json::parse_error& e) {
     fail("the config file '%s' is not valid JSON: %s", path.c_str(), e.what());
   }
+}
+
+inline std::vector<ConfigSetting> read_config(const std::string& path) {
+  const json config = parse_config_json(path, read_config_text(path));
   if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path.c_str());
   std::vector<ConfigSetting> flags;
+  // A number as the text the flag parser reads: integers as written (an
+  // unsigned 2^64 - 1 stays 18446744073709551615), never a boolean.
   auto number = [&](const json& value, const std::string& key) -> std::string {
-    if (value.is_boolean()) return value.get<bool>() ? "1" : "0";
-    if (!value.is_number()) fail("config key '%s' wants a number (got %s)", key.c_str(), value.dump().c_str());
+    if (!value.is_number())
+      fail("config key '%s' wants a number (got %s)", key.c_str(), value.dump().c_str());
+    if (value.is_number_unsigned()) return std::to_string(value.get<unsigned long long>());
     if (value.is_number_integer()) return std::to_string(value.get<long long>());
     char text[64];
     snprintf(text, sizeof text, "%.17g", value.get<double>());
     return text;
+  };
+  auto boolean = [&](const json& value, const std::string& key) -> std::string {
+    if (!value.is_boolean()) fail("config key '%s' wants true or false (got %s)", key.c_str(), value.dump().c_str());
+    return value.get<bool>() ? "1" : "0";
   };
   auto object = [&](const json& value, const std::string& key) -> const json& {
     if (!value.is_object()) fail("config key '%s' wants an object", key.c_str());
@@ -249,14 +332,12 @@ inline std::vector<ConfigSetting> read_config(const std::string& path) {
       for (auto& [inner, setting] : object(value, key).items()) {
         const std::string name = key + "." + inner;
         if (inner == "enabled") {
-          if (!setting.is_boolean()) fail("config key '%s' wants true or false (got %s)", name.c_str(), setting.dump().c_str());
-          flags.push_back({name, setting.get<bool>() ? "1" : "0", name});
+          flags.push_back({name, boolean(setting, name), name});
         } else if (key == "fp16" && (inner == "loss_scale" || inner == "initial_scale_power" ||
                                      inner == "loss_scale_window" || inner == "hysteresis" || inner == "min_loss_scale"))
           flags.push_back({inner, number(setting, name), name});
         else if (key == "fp16" && inner == "consecutive_hysteresis") {
-          if (!setting.is_boolean()) fail("config key '%s' wants true or false (got %s)", name.c_str(), setting.dump().c_str());
-          flags.push_back({inner, setting.get<bool>() ? "1" : "0", name});
+          flags.push_back({inner, boolean(setting, name), name});
         } else if (key == "fp16" && inner == "auto_cast")
           must_be(setting, name, false, "the model casts nothing: its inputs are token ids");
         else fail("unknown config key '%s'", name.c_str());
@@ -280,7 +361,7 @@ inline std::vector<ConfigSetting> read_config(const std::string& path) {
         const std::string name = key + "." + inner;
         if (inner == "stage") flags.push_back({"--stage", number(setting, name), name});
         else if (inner == "reduce_bucket_size") flags.push_back({"--bucket", number(setting, name), name});
-        else if (inner == "overlap_comm") flags.push_back({"--overlap", number(setting, name), name});
+        else if (inner == "overlap_comm") flags.push_back({"--overlap", boolean(setting, name), name});
         else if (inner == "contiguous_gradients")
           must_be(setting, name, true, "gradients always live in one contiguous buffer here");
         else if (inner == "reduce_scatter")
@@ -362,6 +443,44 @@ inline z2::Precision precision_of(const Settings& s) {
   return s.precision == "bf16" ? z2::Precision::bf16 : s.precision == "fp16" ? z2::Precision::fp16 : z2::Precision::fp32;
 }
 
+// What --help prints: every flag, its values and its default (Settings above).
+constexpr const char* usage_text = R"usage(usage: mpirun -n N train_bert_mini [flags]
+BERT-mini masked-language-model training with ZeRO stage 0, 1 or 2 (README.md, notes/07).
+
+where and how
+  --stage 0|1|2              ZeRO stage (default 2)
+  --device auto|cpu|cuda     compute backend (default auto: cuda when a GPU is visible)
+  --comm auto|mpi|nccl       communication backend (default auto: nccl with cuda)
+  --collectives deterministic|native   the canonical-order sums, or the library's own (default deterministic)
+  --bucket ELEMENTS          gradient bucket size (default 524288)
+  --overlap 0|1              reduce buckets during backward (default 1)
+  --precision fp32|bf16|fp16 working precision; fp32 master weights either way (default fp32; notes/08)
+  --timeout SECONDS          the watchdog's limit on any wait (default 600)
+model
+  --layers L --hidden H --heads NH --intermediate F   (default 4, 256, 4, 1024: BERT-Mini)
+  --seq T --max-positions P  window length and position table (default 128, 512)
+  --dropout P                (default 0.1)
+batch and optimizer (AdamW, linear warmup then linear decay)
+  --micro-batch B --accum A  per rank; the global batch is B x A x N (default 8, 1)
+  --steps S --warmup W       optimizer steps, warmup steps (default 100, a tenth of the steps)
+  --lr LR --weight-decay WD --clip C   (default 1e-3, 0.01, 1.0)
+  --seed SEED                every random decision is keyed by it (default 1)
+memory (ZeRO-R; notes/04, notes/05)
+  --activations keep|recompute|offload  what forward leaves for backward (default keep)
+  --alloc arena|naive        where device memory comes from (default arena)
+  --device-memory-limit BYTES  per rank (default: enough for the run)
+files
+  --data FILE                train on this text (UTF-8, at most 1 GiB; default: the embedded corpus)
+  --config FILE              a DeepSpeed-style JSON config; command-line flags override it
+  --json FILE                the run's summary as JSON
+  --export-hf DIR            the trained model for BertForMaskedLM.from_pretrained
+  --dump-batch DIR           step 0's weights, batch, loss and gradients (for a reference check)
+  --memory-trace FILE        the first step's allocator events
+  --log-every K              a progress line every K steps (default 10)
+  --quiet                    no progress lines
+  --help                     this text
+)usage";
+
 // The command line. --config is read first, whatever its position, so that
 // every flag given on the command line overrides the file.
 inline Settings parse_command_line(int argc, char** argv) {
@@ -392,6 +511,14 @@ inline Settings parse_command_line(int argc, char** argv) {
   return settings;
 }
 
+// Compared as normalised absolute paths, symlinks resolved, without a
+// trailing slash ("d" and "./d/" are one directory).
+inline std::string normal_path(const std::string& path) {
+  std::string text = std::filesystem::weakly_canonical(path).lexically_normal().string();
+  while (text.size() > 1 && text.back() == '/') text.pop_back();
+  return text;
+}
+
 // Checks that need several settings at once (world size known).
 inline void check_consistency(Settings& s, int world_size) {
   if (s.hidden % s.heads != 0)
@@ -407,13 +534,7 @@ inline void check_consistency(Settings& s, int world_size) {
   if (s.train_batch_size && s.train_batch_size != (long)s.micro_batch * s.accum * world_size)
     fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks", s.train_batch_size,
          s.micro_batch, s.accum, world_size);
-  // Compared as normalised absolute paths without a trailing slash ("d" and "./d/" are one directory).
-  auto normal = [](const std::string& path) {
-    std::string text = std::filesystem::weakly_canonical(path).lexically_normal().string();
-    while (text.size() > 1 && text.back() == '/') text.pop_back();
-    return text;
-  };
-  if (!s.export_dir.empty() && !s.dump_dir.empty() && normal(s.export_dir) == normal(s.dump_dir))
+  if (!s.export_dir.empty() && !s.dump_dir.empty() && normal_path(s.export_dir) == normal_path(s.dump_dir))
     fail("--export-hf and --dump-batch name the same directory '%s': the final weights would overwrite the dump's",
          s.export_dir.c_str());
   if (!s.dump_dir.empty() && world_size != 1)
@@ -421,6 +542,15 @@ inline void check_consistency(Settings& s, int world_size) {
   const double tokens = (double)s.micro_batch * s.seq;
   if (tokens * std::max(s.hidden, s.intermediate) > 1.5e9)
     fail("--micro-batch %d x --seq %d is too large for one micro-batch's activations", s.micro_batch, s.seq);
+  // MLM learns only from the selected positions: 15% of the seq - 2 bytes of
+  // each sequence. A global batch that selects less than one on average has
+  // no loss on most steps; training on it would say "NOT falling" and mean nothing.
+  const long sequences = (long)s.micro_batch * s.accum * world_size;
+  const double selected = 0.15 * (s.seq - 2) * (double)sequences;
+  if (selected < 1.0)
+    fail("--seq %d leaves %d byte(s) per sequence to mask, and 15%% of them are selected: a global batch of %ld "
+         "sequence(s) (micro-batch x accumulation x ranks) selects %.2f positions on average, so most steps would "
+         "have no loss to learn from. Use a longer --seq or a larger batch", s.seq, s.seq - 2, sequences, selected);
 }
 
 // ----------------------------------------------------------------------------
@@ -429,8 +559,8 @@ inline void check_consistency(Settings& s, int world_size) {
 // A sample is a window of T - 2 bytes of the corpus between [CLS] and [SEP].
 // Global sample g = m * B + b of optimizer step s (m the global micro-batch)
 // starts at a position drawn from hash(seed, step, g), and its masking from
-// hash(seed, step, g, position): a pure function of (seed, s, m) as DESIGN.md
-// section 4.1 requires, whatever N, A or the rank that computes it.
+// hash(seed, step, g, position): a pure function of (seed, s, m), whatever N, A or
+// the rank that computes it: what makes 1x4 = 2x2 = 4x1 (notes/06).
 
 enum Site : uint64_t {  // the first key after the seed: which random decision
   site_window = 1, site_select, site_action, site_random_byte,
@@ -447,27 +577,53 @@ inline const std::string& default_corpus() {
   return text;
 }
 
-// A text file as bytes: it must exist, be non-empty, be UTF-8 and have no NUL
-// bytes (a binary file is almost certainly a mistake, not a corpus).
+// The offset of the first byte of `text` that does not begin a well-formed
+// UTF-8 sequence (RFC 3629, Unicode's table 3-7), or npos. Strict: no
+// overlong forms (C0, C1; E0 80..9F; F0 80..8F), no surrogates (ED A0..BF),
+// nothing above U+10FFFF (F4 90.., F5..FF), no stray continuation bytes.
+inline size_t first_bad_utf8(const std::string& text) {
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char lead = (unsigned char)text[i];
+    if (lead < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t length = 0;
+    unsigned char low = 0x80, high = 0xbf;  // the range allowed for the second byte
+    if (lead >= 0xc2 && lead <= 0xdf) length = 2;
+    else if (lead == 0xe0) length = 3, low = 0xa0;
+    else if ((lead >= 0xe1 && lead <= 0xec) || lead == 0xee || lead == 0xef) length = 3;
+    else if (lead == 0xed) length = 3, high = 0x9f;
+    else if (lead == 0xf0) length = 4, low = 0x90;
+    else if (lead >= 0xf1 && lead <= 0xf3) length = 4;
+    else if (lead == 0xf4) length = 4, high = 0x8f;
+    else return i;
+    if (i + length > n) return i;
+    const unsigned char second = (unsigned char)text[i + 1];
+    if (second < low || second > high) return i;
+    for (size_t k = 2; k < length; ++k)
+      if (((unsigned char)text[i + k] & 0xc0) != 0x80) return i;
+    i += length;
+  }
+  return std::string::npos;
+}
+
+// The corpus: a regular file of UTF-8 text, non-empty, with no NUL byte (a
+// binary file is almost certainly a mistake, not a corpus), at most 1 GiB
+// (every rank holds all of it in memory).
+constexpr size_t max_corpus_bytes = 1ull << 30;
 inline std::string read_corpus(const std::string& path) {
   if (path.empty()) return default_corpus();
-  std::error_code error;
-  if (std::filesystem::is_directory(path, error)) fail("--data '%s' is a directory, not a text file", path.c_str());
-  std::ifstream file(path, std::ios::binary);
-  if (!file) fail("cannot open --data '%s': %s", path.c_str(), std::strerror(errno));
-  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const std::string text = read_regular_file("--data", path, max_corpus_bytes);
   if (text.empty()) fail("--data '%s' is empty", path.c_str());
   const size_t nul = text.find('\0');
   if (nul != std::string::npos)
     fail("--data '%s' has a NUL byte at offset %zu: it looks binary, not UTF-8 text", path.c_str(), nul);
-  for (size_t i = 0; i < text.size();) {
-    unsigned char c = (unsigned char)text[i];
-    int length = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    bool valid = length > 0 && i + length <= text.size();
-    for (int k = 1; valid && k < length; ++k) valid = ((unsigned char)text[i + k] >> 6) == 2;
-    if (!valid) fail("--data '%s' is not UTF-8 text (bad byte 0x%02x at offset %zu)", path.c_str(), c, i);
-    i += length;
-  }
+  const size_t bad = first_bad_utf8(text);
+  if (bad != std::string::npos)
+    fail("--data '%s' is not UTF-8 text (an ill-formed sequence at offset %zu, byte 0x%02x)", path.c_str(), bad,
+         (unsigned char)text[bad]);
   return text;
 }
 
@@ -562,7 +718,7 @@ Z2_HD inline float gelu_grad(float x) {
 }
 
 // Inverted dropout: the scale an element is multiplied by, 0 or 1 / (1 - p),
-// from the element's keys alone (DESIGN.md section 4.1). The keys that are
+// from the element's keys alone (notes/06). The keys that are
 // the same for a whole tensor, (seed, layer and site, step), are folded into
 // `tensor_key` once on the host (dropout_tensor_key); per element we mix in
 // only the global sample and the element: two rounds of mix64, not five
@@ -957,7 +1113,7 @@ inline Model<Act>::Model(z2::Compute& compute, z2::Engine& engine, const ModelSh
     : compute_(compute), engine_(engine), shape_(shape), mode_(mode) {
   const long H = shape.hidden, F = shape.intermediate, V = vocab_size;
   // Weight decay on linear weights and embeddings; none on biases and
-  // LayerNorm (DESIGN.md section 6).
+  // LayerNorm (Hugging Face's and DeepSpeed's default groups; notes/07).
   ids_.word_embeddings = add("bert.embeddings.word_embeddings.weight", {V, H}, true, Init::normal);
   ids_.position_embeddings = add("bert.embeddings.position_embeddings.weight", {shape.max_positions, H}, true, Init::normal);
   ids_.token_type_embeddings = add("bert.embeddings.token_type_embeddings.weight", {1, H}, true, Init::normal);
@@ -1647,25 +1803,92 @@ inline Tensor tensor_f32(const std::string& name, std::vector<long> shape, const
   return {name, "F32", shape, std::string((const char*)values, count * sizeof(float))};
 }
 
-// Write `path` atomically: into a temporary beside it, then rename, so a
-// failure never leaves a half-written file under the final name.
-inline void write_file_atomically(const std::string& path, const std::string& contents) {
-  const std::string temporary = path + ".partial";
-  {
-    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
-    if (!file) fail("cannot write '%s': %s", temporary.c_str(), std::strerror(errno));
-    file.write(contents.data(), (std::streamsize)contents.size());
-    file.flush();
-    if (!file) {
-      std::remove(temporary.c_str());
-      fail("writing '%s' failed (disk full?)", path.c_str());
-    }
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    std::remove(temporary.c_str());
-    fail("cannot rename '%s' to '%s': %s", temporary.c_str(), path.c_str(), std::strerror(errno));
-  }
+// --- output files (README, "When something goes wrong") ----------------------
+//
+// Every file the trainer writes goes through write_output_file:
+//   1. a temporary in the target directory whose name no other writer can
+//      have (the file's name, the pid, the rank, a random number), created
+//      exclusively;
+//   2. the contents written, then fsync: on the disk, not only in the cache;
+//   3. rename over the final name (atomic within a directory), then fsync
+//      of the directory, so the rename itself survives a crash.
+// A failure at any point removes the temporary and throws with the path and
+// the system's reason (strerror): nothing under a final name is ever
+// partial. The caller runs it inside agree_on_errors, so a write that fails
+// on one rank ends every rank, with exit 2 and rank 0's message.
+inline std::string directory_of(const std::string& path) {
+  const std::string parent = std::filesystem::path(path).parent_path().string();
+  return parent.empty() ? "." : parent;
 }
+
+// A name in `directory` for a temporary file of `name` that no other process
+// or rank picks.
+inline std::string unique_temporary(const std::string& directory, const std::string& name) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::random_device random;
+  char suffix[80];
+  snprintf(suffix, sizeof suffix, ".zero2-tmp.%ld.%d.%08x", (long)getpid(), rank, (unsigned)random());
+  return directory + "/." + name + suffix;
+}
+
+inline void write_output_file(const std::string& path, const std::string& contents) {
+  const std::string directory = directory_of(path);
+  const std::string temporary = unique_temporary(directory, std::filesystem::path(path).filename().string());
+  const int file = open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (file < 0) fail("cannot write '%s': %s", path.c_str(), std::strerror(errno));
+  auto give_up = [&](const char* doing) {
+    const int error = errno;
+    close(file);
+    unlink(temporary.c_str());
+    fail("cannot write '%s': %s (%s)", path.c_str(), std::strerror(error), doing);
+  };
+  for (size_t done = 0; done < contents.size();) {
+    const ssize_t wrote = write(file, contents.data() + done, contents.size() - done);
+    if (wrote < 0 && errno == EINTR) continue;
+    if (wrote <= 0) give_up("writing");
+    done += (size_t)wrote;
+  }
+  if (fsync(file) != 0) give_up("fsync");
+  if (close(file) != 0) {
+    const int error = errno;
+    unlink(temporary.c_str());
+    fail("cannot write '%s': %s (closing)", path.c_str(), std::strerror(error));
+  }
+  if (rename(temporary.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    unlink(temporary.c_str());
+    fail("cannot write '%s': %s (renaming the temporary over it)", path.c_str(), std::strerror(error));
+  }
+  const int folder = open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (folder < 0 || fsync(folder) != 0) {
+    const int error = errno;
+    if (folder >= 0) close(folder);
+    fail("wrote '%s', but the directory '%s' could not be synced: %s", path.c_str(), directory.c_str(),
+         std::strerror(error));
+  }
+  close(folder);
+}
+
+// An exclusive lock on a directory for a writer of several files (an
+// export: model.safetensors, then config.json). Two runs exporting into one
+// directory take turns, so the directory never holds one run's weights under
+// the other's config. (flock on the directory itself: no lock file is left.)
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const std::string& directory) : fd_(open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
+    if (fd_ < 0 || flock(fd_, LOCK_EX) != 0)
+      fail("cannot lock the directory '%s' for writing: %s", directory.c_str(), std::strerror(errno));
+  }
+  ~DirectoryLock() {
+    if (fd_ >= 0) close(fd_);  // closing releases the lock
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_;
+};
 
 // safetensors: an 8-byte little-endian header length, a JSON header naming
 // each tensor's dtype, shape and byte range, padded with spaces to a multiple
@@ -1686,24 +1909,61 @@ inline void write_safetensors(const std::string& path, const std::vector<Tensor>
   for (int k = 0; k < 8; ++k) contents[k] = (char)((length >> (8 * k)) & 0xff);
   contents += text;
   for (auto& t : tensors) contents += t.bytes;
-  write_file_atomically(path, contents);
+  write_output_file(path, contents);
 }
 
-// A directory we will write into: create it (and its parents) now, before
-// training, so a bad path fails in the first second and not after the run.
+// That a file can be created in `directory`: a temporary made and removed
+// now, before training, so a read-only or foreign directory fails in the
+// first second and not after the run. (A full disk shows only when writing.)
+inline void probe_writable(const std::string& flag, const std::string& directory) {
+  const std::string probe = unique_temporary(directory, "probe");
+  const int file = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (file < 0) fail("%s: cannot create files in the directory '%s': %s", flag.c_str(), directory.c_str(), std::strerror(errno));
+  close(file);
+  unlink(probe.c_str());
+}
+// A directory we will write into: create it (and its parents) now, and probe it.
 inline void prepare_directory(const std::string& flag, const std::string& directory) {
   std::error_code error;
   std::filesystem::create_directories(directory, error);
   if (!std::filesystem::is_directory(directory))
     fail("%s '%s' cannot be created as a directory%s%s", flag.c_str(), directory.c_str(), error ? ": " : "",
          error ? error.message().c_str() : "");
+  probe_writable(flag, directory);
 }
 inline void check_output_file(const std::string& flag, const std::string& path) {
-  std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (parent.empty()) parent = ".";
+  const std::string parent = directory_of(path);
   if (!std::filesystem::is_directory(parent))
     fail("%s '%s': the directory '%s' does not exist", flag.c_str(), path.c_str(), parent.c_str());
   if (std::filesystem::is_directory(path)) fail("%s '%s' is a directory", flag.c_str(), path.c_str());
+  probe_writable(flag, parent);
+}
+
+// No output may be an input (the run would overwrite its own --data or
+// --config, and exit 0) or another output (one would overwrite the other).
+// An export or a dump writes three named files into its directory.
+inline void check_outputs_against_inputs(const Settings& s) {
+  std::vector<std::pair<std::string, std::string>> inputs, outputs;  // (what, path)
+  if (!s.data.empty()) inputs.push_back({"--data", s.data});
+  if (!s.config.empty()) inputs.push_back({"--config", s.config});
+  if (!s.json_path.empty()) outputs.push_back({"--json", s.json_path});
+  if (!s.memory_trace.empty()) outputs.push_back({"--memory-trace", s.memory_trace});
+  for (const char* name : {"model.safetensors", "config.json"}) {
+    if (!s.export_dir.empty()) outputs.push_back({"--export-hf's " + std::string(name), s.export_dir + "/" + name});
+    if (!s.dump_dir.empty()) outputs.push_back({"--dump-batch's " + std::string(name), s.dump_dir + "/" + name});
+  }
+  if (!s.dump_dir.empty()) outputs.push_back({"--dump-batch's batch.safetensors", s.dump_dir + "/batch.safetensors"});
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    const std::string output = normal_path(outputs[o].second);
+    for (auto& input : inputs)
+      if (output == normal_path(input.second))
+        fail("%s '%s' is the %s file: the run would overwrite its own input", outputs[o].first.c_str(),
+             outputs[o].second.c_str(), input.first.c_str());
+    for (size_t other = 0; other < o; ++other)
+      if (output == normal_path(outputs[other].second))
+        fail("%s and %s name the same file '%s': one would overwrite the other", outputs[other].first.c_str(),
+             outputs[o].first.c_str(), outputs[o].second.c_str());
+  }
 }
 
 // A float setting as the decimal the user typed (0.1, not 0.100000001).
@@ -1759,15 +2019,18 @@ inline void export_hf(const std::string& directory, const Model<Act>& model, con
                       const std::vector<float>& values, z2::Precision dumped = z2::Precision::fp32) {
   // The weights first, the config last: a directory with a config.json is
   // complete (each file itself is written atomically). An old config.json
-  // from an earlier export goes first, so it cannot vouch for new weights.
-  std::remove((directory + "/config.json").c_str());
+  // from an earlier export goes first, so it cannot vouch for new weights;
+  // the lock keeps another export into this directory from interleaving.
+  DirectoryLock lock(directory);
+  if (unlink((directory + "/config.json").c_str()) != 0 && errno != ENOENT)
+    fail("cannot replace '%s/config.json': %s", directory.c_str(), std::strerror(errno));
   write_safetensors(directory + "/model.safetensors", named_tensors(model, engine, values), {{"format", "pt"}});
   json config = hf_config(model.shape());
   if (dumped != z2::Precision::fp32) {
     config["zero2_precision"] = z2::to_string(dumped);
     config["zero2_weights"] = std::string("the ") + z2::to_string(dumped) + " working weights of the dumped step, as float32";
   }
-  write_file_atomically(directory + "/config.json", config.dump(2) + "\n");
+  write_output_file(directory + "/config.json", config.dump(2) + "\n");
 }
 
 // ----------------------------------------------------------------------------
@@ -1818,11 +2081,11 @@ inline void agree_on_errors(MPI_Comm world, const std::function<void()>& checks)
   MPI_Comm_rank(world, &rank);
   MPI_Comm_size(world, &size);
   int mine = message.empty() ? size : rank, first = size;
-  Z2_MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, world));
+  z2::watched_allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, world, "the ranks agreeing on a check's outcome");
   if (first == size) return;
   char text[1024] = {};
   if (rank == first) snprintf(text, sizeof text, "%s", message.c_str());
-  Z2_MPI_CHECK(MPI_Bcast(text, sizeof text, MPI_CHAR, first, world));
+  z2::watched_bcast(text, sizeof text, MPI_CHAR, first, world, "the broadcast of a failed check's message");
   throw z2::Error(first == 0 ? std::string(text) : std::string(text) + " (on rank " + std::to_string(first) + ")");
 }
 
@@ -1834,12 +2097,14 @@ inline int train_as(Settings settings, MPI_Comm world) {
   MPI_Comm_rank(world, &rank);
   MPI_Comm_size(world, &world_size);
   const bool speak = rank == 0 && !settings.quiet;
+  z2::set_watchdog_timeout(settings.timeout);  // from here every wait has a deadline
   check_consistency(settings, world_size);
   // Checks that touch this host's files: every rank reads its own copy of the
   // data, rank 0 alone writes. On several hosts one of them may lack a file,
   // so the ranks agree on the outcome before anyone enters a collective.
   std::string corpus;
   agree_on_errors(world, [&] {
+    check_outputs_against_inputs(settings);
     if (rank == 0 && !settings.json_path.empty()) check_output_file("--json", settings.json_path);
     if (rank == 0 && !settings.memory_trace.empty()) check_output_file("--memory-trace", settings.memory_trace);
     if (rank == 0 && !settings.export_dir.empty()) prepare_directory("--export-hf", settings.export_dir);
@@ -1997,7 +2262,9 @@ inline int train_as(Settings settings, MPI_Comm world) {
     compute.synchronize_all();
     if (step == 0 && !settings.memory_trace.empty()) {
       compute.set_tracing(false);
-      if (rank == 0) {
+      // Rank 0 writes; every rank learns whether it could (a full disk ends them all).
+      agree_on_errors(world, [&] {
+        if (rank != 0) return;
         std::ostringstream csv;
         csv << "event,live_bytes,reserved_bytes,activation_bytes,free_pieces\n";
         for (size_t k = 0; k < compute.trace().size(); ++k) {
@@ -2005,8 +2272,8 @@ inline int train_as(Settings settings, MPI_Comm world) {
           csv << k << ',' << sample.live << ',' << sample.reserved << ',' << sample.activations << ','
               << sample.free_pieces << '\n';
         }
-        write_file_atomically(settings.memory_trace, csv.str());
-      }
+        write_output_file(settings.memory_trace, csv.str());
+      });
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     records.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step / (ms / 1000.0),
@@ -2020,7 +2287,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
              report.step, settings.steps, scale_text(report.loss_scale).c_str(), engine.skipped_steps(),
              scale_text(engine.loss_scaler().scale()).c_str(),
              engine.loss_scaler().scale() == report.loss_scale && engine.loss_scaler().dynamic() ? " (hysteresis)" : "");
-    if (dumping) {  // step 0, one rank: the weights, batch, loss and gradients of this step
+    if (dumping) agree_on_errors(world, [&] {  // step 0, one rank: the weights, batch, loss and gradients of this step
       std::vector<Tensor> tensors = named_tensors(model, engine, dump_gradients, "grad.");
       std::vector<int64_t> ids, labels;
       for (auto& batch : dump_batches) {
@@ -2039,7 +2306,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
                         {{"format", "pt"}, {"lr", text[0]}, {"beta1", text[1]}, {"beta2", text[2]}, {"eps", text[3]},
                          {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
       export_hf(settings.dump_dir, model, engine, dump_weights, precision);
-    }
+    });
     if (speak && !report.skipped &&
         (report.step == 1 || report.step % settings.log_every == 0 || report.step == settings.steps)) {
       const z2::MemoryCounters& memory = compute.memory();
@@ -2063,7 +2330,9 @@ inline int train_as(Settings settings, MPI_Comm world) {
   char hash_text[24];
   snprintf(hash_text, sizeof hash_text, "%016llx",
            (unsigned long long)z2::fnv1a64(final_parameters.data(), final_parameters.size()));
-  if (rank == 0 && !settings.export_dir.empty()) export_hf(settings.export_dir, model, engine, final_parameters);
+  agree_on_errors(world, [&] {
+    if (rank == 0 && !settings.export_dir.empty()) export_hf(settings.export_dir, model, engine, final_parameters);
+  });
   if (speak) {
     printf("\nsummary\n");
     printf("  %-24s %s -> %s (%s)\n", "loss", std::to_string(records.front().loss).c_str(),
@@ -2081,6 +2350,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
     engine.print_ledgers(stdout);
     fflush(stdout);
   }
+  agree_on_errors(world, [&] {
   if (rank == 0 && !settings.json_path.empty()) {
     json summary = json::parse(engine.ledgers_json());
     json out = {{"world_size", N},
@@ -2115,8 +2385,14 @@ inline int train_as(Settings settings, MPI_Comm world) {
     out["memory"] = summary["memory"];
     out["comm"] = summary["comm"];
     out["time"] = {{"step_ms_median", median_ms}, {"tokens_per_s_median", tokens_per_step / (median_ms / 1000.0)}};
-    write_file_atomically(settings.json_path, out.dump(2) + "\n");
+    write_output_file(settings.json_path, out.dump(2) + "\n");
   }
+  });
+  // Every rank reaches here before any finalizes: a rank stopped now would
+  // otherwise leave the others in MPI_Finalize, where no watchdog runs.
+  MPI_Request finished;
+  Z2_MPI_CHECK(MPI_Ibarrier(world, &finished));
+  z2::wait_request(&finished, "the end of the run (every rank finishing)");
   return 0;
 }
 
@@ -2143,8 +2419,14 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   int status = 0;
   try {
-    bert::Settings settings = bert::parse_command_line(argc, argv);
-    status = bert::train(settings, MPI_COMM_WORLD);
+    bool help = false;
+    for (int i = 1; i < argc; ++i) help = help || std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h";
+    if (help) {
+      if (rank == 0) fputs(bert::usage_text, stdout);
+    } else {
+      bert::Settings settings = bert::parse_command_line(argc, argv);
+      status = bert::train(settings, MPI_COMM_WORLD);
+    }
   } catch (const z2::Error& error) {
     if (rank == 0) fprintf(stderr, "train_bert_mini: error: %s\n", error.what());
     status = 2;

@@ -70,7 +70,7 @@ void Model::initialize() {
 
 float Model::micro_step(long step, int a) {
   const int B = config_.micro_batch, L = config_.layers, in = config_.input, classes = config_.classes;
-  const long m = engine_.micro_batch_index(a);  // global micro-batch (DESIGN.md 4.1)
+  const long m = engine_.micro_batch_index(a);  // global micro-batch (notes/06)
   const uint64_t seed = config_.seed;
   Buffers& buffers = *buffers_;
 

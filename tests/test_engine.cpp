@@ -189,7 +189,7 @@ TEST_CASE("memory ledger: model-state bytes equal the paper's formula for every 
                   run.memory.params == 4 * psi && run.memory.grads == (stage == 2 ? 4 * psi / N : 4 * psi);
         CHECK_MESSAGE(agree(ok, backend.name + ": memory ledger differs from the formula"), backend.name, " stage ",
                       stage, " A ", A, " measured ", run.memory.model_states, " formula ", formula);
-        // The JSON form carries the same numbers (DESIGN.md section 7 names).
+        // The JSON form carries the same numbers (the names the trainer's --json summary uses).
         nlohmann::json json = nlohmann::json::parse(run.json);
         bool json_ok = json["memory"]["model_states_bytes"] == run.memory.model_states &&
                        json["memory"]["model_states_formula_bytes"] == formula &&

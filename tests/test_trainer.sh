@@ -20,7 +20,14 @@
 #      overflow skips the same steps in every stage and N, with DeepSpeed's
 #      scale trajectory recomputed here; bf16 and fp16 train as fp32 does
 #      (within a margin); the 16-bit rounding against torch's; one bf16 and
-#      one fp16 step against fp64 and torch.autocast; bad input.
+#      one fp16 step against fp64 and torch.autocast; bad input;
+#   7. reliability: every writer on a full disk at N = 1, 2, 4 (exit 2 on every
+#      rank, nothing left), concurrent exports into one directory, outputs
+#      naming inputs, FIFOs and devices as inputs, strict UTF-8, strict
+#      config files (booleans, NUL, trailing bytes, duplicate keys, depth, large
+#      integers), a seq too short to mask, gradients whose squares overflow,
+#      a stopped rank ended by the watchdog, which names it, and ranks waiting
+#      for different things (tests/watchdog_check.cpp), each named.
 # Ends with the plain line "N passed, M failed".
 set -u
 build=${1:-build}
@@ -70,12 +77,13 @@ first_last=$(json_get "$work/matrix_1_0_0.json" "str(d['steps'][0]['loss'] != d[
 [ "$first_last" = True ] && pass "matrix: the loss changes over the steps" || fail "matrix: the loss did not change"
 
 # Micro-batches that select no position (seq 3: one byte per sample, selected
-# 15% of the time): the head's products have an empty sum (K = 0), which must
+# 15% of the time; micro-batch 4 x 2 ranks selects 1.2 on average, the least
+# the trainer accepts): the head's products have an empty sum (K = 0), which must
 # give zero gradients on every backend. A step whose whole global batch
 # selected nothing must report a gradient norm of exactly 0 (a stale buffer
 # left by a gemm that skipped K = 0 would show here), and stages 0 and 2
 # still agree bitwise.
-empty=(--layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 3 --micro-batch 1 --steps 12 --warmup 1 --quiet)
+empty=(--layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 3 --micro-batch 4 --steps 16 --warmup 1 --quiet)
 for stage in 0 2; do
   timeout 300 mpirun -n 2 "$trainer" "${empty[@]}" --stage $stage --json "$work/empty_$stage.json" > "$work/log" 2>&1 ||
     { fail "empty micro-batches stage $stage: exit non-zero"; cat "$work/log"; }
@@ -95,7 +103,7 @@ case "$verdict" in ok*) pass "empty micro-batches: stages 0 and 2 equal: $verdic
 # Native collectives (MPI_Reduce_scatter's own order): close, not bitwise.
 # At N = 4: at N = 2 there is only one order of a + b. (For these small
 # buckets MPICH's recursive halving may still pair ranks as our tree does and
-# agree bitwise; the tolerance is what DESIGN.md promises.) Three steps of AdamW amplify a last-bit
+# agree bitwise; the tolerance is all notes/06 promises.) Three steps of AdamW amplify a last-bit
 # difference in the reduced gradient into ~1e-6 relative changes of the loss;
 # 1e-4 leaves a wide margin while still catching a wrong sum (off by a factor
 # N, a missing rank: > 10%).
@@ -173,11 +181,25 @@ bad_case() {  # expected message fragment, then the arguments
     fail "$label: crashed: $(head -c 300 "$work/bad_stderr")"
   elif [ "$messages" != 1 ]; then fail "$label: $messages error messages (want exactly 1): $(head -c 300 "$work/bad_stderr")"
   elif ! grep -qF -- "$expect" "$work/bad_stderr"; then fail "$label: message lacks '$expect': $(cat "$work/bad_stderr")"
-  elif [ -e "$out" ] || [ -e "$out.partial" ] || [ -e "$work/no" ]; then fail "$label: left an output file"
+  elif [ -e "$out" ] || [ -e "$work/no" ] || [ -n "$(find "$work" -name '*zero2-tmp*' | head -n 1)" ]; then
+    fail "$label: left an output file or a temporary"
   else pass "$label -> $(sed 's/^train_bert_mini: error: //' "$work/bad_stderr" | head -c 110)"; fi
 }
 small=(--layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --micro-batch 2 --steps 1)
-bad_case "unknown flag '--bogus'" "${small[@]}" --bogus 3
+bad_case "unknown flag '--bogus' (train_bert_mini --help lists the flags)" "${small[@]}" --bogus 3
+# --help: exit 0, and it lists every flag the parser takes (read from the
+# source, so a flag added without its line here fails).
+help_status=0
+timeout 60 mpirun -n 2 "$trainer" --help > "$work/help.txt" 2>&1 || help_status=$?
+missing=""
+for flag in $(grep -oE 'flag == "--[a-z-]+"' train_bert_mini.cu | grep -oE -- '--[a-z-]+' | sort -u); do
+  grep -q -- "$flag" "$work/help.txt" || missing="$missing $flag"
+done
+if [ $help_status -eq 0 ] && [ -z "$missing" ] && [ "$(grep -c '^usage:' "$work/help.txt")" -eq 1 ]; then
+  pass "--help: exit 0, once (rank 0), every flag listed"
+else
+  fail "--help: exit $help_status, missing:$missing"
+fi
 bad_case "--steps needs a value" "${small[@]}" --steps
 bad_case "unexpected argument" "${small[@]}" stray
 for flag_value in "--device gpu" "--comm tcp" "--stage 3" "--stage two" "--collectives fast" "--micro-batch 0" \
@@ -517,6 +539,160 @@ bad_case "config key 'fp16.loss_scale_window' wants" "${small[@]}" --config "$wo
 bad_case "config key 'bf16.enabled' wants true or false" "${small[@]}" --config "$work/bf16_string.json"
 # At the minimum scale an overflow ends the run (DeepSpeed raises), on every rank.
 bad_case "minimum loss scale" "${small[@]}" --steps 3 --config "$work/at_minimum.json"
+
+# --- 7. reliability: failed writes, inputs, numbers, a stopped rank ----------------------
+echo "=== reliability: writes that fail, inputs that are not what they seem, a stopped rank"
+tiny_run=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 3
+          --warmup 1 --quiet)
+# A full disk: a 64 KiB tmpfs filled up (mount needs root; where it is not
+# allowed, the checks say SKIP and why, they do not pass).
+full="$work/full"
+mkdir -p "$full"
+if mount -t tmpfs -o size=64k tmpfs "$full" 2>"$work/mount.err"; then
+  head -c 1M /dev/zero > "$full/filler" 2>/dev/null  # fails when the disk is full: that is the point
+  full_case() {  # label, ranks, then the flags whose output lands on the full disk
+    local label=$1 ranks=$2
+    shift 2
+    timeout 60 mpirun -n "$ranks" "$trainer" "${tiny_run[@]}" "$@" > "$work/full_stdout" 2> "$work/full_stderr"
+    local status=$? messages left
+    messages=$(grep -c "train_bert_mini: error:" "$work/full_stderr")
+    left=$(find "$full" -mindepth 1 ! -name filler ! -name export ! -name dump | head -n 3)
+    if [ $status -eq 0 ] || [ $status -eq 124 ]; then fail "full disk, $label, N=$ranks: exit $status"
+    elif [ "$messages" != 1 ] || ! grep -q "No space left on device" "$work/full_stderr"; then
+      fail "full disk, $label, N=$ranks: $(head -c 300 "$work/full_stderr")"
+    elif [ -n "$left" ]; then fail "full disk, $label, N=$ranks: left $left"
+    else pass "full disk, $label, N=$ranks: exit $status on every rank, nothing left -> $(sed 's/^train_bert_mini: error: //' "$work/full_stderr" | head -c 90)"; fi
+  }
+  for N in 1 2 4; do
+    full_case "--json" $N --json "$full/out.json"
+    full_case "--memory-trace (step 0, the others waiting)" $N --memory-trace "$full/trace.csv"
+    full_case "--export-hf" $N --export-hf "$full/export"
+  done
+  full_case "--dump-batch" 1 --dump-batch "$full/dump"
+  umount "$full"
+else
+  echo "SKIP full-disk writes: mount -t tmpfs is not allowed here ($(head -c 120 "$work/mount.err"))"
+fi
+
+# Two runs exporting into one directory at once, 20 times: whichever ends
+# last, the directory's config.json and model.safetensors come from one run
+# (hidden 16 and hidden 32 tell them apart).
+mixed=0
+for k in $(seq 1 20); do
+  timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --hidden 16 --export-hf "$work/shared_export" > /dev/null 2>&1 &
+  first=$!
+  timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --hidden 32 --export-hf "$work/shared_export" > /dev/null 2>&1
+  second=$?
+  wait $first
+  [ $? -eq 0 ] && [ $second -eq 0 ] || mixed=$((mixed + 1000))
+  python3 - "$work/shared_export" <<'EOF' || mixed=$((mixed + 1))
+import json, struct, sys
+d = sys.argv[1]
+config = json.load(open(f"{d}/config.json"))
+with open(f"{d}/model.safetensors", "rb") as f:
+    header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+sys.exit(0 if header["bert.embeddings.word_embeddings.weight"]["shape"][1] == config["hidden_size"] else 1)
+EOF
+done
+leftovers=$(find "$work/shared_export" -name '*zero2-tmp*' | wc -l)
+[ $mixed -eq 0 ] && [ "$leftovers" -eq 0 ] && pass "20 pairs of concurrent exports into one directory: never mixed, no temporaries left" ||
+  fail "concurrent exports: $mixed bad (x1000: a run failed), $leftovers temporaries left"
+
+# Outputs that name an input, or each other.
+printf 'The quick brown fox jumps over the lazy dog. %.0s' $(seq 1 40) > "$work/corpus.txt"
+echo '{"gradient_clipping": 1.0}' > "$work/ds.json"
+mkdir -p "$work/export_over_config"
+cp "$work/ds.json" "$work/export_over_config/config.json"
+bad_case "is the --data file" "${small[@]}" --data "$work/corpus.txt" --json "$work/corpus.txt"
+bad_case "is the --config file" "${small[@]}" --config "$work/ds.json" --json "$work/./ds.json"
+bad_case "is the --data file" "${small[@]}" --data "$work/corpus.txt" --memory-trace "$work/corpus.txt"
+bad_case "--export-hf's config.json '$work/export_over_config/config.json' is the --config file" "${small[@]}" \
+  --config "$work/export_over_config/config.json" --export-hf "$work/export_over_config"
+bad_case "name the same file" "${small[@]}" --json "$work/twice.json" --memory-trace "$work/twice.json"
+[ "$(cat "$work/corpus.txt" | head -c 9)" = "The quick" ] && [ "$(cat "$work/ds.json")" = '{"gradient_clipping": 1.0}' ] &&
+  pass "the inputs named as outputs are unchanged" || fail "an input was overwritten"
+
+# Inputs that are not regular files, or not text.
+mkfifo "$work/fifo"
+bad_case "is not a regular file" "${small[@]}" --data "$work/fifo"
+bad_case "is not a regular file" "${small[@]}" --data /dev/zero
+bad_case "is not a regular file" "${small[@]}" --config "$work/fifo"
+for bytes in '\xc0\x80' '\xe0\x80\x80' '\xed\xa0\x80' '\xf4\x90\x80\x80' '\xf5\x80\x80\x80' '\x80'; do
+  { printf 'plain text before the bad bytes %.0s' $(seq 1 3); printf "$bytes"; printf ' and after'; } > "$work/bad_utf8.txt"
+  bad_case "is not UTF-8 text (an ill-formed sequence at offset 96" "${small[@]}" --data "$work/bad_utf8.txt"
+done
+# Config values and files that a lax parser would accept.
+echo '{"gradient_clipping": true}' > "$work/bool_number.json"
+printf '{"gradient_clipping": 1.0}\0garbage' > "$work/nul_garbage.json"
+echo '{"gradient_clipping": 1.0} trailing' > "$work/trailing.json"
+echo '{"gradient_clipping": 1.0, "gradient_clipping": 2.0}' > "$work/duplicate.json"
+echo '{"zero_optimization": {"stage": 2, "stage": 1}}' > "$work/duplicate_inner.json"
+echo '{"train_batch_size": 18446744073709551615}' > "$work/huge.json"
+echo '{"zero_optimization": {"overlap_comm": 1}}' > "$work/number_bool.json"
+python3 -c "print('[' * 100000 + ']' * 100000)" > "$work/deep.json"
+bad_case "config key 'gradient_clipping' wants a number (got true)" "${small[@]}" --config "$work/bool_number.json"
+bad_case "has a NUL byte at offset 26" "${small[@]}" --config "$work/nul_garbage.json"
+bad_case "is not valid JSON" "${small[@]}" --config "$work/trailing.json"
+bad_case "has the key 'gradient_clipping' twice" "${small[@]}" --config "$work/duplicate.json"
+bad_case "has the key 'stage' twice" "${small[@]}" --config "$work/duplicate_inner.json"
+bad_case "(got '18446744073709551615')" "${small[@]}" --config "$work/huge.json"
+bad_case "config key 'zero_optimization.overlap_comm' wants true or false" "${small[@]}" --config "$work/number_bool.json"
+bad_case "nests objects and arrays more than 16 deep" "${small[@]}" --config "$work/deep.json"
+# A global batch that would select no position on most steps.
+bad_case "positions on average" "${small[@]}" --seq 3 --micro-batch 1
+# Numbers: a tiny learning rate is a number in range; a bucket beyond Psi is
+# not a memory requirement.
+for flags in "--lr 1e-320" "--bucket 1073741824"; do
+  if timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" $flags > "$work/log" 2>&1; then pass "accepted: $flags"
+  else fail "refused: $flags: $(head -c 200 "$work/log")"; fi
+done
+
+# Gradients whose fp32 squares overflow (dropout 0.97 scales them by 1/0.03
+# at every site): the norm is still finite, and every step reports it.
+if timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --steps 5 --dropout 0.97 --json "$work/dropout.json" > "$work/log" 2>&1; then
+  verdict=$(json_get "$work/dropout.json" "'ok' if all(s['grad_norm'] is not None and s['grad_norm'] > 0 for s in d['steps']) and max(s['grad_norm'] for s in d['steps']) > 1.8e19 else 'bad ' + str([s['grad_norm'] for s in d['steps']])")
+  case "$verdict" in ok*) pass "dropout 0.97: every gradient norm finite, the largest beyond sqrt(FLT_MAX)";; *) fail "dropout 0.97: $verdict";; esac
+else
+  fail "dropout 0.97: exit non-zero: $(head -c 300 "$work/log")"
+fi
+
+# A stopped rank (SIGSTOP: hydra does not notice it): the others' watchdog
+# ends the job within --timeout (3 s here) plus the roll call's grace (1 s)
+# plus slack, naming the stopped rank as the one that did not answer. Rank 2
+# of 4, found by the PMI_RANK hydra gives each process.
+marker="$work/stopped_rank.json"
+timeout 120 mpirun -n 4 "$trainer" "${tiny_run[@]}" --steps 1000000 --timeout 3 --json "$marker" \
+  > "$work/stopped_stdout" 2> "$work/stopped_stderr" &
+job=$!
+sleep 3
+victim=""
+for pid in $(pgrep -f "^$trainer.*$marker"); do
+  tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx 'PMI_RANK=2' && victim=$pid
+done
+stopped_at=$(date +%s)
+[ -n "$victim" ] && kill -STOP "$victim"
+wait $job
+status=$?
+took=$(($(date +%s) - stopped_at))
+pkill -9 -f "$marker" 2>/dev/null
+if [ -z "$victim" ]; then fail "stopped rank: no process with PMI_RANK=2 found to stop"
+elif [ $status -ne 0 ] && [ $status -ne 124 ] && [ $took -le 14 ] && grep -q "watchdog: waited 3 s for" "$work/stopped_stderr" \
+     && grep -q "roll call (1 s): rank 2 did not answer" "$work/stopped_stderr"; then
+  pass "stopped rank: the job ended ${took} s after the stop, exit $status: $(grep -m 1 'roll call' "$work/stopped_stderr" | sed 's/^\[zero2\] *//' | head -c 120)"
+else
+  fail "stopped rank: exit $status after ${took} s: $(head -c 600 "$work/stopped_stderr")"
+fi
+# Every rank alive but waiting for different things: each roll call finds
+# every rank answering and says what each waits for.
+timeout 60 mpirun -n 3 "$build/watchdog_check" 2 > /dev/null 2> "$work/desync_stderr"
+status=$?
+if [ $status -eq 3 ] && grep -q "every rank answered, so none is stopped" "$work/desync_stderr" \
+   && grep -q "for a message from rank 1" "$work/desync_stderr" \
+   && grep -q "rank [12] has waited .* for a barrier" "$work/desync_stderr"; then
+  pass "desynchronized ranks: the roll call says where each waits"
+else
+  fail "desynchronized ranks: exit $status: $(head -c 600 "$work/desync_stderr")"
+fi
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
