@@ -7,6 +7,8 @@
 #   make demo     the engine demo: the three stages on the test MLP, 2 ranks
 #   make test     the doctest suite under mpirun -n 1, 2, 4 (build/)
 #   make test-cpu the same suite for the mpicxx-only build (build-cpu/)
+#   make sanitize the cpu build with AddressSanitizer and UBSan (build-sanitize/): the doctest suite
+#                 at N = 1, 2 and a short trainer matrix (tests/sanitize.sh)
 #   make bench    tokens/s: stage 0 vs stage 2 at N = 2, fp32 vs bf16 vs fp16, and PyTorch on the
 #                 same model and batch; step-time ratios recompute / keep and offload / keep
 #   make fraglab  the smallest --device-memory-limit one BERT-mini step needs, for every
@@ -71,9 +73,10 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run demo bench fraglab test test-cpu notes figures deps test-deps figure-deps found clean
-all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool
-cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool
+.PHONY: all cpu run demo bench fraglab test test-cpu sanitize notes figures deps test-deps figure-deps found clean
+all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
+cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
+     build-cpu/watchdog_check
 
 # What the build found; `make cpu` says it ignores nvcc.
 cpu: BUILD_KIND = cpu (make cpu: nvcc not used)
@@ -91,11 +94,11 @@ found:
 ifeq ($(BUILD_KIND),nvcc)
 build/%.o: %.cu $(ENGINE) $(MODEL) build/corpus.inc | build/tests
 	$(NVCC) $(NVCCFLAGS) -Ibuild -c $< -o $@
-build/test_zero2 build/demo_stages build/train_bert_mini build/reduce_precision build/paper_table: LIBS = $(CUDA_LIBS) $(BLAS_LIBS)
+build/test_zero2 build/demo_stages build/train_bert_mini build/reduce_precision build/paper_table build/watchdog_check: LIBS = $(CUDA_LIBS) $(BLAS_LIBS)
 else
 build/%.o: %.cu $(ENGINE) $(MODEL) build/corpus.inc | build/tests
 	$(MPICXX) $(CXXFLAGS) -Ibuild -x c++ -c $< -o $@ -x none
-build/test_zero2 build/demo_stages build/train_bert_mini build/reduce_precision build/paper_table: LIBS = $(BLAS_LIBS)
+build/test_zero2 build/demo_stages build/train_bert_mini build/reduce_precision build/paper_table build/watchdog_check: LIBS = $(BLAS_LIBS)
 endif
 build/tests/%.o: tests/%.cpp $(TEST_H) | build/tests
 	$(MPICXX) $(CXXFLAGS) -c $< -o $@
@@ -111,6 +114,9 @@ build/train_bert_mini: build/zero2.o build/train_bert_mini.o
 build/reduce_precision: build/zero2.o build/tests/reduce_precision.o
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/paper_table: build/zero2.o build/tests/paper_table.o
+	$(MPICXX) $^ -o $@ $(LIBS)
+# A desynchronized program, for the watchdog's roll call (tests/test_trainer.sh).
+build/watchdog_check: build/zero2.o build/tests/watchdog_check.o
 	$(MPICXX) $^ -o $@ $(LIBS)
 # The 16-bit conversions as a filter, for tests/convert_check.py (torch's rounding).
 build/convert_tool: tests/convert_tool.cpp zero2.h | build/tests
@@ -136,9 +142,30 @@ build-cpu/train_bert_mini: build-cpu/zero2.o build-cpu/train_bert_mini.o
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/convert_tool: tests/convert_tool.cpp zero2.h | build-cpu/tests
 	$(MPICXX) $(CXXFLAGS) $< -o $@
+build-cpu/watchdog_check: build-cpu/zero2.o build-cpu/tests/watchdog_check.o
+	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/corpus.inc: data/corpus.txt | build-cpu/tests
 	$(CORPUS_INC)
 build-cpu/tests:
+	mkdir -p $@
+
+# --- the sanitized cpu build: ASan + UBSan ---------------------------------------
+# -O1 keeps the runs short; an UBSan finding stops the program (no recover),
+# as an ASan one does. The same .cu files, compiled as C++.
+SANITIZE_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -fsanitize=address,undefined \
+                  -fno-sanitize-recover=undefined -Wall -Wextra -Wno-unused-parameter
+build-sanitize/%.o: %.cu $(ENGINE) $(MODEL) build-sanitize/corpus.inc | build-sanitize/tests
+	$(MPICXX) $(SANITIZE_FLAGS) -Ibuild-sanitize -x c++ -c $< -o $@ -x none
+build-sanitize/tests/%.o: tests/%.cpp $(TEST_H) | build-sanitize/tests
+	$(MPICXX) $(SANITIZE_FLAGS) -c $< -o $@
+build-sanitize/test_zero2: build-sanitize/zero2.o build-sanitize/tests/mlp_model.o build-sanitize/tests/test_bert.o \
+                           build-sanitize/tests/test_conversions_gpu.o $(TESTS:tests/%.cpp=build-sanitize/tests/%.o)
+	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS)
+build-sanitize/train_bert_mini: build-sanitize/zero2.o build-sanitize/train_bert_mini.o
+	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS)
+build-sanitize/corpus.inc: data/corpus.txt | build-sanitize/tests
+	$(CORPUS_INC)
+build-sanitize/tests:
 	mkdir -p $@
 
 # --- running --------------------------------------------------------------------
@@ -170,6 +197,9 @@ test: deps test-deps all
 test-cpu: deps test-deps cpu
 	$(RUN_ENV) tests/run_tests.sh build-cpu
 
+sanitize: deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini
+	$(RUN_ENV) tests/sanitize.sh build-sanitize
+
 notes: deps test-deps all build/reduce_precision build/paper_table
 	$(RUN_ENV) notes/generate.sh build
 
@@ -189,4 +219,4 @@ deps test-deps figure-deps:
 	fi
 
 clean:
-	rm -rf build build-cpu
+	rm -rf build build-cpu build-sanitize
