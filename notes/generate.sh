@@ -245,6 +245,53 @@ PY
   echo '```'
 } >"$out/mixed_reference"
 
+# --- reliability (README, "When something goes wrong") -------------------------------
+# reliability_messages: a rank stopped mid-run (the watchdog), ranks waiting for
+# different things (tests/watchdog_check.cpp), a full disk (a
+# 64 KiB tmpfs, when mount is allowed), an output that names an input.
+tiny_flags="--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --warmup 1 --quiet"
+{
+  echo '```'
+  echo "\$ mpirun -n 4 $trainer ... --timeout 3 &    # then: kill -STOP <rank 2's pid>"
+  marker="$out/stopped.json"
+  timeout 120 mpirun -n 4 "$trainer" --device cpu $tiny_flags --steps 1000000 --timeout 3 --json "$marker" \
+    >/dev/null 2>"$out/stopped_err" &
+  job=$!
+  sleep 3
+  for pid in $(pgrep -f "^$trainer.*$marker"); do
+    tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx 'PMI_RANK=2' && kill -STOP "$pid"
+  done
+  status=0
+  wait $job || status=$?
+  pkill -9 -f "$marker" 2>/dev/null || true
+  grep '^\[zero2\]' "$out/stopped_err" | fold -w 110 -s
+  echo "(exit $status)"
+  echo "\$ mpirun -n 3 $build/watchdog_check 2    # rank 0 waits for a message, ranks 1 and 2 in a barrier"
+  status=0
+  timeout 60 mpirun -n 3 "$build/watchdog_check" 2 >/dev/null 2>"$out/desync_err" || status=$?
+  grep '^\[zero2\]' "$out/desync_err" | fold -w 110 -s
+  echo "(exit $status)"
+  mkdir -p "$out/full"
+  if mount -t tmpfs -o size=64k tmpfs "$out/full" 2>/dev/null; then
+    head -c 1M /dev/zero >"$out/full/filler" 2>/dev/null || true
+    echo "\$ mpirun -n 2 $trainer ... --json full_disk/run.json"
+    status=0
+    timeout 120 mpirun -n 2 "$trainer" --device cpu $tiny_flags --steps 2 --json "$out/full/run.json" \
+      >/dev/null 2>"$out/full_err" || status=$?
+    umount "$out/full"
+    sed "s|$out/full|full_disk|" "$out/full_err" | fold -w 110 -s
+    echo "(exit $status)"
+  fi
+  printf 'Some text to train on. %.0s' $(seq 1 20) >"$out/corpus.txt"
+  echo "\$ mpirun -n 2 $trainer ... --data corpus.txt --json corpus.txt"
+  status=0
+  timeout 120 mpirun -n 2 "$trainer" --device cpu $tiny_flags --steps 2 --data "$out/corpus.txt" --json "$out/corpus.txt" \
+    >/dev/null 2>"$out/overwrite_err" || status=$?
+  sed "s|$out/||g" "$out/overwrite_err" | fold -w 110 -s
+  echo "(exit $status)"
+  echo '```'
+} >"$out/reliability_messages"
+
 # gpu_summary, gpu_zero_r: from the saved log of tests/gpu_check.sh's last GPU run
 # (this machine has no GPU; the log is what the GPU machine printed).
 gpu_log=notes/gpu/gpu_check_h200.log
