@@ -48,6 +48,7 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <csignal>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -133,20 +134,39 @@ struct Settings {
 // An input file, read whole: `what` names it in messages. It must be a
 // regular file (a FIFO, a device or a terminal could block or never end:
 // /dev/stdin, /dev/zero) of at most `max_bytes`, checked before reading.
+// Opened once (O_NONBLOCK: opening a FIFO does not wait for a writer) and
+// checked on that descriptor, so nothing can be swapped in between; read
+// to at most max_bytes + 1, so a file that grows (or a /proc file, size 0)
+// cannot get past the bound either.
 inline std::string read_regular_file(const std::string& what, const std::string& path, size_t max_bytes) {
+  if (path.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", what.c_str());
+  const int file = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (file < 0) fail("cannot open %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{file};
   struct stat info;
-  if (stat(path.c_str(), &info) != 0) fail("cannot open %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  if (fstat(file, &info) != 0) fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
   if (S_ISDIR(info.st_mode)) fail("%s '%s' is a directory, not a file", what.c_str(), path.c_str());
   if (!S_ISREG(info.st_mode))
     fail("%s '%s' is not a regular file (a FIFO, a device or a terminal could block or never end): give a file",
          what.c_str(), path.c_str());
-  if ((unsigned long long)info.st_size > max_bytes)
-    fail("%s '%s' has %s bytes, more than the %s this trainer reads", what.c_str(), path.c_str(),
-         z2::with_commas((size_t)info.st_size).c_str(), z2::with_commas(max_bytes).c_str());
-  std::ifstream file(path, std::ios::binary);
-  if (!file) fail("cannot open %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
-  std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  if (file.bad()) fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  auto too_large = [&](size_t bytes) {
+    fail("%s '%s' has %s bytes%s, more than the %s this trainer reads", what.c_str(), path.c_str(),
+         z2::with_commas(bytes).c_str(), bytes > max_bytes + 1 ? "" : " or more", z2::with_commas(max_bytes).c_str());
+  };
+  if ((unsigned long long)info.st_size > max_bytes) too_large((size_t)info.st_size);
+  std::string text;
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t got = read(file, buffer, std::min(sizeof buffer, max_bytes + 1 - text.size()));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+    if (got == 0) break;
+    text.append(buffer, (size_t)got);
+    if (text.size() > max_bytes) too_large(text.size());
+  }
   return text;
 }
 
@@ -172,6 +192,13 @@ inline double parse_real(const std::string& flag, const std::string& text, doubl
     fail("%s wants a number from %g to %g%s (got '%s')", flag.c_str(), low, high, high_inclusive ? "" : " (exclusive)",
          text.c_str());
   return value;
+}
+
+// A path: any text but the empty one, which an unset shell variable gives
+// ("--json $OUT" with OUT unset would otherwise silently write nothing).
+inline std::string parse_path(const std::string& flag, const std::string& text) {
+  if (text.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", flag.c_str());
+  return text;
 }
 
 inline std::string parse_choice(const std::string& flag, const std::string& text, std::vector<std::string> choices) {
@@ -209,16 +236,16 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--clip") s.clip = parse_real(name, value, 0.0, 1e30);
   else if (flag == "--seed") s.seed = (uint64_t)parse_integer(name, value, 0, LONG_MAX);
   else if (flag == "--log-every") s.log_every = parse_integer(name, value, 1, big);
-  else if (flag == "--data") s.data = value;
-  else if (flag == "--config") s.config = value;
-  else if (flag == "--json") s.json_path = value;
-  else if (flag == "--export-hf") s.export_dir = value;
-  else if (flag == "--dump-batch") s.dump_dir = value;
+  else if (flag == "--data") s.data = parse_path(name, value);
+  else if (flag == "--config") s.config = parse_path(name, value);
+  else if (flag == "--json") s.json_path = parse_path(name, value);
+  else if (flag == "--export-hf") s.export_dir = parse_path(name, value);
+  else if (flag == "--dump-batch") s.dump_dir = parse_path(name, value);
   else if (flag == "--activations") s.activations = parse_choice(name, value, {"keep", "recompute", "offload"});
   else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive"});
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
-  else if (flag == "--memory-trace") s.memory_trace = value;
-  else if (flag == "--timeout") s.timeout = parse_real(name, value, 0.001, 1e9);
+  else if (flag == "--memory-trace") s.memory_trace = parse_path(name, value);
+  else if (flag == "--timeout") s.timeout = parse_real(name, value, 1, 1e9);  // below a second a healthy wait can expire
   else if (flag == "--precision") s.precision = parse_choice(name, value, {"fp32", "bf16", "fp16"}), s.precision_given = true;
   // Not command-line flags: only a config file sets these.
   else if (flag == "fp16.enabled") s.config_fp16_enabled = (int)parse_integer(name, value, 0, 1);
@@ -289,25 +316,89 @@ inline json parse_config_json(const std::string& path, const std::string& text) 
   };
   try {
     return json::parse(text, no_duplicates);  // strict: nothing may follow the value
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, or a number beyond double (1e400)
     fail("the config file '%s' is not valid JSON: %s", path.c_str(), e.what());
   }
 }
 
+// The text of every floating-point number in a config, by its key path
+// ("fp16.loss_scale", "optimizer.params.betas[0]"). The JSON library keeps
+// only the double, and a message should quote what the user wrote: 1e39,
+// not 9.9999999999999994e+38; 18446744073709551616 (beyond uint64, so
+// parsed as a double), not 1.8446744073709552e+19. Its SAX interface hands
+// each number's text over; this records it and builds nothing.
+struct NumberTexts : nlohmann::json_sax<json> {
+  std::map<std::string, std::string> texts;
+  std::vector<std::string> keys;  // per open object or array: the current key ("" in an array)
+  std::vector<long> indices;      // per open level: the current element's index (-1 in an object)
+
+  std::string here() const {
+    std::string where;
+    for (size_t level = 0; level < keys.size(); ++level)
+      where += indices[level] >= 0 ? "[" + std::to_string(indices[level]) + "]"
+                                   : (where.empty() ? "" : ".") + keys[level];
+    return where;
+  }
+  bool value() {  // a value ended: the next one in an array has the next index
+    if (!indices.empty() && indices.back() >= 0) ++indices.back();
+    return true;
+  }
+  bool open(long index) {
+    keys.emplace_back();
+    indices.push_back(index);
+    return true;
+  }
+  bool close() {
+    keys.pop_back();
+    indices.pop_back();
+    return value();
+  }
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t& text) override {
+    texts[here()] = text;
+    return value();
+  }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override { return open(-1); }
+  bool key(string_t& key) override {
+    keys.back() = key;
+    return true;
+  }
+  bool end_object() override { return close(); }
+  bool start_array(std::size_t) override { return open(0); }
+  bool end_array() override { return close(); }
+  bool parse_error(std::size_t, const std::string&, const json::exception&) override { return false; }
+};
+
 inline std::vector<ConfigSetting> read_config(const std::string& path) {
-  const json config = parse_config_json(path, read_config_text(path));
+  const std::string text = read_config_text(path);
+  const json config = parse_config_json(path, text);
   if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path.c_str());
+  NumberTexts numbers;
+  json::sax_parse(text, &numbers);  // valid JSON by now: this pass only collects the numbers' texts
   std::vector<ConfigSetting> flags;
-  // A number as the text the flag parser reads: integers as written (an
-  // unsigned 2^64 - 1 stays 18446744073709551615), never a boolean.
+  // A number as the text the flag parser reads, as written: integers
+  // (an unsigned 2^64 - 1 stays 18446744073709551615) and floats (1e-5
+  // stays 1e-5), never a boolean. `key` is the value's path.
   auto number = [&](const json& value, const std::string& key) -> std::string {
     if (!value.is_number())
       fail("config key '%s' wants a number (got %s)", key.c_str(), value.dump().c_str());
     if (value.is_number_unsigned()) return std::to_string(value.get<unsigned long long>());
     if (value.is_number_integer()) return std::to_string(value.get<long long>());
-    char text[64];
-    snprintf(text, sizeof text, "%.17g", value.get<double>());
-    return text;
+    // A whole number written as a float (DeepSpeed's configs write
+    // "reduce_bucket_size": 5e8) is that integer while a double holds it exactly.
+    const double real = value.get<double>();
+    char digits[64];
+    snprintf(digits, sizeof digits, "%.0f", real);
+    if (real == std::floor(real) && std::fabs(real) <= 9007199254740992.0) return digits;  // 2^53
+    const auto written = numbers.texts.find(key);
+    if (written != numbers.texts.end()) return written->second;
+    snprintf(digits, sizeof digits, "%.17g", real);
+    return digits;
   };
   auto boolean = [&](const json& value, const std::string& key) -> std::string {
     if (!value.is_boolean()) fail("config key '%s' wants true or false (got %s)", key.c_str(), value.dump().c_str());
@@ -382,8 +473,8 @@ inline std::vector<ConfigSetting> read_config(const std::string& path) {
             else if (param == "eps") flags.push_back({"eps", number(entry, full), full});
             else if (param == "betas") {
               if (!entry.is_array() || entry.size() != 2) fail("config key '%s' wants [beta1, beta2]", full.c_str());
-              flags.push_back({"beta1", number(entry[0], full), full + "[0]"});
-              flags.push_back({"beta2", number(entry[1], full), full + "[1]"});
+              flags.push_back({"beta1", number(entry[0], full + "[0]"), full + "[0]"});
+              flags.push_back({"beta2", number(entry[1], full + "[1]"), full + "[1]"});
             } else fail("unknown config key '%s'", full.c_str());
           }
         } else fail("unknown config key '%s'", name.c_str());
@@ -500,7 +591,7 @@ inline Settings parse_command_line(int argc, char** argv) {
   }
   for (auto& [flag, value] : flags)
     if (flag == "--config") {
-      settings.config = value;
+      settings.config = parse_path("--config", value);
       for (auto& setting : read_config(value)) apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
     }
   for (auto& [flag, value] : flags) {
@@ -509,14 +600,6 @@ inline Settings parse_command_line(int argc, char** argv) {
   }
   resolve_precision(settings);
   return settings;
-}
-
-// Compared as normalised absolute paths, symlinks resolved, without a
-// trailing slash ("d" and "./d/" are one directory).
-inline std::string normal_path(const std::string& path) {
-  std::string text = std::filesystem::weakly_canonical(path).lexically_normal().string();
-  while (text.size() > 1 && text.back() == '/') text.pop_back();
-  return text;
 }
 
 // Checks that need several settings at once (world size known).
@@ -534,9 +617,6 @@ inline void check_consistency(Settings& s, int world_size) {
   if (s.train_batch_size && s.train_batch_size != (long)s.micro_batch * s.accum * world_size)
     fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks", s.train_batch_size,
          s.micro_batch, s.accum, world_size);
-  if (!s.export_dir.empty() && !s.dump_dir.empty() && normal_path(s.export_dir) == normal_path(s.dump_dir))
-    fail("--export-hf and --dump-batch name the same directory '%s': the final weights would overwrite the dump's",
-         s.export_dir.c_str());
   if (!s.dump_dir.empty() && world_size != 1)
     fail("--dump-batch writes step 0 of a single-rank run: run it with 1 rank (got %d)", world_size);
   const double tokens = (double)s.micro_batch * s.seq;
@@ -551,6 +631,32 @@ inline void check_consistency(Settings& s, int world_size) {
     fail("--seq %d leaves %d byte(s) per sequence to mask, and 15%% of them are selected: a global batch of %ld "
          "sequence(s) (micro-batch x accumulation x ranks) selects %.2f positions on average, so most steps would "
          "have no loss to learn from. Use a longer --seq or a larger batch", s.seq, s.seq - 2, sequences, selected);
+}
+
+// Run `checks` on every rank; if any rank failed, every rank throws the
+// message of the lowest failing rank (so rank 0 can print it and all ranks
+// leave together instead of some waiting in a collective for the others).
+// `what` names the agreement for the watchdog ("the export was written").
+inline void agree_on_errors(MPI_Comm world, const std::function<void()>& checks,
+                            const std::string& what = "the checks before training") {
+  std::string message;
+  try {
+    checks();
+  } catch (const std::exception& error) {  // z2::Error, and std::filesystem's errors (EACCES, a name too long)
+    message = error.what();
+  }
+  int rank = 0, size = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_size(world, &size);
+  int mine = message.empty() ? size : rank, first = size;
+  z2::watched_allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, world, "the ranks agreeing that " + what);
+  if (first == size) return;
+  int length = (int)message.size();  // the message's length first: a long path is not cut short
+  z2::watched_bcast(&length, 1, MPI_INT, first, world, "the broadcast of a failed check's message");
+  std::string text(message);
+  text.resize((size_t)length);
+  z2::watched_bcast(text.data(), length, MPI_CHAR, first, world, "the broadcast of a failed check's message");
+  throw z2::Error(first == 0 ? text : text + " (on rank " + std::to_string(first) + ")");
 }
 
 // ----------------------------------------------------------------------------
@@ -1806,50 +1912,91 @@ inline Tensor tensor_f32(const std::string& name, std::vector<long> shape, const
 // --- output files (README, "When something goes wrong") ----------------------
 //
 // Every file the trainer writes goes through write_output_file:
-//   1. a temporary in the target directory whose name no other writer can
-//      have (the file's name, the pid, the rank, a random number), created
-//      exclusively;
-//   2. the contents written, then fsync: on the disk, not only in the cache;
-//   3. rename over the final name (atomic within a directory), then fsync
-//      of the directory, so the rename itself survives a crash.
-// A failure at any point removes the temporary and throws with the path and
-// the system's reason (strerror): nothing under a final name is ever
-// partial. The caller runs it inside agree_on_errors, so a write that fails
-// on one rank ends every rank, with exit 2 and rank 0's message.
+//   1. the contents go to a file with no name yet (O_TMPFILE in the target
+//      directory), then fsync: on the disk, not only in the cache. A run
+//      killed here (a signal, the watchdog, a crash) leaves nothing behind:
+//      the kernel frees a file that has no name;
+//   2. the file gets a temporary name no other writer can pick (the pid,
+//      the rank, a random number), then is renamed over the final name
+//      (atomic within a directory), then the directory is synced so the
+//      rename itself survives a crash.
+// Where the file system has no O_TMPFILE the file is written under the
+// temporary name from the start. A failure at any point removes the
+// temporary and throws with the path and the system's reason (strerror):
+// nothing under a final name is ever partial. The caller runs it inside
+// agree_on_errors, so a write that fails on one rank ends every rank, with
+// exit 2 and rank 0's message.
 inline std::string directory_of(const std::string& path) {
   const std::string parent = std::filesystem::path(path).parent_path().string();
   return parent.empty() ? "." : parent;
 }
 
-// A name in `directory` for a temporary file of `name` that no other process
-// or rank picks.
+// A name in `directory` for a temporary file of `name` that no other
+// process or rank picks; at most 255 bytes whatever the name's length
+// (the name is cut to 160: it is only there to tell a person what it was).
 inline std::string unique_temporary(const std::string& directory, const std::string& name) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   std::random_device random;
   char suffix[80];
   snprintf(suffix, sizeof suffix, ".zero2-tmp.%ld.%d.%08x", (long)getpid(), rank, (unsigned)random());
-  return directory + "/." + name + suffix;
+  return directory + "/." + name.substr(0, 160) + suffix;
+}
+
+// For tests only: ZERO2_TEST_FAULT="stop K" or "kill K" stops (SIGSTOP) or
+// kills (SIGKILL) this process halfway through writing its K-th output
+// file (1-based, counted per process), to show what a failure mid-write
+// leaves (tests/test_trainer.sh). Unset, it costs one getenv per file.
+inline void fault_for_tests(int file_number) {
+  const char* fault = std::getenv("ZERO2_TEST_FAULT");
+  if (fault == nullptr) return;
+  char action[8] = {};
+  int target = 0;
+  if (std::sscanf(fault, "%7s %d", action, &target) != 2 || target != file_number) return;
+  if (std::strcmp(action, "stop") == 0) raise(SIGSTOP);
+  if (std::strcmp(action, "kill") == 0) raise(SIGKILL);
 }
 
 inline void write_output_file(const std::string& path, const std::string& contents) {
+  static int files_written = 0;
+  const int file_number = ++files_written;
   const std::string directory = directory_of(path);
   const std::string temporary = unique_temporary(directory, std::filesystem::path(path).filename().string());
-  const int file = open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  // A file that is replaced keeps its permissions; a new one gets 0666
+  // less the umask, as any program's new file does.
+  struct stat old;
+  const bool replacing = stat(path.c_str(), &old) == 0 && S_ISREG(old.st_mode);
+  const mode_t mode = replacing ? (old.st_mode & 07777) : 0666;
+  int file = open(directory.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, mode);
+  const bool nameless = file >= 0;
+  if (!nameless) file = open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
   if (file < 0) fail("cannot write '%s': %s", path.c_str(), std::strerror(errno));
+  if (replacing) fchmod(file, mode);  // exactly the old mode, whatever the umask
+  bool named = !nameless;
   auto give_up = [&](const char* doing) {
     const int error = errno;
     close(file);
-    unlink(temporary.c_str());
+    if (named) unlink(temporary.c_str());
     fail("cannot write '%s': %s (%s)", path.c_str(), std::strerror(error), doing);
   };
-  for (size_t done = 0; done < contents.size();) {
-    const ssize_t wrote = write(file, contents.data() + done, contents.size() - done);
-    if (wrote < 0 && errno == EINTR) continue;
-    if (wrote <= 0) give_up("writing");
-    done += (size_t)wrote;
-  }
+  auto write_range = [&](size_t begin, size_t end) {
+    for (size_t done = begin; done < end;) {
+      const ssize_t wrote = write(file, contents.data() + done, end - done);
+      if (wrote < 0 && errno == EINTR) continue;
+      if (wrote <= 0) give_up("writing");
+      done += (size_t)wrote;
+    }
+  };
+  write_range(0, contents.size() / 2);
+  fault_for_tests(file_number);
+  write_range(contents.size() / 2, contents.size());
   if (fsync(file) != 0) give_up("fsync");
+  if (nameless) {  // the file gets its temporary name only now, complete and on the disk
+    char self[64];
+    snprintf(self, sizeof self, "/proc/self/fd/%d", file);
+    if (linkat(AT_FDCWD, self, AT_FDCWD, temporary.c_str(), AT_SYMLINK_FOLLOW) != 0) give_up("naming the temporary");
+    named = true;
+  }
   if (close(file) != 0) {
     const int error = errno;
     unlink(temporary.c_str());
@@ -1874,11 +2021,20 @@ inline void write_output_file(const std::string& path, const std::string& conten
 // export: model.safetensors, then config.json). Two runs exporting into one
 // directory take turns, so the directory never holds one run's weights under
 // the other's config. (flock on the directory itself: no lock file is left.)
+// The lock is polled against the watchdog's deadline: a run that holds it
+// for too long ends this one with a message that says so.
 class DirectoryLock {
  public:
   explicit DirectoryLock(const std::string& directory) : fd_(open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
-    if (fd_ < 0 || flock(fd_, LOCK_EX) != 0)
-      fail("cannot lock the directory '%s' for writing: %s", directory.c_str(), std::strerror(errno));
+    if (fd_ < 0) fail("cannot lock the directory '%s' for writing: %s", directory.c_str(), std::strerror(errno));
+    z2::wait_until(
+        [&] {
+          if (flock(fd_, LOCK_EX | LOCK_NB) == 0) return true;
+          if (errno != EWOULDBLOCK && errno != EINTR)
+            fail("cannot lock the directory '%s' for writing: %s", directory.c_str(), std::strerror(errno));
+          return false;
+        },
+        [&] { return "the lock on the directory '" + directory + "' (another process is writing into it)"; });
   }
   ~DirectoryLock() {
     if (fd_ >= 0) close(fd_);  // closing releases the lock
@@ -1912,58 +2068,113 @@ inline void write_safetensors(const std::string& path, const std::vector<Tensor>
   write_output_file(path, contents);
 }
 
-// That a file can be created in `directory`: a temporary made and removed
-// now, before training, so a read-only or foreign directory fails in the
-// first second and not after the run. (A full disk shows only when writing.)
+// That a file can be created in `directory`, and the directory opened for
+// the sync after a rename (and the export's lock): a temporary made and
+// removed now, before training, so a read-only or foreign directory fails
+// in the first second and not after the run. (A full disk shows only when
+// writing.)
 inline void probe_writable(const std::string& flag, const std::string& directory) {
+  const int folder = open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (folder < 0) fail("%s: cannot open the directory '%s': %s", flag.c_str(), directory.c_str(), std::strerror(errno));
+  close(folder);
   const std::string probe = unique_temporary(directory, "probe");
-  const int file = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  const int file = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (file < 0) fail("%s: cannot create files in the directory '%s': %s", flag.c_str(), directory.c_str(), std::strerror(errno));
   close(file);
   unlink(probe.c_str());
+}
+inline bool is_directory(const std::string& path) {
+  std::error_code ignored;  // a path we cannot look at is not a directory we can use
+  return std::filesystem::is_directory(path, ignored);
 }
 // A directory we will write into: create it (and its parents) now, and probe it.
 inline void prepare_directory(const std::string& flag, const std::string& directory) {
   std::error_code error;
   std::filesystem::create_directories(directory, error);
-  if (!std::filesystem::is_directory(directory))
+  if (!is_directory(directory))
     fail("%s '%s' cannot be created as a directory%s%s", flag.c_str(), directory.c_str(), error ? ": " : "",
          error ? error.message().c_str() : "");
   probe_writable(flag, directory);
 }
+// A file we will write: its directory exists and takes files, its name
+// fits the file system, and it is not a directory.
 inline void check_output_file(const std::string& flag, const std::string& path) {
   const std::string parent = directory_of(path);
-  if (!std::filesystem::is_directory(parent))
+  const std::string name = std::filesystem::path(path).filename().string();
+  if (name.empty() || name == "." || name == "..") fail("%s '%s' names a directory, not a file", flag.c_str(), path.c_str());
+  if (!is_directory(parent))
     fail("%s '%s': the directory '%s' does not exist", flag.c_str(), path.c_str(), parent.c_str());
-  if (std::filesystem::is_directory(path)) fail("%s '%s' is a directory", flag.c_str(), path.c_str());
+  if (is_directory(path)) fail("%s '%s' is a directory", flag.c_str(), path.c_str());
   probe_writable(flag, parent);
 }
 
-// No output may be an input (the run would overwrite its own --data or
-// --config, and exit 0) or another output (one would overwrite the other).
-// An export or a dump writes three named files into its directory.
-inline void check_outputs_against_inputs(const Settings& s) {
-  std::vector<std::pair<std::string, std::string>> inputs, outputs;  // (what, path)
-  if (!s.data.empty()) inputs.push_back({"--data", s.data});
-  if (!s.config.empty()) inputs.push_back({"--config", s.config});
-  if (!s.json_path.empty()) outputs.push_back({"--json", s.json_path});
-  if (!s.memory_trace.empty()) outputs.push_back({"--memory-trace", s.memory_trace});
-  for (const char* name : {"model.safetensors", "config.json"}) {
-    if (!s.export_dir.empty()) outputs.push_back({"--export-hf's " + std::string(name), s.export_dir + "/" + name});
-    if (!s.dump_dir.empty()) outputs.push_back({"--dump-batch's " + std::string(name), s.dump_dir + "/" + name});
+// Each name in an output's path fits a file system (255 bytes, NAME_MAX on
+// Linux's): checked first, since every later check would fail on it with
+// the system's less helpful "File name too long".
+inline void check_name_lengths(const std::string& what, const std::string& path) {
+  for (const auto& part : std::filesystem::path(path))
+    if (part.string().size() > NAME_MAX)
+      fail("%s '%s': the name '%s...' has %zu bytes, more than the %d a file name may have", what.c_str(),
+           path.c_str(), part.string().substr(0, 24).c_str(), part.string().size(), NAME_MAX);
+}
+
+// Compared as absolute paths, normalised, symlinks resolved as far as the
+// path exists, without a trailing slash ("d", "./d/" and "/abs/d" are one
+// directory, whether or not it exists yet). A path that cannot be resolved
+// (a directory we may not read) is compared as written, made absolute: the
+// checks that follow say what is wrong with it.
+inline std::string normal_path(const std::string& path) {
+  std::error_code error;
+  const std::filesystem::path absolute = std::filesystem::absolute(path, error);
+  std::filesystem::path full = std::filesystem::weakly_canonical(absolute, error);
+  if (error) full = absolute;
+  std::string text = full.lexically_normal().string();
+  while (text.size() > 1 && text.back() == '/') text.pop_back();
+  return text;
+}
+
+// Every output, up front (rank 0 writes them all): no output may be an
+// input (the run would overwrite its own --data or --config, and exit 0)
+// or another output (one would overwrite the other), whether a file or a
+// directory; an export or a dump directory counts with the files it will
+// hold. Then each file's own checks (check_output_file).
+inline void check_outputs(const Settings& s) {
+  struct Place {
+    std::string what, path;
+    bool directory;
+  };
+  std::vector<Place> inputs, outputs;
+  if (!s.data.empty()) inputs.push_back({"--data", s.data, false});
+  if (!s.config.empty()) inputs.push_back({"--config", s.config, false});
+  if (!s.json_path.empty()) outputs.push_back({"--json", s.json_path, false});
+  if (!s.memory_trace.empty()) outputs.push_back({"--memory-trace", s.memory_trace, false});
+  for (auto [flag, directory] : {std::pair<std::string, std::string>{"--export-hf", s.export_dir}, {"--dump-batch", s.dump_dir}}) {
+    if (directory.empty()) continue;
+    outputs.push_back({flag, directory, true});
+    std::vector<std::string> names = {"model.safetensors", "config.json"};
+    if (flag == "--dump-batch") names.push_back("batch.safetensors");
+    for (auto& name : names) outputs.push_back({flag + "'s " + name, directory + "/" + name, false});
   }
-  if (!s.dump_dir.empty()) outputs.push_back({"--dump-batch's batch.safetensors", s.dump_dir + "/batch.safetensors"});
+  std::vector<std::string> normal;
+  for (auto& output : outputs) {
+    check_name_lengths(output.what, output.path);
+    normal.push_back(normal_path(output.path));
+  }
   for (size_t o = 0; o < outputs.size(); ++o) {
-    const std::string output = normal_path(outputs[o].second);
     for (auto& input : inputs)
-      if (output == normal_path(input.second))
-        fail("%s '%s' is the %s file: the run would overwrite its own input", outputs[o].first.c_str(),
-             outputs[o].second.c_str(), input.first.c_str());
+      if (normal[o] == normal_path(input.path))
+        fail("%s '%s' is the %s file: the run would overwrite its own input", outputs[o].what.c_str(),
+             outputs[o].path.c_str(), input.what.c_str());
     for (size_t other = 0; other < o; ++other)
-      if (output == normal_path(outputs[other].second))
-        fail("%s and %s name the same file '%s': one would overwrite the other", outputs[other].first.c_str(),
-             outputs[o].first.c_str(), outputs[o].second.c_str());
+      if (normal[o] == normal[other])
+        fail("%s and %s name the same %s '%s': one would overwrite the other", outputs[other].what.c_str(),
+             outputs[o].what.c_str(), outputs[o].directory && outputs[other].directory ? "directory"
+                                                    : outputs[o].directory || outputs[other].directory ? "path" : "file",
+             outputs[o].path.c_str());
   }
+  for (auto& output : outputs)
+    if (output.directory) prepare_directory(output.what, output.path);
+    else check_output_file(output.what, output.path);
 }
 
 // A float setting as the decimal the user typed (0.1, not 0.100000001).
@@ -2067,28 +2278,6 @@ struct StepRecord {
   bool skipped;       // fp16 overflow: no update
 };
 
-// Run `checks` on every rank; if any rank failed, every rank throws the
-// message of the lowest failing rank (so rank 0 can print it and all ranks
-// leave together instead of some waiting in a collective for the others).
-inline void agree_on_errors(MPI_Comm world, const std::function<void()>& checks) {
-  std::string message;
-  try {
-    checks();
-  } catch (const std::exception& error) {  // z2::Error, and std::filesystem's errors (EACCES, a name too long)
-    message = error.what();
-  }
-  int rank = 0, size = 1;
-  MPI_Comm_rank(world, &rank);
-  MPI_Comm_size(world, &size);
-  int mine = message.empty() ? size : rank, first = size;
-  z2::watched_allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, world, "the ranks agreeing on a check's outcome");
-  if (first == size) return;
-  char text[1024] = {};
-  if (rank == first) snprintf(text, sizeof text, "%s", message.c_str());
-  z2::watched_bcast(text, sizeof text, MPI_CHAR, first, world, "the broadcast of a failed check's message");
-  throw z2::Error(first == 0 ? std::string(text) : std::string(text) + " (on rank " + std::to_string(first) + ")");
-}
-
 // The whole run on this rank, with activations (and the engine's working
 // parameters and gradients) of type Act. Returns the process exit code.
 template <class Act>
@@ -2104,11 +2293,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
   // so the ranks agree on the outcome before anyone enters a collective.
   std::string corpus;
   agree_on_errors(world, [&] {
-    check_outputs_against_inputs(settings);
-    if (rank == 0 && !settings.json_path.empty()) check_output_file("--json", settings.json_path);
-    if (rank == 0 && !settings.memory_trace.empty()) check_output_file("--memory-trace", settings.memory_trace);
-    if (rank == 0 && !settings.export_dir.empty()) prepare_directory("--export-hf", settings.export_dir);
-    if (rank == 0 && !settings.dump_dir.empty()) prepare_directory("--dump-batch", settings.dump_dir);
+    if (rank == 0) check_outputs(settings);
     corpus = read_corpus(settings.data);
     if (corpus.size() < (size_t)settings.seq - 2)
       fail("the corpus has %zu bytes; --seq %d needs at least %d (a window is seq - 2 bytes)", corpus.size(),
@@ -2159,7 +2344,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
   const size_t capacity = settings.device_memory_limit > 0
                               ? (size_t)settings.device_memory_limit
                               : (size_t)std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
-  agree_on_errors(world, [&] { compute.use_allocator(allocator, capacity); });
+  agree_on_errors(world, [&] { compute.use_allocator(allocator, capacity); }, "every rank has its memory");
   z2::Communicator comm(compute, world, comm_backend,
                         settings.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic);
   z2::EngineOptions options;
@@ -2273,7 +2458,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
               << sample.free_pieces << '\n';
         }
         write_output_file(settings.memory_trace, csv.str());
-      });
+      }, "the memory trace was written");
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     records.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step / (ms / 1000.0),
@@ -2306,7 +2491,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
                         {{"format", "pt"}, {"lr", text[0]}, {"beta1", text[1]}, {"beta2", text[2]}, {"eps", text[3]},
                          {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
       export_hf(settings.dump_dir, model, engine, dump_weights, precision);
-    });
+    }, "the batch dump was written");
     if (speak && !report.skipped &&
         (report.step == 1 || report.step % settings.log_every == 0 || report.step == settings.steps)) {
       const z2::MemoryCounters& memory = compute.memory();
@@ -2325,6 +2510,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
   for (auto& r : records) times.push_back(r.ms);
   std::sort(times.begin(), times.end());
   const double median_ms = times[times.size() / 2];
+  z2::set_watchdog_context("the end of the run, after step " + std::to_string(settings.steps));
   // The fp32 master weights (collective: sharded in mixed precision stages 1, 2).
   const std::vector<float> final_parameters = engine.parameters_to_host();
   char hash_text[24];
@@ -2332,7 +2518,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
            (unsigned long long)z2::fnv1a64(final_parameters.data(), final_parameters.size()));
   agree_on_errors(world, [&] {
     if (rank == 0 && !settings.export_dir.empty()) export_hf(settings.export_dir, model, engine, final_parameters);
-  });
+  }, "the export was written");
   if (speak) {
     printf("\nsummary\n");
     printf("  %-24s %s -> %s (%s)\n", "loss", std::to_string(records.front().loss).c_str(),
@@ -2387,7 +2573,7 @@ inline int train_as(Settings settings, MPI_Comm world) {
     out["time"] = {{"step_ms_median", median_ms}, {"tokens_per_s_median", tokens_per_step / (median_ms / 1000.0)}};
     write_output_file(settings.json_path, out.dump(2) + "\n");
   }
-  });
+  }, "the JSON summary was written");
   // Every rank reaches here before any finalizes: a rank stopped now would
   // otherwise leave the others in MPI_Finalize, where no watchdog runs.
   MPI_Request finished;
@@ -2424,7 +2610,11 @@ int main(int argc, char** argv) {
     if (help) {
       if (rank == 0) fputs(bert::usage_text, stdout);
     } else {
-      bert::Settings settings = bert::parse_command_line(argc, argv);
+      // Every rank reads its own --config (on several hosts, its own copy):
+      // a failure on any rank is agreed on, so no rank waits for one that left.
+      bert::Settings settings;
+      bert::agree_on_errors(
+          MPI_COMM_WORLD, [&] { settings = bert::parse_command_line(argc, argv); }, "the command line was read");
       status = bert::train(settings, MPI_COMM_WORLD);
     }
   } catch (const z2::Error& error) {

@@ -167,6 +167,7 @@ constexpr int answer_chars = 320;
 const std::function<std::string()>* current_wait = nullptr;
 Clock::time_point current_wait_began;
 Clock::time_point last_roll_call_probe;
+int roll_call_by = -1;  // the first rank whose roll call this rank answered: it is ending the job
 
 Clock::duration seconds(double count) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(count));
@@ -201,9 +202,9 @@ std::string where_this_rank_is() {
 // Answer every roll call that has come (at most every 10 ms: polls are
 // hot). The answer's buffer must outlive its send, and the job ends
 // soon after any roll call, so answers are kept, never reused.
-void answer_roll_calls() {
+void answer_roll_calls(bool now_and_then = true) {
   const Clock::time_point now = Clock::now();
-  if (now - last_roll_call_probe < std::chrono::milliseconds(10)) return;
+  if (now_and_then && now - last_roll_call_probe < std::chrono::milliseconds(10)) return;
   last_roll_call_probe = now;
   static std::deque<std::vector<char>> answers;
   for (;;) {
@@ -220,8 +221,9 @@ void answer_roll_calls() {
     MPI_Isend(answers.back().data(), (int)answers.back().size(), MPI_CHAR, status.MPI_SOURCE, roll_answer_tag,
               MPI_COMM_WORLD, &request);
     MPI_Request_free(&request);
-    // Quiet: the asker prints this answer, and this rank, waiting too,
-    // prints its own roll call when its deadline passes.
+    // Quiet: the asker prints this answer. If this rank's own deadline
+    // passes too, it says one line and leaves the report to the asker.
+    if (roll_call_by < 0) roll_call_by = status.MPI_SOURCE;
   }
 }
 
@@ -230,8 +232,12 @@ void answer_roll_calls() {
 // expired too). Returns one line per rank, "" for a rank that did not answer.
 std::vector<std::string> roll_call(double grace) {
   const int rank = world_rank(), size = world_size();
-  std::vector<std::vector<char>> answers(size, std::vector<char>(answer_chars, '\0'));
-  std::vector<MPI_Request> receives(size, MPI_REQUEST_NULL);
+  // Static: a rank that answers late writes into its receive after we stop
+  // waiting (the job ends before anything else could use the memory).
+  static std::vector<std::vector<char>> answers;
+  static std::vector<MPI_Request> receives;
+  answers.assign(size, std::vector<char>(answer_chars, '\0'));
+  receives.assign(size, MPI_REQUEST_NULL);
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
     static int asker;  // a send's buffer must outlive it, and freed sends are not waited for
@@ -268,7 +274,7 @@ std::vector<std::string> roll_call(double grace) {
 }  // namespace
 
 void set_watchdog_timeout(double timeout) {
-  if (!(timeout > 0) || !std::isfinite(timeout)) usage_error("--timeout %g: a number of seconds > 0", timeout);
+  if (!(timeout >= 1) || !std::isfinite(timeout)) usage_error("--timeout %g: a number of seconds >= 1", timeout);
   watchdog_seconds = timeout;
 }
 double watchdog_timeout() { return watchdog_seconds; }
@@ -279,6 +285,21 @@ void set_watchdog_context(const std::string& where) { watchdog_where = where; }
   // A tenth of the timeout, 1 to 10 s: waiting ranks answer within 10 ms;
   // one busy computing gets a moment to reach its next wait.
   const double grace = std::min(10.0, std::max(1.0, watchdog_seconds / 10));
+  // Another rank's roll call already under way: it reports and ends the
+  // job; this rank says where it is in one line and keeps answering. (If
+  // that rank dies before ending the job, this one holds its own roll call.)
+  answer_roll_calls(false);
+  if (roll_call_by >= 0) {
+    fprintf(stderr, "[zero2] rank %d of %d: watchdog: waited %g s for %s%s%s; rank %d's roll call is ending the job\n",
+            rank, size, watchdog_seconds, waited_for.c_str(), watchdog_where.empty() ? "" : ", in ",
+            watchdog_where.c_str(), roll_call_by);
+    fflush(stderr);
+    const Clock::time_point give_up = Clock::now() + seconds(grace + 2);
+    while (Clock::now() < give_up) {
+      answer_roll_calls();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
   const std::vector<std::string> lines = roll_call(grace);
   std::string silent, report;
   for (int peer = 0; peer < size; ++peer) {
@@ -287,8 +308,9 @@ void set_watchdog_context(const std::string& where) { watchdog_where = where; }
     else report += "[zero2]   rank " + std::to_string(peer) + " " + lines[peer] + "\n";
   }
   const std::string verdict =
-      silent.empty() ? "every rank answered, so none is stopped: they wait for different things (collectives "
-                       "called in a different order on some rank?) or for a message the network lost"
+      silent.empty() ? "every rank answered, so none is stopped: they wait for different things (below): a lock "
+                       "another process holds, collectives called in a different order on some rank, or a "
+                       "message the network lost"
       : silent.find(',') == std::string::npos
           ? "rank " + silent + " did not answer: it is stopped, stuck or dead (or the network is)"
           : "ranks " + silent + " did not answer: they are stopped, stuck or dead (or the network is)";
@@ -2476,8 +2498,13 @@ StepReport Engine::step() {
     bool finite = true;
     const float largest = impl.global_largest_magnitude(&finite);
     if (!finite)
-      usage_error("a gradient is not finite (inf or NaN) in optimizer step %ld: training diverged. Lower --lr, "
-                  "clip with --clip, or look at the data and --dropout", report.step);
+      usage_error(optimizer_step_ == 0
+                      ? "a gradient is not finite (inf or NaN) in optimizer step %ld, before any update: the model "
+                        "as initialized overflows on this data (the learning rate has not acted yet): look at "
+                        "--dropout and the model sizes"
+                      : "a gradient is not finite (inf or NaN) in optimizer step %ld: training diverged (the "
+                        "updates grew until the gradients overflowed). Lower --lr or lengthen --warmup",
+                  report.step);
     int exponent = 0;
     std::frexp(largest, &exponent);  // largest < 2^exponent
     squared = impl.global_squared_norm(impl.local_chunk_sums(std::ldexp(1.0f, -exponent)));
@@ -2486,7 +2513,7 @@ StepReport Engine::step() {
   report.grad_norm = std::sqrt(squared) * scale_back / (float)report.loss_scale;
   if (!std::isfinite(report.grad_norm))
     usage_error("the gradient norm is beyond float's range in optimizer step %ld (every element finite, their "
-                "norm not): training diverged. Lower --lr or clip with --clip", report.step);
+                "norm not): training diverged. Lower --lr or lengthen --warmup", report.step);
   // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
   // 1e-6), capped at 1, in float.
   if (options_.clip > 0) {

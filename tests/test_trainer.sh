@@ -224,12 +224,12 @@ bad_case "train_batch_size 7" "${small[@]}" --config "$work/bad_batch.json"
 bad_case "run it with 1 rank" "${small[@]}" --dump-batch "$work/dump_from_two"
 bad_case "does not exist" "${small[@]}" --json "$work/no/such/dir/out.json"
 long_name=$(printf 'a%.0s' $(seq 1 300))
-bad_case "too long" "${small[@]}" --json "$work/$long_name/$long_name/out.json"  # a filesystem error on rank 0 only
+bad_case "more than the 255 a file name may have" "${small[@]}" --json "$work/$long_name/$long_name/out.json"
 bad_case "too large" "${small[@]}" --micro-batch 1000000 --seq 4096 --max-positions 4096
 bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm nccl
 bad_case "cannot be created as a directory" "${small[@]}" --export-hf "$work/short.txt"
-bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/same"
-bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/./same/"
+bad_ranks=1 bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/same"
+bad_ranks=1 bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/./same/"
 bad_case "config key 'zero_optimization.stage' wants" "${small[@]}" --config "$work/stage3.json"
 bad_case "GiB are available per rank" "${small[@]}" --layers 256 --hidden 16384 --heads 16
 for flag_value in "--activations all" "--alloc malloc" "--device-memory-limit 100" "--device-memory-limit lots"; do
@@ -611,6 +611,95 @@ bad_case "--export-hf's config.json '$work/export_over_config/config.json' is th
 bad_case "name the same file" "${small[@]}" --json "$work/twice.json" --memory-trace "$work/twice.json"
 [ "$(cat "$work/corpus.txt" | head -c 9)" = "The quick" ] && [ "$(cat "$work/ds.json")" = '{"gradient_clipping": 1.0}' ] &&
   pass "the inputs named as outputs are unchanged" || fail "an input was overwritten"
+
+# The same file or directory named two ways, before it exists (a relative
+# path against an absolute one), and outputs that name each other's directory.
+bad_ranks=1 bad_case "name the same directory" "${small[@]}" --export-hf "$work/new_same" --dump-batch "$(realpath --relative-to=. "$work")/new_same"
+bad_case "name the same file" "${small[@]}" --json "$work/new_twice.json" --memory-trace "$(realpath --relative-to=. "$work")/./new_twice.json"
+bad_case "--json and --export-hf name the same path" "${small[@]}" --export-hf "$work/new_dir" --json "$work/new_dir"
+bad_ranks=1 bad_case "--memory-trace and --dump-batch name the same path" "${small[@]}" --dump-batch "$work/new_dump" --memory-trace "$work/new_dump"
+[ ! -e "$work/new_same" ] && [ ! -e "$work/new_dir" ] && pass "refused outputs: no directory created" || fail "a refused output's directory was created"
+# What would fail only after training, refused before it: a directory where
+# the export puts a file, a name longer than the file system takes; an empty
+# path (an unset shell variable); a timeout too short for a healthy wait.
+mkdir -p "$work/export_with_dir/model.safetensors"
+bad_case "--export-hf's model.safetensors '$work/export_with_dir/model.safetensors' is a directory" "${small[@]}" --export-hf "$work/export_with_dir"
+bad_case "more than the 255 a file name may have" "${small[@]}" --json "$work/$(printf 'n%.0s' $(seq 1 256)).json"
+for flag in --data --config --json --export-hf --dump-batch --memory-trace; do
+  bad_case "$flag wants a path (got an empty one" "${small[@]}" $flag ""
+done
+bad_case "--timeout wants a number from 1 to" "${small[@]}" --timeout 0.5
+# A name of 250 bytes is legal: its temporary's name must be too.
+legal_name="$work/$(printf 'l%.0s' $(seq 1 245)).json"
+if timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --json "$legal_name" > "$work/log" 2>&1 && [ -s "$legal_name" ]; then
+  pass "a 250-byte file name is written"
+else fail "a 250-byte file name: $(head -c 200 "$work/log")"; fi
+# A file that is replaced keeps its permissions.
+echo '{}' > "$work/private.json" && chmod 600 "$work/private.json"
+timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --json "$work/private.json" > /dev/null 2>&1
+[ "$(stat -c %a "$work/private.json")" = 600 ] && [ "$(head -c 1 "$work/private.json")" = "{" ] && grep -q final_params_hash "$work/private.json" &&
+  pass "a replaced output keeps its mode (600)" || fail "a replaced output: mode $(stat -c %a "$work/private.json")"
+# A config error on rank 1 only (each rank reads its own --config; on
+# several hosts one may lack it): every rank ends at once with its message.
+start=$(date +%s)
+timeout 60 mpirun -n 1 "$trainer" "${tiny_run[@]}" --config "$work/ds.json" : -n 1 "$trainer" "${tiny_run[@]}" \
+  --config "$work/missing.json" > /dev/null 2> "$work/rank1_stderr"
+status=$?
+took=$(($(date +%s) - start))
+if [ $status -eq 2 ] && [ $took -lt 20 ] && grep -q "cannot open the config file .* (on rank 1)" "$work/rank1_stderr"; then
+  pass "a config missing on rank 1 only: exit 2 in ${took} s, '(on rank 1)'"
+else fail "a config missing on rank 1 only: exit $status after ${took} s: $(head -c 300 "$work/rank1_stderr")"; fi
+# Config numbers quoted as written; whole numbers in exponent form (as
+# DeepSpeed's configs write bucket sizes) taken as integers; a number
+# beyond double named with the file.
+echo '{"fp16": {"enabled": true, "loss_scale": 1e39}}' > "$work/big_scale.json"
+echo '{"train_batch_size": 18446744073709551616}' > "$work/beyond_u64.json"
+echo '{"zero_optimization": {"reduce_bucket_size": 1e-5}}' > "$work/tiny_bucket.json"
+echo '{"gradient_clipping": 1e400}' > "$work/beyond_double.json"
+echo '{"zero_optimization": {"reduce_bucket_size": 5e8}, "train_micro_batch_size_per_gpu": 2.0}' > "$work/exponent_ints.json"
+bad_case "config key 'fp16.loss_scale' wants a number from 0 to 1e+30 (got '1e39')" "${small[@]}" --config "$work/big_scale.json"
+bad_case "(got '18446744073709551616')" "${small[@]}" --config "$work/beyond_u64.json"
+bad_case "(got '1e-5')" "${small[@]}" --config "$work/tiny_bucket.json"
+bad_case "the config file '$work/beyond_double.json' is not valid JSON" "${small[@]}" --config "$work/beyond_double.json"
+if timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --config "$work/exponent_ints.json" > "$work/log" 2>&1; then
+  pass "config: reduce_bucket_size 5e8 and micro batch 2.0 are integers"
+else fail "config: 5e8 / 2.0 refused: $(head -c 200 "$work/log")"; fi
+
+# The export's lock, held by another process past --timeout: the watchdog
+# says so (not that a rank is dead).
+mkdir -p "$work/locked"
+flock "$work/locked" sleep 30 &
+holder=$!
+sleep 0.5
+timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --export-hf "$work/locked" --timeout 2 > /dev/null 2> "$work/lock_stderr"
+status=$?
+kill $holder 2>/dev/null; wait $holder 2>/dev/null
+if [ $status -eq 3 ] && grep -q "for the lock on the directory '$work/locked' (another process" "$work/lock_stderr" && grep -q "every rank answered" "$work/lock_stderr"; then
+  pass "an export directory locked by another process: the watchdog names the lock"
+else fail "locked export directory: exit $status: $(head -c 300 "$work/lock_stderr")"; fi
+# A write interrupted halfway (tests only: ZERO2_TEST_FAULT): stopped, then
+# ended by the watchdog, or killed: no temporary is left, nothing partial
+# under a final name; a killed export has its weights but no config.json
+# (written last: an export without it is incomplete, by design).
+ZERO2_TEST_FAULT="stop 1" timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --export-hf "$work/stopped_export" --timeout 2 > /dev/null 2> "$work/fault_stderr"
+status=$?
+pkill -9 -f "stopped_export" 2>/dev/null
+if [ $status -eq 3 ] && [ -z "$(ls -A "$work/stopped_export")" ]; then pass "a rank stopped mid-write: exit 3, the directory empty (no temporary)"
+else fail "a rank stopped mid-write: exit $status, left: $(ls -A "$work/stopped_export" | head -c 200)"; fi
+ZERO2_TEST_FAULT="kill 2" timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --export-hf "$work/killed_export" > /dev/null 2>&1
+status=$?
+whole=$(python3 - "$work/killed_export/model.safetensors" <<'EOF' 2>&1
+import json, os, struct, sys
+with open(sys.argv[1], "rb") as f:
+    length = struct.unpack("<Q", f.read(8))[0]
+    header = json.loads(f.read(length))
+end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+print("whole" if os.path.getsize(sys.argv[1]) == 8 + length + end else "cut")
+EOF
+)
+if [ $status -ne 0 ] && [ "$(ls -A "$work/killed_export")" = "model.safetensors" ] && [ "$whole" = whole ]; then
+  pass "a rank killed writing config.json: exit $status, model.safetensors whole, no config.json, no temporary"
+else fail "a rank killed mid-write: exit $status, left: $(ls -A "$work/killed_export" | head -c 200)"; fi
 
 # Inputs that are not regular files, or not text.
 mkfifo "$work/fifo"
