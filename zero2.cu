@@ -2444,7 +2444,7 @@ void Engine::Impl::account_step() {
   last_step_counters.other = now.other - step_start_counters.other;
   step_start_counters = now;
   const MemoryCounters& memory = compute.memory();
-  if (engine.steps_taken_ == 1) allocations_at_step1 = memory.allocations;
+  if (allocations_at_step1 < 0) allocations_at_step1 = memory.allocations;  // this run's first step (a resumed run's too)
   allocations_last_step = memory.allocations - allocations_at_step_start;
   pushes_last_step = memory.pushes - pushes_at_step_start;
   allocations_at_step_start = memory.allocations;
@@ -2655,6 +2655,220 @@ uint64_t Engine::parameters_hash() {
   return fnv1a64(values.data(), values.size());
 }
 
+// --- optimizer state for checkpoints (notes/09) -------------------------------
+//
+// A checkpoint holds the optimizer state in the canonical order, which does
+// not depend on N, the stage or the bucket size: loading it at another N or
+// stage is a re-slice, not a conversion. A rank's own state lies in its
+// region of each bucket (the whole bucket in stage 0, its shard in stages 1
+// and 2); each region, cut at parameter boundaries (the padding between
+// parameters holds no state), gives the runs below, in canonical order.
+
+namespace {
+struct LocatedRun {
+  StateRun run;
+  size_t padded = 0;  // where the run starts in the padded flat buffer (fp32: the master is the parameters)
+  size_t stored = 0;  // where it starts in the region-sized buffers: master (mixed), m, v
+};
+
+std::vector<LocatedRun> located_runs(const Engine& engine, int rank) {
+  const int stage = engine.options().stage;
+  const auto& parameters = engine.parameters();
+  std::vector<size_t> canonical(parameters.size() + 1, 0);  // real elements before each parameter
+  for (size_t p = 0; p < parameters.size(); ++p) canonical[p + 1] = canonical[p] + parameters[p].numel;
+  std::vector<LocatedRun> runs;
+  for (const BucketInfo& bucket : engine.buckets()) {
+    const size_t start = bucket.offset + (stage == 0 ? 0 : (size_t)rank * bucket.shard_length);
+    const size_t length = stage == 0 ? bucket.padded_length : bucket.shard_length;
+    const size_t stored = stage == 0 ? bucket.offset : bucket.shard_offset;
+    for (int p = bucket.first_parameter; p < bucket.end_parameter; ++p) {
+      const size_t low = std::max(start, parameters[p].offset);
+      const size_t high = std::min(start + length, parameters[p].offset + parameters[p].numel);
+      if (low >= high) continue;
+      runs.push_back({{canonical[p] + (low - parameters[p].offset), high - low}, low, stored + (low - start)});
+    }
+  }
+  return runs;
+}
+
+// The pieces of `runs` that fall in [begin, end): (offset in the runs'
+// concatenation, canonical position, length), in order.
+struct Piece {
+  size_t source = 0, canonical = 0, length = 0;
+};
+std::vector<Piece> pieces_within(const std::vector<LocatedRun>& runs, size_t begin, size_t end) {
+  std::vector<Piece> pieces;
+  size_t source = 0;
+  for (const LocatedRun& located : runs) {
+    const size_t low = std::max(begin, located.run.canonical);
+    const size_t high = std::min(end, located.run.canonical + located.run.length);
+    if (low < high) pieces.push_back({source + (low - located.run.canonical), low, high - low});
+    source += located.run.length;
+  }
+  return pieces;
+}
+}  // namespace
+
+std::vector<StateRun> Engine::owned_state_runs(int rank) const {
+  require_built("owned_state_runs");
+  std::vector<StateRun> runs;
+  for (const LocatedRun& located : located_runs(*this, rank)) runs.push_back(located.run);
+  return runs;
+}
+
+OptimizerState Engine::owned_state_to_host() {
+  require_built("owned_state_to_host");
+  compute_.synchronize_all();
+  Impl& impl = *impl_;
+  const std::vector<LocatedRun> runs = located_runs(*this, rank());
+  auto to_host = [&](const float* device, size_t count) {
+    std::vector<float> values(count);
+    compute_.copy(values.data(), device, count * sizeof(float), compute_.compute_stream());
+    return values;
+  };
+  const std::vector<float> m = to_host(impl.adam_m.data(), impl.adam_m.size());
+  const std::vector<float> v = to_host(impl.adam_v.data(), impl.adam_v.size());
+  const std::vector<float> master = impl.mixed ? to_host(impl.master.data(), impl.master.size())
+                                               : to_host((const float*)impl.params.data(), psi_padded());
+  compute_.synchronize(compute_.compute_stream());
+  OptimizerState state;
+  for (const LocatedRun& located : runs) {
+    const size_t at = impl.mixed ? located.stored : located.padded;
+    state.master.insert(state.master.end(), master.begin() + at, master.begin() + at + located.run.length);
+    state.exp_avg.insert(state.exp_avg.end(), m.begin() + located.stored, m.begin() + located.stored + located.run.length);
+    state.exp_avg_sq.insert(state.exp_avg_sq.end(), v.begin() + located.stored,
+                            v.begin() + located.stored + located.run.length);
+  }
+  return state;
+}
+
+void Engine::owned_state_from_host(const OptimizerState& state) {
+  require_built("owned_state_from_host");
+  Impl& impl = *impl_;
+  const std::vector<LocatedRun> runs = located_runs(*this, rank());
+  size_t total = 0;
+  for (const LocatedRun& located : runs) total += located.run.length;
+  if (state.master.size() != total || state.exp_avg.size() != total || state.exp_avg_sq.size() != total)
+    usage_error("owned_state_from_host: %zu, %zu, %zu values for the %zu this rank holds", state.master.size(),
+                state.exp_avg.size(), state.exp_avg_sq.size(), total);
+  compute_.synchronize_all();
+  const Stream stream = compute_.compute_stream();
+  // Into host copies of the whole buffers (padding keeps its zeros), then back.
+  std::vector<float> m(impl.adam_m.size()), v(impl.adam_v.size());
+  std::vector<float> master(impl.mixed ? impl.master.size() : psi_padded());
+  compute_.copy(m.data(), impl.adam_m.data(), m.size() * sizeof(float), stream);
+  compute_.copy(v.data(), impl.adam_v.data(), v.size() * sizeof(float), stream);
+  compute_.copy(master.data(), impl.mixed ? (const void*)impl.master.data() : (const void*)impl.params.data(),
+                master.size() * sizeof(float), stream);
+  compute_.synchronize(stream);
+  size_t from = 0;
+  for (const LocatedRun& located : runs) {
+    const size_t length = located.run.length;
+    std::copy_n(state.master.begin() + from, length, master.begin() + (impl.mixed ? located.stored : located.padded));
+    std::copy_n(state.exp_avg.begin() + from, length, m.begin() + located.stored);
+    std::copy_n(state.exp_avg_sq.begin() + from, length, v.begin() + located.stored);
+    from += length;
+  }
+  compute_.copy(impl.adam_m.data(), m.data(), m.size() * sizeof(float), stream);
+  compute_.copy(impl.adam_v.data(), v.data(), v.size() * sizeof(float), stream);
+  if (!impl.mixed) {
+    compute_.copy(impl.params.data(), master.data(), master.size() * sizeof(float), stream);
+  } else {
+    compute_.copy(impl.master.data(), master.data(), master.size() * sizeof(float), stream);
+    // The working copy of the own region is the master rounded, as an update leaves it.
+    for (int b = 0; b < (int)buckets_.size(); ++b) {
+      const std::vector<float> region(master.begin() + impl.region_offset(b),
+                                      master.begin() + impl.region_offset(b) + impl.region_length(b));
+      const std::vector<uint16_t> working = narrow_bits(region, options_.precision);
+      compute_.copy(impl.region_param(b), working.data(), working.size() * sizeof(uint16_t), stream);
+      compute_.synchronize(stream);  // `working` leaves scope
+    }
+  }
+  compute_.synchronize(stream);
+  // Every rank's regions to every rank, as at the end of a step; not
+  // training traffic, so the next step's ledger does not count it.
+  impl.all_gather_parameters();
+  compute_.synchronize_all();
+  impl.step_start_counters = comm_.counters();
+}
+
+OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
+  require_built("state_range_to_host");
+  if (begin > end || end > psi()) usage_error("state_range_to_host: [%zu, %zu) of %zu", begin, end, psi());
+  const int N = comm_.world_size(), me = rank();
+  const OptimizerState own = owned_state_to_host();
+  OptimizerState range;
+  range.master.assign(end - begin, 0.0f);
+  range.exp_avg.assign(end - begin, 0.0f);
+  range.exp_avg_sq.assign(end - begin, 0.0f);
+  if (options_.stage == 0 || N == 1) {  // this rank holds every run
+    for (const Piece& piece : pieces_within(located_runs(*this, me), begin, end)) {
+      std::copy_n(own.master.begin() + piece.source, piece.length, range.master.begin() + (piece.canonical - begin));
+      std::copy_n(own.exp_avg.begin() + piece.source, piece.length, range.exp_avg.begin() + (piece.canonical - begin));
+      std::copy_n(own.exp_avg_sq.begin() + piece.source, piece.length,
+                  range.exp_avg_sq.begin() + (piece.canonical - begin));
+    }
+    return range;
+  }
+  // Every rank's range, then one all-to-all per tensor: rank s sends rank q
+  // the pieces of its runs inside q's range, in canonical order; q knows
+  // s's runs (the layout is the same everywhere) and places them.
+  long mine[2] = {(long)begin, (long)end};
+  std::vector<long> ranges(2 * (size_t)N);
+  MPI_Request gathered;
+  Z2_MPI_CHECK(MPI_Iallgather(mine, 2, MPI_LONG, ranges.data(), 2, MPI_LONG, comm_.mpi(), &gathered));
+  wait_request(&gathered, "the all-gather of the ranges each rank asks for");
+  std::vector<int> send_counts(N, 0), send_offsets(N, 0), receive_counts(N, 0), receive_offsets(N, 0);
+  std::vector<std::vector<Piece>> outgoing(N), incoming(N);
+  const std::vector<LocatedRun> my_runs = located_runs(*this, me);
+  for (int q = 0; q < N; ++q) {
+    outgoing[q] = pieces_within(my_runs, (size_t)ranges[2 * q], (size_t)ranges[2 * q + 1]);
+    incoming[q] = pieces_within(located_runs(*this, q), begin, end);
+    for (const Piece& piece : outgoing[q]) send_counts[q] += (int)piece.length;
+    for (const Piece& piece : incoming[q]) receive_counts[q] += (int)piece.length;
+    if (q > 0) {
+      send_offsets[q] = send_offsets[q - 1] + send_counts[q - 1];
+      receive_offsets[q] = receive_offsets[q - 1] + receive_counts[q - 1];
+    }
+  }
+  const size_t sending = (size_t)send_offsets[N - 1] + send_counts[N - 1];
+  const size_t receiving = (size_t)receive_offsets[N - 1] + receive_counts[N - 1];
+  auto exchange = [&](const std::vector<float>& owned, std::vector<float>& placed, const char* name) {
+    std::vector<float> packed, arrived(receiving);
+    packed.reserve(sending);
+    for (int q = 0; q < N; ++q)
+      for (const Piece& piece : outgoing[q])
+        packed.insert(packed.end(), owned.begin() + piece.source, owned.begin() + piece.source + piece.length);
+    MPI_Request request;
+    Z2_MPI_CHECK(MPI_Ialltoallv(packed.data(), send_counts.data(), send_offsets.data(), MPI_FLOAT, arrived.data(),
+                                receive_counts.data(), receive_offsets.data(), MPI_FLOAT, comm_.mpi(), &request));
+    wait_request(&request, std::string("the all-to-all of the checkpoint's ") + name);
+    size_t at = 0;
+    for (int q = 0; q < N; ++q)
+      for (const Piece& piece : incoming[q]) {
+        std::copy_n(arrived.begin() + at, piece.length, placed.begin() + (piece.canonical - begin));
+        at += piece.length;
+      }
+  };
+  exchange(own.master, range.master, "master weights");
+  exchange(own.exp_avg, range.exp_avg, "exp_avg");
+  exchange(own.exp_avg_sq, range.exp_avg_sq, "exp_avg_sq");
+  return range;
+}
+
+TrainingProgress Engine::training_progress() const {
+  return {steps_taken_, optimizer_step_, skipped_steps_, scaler_.state()};
+}
+
+void Engine::restore_training_progress(const TrainingProgress& progress) {
+  if (micro_step_ != 0) usage_error("restore_training_progress: in the middle of a step (%d micro-steps done)", micro_step_);
+  steps_taken_ = progress.steps_taken;
+  optimizer_step_ = progress.applied;
+  skipped_steps_ = progress.skipped;
+  scaler_.restore(progress.scaler);
+  set_watchdog_context("optimizer step " + std::to_string(steps_taken_ + 1));
+}
+
 // --- fp16 loss scaling (DeepSpeed's DynamicLossScaler) ------------------------
 
 LossScaler::LossScaler(const LossScaling& settings, bool fp16) : settings_(settings) {
@@ -2673,6 +2887,16 @@ LossScaler::LossScaler(const LossScaling& settings, bool fp16) : settings_(setti
 }
 
 // update_scale of deepspeed/runtime/fp16/loss_scaler.py, line by line.
+void LossScaler::restore(const LossScalerState& state) {
+  if (!(state.scale > 0) || !std::isfinite(state.scale) || state.hysteresis_left < 1 || state.iteration < 0 ||
+      state.last_overflow < -1 || state.last_overflow >= state.iteration)
+    usage_error("a loss scaler state that no run reaches: scale %g, hysteresis left %d, iteration %ld, last overflow %ld",
+                state.scale, state.hysteresis_left, state.iteration, state.last_overflow);
+  scale_ = state.scale;
+  hysteresis_left_ = state.hysteresis_left;
+  iteration_ = state.iteration;
+  last_overflow_ = state.last_overflow;
+}
 void LossScaler::update(bool overflow) {
   if (!dynamic_) return;  // a static scale never changes (an overflow still skips the step)
   if (overflow) {

@@ -747,11 +747,21 @@ struct LossScaling {
   double min_scale = 1;          // "min_loss_scale": an overflow at this scale stops the run
 };
 
+// What a loss scaler carries from step to step: a checkpoint holds it, and
+// a resumed run goes on with the same scale, hysteresis and window.
+struct LossScalerState {
+  double scale = 1;
+  int hysteresis_left = 1;
+  long iteration = 0, last_overflow = -1;
+};
+
 // DeepSpeed's DynamicLossScaler.update_scale, step by step (its LossScaler
 // when the scale is static; scale 1 and no updates outside fp16).
 class LossScaler {
  public:
   LossScaler(const LossScaling& settings, bool fp16);
+  LossScalerState state() const { return {scale_, hysteresis_left_, iteration_, last_overflow_}; }
+  void restore(const LossScalerState& state);
   double scale() const { return scale_; }
   bool dynamic() const { return dynamic_; }
   int hysteresis_left() const { return hysteresis_left_; }
@@ -816,6 +826,29 @@ struct BucketInfo {
   size_t shard_length = 0;    // padded_length / N
   size_t shard_offset = 0;    // start of this bucket's shard in shard space
   size_t canonical_chunk = 0; // index of its first norm chunk in the canonical layout
+};
+
+// A piece of the canonical order (real elements only, registration order:
+// what parameters_to_host() lists) whose optimizer state one rank updates.
+struct StateRun {
+  size_t canonical = 0;  // first element, in the canonical order
+  size_t length = 0;
+};
+
+// The fp32 optimizer state of some runs of the canonical order, run after
+// run: the master weights (the parameters themselves in fp32), AdamW's
+// first and second moments (torch's exp_avg, exp_avg_sq).
+struct OptimizerState {
+  std::vector<float> master, exp_avg, exp_avg_sq;
+};
+
+// Where training stands, beyond the tensors: what a checkpoint must hold
+// besides the optimizer state for a resumed run to continue bit for bit.
+struct TrainingProgress {
+  long steps_taken = 0;  // step() calls (skipped included): the data's position
+  long applied = 0;      // updates made (AdamW's t): the learning-rate schedule's position
+  long skipped = 0;      // fp16 steps skipped on overflow
+  LossScalerState scaler;
 };
 
 struct StepReport {
@@ -930,6 +963,22 @@ class Engine {
   // Valid after the last end_micro_step() and before step(), where one rank
   // holds all of it: stage 0, or N = 1 (for --dump-batch and the reference checks).
   std::vector<float> gradients_to_host();
+
+  // --- checkpoints (notes/09) ---
+  // The runs of the canonical order whose optimizer state `rank` updates:
+  // every element in stage 0, its shard of every bucket in stages 1 and 2.
+  std::vector<StateRun> owned_state_runs(int rank) const;
+  // This rank's optimizer state for owned_state_runs(rank()), run after run.
+  OptimizerState owned_state_to_host();
+  // Sets this rank's optimizer state (the same layout), then rebuilds the
+  // working parameters from the master on every rank. Collective.
+  void owned_state_from_host(const OptimizerState& state);
+  // The optimizer state of [begin, end) of the canonical order, whatever
+  // rank holds it (each rank asks for its own range; stages 1 and 2
+  // exchange the pieces with one all-to-all). Collective.
+  OptimizerState state_range_to_host(size_t begin, size_t end);
+  TrainingProgress training_progress() const;
+  void restore_training_progress(const TrainingProgress& progress);
 
   MemoryLedger memory_ledger() const;
   CommLedger comm_ledger() const;

@@ -48,6 +48,9 @@ inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) 
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
+// Bitwise equality of two floats.
+inline bool same_float_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
 // The canonical tree written as its definition (notes/06),
 // recursively, independent of z2::canonical_tree_sum's binary counter.
 inline float recursive_tree_sum(const float* leaves, long n) {
