@@ -116,6 +116,16 @@ struct Settings {
   // files and output
   std::string data, config, json_path, export_dir, dump_dir, memory_trace;
   double timeout = 600;  // seconds the watchdog lets a collective or transfer wait (zero2.h)
+  // checkpoints (notes/09)
+  std::string save_dir, load_dir;
+  long save_every = 0;  // 0: only at the end (and on an interrupt)
+  int save_keep = 2;
+  bool export_only = false;         // --load DIR --steps 0: export the checkpoint, train nothing
+  json checkpoint;                  // --load's index.json, read before anything else
+  std::string checkpoint_directory; // the step directory it came from
+  // The flags given (command line or config): a resumed run takes the
+  // checkpoint's value for every recorded setting not among them.
+  std::set<std::string> given;
   long log_every = 10;
   bool quiet = false;
 };
@@ -214,6 +224,7 @@ inline std::string parse_choice(const std::string& flag, const std::string& text
 inline void apply(Settings& s, const std::string& flag, const std::string& value, std::string name = "") {
   if (name.empty()) name = flag;  // a config file passes its key, so messages name what the user wrote
   const long big = 1l << 30;
+  s.given.insert(flag);
   if (flag == "--device") s.device = parse_choice(name, value, {"auto", "cpu", "cuda"});
   else if (flag == "--comm") s.comm = parse_choice(name, value, {"auto", "mpi", "nccl"});
   else if (flag == "--collectives") s.collectives = parse_choice(name, value, {"deterministic", "native"});
@@ -229,7 +240,7 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--dropout") s.dropout = (float)parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "--micro-batch") s.micro_batch = (int)parse_integer(name, value, 1, 1 << 20);
   else if (flag == "--accum") s.accum = (int)parse_integer(name, value, 1, 1 << 20), s.accum_given = true;
-  else if (flag == "--steps") s.steps = parse_integer(name, value, 1, big);
+  else if (flag == "--steps") s.steps = parse_integer(name, value, 0, big);  // 0: only with --load (check_consistency)
   else if (flag == "--warmup") s.warmup = parse_integer(name, value, 0, big);
   else if (flag == "--lr") s.lr = parse_real(name, value, 0.0, 10.0);
   else if (flag == "--weight-decay") s.weight_decay = parse_real(name, value, 0.0, 10.0);
@@ -245,6 +256,10 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive"});
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
   else if (flag == "--memory-trace") s.memory_trace = parse_path(name, value);
+  else if (flag == "--save") s.save_dir = parse_path(name, value);
+  else if (flag == "--load") s.load_dir = parse_path(name, value);
+  else if (flag == "--save-every") s.save_every = parse_integer(name, value, 0, big);
+  else if (flag == "--save-keep") s.save_keep = (int)parse_integer(name, value, 1, 1 << 20);
   else if (flag == "--timeout") s.timeout = parse_real(name, value, 1, 1e9);  // below a second a healthy wait can expire
   else if (flag == "--precision") s.precision = parse_choice(name, value, {"fp32", "bf16", "fp16"}), s.precision_given = true;
   // Not command-line flags: only a config file sets these.
@@ -567,6 +582,12 @@ files
   --export-hf DIR            the trained model for BertForMaskedLM.from_pretrained
   --dump-batch DIR           step 0's weights, batch, loss and gradients (for a reference check)
   --memory-trace FILE        the first step's allocator events
+checkpoints (notes/09)
+  --save DIR                 save DIR/step_<s> at the end (and on SIGINT/SIGTERM); DIR/latest names the newest
+  --save-every K             also every K steps (default 0: only at the end)
+  --save-keep K              keep the newest K steps (default 2)
+  --load DIR                 resume from DIR/latest or DIR/step_<s>, at any N and stage with the same N x A;
+                             settings not given are the checkpoint's. --steps 0: only export it (--export-hf)
   --log-every K              a progress line every K steps (default 10)
   --quiet                    no progress lines
   --help                     this text
@@ -604,6 +625,13 @@ inline Settings parse_command_line(int argc, char** argv) {
 
 // Checks that need several settings at once (world size known).
 inline void check_consistency(Settings& s, int world_size) {
+  if (s.steps == 0 && !s.export_only)
+    fail("--steps wants an integer from 1 to %ld (0 only with --load: export a checkpoint without training)", 1l << 30);
+  if (s.export_only && s.export_dir.empty() && s.json_path.empty())
+    fail("--load with --steps 0 trains nothing: give --export-hf DIR (and/or --json) for it to write");
+  if (!s.load_dir.empty() && !s.dump_dir.empty())
+    fail("--dump-batch writes step 0 of a fresh run: not with --load");
+  if (s.save_every > 0 && s.save_dir.empty()) fail("--save-every %ld needs --save DIR", s.save_every);
   if (s.hidden % s.heads != 0)
     fail("--hidden %d is not divisible by --heads %d (each head gets hidden / heads features)", s.hidden, s.heads);
   if (s.seq > s.max_positions)
@@ -2049,8 +2077,8 @@ class DirectoryLock {
 // safetensors: an 8-byte little-endian header length, a JSON header naming
 // each tensor's dtype, shape and byte range, padded with spaces to a multiple
 // of 8, then the raw little-endian data.
-inline void write_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
-                              const std::map<std::string, std::string>& metadata = {}) {
+inline std::string safetensors_bytes(const std::vector<Tensor>& tensors,
+                                     const std::map<std::string, std::string>& metadata = {}) {
   json header = json::object();
   size_t offset = 0;
   for (auto& t : tensors) {
@@ -2065,7 +2093,11 @@ inline void write_safetensors(const std::string& path, const std::vector<Tensor>
   for (int k = 0; k < 8; ++k) contents[k] = (char)((length >> (8 * k)) & 0xff);
   contents += text;
   for (auto& t : tensors) contents += t.bytes;
-  write_output_file(path, contents);
+  return contents;
+}
+inline void write_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
+                              const std::map<std::string, std::string>& metadata = {}) {
+  write_output_file(path, safetensors_bytes(tensors, metadata));
 }
 
 // That a file can be created in `directory`, and the directory opened for
@@ -2148,11 +2180,13 @@ inline void check_outputs(const Settings& s) {
   if (!s.config.empty()) inputs.push_back({"--config", s.config, false});
   if (!s.json_path.empty()) outputs.push_back({"--json", s.json_path, false});
   if (!s.memory_trace.empty()) outputs.push_back({"--memory-trace", s.memory_trace, false});
-  for (auto [flag, directory] : {std::pair<std::string, std::string>{"--export-hf", s.export_dir}, {"--dump-batch", s.dump_dir}}) {
+  for (auto [flag, directory] : {std::pair<std::string, std::string>{"--export-hf", s.export_dir},
+                                 {"--dump-batch", s.dump_dir}, {"--save", s.save_dir}}) {
     if (directory.empty()) continue;
     outputs.push_back({flag, directory, true});
     std::vector<std::string> names = {"model.safetensors", "config.json"};
     if (flag == "--dump-batch") names.push_back("batch.safetensors");
+    if (flag == "--save") names = {"latest"};
     for (auto& name : names) outputs.push_back({flag + "'s " + name, directory + "/" + name, false});
   }
   std::vector<std::string> normal;
@@ -2245,6 +2279,501 @@ inline void export_hf(const std::string& directory, const Model<Act>& model, con
 }
 
 // ----------------------------------------------------------------------------
+// 5b. Checkpoints (--save, --load; notes/09)
+//
+//   DIR/step_<s>/rank_<q>.safetensors  master, exp_avg, exp_avg_sq: [end - begin] float32 each, the
+//                                      canonical range [begin, end) = [q Psi / N, (q + 1) Psi / N)
+//                                      of the N ranks that saved it (rank q writes its own file)
+//   DIR/step_<s>/index.json            the settings a resumed run must share, the progress (steps,
+//                                      AdamW's t, skips, the loss scaler), the parameters, and each
+//                                      file's range, size and SHA-256
+//   DIR/latest                         "step_<s>": the newest complete step, moved last
+// The canonical order (registration order, real elements only) does not
+// depend on N, the stage or the bucket size, so a checkpoint loads at any of
+// them: each rank reads the pieces of the files that overlap the runs it
+// owns (Engine::owned_state_runs), and no rank reads the whole state. The
+// 16-bit working weights are not stored: they are the master rounded.
+
+// --- SHA-256 (FIPS 180-4), streamed -------------------------------------------
+
+class Sha256 {
+ public:
+  void update(const void* data, size_t bytes) {
+    const unsigned char* p = static_cast<const unsigned char*>(data);
+    total_ += bytes;
+    while (bytes > 0) {
+      const size_t take = std::min(bytes, sizeof buffer_ - buffered_);
+      std::memcpy(buffer_ + buffered_, p, take);
+      buffered_ += take, p += take, bytes -= take;
+      if (buffered_ == sizeof buffer_) block(buffer_), buffered_ = 0;
+    }
+  }
+  // The digest as 64 hex digits; the object is spent afterwards.
+  std::string hex() {
+    const uint64_t bits = total_ * 8;
+    const unsigned char one = 0x80, zero = 0;
+    update(&one, 1);
+    while (buffered_ != 56) update(&zero, 1);
+    unsigned char length[8];
+    for (int k = 0; k < 8; ++k) length[k] = (unsigned char)(bits >> (56 - 8 * k));
+    update(length, 8);
+    char text[65];
+    for (int k = 0; k < 8; ++k) snprintf(text + 8 * k, 9, "%08x", state_[k]);
+    return text;
+  }
+
+ private:
+  static uint32_t rotate(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+  void block(const unsigned char* p) {
+    static const uint32_t k[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+        0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+        0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+        0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+        0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+        0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+        0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+    uint32_t w[64];
+    for (int t = 0; t < 16; ++t)
+      w[t] = (uint32_t)p[4 * t] << 24 | (uint32_t)p[4 * t + 1] << 16 | (uint32_t)p[4 * t + 2] << 8 | p[4 * t + 3];
+    for (int t = 16; t < 64; ++t) {
+      const uint32_t s0 = rotate(w[t - 15], 7) ^ rotate(w[t - 15], 18) ^ (w[t - 15] >> 3);
+      const uint32_t s1 = rotate(w[t - 2], 17) ^ rotate(w[t - 2], 19) ^ (w[t - 2] >> 10);
+      w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+    }
+    uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3], e = state_[4], f = state_[5],
+             g = state_[6], h = state_[7];
+    for (int t = 0; t < 64; ++t) {
+      const uint32_t t1 = h + (rotate(e, 6) ^ rotate(e, 11) ^ rotate(e, 25)) + ((e & f) ^ (~e & g)) + k[t] + w[t];
+      const uint32_t t2 = (rotate(a, 2) ^ rotate(a, 13) ^ rotate(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      h = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
+    }
+    const uint32_t add[8] = {a, b, c, d, e, f, g, h};
+    for (int k2 = 0; k2 < 8; ++k2) state_[k2] += add[k2];
+  }
+  uint32_t state_[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  unsigned char buffer_[64] = {};
+  size_t buffered_ = 0;
+  uint64_t total_ = 0;
+};
+
+inline std::string sha256_hex(const std::string& bytes) {
+  Sha256 sha;
+  sha.update(bytes.data(), bytes.size());
+  return sha.hex();
+}
+
+// --- what a checkpoint records ----------------------------------------------
+
+constexpr int checkpoint_version = 1;
+
+inline std::string step_directory_name(long step) { return "step_" + std::to_string(step); }
+inline std::string rank_file_name(int rank) {
+  char name[48];
+  snprintf(name, sizeof name, "rank_%05d.safetensors", rank);
+  return name;
+}
+// The canonical range the file of rank `rank` of `ranks` covers.
+inline std::pair<size_t, size_t> file_range(size_t psi, int rank, int ranks) {
+  return {psi * (size_t)rank / (size_t)ranks, psi * (size_t)(rank + 1) / (size_t)ranks};
+}
+
+// The settings that decide the bits of every step: a resumed run takes the
+// checkpoint's value for each one it is not given, and refuses one given
+// with another value. (Stage, N and A with the same N x A, the bucket,
+// overlap, activations, allocator, device, backends and outputs may change:
+// they do not change the bits.)
+struct RecordedSetting {
+  const char* key;   // in index.json's "settings"
+  const char* flag;  // as apply() knows it
+  const char* what;  // what a different value would change
+};
+constexpr RecordedSetting recorded_settings[] = {
+    {"layers", "--layers", "the model"},
+    {"hidden", "--hidden", "the model"},
+    {"heads", "--heads", "the model"},
+    {"intermediate", "--intermediate", "the model"},
+    {"seq", "--seq", "the model's windows"},
+    {"max_positions", "--max-positions", "the model"},
+    {"dropout", "--dropout", "the model's dropout"},
+    {"seed", "--seed", "the data, the masking and dropout (all keyed by the seed)"},
+    {"micro_batch", "--micro-batch", "the batch"},
+    {"lr", "--lr", "the learning-rate schedule"},
+    {"warmup", "--warmup", "the learning-rate schedule"},
+    {"steps", "--steps", "the learning-rate schedule (its decay ends at --steps)"},
+    {"weight_decay", "--weight-decay", "the optimizer"},
+    {"clip", "--clip", "the optimizer"},
+    {"beta1", "beta1", "the optimizer"},
+    {"beta2", "beta2", "the optimizer"},
+    {"eps", "eps", "the optimizer"},
+    {"precision", "--precision", "the precision (the master is fp32 in each, the rest is not)"},
+    {"grad_accum_dtype", "grad_accum_dtype", "the accumulation"},
+    {"loss_scale", "loss_scale", "fp16's loss scaling"},
+    {"initial_scale_power", "initial_scale_power", "fp16's loss scaling"},
+    {"loss_scale_window", "loss_scale_window", "fp16's loss scaling"},
+    {"hysteresis", "hysteresis", "fp16's loss scaling"},
+    {"consecutive_hysteresis", "consecutive_hysteresis", "fp16's loss scaling"},
+    {"min_loss_scale", "min_loss_scale", "fp16's loss scaling"},
+};
+
+inline json recorded_values(const Settings& s) {
+  const z2::LossScaling& l = s.loss_scaling;
+  return {{"layers", s.layers}, {"hidden", s.hidden}, {"heads", s.heads}, {"intermediate", s.intermediate},
+          {"seq", s.seq}, {"max_positions", s.max_positions}, {"dropout", (double)s.dropout},
+          {"seed", s.seed}, {"micro_batch", s.micro_batch}, {"lr", s.lr}, {"warmup", s.warmup},
+          {"steps", s.steps}, {"weight_decay", s.weight_decay}, {"clip", s.clip}, {"beta1", s.beta1},
+          {"beta2", s.beta2}, {"eps", s.eps}, {"precision", s.precision}, {"grad_accum_dtype", s.grad_accum_dtype},
+          {"loss_scale", l.static_scale}, {"initial_scale_power", l.initial_scale_power},
+          {"loss_scale_window", l.window}, {"hysteresis", l.hysteresis},
+          {"consecutive_hysteresis", l.consecutive_hysteresis}, {"min_loss_scale", l.min_scale}};
+}
+
+// A field of index.json, or one message naming it and the file.
+inline const json& index_field(const json& index, const std::string& path, const std::string& file) {
+  const json* here = &index;
+  size_t start = 0;
+  while (start <= path.size()) {
+    const size_t dot = std::min(path.find('.', start), path.size());
+    const std::string key = path.substr(start, dot - start);
+    if (!here->is_object() || !here->contains(key)) fail("the checkpoint index '%s' lacks '%s'", file.c_str(), path.c_str());
+    here = &(*here)[key];
+    start = dot + 1;
+  }
+  return *here;
+}
+inline long index_integer(const json& index, const std::string& path, const std::string& file, long low, long high) {
+  const json& value = index_field(index, path, file);
+  if (!value.is_number_integer() || value.get<long>() < low || value.get<long>() > high)
+    fail("the checkpoint index '%s': '%s' = %s is not an integer from %ld to %ld", file.c_str(), path.c_str(),
+         value.dump().c_str(), low, high);
+  return value.get<long>();
+}
+
+// --- finding and reading one ---------------------------------------------------
+
+// --load DIR: DIR itself when it holds an index.json (DIR/step_<s>), else
+// the step DIR/latest names.
+inline std::string checkpoint_step_directory(const std::string& directory) {
+  if (!is_directory(directory)) fail("--load '%s' is not a directory", directory.c_str());
+  if (std::filesystem::exists(directory + "/index.json")) return directory;
+  const std::string latest = directory + "/latest";
+  if (!std::filesystem::exists(latest))
+    fail("--load '%s' has neither index.json (a step's directory) nor latest (a checkpoint directory)",
+         directory.c_str());
+  std::string name = read_regular_file("the checkpoint's latest file", latest, 256);
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  const bool well_formed = name.size() > 5 && name.compare(0, 5, "step_") == 0 &&
+                           name.find_first_not_of("0123456789", 5) == std::string::npos;
+  if (!well_formed) fail("'%s' should name a step (step_<number>), not '%s'", latest.c_str(), name.substr(0, 64).c_str());
+  const std::string step = directory + "/" + name;
+  if (!std::filesystem::exists(step + "/index.json"))
+    fail("'%s' names '%s', which is not a complete checkpoint in '%s' (no %s/index.json)", latest.c_str(),
+         name.c_str(), directory.c_str(), name.c_str());
+  return step;
+}
+
+inline json read_checkpoint_index(const std::string& step_directory) {
+  const std::string file = step_directory + "/index.json";
+  const std::string text = read_regular_file("the checkpoint index", file, 64u << 20);
+  json index;
+  try {
+    index = json::parse(text);
+  } catch (const json::exception& e) {
+    fail("the checkpoint index '%s' is not valid JSON: %s", file.c_str(), e.what());
+  }
+  if (!index.is_object() || index.value("format", std::string()) != "zero2 checkpoint")
+    fail("'%s' is not a zero2 checkpoint index (no \"format\": \"zero2 checkpoint\")", file.c_str());
+  const long version = index_integer(index, "version", file, 0, LONG_MAX);
+  if (version != checkpoint_version)
+    fail("the checkpoint index '%s' has version %ld; this trainer reads version %d", file.c_str(), version,
+         checkpoint_version);
+  return index;
+}
+
+// The checkpoint's settings into `s`: each recorded setting not given is
+// taken; one given with another value is refused, naming it. Then the batch:
+// the same micro-batch and N x A as the saving run (A follows from N when
+// not given), and the data it was trained on (adopted when --data is not
+// given; its hash is checked once it is read).
+inline void adopt_checkpoint(Settings& s, int world_size) {
+  s.checkpoint_directory = checkpoint_step_directory(s.load_dir);
+  s.checkpoint = read_checkpoint_index(s.checkpoint_directory);
+  const std::string file = s.checkpoint_directory + "/index.json";
+  const json& saved = index_field(s.checkpoint, "settings", file);
+  const bool export_only = s.steps == 0;  // --load DIR --steps 0: export the checkpoint, train nothing
+  if (export_only) s.given.erase("--steps");
+  const bool precision_given = s.given.count("--precision") || s.given.count("fp16.enabled") || s.given.count("bf16.enabled");
+  const json current = recorded_values(s);
+  for (const RecordedSetting& setting : recorded_settings) {
+    const json& value = index_field(saved, setting.key, file);
+    const bool given = std::string(setting.key) == "precision" ? precision_given : s.given.count(setting.flag) > 0;
+    if (given) {
+      if (current[setting.key] != value)
+        fail("%s %s contradicts the checkpoint's %s (in '%s'): a different value changes %s. Leave it out to "
+             "continue as saved", setting.flag, current[setting.key].dump().c_str(), value.dump().c_str(),
+             s.checkpoint_directory.c_str(), setting.what);
+      continue;
+    }
+    if (std::string(setting.key) == "precision") {
+      if (!value.is_string()) fail("the checkpoint index '%s': settings.precision is not a string", file.c_str());
+      s.precision = value.get<std::string>();
+    } else {
+      const std::string text = value.is_boolean() ? (value.get<bool>() ? "1" : "0")
+                               : value.is_string() ? value.get<std::string>()
+                                                   : value.dump();
+      apply(s, setting.flag, text, "the checkpoint's setting '" + std::string(setting.key) + "'");
+      s.given.erase(setting.flag);  // taken, not given
+    }
+  }
+  if (export_only) s.export_only = true;
+  const long saved_world = index_integer(s.checkpoint, "world_size", file, 1, INT_MAX);
+  const long saved_accum = index_integer(s.checkpoint, "accum", file, 1, INT_MAX);
+  const long micro_batches = saved_world * saved_accum;  // N x A: the global batch, in micro-batches
+  if (!s.accum_given && !s.train_batch_size) {
+    if (micro_batches % world_size != 0)
+      fail("the checkpoint was saved with N x A = %ld x %ld = %ld micro-batches per step; %d ranks cannot split "
+           "that evenly (use a divisor of %ld ranks)", saved_world, saved_accum, micro_batches, world_size, micro_batches);
+    s.accum = (int)(micro_batches / world_size);
+  }
+  if ((long)s.accum * world_size != micro_batches && !s.export_only)
+    fail("--accum %d x %d ranks = %ld micro-batches per step, but the checkpoint's steps had %ld (N %ld x A %ld): "
+         "the global batch must stay the same", s.accum, world_size, (long)s.accum * world_size, micro_batches,
+         saved_world, saved_accum);
+  const json& data = index_field(s.checkpoint, "data", file);
+  if (s.data.empty() && data.value("source", std::string("embedded")) != "embedded")
+    s.data = data.value("source", std::string());
+}
+
+// Every rank's file of the checkpoint, as the index lists it, checked: the
+// files cover [0, Psi) in order, one per saving rank.
+struct CheckpointFile {
+  std::string path, sha256;
+  size_t begin = 0, end = 0, bytes = 0;
+};
+inline std::vector<CheckpointFile> checkpoint_files(const Settings& s, size_t psi) {
+  const std::string file = s.checkpoint_directory + "/index.json";
+  const json& files = index_field(s.checkpoint, "files", file);
+  const long saved_world = index_integer(s.checkpoint, "world_size", file, 1, INT_MAX);
+  if (!files.is_array() || (long)files.size() != saved_world)
+    fail("the checkpoint index '%s' lists %zu files for %ld ranks", file.c_str(), files.is_array() ? files.size() : 0,
+         saved_world);
+  if (index_integer(s.checkpoint, "psi", file, 0, LONG_MAX) != (long)psi)
+    fail("the checkpoint index '%s' holds %ld parameters; this model has %zu", file.c_str(),
+         index_integer(s.checkpoint, "psi", file, 0, LONG_MAX), psi);
+  std::vector<CheckpointFile> list;
+  size_t covered = 0;
+  for (size_t q = 0; q < files.size(); ++q) {
+    const std::string where = "files." + std::to_string(q);
+    CheckpointFile entry;
+    const json& name = index_field(files[q], "file", file);
+    const json& sha = index_field(files[q], "sha256", file);
+    if (!name.is_string() || name.get<std::string>().find('/') != std::string::npos || !sha.is_string())
+      fail("the checkpoint index '%s': %s is not a file name and a SHA-256", file.c_str(), where.c_str());
+    entry.path = s.checkpoint_directory + "/" + name.get<std::string>();
+    entry.sha256 = sha.get<std::string>();
+    entry.begin = (size_t)index_integer(files[q], "begin", file, 0, (long)psi);
+    entry.end = (size_t)index_integer(files[q], "end", file, 0, (long)psi);
+    entry.bytes = (size_t)index_integer(files[q], "bytes", file, 0, LONG_MAX);
+    if (entry.begin != covered || entry.end < entry.begin)
+      fail("the checkpoint index '%s': %s covers [%zu, %zu), but the files before end at %zu", file.c_str(),
+           where.c_str(), entry.begin, entry.end, covered);
+    covered = entry.end;
+    list.push_back(entry);
+  }
+  if (covered != psi) fail("the checkpoint index '%s': its files cover %zu of %zu parameters", file.c_str(), covered, psi);
+  return list;
+}
+
+// One rank file opened for reading pieces: its header checked against the
+// index (three float32 tensors of end - begin elements, and nothing else).
+class StateFile {
+ public:
+  explicit StateFile(const CheckpointFile& entry) : entry_(entry) {
+    fd_ = open(entry.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) fail("cannot open the checkpoint file '%s': %s", entry.path.c_str(), std::strerror(errno));
+    struct stat info;
+    if (fstat(fd_, &info) != 0 || !S_ISREG(info.st_mode))
+      fail("the checkpoint file '%s' is not a regular file", entry.path.c_str());
+    if ((size_t)info.st_size != entry.bytes)
+      fail("the checkpoint file '%s' has %s bytes; its index says %s (cut short or replaced)", entry.path.c_str(),
+           z2::with_commas((size_t)info.st_size).c_str(), z2::with_commas(entry.bytes).c_str());
+    unsigned char length_bytes[8];
+    read_at(length_bytes, 8, 0);
+    uint64_t length = 0;
+    for (int k = 0; k < 8; ++k) length |= (uint64_t)length_bytes[k] << (8 * k);
+    if (length > (1u << 20) || 8 + length > entry.bytes) damaged("its header length");
+    std::string text(length, '\0');
+    read_at(text.data(), length, 8);
+    json header;
+    try {
+      header = json::parse(text);
+    } catch (const json::exception&) {
+      damaged("its header (not JSON)");
+    }
+    const size_t count = entry.end - entry.begin;
+    data_start_ = 8 + length;
+    for (const char* name : {"master", "exp_avg", "exp_avg_sq"}) {
+      if (!header.contains(name)) damaged(std::string("its header (no ") + name + ")");
+      const json& tensor = header[name];
+      if (tensor.value("dtype", std::string()) != "F32" || tensor.value("shape", json::array()) != json::array({count}))
+        damaged(std::string("the dtype or shape of ") + name);
+      const json& offsets = tensor.value("data_offsets", json::array());
+      if (offsets.size() != 2 || !offsets[0].is_number_unsigned() || offsets[1].get<size_t>() - offsets[0].get<size_t>() != 4 * count ||
+          data_start_ + offsets[1].get<size_t>() > entry.bytes)
+        damaged(std::string("the offsets of ") + name);
+      offsets_.push_back(offsets[0].get<size_t>());
+    }
+  }
+  ~StateFile() { close(fd_); }
+  StateFile(const StateFile&) = delete;
+  StateFile& operator=(const StateFile&) = delete;
+
+  // Elements [from, from + count) of the canonical order (inside this
+  // file's range) of tensor `which` (0 master, 1 exp_avg, 2 exp_avg_sq).
+  void read(int which, size_t from, size_t count, float* into) {
+    read_at(into, count * sizeof(float), data_start_ + offsets_[which] + (from - entry_.begin) * sizeof(float));
+  }
+
+ private:
+  [[noreturn]] void damaged(const std::string& what) {
+    fail("the checkpoint file '%s' is damaged: %s does not match its index", entry_.path.c_str(), what.c_str());
+  }
+  void read_at(void* into, size_t bytes, size_t offset) {
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t got = pread(fd_, (char*)into + done, bytes - done, (off_t)(offset + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0)
+        fail("cannot read the checkpoint file '%s': %s", entry_.path.c_str(), got < 0 ? std::strerror(errno) : "it ends early");
+      done += (size_t)got;
+    }
+  }
+  CheckpointFile entry_;
+  int fd_ = -1;
+  size_t data_start_ = 0;
+  std::vector<size_t> offsets_;
+};
+
+// A file's SHA-256, streamed (1 MiB at a time: a file is never held whole).
+inline std::string file_sha256(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open the checkpoint file '%s': %s", path.c_str(), std::strerror(errno));
+  Sha256 sha;
+  std::vector<char> buffer(1 << 20);
+  for (;;) {
+    const ssize_t got = read(fd, buffer.data(), buffer.size());
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      close(fd);
+      fail("cannot read the checkpoint file '%s': %s", path.c_str(), std::strerror(errno));
+    }
+    if (got == 0) break;
+    sha.update(buffer.data(), (size_t)got);
+  }
+  close(fd);
+  return sha.hex();
+}
+
+// This rank's optimizer state for the runs it owns, read from the files
+// that overlap them. Rank r also checks the SHA-256 of files r, r + N, ...
+// (each file once over the ranks: verification does not multiply the reads).
+inline z2::OptimizerState read_owned_state(const Settings& s, const z2::Engine& engine, int rank, int world_size) {
+  const std::vector<CheckpointFile> files = checkpoint_files(s, engine.psi());
+  for (size_t q = (size_t)rank; q < files.size(); q += (size_t)world_size)
+    if (file_sha256(files[q].path) != files[q].sha256)
+      fail("the checkpoint file '%s' is damaged: its SHA-256 is not the one its index records", files[q].path.c_str());
+  z2::OptimizerState state;
+  std::vector<std::unique_ptr<StateFile>> opened(files.size());  // each file opened (and its header read) once
+  for (const z2::StateRun& run : engine.owned_state_runs(rank)) {
+    const size_t at = state.master.size();
+    state.master.resize(at + run.length), state.exp_avg.resize(at + run.length), state.exp_avg_sq.resize(at + run.length);
+    for (size_t q = 0; q < files.size(); ++q) {
+      const size_t low = std::max(run.canonical, files[q].begin), high = std::min(run.canonical + run.length, files[q].end);
+      if (low >= high) continue;
+      if (!opened[q]) opened[q] = std::make_unique<StateFile>(files[q]);
+      const size_t into = at + (low - run.canonical);
+      opened[q]->read(0, low, high - low, state.master.data() + into);
+      opened[q]->read(1, low, high - low, state.exp_avg.data() + into);
+      opened[q]->read(2, low, high - low, state.exp_avg_sq.data() + into);
+    }
+  }
+  return state;
+}
+
+// The progress the index records.
+inline z2::TrainingProgress checkpoint_progress(const Settings& s) {
+  const std::string file = s.checkpoint_directory + "/index.json";
+  z2::TrainingProgress progress;
+  progress.steps_taken = index_integer(s.checkpoint, "progress.steps_taken", file, 0, LONG_MAX);
+  progress.applied = index_integer(s.checkpoint, "progress.applied", file, 0, progress.steps_taken);
+  progress.skipped = index_integer(s.checkpoint, "progress.skipped", file, 0, progress.steps_taken);
+  const json& scale = index_field(s.checkpoint, "progress.loss_scale", file);
+  if (!scale.is_number()) fail("the checkpoint index '%s': progress.loss_scale is not a number", file.c_str());
+  progress.scaler.scale = scale.get<double>();
+  progress.scaler.hysteresis_left = (int)index_integer(s.checkpoint, "progress.hysteresis_left", file, 1, INT_MAX);
+  progress.scaler.iteration = index_integer(s.checkpoint, "progress.scaler_iteration", file, 0, LONG_MAX);
+  progress.scaler.last_overflow = index_integer(s.checkpoint, "progress.last_overflow", file, -1, LONG_MAX);
+  if (progress.applied + progress.skipped != progress.steps_taken)
+    fail("the checkpoint index '%s': %ld updates and %ld skipped steps do not make its %ld steps", file.c_str(),
+         progress.applied, progress.skipped, progress.steps_taken);
+  if (progress.steps_taken > s.steps)
+    fail("the checkpoint is at step %ld, past --steps %ld", progress.steps_taken, s.steps);
+  return progress;
+}
+
+// The model's parameters as the index lists them: the same names, shapes
+// and order, or a message naming the first that differs.
+template <class Act>
+inline void check_checkpoint_parameters(const Settings& s, const Model<Act>& model, const z2::Engine& engine) {
+  const std::string file = s.checkpoint_directory + "/index.json";
+  const json& listed = index_field(s.checkpoint, "parameters", file);
+  const auto& infos = engine.parameters();
+  if (!listed.is_array() || listed.size() != infos.size())
+    fail("the checkpoint index '%s' lists %zu parameters; this model has %zu", file.c_str(),
+         listed.is_array() ? listed.size() : 0, infos.size());
+  for (size_t id = 0; id < infos.size(); ++id) {
+    const json expected = {{"name", infos[id].name}, {"shape", model.tensor_shape((int)id)}, {"numel", infos[id].numel}};
+    if (listed[id] != expected)
+      fail("the checkpoint index '%s': parameter %zu is %s; this model's is %s", file.c_str(), id,
+           listed[id].dump().c_str(), expected.dump().c_str());
+  }
+}
+
+// --- interrupts ---------------------------------------------------------------
+//
+// The first SIGINT or SIGTERM asks the run to stop after the current step:
+// every rank agrees at the end of each step, saves a checkpoint (--save),
+// writes --json marked interrupted and exits 128 + the signal (130, 143). A
+// second one at least 2 s later ends the process at once (mpirun and a
+// terminal may each deliver the first Ctrl-C, a moment apart).
+
+inline volatile std::sig_atomic_t interrupt_signal = 0;
+inline volatile std::sig_atomic_t interrupt_second = 0;  // CLOCK_MONOTONIC seconds of the first, + 2
+
+inline void on_interrupt(int signal) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  if (interrupt_signal != 0 && now.tv_sec >= interrupt_second) {
+    std::signal(signal, SIG_DFL);  // async-signal-safe, as is raise
+    raise(signal);
+    return;
+  }
+  if (interrupt_signal == 0) {
+    interrupt_signal = signal;
+    interrupt_second = (std::sig_atomic_t)(now.tv_sec + 2);
+  }
+}
+
+inline void catch_interrupts() {
+  interrupt_signal = 0;
+  std::signal(SIGINT, on_interrupt);
+  std::signal(SIGTERM, on_interrupt);
+}
+
+inline const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "a signal"; }
+
+
+// ----------------------------------------------------------------------------
 // 6. Training
 
 // Linear warmup to lr over `warmup` steps, then linear decay to lr / (S - W)
@@ -2278,19 +2807,12 @@ struct StepRecord {
   bool skipped;       // fp16 overflow: no update
 };
 
-// The whole run on this rank, with activations (and the engine's working
-// parameters and gradients) of type Act. Returns the process exit code.
-template <class Act>
-inline int train_as(Settings settings, MPI_Comm world) {
-  int rank = 0, world_size = 1;
-  MPI_Comm_rank(world, &rank);
-  MPI_Comm_size(world, &world_size);
-  const bool speak = rank == 0 && !settings.quiet;
-  z2::set_watchdog_timeout(settings.timeout);  // from here every wait has a deadline
-  check_consistency(settings, world_size);
-  // Checks that touch this host's files: every rank reads its own copy of the
-  // data, rank 0 alone writes. On several hosts one of them may lack a file,
-  // so the ranks agree on the outcome before anyone enters a collective.
+// --- before step 1 -------------------------------------------------------------
+
+// Checks that touch this host's files: every rank reads its own copy of the
+// data, rank 0 alone writes. On several hosts one of them may lack a file,
+// so the ranks agree on the outcome before anyone enters a collective.
+inline std::string read_inputs(const Settings& settings, int rank, MPI_Comm world) {
   std::string corpus;
   agree_on_errors(world, [&] {
     if (rank == 0) check_outputs(settings);
@@ -2298,24 +2820,28 @@ inline int train_as(Settings settings, MPI_Comm world) {
     if (corpus.size() < (size_t)settings.seq - 2)
       fail("the corpus has %zu bytes; --seq %d needs at least %d (a window is seq - 2 bytes)", corpus.size(),
            settings.seq, settings.seq - 2);
+    if (!settings.checkpoint.is_null()) {  // the data the checkpoint was trained on, byte for byte
+      const std::string file = settings.checkpoint_directory + "/index.json";
+      const json& data = index_field(settings.checkpoint, "data", file);
+      if (data.value("sha256", std::string()) != sha256_hex(corpus) || data.value("bytes", -1l) != (long)corpus.size())
+        fail("this run's data (%s, %s bytes) is not the data the checkpoint '%s' was trained on (%s, %s bytes): "
+             "give that --data", settings.data.empty() ? "the embedded corpus" : settings.data.c_str(),
+             z2::with_commas(corpus.size()).c_str(), settings.checkpoint_directory.c_str(),
+             data.value("source", std::string("?")).c_str(), data.value("bytes", json(-1)).dump().c_str());
+    }
   });
+  return corpus;
+}
 
-  const z2::Device device = z2::choose_device(settings.device, world);
-  const z2::CommBackend comm_backend = z2::choose_comm(settings.comm, device, world);
-  const z2::Precision precision = z2::precision_of<Act>();
-  ModelShape shape{settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.seq,
-                   settings.max_positions, settings.micro_batch, settings.dropout, settings.seed, precision};
-  const int local_rank = z2::local_rank_of(world);
-  z2::Compute compute(device, local_rank);  // selects this rank's GPU, which the fit check measures
-  const ActivationMode mode = settings.activations == "recompute" ? ActivationMode::recompute
-                              : settings.activations == "offload" ? ActivationMode::offload
-                                                                  : ActivationMode::keep;
-  const z2::Allocator allocator = settings.alloc == "naive" ? z2::Allocator::naive : z2::Allocator::arena;
-  // Refuse a configuration a rank cannot hold before allocating it (a CPU
-  // run would otherwise be killed by the kernel's OOM killer, not stopped
-  // with a message). Model states by the stage's formula, 5% for padding
-  // and bookkeeping, two staging slots (a bucket and N - 1 shards each), the
-  // accumulation tree, activations. A bucket holds at most Psi elements.
+// Refuse a configuration a rank cannot hold before allocating it (a CPU run
+// would otherwise be killed by the kernel's OOM killer, not stopped with a
+// message). Model states by the stage's formula, 5% for padding and
+// bookkeeping, two staging slots (a bucket and N - 1 shards each), the
+// accumulation tree, activations. A bucket holds at most Psi elements.
+// Returns the one block each rank reserves.
+inline size_t memory_block(const Settings& settings, const ModelShape& shape, ActivationMode mode,
+                           z2::Allocator allocator, z2::Device device, int world_size, MPI_Comm world) {
+  const z2::Precision precision = shape.precision;
   const double psi = (double)parameter_count(shape) * 1.05, ranks = world_size;
   const double element = (double)z2::element_bytes(precision);
   const double accumulation_element = settings.grad_accum_dtype == "fp32" ? 4.0 : element;
@@ -2334,19 +2860,16 @@ inline int train_as(Settings settings, MPI_Comm world) {
   if ((double)settings.device_memory_limit > available)
     fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s",
          settings.device_memory_limit, available, z2::to_string(device));
-  // The one block each rank reserves. By default: twice the estimate (the
-  // naive allocator needs room for its fragmentation; make fraglab shows how
-  // much it took) plus 64 MiB for the engine's bookkeeping, within 90% of
-  // what is available (cuBLAS's workspace, NCCL's buffers and the CUDA
-  // context live outside the block). On cpu the block is address space until
-  // it is touched. Reserving can fail on one rank only (ranks sharing a GPU
-  // measured its free memory at slightly different times), so the ranks agree.
-  const size_t capacity = settings.device_memory_limit > 0
-                              ? (size_t)settings.device_memory_limit
-                              : (size_t)std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
-  agree_on_errors(world, [&] { compute.use_allocator(allocator, capacity); }, "every rank has its memory");
-  z2::Communicator comm(compute, world, comm_backend,
-                        settings.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic);
+  // By default: twice the estimate (the naive allocator needs room for its
+  // fragmentation; make fraglab shows how much it took) plus 64 MiB for the
+  // engine's bookkeeping, within 90% of what is available (cuBLAS's
+  // workspace, NCCL's buffers and the CUDA context live outside the block).
+  // On cpu the block is address space until it is touched.
+  return settings.device_memory_limit > 0 ? (size_t)settings.device_memory_limit
+                                          : (size_t)std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
+}
+
+inline z2::EngineOptions engine_options(const Settings& settings, z2::Precision precision) {
   z2::EngineOptions options;
   options.stage = settings.stage;
   options.bucket_elements = settings.bucket;
@@ -2360,235 +2883,536 @@ inline int train_as(Settings settings, MPI_Comm world) {
   options.precision = precision;
   options.accumulate_fp32 = settings.grad_accum_dtype == "fp32";
   options.loss_scaling = settings.loss_scaling;
-  z2::Engine engine(compute, comm, options);
-  Model<Act> model(compute, engine, shape, mode);
-  engine.build();
-  model.initialize();
+  return options;
+}
 
-  const int N = world_size, A = settings.accum, B = settings.micro_batch, T = settings.seq;
-  const long tokens_per_step = (long)N * A * B * T;
-  const z2::MemoryLedger start_ledger = engine.memory_ledger();
-  if (speak) {
-    const char* names[] = {"data parallel (baseline)", "P_os (optimizer states sharded)",
-                           "P_os+g (optimizer states and gradients sharded)"};
-    printf("train_bert_mini: BERT-mini masked LM through zero2 (ZeRO stage %d)\n", settings.stage);
-    printf("  world     %d rank(s), device %s, comm %s, collectives %s, overlap %s, bucket %s elements\n", N,
-           z2::to_string(device), z2::to_string(comm_backend), settings.collectives.c_str(),
-           settings.overlap ? "on" : "off", z2::with_commas((size_t)settings.bucket).c_str());
-    printf("  stage     %d: %s\n", settings.stage, names[settings.stage]);
-    if (precision == z2::Precision::fp32)
-      printf("  precision fp32: parameters, gradients, AdamW state and activations in fp32\n");
+// --- the run --------------------------------------------------------------------
+
+// The whole run on this rank, with activations (and the engine's working
+// parameters and gradients) of type Act: construction does everything up
+// to step 1 (inputs, the fit check, the engine, the model, a checkpoint
+// loaded), run() the steps and the outputs.
+template <class Act>
+class Training {
+ public:
+  Training(Settings settings, MPI_Comm world);
+  int run();  // the process exit code
+
+ private:
+  void print_header() const;
+  void train_step(long step);
+  void write_memory_trace();
+  void write_dump(const z2::StepReport& report, const std::vector<float>& gradients);
+  void print_progress(const z2::StepReport& report, double ms) const;
+  void load_checkpoint();
+  void save_checkpoint();
+  void prune_checkpoints(long keep_step) const;
+  void print_summary(const std::vector<float>& final_parameters, const std::string& hash) const;
+  void write_json(const std::string& hash) const;
+
+  Settings settings_;
+  MPI_Comm world_;
+  int rank_ = 0, world_size_ = 1;
+  bool speak_ = false;
+  std::string corpus_;
+  z2::Device device_;
+  z2::CommBackend comm_backend_;
+  z2::Precision precision_ = z2::precision_of<Act>();
+  ModelShape shape_;
+  ActivationMode mode_ = ActivationMode::keep;
+  z2::Allocator allocator_ = z2::Allocator::arena;
+  std::unique_ptr<z2::Compute> compute_;
+  std::unique_ptr<z2::Communicator> comm_;
+  std::unique_ptr<z2::Engine> engine_;
+  std::unique_ptr<Model<Act>> model_;
+  long tokens_per_step_ = 0;
+  z2::MemoryLedger start_ledger_;
+  std::vector<StepRecord> records_;
+  // Step 0's dump (--dump-batch): what forward read, the batch, the losses.
+  std::vector<float> dump_weights_;
+  std::vector<Batch> dump_batches_;
+  json loaded_, saved_ = json::array();  // what --load read, what --save wrote (for the summary and the JSON)
+  int interrupted_by_ = 0;               // the signal that stopped the run early, or 0
+};
+
+template <class Act>
+Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move(settings)), world_(world) {
+  MPI_Comm_rank(world_, &rank_);
+  MPI_Comm_size(world_, &world_size_);
+  speak_ = rank_ == 0 && !settings_.quiet;
+  z2::set_watchdog_timeout(settings_.timeout);  // from here every wait has a deadline
+  check_consistency(settings_, world_size_);
+  corpus_ = read_inputs(settings_, rank_, world_);
+  device_ = z2::choose_device(settings_.device, world_);
+  comm_backend_ = z2::choose_comm(settings_.comm, device_, world_);
+  shape_ = ModelShape{settings_.layers, settings_.hidden, settings_.heads, settings_.intermediate, settings_.seq,
+                      settings_.max_positions, settings_.micro_batch, settings_.dropout, settings_.seed, precision_};
+  compute_ = std::make_unique<z2::Compute>(device_, z2::local_rank_of(world_));  // selects this rank's GPU
+  mode_ = settings_.activations == "recompute" ? ActivationMode::recompute
+          : settings_.activations == "offload" ? ActivationMode::offload
+                                               : ActivationMode::keep;
+  allocator_ = settings_.alloc == "naive" ? z2::Allocator::naive : z2::Allocator::arena;
+  const size_t capacity = memory_block(settings_, shape_, mode_, allocator_, device_, world_size_, world_);
+  // Reserving can fail on one rank only (ranks sharing a GPU measured its
+  // free memory at slightly different times), so the ranks agree.
+  agree_on_errors(world_, [&] { compute_->use_allocator(allocator_, capacity); }, "every rank has its memory");
+  comm_ = std::make_unique<z2::Communicator>(*compute_, world_, comm_backend_,
+                                             settings_.collectives == "native" ? z2::Collectives::native
+                                                                               : z2::Collectives::deterministic);
+  engine_ = std::make_unique<z2::Engine>(*compute_, *comm_, engine_options(settings_, precision_));
+  model_ = std::make_unique<Model<Act>>(*compute_, *engine_, shape_, mode_);
+  engine_->build();
+  model_->initialize();
+  if (!settings_.checkpoint.is_null()) load_checkpoint();
+  tokens_per_step_ = (long)world_size_ * settings_.accum * settings_.micro_batch * settings_.seq;
+  start_ledger_ = engine_->memory_ledger();
+}
+
+// Each rank reads the pieces of the checkpoint's files that overlap the
+// runs it owns, then the engine rebuilds every rank's working parameters.
+template <class Act>
+void Training<Act>::load_checkpoint() {
+  const auto start = std::chrono::steady_clock::now();
+  z2::OptimizerState state;
+  z2::TrainingProgress progress;
+  agree_on_errors(world_, [&] {
+    check_checkpoint_parameters(settings_, *model_, *engine_);
+    progress = checkpoint_progress(settings_);
+    state = read_owned_state(settings_, *engine_, rank_, world_size_);
+  }, "every rank read its part of the checkpoint");
+  engine_->owned_state_from_host(state);
+  engine_->restore_training_progress(progress);
+  const std::string file = settings_.checkpoint_directory + "/index.json";
+  loaded_ = {{"directory", settings_.checkpoint_directory},
+             {"step", progress.steps_taken},
+             {"world_size", index_integer(settings_.checkpoint, "world_size", file, 1, INT_MAX)},
+             {"accum", index_integer(settings_.checkpoint, "accum", file, 1, INT_MAX)},
+             {"stage", index_integer(settings_.checkpoint, "stage", file, 0, 2)},
+             {"precision", settings_.precision},
+             {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
+}
+
+// DIR/step_<s>: each rank writes the canonical range file_range(rank) of the
+// state (gathered from its owners), the ranks agree, then rank 0 writes the
+// index (with every file's SHA-256) and only then moves DIR/latest. A crash
+// at any point leaves latest naming the previous complete step.
+template <class Act>
+void Training<Act>::save_checkpoint() {
+  const auto start = std::chrono::steady_clock::now();
+  const z2::TrainingProgress progress = engine_->training_progress();
+  const std::string name = step_directory_name(progress.steps_taken);
+  const std::string directory = settings_.save_dir + "/" + name;
+  z2::set_watchdog_context("the checkpoint of step " + std::to_string(progress.steps_taken));
+  agree_on_errors(world_, [&] {
+    if (rank_ != 0) return;
+    // A step saved before (a run resumed from an earlier step into the same
+    // directory) is moved aside first: its index must not vouch for new files.
+    if (std::filesystem::exists(directory)) {
+      const std::string aside = settings_.save_dir + "/." + name + ".replaced." + std::to_string((long)getpid());
+      if (rename(directory.c_str(), aside.c_str()) != 0)
+        fail("cannot replace the checkpoint '%s': %s", directory.c_str(), std::strerror(errno));
+      std::error_code ignored;
+      std::filesystem::remove_all(aside, ignored);
+    }
+    prepare_directory("--save", directory);
+  }, "the checkpoint's directory was made");
+  const size_t psi = engine_->psi();
+  const auto [begin, end] = file_range(psi, rank_, world_size_);
+  const z2::OptimizerState state = engine_->state_range_to_host(begin, end);
+  char range[2][24];
+  snprintf(range[0], sizeof range[0], "%zu", begin);
+  snprintf(range[1], sizeof range[1], "%zu", end);
+  const long count = (long)(end - begin);
+  const std::string contents = safetensors_bytes(
+      {tensor_f32("master", {count}, state.master.data(), state.master.size()),
+       tensor_f32("exp_avg", {count}, state.exp_avg.data(), state.exp_avg.size()),
+       tensor_f32("exp_avg_sq", {count}, state.exp_avg_sq.data(), state.exp_avg_sq.size())},
+      {{"format", "zero2"}, {"begin", range[0]}, {"end", range[1]}});
+  char sha[65] = {};
+  snprintf(sha, sizeof sha, "%s", sha256_hex(contents).c_str());
+  agree_on_errors(world_, [&] { write_output_file(directory + "/" + rank_file_name(rank_), contents); },
+                  "every rank's checkpoint file was written");
+  // Every file's SHA-256 and size to rank 0, for the index.
+  std::vector<char> shas(rank_ == 0 ? 65 * (size_t)world_size_ : 0);
+  std::vector<long> sizes(rank_ == 0 ? world_size_ : 0);
+  long size = (long)contents.size();
+  MPI_Request requests[2];
+  Z2_MPI_CHECK(MPI_Igather(sha, 65, MPI_CHAR, shas.data(), 65, MPI_CHAR, 0, world_, &requests[0]));
+  Z2_MPI_CHECK(MPI_Igather(&size, 1, MPI_LONG, sizes.data(), 1, MPI_LONG, 0, world_, &requests[1]));
+  z2::wait_request(&requests[0], "the gather of the checkpoint files' SHA-256");
+  z2::wait_request(&requests[1], "the gather of the checkpoint files' sizes");
+  long total_bytes = 0;
+  agree_on_errors(world_, [&] {
+    if (rank_ != 0) return;
+    json files = json::array();
+    for (int q = 0; q < world_size_; ++q) {
+      const auto [low, high] = file_range(psi, q, world_size_);
+      files.push_back({{"file", rank_file_name(q)}, {"begin", low}, {"end", high}, {"bytes", sizes[q]},
+                       {"sha256", std::string(shas.data() + 65 * q)}});
+      total_bytes += sizes[q];
+    }
+    json parameters = json::array();
+    for (size_t id = 0; id < engine_->parameters().size(); ++id)
+      parameters.push_back({{"name", engine_->parameters()[id].name},
+                            {"shape", model_->tensor_shape((int)id)},
+                            {"numel", engine_->parameters()[id].numel}});
+    const json index = {
+        {"format", "zero2 checkpoint"},
+        {"version", checkpoint_version},
+        {"step", progress.steps_taken},
+        {"world_size", world_size_},
+        {"accum", settings_.accum},
+        {"stage", settings_.stage},
+        {"precision", settings_.precision},
+        {"vocab_size", vocab_size},
+        {"settings", recorded_values(settings_)},
+        {"data", {{"source", settings_.data.empty() ? std::string("embedded") : settings_.data},
+                  {"bytes", corpus_.size()},
+                  {"sha256", sha256_hex(corpus_)},
+                  {"cursor", "the data of step s is drawn from (seed, s, micro-batch): resuming at step s needs s only"}}},
+        {"progress", {{"steps_taken", progress.steps_taken},
+                      {"applied", progress.applied},
+                      {"skipped", progress.skipped},
+                      {"loss_scale", progress.scaler.scale},
+                      {"hysteresis_left", progress.scaler.hysteresis_left},
+                      {"scaler_iteration", progress.scaler.iteration},
+                      {"last_overflow", progress.scaler.last_overflow}}},
+        {"psi", psi},
+        {"parameters", parameters},
+        {"files", files}};
+    write_output_file(directory + "/index.json", index.dump(2) + "\n");
+    write_output_file(settings_.save_dir + "/latest", name + "\n");  // last: the step is complete
+    prune_checkpoints(progress.steps_taken);
+  }, "the checkpoint's index was written");
+  saved_.push_back({{"directory", directory},
+                    {"step", progress.steps_taken},
+                    {"bytes", total_bytes},
+                    {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}});
+  z2::set_watchdog_context("optimizer step " + std::to_string(progress.steps_taken + 1));
+}
+
+// Keeps the newest --save-keep steps up to `keep_step` (the one just saved
+// among them); steps after it (from a run that was resumed from earlier)
+// are left alone.
+template <class Act>
+void Training<Act>::prune_checkpoints(long keep_step) const {
+  std::vector<long> steps;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(settings_.save_dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 5 && name.compare(0, 5, "step_") == 0 && name.find_first_not_of("0123456789", 5) == std::string::npos &&
+        entry.is_directory())
+      steps.push_back(std::stol(name.substr(5)));
+  }
+  std::sort(steps.begin(), steps.end());
+  long kept = 0;
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    if (*step > keep_step) continue;
+    if (++kept <= settings_.save_keep) continue;
+    std::filesystem::remove_all(settings_.save_dir + "/" + step_directory_name(*step), error);
+  }
+}
+
+template <class Act>
+void Training<Act>::print_header() const {
+  const int N = world_size_, T = settings_.seq, B = settings_.micro_batch;
+  const char* names[] = {"data parallel (baseline)", "P_os (optimizer states sharded)",
+                         "P_os+g (optimizer states and gradients sharded)"};
+  printf("train_bert_mini: BERT-mini masked LM through zero2 (ZeRO stage %d)\n", settings_.stage);
+  printf("  world     %d rank(s), device %s, comm %s, collectives %s, overlap %s, bucket %s elements\n", N,
+         z2::to_string(device_), z2::to_string(comm_backend_), settings_.collectives.c_str(),
+         settings_.overlap ? "on" : "off", z2::with_commas((size_t)settings_.bucket).c_str());
+  printf("  stage     %d: %s\n", settings_.stage, names[settings_.stage]);
+  if (precision_ == z2::Precision::fp32)
+    printf("  precision fp32: parameters, gradients, AdamW state and activations in fp32\n");
+  else
+    printf("  precision %s: %s parameters, gradients and activations, fp32 master weights and AdamW state "
+           "(K = 12); sums in fp32, accumulation in %s\n",
+           settings_.precision.c_str(), settings_.precision.c_str(), settings_.grad_accum_dtype.c_str());
+  if (precision_ == z2::Precision::fp16) {
+    const z2::LossScaling& l = settings_.loss_scaling;
+    if (l.static_scale > 0)
+      printf("  loss scale static %s (fp16.loss_scale)\n", scale_text(l.static_scale).c_str());
     else
-      printf("  precision %s: %s parameters, gradients and activations, fp32 master weights and AdamW state "
-             "(K = 12); sums in fp32, accumulation in %s\n",
-             settings.precision.c_str(), settings.precision.c_str(), settings.grad_accum_dtype.c_str());
-    if (precision == z2::Precision::fp16) {
-      const z2::LossScaling& l = settings.loss_scaling;
-      if (l.static_scale > 0)
-        printf("  loss scale static %s (fp16.loss_scale)\n", scale_text(l.static_scale).c_str());
-      else
-        printf("  loss scale dynamic: 2^%d, doubled after %ld clean steps, halved after %d overflow(s), at least %s\n",
-               l.initial_scale_power, l.window, l.hysteresis, scale_text(l.min_scale).c_str());
-    }
-    printf("  model     layers %d, hidden %d, heads %d, intermediate %d, seq %d, vocab %d, positions %d, dropout %g\n",
-           settings.layers, settings.hidden, settings.heads, settings.intermediate, T, vocab_size,
-           settings.max_positions, settings.dropout);
-    printf("  Psi       %s parameters (%s padded into %zu bucket(s))\n", z2::with_commas((size_t)engine.psi()).c_str(),
-           z2::with_commas((size_t)engine.psi_padded()).c_str(), engine.buckets().size());
-    printf("  batch     %d sequences x accumulation %d x %d rank(s) = %s tokens per step\n", B, A, N,
-           z2::with_commas((size_t)tokens_per_step).c_str());
-    printf("  data      %s (%s bytes), seed %llu\n",
-           settings.data.empty() ? "embedded corpus (data/corpus.txt)" : settings.data.c_str(),
-           z2::with_commas((size_t)corpus.size()).c_str(), (unsigned long long)settings.seed);
-    printf("  optimizer AdamW lr %g, warmup %ld then linear decay over %ld steps, weight decay %g, clip %g\n",
-           settings.lr, settings.warmup, settings.steps, settings.weight_decay, settings.clip);
-    printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
-           settings.activations.c_str(), settings.alloc.c_str(), z2::with_commas(compute.capacity()).c_str(),
-           settings.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB, at most 90% of what is free");
-    const size_t checkpoint_bytes = (size_t)B * T * settings.hidden * sizeof(Act);
-    printf("  activations per rank: device peak %s bytes by the formula%s\n",
-           z2::with_commas(activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena)).c_str(),
-           mode == ActivationMode::offload
-               ? (" (bound: one block + 2 checkpoints = " + z2::with_commas(offload_activation_bound(shape)) +
-                  "); host " + z2::with_commas((size_t)(settings.layers - 1) * checkpoint_bytes) + " (L - 1 checkpoints)")
-                     .c_str()
-               : "");
-    printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",
-           z2::with_commas((size_t)start_ledger.model_states).c_str(),
-           z2::model_states_formula_text(settings.stage, precision),
-           z2::with_commas((size_t)start_ledger.model_states_formula).c_str(),
-           start_ledger.model_states == start_ledger.model_states_formula ? "equal" : "DIFFERS");
-    printf("  initial loss should be near ln(%d) = %.3f\n\n", vocab_size, std::log((double)vocab_size));
-    fflush(stdout);
+      printf("  loss scale dynamic: 2^%d, doubled after %ld clean steps, halved after %d overflow(s), at least %s\n",
+             l.initial_scale_power, l.window, l.hysteresis, scale_text(l.min_scale).c_str());
   }
+  printf("  model     layers %d, hidden %d, heads %d, intermediate %d, seq %d, vocab %d, positions %d, dropout %g\n",
+         settings_.layers, settings_.hidden, settings_.heads, settings_.intermediate, T, vocab_size,
+         settings_.max_positions, settings_.dropout);
+  printf("  Psi       %s parameters (%s padded into %zu bucket(s))\n", z2::with_commas((size_t)engine_->psi()).c_str(),
+         z2::with_commas((size_t)engine_->psi_padded()).c_str(), engine_->buckets().size());
+  printf("  batch     %d sequences x accumulation %d x %d rank(s) = %s tokens per step\n", B, settings_.accum, N,
+         z2::with_commas((size_t)tokens_per_step_).c_str());
+  printf("  data      %s (%s bytes), seed %llu\n",
+         settings_.data.empty() ? "embedded corpus (data/corpus.txt)" : settings_.data.c_str(),
+         z2::with_commas((size_t)corpus_.size()).c_str(), (unsigned long long)settings_.seed);
+  printf("  optimizer AdamW lr %g, warmup %ld then linear decay over %ld steps, weight decay %g, clip %g\n",
+         settings_.lr, settings_.warmup, settings_.steps, settings_.weight_decay, settings_.clip);
+  printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
+         settings_.activations.c_str(), settings_.alloc.c_str(), z2::with_commas(compute_->capacity()).c_str(),
+         settings_.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB, at most 90% of what is free");
+  const size_t checkpoint_bytes = (size_t)B * T * settings_.hidden * sizeof(Act);
+  printf("  activations per rank: device peak %s bytes by the formula%s\n",
+         z2::with_commas(activation_peak_bytes(shape_, mode_, allocator_ == z2::Allocator::arena)).c_str(),
+         mode_ == ActivationMode::offload
+             ? (" (bound: one block + 2 checkpoints = " + z2::with_commas(offload_activation_bound(shape_)) +
+                "); host " + z2::with_commas((size_t)(settings_.layers - 1) * checkpoint_bytes) + " (L - 1 checkpoints)")
+                   .c_str()
+             : "");
+  printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",
+         z2::with_commas((size_t)start_ledger_.model_states).c_str(),
+         z2::model_states_formula_text(settings_.stage, precision_),
+         z2::with_commas((size_t)start_ledger_.model_states_formula).c_str(),
+         start_ledger_.model_states == start_ledger_.model_states_formula ? "equal" : "DIFFERS");
+  if (!loaded_.is_null())
+    printf("  loaded    %s: step %ld of %ld, saved by %ld rank(s) x accumulation %ld, stage %ld, %s (%.2f s)\n",
+           settings_.checkpoint_directory.c_str(), loaded_["step"].get<long>(), settings_.steps,
+           loaded_["world_size"].get<long>(), loaded_["accum"].get<long>(), loaded_["stage"].get<long>(),
+           settings_.precision.c_str(), loaded_["seconds"].get<double>());
+  if (!settings_.save_dir.empty())
+    printf("  save      %s/step_<s>: %s, keeping the newest %d\n", settings_.save_dir.c_str(),
+           settings_.save_every > 0 ? ("every " + std::to_string(settings_.save_every) + " steps and at the end").c_str()
+                                    : "at the end",
+           settings_.save_keep);
+  if (loaded_.is_null()) printf("  initial loss should be near ln(%d) = %.3f\n", vocab_size, std::log((double)vocab_size));
+  printf("\n");
+  fflush(stdout);
+}
 
-  std::vector<StepRecord> records;
-  std::vector<float> dump_weights;
-  std::vector<Batch> dump_batches;
-  std::vector<float> dump_contributions;
-  for (long step = 0; step < settings.steps; ++step) {
-    const auto start = std::chrono::steady_clock::now();
-    const long selected = global_selected_count(corpus, settings.seed, step, (long)N * A, B, T);
-    // A global batch with no selected position has no loss; the scale 1/1 then
-    // multiplies nothing (every gradient is zero).
-    const float loss_scale = 1.0f / (float)std::max(1l, selected);
-    const bool dumping = step == 0 && !settings.dump_dir.empty();
-    if (step == 0 && !settings.memory_trace.empty()) compute.set_tracing(true);
-    if (dumping) dump_weights = engine.working_parameters_to_host();  // what forward reads (16-bit: as floats)
-    for (int a = 0; a < A; ++a) {
-      const long m = engine.micro_batch_index(a);
-      Batch batch = make_batch(corpus, settings.seed, step, m, B, T);
-      float contribution = model.run(batch, step, m, loss_scale, true);
-      if (dumping) dump_batches.push_back(std::move(batch)), dump_contributions.push_back(contribution);
+// One optimizer step: A micro-steps of forward and backward, the engine's
+// step, and what this step writes (trace, dump, progress line).
+template <class Act>
+void Training<Act>::train_step(long step) {
+  const int A = settings_.accum, B = settings_.micro_batch, T = settings_.seq;
+  const auto start = std::chrono::steady_clock::now();
+  const long selected = global_selected_count(corpus_, settings_.seed, step, (long)world_size_ * A, B, T);
+  // A global batch with no selected position has no loss; the scale 1/1 then
+  // multiplies nothing (every gradient is zero).
+  const float loss_scale = 1.0f / (float)std::max(1l, selected);
+  const bool first = records_.empty();  // this run's first step (a resumed run's too)
+  const bool dumping = step == 0 && !settings_.dump_dir.empty();
+  if (first && !settings_.memory_trace.empty()) compute_->set_tracing(true);
+  if (dumping) dump_weights_ = engine_->working_parameters_to_host();  // what forward reads (16-bit: as floats)
+  for (int a = 0; a < A; ++a) {
+    const long m = engine_->micro_batch_index(a);
+    Batch batch = make_batch(corpus_, settings_.seed, step, m, B, T);
+    model_->run(batch, step, m, loss_scale, true);
+    if (dumping) dump_batches_.push_back(std::move(batch));
+  }
+  std::vector<float> dump_gradients;
+  if (dumping) dump_gradients = engine_->gradients_to_host();
+  const z2::StepReport report = engine_->step();
+  compute_->synchronize_all();
+  if (first && !settings_.memory_trace.empty()) write_memory_trace();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  records_.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step_ / (ms / 1000.0),
+                      report.loss_scale, report.skipped});
+  // (An fp16 overflow skips the step instead: its loss may be inf.)
+  if (!report.skipped && !std::isfinite(report.loss))
+    fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
+  if (dumping) write_dump(report, dump_gradients);
+  print_progress(report, ms);
+}
+
+// Rank 0 writes; every rank learns whether it could (a full disk ends them all).
+template <class Act>
+void Training<Act>::write_memory_trace() {
+  compute_->set_tracing(false);
+  agree_on_errors(world_, [&] {
+    if (rank_ != 0) return;
+    std::ostringstream csv;
+    csv << "event,live_bytes,reserved_bytes,activation_bytes,free_pieces\n";
+    for (size_t k = 0; k < compute_->trace().size(); ++k) {
+      const z2::MemorySample& sample = compute_->trace()[k];
+      csv << k << ',' << sample.live << ',' << sample.reserved << ',' << sample.activations << ','
+          << sample.free_pieces << '\n';
     }
-    std::vector<float> dump_gradients;
-    if (dumping) dump_gradients = engine.gradients_to_host();
-    z2::StepReport report = engine.step();
-    compute.synchronize_all();
-    if (step == 0 && !settings.memory_trace.empty()) {
-      compute.set_tracing(false);
-      // Rank 0 writes; every rank learns whether it could (a full disk ends them all).
-      agree_on_errors(world, [&] {
-        if (rank != 0) return;
-        std::ostringstream csv;
-        csv << "event,live_bytes,reserved_bytes,activation_bytes,free_pieces\n";
-        for (size_t k = 0; k < compute.trace().size(); ++k) {
-          const z2::MemorySample& sample = compute.trace()[k];
-          csv << k << ',' << sample.live << ',' << sample.reserved << ',' << sample.activations << ','
-              << sample.free_pieces << '\n';
-        }
-        write_output_file(settings.memory_trace, csv.str());
-      }, "the memory trace was written");
+    write_output_file(settings_.memory_trace, csv.str());
+  }, "the memory trace was written");
+}
+
+// Step 0, one rank: the weights, batch, loss and gradients of this step.
+template <class Act>
+void Training<Act>::write_dump(const z2::StepReport& report, const std::vector<float>& gradients) {
+  agree_on_errors(world_, [&] {
+    const int T = settings_.seq;
+    std::vector<Tensor> tensors = named_tensors(*model_, *engine_, gradients, "grad.");
+    std::vector<int64_t> ids, labels;
+    for (auto& batch : dump_batches_) {
+      ids.insert(ids.end(), batch.tokens.begin(), batch.tokens.end());
+      labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
     }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    records.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step / (ms / 1000.0),
-                       report.loss_scale, report.skipped});
-    // (An fp16 overflow skips the step instead: its loss may be inf.)
-    if (!report.skipped && !std::isfinite(report.loss))
-      fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
-    // An overflow gets its own line, every time (DeepSpeed logs each one too).
-    if (speak && report.skipped)
-      printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %s: step skipped (%ld so far); scale now %s%s\n",
-             report.step, settings.steps, scale_text(report.loss_scale).c_str(), engine.skipped_steps(),
-             scale_text(engine.loss_scaler().scale()).c_str(),
-             engine.loss_scaler().scale() == report.loss_scale && engine.loss_scaler().dynamic() ? " (hysteresis)" : "");
-    if (dumping) agree_on_errors(world, [&] {  // step 0, one rank: the weights, batch, loss and gradients of this step
-      std::vector<Tensor> tensors = named_tensors(model, engine, dump_gradients, "grad.");
-      std::vector<int64_t> ids, labels;
-      for (auto& batch : dump_batches) {
-        ids.insert(ids.end(), batch.tokens.begin(), batch.tokens.end());
-        labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
-      }
-      const long rows = (long)dump_batches.size() * B;
-      tensors.push_back({"input_ids", "I64", {rows, T}, std::string((const char*)ids.data(), ids.size() * 8)});
-      tensors.push_back({"labels", "I64", {rows, T}, std::string((const char*)labels.data(), labels.size() * 8)});
-      tensors.push_back(tensor_f32("loss", {}, &report.loss, 1));
-      char text[7][40];
-      const double values[] = {report.lr, settings.beta1, settings.beta2, settings.eps, settings.weight_decay,
-                               settings.clip, settings.dropout};
-      for (int k = 0; k < 7; ++k) snprintf(text[k], sizeof text[k], "%.17g", values[k]);
-      write_safetensors(settings.dump_dir + "/batch.safetensors", tensors,
-                        {{"format", "pt"}, {"lr", text[0]}, {"beta1", text[1]}, {"beta2", text[2]}, {"eps", text[3]},
-                         {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
-      export_hf(settings.dump_dir, model, engine, dump_weights, precision);
-    }, "the batch dump was written");
-    if (speak && !report.skipped &&
-        (report.step == 1 || report.step % settings.log_every == 0 || report.step == settings.steps)) {
-      const z2::MemoryCounters& memory = compute.memory();
-      char scale[48] = "";
-      if (precision == z2::Precision::fp16)
-        snprintf(scale, sizeof scale, " | scale %s", scale_text(report.loss_scale).c_str());
-      printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e%s | %9s tok/s | %8.1f ms | %s %.1f MiB\n",
-             report.step, settings.steps, report.loss, report.grad_norm, report.lr, scale,
-             z2::with_commas((size_t)std::llround(records.back().tokens_per_s)).c_str(), ms, device == z2::Device::cuda ? "device" : "memory",
-             memory.total_current / 1048576.0);
-      fflush(stdout);
+    const long rows = (long)dump_batches_.size() * settings_.micro_batch;
+    tensors.push_back({"input_ids", "I64", {rows, T}, std::string((const char*)ids.data(), ids.size() * 8)});
+    tensors.push_back({"labels", "I64", {rows, T}, std::string((const char*)labels.data(), labels.size() * 8)});
+    tensors.push_back(tensor_f32("loss", {}, &report.loss, 1));
+    char text[7][40];
+    const double values[] = {report.lr, settings_.beta1, settings_.beta2, settings_.eps, settings_.weight_decay,
+                             settings_.clip, settings_.dropout};
+    for (int k = 0; k < 7; ++k) snprintf(text[k], sizeof text[k], "%.17g", values[k]);
+    write_safetensors(settings_.dump_dir + "/batch.safetensors", tensors,
+                      {{"format", "pt"}, {"lr", text[0]}, {"beta1", text[1]}, {"beta2", text[2]}, {"eps", text[3]},
+                       {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
+    export_hf(settings_.dump_dir, *model_, *engine_, dump_weights_, precision_);
+  }, "the batch dump was written");
+}
+
+template <class Act>
+void Training<Act>::print_progress(const z2::StepReport& report, double ms) const {
+  if (!speak_) return;
+  // An overflow gets its own line, every time (DeepSpeed logs each one too).
+  if (report.skipped) {
+    printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %s: step skipped (%ld so far); scale now %s%s\n",
+           report.step, settings_.steps, scale_text(report.loss_scale).c_str(), engine_->skipped_steps(),
+           scale_text(engine_->loss_scaler().scale()).c_str(),
+           engine_->loss_scaler().scale() == report.loss_scale && engine_->loss_scaler().dynamic() ? " (hysteresis)" : "");
+    return;
+  }
+  if (report.step != 1 && report.step % settings_.log_every != 0 && report.step != settings_.steps && records_.size() != 1)
+    return;
+  const z2::MemoryCounters& memory = compute_->memory();
+  char scale[48] = "";
+  if (precision_ == z2::Precision::fp16) snprintf(scale, sizeof scale, " | scale %s", scale_text(report.loss_scale).c_str());
+  printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e%s | %9s tok/s | %8.1f ms | %s %.1f MiB\n", report.step,
+         settings_.steps, report.loss, report.grad_norm, report.lr, scale,
+         z2::with_commas((size_t)std::llround(records_.back().tokens_per_s)).c_str(), ms,
+         device_ == z2::Device::cuda ? "device" : "memory", memory.total_current / 1048576.0);
+  fflush(stdout);
+}
+
+template <class Act>
+int Training<Act>::run() {
+  if (speak_) print_header();
+  catch_interrupts();
+  const long first_step = engine_->training_progress().steps_taken;
+  const long last_step = settings_.export_only ? first_step : settings_.steps;
+  for (long step = first_step; step < last_step; ++step) {
+    train_step(step);
+    // A signal on any rank stops every rank after the same step.
+    int mine = (int)interrupt_signal, signal = 0;
+    z2::watched_allreduce(&mine, &signal, 1, MPI_INT, MPI_MAX, world_, "the ranks agreeing whether to stop (a signal)");
+    const long done = step + 1;
+    const bool periodic = settings_.save_every > 0 && done % settings_.save_every == 0;
+    if (!settings_.save_dir.empty() && (periodic || done == last_step || signal != 0)) save_checkpoint();
+    if (signal != 0) {
+      interrupted_by_ = signal;
+      break;
     }
   }
-
-  std::vector<double> times;
-  for (auto& r : records) times.push_back(r.ms);
-  std::sort(times.begin(), times.end());
-  const double median_ms = times[times.size() / 2];
-  z2::set_watchdog_context("the end of the run, after step " + std::to_string(settings.steps));
+  z2::set_watchdog_context("the end of the run, after step " + std::to_string(engine_->training_progress().steps_taken));
   // The fp32 master weights (collective: sharded in mixed precision stages 1, 2).
-  const std::vector<float> final_parameters = engine.parameters_to_host();
-  char hash_text[24];
-  snprintf(hash_text, sizeof hash_text, "%016llx",
-           (unsigned long long)z2::fnv1a64(final_parameters.data(), final_parameters.size()));
-  agree_on_errors(world, [&] {
-    if (rank == 0 && !settings.export_dir.empty()) export_hf(settings.export_dir, model, engine, final_parameters);
+  const std::vector<float> final_parameters = engine_->parameters_to_host();
+  char hash[24];
+  snprintf(hash, sizeof hash, "%016llx", (unsigned long long)z2::fnv1a64(final_parameters.data(), final_parameters.size()));
+  // The export is the trained model: an interrupted run has a checkpoint instead (--save).
+  agree_on_errors(world_, [&] {
+    if (rank_ == 0 && !settings_.export_dir.empty() && interrupted_by_ == 0)
+      export_hf(settings_.export_dir, *model_, *engine_, final_parameters);
   }, "the export was written");
-  if (speak) {
-    printf("\nsummary\n");
-    printf("  %-24s %s -> %s (%s)\n", "loss", std::to_string(records.front().loss).c_str(),
-           std::to_string(records.back().loss).c_str(), records.back().loss < records.front().loss ? "falling" : "NOT falling");
-    printf("  %-24s %s\n", "last loss bits", hex32(records.back().loss).c_str());
-    printf("  %-24s %.1f ms\n", "median step", median_ms);
-    printf("  %-24s %s\n", "tokens/s (median step)", z2::with_commas((size_t)std::llround(tokens_per_step / (median_ms / 1000.0))).c_str());
-    printf("  %-24s %s%s\n", "final params hash", hash_text,
-           precision == z2::Precision::fp32 ? "" : " (of the fp32 master weights)");
-    if (precision == z2::Precision::fp16)
-      printf("  %-24s %s, %ld step(s) skipped on overflow\n", "loss scale (final)",
-             scale_text(engine.loss_scaler().scale()).c_str(), engine.skipped_steps());
-    if (!settings.export_dir.empty()) printf("  %-24s %s/\n", "exported (HF layout)", settings.export_dir.c_str());
-    if (!settings.dump_dir.empty()) printf("  %-24s %s/\n", "step-0 dump", settings.dump_dir.c_str());
-    engine.print_ledgers(stdout);
-    fflush(stdout);
-  }
-  agree_on_errors(world, [&] {
-  if (rank == 0 && !settings.json_path.empty()) {
-    json summary = json::parse(engine.ledgers_json());
-    json out = {{"world_size", N},
-                {"device", z2::to_string(device)},
-                {"comm", z2::to_string(comm_backend)},
-                {"collectives", settings.collectives},
-                {"stage", settings.stage},
-                {"precision", settings.precision},
-                {"grad_accum_dtype", settings.grad_accum_dtype},
-                {"loss_scale", engine.loss_scaler().scale()},
-                {"skipped_steps", engine.skipped_steps()},
-                {"activations", settings.activations},
-                {"alloc", settings.alloc},
-                {"device_memory_limit", settings.device_memory_limit},
-                {"activation_peak_formula_bytes", activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena)},
-                {"offload_activation_bound_bytes", offload_activation_bound(shape)},
-                {"accum", A},
-                {"micro_batch", B},
-                {"seq", T},
-                {"overlap", settings.overlap},
-                {"bucket", settings.bucket},
-                {"params", engine.psi()},
-                {"params_padded", engine.psi_padded()},
-                {"tokens_per_step", tokens_per_step}};
-    json steps = json::array();
-    for (auto& r : records)
-      steps.push_back({{"step", r.step}, {"loss", r.loss}, {"loss_bits", hex32(r.loss)}, {"grad_norm", r.grad_norm},
-                       {"lr", r.lr}, {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s}, {"loss_scale", r.loss_scale},
-                       {"skipped", r.skipped}});
-    out["steps"] = steps;
-    out["final_params_hash"] = hash_text;
-    out["memory"] = summary["memory"];
-    out["comm"] = summary["comm"];
-    out["time"] = {{"step_ms_median", median_ms}, {"tokens_per_s_median", tokens_per_step / (median_ms / 1000.0)}};
-    write_output_file(settings.json_path, out.dump(2) + "\n");
-  }
-  }, "the JSON summary was written");
+  if (speak_) print_summary(final_parameters, hash);
+  agree_on_errors(world_, [&] { write_json(hash); }, "the JSON summary was written");
   // Every rank reaches here before any finalizes: a rank stopped now would
   // otherwise leave the others in MPI_Finalize, where no watchdog runs.
   MPI_Request finished;
-  Z2_MPI_CHECK(MPI_Ibarrier(world, &finished));
+  Z2_MPI_CHECK(MPI_Ibarrier(world_, &finished));
   z2::wait_request(&finished, "the end of the run (every rank finishing)");
-  return 0;
+  return interrupted_by_ != 0 ? 128 + interrupted_by_ : 0;
+}
+
+template <class Act>
+void Training<Act>::print_summary(const std::vector<float>& final_parameters, const std::string& hash) const {
+  printf("\nsummary\n");
+  if (interrupted_by_ != 0)
+    printf("  %-24s by %s after step %ld (of %ld)\n", "interrupted", signal_name(interrupted_by_),
+           engine_->training_progress().steps_taken, settings_.steps);
+  if (!records_.empty()) {
+    std::vector<double> times;
+    for (auto& r : records_) times.push_back(r.ms);
+    std::sort(times.begin(), times.end());
+    const double median_ms = times[times.size() / 2];
+    printf("  %-24s %s -> %s (%s)\n", "loss", std::to_string(records_.front().loss).c_str(),
+           std::to_string(records_.back().loss).c_str(),
+           records_.back().loss < records_.front().loss ? "falling" : "NOT falling");
+    printf("  %-24s %s\n", "last loss bits", hex32(records_.back().loss).c_str());
+    printf("  %-24s %.1f ms\n", "median step", median_ms);
+    printf("  %-24s %s\n", "tokens/s (median step)",
+           z2::with_commas((size_t)std::llround(tokens_per_step_ / (median_ms / 1000.0))).c_str());
+  } else {
+    printf("  %-24s none (the run starts at step %ld of %ld)\n", "steps trained", engine_->training_progress().steps_taken,
+           settings_.steps);
+  }
+  printf("  %-24s %s%s\n", "final params hash", hash.c_str(),
+         precision_ == z2::Precision::fp32 ? "" : " (of the fp32 master weights)");
+  if (precision_ == z2::Precision::fp16)
+    printf("  %-24s %s, %ld step(s) skipped on overflow\n", "loss scale (final)",
+           scale_text(engine_->loss_scaler().scale()).c_str(), engine_->skipped_steps());
+  for (const json& save : saved_)
+    printf("  %-24s %s/ (%s bytes in %zu files, %.2f s)\n", "saved", save["directory"].get<std::string>().c_str(),
+           z2::with_commas(save["bytes"].get<size_t>()).c_str(), (size_t)world_size_, save["seconds"].get<double>());
+  if (!settings_.export_dir.empty() && interrupted_by_ == 0)
+    printf("  %-24s %s/\n", "exported (HF layout)", settings_.export_dir.c_str());
+  if (!settings_.dump_dir.empty()) printf("  %-24s %s/\n", "step-0 dump", settings_.dump_dir.c_str());
+  (void)final_parameters;
+  engine_->print_ledgers(stdout);
+  fflush(stdout);
+}
+
+template <class Act>
+void Training<Act>::write_json(const std::string& hash) const {
+  if (rank_ != 0 || settings_.json_path.empty()) return;
+  json summary = json::parse(engine_->ledgers_json());
+  json out = {{"world_size", world_size_},
+              {"device", z2::to_string(device_)},
+              {"comm", z2::to_string(comm_backend_)},
+              {"collectives", settings_.collectives},
+              {"stage", settings_.stage},
+              {"precision", settings_.precision},
+              {"grad_accum_dtype", settings_.grad_accum_dtype},
+              {"loss_scale", engine_->loss_scaler().scale()},
+              {"skipped_steps", engine_->skipped_steps()},
+              {"activations", settings_.activations},
+              {"alloc", settings_.alloc},
+              {"device_memory_limit", settings_.device_memory_limit},
+              {"activation_peak_formula_bytes", activation_peak_bytes(shape_, mode_, allocator_ == z2::Allocator::arena)},
+              {"offload_activation_bound_bytes", offload_activation_bound(shape_)},
+              {"accum", settings_.accum},
+              {"micro_batch", settings_.micro_batch},
+              {"seq", settings_.seq},
+              {"overlap", settings_.overlap},
+              {"bucket", settings_.bucket},
+              {"params", engine_->psi()},
+              {"params_padded", engine_->psi_padded()},
+              {"tokens_per_step", tokens_per_step_},
+              {"steps_total", settings_.steps},
+              {"interrupted", interrupted_by_ != 0 ? json(signal_name(interrupted_by_)) : json(nullptr)}};
+  json steps = json::array();
+  for (auto& r : records_)
+    steps.push_back({{"step", r.step}, {"loss", r.loss}, {"loss_bits", hex32(r.loss)}, {"grad_norm", r.grad_norm},
+                     {"lr", r.lr}, {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s}, {"loss_scale", r.loss_scale},
+                     {"skipped", r.skipped}});
+  out["steps"] = steps;
+  out["final_params_hash"] = hash;
+  out["memory"] = summary["memory"];
+  out["comm"] = summary["comm"];
+  out["checkpoint"] = {{"loaded", loaded_}, {"saved", saved_}};
+  if (!records_.empty()) {
+    std::vector<double> times;
+    for (auto& r : records_) times.push_back(r.ms);
+    std::sort(times.begin(), times.end());
+    const double median_ms = times[times.size() / 2];
+    out["time"] = {{"step_ms_median", median_ms}, {"tokens_per_s_median", tokens_per_step_ / (median_ms / 1000.0)}};
+  }
+  write_output_file(settings_.json_path, out.dump(2) + "\n");
 }
 
 // The run in the precision the settings name: the model, its activations and
 // the engine's working copy in float, bfloat16 or float16.
 inline int train(Settings settings, MPI_Comm world) {
   switch (precision_of(settings)) {
-    case z2::Precision::bf16: return train_as<z2::bfloat16>(settings, world);
-    case z2::Precision::fp16: return train_as<z2::float16>(settings, world);
-    default: return train_as<float>(settings, world);
+    case z2::Precision::bf16: return Training<z2::bfloat16>(settings, world).run();
+    case z2::Precision::fp16: return Training<z2::float16>(settings, world).run();
+    default: return Training<float>(settings, world).run();
   }
 }
 
@@ -2614,7 +3438,14 @@ int main(int argc, char** argv) {
       // a failure on any rank is agreed on, so no rank waits for one that left.
       bert::Settings settings;
       bert::agree_on_errors(
-          MPI_COMM_WORLD, [&] { settings = bert::parse_command_line(argc, argv); }, "the command line was read");
+          MPI_COMM_WORLD,
+          [&] {
+            settings = bert::parse_command_line(argc, argv);
+            int world_size = 1;
+            MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+            if (!settings.load_dir.empty()) bert::adopt_checkpoint(settings, world_size);  // before the precision is chosen
+          },
+          "the command line was read");
       status = bert::train(settings, MPI_COMM_WORLD);
     }
   } catch (const z2::Error& error) {

@@ -312,6 +312,23 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   std::remove(path.c_str());
 }
 
+TEST_CASE("SHA-256 of checkpoint files: FIPS 180-4's test vectors, streamed in any chunks") {
+  // FIPS 180-4 / NIST CSRC example values (one block, two blocks, the
+  // million-'a' message), and the empty string.
+  CHECK(bert::sha256_hex("") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(bert::sha256_hex("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  const std::string two_blocks = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
+  CHECK(bert::sha256_hex(two_blocks) == "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  const std::string million(1000000, 'a');
+  CHECK(bert::sha256_hex(million) == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+  // Streamed in pieces of 1, 63, 64, 65 and 1000 bytes: the same digest.
+  for (size_t piece : {1, 63, 64, 65, 1000}) {
+    bert::Sha256 sha;
+    for (size_t at = 0; at < million.size(); at += piece) sha.update(million.data() + at, std::min(piece, million.size() - at));
+    CHECK_MESSAGE(sha.hex() == bert::sha256_hex(million), "pieces of ", piece);
+  }
+}
+
 TEST_CASE("BERT learning-rate schedule: linear warmup to lr, then linear decay that still learns at the last step") {
   bert::Settings s;
   s.lr = 1.0, s.steps = 10, s.warmup = 4;
