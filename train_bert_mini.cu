@@ -23,7 +23,13 @@
 // computed in fp32 and rounded once; fp16 scales the loss (the engine's
 // DeepSpeed-style scaler) and skips the steps whose gradients overflow.
 //
-// What it leaves out: checkpoints; attention masks (every
+// Checkpoints (notes/09, section 5b): --save DIR writes one safetensors file
+// per rank (its contiguous range of the canonical master, exp_avg,
+// exp_avg_sq) and an index; --load DIR resumes at any N and stage with the
+// same N x A, to the bits of the run that never stopped. SIGINT / SIGTERM
+// finish the step, save and exit 128 + the signal.
+//
+// What it leaves out: attention masks (every
 // sequence is a full window of text, so there is no padding); a tokenizer
 // (bytes are tokens).
 //
@@ -1974,13 +1980,16 @@ inline std::string unique_temporary(const std::string& directory, const std::str
 // For tests only: ZERO2_TEST_FAULT="stop K" or "kill K" stops (SIGSTOP) or
 // kills (SIGKILL) this process halfway through writing its K-th output
 // file (1-based, counted per process), to show what a failure mid-write
-// leaves (tests/test_trainer.sh). Unset, it costs one getenv per file.
+// leaves (tests/test_trainer.sh); "kill K R" does it on rank R only.
+// Unset, it costs one getenv per file.
 inline void fault_for_tests(int file_number) {
   const char* fault = std::getenv("ZERO2_TEST_FAULT");
   if (fault == nullptr) return;
   char action[8] = {};
-  int target = 0;
-  if (std::sscanf(fault, "%7s %d", action, &target) != 2 || target != file_number) return;
+  int target = 0, only_rank = -1, rank = 0;
+  if (std::sscanf(fault, "%7s %d %d", action, &target, &only_rank) < 2 || target != file_number) return;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (only_rank >= 0 && only_rank != rank) return;
   if (std::strcmp(action, "stop") == 0) raise(SIGSTOP);
   if (std::strcmp(action, "kill") == 0) raise(SIGKILL);
 }
@@ -2679,9 +2688,11 @@ inline std::string file_sha256(const std::string& path) {
 // (each file once over the ranks: verification does not multiply the reads).
 inline z2::OptimizerState read_owned_state(const Settings& s, const z2::Engine& engine, int rank, int world_size) {
   const std::vector<CheckpointFile> files = checkpoint_files(s, engine.psi());
-  for (size_t q = (size_t)rank; q < files.size(); q += (size_t)world_size)
+  for (size_t q = (size_t)rank; q < files.size(); q += (size_t)world_size) {
+    StateFile header_check(files[q]);  // its size and header first: a truncated file is named as such
     if (file_sha256(files[q].path) != files[q].sha256)
       fail("the checkpoint file '%s' is damaged: its SHA-256 is not the one its index records", files[q].path.c_str());
+  }
   z2::OptimizerState state;
   std::vector<std::unique_ptr<StateFile>> opened(files.size());  // each file opened (and its header read) once
   for (const z2::StateRun& run : engine.owned_state_runs(rank)) {
@@ -3293,13 +3304,17 @@ int Training<Act>::run() {
     int mine = (int)interrupt_signal, signal = 0;
     z2::watched_allreduce(&mine, &signal, 1, MPI_INT, MPI_MAX, world_, "the ranks agreeing whether to stop (a signal)");
     const long done = step + 1;
-    const bool periodic = settings_.save_every > 0 && done % settings_.save_every == 0;
-    if (!settings_.save_dir.empty() && (periodic || done == last_step || signal != 0)) save_checkpoint();
+    if (!settings_.save_dir.empty() && settings_.save_every > 0 && done % settings_.save_every == 0) save_checkpoint();
     if (signal != 0) {
       interrupted_by_ = signal;
       break;
     }
   }
+  // At the end (or the interrupt), unless that step was just saved. A run
+  // that trained nothing saves too: --load at one N, --save at another
+  // re-slices a checkpoint without a step.
+  const long now = engine_->training_progress().steps_taken;
+  if (!settings_.save_dir.empty() && (saved_.empty() || saved_.back()["step"].get<long>() != now)) save_checkpoint();
   z2::set_watchdog_context("the end of the run, after step " + std::to_string(engine_->training_progress().steps_taken));
   // The fp32 master weights (collective: sharded in mixed precision stages 1, 2).
   const std::vector<float> final_parameters = engine_->parameters_to_host();

@@ -38,7 +38,12 @@
 #      16-bit conversions against __float2bfloat16_rn / __float2half_rn over
 #      all 2^32 floats (the suite's test_conversions_gpu.cu, quoted here);
 #      the bf16 / fp16 stage matrices themselves run in step 3's suite;
-#   8. a summary.
+#   8. checkpoints on the GPU, in bf16 and fp16: 20 steps at N = 1 (NCCL)
+#      stage 2, A = 2, straight through; the same saved every 10 steps at N = 2 (MPI)
+#      stage 2; step_10 loaded at N = 1 (NCCL) stage 1 (A = 2 taken from the
+#      checkpoint's N x A) and continued to step 20: all three final hashes
+#      equal; the save and load times;
+#   9. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
@@ -215,6 +220,36 @@ else
   note "mixed precision on the GPU: FAILED (bf16 hashes ${mixed_hash[bf16_2]:-none} ${mixed_hash[bf16_0]:-none})"
   failures=$((failures + 1))
 fi
+
+# --- 8. checkpoints on the GPU: resume and reshard ---------------------------------------
+for precision in bf16 fp16; do
+  ck=/tmp/z2_ck_$precision
+  rm -rf "$ck"
+  common=(--device cuda --precision "$precision" --steps 20 --quiet)
+  timeout 120 build/train_bert_mini "${common[@]}" --comm nccl --stage 2 --accum 2 --json /tmp/z2_ck_straight.json >/tmp/z2_ck.log 2>&1 &&
+  timeout 120 mpirun -n 2 build/train_bert_mini "${common[@]}" --comm mpi --stage 2 --save "$ck" --save-every 10 \
+    --json /tmp/z2_ck_saved.json >>/tmp/z2_ck.log 2>&1 &&
+  timeout 120 build/train_bert_mini --device cuda --comm nccl --stage 1 --quiet --load "$ck/step_10" \
+    --json /tmp/z2_ck_resumed.json >>/tmp/z2_ck.log 2>&1
+  if [ $? -eq 0 ]; then
+    verdict=$(python3 -c "
+import json
+straight, saved, resumed = (json.load(open('/tmp/z2_ck_%s.json' % name)) for name in ('straight', 'saved', 'resumed'))
+hashes = {straight['final_params_hash'], saved['final_params_hash'], resumed['final_params_hash']}
+first_save, loaded = saved['checkpoint']['saved'][0], resumed['checkpoint']['loaded']
+print('%s %s; save %d bytes in %.3f s, load (N=2 stage 2 -> N=1 stage 1, A=%d) in %.3f s' % (
+    'ok' if len(hashes) == 1 else 'DIFFERENT', ' '.join(sorted(hashes)), first_save['bytes'], first_save['seconds'],
+    resumed['accum'], loaded['seconds']))")
+    case "$verdict" in
+      ok*) note "checkpoint $precision on the GPU: straight N=1, saved N=2, resumed N=1 stage 1 give one hash ${verdict#ok }" ;;
+      *) note "checkpoint $precision on the GPU: FAILED ($verdict)"; failures=$((failures + 1)) ;;
+    esac
+  else
+    tail -n 8 /tmp/z2_ck.log
+    note "checkpoint $precision on the GPU: FAILED (a run failed; log above)"
+    failures=$((failures + 1))
+  fi
+done
 
 echo
 echo "=== summary ($(elapsed "$started") s)"

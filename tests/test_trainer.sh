@@ -28,6 +28,11 @@
 #      integers), a seq too short to mask, gradients whose squares overflow,
 #      a stopped rank ended by the watchdog, which names it, and ranks waiting
 #      for different things (tests/watchdog_check.cpp), each named.
+#   8. checkpoints: save at step 4, load, 4 more steps = 8 straight in every
+#      precision, N and stage; reshard across (N, A, stage); an independent
+#      reader; --load --steps 0 = the run's own export; --save-keep; damaged
+#      checkpoints and contradicting flags refused; a rank killed mid-save;
+#      SIGTERM and SIGINT stop, save and resume bit for bit.
 # Ends with the plain line "N passed, M failed".
 set -u
 build=${1:-build}
@@ -782,6 +787,192 @@ if [ $status -eq 3 ] && grep -q "every rank answered, so none is stopped" "$work
 else
   fail "desynchronized ranks: exit $status: $(head -c 600 "$work/desync_stderr")"
 fi
+
+# --- 8. checkpoints: resume, reshard, damage, a killed save, an interrupt ------------
+echo "=== checkpoints: resume and reshard bit for bit, damaged checkpoints, a killed save, SIGTERM, the export"
+ck=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --warmup 1 --quiet)
+# fp16 whose scale doubles every 2 clean steps from 2^16: in 8 steps it
+# overflows at steps 3 and 6 (skipped) and changes scale throughout, so the
+# part after the step-4 checkpoint holds a skip and scale changes.
+echo '{"fp16": {"enabled": true, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}}' > "$work/fp16_skips.json"
+precision_flags() { case $1 in bf16) echo "--precision bf16";; fp16) echo "--config $work/fp16_skips.json";; esac; }
+# resumed_matches STRAIGHT RESUMED [skips]: the resumed run's final hash and
+# the loss bits, skips and scales of each of its steps equal the straight
+# run's; with "skips", its steps include a skipped one and a scale change.
+resumed_matches() {
+  python3 - "$@" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+straight = {s["step"]: (s["loss_bits"], s["skipped"], s["loss_scale"]) for s in a["steps"]}
+mine = [(s["step"], (s["loss_bits"], s["skipped"], s["loss_scale"])) for s in b["steps"]]
+problems = []
+if a["final_params_hash"] != b["final_params_hash"]: problems.append(f"hash {b['final_params_hash']} != {a['final_params_hash']}")
+if not mine: problems.append("no steps resumed")
+problems += [f"step {k}" for k, v in mine if straight.get(k) != v]
+if len(sys.argv) > 3 and not (any(v[1] for _, v in mine) and len({v[2] for _, v in mine}) > 1):
+    problems.append("no skip or no scale change after the checkpoint")
+print("ok" if not problems else "; ".join(problems[:4]))
+PY
+}
+# Save at step 4 (and 8) of 8 at every N and stage; resume each from step 4
+# at its own N and stage with nothing but --load: the same bits.
+for precision in fp32 bf16 fp16; do
+  good=0 bad=""
+  for N in 1 2 4; do
+    for stage in 0 1 2; do
+      dir="$work/ck_${precision}_${N}_${stage}"
+      if ! timeout 120 mpirun -n $N "$trainer" "${ck[@]}" $(precision_flags $precision) --stage $stage --accum $((4 / N)) \
+           --steps 8 --save-every 4 --save "$dir" --json "$dir.straight.json" > "$work/log" 2>&1; then
+        bad="$bad (N=$N stage $stage: save run failed: $(head -c 200 "$work/log"))"; continue
+      fi
+      timeout 120 mpirun -n $N "$trainer" --load "$dir/step_4" --stage $stage --quiet --json "$dir.resumed.json" > "$work/log" 2>&1
+      verdict=$(resumed_matches "$dir.straight.json" "$dir.resumed.json" $([ $precision = fp16 ] && echo skips) 2>&1)
+      if [ "$verdict" = ok ]; then good=$((good + 1)); else bad="$bad (N=$N stage $stage: $verdict $(head -c 200 "$work/log"))"; fi
+    done
+  done
+  [ -z "$bad" ] && pass "$precision: 4 steps, save, load, 4 more = 8 straight, at N = 1, 2, 4 x stages 0, 1, 2 ($good runs)" ||
+    fail "$precision resume:$bad"
+done
+# The straight runs agree with each other (N and stage never change the bits),
+# so every resumed run above equals every straight one.
+distinct=$(for f in "$work"/ck_*_*_*.straight.json; do echo "$(basename "$f" | cut -d_ -f2) $(json_get "$f" "d['final_params_hash']")"; done | sort -u | wc -l)
+[ "$distinct" -eq 3 ] && pass "straight runs: one hash per precision over every N and stage" || fail "straight runs: $distinct (precision, hash) pairs, want 3"
+# Activations (a legitimate change on resume): saved with keep, resumed with offload.
+for precision in fp32 bf16 fp16; do
+  dir="$work/ck_${precision}_2_2"
+  timeout 120 mpirun -n 2 "$trainer" --load "$dir/step_4" --activations offload --quiet --json "$dir.offload.json" > "$work/log" 2>&1
+  verdict=$(resumed_matches "$dir.straight.json" "$dir.offload.json" 2>&1)
+  [ "$verdict" = ok ] && pass "$precision: saved with --activations keep, resumed with offload: the same bits" || fail "$precision offload resume: $verdict"
+done
+# Reshard: saved at (N, A, stage) = (4, 1, 2), loaded at (2, 2, 1) and (1, 4, 0);
+# saved at (1, 4, 0), loaded at (4, 1, 2). A follows from N.
+for precision in fp32 bf16 fp16; do
+  bad=""
+  for move in "4_2 2 1" "4_2 1 0" "1_0 4 2"; do
+    set -- $move
+    dir="$work/ck_${precision}_$1"
+    timeout 120 mpirun -n $2 "$trainer" --load "$dir/step_4" --stage $3 --quiet --json "$work/reshard.json" > "$work/log" 2>&1
+    verdict=$(resumed_matches "$dir.straight.json" "$work/reshard.json" 2>&1)
+    [ "$verdict" = ok ] || bad="$bad (from $1 to N=$2 stage $3: $verdict $(head -c 200 "$work/log"))"
+  done
+  [ -z "$bad" ] && pass "$precision reshard: (4,1,2) -> (2,2,1) and (1,4,0), (1,4,0) -> (4,1,2): the same bits" || fail "$precision reshard:$bad"
+done
+# Checkpoints saved at different N and stages hold the same bits, and an
+# independent reader (numpy only) rebuilds the full tensors from them.
+if $PYTHON tests/read_checkpoint.py "$work/ck_fp32_4_2/step_8" --same-as "$work/ck_fp32_1_0/step_8" > "$work/log" 2>&1 &&
+   $PYTHON tests/read_checkpoint.py "$work/ck_bf16_2_1/step_4" --same-as "$work/ck_bf16_4_0/step_4" >> "$work/log" 2>&1; then
+  pass "read_checkpoint.py: saved at (4,1,2) = saved at (1,4,0), bit for bit (fp32; bf16 likewise)"
+else fail "read_checkpoint.py --same-as: $(head -c 400 "$work/log")"; fi
+# Consolidation (zero_to_fp32's job, in the trainer): --load --steps 0 --export-hf
+# equals the trainer's own export at that step, byte for byte; the reader agrees.
+timeout 120 mpirun -n 4 "$trainer" "${ck[@]}" --steps 8 --save "$work/ck_export" --export-hf "$work/own_export" > /dev/null 2>&1
+timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_export" --steps 0 --export-hf "$work/consolidated" --quiet > "$work/log" 2>&1
+if cmp -s "$work/own_export/model.safetensors" "$work/consolidated/model.safetensors" &&
+   cmp -s "$work/own_export/config.json" "$work/consolidated/config.json" &&
+   $PYTHON tests/read_checkpoint.py "$work/ck_export/step_8" --compare "$work/own_export" > "$work/reader.log" 2>&1; then
+  pass "consolidation: --load (saved by 4 ranks) --steps 0 at N=1 = the run's own export, byte for byte; read_checkpoint.py agrees"
+else fail "consolidation: $(head -c 300 "$work/log") $(head -c 300 "$work/reader.log")"; fi
+# --save-keep 2 with a save every 2 steps of 8: step_6 and step_8 remain; latest names step_8.
+timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 --save "$work/ck_keep" --json "$work/ck_keep.json" > /dev/null 2>&1
+kept=$(ls "$work/ck_keep" | tr '\n' ' ')
+[ "$kept" = "latest step_6 step_8 " ] && [ "$(cat "$work/ck_keep/latest")" = step_8 ] && pass "--save-keep 2: $kept" ||
+  fail "--save-keep 2 left: $kept"
+# What the run says: the header names what it loaded, the summary what it saved.
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_fp32_4_2" --save "$work/ck_said" --stage 1 > "$work/log" 2>&1
+if grep -q "^  loaded    $work/ck_fp32_4_2/step_8: step 8 of 8, saved by 4 rank(s) x accumulation 1, stage 2, fp32" "$work/log" &&
+   grep -q "^  saved                    $work/ck_said/step_8/ (" "$work/log" && grep -q "steps trained            none" "$work/log"; then
+  pass "the header says what was loaded, the summary what was saved"
+else fail "loaded/saved lines: $(grep -E 'loaded|saved|trained' "$work/log" | head -c 300)"; fi
+
+# Damaged checkpoints and contradicting flags: one message naming the file
+# or the setting, exit non-zero on every rank, nothing written or changed.
+good="$work/ck_fp32_4_2"
+before=$(cd "$good" && find . -type f | sort | xargs sha256sum | sha256sum)
+damaged() { rm -rf "$work/damaged"; cp -r "$good" "$work/damaged"; }
+damaged; truncate -s -100 "$work/damaged/step_4/rank_00001.safetensors"
+bad_case "rank_00001.safetensors' has 82,752 bytes; its index says 82,852 (cut short" --load "$work/damaged/step_4"
+damaged; python3 -c "
+import sys; p = sys.argv[1]; b = bytearray(open(p, 'rb').read()); b[len(b) // 2] ^= 1; open(p, 'wb').write(b)" "$work/damaged/step_4/rank_00002.safetensors"
+bad_case "rank_00002.safetensors' is damaged: its SHA-256 is not the one its index records" --load "$work/damaged/step_4"
+damaged; rm "$work/damaged/step_4/rank_00003.safetensors"
+bad_case "cannot open the checkpoint file '$work/damaged/step_4/rank_00003.safetensors'" --load "$work/damaged/step_4"
+damaged; rm "$work/damaged/step_4/index.json"
+bad_case "has neither index.json (a step's directory) nor latest" --load "$work/damaged/step_4"
+damaged; rm "$work/damaged/step_8/index.json"
+bad_case "latest' names 'step_8', which is not a complete checkpoint" --load "$work/damaged"
+damaged; echo '{"format": "zero2 checkpoint", "version": 1, "step": ' > "$work/damaged/step_4/index.json"
+bad_case "index.json' is not valid JSON" --load "$work/damaged/step_4"
+damaged; echo step_99 > "$work/damaged/latest"
+bad_case "latest' names 'step_99', which is not a complete checkpoint" --load "$work/damaged"
+timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --hidden 16 --steps 2 --save "$work/ck_other" > /dev/null 2>&1
+damaged; cp "$work/ck_other/step_2/index.json" "$work/damaged/step_4/index.json"
+bad_case "its index says" --load "$work/damaged/step_4"
+bad_case "--hidden 32 contradicts the checkpoint's 16" --load "$work/ck_other" --hidden 32
+bad_case "--lr 0.5 contradicts the checkpoint's 0.001" --load "$good" --lr 0.5
+bad_case "contradicts the checkpoint's" --load "$good" --precision bf16
+bad_case "is not the data the checkpoint" --load "$good" --data "$work/corpus.txt"
+bad_case "the global batch must stay the same" --load "$good" --accum 3
+bad_ranks=3 bad_case "3 ranks cannot split that evenly" --load "$good"
+bad_case "--dump-batch writes step 0 of a fresh run: not with --load" --load "$good" --dump-batch "$work/no_dump"
+[ "$(cd "$good" && find . -type f | sort | xargs sha256sum | sha256sum)" = "$before" ] &&
+  pass "the checkpoint loaded by the refused runs is unchanged" || fail "a refused load changed its checkpoint"
+
+# A rank killed while writing the second checkpoint (tests only:
+# ZERO2_TEST_FAULT, rank 1's second file): latest still names step 4, which
+# loads and continues to the straight run's bits.
+ZERO2_TEST_FAULT="kill 2 1" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 4 --save "$work/ck_killed" > /dev/null 2>&1
+status=$?
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_killed" --quiet --json "$work/after_kill.json" > "$work/log" 2>&1
+verdict=$(resumed_matches "$work/ck_keep.json" "$work/after_kill.json" 2>&1)  # the same run, never killed
+if [ $status -ne 0 ] && [ "$(cat "$work/ck_killed/latest")" = step_4 ] && [ ! -e "$work/ck_killed/step_8/index.json" ] && [ "$verdict" = ok ] &&
+   [ -z "$(find "$work/ck_killed" -name '*zero2-tmp*')" ]; then
+  pass "a rank killed mid-save: exit $status, latest = step_4, step_8 has no index, no temporary; resuming gives the straight bits"
+else fail "killed save: exit $status, latest $(cat "$work/ck_killed/latest"), $verdict"; fi
+
+# SIGTERM (a scheduler's preemption) to mpirun mid-run at N = 2, once step
+# 100 of 3000 has been printed: every rank finishes its step, saves, writes
+# the JSON marked interrupted, exits 143; resuming from what was saved gives
+# the uninterrupted run's bits.
+send_when_running() {  # signal, stdout file, process pattern: signal once step 100 is printed
+  for k in $(seq 1 400); do
+    grep -q "^step   100/" "$2" 2>/dev/null && break
+    sleep 0.05
+  done
+  pkill -$1 -f "$3"
+}
+long=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --warmup 1
+      --log-every 100 --steps 3000)
+timeout 120 mpirun -n 2 "$trainer" "${long[@]}" --save "$work/ck_term" --json "$work/term.json" > "$work/term_stdout" 2>&1 &
+job=$!
+# SIGTERM to every rank, as a scheduler's cancel (scancel) sends it.
+send_when_running TERM "$work/term_stdout" "^$trainer .*$work/ck_term"
+wait $job
+status=$?
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_term" --quiet --json "$work/term_resumed.json" > "$work/log" 2>&1
+timeout 120 mpirun -n 2 "$trainer" "${long[@]}" --quiet --json "$work/term_straight.json" > /dev/null 2>&1
+verdict=$(resumed_matches "$work/term_straight.json" "$work/term_resumed.json" 2>&1)
+stopped_at=$(json_get "$work/term.json" "str(d['interrupted']) + ' ' + str(d['checkpoint']['saved'][-1]['step'])" 2>&1)
+if [ $status -eq 143 ] && [ "${stopped_at%% *}" = SIGTERM ] && [ "$(cat "$work/ck_term/latest")" = "step_${stopped_at##* }" ] &&
+   [ "${stopped_at##* }" -lt 3000 ] && [ "$verdict" = ok ]; then
+  pass "SIGTERM at step ${stopped_at##* } of 3000: exit 143, saved, JSON interrupted; resumed = uninterrupted, bit for bit"
+else fail "SIGTERM: exit $status, '$stopped_at', $verdict $(head -c 200 "$work/log")"; fi
+# SIGINT (Ctrl-C on a rank run in the foreground): exit 130 and the checkpoint.
+timeout 120 mpirun -n 2 "$trainer" "${long[@]}" --save "$work/ck_int" > "$work/int_stdout" 2>&1 &
+job=$!
+send_when_running INT "$work/int_stdout" "^$trainer .*$work/ck_int"
+wait $job
+status=$?
+[ $status -eq 130 ] && [ -e "$work/ck_int/latest" ] && grep -q "interrupted .* by SIGINT after step" "$work/int_stdout" &&
+  pass "SIGINT: exit 130, saved $(cat "$work/ck_int/latest")" || fail "SIGINT: exit $status, latest: $(cat "$work/ck_int/latest" 2>&1)"
+# A signal to mpirun: MPICH's launcher forwards it to the ranks, which stop
+# and save; the launcher's own exit status is its own (seen 0), not checked.
+timeout 120 mpirun -n 2 "$trainer" "${long[@]}" --save "$work/ck_mpirun" > "$work/mpirun_stdout" 2>&1 &
+job=$!
+send_when_running TERM "$work/mpirun_stdout" "^mpirun -n 2 $trainer .*$work/ck_mpirun"
+wait $job
+[ -e "$work/ck_mpirun/latest" ] && grep -q "interrupted .* by SIGTERM after step" "$work/mpirun_stdout" &&
+  pass "SIGTERM to mpirun: forwarded, saved $(cat "$work/ck_mpirun/latest")" ||
+  fail "SIGTERM to mpirun: latest: $(cat "$work/ck_mpirun/latest" 2>&1)"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
