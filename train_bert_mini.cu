@@ -633,8 +633,9 @@ inline Settings parse_command_line(int argc, char** argv) {
 inline void check_consistency(Settings& s, int world_size) {
   if (s.steps == 0 && !s.export_only)
     fail("--steps wants an integer from 1 to %ld (0 only with --load: export a checkpoint without training)", 1l << 30);
-  if (s.export_only && s.export_dir.empty() && s.json_path.empty())
-    fail("--load with --steps 0 trains nothing: give --export-hf DIR (and/or --json) for it to write");
+  if (s.export_only && s.export_dir.empty() && s.json_path.empty() && s.save_dir.empty())
+    fail("--load with --steps 0 trains nothing: give --export-hf DIR, --save DIR (the checkpoint re-sliced for "
+         "this N) or --json FILE for it to write");
   if (!s.load_dir.empty() && !s.dump_dir.empty())
     fail("--dump-batch writes step 0 of a fresh run: not with --load");
   if (s.save_every > 0 && s.save_dir.empty()) fail("--save-every %ld needs --save DIR", s.save_every);
@@ -1994,6 +1995,18 @@ inline void fault_for_tests(int file_number) {
   if (std::strcmp(action, "kill") == 0) raise(SIGKILL);
 }
 
+// A directory's entries made durable (a rename in it is on the disk once
+// this returns); `done` says what was done, for the message.
+inline void sync_directory(const std::string& directory, const std::string& done) {
+  const int folder = open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (folder < 0 || fsync(folder) != 0) {
+    const int error = errno;
+    if (folder >= 0) close(folder);
+    fail("%s, but the directory '%s' could not be synced: %s", done.c_str(), directory.c_str(), std::strerror(error));
+  }
+  close(folder);
+}
+
 inline void write_output_file(const std::string& path, const std::string& contents) {
   static int files_written = 0;
   const int file_number = ++files_written;
@@ -2044,14 +2057,7 @@ inline void write_output_file(const std::string& path, const std::string& conten
     unlink(temporary.c_str());
     fail("cannot write '%s': %s (renaming the temporary over it)", path.c_str(), std::strerror(error));
   }
-  const int folder = open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (folder < 0 || fsync(folder) != 0) {
-    const int error = errno;
-    if (folder >= 0) close(folder);
-    fail("wrote '%s', but the directory '%s' could not be synced: %s", path.c_str(), directory.c_str(),
-         std::strerror(error));
-  }
-  close(folder);
+  sync_directory(directory, "wrote '" + path + "'");
 }
 
 // An exclusive lock on a directory for a writer of several files (an
@@ -2378,6 +2384,31 @@ inline std::string sha256_hex(const std::string& bytes) {
 constexpr int checkpoint_version = 1;
 
 inline std::string step_directory_name(long step) { return "step_" + std::to_string(step); }
+// Where the ranks write a step before it is complete (a dot: not a step).
+inline std::string incomplete_step_directory(const std::string& save_dir, long step) {
+  return save_dir + "/." + step_directory_name(step) + ".incomplete";
+}
+
+// The complete step `written` becomes `directory`. Over an existing step (a
+// run resumed from an earlier step into the same --save) the two are swapped
+// in one rename (RENAME_EXCHANGE), so `directory` is a complete step at every
+// moment and latest, which may name it, never dangles; the old one is left at
+// `written` for the caller to delete. A file system without the exchange
+// (some network ones) gets two renames, with a moment between them.
+inline void publish_step(const std::string& written, const std::string& directory) {
+  if (!std::filesystem::exists(directory)) {
+    if (rename(written.c_str(), directory.c_str()) != 0)
+      fail("cannot name the checkpoint '%s': %s", directory.c_str(), std::strerror(errno));
+  } else if (renameat2(AT_FDCWD, written.c_str(), AT_FDCWD, directory.c_str(), RENAME_EXCHANGE) != 0) {
+    if (errno != EINVAL && errno != ENOSYS)
+      fail("cannot replace the checkpoint '%s': %s", directory.c_str(), std::strerror(errno));
+    const std::string aside = written + ".old";
+    if (rename(directory.c_str(), aside.c_str()) != 0 || rename(written.c_str(), directory.c_str()) != 0 ||
+        rename(aside.c_str(), written.c_str()) != 0)
+      fail("cannot replace the checkpoint '%s': %s", directory.c_str(), std::strerror(errno));
+  }
+  sync_directory(directory_of(directory), "named the checkpoint '" + directory + "'");
+}
 inline std::string rank_file_name(int rank) {
   char name[48];
   snprintf(name, sizeof name, "rank_%05d.safetensors", rank);
@@ -2438,25 +2469,38 @@ inline json recorded_values(const Settings& s) {
           {"consecutive_hysteresis", l.consecutive_hysteresis}, {"min_loss_scale", l.min_scale}};
 }
 
-// A field of index.json, or one message naming it and the file.
-inline const json& index_field(const json& index, const std::string& path, const std::string& file) {
+// A field of index.json, or one message naming it and the file. `shown`
+// is the field's full name in messages when `index` is part of the file
+// ("files.2" for the third file entry).
+inline const json& index_field(const json& index, const std::string& path, const std::string& file,
+                               const std::string& shown = "") {
+  const std::string name = shown.empty() ? path : shown + "." + path;
   const json* here = &index;
   size_t start = 0;
   while (start <= path.size()) {
     const size_t dot = std::min(path.find('.', start), path.size());
     const std::string key = path.substr(start, dot - start);
-    if (!here->is_object() || !here->contains(key)) fail("the checkpoint index '%s' lacks '%s'", file.c_str(), path.c_str());
+    if (!here->is_object() || !here->contains(key)) fail("the checkpoint index '%s' lacks '%s'", file.c_str(), name.c_str());
     here = &(*here)[key];
     start = dot + 1;
   }
   return *here;
 }
-inline long index_integer(const json& index, const std::string& path, const std::string& file, long low, long high) {
-  const json& value = index_field(index, path, file);
+inline long index_integer(const json& index, const std::string& path, const std::string& file, long low, long high,
+                          const std::string& shown = "") {
+  const json& value = index_field(index, path, file, shown);
   if (!value.is_number_integer() || value.get<long>() < low || value.get<long>() > high)
-    fail("the checkpoint index '%s': '%s' = %s is not an integer from %ld to %ld", file.c_str(), path.c_str(),
-         value.dump().c_str(), low, high);
+    fail("the checkpoint index '%s': '%s' = %s is not an integer from %ld to %ld", file.c_str(),
+         (shown.empty() ? path : shown + "." + path).c_str(), value.dump().c_str(), low, high);
   return value.get<long>();
+}
+inline std::string index_string(const json& index, const std::string& path, const std::string& file,
+                                const std::string& shown = "") {
+  const json& value = index_field(index, path, file, shown);
+  if (!value.is_string())
+    fail("the checkpoint index '%s': '%s' = %s is not a string", file.c_str(),
+         (shown.empty() ? path : shown + "." + path).c_str(), value.dump().c_str());
+  return value.get<std::string>();
 }
 
 // --- finding and reading one ---------------------------------------------------
@@ -2464,6 +2508,8 @@ inline long index_integer(const json& index, const std::string& path, const std:
 // --load DIR: DIR itself when it holds an index.json (DIR/step_<s>), else
 // the step DIR/latest names.
 inline std::string checkpoint_step_directory(const std::string& directory) {
+  std::error_code error;
+  if (!std::filesystem::exists(directory, error)) fail("--load '%s' does not exist", directory.c_str());
   if (!is_directory(directory)) fail("--load '%s' is not a directory", directory.c_str());
   if (std::filesystem::exists(directory + "/index.json")) return directory;
   const std::string latest = directory + "/latest";
@@ -2491,13 +2537,47 @@ inline json read_checkpoint_index(const std::string& step_directory) {
   } catch (const json::exception& e) {
     fail("the checkpoint index '%s' is not valid JSON: %s", file.c_str(), e.what());
   }
-  if (!index.is_object() || index.value("format", std::string()) != "zero2 checkpoint")
+  if (!index.is_object() || !index.contains("format") || index["format"] != "zero2 checkpoint")
     fail("'%s' is not a zero2 checkpoint index (no \"format\": \"zero2 checkpoint\")", file.c_str());
   const long version = index_integer(index, "version", file, 0, LONG_MAX);
   if (version != checkpoint_version)
     fail("the checkpoint index '%s' has version %ld; this trainer reads version %d", file.c_str(), version,
          checkpoint_version);
   return index;
+}
+
+// The global batch of a resumed run: N x A micro-batches per step, as the
+// checkpoint's. A is --accum, or DeepSpeed's train_batch_size / (micro-batch
+// x N), or else the checkpoint's N x A / N. An export that records nothing
+// (--steps 0 without --save) may run at any N.
+inline void adopt_checkpoint_batch(Settings& s, int world_size, const std::string& file) {
+  const long most = 1l << 20;  // --accum's own bound
+  const long saved_world = index_integer(s.checkpoint, "world_size", file, 1, INT_MAX);
+  const long saved_accum = index_integer(s.checkpoint, "accum", file, 1, most);
+  const long micro_batches = saved_world * saved_accum;  // N x A: the global batch, in micro-batches
+  const bool records_nothing = s.export_only && s.save_dir.empty();
+  bool known = s.accum_given;
+  if (!known && s.train_batch_size && s.train_batch_size % ((long)s.micro_batch * world_size) == 0) {
+    s.accum = (int)std::min(most, s.train_batch_size / ((long)s.micro_batch * world_size));
+    known = true;  // check_consistency compares it with train_batch_size again
+  }
+  if (!known) {
+    if (micro_batches % world_size == 0) s.accum = (int)std::min(most, micro_batches / world_size);
+    else if (records_nothing) s.accum = 1;  // nothing is trained or saved: the split does not matter
+    else
+      fail("the checkpoint was saved with N x A = %ld x %ld = %ld micro-batches per step; %d ranks cannot split "
+           "that evenly (use a divisor of %ld ranks)", saved_world, saved_accum, micro_batches, world_size, micro_batches);
+  }
+  if ((long)s.accum * world_size != micro_batches && !records_nothing)
+    fail("--accum %d x %d ranks = %ld micro-batches per step, but the checkpoint's steps had %ld (N %ld x A %ld): "
+         "the global batch must stay the same", s.accum, world_size, (long)s.accum * world_size, micro_batches,
+         saved_world, saved_accum);
+  // 16-bit accumulation rounds after every micro-step (notes/08): its bits
+  // depend on A itself, so only fp32 accumulation may change the split.
+  if (s.grad_accum_dtype != "fp32" && s.accum != saved_accum && !records_nothing)
+    fail("the checkpoint accumulates gradients in %s (data_types.grad_accum_dtype), which rounds after every "
+         "micro-step: a different split gives different bits. Resume with %ld ranks (A = %ld)",
+         s.grad_accum_dtype.c_str(), saved_world, saved_accum);
 }
 
 // The checkpoint's settings into `s`: each recorded setting not given is
@@ -2525,8 +2605,8 @@ inline void adopt_checkpoint(Settings& s, int world_size) {
       continue;
     }
     if (std::string(setting.key) == "precision") {
-      if (!value.is_string()) fail("the checkpoint index '%s': settings.precision is not a string", file.c_str());
-      s.precision = value.get<std::string>();
+      s.precision = parse_choice("the checkpoint's setting 'precision' (in '" + file + "')",
+                                 index_string(saved, "precision", file, "settings"), {"fp32", "bf16", "fp16"});
     } else {
       const std::string text = value.is_boolean() ? (value.get<bool>() ? "1" : "0")
                                : value.is_string() ? value.get<std::string>()
@@ -2536,22 +2616,9 @@ inline void adopt_checkpoint(Settings& s, int world_size) {
     }
   }
   if (export_only) s.export_only = true;
-  const long saved_world = index_integer(s.checkpoint, "world_size", file, 1, INT_MAX);
-  const long saved_accum = index_integer(s.checkpoint, "accum", file, 1, INT_MAX);
-  const long micro_batches = saved_world * saved_accum;  // N x A: the global batch, in micro-batches
-  if (!s.accum_given && !s.train_batch_size) {
-    if (micro_batches % world_size != 0)
-      fail("the checkpoint was saved with N x A = %ld x %ld = %ld micro-batches per step; %d ranks cannot split "
-           "that evenly (use a divisor of %ld ranks)", saved_world, saved_accum, micro_batches, world_size, micro_batches);
-    s.accum = (int)(micro_batches / world_size);
-  }
-  if ((long)s.accum * world_size != micro_batches && !s.export_only)
-    fail("--accum %d x %d ranks = %ld micro-batches per step, but the checkpoint's steps had %ld (N %ld x A %ld): "
-         "the global batch must stay the same", s.accum, world_size, (long)s.accum * world_size, micro_batches,
-         saved_world, saved_accum);
-  const json& data = index_field(s.checkpoint, "data", file);
-  if (s.data.empty() && data.value("source", std::string("embedded")) != "embedded")
-    s.data = data.value("source", std::string());
+  adopt_checkpoint_batch(s, world_size, file);
+  const std::string source = index_string(s.checkpoint, "data.source", file);
+  if (s.data.empty() && source != "embedded") s.data = source;
 }
 
 // Every rank's file of the checkpoint, as the index lists it, checked: the
@@ -2575,15 +2642,14 @@ inline std::vector<CheckpointFile> checkpoint_files(const Settings& s, size_t ps
   for (size_t q = 0; q < files.size(); ++q) {
     const std::string where = "files." + std::to_string(q);
     CheckpointFile entry;
-    const json& name = index_field(files[q], "file", file);
-    const json& sha = index_field(files[q], "sha256", file);
-    if (!name.is_string() || name.get<std::string>().find('/') != std::string::npos || !sha.is_string())
-      fail("the checkpoint index '%s': %s is not a file name and a SHA-256", file.c_str(), where.c_str());
-    entry.path = s.checkpoint_directory + "/" + name.get<std::string>();
-    entry.sha256 = sha.get<std::string>();
-    entry.begin = (size_t)index_integer(files[q], "begin", file, 0, (long)psi);
-    entry.end = (size_t)index_integer(files[q], "end", file, 0, (long)psi);
-    entry.bytes = (size_t)index_integer(files[q], "bytes", file, 0, LONG_MAX);
+    const std::string name = index_string(files[q], "file", file, where);
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+      fail("the checkpoint index '%s': '%s.file' = \"%s\" is not a file name", file.c_str(), where.c_str(), name.c_str());
+    entry.path = s.checkpoint_directory + "/" + name;
+    entry.sha256 = index_string(files[q], "sha256", file, where);
+    entry.begin = (size_t)index_integer(files[q], "begin", file, 0, (long)psi, where);
+    entry.end = (size_t)index_integer(files[q], "end", file, 0, (long)psi, where);
+    entry.bytes = (size_t)index_integer(files[q], "bytes", file, 0, LONG_MAX, where);
     if (entry.begin != covered || entry.end < entry.begin)
       fail("the checkpoint index '%s': %s covers [%zu, %zu), but the files before end at %zu", file.c_str(),
            where.c_str(), entry.begin, entry.end, covered);
@@ -2622,13 +2688,16 @@ class StateFile {
     }
     const size_t count = entry.end - entry.begin;
     data_start_ = 8 + length;
+    if (!header.is_object()) damaged("its header (not a JSON object)");
     for (const char* name : {"master", "exp_avg", "exp_avg_sq"}) {
-      if (!header.contains(name)) damaged(std::string("its header (no ") + name + ")");
+      if (!header.contains(name) || !header[name].is_object()) damaged(std::string("its header (no ") + name + ")");
       const json& tensor = header[name];
-      if (tensor.value("dtype", std::string()) != "F32" || tensor.value("shape", json::array()) != json::array({count}))
+      if (tensor.value("dtype", json()) != "F32" || tensor.value("shape", json()) != json::array({count}))
         damaged(std::string("the dtype or shape of ") + name);
-      const json& offsets = tensor.value("data_offsets", json::array());
-      if (offsets.size() != 2 || !offsets[0].is_number_unsigned() || offsets[1].get<size_t>() - offsets[0].get<size_t>() != 4 * count ||
+      const json offsets = tensor.value("data_offsets", json::array());
+      if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+          !offsets[1].is_number_unsigned() || offsets[1].get<size_t>() < offsets[0].get<size_t>() ||
+          offsets[1].get<size_t>() - offsets[0].get<size_t>() != 4 * count ||
           data_start_ + offsets[1].get<size_t>() > entry.bytes)
         damaged(std::string("the offsets of ") + name);
       offsets_.push_back(offsets[0].get<size_t>());
@@ -2833,12 +2902,13 @@ inline std::string read_inputs(const Settings& settings, int rank, MPI_Comm worl
            settings.seq, settings.seq - 2);
     if (!settings.checkpoint.is_null()) {  // the data the checkpoint was trained on, byte for byte
       const std::string file = settings.checkpoint_directory + "/index.json";
-      const json& data = index_field(settings.checkpoint, "data", file);
-      if (data.value("sha256", std::string()) != sha256_hex(corpus) || data.value("bytes", -1l) != (long)corpus.size())
+      const std::string sha = index_string(settings.checkpoint, "data.sha256", file);
+      const long bytes = index_integer(settings.checkpoint, "data.bytes", file, 0, LONG_MAX);
+      if (sha != sha256_hex(corpus) || bytes != (long)corpus.size())
         fail("this run's data (%s, %s bytes) is not the data the checkpoint '%s' was trained on (%s, %s bytes): "
              "give that --data", settings.data.empty() ? "the embedded corpus" : settings.data.c_str(),
              z2::with_commas(corpus.size()).c_str(), settings.checkpoint_directory.c_str(),
-             data.value("source", std::string("?")).c_str(), data.value("bytes", json(-1)).dump().c_str());
+             index_string(settings.checkpoint, "data.source", file).c_str(), z2::with_commas((size_t)bytes).c_str());
     }
   });
   return corpus;
@@ -3004,28 +3074,23 @@ void Training<Act>::load_checkpoint() {
 }
 
 // DIR/step_<s>: each rank writes the canonical range file_range(rank) of the
-// state (gathered from its owners), the ranks agree, then rank 0 writes the
-// index (with every file's SHA-256) and only then moves DIR/latest. A crash
-// at any point leaves latest naming the previous complete step.
+// state (gathered from its owners) into DIR/.step_<s>.incomplete, the ranks
+// agree, then rank 0 writes the index (with every file's SHA-256) there,
+// puts the directory in place (publish_step) and only then moves
+// DIR/latest. A crash at any point leaves latest naming a complete step.
 template <class Act>
 void Training<Act>::save_checkpoint() {
   const auto start = std::chrono::steady_clock::now();
   const z2::TrainingProgress progress = engine_->training_progress();
   const std::string name = step_directory_name(progress.steps_taken);
   const std::string directory = settings_.save_dir + "/" + name;
+  const std::string incomplete = incomplete_step_directory(settings_.save_dir, progress.steps_taken);
   z2::set_watchdog_context("the checkpoint of step " + std::to_string(progress.steps_taken));
   agree_on_errors(world_, [&] {
     if (rank_ != 0) return;
-    // A step saved before (a run resumed from an earlier step into the same
-    // directory) is moved aside first: its index must not vouch for new files.
-    if (std::filesystem::exists(directory)) {
-      const std::string aside = settings_.save_dir + "/." + name + ".replaced." + std::to_string((long)getpid());
-      if (rename(directory.c_str(), aside.c_str()) != 0)
-        fail("cannot replace the checkpoint '%s': %s", directory.c_str(), std::strerror(errno));
-      std::error_code ignored;
-      std::filesystem::remove_all(aside, ignored);
-    }
-    prepare_directory("--save", directory);
+    std::error_code ignored;
+    std::filesystem::remove_all(incomplete, ignored);  // left by a save that was killed
+    prepare_directory("--save", incomplete);
   }, "the checkpoint's directory was made");
   const size_t psi = engine_->psi();
   const auto [begin, end] = file_range(psi, rank_, world_size_);
@@ -3041,7 +3106,7 @@ void Training<Act>::save_checkpoint() {
       {{"format", "zero2"}, {"begin", range[0]}, {"end", range[1]}});
   char sha[65] = {};
   snprintf(sha, sizeof sha, "%s", sha256_hex(contents).c_str());
-  agree_on_errors(world_, [&] { write_output_file(directory + "/" + rank_file_name(rank_), contents); },
+  agree_on_errors(world_, [&] { write_output_file(incomplete + "/" + rank_file_name(rank_), contents); },
                   "every rank's checkpoint file was written");
   // Every file's SHA-256 and size to rank 0, for the index.
   std::vector<char> shas(rank_ == 0 ? 65 * (size_t)world_size_ : 0);
@@ -3077,7 +3142,8 @@ void Training<Act>::save_checkpoint() {
         {"precision", settings_.precision},
         {"vocab_size", vocab_size},
         {"settings", recorded_values(settings_)},
-        {"data", {{"source", settings_.data.empty() ? std::string("embedded") : settings_.data},
+        // Absolute: a run resumed from another working directory finds it.
+        {"data", {{"source", settings_.data.empty() ? std::string("embedded") : std::filesystem::absolute(settings_.data).string()},
                   {"bytes", corpus_.size()},
                   {"sha256", sha256_hex(corpus_)},
                   {"cursor", "the data of step s is drawn from (seed, s, micro-batch): resuming at step s needs s only"}}},
@@ -3091,8 +3157,11 @@ void Training<Act>::save_checkpoint() {
         {"psi", psi},
         {"parameters", parameters},
         {"files", files}};
-    write_output_file(directory + "/index.json", index.dump(2) + "\n");
+    write_output_file(incomplete + "/index.json", index.dump(2) + "\n");
+    publish_step(incomplete, directory);
     write_output_file(settings_.save_dir + "/latest", name + "\n");  // last: the step is complete
+    std::error_code ignored;
+    std::filesystem::remove_all(incomplete, ignored);  // the step it replaced, if any
     prune_checkpoints(progress.steps_taken);
   }, "the checkpoint's index was written");
   saved_.push_back({{"directory", directory},
@@ -3111,9 +3180,15 @@ void Training<Act>::prune_checkpoints(long keep_step) const {
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(settings_.save_dir, error)) {
     const std::string name = entry.path().filename().string();
-    if (name.size() > 5 && name.compare(0, 5, "step_") == 0 && name.find_first_not_of("0123456789", 5) == std::string::npos &&
-        entry.is_directory())
-      steps.push_back(std::stol(name.substr(5)));
+    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos ||
+        name.size() > 5 + 18 || !entry.is_directory())
+    {
+      // A save killed before it was complete left .step_<k>.incomplete.
+      if (name.size() > 16 && name[0] == '.' && name.compare(name.size() - 11, 11, ".incomplete") == 0)
+        std::filesystem::remove_all(entry.path(), error);
+      continue;  // not a step this trainer wrote (18 digits fit a long)
+    }
+    steps.push_back(std::strtol(name.c_str() + 5, nullptr, 10));
   }
   std::sort(steps.begin(), steps.end());
   long kept = 0;

@@ -11,7 +11,12 @@
 // state, 16-bit slices on the wire summed in fp32, fp16's dynamic loss
 // scaling (notes/08).
 //
-// What it leaves out: parameter partitioning (P_p, "stage 3"), checkpoints.
+// Checkpoints: the optimizer state a rank owns, in the canonical order that
+// does not depend on N or the stage, to and from the host, and any range of
+// it gathered from its owners (section 7, "optimizer state for checkpoints");
+// the files are the trainer's (notes/09).
+//
+// What it leaves out: parameter partitioning (P_p, "stage 3").
 // Of ZeRO-R, this file holds the memory
 // side (the arena, the naive allocator it is compared with, host offload
 // space); the activation checkpointing itself lives in the model
@@ -2818,6 +2823,12 @@ OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
   MPI_Request gathered;
   Z2_MPI_CHECK(MPI_Iallgather(mine, 2, MPI_LONG, ranges.data(), 2, MPI_LONG, comm_.mpi(), &gathered));
   wait_request(&gathered, "the all-gather of the ranges each rank asks for");
+  // MPI counts are int. Every rank sees the same ranges and layout, so every
+  // rank refuses together, before the all-to-all.
+  for (int q = 0; q < N; ++q)
+    if (ranges[2 * q + 1] - ranges[2 * q] > INT_MAX || psi_padded() / (size_t)N > (size_t)INT_MAX)
+      usage_error("state_range_to_host: more than 2^31 - 1 elements to or from one rank (MPI counts are int): "
+                  "save with more ranks");
   std::vector<int> send_counts(N, 0), send_offsets(N, 0), receive_counts(N, 0), receive_offsets(N, 0);
   std::vector<std::vector<Piece>> outgoing(N), incoming(N);
   const std::vector<LocatedRun> my_runs = located_runs(*this, me);

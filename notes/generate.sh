@@ -245,6 +245,61 @@ PY
   echo '```'
 } >"$out/mixed_reference"
 
+# --- checkpoints (notes/09-checkpoints.md, README.md) ---------------------------------
+# checkpoint_resume: the default BERT-mini, 8 steps straight at (N, A, stage)
+# = (1, 4, 0); the same saved at step 4 by (4, 1, 2); step_4 loaded by (2, 2, 1)
+# and (1, 4, 0) (A from the checkpoint's N x A) and trained to step 8. In fp32
+# and fp16 (whose loss scale is part of the state). checkpoint_layout: the
+# directory the (4, 1, 2) run left, and its index without the parameter list.
+for precision in fp32 fp16; do
+  ck="$out/ck_$precision"
+  flags=(--device cpu --precision "$precision" --steps 8 --quiet)
+  timeout 600 "$trainer" "${flags[@]}" --accum 4 --stage 0 --json "$out/ck_${precision}_straight.json"
+  timeout 600 mpirun -n 4 "$trainer" "${flags[@]}" --stage 2 --save "$ck" --save-every 4 \
+    --json "$out/ck_${precision}_saved.json"
+  timeout 600 mpirun -n 2 "$trainer" --device cpu --quiet --stage 1 --load "$ck/step_4" \
+    --json "$out/ck_${precision}_resumed2.json"
+  timeout 600 "$trainer" --device cpu --quiet --stage 0 --load "$ck/step_4" --json "$out/ck_${precision}_resumed1.json"
+done
+timeout 600 mpirun -n 2 "$trainer" --device cpu --load "$out/ck_fp32/step_4" --stage 1 --log-every 4 \
+  >"$out/ck_resume_stdout"
+python3 - "$out" "$trainer" >"$out/checkpoint_resume" <<'PY'
+import json, os, sys
+out, trainer = sys.argv[1], sys.argv[2]
+print(f"Measured by `make notes`: the default BERT-mini ({trainer} --device cpu --steps 8), 8 optimizer steps")
+print("of 4 micro-batches of 8 x 128 tokens. \"saved by\" is the run that wrote step_4 (its times are its two")
+print("saves', step 4 and step 8); \"from step_4\" rows loaded it (`--load DIR/step_4 --stage S`, the run's N,")
+print("A taken from the checkpoint's N x A = 4) and trained steps 5 to 8.")
+print()
+print("| precision | run | N | A | stage | steps trained | loss scale at the end | last loss bits | final parameters hash | save / load |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for precision in ("fp32", "fp16"):
+    rows = [("straight", "straight"), ("saved", "saved by"), ("resumed2", "from step_4"), ("resumed1", "from step_4")]
+    for name, label in rows:
+        d = json.load(open(os.path.join(out, f"ck_{precision}_{name}.json")))
+        ck = d["checkpoint"]
+        times = (" + ".join(f"{s['seconds']:.2f} s" for s in ck["saved"]) + " saving" if ck["saved"]
+                 else f"{ck['loaded']['seconds']:.2f} s loading" if ck["loaded"] else "")
+        trained = f"{d['steps'][0]['step']}..{d['steps'][-1]['step']}" if d["steps"] else "none"
+        print(f"| {precision} | {label} | {d['world_size']} | {d['accum']} | {d['stage']} | {trained} | "
+              f"{d['loss_scale']:g} | `{d['steps'][-1]['loss_bits']}` | `{d['final_params_hash']}` | {times} |")
+PY
+{
+  echo '```'
+  echo "\$ mpirun -n 4 $trainer --precision fp32 --steps 8 --stage 2 --save ck --save-every 4"
+  echo "\$ find ck -type f -printf '%p %s bytes\\n' | sort && cat ck/latest"
+  find "$out/ck_fp32" -type f -printf '%p %s bytes\n' | sort && cat "$out/ck_fp32/latest"
+  echo "\$ cat ck/step_4/index.json    # the parameter list (name, shape, numel of each) cut after the first"
+  python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+d['parameters'] = d['parameters'][:1] + ['... %d more' % (len(d['parameters']) - 1)]
+print(json.dumps(d, indent=1))" "$out/ck_fp32/step_4/index.json"
+  echo "\$ mpirun -n 2 $trainer --load ck/step_4 --stage 1 --log-every 4    # N x A = 2 x 2, steps 5 to 8"
+  sed -n '/^train_bert_mini/,/^summary/p' "$out/ck_resume_stdout" | grep -E '^(train_bert_mini|  (world|stage|batch|loaded)|step)'
+  echo '```'
+} | sed "s|$out/ck_fp32|ck|g" >"$out/checkpoint_layout"
+
 # --- reliability (README, "When something goes wrong") -------------------------------
 # reliability_messages: a rank stopped mid-run (the watchdog), ranks waiting for
 # different things (tests/watchdog_check.cpp), a full disk (a

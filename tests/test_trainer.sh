@@ -924,10 +924,83 @@ ZERO2_TEST_FAULT="kill 2 1" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --step
 status=$?
 timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_killed" --quiet --json "$work/after_kill.json" > "$work/log" 2>&1
 verdict=$(resumed_matches "$work/ck_keep.json" "$work/after_kill.json" 2>&1)  # the same run, never killed
-if [ $status -ne 0 ] && [ "$(cat "$work/ck_killed/latest")" = step_4 ] && [ ! -e "$work/ck_killed/step_8/index.json" ] && [ "$verdict" = ok ] &&
-   [ -z "$(find "$work/ck_killed" -name '*zero2-tmp*')" ]; then
-  pass "a rank killed mid-save: exit $status, latest = step_4, step_8 has no index, no temporary; resuming gives the straight bits"
+if [ $status -ne 0 ] && [ "$(cat "$work/ck_killed/latest")" = step_4 ] && [ ! -e "$work/ck_killed/step_8" ] && [ "$verdict" = ok ] &&
+   [ -d "$work/ck_killed/.step_8.incomplete" ] && [ -z "$(find "$work/ck_killed" -name '*zero2-tmp*')" ]; then
+  pass "a rank killed mid-save: exit $status, latest = step_4, no step_8 (only .step_8.incomplete), no temporary; resuming gives the straight bits"
 else fail "killed save: exit $status, latest $(cat "$work/ck_killed/latest"), $verdict"; fi
+# The next save into that directory clears what the killed one left.
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_killed" --steps 0 --save "$work/ck_killed" > "$work/log" 2>&1
+[ -z "$(ls -A "$work/ck_killed" | grep incomplete)" ] && pass "the next save removes .step_8.incomplete" ||
+  fail "after the next save: $(ls -A "$work/ck_killed" | tr '\n' ' ') $(head -c 200 "$work/log")"
+# A step saved again (resumed from step 6 into the same --save), killed while
+# writing the replacement of step_8: step_8 is still the old complete one,
+# latest still loads it; unkilled, the replacement holds the same bits.
+rm -rf "$work/ck_redo"; cp -r "$work/ck_keep" "$work/ck_redo"
+ZERO2_TEST_FAULT="kill 1 1" timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_redo/step_6" --save "$work/ck_redo" > /dev/null 2>&1
+status=$?
+timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_redo" --steps 0 --json "$work/redo_load.json" > "$work/log" 2>&1
+loads=$?
+timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_redo/step_6" --save "$work/ck_redo" > /dev/null 2>&1
+if [ $status -ne 0 ] && [ $loads -eq 0 ] && [ "$(cat "$work/ck_redo/latest")" = step_8 ] &&
+   $PYTHON tests/read_checkpoint.py "$work/ck_redo/step_8" --same-as "$work/ck_keep/step_8" > "$work/reader.log" 2>&1 &&
+   [ -z "$(ls -A "$work/ck_redo" | grep incomplete)" ]; then
+  pass "a re-save of step_8 killed midway leaves the old step_8 loadable; done at N=1, the same bits"
+else fail "re-save: exit $status, load $loads, $(head -c 200 "$work/log") $(head -c 200 "$work/reader.log")"; fi
+
+# What a review found (each was a wrong result or a raw error before).
+# An export that records nothing may run at any N, even one that cannot split the batch:
+timeout 120 mpirun -n 3 "$trainer" --load "$work/ck_export" --steps 0 --export-hf "$work/consolidated3" --quiet > "$work/log" 2>&1
+cmp -s "$work/own_export/model.safetensors" "$work/consolidated3/model.safetensors" &&
+  pass "--load (4 x 1) --steps 0 --export-hf at N=3: the same export" || fail "export at N=3: $(head -c 300 "$work/log")"
+# ...but a re-slice records N x A, so it keeps the global batch.
+bad_case "the global batch must stay the same" --load "$good" --steps 0 --accum 3 --save "$work/no_reslice"
+# --steps 0 --save alone (no --json, no export) re-slices at this N.
+timeout 120 mpirun -n 2 "$trainer" --load "$good" --steps 0 --save "$work/ck_reslice" > "$work/log" 2>&1 &&
+  $PYTHON tests/read_checkpoint.py "$work/ck_reslice/step_8" --same-as "$good/step_8" > "$work/reader.log" 2>&1 &&
+  pass "--load (N=4) --steps 0 --save at N=2: the same bits, saved by 2 ranks" ||
+  fail "re-slice: $(head -c 200 "$work/log") $(head -c 200 "$work/reader.log")"
+# A consistent DeepSpeed train_batch_size on resume (2 x 2 x 2 = 8 = the saved 4 x 1 x 2).
+echo '{"train_batch_size": 8}' > "$work/tbs8.json"
+timeout 120 mpirun -n 2 "$trainer" --load "$good/step_4" --config "$work/tbs8.json" --quiet --json "$work/tbs.json" > "$work/log" 2>&1
+verdict=$(resumed_matches "$good.straight.json" "$work/tbs.json" 2>&1)
+[ "$verdict" = ok ] && pass "resume with a consistent train_batch_size: the same bits" || fail "train_batch_size resume: $verdict $(head -c 200 "$work/log")"
+# 16-bit accumulation rounds per micro-step: another A would change the bits.
+echo '{"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}}' > "$work/bf16_accum.json"
+timeout 120 mpirun -n 1 "$trainer" "${ck[@]}" --config "$work/bf16_accum.json" --accum 4 --steps 2 --save "$work/ck_bf16_accum" > /dev/null 2>&1
+bad_ranks=4 bad_case "accumulates gradients in bf16 (data_types.grad_accum_dtype), which rounds after every micro-step" \
+  --load "$work/ck_bf16_accum"
+# An index whose fields have the wrong type or value, named with the file.
+index_edit() {  # python statement on d (the index), then the bad_case's expected text
+  damaged; python3 -c "
+import json, sys; p = sys.argv[1]; d = json.load(open(p)); $1; json.dump(d, open(p, 'w'))" "$work/damaged/step_4/index.json"
+  bad_case "$2" --load "$work/damaged/step_4"
+}
+index_edit "d['settings']['precision'] = 'fp8'" "wants fp32|bf16|fp16 (got 'fp8')"
+index_edit "d['format'] = 5" "is not a zero2 checkpoint index"
+index_edit "d['files'][0]['file'] = 7" "'files.0.file' = 7 is not a string"
+index_edit "d['files'][2]['bytes'] = -1" "'files.2.bytes' = -1 is not an integer"
+index_edit "d['data']['bytes'] = '12'" "'data.bytes' = \"12\" is not an integer"
+index_edit "d['accum'] = 2**31 - 1" "'accum' = 2147483647 is not an integer from 1 to 1048576"
+damaged; python3 -c "
+import sys; p = sys.argv[1]; b = bytearray(open(p, 'rb').read()); n = int.from_bytes(b[:8], 'little')
+h = b[8:8 + n].decode().replace('\"master\":{', '\"master\":5,\"x\":{', 1); b[8:8 + n] = h.encode()[:n].ljust(n)
+open(p, 'wb').write(b)" "$work/damaged/step_4/rank_00000.safetensors"
+bad_case "rank_00000.safetensors' is damaged" --load "$work/damaged/step_4"
+bad_case "--load '$work/nonexistent' does not exist" --load "$work/nonexistent"
+# A directory named like a step but too large for a number is not one.
+mkdir -p "$work/ck_odd/step_99999999999999999999"
+timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 2 --save "$work/ck_odd" --json "$work/odd.json" > "$work/log" 2>&1 &&
+  [ -f "$work/odd.json" ] && [ -d "$work/ck_odd/step_99999999999999999999" ] &&
+  pass "a stray step_99999999999999999999 is left alone" || fail "stray step directory: $(head -c 200 "$work/log")"
+# --data as a relative path, resumed from another working directory.
+cp "$work/corpus.txt" "$work/relative.txt"
+trainer_path=$(realpath "$trainer")  # the subshells below change directory
+(cd "$work" && timeout 120 mpirun -n 2 "$trainer_path" "${ck[@]}" --steps 4 --save-every 2 --data relative.txt --save ck_relative \
+   --json relative_straight.json > /dev/null 2>&1)
+(cd / && timeout 120 mpirun -n 2 "$trainer_path" --load "$work/ck_relative/step_2" --quiet --json "$work/relative_resumed.json" > "$work/log" 2>&1)
+verdict=$(resumed_matches "$work/relative_straight.json" "$work/relative_resumed.json" 2>&1)
+[ "$verdict" = ok ] && pass "--data relative.txt, resumed from another directory: found, the same bits" ||
+  fail "relative --data resume: $verdict $(head -c 200 "$work/log")"
 
 # SIGTERM (a scheduler's preemption) to mpirun mid-run at N = 2, once step
 # 100 of 3000 has been printed: every rank finishes its step, saves, writes
