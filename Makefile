@@ -24,8 +24,16 @@
 # the tests and the benchmark compare with, so only `make test`, `bench` and
 # `notes` ask for it; matplotlib only draws the figures (`make figures`).
 PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev
-TEST_PACKAGES := python3-torch python3-numpy
+TEST_PACKAGES := python3-torch python3-numpy python3-venv
 FIGURE_PACKAGES := python3-matplotlib
+# The Hugging Face round trip (tests/hf_roundtrip.py) needs transformers,
+# which Debian does not package: a venv on Debian's python (its torch and
+# numpy) with these from PyPI, pinned. 4.39 is the newest line that runs on
+# Debian's torch 1.13; an unpinned pip picks 5.x, which wants torch >= 2.6.
+# Made once by `make test` (hf-venv); when PyPI cannot be reached there is
+# no venv, and the test says SKIP with the reason.
+HF_VENV := .venv-hf
+HF_PACKAGES := transformers==4.39.3 tokenizers==0.15.2
 
 # --- tools --------------------------------------------------------------------
 CUDA_HOME ?= /usr/local/cuda
@@ -74,7 +82,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run demo bench fraglab test test-cpu sanitize notes figures deps test-deps figure-deps found clean
+.PHONY: all cpu run demo bench fraglab test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -192,10 +200,10 @@ fraglab: deps found
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
 	$(RUN_ENV) tests/fraglab.sh build
 
-test: deps test-deps all
+test: deps test-deps hf-venv all
 	$(RUN_ENV) tests/run_tests.sh build
 
-test-cpu: deps test-deps cpu
+test-cpu: deps test-deps hf-venv cpu
 	$(RUN_ENV) tests/run_tests.sh build-cpu
 
 sanitize: deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini
@@ -217,6 +225,17 @@ deps test-deps figure-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else \
 	  echo "missing Debian packages:$$missing"; echo "install them with:  sudo apt-get install -y$$missing"; exit 1; \
+	fi
+
+hf-venv:
+	@if $(HF_VENV)/bin/python -c 'import transformers, tokenizers' 2>/dev/null; then exit 0; fi; \
+	rm -rf $(HF_VENV); \
+	if /usr/bin/python3 -m venv --system-site-packages $(HF_VENV) >$(HF_VENV).log 2>&1 && \
+	   timeout 600 $(HF_VENV)/bin/pip install -q --disable-pip-version-check $(HF_PACKAGES) >>$(HF_VENV).log 2>&1; then \
+	  echo "made $(HF_VENV): $(HF_PACKAGES)"; \
+	else \
+	  echo "could not make $(HF_VENV) ($$(tail -n 1 $(HF_VENV).log)): the Hugging Face round trip will say SKIP"; \
+	  rm -rf $(HF_VENV); \
 	fi
 
 clean:

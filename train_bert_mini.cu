@@ -74,6 +74,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zero2.h"
@@ -102,8 +103,16 @@ struct Settings {
   float dropout = 0.1f;
   // batch and optimizer
   int micro_batch = 8, accum = 1;
-  long steps = 100, warmup = -1;  // warmup -1: a tenth of the steps
+  long steps = 100, warmup = -1;  // warmup -1: a tenth of the schedule
+  // The schedule (DeepSpeed's WarmupDecayLR / WarmupLR): warmup from
+  // warmup_min_lr to lr over `warmup` steps, linear or log, then a linear
+  // decay back to warmup_min_lr at schedule_steps, or none. schedule_steps
+  // 0: --steps (the run ends where the decay does).
+  long schedule_steps = 0;
+  std::string warmup_type = "linear", decay = "linear";
+  double warmup_min_lr = 0.0;
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01, clip = 1.0;
+  bool bias_correction = true;  // Adam's 1 / (1 - beta^t); DeepSpeed's FusedAdam may turn it off
   uint64_t seed = 1;
   long train_batch_size = 0;  // from a config file only: checked against micro x accum x N
   bool accum_given = false;   // else DeepSpeed derives accum from train_batch_size
@@ -120,7 +129,7 @@ struct Settings {
   std::string activations = "keep", alloc = "arena";
   long device_memory_limit = 0;  // bytes per rank; 0: enough for the run
   // files and output
-  std::string data, config, json_path, export_dir, dump_dir, memory_trace;
+  std::string data, config, json_path, export_dir, dump_dir, memory_trace, metrics;
   double timeout = 600;  // seconds the watchdog lets a collective or transfer wait (zero2.h)
   // checkpoints (notes/09)
   std::string save_dir, load_dir;
@@ -134,6 +143,8 @@ struct Settings {
   std::set<std::string> given;
   long log_every = 10;
   bool quiet = false;
+  bool wall_clock_breakdown = false;  // forward / backward / step times on each progress line (DeepSpeed's key)
+  std::vector<std::string> config_notes;  // config keys that act differently here, for the header
 };
 
 // Every error a user can cause ends here: one message, the same on every rank
@@ -248,6 +259,10 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--accum") s.accum = (int)parse_integer(name, value, 1, 1 << 20), s.accum_given = true;
   else if (flag == "--steps") s.steps = parse_integer(name, value, 0, big);  // 0: only with --load (check_consistency)
   else if (flag == "--warmup") s.warmup = parse_integer(name, value, 0, big);
+  else if (flag == "--schedule-steps") s.schedule_steps = parse_integer(name, value, 1, big);
+  else if (flag == "--warmup-type") s.warmup_type = parse_choice(name, value, {"linear", "log"});
+  else if (flag == "--decay") s.decay = parse_choice(name, value, {"linear", "none"});
+  else if (flag == "--wall-clock-breakdown") s.wall_clock_breakdown = parse_integer(name, value, 0, 1) != 0;
   else if (flag == "--lr") s.lr = parse_real(name, value, 0.0, 10.0);
   else if (flag == "--weight-decay") s.weight_decay = parse_real(name, value, 0.0, 10.0);
   else if (flag == "--clip") s.clip = parse_real(name, value, 0.0, 1e30);
@@ -256,6 +271,7 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--data") s.data = parse_path(name, value);
   else if (flag == "--config") s.config = parse_path(name, value);
   else if (flag == "--json") s.json_path = parse_path(name, value);
+  else if (flag == "--metrics") s.metrics = parse_path(name, value);
   else if (flag == "--export-hf") s.export_dir = parse_path(name, value);
   else if (flag == "--dump-batch") s.dump_dir = parse_path(name, value);
   else if (flag == "--activations") s.activations = parse_choice(name, value, {"keep", "recompute", "offload"});
@@ -281,16 +297,28 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "beta1") s.beta1 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "eps") s.eps = parse_real(name, value, 1e-30, 1.0);
+  else if (flag == "warmup_min_lr") s.warmup_min_lr = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "bias_correction") s.bias_correction = parse_integer(name, value, 0, 1) != 0;
   else if (flag == "train_batch_size") s.train_batch_size = parse_integer(name, value, 1, big);
   else fail("unknown flag '%s' (train_bert_mini --help lists the flags)", flag.c_str());
 }
 
-// A DeepSpeed configuration file (the subset that means something here). Each
-// known key becomes the flag it corresponds to; a key we do not know is an
-// error that names it, because silently ignoring a setting the user believes
-// is in force is worse than refusing it.
+// A DeepSpeed configuration file, read as DeepSpeed reads it (notes/07,
+// "DeepSpeed configs"). Every key DeepSpeed documents that matters here
+// either becomes the flag it corresponds to, or is accepted because it
+// changes nothing here (the reason is in a comment beside it), or is refused
+// with its reason; a key neither side knows is refused too, because silently
+// ignoring a setting the user believes is in force is worse. All the refused
+// keys of a file are listed in one message, not one per run. "auto" (the
+// Hugging Face Trainer's placeholder, which it fills from its own arguments)
+// leaves the setting to the command line or the default, as if absent.
 struct ConfigSetting {
   std::string flag, value, key;  // the flag it acts as, its value as text, the config key (for messages)
+};
+struct ConfigReading {
+  std::vector<ConfigSetting> flags;  // what the file sets, as flags, in the order to apply them
+  std::vector<std::string> refused;  // "key: why", every refused key of the file
+  std::vector<std::string> notes;    // accepted keys that act differently from DeepSpeed (printed in the header)
 };
 // How deep a config's objects and arrays may nest. DeepSpeed's go 3 deep;
 // the JSON library recurses when it frees or prints a value, so a file
@@ -395,19 +423,34 @@ struct NumberTexts : nlohmann::json_sax<json> {
   bool parse_error(std::size_t, const std::string&, const json::exception&) override { return false; }
 };
 
-inline std::vector<ConfigSetting> read_config(const std::string& path) {
-  const std::string text = read_config_text(path);
-  const json config = parse_config_json(path, text);
-  if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path.c_str());
-  NumberTexts numbers;
-  json::sax_parse(text, &numbers);  // valid JSON by now: this pass only collects the numbers' texts
-  std::vector<ConfigSetting> flags;
-  // A number as the text the flag parser reads, as written: integers
-  // (an unsigned 2^64 - 1 stays 18446744073709551615) and floats (1e-5
-  // stays 1e-5), never a boolean. `key` is the value's path.
-  auto number = [&](const json& value, const std::string& key) -> std::string {
-    if (!value.is_number())
-      fail("config key '%s' wants a number (got %s)", key.c_str(), value.dump().c_str());
+class ConfigReader {
+ public:
+  explicit ConfigReader(const std::string& path) : path_(path) {}
+
+  ConfigReading read() {
+    const std::string text = read_config_text(path_);
+    const json config = parse_config_json(path_, text);
+    if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path_.c_str());
+    json::sax_parse(text, &numbers_);  // valid JSON by now: this pass only collects the numbers' texts
+    for (auto& [key, value] : config.items()) top_level(key, value);
+    settle_learning_rate_and_clipping();
+    return out_;
+  }
+
+ private:
+  // --- values ------------------------------------------------------------
+  static bool is_auto(const json& value) { return value.is_string() && value.get<std::string>() == "auto"; }
+  void refuse(const std::string& key, const std::string& why) { out_.refused.push_back(key + ": " + why); }
+  void unknown(const std::string& key) { refuse(key, "not a DeepSpeed key this trainer knows"); }
+
+  // A number as the text the flag parser reads, as written: integers (an
+  // unsigned 2^64 - 1 stays 18446744073709551615) and floats (1e-5 stays
+  // 1e-5), never a boolean. Empty when refused.
+  std::string number(const json& value, const std::string& key) {
+    if (!value.is_number()) {
+      refuse(key, "wants a number (got " + value.dump() + ")");
+      return "";
+    }
     if (value.is_number_unsigned()) return std::to_string(value.get<unsigned long long>());
     if (value.is_number_integer()) return std::to_string(value.get<long long>());
     // A whole number written as a float (DeepSpeed's configs write
@@ -416,117 +459,315 @@ inline std::vector<ConfigSetting> read_config(const std::string& path) {
     char digits[64];
     snprintf(digits, sizeof digits, "%.0f", real);
     if (real == std::floor(real) && std::fabs(real) <= 9007199254740992.0) return digits;  // 2^53
-    const auto written = numbers.texts.find(key);
-    if (written != numbers.texts.end()) return written->second;
+    const auto written = numbers_.texts.find(key);
+    if (written != numbers_.texts.end()) return written->second;
     snprintf(digits, sizeof digits, "%.17g", real);
     return digits;
-  };
-  auto boolean = [&](const json& value, const std::string& key) -> std::string {
-    if (!value.is_boolean()) fail("config key '%s' wants true or false (got %s)", key.c_str(), value.dump().c_str());
-    return value.get<bool>() ? "1" : "0";
-  };
-  auto object = [&](const json& value, const std::string& key) -> const json& {
-    if (!value.is_object()) fail("config key '%s' wants an object", key.c_str());
-    return value;
-  };
-  auto must_be = [&](const json& value, const std::string& key, const json& expected, const char* why) {
-    if (value != expected) fail("config key '%s' = %s is not supported: %s", key.c_str(), value.dump().c_str(), why);
-  };
-  for (auto& [key, value] : config.items()) {
-    if (key == "train_batch_size") flags.push_back({"train_batch_size", number(value, key), key});
-    else if (key == "train_micro_batch_size_per_gpu") flags.push_back({"--micro-batch", number(value, key), key});
-    else if (key == "gradient_accumulation_steps") flags.push_back({"--accum", number(value, key), key});
-    else if (key == "gradient_clipping") flags.push_back({"--clip", number(value, key), key});
-    else if (key == "steps_per_print") flags.push_back({"--log-every", number(value, key), key});
-    else if (key == "fp16" || key == "bf16") {
-      // DeepSpeed's mixed-precision blocks (notes/08). The loss-scaling keys
-      // are fp16's; inside a disabled block they are read and have no effect.
-      for (auto& [inner, setting] : object(value, key).items()) {
-        const std::string name = key + "." + inner;
-        if (inner == "enabled") {
-          flags.push_back({name, boolean(setting, name), name});
-        } else if (key == "fp16" && (inner == "loss_scale" || inner == "initial_scale_power" ||
-                                     inner == "loss_scale_window" || inner == "hysteresis" || inner == "min_loss_scale"))
-          flags.push_back({inner, number(setting, name), name});
-        else if (key == "fp16" && inner == "consecutive_hysteresis") {
-          flags.push_back({inner, boolean(setting, name), name});
-        } else if (key == "fp16" && inner == "auto_cast")
-          must_be(setting, name, false, "the model casts nothing: its inputs are token ids");
-        else fail("unknown config key '%s'", name.c_str());
-      }
-    } else if (key == "data_types") {
-      for (auto& [inner, setting] : object(value, key).items()) {
-        const std::string name = key + "." + inner;
-        if (inner != "grad_accum_dtype") fail("unknown config key '%s'", name.c_str());
-        // DeepSpeed's spellings of the three types.
-        static const std::map<std::string, std::string> names = {
-            {"fp32", "fp32"}, {"float32", "fp32"}, {"float", "fp32"}, {"torch.float32", "fp32"},
-            {"bf16", "bf16"}, {"bfloat16", "bf16"}, {"bfloat", "bf16"}, {"torch.bfloat16", "bf16"},
-            {"fp16", "fp16"}, {"float16", "fp16"}, {"half", "fp16"}, {"torch.float16", "fp16"}};
-        const auto found = setting.is_string() ? names.find(setting.get<std::string>()) : names.end();
-        if (found == names.end())
-          fail("config key '%s' wants \"fp32\", \"bf16\" or \"fp16\" (got %s)", name.c_str(), setting.dump().c_str());
-        flags.push_back({"grad_accum_dtype", found->second, name});
-      }
-    } else if (key == "zero_optimization") {
-      for (auto& [inner, setting] : object(value, key).items()) {
-        const std::string name = key + "." + inner;
-        if (inner == "stage") flags.push_back({"--stage", number(setting, name), name});
-        else if (inner == "reduce_bucket_size") flags.push_back({"--bucket", number(setting, name), name});
-        else if (inner == "overlap_comm") flags.push_back({"--overlap", boolean(setting, name), name});
-        else if (inner == "contiguous_gradients")
-          must_be(setting, name, true, "gradients always live in one contiguous buffer here");
-        else if (inner == "reduce_scatter")
-          must_be(setting, name, true, "gradients are always reduce-scattered here (the deterministic all-to-all)");
-        else if (inner == "allgather_partitions")
-          must_be(setting, name, true, "parameters are always all-gathered bucket by bucket here");
-        else fail("unknown config key '%s'", name.c_str());
-      }
-    } else if (key == "optimizer") {
-      for (auto& [inner, setting] : object(value, key).items()) {
-        const std::string name = key + "." + inner;
-        if (inner == "type") must_be(setting, name, "AdamW", "the optimizer is torch.optim.AdamW");
-        else if (inner == "params") {
-          for (auto& [param, entry] : object(setting, name).items()) {
-            const std::string full = name + "." + param;
-            if (param == "lr") flags.push_back({"--lr", number(entry, full), full});
-            else if (param == "weight_decay") flags.push_back({"--weight-decay", number(entry, full), full});
-            else if (param == "eps") flags.push_back({"eps", number(entry, full), full});
-            else if (param == "betas") {
-              if (!entry.is_array() || entry.size() != 2) fail("config key '%s' wants [beta1, beta2]", full.c_str());
-              flags.push_back({"beta1", number(entry[0], full + "[0]"), full + "[0]"});
-              flags.push_back({"beta2", number(entry[1], full + "[1]"), full + "[1]"});
-            } else fail("unknown config key '%s'", full.c_str());
-          }
-        } else fail("unknown config key '%s'", name.c_str());
-      }
-    } else if (key == "scheduler") {
-      bool linear_warmup = false;
-      for (auto& [inner, setting] : object(value, key).items()) {
-        const std::string name = key + "." + inner;
-        if (inner == "type")
-          must_be(setting, name, "WarmupDecayLR", "the schedule is linear warmup then linear decay");
-        else if (inner == "params") {
-          for (auto& [param, entry] : object(setting, name).items()) {
-            const std::string full = name + "." + param;
-            if (param == "warmup_num_steps") flags.push_back({"--warmup", number(entry, full), full});
-            else if (param == "total_num_steps") flags.push_back({"--steps", number(entry, full), full});
-            else if (param == "warmup_max_lr") flags.push_back({"--lr", number(entry, full), full});
-            else if (param == "warmup_min_lr") must_be(entry, full, 0, "warmup starts from 0");
-            else if (param == "warmup_type") must_be(entry, full, "linear", "warmup is linear"), linear_warmup = true;
-            else fail("unknown config key '%s'", full.c_str());
-          }
-        } else fail("unknown config key '%s'", name.c_str());
-      }
-      // DeepSpeed's warmup is logarithmic unless told otherwise; ours is
-      // linear, so a config that relies on the default would silently differ.
-      if (!linear_warmup)
-        fail("config key 'scheduler.params.warmup_type' is missing: DeepSpeed's default is \"log\", this trainer "
-             "warms up linearly; write \"warmup_type\": \"linear\"");
-    } else fail("unknown config key '%s'", key.c_str());
   }
-  return flags;
-}
+  // The value as a flag's text, by the kind the key wants; "auto" sets nothing.
+  void set_number(const std::string& flag, const std::string& key, const json& value) {
+    if (is_auto(value)) return;
+    const std::string text = number(value, key);
+    if (!text.empty()) out_.flags.push_back({flag, text, key});
+  }
+  void set_boolean(const std::string& flag, const std::string& key, const json& value) {
+    if (is_auto(value)) return;
+    if (!value.is_boolean()) return refuse(key, "wants true or false (got " + value.dump() + ")");
+    out_.flags.push_back({flag, value.get<bool>() ? "1" : "0", key});
+  }
+  // Accepted with one value only (anything else is refused with `why`).
+  void must_be(const std::string& key, const json& value, const json& expected, const std::string& why) {
+    if (!is_auto(value) && value != expected) refuse(key, value.dump() + " is not supported: " + why);
+  }
+  // Accepted whatever its value, when it has the right kind: it changes nothing here.
+  void accept_boolean(const std::string& key, const json& value) {
+    if (!value.is_boolean() && !is_auto(value)) refuse(key, "wants true or false (got " + value.dump() + ")");
+  }
+  bool object(const std::string& key, const json& value) {
+    if (!value.is_object()) refuse(key, "wants an object (got " + value.dump() + ")");
+    return value.is_object();
+  }
+  static std::string lower(std::string text) {
+    for (char& c : text) c = (char)std::tolower((unsigned char)c);
+    return text;
+  }
+
+  // --- the keys ------------------------------------------------------------
+  void top_level(const std::string& key, const json& value) {
+    if (key == "train_batch_size") set_number("train_batch_size", key, value);
+    else if (key == "train_micro_batch_size_per_gpu") set_number("--micro-batch", key, value);
+    else if (key == "gradient_accumulation_steps") set_number("--accum", key, value);
+    else if (key == "gradient_clipping") {
+      if (!is_auto(value)) clipping_ = {"", number(value, key), key};
+    } else if (key == "steps_per_print") set_number("--log-every", key, value);
+    else if (key == "wall_clock_breakdown") set_boolean("--wall-clock-breakdown", key, value);
+    else if (key == "fp16" || key == "bf16") precision_block(key, value);
+    else if (key == "data_types") data_types(key, value);
+    else if (key == "zero_optimization") zero_optimization(key, value);
+    else if (key == "optimizer") optimizer(key, value);
+    else if (key == "scheduler") scheduler(key, value);
+    else if (key == "activation_checkpointing") activation_checkpointing(key, value);
+    // The optimizer is AdamW, which ZeRO is tested with; there is no CPU optimizer without offload.
+    else if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
+    // The canonical tree sums gradients in fp32 and divides once (notes/06):
+    // dividing before the reduction would round differently.
+    else if (key == "prescale_gradients") must_be(key, value, false, "gradients are summed, then divided once (notes/06)");
+    else if (key == "gradient_predivide_factor")
+      must_be(key, value, 1, "gradients are summed, then divided once by the global batch (notes/06)");
+    else if (key == "amp") switched_off(key, value, "apex AMP is not used: --precision bf16|fp16, or the bf16 / fp16 blocks");
+    else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comms_logger" ||
+             key == "flops_profiler")
+      switched_off(key, value, "not implemented here: --json and --metrics record the run");
+    else unknown(key);
+  }
+  // A block accepted only when it says "enabled": false (or has no "enabled").
+  void switched_off(const std::string& key, const json& value, const std::string& why) {
+    if (!object(key, value)) return;
+    if (value.contains("enabled") && value["enabled"] != false) refuse(key + ".enabled", why);
+  }
+
+  // DeepSpeed's mixed-precision blocks (notes/08). In a disabled block the
+  // keys have no effect, as in DeepSpeed, but are still checked: a negative
+  // loss scale is wrong whether or not fp16 is on today.
+  void precision_block(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    const bool fp16 = key == "fp16";
+    const json enabled = value.value("enabled", json(false));
+    if (value.contains("enabled")) set_boolean(key + ".enabled", key + ".enabled", enabled);
+    static const std::set<std::string> fp16_numbers = {"loss_scale", "initial_scale_power", "loss_scale_window",
+                                                       "hysteresis", "min_loss_scale"};
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "enabled") continue;
+      if (fp16 && fp16_numbers.count(inner)) set_number(inner, name, setting);
+      else if (fp16 && inner == "consecutive_hysteresis") set_boolean(inner, name, setting);
+      else if (fp16 && inner == "auto_cast")
+        must_be(name, setting, false, "the model casts nothing: its inputs are token ids");
+      else if (fp16 && inner == "fp16_master_weights_and_grads")
+        must_be(name, setting, false, "the master weights and the reduced gradients are fp32 here (notes/08)");
+      else unknown(name);
+    }
+  }
+
+  void data_types(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner != "grad_accum_dtype") {
+        unknown(name);
+        continue;
+      }
+      // DeepSpeed's spellings of the three types.
+      static const std::map<std::string, std::string> names = {
+          {"fp32", "fp32"}, {"float32", "fp32"}, {"float", "fp32"}, {"torch.float32", "fp32"},
+          {"bf16", "bf16"}, {"bfloat16", "bf16"}, {"bfloat", "bf16"}, {"torch.bfloat16", "bf16"},
+          {"fp16", "fp16"}, {"float16", "fp16"}, {"half", "fp16"}, {"torch.float16", "fp16"}};
+      const auto found = setting.is_string() ? names.find(setting.get<std::string>()) : names.end();
+      if (found == names.end()) refuse(name, "wants \"fp32\", \"bf16\" or \"fp16\" (got " + setting.dump() + ")");
+      else out_.flags.push_back({"grad_accum_dtype", found->second, name});
+    }
+  }
+
+  void zero_optimization(const std::string& key, const json& value) {
+    // DeepSpeed's older form (its getting-started page still shows it):
+    // true is stage 1, false stage 0.
+    if (value.is_boolean()) return out_.flags.push_back({"--stage", value.get<bool>() ? "1" : "0", key});
+    if (!object(key, value)) return;
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "stage") {
+        if (setting.is_number_integer() && setting.get<long>() == 3)
+          refuse(name, "3 is not supported: stage 3 (P_p, the parameters partitioned) is not implemented; 0, 1 or 2");
+        else set_number("--stage", name, setting);
+      } else if (inner == "reduce_bucket_size") {
+        set_number("--bucket", name, setting);
+        if (setting.is_number()) reduce_bucket_ = number(setting, name);
+      } else if (inner == "allgather_bucket_size") {
+        if (!is_auto(setting)) allgather_bucket_ = number(setting, name);
+      } else if (inner == "overlap_comm") set_boolean("--overlap", name, setting);
+      else if (inner == "contiguous_gradients")
+        must_be(name, setting, true, "gradients always live in one contiguous buffer here");
+      else if (inner == "reduce_scatter")
+        must_be(name, setting, true, "gradients are always reduce-scattered here (the deterministic all-to-all)");
+      else if (inner == "allgather_partitions")
+        must_be(name, setting, true, "parameters are always all-gathered bucket by bucket here");
+      else if (inner == "offload_optimizer") offload(name, setting, true);
+      else if (inner == "cpu_offload")  // DeepSpeed's older spelling of offload_optimizer
+        must_be(name, setting, false, "ZeRO-Offload (the optimizer state in host memory) is not implemented");
+      // Stage 3's keys and offload_param act only in stage 3, as in DeepSpeed.
+      else if (inner == "offload_param") offload(name, setting, false);
+      else if (inner.rfind("stage3_", 0) == 0 || inner == "sub_group_size") {
+      }
+      // Orderings and checks that change nothing here: every parameter is
+      // used, checkpoints hold fp32 and reshard anyway (notes/09).
+      else if (inner == "round_robin_gradients" || inner == "ignore_unused_parameters" ||
+               inner == "load_from_fp32_weights" || inner == "elastic_checkpoint")
+        accept_boolean(name, setting);
+      else unknown(name);
+    }
+    if (!allgather_bucket_.empty() && allgather_bucket_ != reduce_bucket_)
+      out_.notes.push_back("zero_optimization.allgather_bucket_size " + allgather_bucket_ +
+                           ": the parameters are all-gathered in the reduce buckets (" +
+                           (reduce_bucket_.empty() ? std::string("--bucket") : reduce_bucket_) +
+                           " elements); bucket sizes change the speed, not the bits");
+  }
+  void offload(const std::string& key, const json& value, bool optimizer_state) {
+    if (!object(key, value)) return;
+    const json device = value.value("device", json("none"));
+    if (device == "none") return;
+    if (optimizer_state)
+      refuse(key + ".device", device.dump() + " is not supported: ZeRO-Offload (the optimizer state in host "
+                              "memory) is not implemented; \"none\" keeps it on the device");
+    else out_.notes.push_back(key + " has no effect below stage 3 (as in DeepSpeed)");
+  }
+
+  void optimizer(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    const json params = value.value("params", json::object());
+    if (value.contains("type")) {
+      const json& type = value["type"];
+      const std::string name = type.is_string() ? lower(type.get<std::string>()) : "";
+      // DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its default is true).
+      const bool adam_w = params.is_object() ? params.value("adam_w_mode", json(true)) == true : true;
+      if (name == "adam" && !adam_w)
+        refuse("optimizer.params.adam_w_mode", "false (Adam with L2 regularization in the gradient) is not "
+                                               "implemented: the optimizer is AdamW, DeepSpeed's default for \"Adam\"");
+      else if (name != "adamw" && name != "adam")
+        refuse("optimizer.type", type.dump() + " is not supported: the optimizer is AdamW (\"AdamW\", or \"Adam\" "
+                                               "with adam_w_mode true)");
+    }
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "type") continue;
+      if (inner != "params") {
+        unknown(name);
+        continue;
+      }
+      if (!object(name, setting)) continue;
+      for (auto& [param, entry] : setting.items()) {
+        const std::string full = name + "." + param;
+        if (param == "lr") {
+          if (!is_auto(entry)) optimizer_lr_ = {"", number(entry, full), full};
+        } else if (param == "weight_decay") set_number("--weight-decay", full, entry);
+        else if (param == "eps") set_number("eps", full, entry);
+        else if (param == "betas") {
+          if (is_auto(entry)) continue;
+          if (!entry.is_array() || entry.size() != 2) {
+            refuse(full, "wants [beta1, beta2] (got " + entry.dump() + ")");
+            continue;
+          }
+          set_number("beta1", full + "[0]", entry[0]);
+          set_number("beta2", full + "[1]", entry[1]);
+        } else if (param == "bias_correction") set_boolean("bias_correction", full, entry);
+        else if (param == "adam_w_mode") accept_boolean(full, entry);  // checked with the type above
+        // Which implementation computes it (torch's, fused): the same update.
+        else if (param == "torch_adam" || param == "fused" || param == "foreach") accept_boolean(full, entry);
+        else if (param == "amsgrad") must_be(full, entry, false, "AMSGrad is not implemented");
+        // apex's FusedAdam clipped inside the optimizer; it is the global-norm clip.
+        else if (param == "max_grad_norm") {
+          if (!is_auto(entry)) max_grad_norm_ = {"", number(entry, full), full};
+        } else unknown(full);
+      }
+    }
+  }
+
+  // WarmupLR (warmup, then constant) and WarmupDecayLR (warmup, then linear
+  // decay to warmup_min_lr at total_num_steps), with DeepSpeed's default
+  // "log" warmup; names in any case, as DeepSpeed takes them.
+  void scheduler(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    std::string type = "warmupdecaylr";
+    if (value.contains("type")) {
+      const json& named = value["type"];
+      type = named.is_string() ? lower(named.get<std::string>()) : "";
+      if (type == "warmuplr") out_.flags.push_back({"--decay", "none", key + ".type"});
+      else if (type == "warmupdecaylr") out_.flags.push_back({"--decay", "linear", key + ".type"});
+      else
+        refuse(key + ".type", named.dump() + " is not supported: WarmupLR (warmup, then constant) or WarmupDecayLR "
+                                             "(warmup, then linear decay)");
+    }
+    bool warmup_type_given = false;
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "type") continue;
+      if (inner != "params") {
+        unknown(name);
+        continue;
+      }
+      if (!object(name, setting)) continue;
+      for (auto& [param, entry] : setting.items()) {
+        const std::string full = name + "." + param;
+        if (param == "warmup_num_steps") set_number("--warmup", full, entry);
+        else if (param == "warmup_max_lr") {
+          if (!is_auto(entry)) scheduler_lr_ = {"", number(entry, full), full};
+        } else if (param == "warmup_min_lr") set_number("warmup_min_lr", full, entry);
+        else if (param == "total_num_steps" && type == "warmupdecaylr") set_number("--schedule-steps", full, entry);
+        else if (param == "warmup_type") {
+          warmup_type_given = true;
+          if (entry == "linear" || entry == "log") out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
+          else if (!is_auto(entry)) refuse(full, "wants \"linear\" or \"log\" (got " + entry.dump() + ")");
+        } else if (param == "last_batch_iteration")
+          must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
+        else unknown(full);
+      }
+    }
+    // DeepSpeed's warmup is logarithmic unless told otherwise.
+    if (!warmup_type_given) out_.flags.push_back({"--warmup-type", "log", key + ".params.warmup_type (DeepSpeed's default)"});
+  }
+
+  // DeepSpeed's activation checkpointing (paper section 6.1's ZeRO-R, as
+  // Megatron uses it): a block that is present checkpoints each block's
+  // input and recomputes its forward in backward; cpu_checkpointing sends
+  // the checkpoints to the host (notes/04).
+  void activation_checkpointing(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    std::string mode = "recompute";
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "partition_activations")
+        must_be(name, setting, false, "P_a splits activation checkpoints across model-parallel ranks, and there is "
+                                      "no model parallelism here (notes/04)");
+      else if (inner == "cpu_checkpointing") {
+        accept_boolean(name, setting);
+        if (setting == true) mode = "offload";
+      } else if (inner == "contiguous_memory_optimization") {
+        accept_boolean(name, setting);  // false: the arena stays zero2's default (--alloc naive is the other)
+        if (setting == true) out_.flags.push_back({"--alloc", "arena", name});
+      }
+      // Every block is a checkpoint here, and the copies are ordered by events.
+      else if (inner == "number_checkpoints") {
+        if (!setting.is_null() && !setting.is_number_integer() && !is_auto(setting))
+          refuse(name, "wants an integer or null (got " + setting.dump() + ")");
+      } else if (inner == "synchronize_checkpoint_boundary") accept_boolean(name, setting);
+      else if (inner == "profile")
+        must_be(name, setting, false, "per-checkpoint timing is not implemented (wall_clock_breakdown times forward, "
+                                      "backward and the step)");
+      else unknown(name);
+    }
+    out_.flags.push_back({"--activations", mode, key});
+  }
+
+  // The learning rate: the scheduler's warmup_max_lr when given (DeepSpeed's
+  // scheduler sets the rate every step), else the optimizer's lr. Clipping:
+  // gradient_clipping, or an apex-era optimizer's max_grad_norm; both given
+  // must agree.
+  void settle_learning_rate_and_clipping() {
+    const ConfigSetting& lr = !scheduler_lr_.value.empty() ? scheduler_lr_ : optimizer_lr_;
+    if (!lr.value.empty()) out_.flags.push_back({"--lr", lr.value, lr.key});
+    if (!clipping_.value.empty() && !max_grad_norm_.value.empty() &&
+        std::strtod(clipping_.value.c_str(), nullptr) != std::strtod(max_grad_norm_.value.c_str(), nullptr))
+      refuse(max_grad_norm_.key, max_grad_norm_.value + " contradicts gradient_clipping " + clipping_.value +
+                                     ": one global-norm clip applies");
+    const ConfigSetting& clip = !clipping_.value.empty() ? clipping_ : max_grad_norm_;
+    if (!clip.value.empty()) out_.flags.push_back({"--clip", clip.value, clip.key});
+  }
+
+  std::string path_;
+  NumberTexts numbers_;
+  ConfigReading out_;
+  ConfigSetting optimizer_lr_, scheduler_lr_, clipping_, max_grad_norm_;  // settled once every key is read
+  std::string reduce_bucket_, allgather_bucket_;  // as numbers' texts, for the note
+};
 
 // The precision, from --precision and a config's fp16 / bf16 blocks. A
 // config alone decides as DeepSpeed does; --precision alone decides; when
@@ -558,43 +799,67 @@ inline z2::Precision precision_of(const Settings& s) {
 // What --help prints: every flag, its values and its default (Settings above).
 constexpr const char* usage_text = R"usage(usage: mpirun -n N train_bert_mini [flags]
 BERT-mini masked-language-model training with ZeRO stage 0, 1 or 2 (README.md, notes/07).
+Each flag's default is in parentheses, the DeepSpeed config key that sets it in brackets;
+a flag on the command line overrides the config file.
 
 where and how
-  --stage 0|1|2              ZeRO stage (default 2)
-  --device auto|cpu|cuda     compute backend (default auto: cuda when a GPU is visible)
-  --comm auto|mpi|nccl       communication backend (default auto: nccl with cuda)
-  --collectives deterministic|native   the canonical-order sums, or the library's own (default deterministic)
-  --bucket ELEMENTS          gradient bucket size (default 524288)
-  --overlap 0|1              reduce buckets during backward (default 1)
-  --precision fp32|bf16|fp16 working precision; fp32 master weights either way (default fp32; notes/08)
-  --timeout SECONDS          the watchdog's limit on any wait (default 600)
+  --stage 0|1|2              ZeRO stage (2) [zero_optimization.stage]
+  --device auto|cpu|cuda     compute backend (auto: cuda when a GPU is visible)
+  --comm auto|mpi|nccl       communication backend (auto: nccl with cuda, else mpi)
+  --collectives deterministic|native   the canonical-order sums, or the library's own (deterministic)
+  --bucket ELEMENTS          gradient bucket size (524288) [zero_optimization.reduce_bucket_size]
+  --overlap 0|1              reduce buckets during backward (1) [zero_optimization.overlap_comm]
+  --precision fp32|bf16|fp16 working precision; fp32 master weights either way (fp32; notes/08)
+                             [fp16.enabled, bf16.enabled; fp16's loss-scaler keys]
+  --timeout SECONDS          the watchdog's limit on any wait (600)
 model
-  --layers L --hidden H --heads NH --intermediate F   (default 4, 256, 4, 1024: BERT-Mini)
-  --seq T --max-positions P  window length and position table (default 128, 512)
-  --dropout P                (default 0.1)
-batch and optimizer (AdamW, linear warmup then linear decay)
-  --micro-batch B --accum A  per rank; the global batch is B x A x N (default 8, 1)
-  --steps S --warmup W       optimizer steps, warmup steps (default 100, a tenth of the steps)
-  --lr LR --weight-decay WD --clip C   (default 1e-3, 0.01, 1.0)
-  --seed SEED                every random decision is keyed by it (default 1)
+  --layers L --hidden H --heads NH --intermediate F   (4, 256, 4, 1024: BERT-Mini)
+  --seq T --max-positions P  window length and position table (128, 512)
+  --dropout P                (0.1)
+batch
+  --micro-batch B            sequences per rank per micro-step (8) [train_micro_batch_size_per_gpu]
+  --accum A                  micro-steps per optimizer step (1) [gradient_accumulation_steps];
+                             the global batch B x A x N is [train_batch_size]
+  --steps S                  optimizer steps this run trains (100; a config's total_num_steps alone
+                             sets it too)
+  --seed SEED                every random decision is keyed by it (1)
+optimizer: AdamW [optimizer.type "AdamW", or "Adam" with adam_w_mode true]
+  --lr LR                    peak learning rate (1e-3) [optimizer.params.lr, scheduler.params.warmup_max_lr]
+  --weight-decay WD          decoupled weight decay (0.01) [optimizer.params.weight_decay]
+  --clip C                   global gradient-norm clip, 0: none (1.0) [gradient_clipping]
+                             betas, eps, bias_correction: config only [optimizer.params.*]
+learning-rate schedule (DeepSpeed's WarmupDecayLR and WarmupLR) [scheduler]
+  --warmup W                 warmup steps (a tenth of the schedule) [scheduler.params.warmup_num_steps]
+  --warmup-type linear|log   the warmup's shape (linear; a config's scheduler: log, as DeepSpeed)
+                             [scheduler.params.warmup_type]
+  --decay linear|none        after the warmup: linear decay to the schedule's end, or constant
+                             (linear) [scheduler.type WarmupDecayLR | WarmupLR]
+  --schedule-steps K         where the decay ends (--steps) [scheduler.params.total_num_steps];
+                             warmup_min_lr: config only [scheduler.params.warmup_min_lr]
 memory (ZeRO-R; notes/04, notes/05)
-  --activations keep|recompute|offload  what forward leaves for backward (default keep)
-  --alloc arena|naive        where device memory comes from (default arena)
-  --device-memory-limit BYTES  per rank (default: enough for the run)
+  --activations keep|recompute|offload  what forward leaves for backward (keep)
+                             [activation_checkpointing: recompute; its cpu_checkpointing true: offload]
+  --alloc arena|naive        where device memory comes from (arena)
+                             [activation_checkpointing.contiguous_memory_optimization true: arena]
+  --device-memory-limit BYTES  per rank (enough for the run)
 files
-  --data FILE                train on this text (UTF-8, at most 1 GiB; default: the embedded corpus)
-  --config FILE              a DeepSpeed-style JSON config; command-line flags override it
-  --json FILE                the run's summary as JSON
+  --data FILE                train on this text (UTF-8, at most 1 GiB; the embedded corpus)
+  --config FILE              a DeepSpeed config (JSON); notes/07 lists what each key does here
+  --json FILE                the run's summary as JSON (written at the end)
+  --metrics FILE             one JSON line per progress line, written as training goes (JSON Lines)
   --export-hf DIR            the trained model for BertForMaskedLM.from_pretrained
   --dump-batch DIR           step 0's weights, batch, loss and gradients (for a reference check)
   --memory-trace FILE        the first step's allocator events
 checkpoints (notes/09)
   --save DIR                 save DIR/step_<s> at the end (and on SIGINT/SIGTERM); DIR/latest names the newest
-  --save-every K             also every K steps (default 0: only at the end)
-  --save-keep K              keep the newest K steps (default 2)
+  --save-every K             also every K steps (0: only at the end)
+  --save-keep K              keep the newest K steps (2)
   --load DIR                 resume from DIR/latest or DIR/step_<s>, at any N and stage with the same N x A;
                              settings not given are the checkpoint's. --steps 0: only export it (--export-hf)
-  --log-every K              a progress line every K steps (default 10)
+                             or re-slice it (--save)
+output
+  --log-every K              a progress line every K steps (10) [steps_per_print]
+  --wall-clock-breakdown     forward, backward and step times on each progress line [wall_clock_breakdown]
   --quiet                    no progress lines
   --help                     this text
 )usage";
@@ -606,8 +871,8 @@ inline Settings parse_command_line(int argc, char** argv) {
   std::vector<std::pair<std::string, std::string>> flags;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
-    if (flag == "--quiet") {
-      flags.push_back({flag, ""});
+    if (flag == "--quiet" || flag == "--wall-clock-breakdown") {  // switches: no value
+      flags.push_back({flag, flag == "--quiet" ? "" : "1"});
       continue;
     }
     if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
@@ -619,7 +884,24 @@ inline Settings parse_command_line(int argc, char** argv) {
   for (auto& [flag, value] : flags)
     if (flag == "--config") {
       settings.config = parse_path("--config", value);
-      for (auto& setting : read_config(value)) apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
+      ConfigReading config = ConfigReader(value).read();
+      // A value out of range counts as refused too: every problem of the file in one message.
+      for (auto& setting : config.flags) {
+        try {
+          apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
+        } catch (const z2::Error& error) {
+          const std::string said = error.what(), prefix = "config key '" + setting.key + "' ";
+          config.refused.push_back(setting.key + ": " + (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
+        }
+      }
+      if (!config.refused.empty()) {
+        std::string message = "the config file '" + value + "' has " + std::to_string(config.refused.size()) +
+                              (config.refused.size() == 1 ? " setting" : " settings") +
+                              " this trainer cannot take (notes/07 lists what each DeepSpeed key does here):";
+        for (auto& line : config.refused) message += "\n  " + line;
+        throw z2::Error(message);
+      }
+      settings.config_notes = config.notes;
     }
   for (auto& [flag, value] : flags) {
     if (flag == "--quiet") settings.quiet = true;
@@ -643,15 +925,34 @@ inline void check_consistency(Settings& s, int world_size) {
     fail("--hidden %d is not divisible by --heads %d (each head gets hidden / heads features)", s.hidden, s.heads);
   if (s.seq > s.max_positions)
     fail("--seq %d is longer than the %d learned positions (--max-positions)", s.seq, s.max_positions);
-  if (s.warmup > s.steps) fail("--warmup %ld is longer than --steps %ld", s.warmup, s.steps);
-  if (s.warmup < 0) s.warmup = s.steps / 10;
-  // DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks;
-  // without gradient_accumulation_steps, accumulation is what makes it hold.
-  if (s.train_batch_size && !s.accum_given && s.train_batch_size % ((long)s.micro_batch * world_size) == 0)
-    s.accum = (int)(s.train_batch_size / ((long)s.micro_batch * world_size));
-  if (s.train_batch_size && s.train_batch_size != (long)s.micro_batch * s.accum * world_size)
-    fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks", s.train_batch_size,
-         s.micro_batch, s.accum, world_size);
+  // The schedule's length: --schedule-steps (total_num_steps), else the
+  // run's. A config's total_num_steps without --steps trains the whole schedule.
+  const bool steps_given = s.given.count("--steps") > 0;
+  if (s.schedule_steps == 0) s.schedule_steps = s.steps;
+  else if (!steps_given && !s.export_only) s.steps = s.schedule_steps;
+  if (s.warmup > s.schedule_steps) {
+    if (s.schedule_steps == s.steps) fail("--warmup %ld is longer than --steps %ld", s.warmup, s.steps);
+    fail("--warmup %ld is longer than the schedule's %ld steps (--schedule-steps, total_num_steps)", s.warmup,
+         s.schedule_steps);
+  }
+  if (s.warmup < 0) s.warmup = s.schedule_steps / 10;
+  if (s.warmup_min_lr > s.lr)
+    fail("warmup_min_lr %g is above the learning rate %g (warmup_max_lr, --lr)", s.warmup_min_lr, s.lr);
+  // DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters):
+  // train_batch_size = micro-batch x accumulation x ranks; of the three, the
+  // ones not given follow from the others (accumulation 1 when only the
+  // global batch is given), and three given must agree. A resumed run's
+  // micro-batch is the checkpoint's, as if given.
+  if (s.train_batch_size) {
+    const long N = world_size, global = s.train_batch_size;
+    const bool micro_given = s.given.count("--micro-batch") || !s.checkpoint.is_null();
+    if (micro_given && !s.accum_given) s.accum = (int)std::max(1l, global / s.micro_batch / N);
+    else if (!micro_given && s.accum_given) s.micro_batch = (int)std::max(1l, global / N / s.accum);
+    else if (!micro_given) s.accum = 1, s.micro_batch = (int)std::max(1l, global / N);
+    if (global != (long)s.micro_batch * s.accum * N)
+      fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks (DeepSpeed's rule: give two of "
+           "the three, or three that agree)", global, s.micro_batch, s.accum, world_size);
+  }
   if (!s.dump_dir.empty() && world_size != 1)
     fail("--dump-batch writes step 0 of a single-rank run: run it with 1 rank (got %d)", world_size);
   const double tokens = (double)s.micro_batch * s.seq;
@@ -1157,6 +1458,17 @@ class Model {
   // the gradient also carries the engine's loss scale; the loss does not.
   float run(const Batch& batch, long step, long micro_batch, float loss_scale, bool backward);
 
+  // wall_clock_breakdown: milliseconds run() spent in forward (embeddings
+  // and blocks) and in backward (the MLM head's forward and backward, which
+  // are one pass, then the blocks' and embeddings' backward), summed over
+  // micro-steps until reset. Each boundary synchronizes the device, which
+  // costs what the breakdown measures (DeepSpeed's timers synchronize too).
+  struct Times {
+    double forward_ms = 0, backward_ms = 0;
+  };
+  void time_phases(bool on) { timing_ = on; }
+  Times take_times() { return std::exchange(times_, Times{}); }
+
   const Parameters& ids() const { return ids_; }
   const ModelShape& shape() const { return shape_; }
   // Tensor shape of parameter `id` as Hugging Face stores it.
@@ -1201,6 +1513,17 @@ class Model {
 
  private:
   z2::Compute& compute_;
+  bool timing_ = false;
+  Times times_;
+  std::chrono::steady_clock::time_point phase_start_;
+  // The phase that ends now, timed from the last boundary (wall_clock_breakdown only).
+  void end_phase(double Times::*phase) {
+    if (!timing_) return;
+    compute_.synchronize_all();
+    const auto now = std::chrono::steady_clock::now();
+    times_.*phase += std::chrono::duration<double, std::milli>(now - phase_start_).count();
+    phase_start_ = now;
+  }
   z2::Engine& engine_;
   ModelShape shape_;
   ActivationMode mode_;
@@ -1866,6 +2189,7 @@ inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, fl
   const long first_sample = micro_batch * shape_.micro_batch;
   const int L = shape_.layers;
   const bool keep = mode_ == ActivationMode::keep, offloading = mode_ == ActivationMode::offload;
+  if (timing_) compute_.synchronize_all(), phase_start_ = std::chrono::steady_clock::now();
   upload(batch);
   // Forward. With keep, every block's buffers stay open until its backward;
   // otherwise one working set is pushed and popped per block and only the
@@ -1886,6 +2210,7 @@ inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, fl
       close(checkpoints_[l]);
     }
   }
+  end_phase(&Times::forward_ms);
   // fp16: the gradient carries the engine's loss scale (a power of two, so
   // the product with 1/count is exact); 1 in fp32 and bf16.
   head_forward_backward(step, loss_scale * engine_.loss_scale(), backward);
@@ -1928,6 +2253,7 @@ inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, fl
   close(gradient_flow_), close(decoder_gradient_);
   const float contribution = loss_contribution(loss_scale);
   engine_.end_micro_step(contribution);
+  end_phase(&Times::backward_ms);
   return contribution;
 }
 
@@ -2195,11 +2521,13 @@ inline void check_outputs(const Settings& s) {
   if (!s.config.empty()) inputs.push_back({"--config", s.config, false});
   if (!s.json_path.empty()) outputs.push_back({"--json", s.json_path, false});
   if (!s.memory_trace.empty()) outputs.push_back({"--memory-trace", s.memory_trace, false});
+  if (!s.metrics.empty()) outputs.push_back({"--metrics", s.metrics, false});
   for (auto [flag, directory] : {std::pair<std::string, std::string>{"--export-hf", s.export_dir},
                                  {"--dump-batch", s.dump_dir}, {"--save", s.save_dir}}) {
     if (directory.empty()) continue;
     outputs.push_back({flag, directory, true});
-    std::vector<std::string> names = {"model.safetensors", "config.json"};
+    std::vector<std::string> names = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                                      "special_tokens_map.json"};
     if (flag == "--dump-batch") names.push_back("batch.safetensors");
     if (flag == "--save") names = {"latest"};
     for (auto& name : names) outputs.push_back({flag + "'s " + name, directory + "/" + name, false});
@@ -2225,6 +2553,36 @@ inline void check_outputs(const Settings& s) {
     if (output.directory) prepare_directory(output.what, output.path);
     else check_output_file(output.what, output.path);
 }
+
+// --metrics FILE: JSON Lines, one object per progress line, appended while
+// training runs (a plotting script or a dashboard can follow it). It is the
+// one output that grows in place, so it cannot be renamed into place whole:
+// the writer creates it empty (nameless until complete, as every output),
+// then each line is one write() of the whole line followed by fdatasync, so
+// a killed run leaves every line it logged, whole. Rank 0 only.
+class MetricsStream {
+ public:
+  explicit MetricsStream(const std::string& path) : path_(path) {
+    write_output_file(path, "");
+    fd_ = open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+    if (fd_ < 0) fail("cannot append to --metrics '%s': %s", path.c_str(), std::strerror(errno));
+  }
+  ~MetricsStream() {
+    if (fd_ >= 0) close(fd_);
+  }
+  MetricsStream(const MetricsStream&) = delete;
+  MetricsStream& operator=(const MetricsStream&) = delete;
+  void append(const json& record) {
+    const std::string line = record.dump() + "\n";
+    const ssize_t wrote = write(fd_, line.data(), line.size());
+    if (wrote != (ssize_t)line.size() || fdatasync(fd_) != 0)
+      fail("cannot append to --metrics '%s': %s", path_.c_str(), wrote < 0 ? std::strerror(errno) : "a short write");
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 // A float setting as the decimal the user typed (0.1, not 0.100000001).
 inline double decimal(float value) {
@@ -2253,6 +2611,65 @@ inline json hf_config(const ModelShape& s) {
           {"position_embedding_type", "absolute"},
           {"tie_word_embeddings", true},
           {"torch_dtype", "float32"}};
+}
+
+// The byte-level tokenizer the trainer's ids come from, in the files Hugging
+// Face's AutoTokenizer reads: token b is byte b (0..255), then [PAD] [CLS]
+// [SEP] [MASK] = 256..259, and a text becomes [CLS] its bytes [SEP]. In the
+// tokenizers library's terms: the ByteLevel pre-tokenizer without its regex
+// (one piece per text) maps each byte to GPT-2's printable stand-in for it,
+// a BPE model with no merges maps each stand-in to its byte's id, and a
+// template adds [CLS] and [SEP]; the ByteLevel decoder maps back.
+inline std::string byte_stand_in(int byte) {  // GPT-2's bytes_to_unicode, as UTF-8
+  int code = byte;
+  const bool printable = (byte >= '!' && byte <= '~') || (byte >= 0xA1 && byte <= 0xAC) || (byte >= 0xAE && byte <= 0xFF);
+  if (!printable) {  // the others, in byte order, from U+0100 on
+    int before = 0;
+    for (int b = 0; b < byte; ++b)
+      before += !((b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF));
+    code = 256 + before;
+  }
+  std::string utf8;
+  if (code < 0x80) utf8 += (char)code;
+  else utf8 += (char)(0xC0 | (code >> 6)), utf8 += (char)(0x80 | (code & 0x3F));  // code < 0x800
+  return utf8;
+}
+inline json hf_tokenizer() {
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_stand_in(b)] = b;
+  json added = json::array();
+  const char* specials[] = {"[PAD]", "[CLS]", "[SEP]", "[MASK]"};
+  for (int k = 0; k < 4; ++k)
+    added.push_back({{"id", pad_token + k}, {"content", specials[k]}, {"single_word", false}, {"lstrip", false},
+                     {"rstrip", false}, {"normalized", false}, {"special", true}});
+  auto special = [](const char* name) { return json{{"SpecialToken", {{"id", name}, {"type_id", 0}}}}; };
+  auto sequence = [](const char* name) { return json{{"Sequence", {{"id", name}, {"type_id", 0}}}}; };  // one token type
+  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
+  json tokenizer = {
+      {"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", added},
+      {"normalizer", nullptr}, {"pre_tokenizer", byte_level},
+      {"post_processor",
+       {{"type", "TemplateProcessing"},
+        {"single", {special("[CLS]"), sequence("A"), special("[SEP]")}},
+        {"pair", {special("[CLS]"), sequence("A"), special("[SEP]"), sequence("B"), special("[SEP]")}},
+        {"special_tokens",
+         {{"[CLS]", {{"id", "[CLS]"}, {"ids", {cls_token}}, {"tokens", {"[CLS]"}}}},
+          {"[SEP]", {{"id", "[SEP]"}, {"ids", {sep_token}}, {"tokens", {"[SEP]"}}}}}}}},
+      {"decoder", byte_level},
+      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", nullptr},
+                 {"end_of_word_suffix", nullptr}, {"fuse_unk", false}, {"byte_fallback", false}, {"vocab", vocab},
+                 {"merges", json::array()}}}};
+  return tokenizer;
+}
+inline json hf_special_tokens() {
+  return {{"pad_token", "[PAD]"}, {"cls_token", "[CLS]"}, {"sep_token", "[SEP]"}, {"mask_token", "[MASK]"}};
+}
+inline json hf_tokenizer_config(int max_positions) {
+  json config = hf_special_tokens();
+  config["tokenizer_class"] = "PreTrainedTokenizerFast";
+  config["model_max_length"] = max_positions;
+  config["clean_up_tokenization_spaces"] = false;
+  return config;
 }
 
 // Parameters (canonical order, as Engine::parameters_to_host gives them) as
@@ -2285,6 +2702,10 @@ inline void export_hf(const std::string& directory, const Model<Act>& model, con
   if (unlink((directory + "/config.json").c_str()) != 0 && errno != ENOENT)
     fail("cannot replace '%s/config.json': %s", directory.c_str(), std::strerror(errno));
   write_safetensors(directory + "/model.safetensors", named_tensors(model, engine, values), {{"format", "pt"}});
+  const int positions = model.shape().max_positions;
+  write_output_file(directory + "/tokenizer.json", hf_tokenizer().dump(2) + "\n");
+  write_output_file(directory + "/tokenizer_config.json", hf_tokenizer_config(positions).dump(2) + "\n");
+  write_output_file(directory + "/special_tokens_map.json", hf_special_tokens().dump(2) + "\n");
   json config = hf_config(model.shape());
   if (dumped != z2::Precision::fp32) {
     config["zero2_precision"] = z2::to_string(dumped);
@@ -2441,7 +2862,11 @@ constexpr RecordedSetting recorded_settings[] = {
     {"micro_batch", "--micro-batch", "the batch"},
     {"lr", "--lr", "the learning-rate schedule"},
     {"warmup", "--warmup", "the learning-rate schedule"},
-    {"steps", "--steps", "the learning-rate schedule (its decay ends at --steps)"},
+    {"schedule_steps", "--schedule-steps", "the learning-rate schedule (its decay ends there; --steps may change)"},
+    {"warmup_type", "--warmup-type", "the learning-rate schedule"},
+    {"decay", "--decay", "the learning-rate schedule"},
+    {"warmup_min_lr", "warmup_min_lr", "the learning-rate schedule"},
+    {"bias_correction", "bias_correction", "the optimizer"},
     {"weight_decay", "--weight-decay", "the optimizer"},
     {"clip", "--clip", "the optimizer"},
     {"beta1", "beta1", "the optimizer"},
@@ -2462,7 +2887,9 @@ inline json recorded_values(const Settings& s) {
   return {{"layers", s.layers}, {"hidden", s.hidden}, {"heads", s.heads}, {"intermediate", s.intermediate},
           {"seq", s.seq}, {"max_positions", s.max_positions}, {"dropout", (double)s.dropout},
           {"seed", s.seed}, {"micro_batch", s.micro_batch}, {"lr", s.lr}, {"warmup", s.warmup},
-          {"steps", s.steps}, {"weight_decay", s.weight_decay}, {"clip", s.clip}, {"beta1", s.beta1},
+          {"steps", s.steps}, {"schedule_steps", s.schedule_steps}, {"warmup_type", s.warmup_type},
+          {"decay", s.decay}, {"warmup_min_lr", s.warmup_min_lr}, {"bias_correction", s.bias_correction},
+          {"weight_decay", s.weight_decay}, {"clip", s.clip}, {"beta1", s.beta1},
           {"beta2", s.beta2}, {"eps", s.eps}, {"precision", s.precision}, {"grad_accum_dtype", s.grad_accum_dtype},
           {"loss_scale", l.static_scale}, {"initial_scale_power", l.initial_scale_power},
           {"loss_scale_window", l.window}, {"hysteresis", l.hysteresis},
@@ -2616,6 +3043,12 @@ inline void adopt_checkpoint(Settings& s, int world_size) {
     }
   }
   if (export_only) s.export_only = true;
+  // The run's length is not the schedule's: a resumed run may train longer
+  // or shorter; without --steps it ends where the saving run would have.
+  if (!s.given.count("--steps")) {  // (an export's --steps 0 is not "given": it trains nothing)
+    s.steps = index_integer(saved, "steps", file, 1, 1l << 30, "settings");
+    s.given.insert("--steps");
+  }
   adopt_checkpoint_batch(s, world_size, file);
   const std::string source = index_string(s.checkpoint, "data.source", file);
   if (s.data.empty() && source != "embedded") s.data = source;
@@ -2856,11 +3289,32 @@ inline const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" 
 // ----------------------------------------------------------------------------
 // 6. Training
 
-// Linear warmup to lr over `warmup` steps, then linear decay to lr / (S - W)
-// at the last step (1-based t; the last step still learns).
+// The learning rate of optimizer step t (1-based): a warmup from
+// warmup_min_lr to lr over W steps, linear (t / W) or DeepSpeed's log
+// (ln(t + 1) / ln(W + 1): zero2 counts from 1, so step 1 learns and step W
+// reaches lr), then constant (--decay none: DeepSpeed's WarmupLR) or linear
+// back toward warmup_min_lr at the schedule's end S (WarmupDecayLR): step S
+// still learns at min + (lr - min) / (S - W). With warmup_min_lr 0 (the
+// default) these are the products and quotients of the first schedule.
 inline double learning_rate(const Settings& s, long t) {
-  if (t <= s.warmup) return s.lr * (double)t / (double)s.warmup;
-  return s.lr * (double)(s.steps - t + 1) / (double)(s.steps - s.warmup);
+  const double low = s.warmup_min_lr, range = s.lr - s.warmup_min_lr;
+  const long S = s.schedule_steps > 0 ? s.schedule_steps : s.steps, W = s.warmup;  // (0 before check_consistency)
+  if (t <= W) {
+    if (s.warmup_type == "log") return low + range * std::log((double)t + 1) / std::log((double)W + 1);
+    return low + range * (double)t / (double)W;
+  }
+  if (s.decay == "none") return s.lr;
+  if (t > S) return low;  // a run longer than its schedule (--steps past --schedule-steps)
+  return low + range * (double)(S - t + 1) / (double)(S - W);
+}
+
+// Seconds as h:mm:ss (or m:ss under an hour), for the progress line.
+inline std::string clock_text(double seconds) {
+  const long total = std::lround(std::max(0.0, seconds));
+  char text[32];
+  if (total >= 3600) snprintf(text, sizeof text, "%ld:%02ld:%02ld", total / 3600, total / 60 % 60, total % 60);
+  else snprintf(text, sizeof text, "%ld:%02ld", total / 60, total % 60);
+  return text;
 }
 
 inline std::string hex32(float value) {
@@ -2885,9 +3339,56 @@ struct StepRecord {
   double lr, ms, tokens_per_s;
   double loss_scale;  // the scale this step's gradients carried (fp16; 1 otherwise)
   bool skipped;       // fp16 overflow: no update
+  double forward_ms = 0, backward_ms = 0, optimizer_ms = 0;  // wall_clock_breakdown only
 };
 
 // --- before step 1 -------------------------------------------------------------
+
+// On several hosts every rank reads its own copy of --data, --config and
+// --load's index: they must be the same bytes, or the ranks would train on
+// different data (nothing else would notice: the shapes agree). Each rank's
+// sizes and SHA-256 go to every rank (one all-gather), so every rank finds
+// the same difference and stops with the same message, naming the ranks and
+// hosts that differ from rank 0.
+inline void check_same_inputs(const Settings& settings, const std::string& corpus, MPI_Comm world) {
+  struct Fingerprint {
+    char host[MPI_MAX_PROCESSOR_NAME + 1];
+    char sha256[3][65];  // --data (the corpus as read), --config, --load's index.json; "" when not given
+    long bytes[3];
+  };
+  Fingerprint mine = {};
+  agree_on_errors(world, [&] {  // reading the config again may fail on one host: agreed before the all-gather
+    int length = 0;
+    MPI_Get_processor_name(mine.host, &length);
+    const std::string index = settings.checkpoint.is_null() ? "" : settings.checkpoint.dump();
+    const std::string config = settings.config.empty() ? "" : read_config_text(settings.config);
+    const std::string* texts[3] = {&corpus, &config, &index};
+    for (int k = 0; k < 3; ++k) {
+      snprintf(mine.sha256[k], 65, "%s", sha256_hex(*texts[k]).c_str());
+      mine.bytes[k] = (long)texts[k]->size();
+    }
+  }, "every rank fingerprinted its inputs");
+  int rank = 0, size = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_size(world, &size);
+  std::vector<Fingerprint> all((size_t)size);
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Iallgather(&mine, (int)sizeof mine, MPI_BYTE, all.data(), (int)sizeof mine, MPI_BYTE, world, &request));
+  z2::wait_request(&request, "the all-gather of every rank's input fingerprints");
+  const char* names[3] = {"--data", "--config", "--load's index.json"};
+  for (int k = 0; k < 3; ++k) {
+    std::string differing;
+    for (int q = 1; q < size; ++q)
+      if (std::strcmp(all[q].sha256[k], all[0].sha256[k]) != 0 || all[q].bytes[k] != all[0].bytes[k])
+        differing += (differing.empty() ? "" : ", ") + std::string("rank ") + std::to_string(q) + " on " + all[q].host +
+                     " has " + z2::with_commas((size_t)all[q].bytes[k]) + " bytes, SHA-256 " +
+                     std::string(all[q].sha256[k]).substr(0, 12) + "...";
+    if (!differing.empty())
+      fail("%s is not the same file on every rank: rank 0 on %s has %s bytes, SHA-256 %.12s...; %s. Every host "
+           "needs the same copy (notes/07, \"Several machines\")", names[k], all[0].host,
+           z2::with_commas((size_t)all[0].bytes[k]).c_str(), all[0].sha256[k], differing.c_str());
+  }
+}
 
 // Checks that touch this host's files: every rank reads its own copy of the
 // data, rank 0 alone writes. On several hosts one of them may lack a file,
@@ -2957,6 +3458,7 @@ inline z2::EngineOptions engine_options(const Settings& settings, z2::Precision 
   options.overlap = settings.overlap;
   options.accumulation_steps = settings.accum;
   options.clip = settings.clip;
+  options.bias_correction = settings.bias_correction;
   options.lr = settings.lr;
   options.beta1 = settings.beta1, options.beta2 = settings.beta2, options.eps = settings.eps;
   options.weight_decay = settings.weight_decay;
@@ -2984,10 +3486,11 @@ class Training {
   void train_step(long step);
   void write_memory_trace();
   void write_dump(const z2::StepReport& report, const std::vector<float>& gradients);
-  void print_progress(const z2::StepReport& report, double ms) const;
+  void log_progress(const z2::StepReport& report, double ms);
   void load_checkpoint();
   void save_checkpoint();
   void prune_checkpoints(long keep_step) const;
+  void print_schedule() const;
   void print_summary(const std::vector<float>& final_parameters, const std::string& hash) const;
   void write_json(const std::string& hash) const;
 
@@ -3013,6 +3516,12 @@ class Training {
   std::vector<float> dump_weights_;
   std::vector<Batch> dump_batches_;
   json loaded_, saved_ = json::array();  // what --load read, what --save wrote (for the summary and the JSON)
+  // Progress: when this run's training began, the losses since the last
+  // progress line (their mean goes in the metrics), and the stream itself.
+  std::chrono::steady_clock::time_point training_start_;
+  double loss_since_log_ = 0;
+  long losses_since_log_ = 0;
+  std::unique_ptr<MetricsStream> metrics_;
   int interrupted_by_ = 0;               // the signal that stopped the run early, or 0
 };
 
@@ -3024,6 +3533,8 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   z2::set_watchdog_timeout(settings_.timeout);  // from here every wait has a deadline
   check_consistency(settings_, world_size_);
   corpus_ = read_inputs(settings_, rank_, world_);
+  // Every rank finds the same difference: the same message and exit everywhere.
+  if (world_size_ > 1) check_same_inputs(settings_, corpus_, world_);
   device_ = z2::choose_device(settings_.device, world_);
   comm_backend_ = z2::choose_comm(settings_.comm, device_, world_);
   shape_ = ModelShape{settings_.layers, settings_.hidden, settings_.heads, settings_.intermediate, settings_.seq,
@@ -3042,6 +3553,7 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
                                                                                : z2::Collectives::deterministic);
   engine_ = std::make_unique<z2::Engine>(*compute_, *comm_, engine_options(settings_, precision_));
   model_ = std::make_unique<Model<Act>>(*compute_, *engine_, shape_, mode_);
+  model_->time_phases(settings_.wall_clock_breakdown);
   engine_->build();
   model_->initialize();
   if (!settings_.checkpoint.is_null()) load_checkpoint();
@@ -3199,6 +3711,24 @@ void Training<Act>::prune_checkpoints(long keep_step) const {
   }
 }
 
+// The optimizer line: what the rate does over the schedule, and how much of
+// the schedule this run trains when the two differ.
+template <class Act>
+void Training<Act>::print_schedule() const {
+  const Settings& s = settings_;
+  char from[48] = "";
+  if (s.warmup_min_lr > 0) snprintf(from, sizeof from, " from %g", s.warmup_min_lr);
+  std::string after = s.decay == "none" ? "then constant" : "then linear decay over " + std::to_string(s.schedule_steps) + " steps";
+  if (s.decay != "none" && s.warmup_min_lr > 0) after += " back toward " + std::string(from + 6);
+  const std::string warmup = s.warmup == 0 ? std::string("no warmup,")
+                                            : "warmup " + std::to_string(s.warmup) + " (" + s.warmup_type + ")" + from;
+  printf("  optimizer AdamW%s lr %g, %s %s, weight decay %g, clip %g\n", s.bias_correction ? "" : " (no bias correction)",
+         s.lr, warmup.c_str(), after.c_str(), s.weight_decay, s.clip);
+  if (s.schedule_steps != s.steps)
+    printf("  steps     %ld of the schedule's %ld (--steps; total_num_steps / --schedule-steps set the schedule)\n",
+           s.steps, s.schedule_steps);
+}
+
 template <class Act>
 void Training<Act>::print_header() const {
   const int N = world_size_, T = settings_.seq, B = settings_.micro_batch;
@@ -3233,8 +3763,8 @@ void Training<Act>::print_header() const {
   printf("  data      %s (%s bytes), seed %llu\n",
          settings_.data.empty() ? "embedded corpus (data/corpus.txt)" : settings_.data.c_str(),
          z2::with_commas((size_t)corpus_.size()).c_str(), (unsigned long long)settings_.seed);
-  printf("  optimizer AdamW lr %g, warmup %ld then linear decay over %ld steps, weight decay %g, clip %g\n",
-         settings_.lr, settings_.warmup, settings_.steps, settings_.weight_decay, settings_.clip);
+  print_schedule();
+  for (const std::string& line : settings_.config_notes) printf("  config    %s\n", line.c_str());
   printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
          settings_.activations.c_str(), settings_.alloc.c_str(), z2::with_commas(compute_->capacity()).c_str(),
          settings_.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB, at most 90% of what is free");
@@ -3288,17 +3818,25 @@ void Training<Act>::train_step(long step) {
   }
   std::vector<float> dump_gradients;
   if (dumping) dump_gradients = engine_->gradients_to_host();
+  const auto optimizer_start = std::chrono::steady_clock::now();
   const z2::StepReport report = engine_->step();
   compute_->synchronize_all();
+  const auto end = std::chrono::steady_clock::now();
   if (first && !settings_.memory_trace.empty()) write_memory_trace();
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const double ms = std::chrono::duration<double, std::milli>(end - start).count();
   records_.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step_ / (ms / 1000.0),
                       report.loss_scale, report.skipped});
+  if (settings_.wall_clock_breakdown) {
+    const typename Model<Act>::Times times = model_->take_times();
+    records_.back().forward_ms = times.forward_ms;
+    records_.back().backward_ms = times.backward_ms;
+    records_.back().optimizer_ms = std::chrono::duration<double, std::milli>(end - optimizer_start).count();
+  }
   // (An fp16 overflow skips the step instead: its loss may be inf.)
   if (!report.skipped && !std::isfinite(report.loss))
     fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
   if (dumping) write_dump(report, dump_gradients);
-  print_progress(report, ms);
+  log_progress(report, ms);
 }
 
 // Rank 0 writes; every rank learns whether it could (a full disk ends them all).
@@ -3345,31 +3883,54 @@ void Training<Act>::write_dump(const z2::StepReport& report, const std::vector<f
 }
 
 template <class Act>
-void Training<Act>::print_progress(const z2::StepReport& report, double ms) const {
-  if (!speak_) return;
+void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
+  if (!report.skipped) loss_since_log_ += report.loss, ++losses_since_log_;
   // An overflow gets its own line, every time (DeepSpeed logs each one too).
   if (report.skipped) {
-    printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %s: step skipped (%ld so far); scale now %s%s\n",
-           report.step, settings_.steps, scale_text(report.loss_scale).c_str(), engine_->skipped_steps(),
-           scale_text(engine_->loss_scaler().scale()).c_str(),
-           engine_->loss_scaler().scale() == report.loss_scale && engine_->loss_scaler().dynamic() ? " (hysteresis)" : "");
+    if (speak_)
+      printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %s: step skipped (%ld so far); scale now %s%s\n",
+             report.step, settings_.steps, scale_text(report.loss_scale).c_str(), engine_->skipped_steps(),
+             scale_text(engine_->loss_scaler().scale()).c_str(),
+             engine_->loss_scaler().scale() == report.loss_scale && engine_->loss_scaler().dynamic() ? " (hysteresis)" : "");
     return;
   }
   if (report.step != 1 && report.step % settings_.log_every != 0 && report.step != settings_.steps && records_.size() != 1)
     return;
+  // Elapsed since this run's first step; the ETA from this run's mean step.
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - training_start_).count();
+  const long done = (long)records_.size(), left = settings_.steps - report.step;
+  const double eta = done > 0 ? elapsed / (double)done * (double)left : 0.0;
+  const double mean_loss = loss_since_log_ / (double)std::max(1l, losses_since_log_);
   const z2::MemoryCounters& memory = compute_->memory();
+  if (metrics_)
+    metrics_->append({{"step", report.step}, {"loss", report.loss}, {"loss_mean", mean_loss},
+                      {"losses_in_mean", losses_since_log_}, {"grad_norm", report.grad_norm}, {"lr", report.lr},
+                      {"loss_scale", report.loss_scale}, {"skipped_so_far", engine_->skipped_steps()},
+                      {"tokens_per_s", records_.back().tokens_per_s}, {"step_ms", ms}, {"elapsed_s", elapsed},
+                      {"eta_s", eta}, {"memory_mib", memory.total_current / 1048576.0}});
+  loss_since_log_ = 0, losses_since_log_ = 0;
+  if (!speak_) return;
   char scale[48] = "";
   if (precision_ == z2::Precision::fp16) snprintf(scale, sizeof scale, " | scale %s", scale_text(report.loss_scale).c_str());
-  printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e%s | %9s tok/s | %8.1f ms | %s %.1f MiB\n", report.step,
-         settings_.steps, report.loss, report.grad_norm, report.lr, scale,
+  printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e%s | %9s tok/s | %8.1f ms | %s %.1f MiB | %s, ETA %s\n",
+         report.step, settings_.steps, report.loss, report.grad_norm, report.lr, scale,
          z2::with_commas((size_t)std::llround(records_.back().tokens_per_s)).c_str(), ms,
-         device_ == z2::Device::cuda ? "device" : "memory", memory.total_current / 1048576.0);
+         device_ == z2::Device::cuda ? "device" : "memory", memory.total_current / 1048576.0, clock_text(elapsed).c_str(),
+         clock_text(eta).c_str());
+  if (settings_.wall_clock_breakdown) {  // DeepSpeed's breakdown: this step's phases, over its A micro-steps
+    const StepRecord& r = records_.back();
+    printf("  time (ms) | forward %.2f | backward %.2f | step %.2f | other %.2f (communication overlaps backward "
+           "and the step)\n", r.forward_ms, r.backward_ms, r.optimizer_ms,
+           std::max(0.0, r.ms - r.forward_ms - r.backward_ms - r.optimizer_ms));
+  }
   fflush(stdout);
 }
 
 template <class Act>
 int Training<Act>::run() {
   if (speak_) print_header();
+  if (rank_ == 0 && !settings_.metrics.empty()) metrics_ = std::make_unique<MetricsStream>(settings_.metrics);
+  training_start_ = std::chrono::steady_clock::now();
   catch_interrupts();
   const long first_step = engine_->training_progress().steps_taken;
   const long last_step = settings_.export_only ? first_step : settings_.steps;
@@ -3475,12 +4036,24 @@ void Training<Act>::write_json(const std::string& hash) const {
               {"params_padded", engine_->psi_padded()},
               {"tokens_per_step", tokens_per_step_},
               {"steps_total", settings_.steps},
+              {"schedule", {{"lr", settings_.lr}, {"warmup", settings_.warmup}, {"warmup_type", settings_.warmup_type},
+                            {"warmup_min_lr", settings_.warmup_min_lr}, {"decay", settings_.decay},
+                            {"schedule_steps", settings_.schedule_steps}}},
+              {"optimizer", {{"betas", {settings_.beta1, settings_.beta2}}, {"eps", settings_.eps},
+                             {"weight_decay", settings_.weight_decay}, {"clip", settings_.clip},
+                             {"bias_correction", settings_.bias_correction}}},
               {"interrupted", interrupted_by_ != 0 ? json(signal_name(interrupted_by_)) : json(nullptr)}};
   json steps = json::array();
-  for (auto& r : records_)
+  for (auto& r : records_) {
     steps.push_back({{"step", r.step}, {"loss", r.loss}, {"loss_bits", hex32(r.loss)}, {"grad_norm", r.grad_norm},
                      {"lr", r.lr}, {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s}, {"loss_scale", r.loss_scale},
                      {"skipped", r.skipped}});
+    if (settings_.wall_clock_breakdown) {
+      steps.back()["forward_ms"] = r.forward_ms;
+      steps.back()["backward_ms"] = r.backward_ms;
+      steps.back()["optimizer_ms"] = r.optimizer_ms;
+    }
+  }
   out["steps"] = steps;
   out["final_params_hash"] = hash;
   out["memory"] = summary["memory"];

@@ -44,6 +44,7 @@
 #include <cblas.h>
 #include <chrono>
 #include <climits>
+#include <unistd.h>
 #include <cstdarg>
 #include <cstdlib>
 #include <cstring>
@@ -438,7 +439,15 @@ bool cuda_available(std::string* why) {
   cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess) {
     cudaGetLastError();  // clear the sticky "insufficient driver" state
-    if (why) *why = cudaGetErrorString(status);
+    // Without a driver at all the runtime says "driver version is
+    // insufficient": on a machine with no GPU, say that instead.
+    const bool driver_loaded = access("/proc/driver/nvidia/version", F_OK) == 0;
+    if (why && status == cudaErrorInsufficientDriver && !driver_loaded)
+      *why = "no GPU here (no NVIDIA driver is loaded)";
+    else if (why && status == cudaErrorInsufficientDriver)
+      *why = std::string("the NVIDIA driver is older than this build's CUDA runtime needs (") +
+             cudaGetErrorString(status) + ")";
+    else if (why) *why = status == cudaErrorNoDevice ? "no GPU here (no CUDA device found)" : cudaGetErrorString(status);
     return false;
   }
   if (count == 0) {
@@ -2423,8 +2432,9 @@ AdamWConstants Engine::Impl::adamw_constants(double lr, long t, float grad_scale
   constants.beta2 = (float)o.beta2;
   constants.one_minus_beta2 = (float)(1.0 - o.beta2);
   constants.eps = (float)o.eps;
-  constants.negative_step_size = (float)(-lr / (1.0 - std::pow(o.beta1, (double)t)));
-  constants.bias_correction2_sqrt = (float)std::sqrt(1.0 - std::pow(o.beta2, (double)t));
+  // Without bias correction the step is -lr and the divisor 1 (exact: v / 1 = v).
+  constants.negative_step_size = (float)(o.bias_correction ? -lr / (1.0 - std::pow(o.beta1, (double)t)) : -lr);
+  constants.bias_correction2_sqrt = o.bias_correction ? (float)std::sqrt(1.0 - std::pow(o.beta2, (double)t)) : 1.0f;
   constants.grad_scale = grad_scale;
   return constants;
 }

@@ -787,6 +787,10 @@ struct EngineOptions {
   int accumulation_steps = 1;      // A micro-steps per optimizer step
   double clip = 0.0;               // global-norm clipping threshold; <= 0: off
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+  // Adam's bias corrections 1 / (1 - beta1^t) and sqrt(1 - beta2^t), as
+  // torch applies them; false drops both (DeepSpeed's FusedAdam
+  // bias_correction false, as bing_bert trains).
+  bool bias_correction = true;
   // Learning rate of optimizer step `step` (1-based, as torch counts); when
   // empty, `lr` is used throughout. This is the hook for warmup and decay.
   std::function<double(long step)> lr_schedule;

@@ -300,6 +300,25 @@ print(json.dumps(d, indent=1))" "$out/ck_fp32/step_4/index.json"
   echo '```'
 } | sed "s|$out/ck_fp32|ck|g" >"$out/checkpoint_layout"
 
+# --- DeepSpeed configs and --help (notes/07-bert-mini.md, README.md) ------------------
+# config_refused: a public config with two keys this trainer cannot take, both
+# in one message; trainer_help: the --help text.
+{
+  echo '```'
+  echo "\$ mpirun -n 2 $trainer --config tests/ds_configs/cifar.json"
+  status=0
+  timeout 120 mpirun -n 2 "$trainer" --device cpu --config tests/ds_configs/cifar.json --steps 1 >/dev/null 2>"$out/cifar_err" || status=$?
+  cat "$out/cifar_err"
+  echo "(exit $status)"
+  echo '```'
+} >"$out/config_refused"
+{
+  echo '```'
+  echo "\$ $trainer --help"
+  "$trainer" --help
+  echo '```'
+} >"$out/trainer_help"
+
 # --- reliability (README, "When something goes wrong") -------------------------------
 # reliability_messages: a rank stopped mid-run (the watchdog), ranks waiting for
 # different things (tests/watchdog_check.cpp), a full disk (a
@@ -346,6 +365,29 @@ tiny_flags="--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-po
   echo "(exit $status)"
   echo '```'
 } >"$out/reliability_messages"
+
+# several_machines: a host file naming this machine twice gives the losses of
+# mpirun -n 2; a rank whose --data differs is named (MPMD: one file per rank).
+{
+  printf 'localhost:1\n127.0.0.1:1\n' >"$out/hostfile"
+  echo '```'
+  echo "\$ cat hostfile"
+  cat "$out/hostfile"
+  for launch in "-f hostfile -n 2" "-n 2"; do
+    echo "\$ mpirun $launch $trainer $tiny_flags --steps 4 --json run.json"
+    timeout 120 mpirun ${launch/hostfile/$out/hostfile} "$trainer" --device cpu $tiny_flags --steps 4 --json "$out/hosts.json" >/dev/null 2>&1
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('  last loss bits %s, final params hash %s' % (d['steps'][-1]['loss_bits'], d['final_params_hash']))" "$out/hosts.json"
+  done
+  printf 'The same words, on host b. %.0s' $(seq 1 30) >"$out/other.txt"
+  cp "$out/other.txt" "$out/mine.txt"; printf 'but not quite' >>"$out/other.txt"
+  echo "\$ mpirun -n 1 $trainer ... --data corpus.txt : -n 1 $trainer ... --data corpus.txt    # rank 1's copy differs"
+  status=0
+  timeout 120 mpirun -n 1 "$trainer" --device cpu $tiny_flags --steps 1 --data "$out/mine.txt" : \
+    -n 1 "$trainer" --device cpu $tiny_flags --steps 1 --data "$out/other.txt" >/dev/null 2>"$out/hosts_err" || status=$?
+  fold -w 110 -s "$out/hosts_err"
+  echo "(exit $status)"
+  echo '```'
+} >"$out/several_machines"
 
 # gpu_summary, gpu_zero_r: from the saved log of tests/gpu_check.sh's last GPU run
 # (this machine has no GPU; the log is what the GPU machine printed).

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """notes/plot_loss.py RUN.json OUT.png — draw the loss curve of a train_bert_mini
 run from its --json summary: the MLM loss per step (left axis) with ln(260), the
 loss of a uniform guess over the vocabulary, as a reference line, and the

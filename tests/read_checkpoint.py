@@ -1,3 +1,4 @@
+#!/usr/bin/python3
 """tests/read_checkpoint.py — a zero2 checkpoint read without zero2, the way
 DeepSpeed's zero_to_fp32.py reads its own: numpy and the standard library
 only (safetensors is parsed by hand: 8 bytes of header length, a JSON header,

@@ -214,14 +214,15 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   CHECK(s.eps == 1e-6);
   CHECK(s.weight_decay == 0.1);
   CHECK(s.warmup == 5);
-  CHECK(s.steps == 50);
+  CHECK(s.schedule_steps == 50);  // the schedule's length; the run's follows from it in check_consistency
   CHECK(s.lr == 0.0003);  // the scheduler's peak, read after the optimizer's lr
   // Flags win over the file wherever they appear on the line.
   s = parse({"--stage", "2", "--config", path, "--micro-batch", "2"});
   CHECK(s.stage == 2);
   CHECK(s.micro_batch == 2);
   CHECK(s.accum == 3);
-  // Unknown keys, at any depth, are errors that name the key.
+  // Unknown keys, at any depth, are errors that name the key; every refused
+  // key of a file is in the one message.
   auto error_of = [&](const std::string& text) -> std::string {
     write(text);
     try {
@@ -231,15 +232,21 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
     }
     return "";
   };
-  CHECK(error_of(R"({"train_micro_batch_size": 4})").find("'train_micro_batch_size'") != std::string::npos);
-  CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {}}})")
-            .find("'zero_optimization.offload_optimizer'") != std::string::npos);
-  CHECK(error_of(R"({"optimizer": {"params": {"momentum": 0.9}}})").find("'optimizer.params.momentum'") != std::string::npos);
+  CHECK(error_of(R"({"train_micro_batch_size": 4})").find("\n  train_micro_batch_size: not a DeepSpeed key") !=
+        std::string::npos);
+  CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})")
+            .find("zero_optimization.offload_optimizer.device: \"nvme\" is not supported") != std::string::npos);
+  const std::string two = error_of(R"({"optimizer": {"params": {"momentum": 0.9}}, "zero_optimization": {"stage": 4}})");
+  CHECK(two.find("has 2 settings") != std::string::npos);
+  CHECK(two.find("optimizer.params.momentum: not a DeepSpeed key") != std::string::npos);
   // A bad value names the config key the user wrote, not the flag it maps to.
-  CHECK(error_of(R"({"zero_optimization": {"stage": 3}})").find("'zero_optimization.stage' wants") != std::string::npos);
-  // DeepSpeed's warmup default is "log": relying on it is refused, not silently made linear.
-  CHECK(error_of(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})")
-            .find("warmup_type") != std::string::npos);
+  CHECK(two.find("zero_optimization.stage: wants an integer from 0 to 2") != std::string::npos);
+  CHECK(error_of(R"({"zero_optimization": {"stage": 3}})").find("zero_optimization.stage: 3 is not supported") !=
+        std::string::npos);
+  // DeepSpeed's warmup default is "log", and a scheduler block without warmup_type gets it.
+  write(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})");
+  CHECK(parse({"--config", path}).warmup_type == "log");
+  CHECK(parse({}).warmup_type == "linear");  // without a config, the trainer's own linear warmup
   CHECK(error_of("{not json").find("not valid JSON") != std::string::npos);
   // Mixed precision (notes/08): DeepSpeed's fp16 block, keys and defaults.
   write(R"({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 50,
@@ -271,12 +278,12 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   CHECK(parse({"--config", path}).precision == "fp32");
   // Contradictions and bad values name the key or the flag.
   CHECK(error_of(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})").find("both true") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"enabled": 1}})").find("'fp16.enabled' wants true or false") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"loss_scale": -1}})").find("'fp16.loss_scale' wants") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"min_loss_scale": 0}})").find("'fp16.min_loss_scale' wants") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"hysteresis": 0}})").find("'fp16.hysteresis' wants") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"loss_scale_window": 0}})").find("'fp16.loss_scale_window' wants") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"fp16_master_weights_and_grads": true}})").find("'fp16.fp16_master_weights_and_grads'") !=
+  CHECK(error_of(R"({"fp16": {"enabled": 1}})").find("fp16.enabled: wants true or false") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"loss_scale": -1}})").find("fp16.loss_scale: wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"min_loss_scale": 0}})").find("fp16.min_loss_scale: wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"hysteresis": 0}})").find("fp16.hysteresis: wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"loss_scale_window": 0}})").find("fp16.loss_scale_window: wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"fp16_master_weights_and_grads": true}})").find("fp16.fp16_master_weights_and_grads: true is not supported") !=
         std::string::npos);
   CHECK(error_of(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp16"}})")
             .find("grad_accum_dtype") != std::string::npos);

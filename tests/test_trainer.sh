@@ -33,6 +33,16 @@
 #      reader; --load --steps 0 = the run's own export; --save-keep; damaged
 #      checkpoints and contradicting flags refused; a rank killed mid-save;
 #      SIGTERM and SIGINT stop, save and resume bit for bit.
+#   9. DeepSpeed configs: the real ones in tests/ds_configs run or are refused
+#      as their README says, every refused key named in one message; the
+#      schedules (log warmup, WarmupLR, WarmupDecayLR to warmup_min_lr at
+#      total_num_steps) against DeepSpeed's formulas; --steps longer on resume;
+#      ranks (hosts) whose --data or --config differ are named;
+#  10. the export through Hugging Face (tests/hf_roundtrip.py in .venv-hf):
+#      AutoTokenizer gives the trainer's ids, AutoModelForMaskedLM the dumped
+#      loss, pipeline("fill-mask") runs; SKIP (not a pass) without the venv;
+#  11. --metrics: a line per progress line with the mean loss since the last
+#      one; a killed run leaves whole lines.
 # Ends with the plain line "N passed, M failed".
 set -u
 build=${1:-build}
@@ -167,7 +177,7 @@ printf 'short' > "$work/short.txt"
 : > "$work/empty.txt"
 head -c 4096 /dev/urandom > "$work/binary.bin"; printf '\0' >> "$work/binary.bin"
 printf 'ok \xff\xfe bad utf-8 %.0s' $(seq 1 20) > "$work/latin1.txt"
-echo '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "sub_group_size": 1000}}' > "$work/unknown_key.json"
+echo '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "reduce_bucket": 1000}}' > "$work/unknown_key.json"
 echo '{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}' > "$work/bad_batch.json"
 echo '{"zero_optimization": {"stage": 3}}' > "$work/stage3.json"
 bad_case() {  # expected message fragment, then the arguments
@@ -223,7 +233,7 @@ bad_case "needs at least 14" "${small[@]}" --data "$work/short.txt"
 bad_case "longer than the 20 learned positions" "${small[@]}" --seq 32 --max-positions 20
 bad_case "not divisible by --heads 3" "${small[@]}" --heads 3
 bad_case "--warmup 5 is longer than --steps 1" "${small[@]}" --warmup 5
-bad_case "unknown config key 'zero_optimization.sub_group_size'" "${small[@]}" --config "$work/unknown_key.json"
+bad_case "zero_optimization.reduce_bucket: not a DeepSpeed key this trainer knows" "${small[@]}" --config "$work/unknown_key.json"
 bad_case "cannot open the config file" "${small[@]}" --config "$work/missing.json"
 bad_case "train_batch_size 7" "${small[@]}" --config "$work/bad_batch.json"
 bad_case "run it with 1 rank" "${small[@]}" --dump-batch "$work/dump_from_two"
@@ -235,7 +245,7 @@ bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm ncc
 bad_case "cannot be created as a directory" "${small[@]}" --export-hf "$work/short.txt"
 bad_ranks=1 bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/same"
 bad_ranks=1 bad_case "name the same directory" "${small[@]}" --export-hf "$work/same" --dump-batch "$work/./same/"
-bad_case "config key 'zero_optimization.stage' wants" "${small[@]}" --config "$work/stage3.json"
+bad_case "zero_optimization.stage: 3 is not supported: stage 3 (P_p, the parameters partitioned) is not implemented" "${small[@]}" --config "$work/stage3.json"
 bad_case "GiB are available per rank" "${small[@]}" --layers 256 --hidden 16384 --heads 16
 for flag_value in "--activations all" "--alloc malloc" "--device-memory-limit 100" "--device-memory-limit lots"; do
   set -- $flag_value
@@ -537,11 +547,11 @@ echo '{"fp16": {"enabled": true, "initial_scale_power": 40, "hysteresis": 1, "mi
 bad_case "--precision wants fp32|bf16|fp16" "${small[@]}" --precision fp8
 bad_case "'fp16.enabled' and 'bf16.enabled' are both true" "${small[@]}" --config "$work/both.json"
 bad_case "contradicts config key 'fp16.enabled' = false" "${small[@]}" --config "$work/fp16_off.json" --precision fp16
-bad_case "config key 'fp16.loss_scale' wants" "${small[@]}" --config "$work/negative_scale.json"
-bad_case "config key 'fp16.min_loss_scale' wants" "${small[@]}" --config "$work/zero_min.json"
-bad_case "config key 'fp16.hysteresis' wants" "${small[@]}" --config "$work/zero_hysteresis.json"
-bad_case "config key 'fp16.loss_scale_window' wants" "${small[@]}" --config "$work/zero_window.json"
-bad_case "config key 'bf16.enabled' wants true or false" "${small[@]}" --config "$work/bf16_string.json"
+bad_case "fp16.loss_scale: wants" "${small[@]}" --config "$work/negative_scale.json"
+bad_case "fp16.min_loss_scale: wants" "${small[@]}" --config "$work/zero_min.json"
+bad_case "fp16.hysteresis: wants" "${small[@]}" --config "$work/zero_hysteresis.json"
+bad_case "fp16.loss_scale_window: wants" "${small[@]}" --config "$work/zero_window.json"
+bad_case "bf16.enabled: wants true or false" "${small[@]}" --config "$work/bf16_string.json"
 # At the minimum scale an overflow ends the run (DeepSpeed raises), on every rank.
 bad_case "minimum loss scale" "${small[@]}" --steps 3 --config "$work/at_minimum.json"
 
@@ -662,7 +672,7 @@ echo '{"train_batch_size": 18446744073709551616}' > "$work/beyond_u64.json"
 echo '{"zero_optimization": {"reduce_bucket_size": 1e-5}}' > "$work/tiny_bucket.json"
 echo '{"gradient_clipping": 1e400}' > "$work/beyond_double.json"
 echo '{"zero_optimization": {"reduce_bucket_size": 5e8}, "train_micro_batch_size_per_gpu": 2.0}' > "$work/exponent_ints.json"
-bad_case "config key 'fp16.loss_scale' wants a number from 0 to 1e+30 (got '1e39')" "${small[@]}" --config "$work/big_scale.json"
+bad_case "fp16.loss_scale: wants a number from 0 to 1e+30 (got '1e39')" "${small[@]}" --config "$work/big_scale.json"
 bad_case "(got '18446744073709551616')" "${small[@]}" --config "$work/beyond_u64.json"
 bad_case "(got '1e-5')" "${small[@]}" --config "$work/tiny_bucket.json"
 bad_case "the config file '$work/beyond_double.json' is not valid JSON" "${small[@]}" --config "$work/beyond_double.json"
@@ -724,13 +734,13 @@ echo '{"zero_optimization": {"stage": 2, "stage": 1}}' > "$work/duplicate_inner.
 echo '{"train_batch_size": 18446744073709551615}' > "$work/huge.json"
 echo '{"zero_optimization": {"overlap_comm": 1}}' > "$work/number_bool.json"
 python3 -c "print('[' * 100000 + ']' * 100000)" > "$work/deep.json"
-bad_case "config key 'gradient_clipping' wants a number (got true)" "${small[@]}" --config "$work/bool_number.json"
+bad_case "gradient_clipping: wants a number (got true)" "${small[@]}" --config "$work/bool_number.json"
 bad_case "has a NUL byte at offset 26" "${small[@]}" --config "$work/nul_garbage.json"
 bad_case "is not valid JSON" "${small[@]}" --config "$work/trailing.json"
 bad_case "has the key 'gradient_clipping' twice" "${small[@]}" --config "$work/duplicate.json"
 bad_case "has the key 'stage' twice" "${small[@]}" --config "$work/duplicate_inner.json"
 bad_case "(got '18446744073709551615')" "${small[@]}" --config "$work/huge.json"
-bad_case "config key 'zero_optimization.overlap_comm' wants true or false" "${small[@]}" --config "$work/number_bool.json"
+bad_case "zero_optimization.overlap_comm: wants true or false" "${small[@]}" --config "$work/number_bool.json"
 bad_case "nests objects and arrays more than 16 deep" "${small[@]}" --config "$work/deep.json"
 # A global batch that would select no position on most steps.
 bad_case "positions on average" "${small[@]}" --seq 3 --micro-batch 1
@@ -1046,6 +1056,182 @@ wait $job
 [ -e "$work/ck_mpirun/latest" ] && grep -q "interrupted .* by SIGTERM after step" "$work/mpirun_stdout" &&
   pass "SIGTERM to mpirun: forwarded, saved $(cat "$work/ck_mpirun/latest")" ||
   fail "SIGTERM to mpirun: latest: $(cat "$work/ck_mpirun/latest" 2>&1)"
+
+# --- 9. DeepSpeed configs as people write them ------------------------------------
+echo "=== DeepSpeed configs: real files (tests/ds_configs), every refused key at once, the schedule"
+ds=tests/ds_configs
+tiny=(--layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --max-positions 20 --quiet)
+# config, then a python expression over the run's JSON d that must hold
+ds_runs() {
+  local config=$1 check=$2; shift 2
+  rm -f "$work/ds_run.json"
+  if timeout 120 mpirun -n 2 "$trainer" --config "$ds/$config" "${tiny[@]}" --steps 2 "$@" --json "$work/ds_run.json" \
+       > "$work/ds_stdout" 2> "$work/ds_stderr" &&
+     [ "$(json_get "$work/ds_run.json" "bool($check)")" = True ]; then
+    pass "$config runs: $check"
+  else fail "$config: $(head -c 300 "$work/ds_stderr") $(json_get "$work/ds_run.json" "$check" 2>&1 | tail -n 1)"; fi
+}
+ds_runs bing_bert_bsz4096_adam.json "d['precision'] == 'fp16' and d['micro_batch'] == 64 and d['accum'] == 32 and not d['optimizer']['bias_correction'] and d['optimizer']['clip'] == 1.0 and d['schedule']['lr'] == 2e-4"
+ds_runs autotuning_hf_fp16_z2.json "d['precision'] == 'fp16' and d['stage'] == 2 and d['micro_batch'] == 8"
+ds_runs open_assistant_zero.json "d['precision'] == 'fp32' and d['stage'] == 2 and not d['overlap'] and d['bucket'] == 1000000000 and d['schedule']['warmup_type'] == 'log'"
+ds_runs axolotl_zero1.json "d['stage'] == 1 and d['precision'] == 'fp32'"
+ds_runs getting_started.json "d['stage'] == 1 and d['micro_batch'] == 4 and d['accum'] == 1 and d['precision'] == 'fp16' and d['schedule']['lr'] == 0.00015"
+ds_runs hand_written.json "d['precision'] == 'bf16' and d['activations'] == 'offload' and d['alloc'] == 'arena' and d['schedule']['decay'] == 'none' and d['micro_batch'] == 4 and all('forward_ms' in s for s in d['steps'])"
+timeout 120 mpirun -n 2 "$trainer" --config "$ds/hand_written.json" --layers 1 --hidden 16 --heads 2 --intermediate 32 \
+  --seq 16 --max-positions 20 --steps 2 > "$work/ds_stdout" 2>&1
+[ "$(grep -c "^  time (ms) | forward .* | backward .* | step " "$work/ds_stdout")" -eq 2 ] &&
+  grep -q "^  config    zero_optimization.allgather_bucket_size 200000000: the parameters are all-gathered in the reduce buckets (50000000" "$work/ds_stdout" &&
+  pass "wall_clock_breakdown prints forward/backward/step; a different allgather_bucket_size is said in the header" ||
+  fail "wall_clock_breakdown / allgather note: $(grep -E 'time|config' "$work/ds_stdout" | head -c 300)"
+# Refused: every unsupported key of the file in one message (bad_case: one message, exit non-zero).
+ds_refused() {  # config, the number of refused keys, then fragments each of which the message must hold
+  local config=$1 count=$2; shift 2
+  bad_case "has $count setting" --config "$config" "${tiny[@]}" --steps 2
+  for fragment in "$@"; do
+    grep -qF -- "$fragment" "$work/bad_stderr" || fail "$config: the message lacks '$fragment'"
+  done
+}
+ds_refused "$ds/hf_transformers_zero2.json" 1 "zero_optimization.offload_optimizer.device: \"cpu\""
+ds_refused "$ds/hello_deepspeed.json" 1 "zero_optimization.offload_optimizer.device: \"cpu\""
+ds_refused "$ds/megatron_zero2.json" 1 "activation_checkpointing.partition_activations: true"
+ds_refused "$ds/cifar.json" 2 "fp16.fp16_master_weights_and_grads: true" "zero_optimization.cpu_offload: true"
+cat > "$work/ds_many.json" <<'JSON'
+{"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}},
+ "scheduler": {"type": "OneCycle", "params": {"last_batch_iteration": 5}},
+ "zero_optimization": {"stage": 3, "overlap_comm": "yes"},
+ "gradient_predivide_factor": 2.0, "prescale_gradients": true, "steps_per_print": 0, "trian_batch_size": 8,
+ "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}, "bf16": {"enabled": false, "loss_scale": 0},
+ "tensorboard": {"enabled": true, "output_path": "tb"}}
+JSON
+ds_refused "$work/ds_many.json" 13 "optimizer.type: \"Lamb\" is not supported" "optimizer.params.max_coeff: not a DeepSpeed key" \
+  "scheduler.type: \"OneCycle\"" "scheduler.params.last_batch_iteration: 5" "zero_optimization.stage: 3 is not supported" \
+  "zero_optimization.overlap_comm: wants true or false" "gradient_predivide_factor: 2.0" "prescale_gradients: true" \
+  "steps_per_print: wants an integer from 1" "trian_batch_size: not a DeepSpeed key" "fp16.fp16_master_weights_and_grads" \
+  "bf16.loss_scale: not a DeepSpeed key" "tensorboard.enabled"
+echo '{"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": false}}}' > "$work/ds_adam_l2.json"
+ds_refused "$work/ds_adam_l2.json" 1 "optimizer.params.adam_w_mode: false (Adam with L2 regularization"
+echo '{"gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 0.5}}}' > "$work/ds_clips.json"
+ds_refused "$work/ds_clips.json" 1 "optimizer.params.max_grad_norm: 0.5 contradicts gradient_clipping 1: one global-norm clip"
+echo '{"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.001, "warmup_num_steps": 1}}}' > "$work/ds_min_lr.json"
+bad_case "warmup_min_lr 0.01 is above the learning rate 0.001" --config "$work/ds_min_lr.json" "${tiny[@]}" --steps 2
+# The schedule, computed here from DeepSpeed's formulas (counted from step 1):
+# log warmup ln(t+1)/ln(W+1), WarmupLR's constant rate, WarmupDecayLR's line to
+# warmup_min_lr at total_num_steps; --steps trains part of that schedule.
+cat > "$work/ds_schedule.json" <<'JSON'
+{"scheduler": {"type": "WarmupDecayLR",
+               "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 3, "total_num_steps": 10}}}
+JSON
+echo '{"scheduler": {"type": "warmuplr", "params": {"warmup_max_lr": 2e-3, "warmup_num_steps": 3, "warmup_type": "linear"}}}' > "$work/ds_constant.json"
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_schedule.json" "${tiny[@]}" --json "$work/ds_decay.json" > /dev/null 2>&1
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_schedule.json" "${tiny[@]}" --steps 4 --json "$work/ds_part.json" > /dev/null 2>&1
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_constant.json" "${tiny[@]}" --steps 6 --json "$work/ds_const.json" > /dev/null 2>&1
+verdict=$(python3 - "$work/ds_decay.json" "$work/ds_part.json" "$work/ds_const.json" <<'PY'
+import json, math, sys
+decay, part, const = (json.load(open(p)) for p in sys.argv[1:4])
+low, high, W, S = 1e-4, 2e-3, 3, 10
+def decayed(t):
+    if t <= W: return low + (high - low) * math.log(t + 1) / math.log(W + 1)
+    return low + (high - low) * (S - t + 1) / (S - W)
+def constant(t): return high * t / W if t <= W else high
+problems = []
+if len(decay["steps"]) != S: problems.append(f"total_num_steps alone trained {len(decay['steps'])} steps, not {S}")
+if len(part["steps"]) != 4: problems.append(f"--steps 4 trained {len(part['steps'])}")
+for name, run, rate in (("WarmupDecayLR", decay, decayed), ("part", part, decayed), ("WarmupLR", const, constant)):
+    for s in run["steps"]:
+        if abs(s["lr"] - rate(s["step"])) > 1e-12 * rate(s["step"]): problems.append(f"{name} step {s['step']}: lr {s['lr']} != {rate(s['step'])}")
+print("ok" if not problems else "; ".join(problems[:3]))
+PY
+)
+[ "$verdict" = ok ] && pass "schedules: log warmup then decay to warmup_min_lr at total_num_steps (10 steps without --steps, 4 with), WarmupLR constant: lr per step as DeepSpeed's formulas" ||
+  fail "schedules: $verdict"
+# The run's length may change on resume (the schedule may not): 4 steps of a
+# 10-step schedule saved, resumed with --steps 10 = the 10-step run, bit for bit.
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_schedule.json" "${tiny[@]}" --steps 4 --save "$work/ck_part" > /dev/null 2>&1
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_part" --steps 10 --quiet --json "$work/ds_longer.json" > "$work/log" 2>&1
+verdict=$(resumed_matches "$work/ds_decay.json" "$work/ds_longer.json" 2>&1)
+[ "$verdict" = ok ] && pass "4 steps saved, resumed with --steps 10: the 10-step run's bits (the schedule is the checkpoint's)" ||
+  fail "longer resume: $verdict $(head -c 200 "$work/log")"
+bad_case "--schedule-steps 20 contradicts the checkpoint's 10" --load "$work/ck_part" --schedule-steps 20
+# bias_correction false changes the update (and is recorded in the JSON).
+sed 's/"bias_correction": false/"bias_correction": true/' "$ds/bing_bert_bsz4096_adam.json" > "$work/ds_bias.json"
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_bias.json" "${tiny[@]}" --steps 2 --json "$work/ds_bias_on.json" > /dev/null 2>&1
+timeout 120 mpirun -n 2 "$trainer" --config "$ds/bing_bert_bsz4096_adam.json" "${tiny[@]}" --steps 2 --json "$work/ds_bias_off.json" > /dev/null 2>&1
+[ "$(json_get "$work/ds_bias_on.json" "d['final_params_hash']")" != "$(json_get "$work/ds_bias_off.json" "d['final_params_hash']")" ] &&
+  pass "bias_correction false trains differently from true" || fail "bias_correction has no effect"
+
+# Several hosts: each rank reads its own copy of --data and --config; a copy
+# that differs is named with its rank and host, on every rank (MPMD: rank 1
+# is given another file under another name, as another host's copy would be).
+cp "$work/corpus.txt" "$work/copy_a.txt"; cp "$work/corpus.txt" "$work/copy_b.txt"; printf ' and more' >> "$work/copy_b.txt"
+timeout 60 mpirun -n 1 "$trainer" "${tiny[@]}" --steps 1 --data "$work/copy_a.txt" : -n 1 "$trainer" "${tiny[@]}" --steps 1 \
+  --data "$work/copy_b.txt" > "$work/hosts_out" 2>&1
+status=$?
+[ $status -ne 0 ] && [ "$(grep -c "train_bert_mini: error: --data is not the same file on every rank: rank 0 on .* has 1,800 bytes.*; rank 1 on .* has 1,809 bytes" "$work/hosts_out")" -eq 1 ] &&
+  pass "a rank whose --data differs: one message naming rank 1 and its host, exit $status" || fail "differing --data: exit $status $(head -c 300 "$work/hosts_out")"
+cp "$ds/getting_started.json" "$work/cfg_a.json"; sed 's/0.00015/0.00016/' "$ds/getting_started.json" > "$work/cfg_b.json"
+timeout 60 mpirun -n 1 "$trainer" "${tiny[@]}" --steps 1 --config "$work/cfg_a.json" : -n 1 "$trainer" "${tiny[@]}" --steps 1 \
+  --config "$work/cfg_b.json" > "$work/hosts_out" 2>&1
+status=$?
+[ $status -ne 0 ] && grep -q "error: --config is not the same file on every rank" "$work/hosts_out" &&
+  pass "a rank whose --config differs: named, exit $status" || fail "differing --config: exit $status $(head -c 300 "$work/hosts_out")"
+timeout 60 mpirun -n 1 "$trainer" "${tiny[@]}" --steps 1 --data "$work/copy_a.txt" : -n 1 "$trainer" "${tiny[@]}" --steps 1 \
+  --data "$work/corpus.txt" > "$work/hosts_out" 2>&1 && pass "the same bytes under two names on two ranks: runs" ||
+  fail "same --data, two names: $(head -c 300 "$work/hosts_out")"
+
+# --- 10. The export through Hugging Face itself ------------------------------------
+echo "=== Hugging Face: AutoTokenizer, AutoModelForMaskedLM, pipeline('fill-mask') on the export"
+hf_python=.venv-hf/bin/python  # made by make test (hf-venv): transformers 4.39.3 on Debian's torch
+if ! [ -x "$hf_python" ] || ! "$hf_python" -c 'import transformers' 2>/dev/null; then
+  echo "SKIP the Hugging Face round trip: no $hf_python with transformers ($(tail -n 1 .venv-hf.log 2>/dev/null || echo 'make hf-venv was not run'))"
+else
+  rm -rf "$work/hf_dump"
+  if timeout 120 "$trainer" --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 32 --max-positions 40 --micro-batch 4 \
+       --accum 2 --steps 1 --dropout 0 --data "$work/corpus.txt" --dump-batch "$work/hf_dump" --quiet > "$work/log" 2>&1 &&
+     "$hf_python" tests/hf_roundtrip.py "$work/hf_dump" > "$work/hf.log" 2>&1 &&
+     [ "$(grep -c '^PASS' "$work/hf.log")" -eq 5 ]; then
+    pass "Hugging Face round trip: $(grep '^PASS' "$work/hf.log" | sed 's/^PASS //' | cut -c1-70 | paste -sd ';' | cut -c1-330)"
+  else fail "Hugging Face round trip: $(grep -E 'FAIL|Error' "$work/hf.log" | head -c 400) $(head -c 200 "$work/log")"; fi
+fi
+
+# --- 11. Metrics while training ---------------------------------------------------
+echo "=== --metrics: one JSON line per progress line, written as training goes"
+timeout 120 mpirun -n 2 "$trainer" "${tiny[@]}" --steps 30 --log-every 10 --metrics "$work/metrics.jsonl" --json "$work/metrics_run.json" \
+  > /dev/null 2>&1
+verdict=$(python3 - "$work/metrics.jsonl" "$work/metrics_run.json" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+run = json.load(open(sys.argv[2]))
+loss = {s["step"]: s["loss"] for s in run["steps"]}
+problems = []
+if [l["step"] for l in lines] != [1, 10, 20, 30]: problems.append(f"steps {[l['step'] for l in lines]}")
+previous = 0
+for l in lines:
+    mean = sum(loss[t] for t in range(previous + 1, l["step"] + 1)) / (l["step"] - previous)
+    if abs(l["loss_mean"] - mean) > 1e-9 * abs(mean) or l["losses_in_mean"] != l["step"] - previous:
+        problems.append(f"step {l['step']}: loss_mean {l['loss_mean']} != {mean}")
+    if l["loss"] != loss[l["step"]]: problems.append(f"step {l['step']}: loss")
+    previous = l["step"]
+if any(b["elapsed_s"] < a["elapsed_s"] for a, b in zip(lines, lines[1:])): problems.append("elapsed goes back")
+if lines and lines[-1]["eta_s"] != 0: problems.append("ETA at the last step is not 0")
+print("ok" if not problems else "; ".join(problems[:3]))
+PY
+)
+[ "$verdict" = ok ] && pass "--metrics: lines at steps 1, 10, 20, 30; loss_mean = the mean of the --json losses since the last line; elapsed rises, ETA ends at 0" ||
+  fail "--metrics: $verdict"
+# A run killed mid-way leaves whole lines only.
+timeout 120 mpirun -n 2 "$trainer" "${tiny[@]}" --steps 100000 --log-every 100 --metrics "$work/killed.jsonl" > /dev/null 2>&1 &
+job=$!
+for k in $(seq 1 200); do [ -f "$work/killed.jsonl" ] && [ "$(wc -l < "$work/killed.jsonl")" -ge 5 ] && break; sleep 0.05; done
+pkill -KILL -f "^$trainer .*$work/killed.jsonl"
+wait $job
+python3 -c "
+import json, sys
+lines = open(sys.argv[1]).read().split('\n')
+assert lines[-1] == '', 'a partial last line'
+[json.loads(l) for l in lines[:-1]]
+print(len(lines) - 1)" "$work/killed.jsonl" > "$work/log" 2>&1 &&
+  pass "a run killed by SIGKILL: --metrics holds $(cat "$work/log") whole lines, none cut" || fail "killed --metrics: $(cat "$work/log")"
+bad_case "--metrics '$work/corpus.txt' is the --data file" "${tiny[@]}" --steps 2 --data "$work/corpus.txt" --metrics "$work/corpus.txt"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
