@@ -142,6 +142,10 @@ struct Settings {
   // checkpoint's value for every recorded setting not among them.
   std::set<std::string> given;
   long log_every = 10;
+  // --eval-every K: every K steps (and at the last), the MLM loss on
+  // eval_batches micro-batches drawn from the held-out tail of the data.
+  long eval_every = 0;
+  int eval_batches = 4;
   bool quiet = false;
   bool wall_clock_breakdown = false;  // forward / backward / step times on each progress line (DeepSpeed's key)
   std::vector<std::string> config_notes;  // config keys that act differently here, for the header
@@ -268,6 +272,8 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--clip") s.clip = parse_real(name, value, 0.0, 1e30);
   else if (flag == "--seed") s.seed = (uint64_t)parse_integer(name, value, 0, LONG_MAX);
   else if (flag == "--log-every") s.log_every = parse_integer(name, value, 1, big);
+  else if (flag == "--eval-every") s.eval_every = parse_integer(name, value, 0, big);
+  else if (flag == "--eval-batches") s.eval_batches = (int)parse_integer(name, value, 1, 1 << 16);
   else if (flag == "--data") s.data = parse_path(name, value);
   else if (flag == "--config") s.config = parse_path(name, value);
   else if (flag == "--json") s.json_path = parse_path(name, value);
@@ -621,6 +627,19 @@ class ConfigReader {
     else out_.notes.push_back(key + " has no effect below stage 3 (as in DeepSpeed)");
   }
 
+  // The "params" of a {"type", "params"} block (optimizer, scheduler), each
+  // handed to `take` with its full key; any other key of the block is refused.
+  void each_param(const std::string& key, const json& value,
+                  const std::function<void(const std::string&, const json&, const std::string&)>& take) {
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "type") continue;
+      if (inner != "params") unknown(name);
+      else if (object(name, setting))
+        for (auto& [param, entry] : setting.items()) take(param, entry, name + "." + param);
+    }
+  }
+
   void optimizer(const std::string& key, const json& value) {
     if (!object(key, value)) return;
     const json params = value.value("params", json::object());
@@ -636,39 +655,29 @@ class ConfigReader {
         refuse("optimizer.type", type.dump() + " is not supported: the optimizer is AdamW (\"AdamW\", or \"Adam\" "
                                                "with adam_w_mode true)");
     }
-    for (auto& [inner, setting] : value.items()) {
-      const std::string name = key + "." + inner;
-      if (inner == "type") continue;
-      if (inner != "params") {
-        unknown(name);
-        continue;
-      }
-      if (!object(name, setting)) continue;
-      for (auto& [param, entry] : setting.items()) {
-        const std::string full = name + "." + param;
-        if (param == "lr") {
-          if (!is_auto(entry)) optimizer_lr_ = {"", number(entry, full), full};
-        } else if (param == "weight_decay") set_number("--weight-decay", full, entry);
-        else if (param == "eps") set_number("eps", full, entry);
-        else if (param == "betas") {
-          if (is_auto(entry)) continue;
-          if (!entry.is_array() || entry.size() != 2) {
-            refuse(full, "wants [beta1, beta2] (got " + entry.dump() + ")");
-            continue;
-          }
-          set_number("beta1", full + "[0]", entry[0]);
-          set_number("beta2", full + "[1]", entry[1]);
-        } else if (param == "bias_correction") set_boolean("bias_correction", full, entry);
-        else if (param == "adam_w_mode") accept_boolean(full, entry);  // checked with the type above
-        // Which implementation computes it (torch's, fused): the same update.
-        else if (param == "torch_adam" || param == "fused" || param == "foreach") accept_boolean(full, entry);
-        else if (param == "amsgrad") must_be(full, entry, false, "AMSGrad is not implemented");
-        // apex's FusedAdam clipped inside the optimizer; it is the global-norm clip.
-        else if (param == "max_grad_norm") {
-          if (!is_auto(entry)) max_grad_norm_ = {"", number(entry, full), full};
-        } else unknown(full);
-      }
-    }
+    each_param(key, value, [&](const std::string& param, const json& entry, const std::string& full) {
+      if (param == "lr") {
+        if (!is_auto(entry)) optimizer_lr_ = {"", number(entry, full), full};
+      } else if (param == "weight_decay") set_number("--weight-decay", full, entry);
+      else if (param == "eps") set_number("eps", full, entry);
+      else if (param == "betas") {
+        if (is_auto(entry)) return;
+        if (!entry.is_array() || entry.size() != 2) {
+          refuse(full, "wants [beta1, beta2] (got " + entry.dump() + ")");
+          return;
+        }
+        set_number("beta1", full + "[0]", entry[0]);
+        set_number("beta2", full + "[1]", entry[1]);
+      } else if (param == "bias_correction") set_boolean("bias_correction", full, entry);
+      else if (param == "adam_w_mode") accept_boolean(full, entry);  // checked with the type above
+      // Which implementation computes it (torch's, fused): the same update.
+      else if (param == "torch_adam" || param == "fused" || param == "foreach") accept_boolean(full, entry);
+      else if (param == "amsgrad") must_be(full, entry, false, "AMSGrad is not implemented");
+      // apex's FusedAdam clipped inside the optimizer; it is the global-norm clip.
+      else if (param == "max_grad_norm") {
+        if (!is_auto(entry)) max_grad_norm_ = {"", number(entry, full), full};
+      } else unknown(full);
+    });
   }
 
   // WarmupLR (warmup, then constant) and WarmupDecayLR (warmup, then linear
@@ -687,30 +696,20 @@ class ConfigReader {
                                              "(warmup, then linear decay)");
     }
     bool warmup_type_given = false;
-    for (auto& [inner, setting] : value.items()) {
-      const std::string name = key + "." + inner;
-      if (inner == "type") continue;
-      if (inner != "params") {
-        unknown(name);
-        continue;
-      }
-      if (!object(name, setting)) continue;
-      for (auto& [param, entry] : setting.items()) {
-        const std::string full = name + "." + param;
-        if (param == "warmup_num_steps") set_number("--warmup", full, entry);
-        else if (param == "warmup_max_lr") {
-          if (!is_auto(entry)) scheduler_lr_ = {"", number(entry, full), full};
-        } else if (param == "warmup_min_lr") set_number("warmup_min_lr", full, entry);
-        else if (param == "total_num_steps" && type == "warmupdecaylr") set_number("--schedule-steps", full, entry);
-        else if (param == "warmup_type") {
-          warmup_type_given = true;
-          if (entry == "linear" || entry == "log") out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
-          else if (!is_auto(entry)) refuse(full, "wants \"linear\" or \"log\" (got " + entry.dump() + ")");
-        } else if (param == "last_batch_iteration")
-          must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
-        else unknown(full);
-      }
-    }
+    each_param(key, value, [&](const std::string& param, const json& entry, const std::string& full) {
+      if (param == "warmup_num_steps") set_number("--warmup", full, entry);
+      else if (param == "warmup_max_lr") {
+        if (!is_auto(entry)) scheduler_lr_ = {"", number(entry, full), full};
+      } else if (param == "warmup_min_lr") set_number("warmup_min_lr", full, entry);
+      else if (param == "total_num_steps" && type == "warmupdecaylr") set_number("--schedule-steps", full, entry);
+      else if (param == "warmup_type") {
+        warmup_type_given = true;
+        if (entry == "linear" || entry == "log") out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
+        else if (!is_auto(entry)) refuse(full, "wants \"linear\" or \"log\" (got " + entry.dump() + ")");
+      } else if (param == "last_batch_iteration")
+        must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
+      else unknown(full);
+    });
     // DeepSpeed's warmup is logarithmic unless told otherwise.
     if (!warmup_type_given) out_.flags.push_back({"--warmup-type", "log", key + ".params.warmup_type (DeepSpeed's default)"});
   }
@@ -859,6 +858,9 @@ checkpoints (notes/09)
                              or re-slice it (--save)
 output
   --log-every K              a progress line every K steps (10) [steps_per_print]
+  --eval-every K             the MLM loss on held-out data every K steps and at the end (0: never); the
+                             last 5% of the data (at least one window) is then held out of training
+  --eval-batches E           micro-batches of held-out windows per evaluation (4)
   --wall-clock-breakdown     forward, backward and step times on each progress line [wall_clock_breakdown]
   --quiet                    no progress lines
   --help                     this text
@@ -936,6 +938,9 @@ inline void check_consistency(Settings& s, int world_size) {
          s.schedule_steps);
   }
   if (s.warmup < 0) s.warmup = s.schedule_steps / 10;
+  if (s.eval_every > s.steps && !s.export_only)
+    fail("--eval-every %ld is more than --steps %ld: it would evaluate only at the end (give --eval-every %ld for that)",
+         s.eval_every, s.steps, s.steps);
   if (s.warmup_min_lr > s.lr)
     fail("warmup_min_lr %g is above the learning rate %g (warmup_max_lr, --lr)", s.warmup_min_lr, s.lr);
   // DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters):
@@ -1467,6 +1472,11 @@ class Model {
     double forward_ms = 0, backward_ms = 0;
   };
   void time_phases(bool on) { timing_ = on; }
+  // Evaluation: no dropout (torch's model.eval()); training's rate back after.
+  void set_evaluation(bool on) {
+    if (on) training_dropout_ = shape_.dropout, shape_.dropout = 0.0f;
+    else shape_.dropout = training_dropout_;
+  }
   Times take_times() { return std::exchange(times_, Times{}); }
 
   const Parameters& ids() const { return ids_; }
@@ -1514,6 +1524,7 @@ class Model {
  private:
   z2::Compute& compute_;
   bool timing_ = false;
+  float training_dropout_ = 0.0f;
   Times times_;
   std::chrono::steady_clock::time_point phase_start_;
   // The phase that ends now, timed from the last boundary (wall_clock_breakdown only).
@@ -2867,6 +2878,9 @@ constexpr RecordedSetting recorded_settings[] = {
     {"decay", "--decay", "the learning-rate schedule"},
     {"warmup_min_lr", "warmup_min_lr", "the learning-rate schedule"},
     {"bias_correction", "bias_correction", "the optimizer"},
+    // Whether the data's tail is held out (--eval-every > 0), not how often
+    // evaluation runs: that may change (without --eval-every, the saved one).
+    {"held_out", "--eval-every", "the training data (evaluation holds the data's tail out of training)"},
     {"weight_decay", "--weight-decay", "the optimizer"},
     {"clip", "--clip", "the optimizer"},
     {"beta1", "beta1", "the optimizer"},
@@ -2889,6 +2903,7 @@ inline json recorded_values(const Settings& s) {
           {"seed", s.seed}, {"micro_batch", s.micro_batch}, {"lr", s.lr}, {"warmup", s.warmup},
           {"steps", s.steps}, {"schedule_steps", s.schedule_steps}, {"warmup_type", s.warmup_type},
           {"decay", s.decay}, {"warmup_min_lr", s.warmup_min_lr}, {"bias_correction", s.bias_correction},
+          {"held_out", s.eval_every > 0}, {"eval_every", s.eval_every},
           {"weight_decay", s.weight_decay}, {"clip", s.clip}, {"beta1", s.beta1},
           {"beta2", s.beta2}, {"eps", s.eps}, {"precision", s.precision}, {"grad_accum_dtype", s.grad_accum_dtype},
           {"loss_scale", l.static_scale}, {"initial_scale_power", l.initial_scale_power},
@@ -3025,13 +3040,22 @@ inline void adopt_checkpoint(Settings& s, int world_size) {
     const json& value = index_field(saved, setting.key, file);
     const bool given = std::string(setting.key) == "precision" ? precision_given : s.given.count(setting.flag) > 0;
     if (given) {
+      if (std::string(setting.key) == "held_out" && current[setting.key] != value)
+        fail("--eval-every %ld %s, and the checkpoint's run (in '%s') did %s: the training data would differ", s.eval_every,
+             s.eval_every > 0 ? "holds the data's tail out of training" : "keeps the data's tail in training",
+             s.checkpoint_directory.c_str(),
+             value == true ? "hold it out (--eval-every K > 0 continues it)" : "not (leave --eval-every out)");
       if (current[setting.key] != value)
         fail("%s %s contradicts the checkpoint's %s (in '%s'): a different value changes %s. Leave it out to "
              "continue as saved", setting.flag, current[setting.key].dump().c_str(), value.dump().c_str(),
              s.checkpoint_directory.c_str(), setting.what);
       continue;
     }
-    if (std::string(setting.key) == "precision") {
+    if (std::string(setting.key) == "held_out") {
+      s.eval_every = index_integer(saved, "eval_every", file, 0, 1l << 30, "settings");
+      if ((s.eval_every > 0) != (value == true))
+        fail("the checkpoint index '%s': settings.eval_every and settings.held_out disagree", file.c_str());
+    } else if (std::string(setting.key) == "precision") {
       s.precision = parse_choice("the checkpoint's setting 'precision' (in '" + file + "')",
                                  index_string(saved, "precision", file, "settings"), {"fp32", "bf16", "fp16"});
     } else {
@@ -3487,6 +3511,8 @@ class Training {
   void write_memory_trace();
   void write_dump(const z2::StepReport& report, const std::vector<float>& gradients);
   void log_progress(const z2::StepReport& report, double ms);
+  float evaluate() const;
+  void log_evaluation(long step);
   void load_checkpoint();
   void save_checkpoint();
   void prune_checkpoints(long keep_step) const;
@@ -3522,6 +3548,9 @@ class Training {
   double loss_since_log_ = 0;
   long losses_since_log_ = 0;
   std::unique_ptr<MetricsStream> metrics_;
+  // --eval-every: the held-out tail of the data, and each evaluation's loss.
+  std::string training_text_, held_out_;
+  json evaluations_ = json::array();
   int interrupted_by_ = 0;               // the signal that stopped the run early, or 0
 };
 
@@ -3533,6 +3562,19 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   z2::set_watchdog_timeout(settings_.timeout);  // from here every wait has a deadline
   check_consistency(settings_, world_size_);
   corpus_ = read_inputs(settings_, rank_, world_);
+  // With --eval-every, the last 5% of the data (at least one window) is held
+  // out: training draws its windows from the rest (the same bytes on every
+  // rank, so every rank splits at the same place, or refuses the same way).
+  training_text_ = corpus_;
+  if (settings_.eval_every > 0) {
+    const size_t window = (size_t)settings_.seq - 2, held = std::max(window, corpus_.size() / 20);
+    if (corpus_.size() < held + window)
+      fail("--eval-every holds out the data's last %s bytes (5%%, at least one window of --seq - 2), leaving %s "
+           "bytes to train on; a window needs %zu: give more data or a shorter --seq",
+           z2::with_commas(held).c_str(), z2::with_commas(corpus_.size() - std::min(held, corpus_.size())).c_str(), window);
+    held_out_ = corpus_.substr(corpus_.size() - held);
+    training_text_.resize(corpus_.size() - held);
+  }
   // Every rank finds the same difference: the same message and exit everywhere.
   if (world_size_ > 1) check_same_inputs(settings_, corpus_, world_);
   device_ = z2::choose_device(settings_.device, world_);
@@ -3760,9 +3802,10 @@ void Training<Act>::print_header() const {
          z2::with_commas((size_t)engine_->psi_padded()).c_str(), engine_->buckets().size());
   printf("  batch     %d sequences x accumulation %d x %d rank(s) = %s tokens per step\n", B, settings_.accum, N,
          z2::with_commas((size_t)tokens_per_step_).c_str());
-  printf("  data      %s (%s bytes), seed %llu\n",
+  printf("  data      %s (%s bytes), seed %llu%s\n",
          settings_.data.empty() ? "embedded corpus (data/corpus.txt)" : settings_.data.c_str(),
-         z2::with_commas((size_t)corpus_.size()).c_str(), (unsigned long long)settings_.seed);
+         z2::with_commas((size_t)corpus_.size()).c_str(), (unsigned long long)settings_.seed,
+         held_out_.empty() ? "" : ("; the last " + z2::with_commas(held_out_.size()) + " held out for --eval-every").c_str());
   print_schedule();
   for (const std::string& line : settings_.config_notes) printf("  config    %s\n", line.c_str());
   printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
@@ -3802,7 +3845,7 @@ template <class Act>
 void Training<Act>::train_step(long step) {
   const int A = settings_.accum, B = settings_.micro_batch, T = settings_.seq;
   const auto start = std::chrono::steady_clock::now();
-  const long selected = global_selected_count(corpus_, settings_.seed, step, (long)world_size_ * A, B, T);
+  const long selected = global_selected_count(training_text_, settings_.seed, step, (long)world_size_ * A, B, T);
   // A global batch with no selected position has no loss; the scale 1/1 then
   // multiplies nothing (every gradient is zero).
   const float loss_scale = 1.0f / (float)std::max(1l, selected);
@@ -3812,7 +3855,7 @@ void Training<Act>::train_step(long step) {
   if (dumping) dump_weights_ = engine_->working_parameters_to_host();  // what forward reads (16-bit: as floats)
   for (int a = 0; a < A; ++a) {
     const long m = engine_->micro_batch_index(a);
-    Batch batch = make_batch(corpus_, settings_.seed, step, m, B, T);
+    Batch batch = make_batch(training_text_, settings_.seed, step, m, B, T);
     model_->run(batch, step, m, loss_scale, true);
     if (dumping) dump_batches_.push_back(std::move(batch));
   }
@@ -3882,6 +3925,38 @@ void Training<Act>::write_dump(const z2::StepReport& report, const std::vector<f
   }, "the batch dump was written");
 }
 
+// The MLM loss on --eval-batches micro-batches of held-out windows, without
+// dropout: the mean over all their selected positions, summed micro-batch by
+// micro-batch in order. The windows and masks are keyed by a step number no
+// training step has (-1), so every evaluation reads the same batch. Every
+// rank computes it whole from the full working weights (every stage holds
+// them), so the value does not depend on N or the stage.
+template <class Act>
+float Training<Act>::evaluate() const {
+  const int B = settings_.micro_batch, T = settings_.seq, E = settings_.eval_batches;
+  const long key = -1;
+  const long selected = global_selected_count(held_out_, settings_.seed, key, E, B, T);
+  const float loss_scale = 1.0f / (float)std::max(1l, selected);
+  model_->set_evaluation(true);
+  float loss = 0.0f;
+  for (int m = 0; m < E; ++m) loss += model_->run(make_batch(held_out_, settings_.seed, key, m, B, T), key, m, loss_scale, false);
+  model_->set_evaluation(false);
+  return loss;
+}
+
+template <class Act>
+void Training<Act>::log_evaluation(long step) {
+  const float loss = evaluate();
+  evaluations_.push_back({{"step", step}, {"loss", loss}, {"loss_bits", hex32(loss)}});
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - training_start_).count();
+  if (metrics_) metrics_->append({{"step", step}, {"eval_loss", loss}, {"elapsed_s", elapsed}});
+  if (speak_) {
+    printf("  eval      step %ld: loss %.4f on %d held-out micro-batch(es) of %d\n", step, loss, settings_.eval_batches,
+           settings_.micro_batch);
+    fflush(stdout);
+  }
+}
+
 template <class Act>
 void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
   if (!report.skipped) loss_since_log_ += report.loss, ++losses_since_log_;
@@ -3940,6 +4015,7 @@ int Training<Act>::run() {
     int mine = (int)interrupt_signal, signal = 0;
     z2::watched_allreduce(&mine, &signal, 1, MPI_INT, MPI_MAX, world_, "the ranks agreeing whether to stop (a signal)");
     const long done = step + 1;
+    if (settings_.eval_every > 0 && (done % settings_.eval_every == 0 || done == last_step)) log_evaluation(done);
     if (!settings_.save_dir.empty() && settings_.save_every > 0 && done % settings_.save_every == 0) save_checkpoint();
     if (signal != 0) {
       interrupted_by_ = signal;
@@ -4059,6 +4135,8 @@ void Training<Act>::write_json(const std::string& hash) const {
   out["memory"] = summary["memory"];
   out["comm"] = summary["comm"];
   out["checkpoint"] = {{"loaded", loaded_}, {"saved", saved_}};
+  out["eval"] = evaluations_;
+  out["held_out_bytes"] = held_out_.size();
   if (!records_.empty()) {
     std::vector<double> times;
     for (auto& r : records_) times.push_back(r.ms);

@@ -43,7 +43,10 @@
 #      stage 2; step_10 loaded at N = 1 (NCCL) stage 1 (A = 2 taken from the
 #      checkpoint's N x A) and continued to step 20: all three final hashes
 #      equal; the save and load times;
-#   9. a summary.
+#   9. a public DeepSpeed config on the GPU (tests/ds_configs/hand_written.json:
+#      bf16, activation checkpoints to the host, WarmupLR, wall_clock_breakdown):
+#      it runs, and its forward / backward / step milliseconds;
+#  10. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
@@ -250,6 +253,19 @@ print('%s %s; save %d bytes in %.3f s, load (N=2 stage 2 -> N=1 stage 1, A=%d) i
     failures=$((failures + 1))
   fi
 done
+
+# --- 9. a DeepSpeed config on the GPU, with DeepSpeed's wall-clock breakdown --------------
+if timeout 120 build/train_bert_mini --device cuda --comm nccl --config tests/ds_configs/hand_written.json --steps 20 \
+     --log-every 10 --json /tmp/z2_ds.json >/tmp/z2_ds.log 2>&1; then
+  note "DeepSpeed config hand_written.json on the GPU: $(python3 -c "
+import json; d = json.load(open('/tmp/z2_ds.json')); s = d['steps'][-1]
+print('%s, --activations %s, %.2f ms/step median; last step forward %.2f, backward %.2f, optimizer step %.2f ms' % (
+    d['precision'], d['activations'], d['time']['step_ms_median'], s['forward_ms'], s['backward_ms'], s['optimizer_ms']))")"
+else
+  tail -n 8 /tmp/z2_ds.log
+  note "DeepSpeed config hand_written.json on the GPU: FAILED"
+  failures=$((failures + 1))
+fi
 
 echo
 echo "=== summary ($(elapsed "$started") s)"

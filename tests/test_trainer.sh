@@ -42,7 +42,9 @@
 #      AutoTokenizer gives the trainer's ids, AutoModelForMaskedLM the dumped
 #      loss, pipeline("fill-mask") runs; SKIP (not a pass) without the venv;
 #  11. --metrics: a line per progress line with the mean loss since the last
-#      one; a killed run leaves whole lines.
+#      one; a killed run leaves whole lines; --eval-every: the held-out loss
+#      has the same bits in every (N, A, stage), its frequency does not change
+#      training, a resume continues it.
 # Ends with the plain line "N passed, M failed".
 set -u
 build=${1:-build}
@@ -1194,7 +1196,7 @@ else
 fi
 
 # --- 11. Metrics while training ---------------------------------------------------
-echo "=== --metrics: one JSON line per progress line, written as training goes"
+echo "=== --metrics and --eval-every: progress as training goes, the held-out loss"
 timeout 120 mpirun -n 2 "$trainer" "${tiny[@]}" --steps 30 --log-every 10 --metrics "$work/metrics.jsonl" --json "$work/metrics_run.json" \
   > /dev/null 2>&1
 verdict=$(python3 - "$work/metrics.jsonl" "$work/metrics_run.json" <<'PY'
@@ -1232,6 +1234,41 @@ assert lines[-1] == '', 'a partial last line'
 print(len(lines) - 1)" "$work/killed.jsonl" > "$work/log" 2>&1 &&
   pass "a run killed by SIGKILL: --metrics holds $(cat "$work/log") whole lines, none cut" || fail "killed --metrics: $(cat "$work/log")"
 bad_case "--metrics '$work/corpus.txt' is the --data file" "${tiny[@]}" --steps 2 --data "$work/corpus.txt" --metrics "$work/corpus.txt"
+# --eval-every: the held-out loss is the same bits at every (N, A, stage);
+# how often it runs does not change training; bad values refused.
+ev_bad=""
+for run in "1 4 0" "2 2 1" "4 1 2"; do
+  set -- $run
+  timeout 120 mpirun -n $1 "$trainer" "${tiny[@]}" --accum $2 --stage $3 --steps 6 --eval-every 3 --json "$work/eval_$1.json" \
+    > /dev/null 2>&1 || ev_bad="$ev_bad (N=$1 failed)"
+done
+timeout 120 mpirun -n 2 "$trainer" "${tiny[@]}" --accum 2 --steps 6 --eval-every 6 --metrics "$work/eval.jsonl" --json "$work/eval_rare.json" \
+  > /dev/null 2>&1
+verdict=$(python3 - "$work"/eval_1.json "$work"/eval_2.json "$work"/eval_4.json "$work/eval_rare.json" "$work/eval.jsonl" <<'PY'
+import json, sys
+runs = [json.load(open(p)) for p in sys.argv[1:5]]
+metrics = [json.loads(l) for l in open(sys.argv[5])]
+problems = []
+evals = [[(e["step"], e["loss_bits"]) for e in r["eval"]] for r in runs[:3]]
+if [s for s, _ in evals[0]] != [3, 6]: problems.append(f"evaluated at {evals[0]}")
+if any(e != evals[0] for e in evals): problems.append(f"eval bits differ: {evals}")
+if len({r["final_params_hash"] for r in runs}) != 1: problems.append("--eval-every 3 and 6 train differently")
+if runs[3]["eval"] != runs[0]["eval"][1:]: problems.append("the step-6 evaluation differs between --eval-every 3 and 6")
+if [m["eval_loss"] for m in metrics if "eval_loss" in m] != [runs[3]["eval"][0]["loss"]]: problems.append("metrics lack the eval line")
+print("ok" if not problems else "; ".join(problems))
+PY
+)
+[ -z "$ev_bad" ] && [ "$verdict" = ok ] &&
+  pass "--eval-every: the held-out loss has the same bits at (N, A, stage) = (1,4,0), (2,2,1), (4,1,2); every 3 or every 6 trains the same; it is in --metrics" ||
+  fail "--eval-every:$ev_bad $verdict"
+bad_case "--eval-every 10 is more than --steps 2" "${tiny[@]}" --steps 2 --eval-every 10
+printf 'abcdefghijklmnopqrstuvwxyz' > "$work/tiny_corpus.txt"
+bad_case "--eval-every holds out the data's last 14 bytes" "${tiny[@]}" --steps 2 --eval-every 1 --data "$work/tiny_corpus.txt"
+timeout 120 mpirun -n 2 "$trainer" "${tiny[@]}" --steps 4 --eval-every 2 --save "$work/ck_eval" > /dev/null 2>&1
+bad_case "--eval-every 0 keeps the data's tail in training, and the checkpoint's run" --load "$work/ck_eval" --eval-every 0 --steps 6
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_eval" --steps 6 --quiet --json "$work/eval_resumed.json" > "$work/log" 2>&1 &&
+  [ "$(json_get "$work/eval_resumed.json" "[e['step'] for e in d['eval']]")" = "[6]" ] &&
+  pass "resumed without --eval-every: the saved one (every 2) continues" || fail "eval resume: $(head -c 200 "$work/log")"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
