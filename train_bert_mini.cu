@@ -29,9 +29,12 @@
 // same N x A, to the bits of the run that never stopped. SIGINT / SIGTERM
 // finish the step, save and exit 128 + the signal.
 //
-// What it leaves out: attention masks (every
-// sequence is a full window of text, so there is no padding); a tokenizer
-// (bytes are tokens).
+// DeepSpeed configs (notes/07): --config reads them as DeepSpeed does, and
+// refuses what cannot be honoured here, every such key in one message. The
+// export carries a byte-level tokenizer for Hugging Face's AutoTokenizer.
+//
+// What it leaves out: attention masks (every sequence is a full window of
+// text, so there is no padding); a learned tokenizer (bytes are tokens).
 //
 // Build and run (see the Makefile):
 //   make                         # nvcc if present, else mpicxx alone
@@ -447,7 +450,52 @@ class ConfigReader {
   // --- values ------------------------------------------------------------
   static bool is_auto(const json& value) { return value.is_string() && value.get<std::string>() == "auto"; }
   void refuse(const std::string& key, const std::string& why) { out_.refused.push_back(key + ": " + why); }
-  void unknown(const std::string& key) { refuse(key, "not a DeepSpeed key this trainer knows"); }
+  // A key neither side knows: most often a typo, so the nearest name this
+  // reader knows (edit distance at most 2) is suggested.
+  void unknown(const std::string& key) {
+    const size_t dot = key.rfind('.');
+    const std::string name = dot == std::string::npos ? key : key.substr(dot + 1);
+    std::string best;
+    size_t best_distance = 3;
+    for (const char* known : known_names) {
+      const size_t distance = edit_distance(name, known);
+      if (distance < best_distance && distance > 0) best_distance = distance, best = known;
+    }
+    refuse(key, best.empty() ? std::string("not a DeepSpeed key this trainer knows")
+                             : "not a DeepSpeed key this trainer knows (did you mean '" +
+                                   (dot == std::string::npos ? "" : key.substr(0, dot + 1)) + best + "'?)");
+  }
+  static size_t edit_distance(const std::string& a, const std::string& b) {
+    std::vector<size_t> row(b.size() + 1);
+    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= a.size(); ++i) {
+      size_t diagonal = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= b.size(); ++j) {
+        const size_t above = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+        diagonal = above;
+      }
+    }
+    return row[b.size()];
+  }
+  // Every key name the reader takes, at any level (for the suggestion only).
+  static constexpr const char* known_names[] = {
+      "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+      "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "data_types", "zero_optimization", "optimizer",
+      "scheduler", "activation_checkpointing", "zero_allow_untested_optimizer", "prescale_gradients",
+      "gradient_predivide_factor", "enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+      "min_loss_scale", "consecutive_hysteresis", "auto_cast", "grad_accum_dtype", "stage", "reduce_bucket_size",
+      "allgather_bucket_size", "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+      "offload_optimizer", "offload_param", "type", "params", "lr", "betas", "eps", "weight_decay", "bias_correction",
+      "adam_w_mode", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
+      "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
+      "synchronize_checkpoint_boundary", "memory_breakdown", "communication_data_type"};
+  // A DeepSpeed key this trainer does not act on, at the value that means
+  // "off" in DeepSpeed; any other value is refused with `why`.
+  void off_only(const std::string& key, const json& value, const json& off, const std::string& why) {
+    must_be(key, value, off, "a DeepSpeed feature not implemented here (" + why + ")");
+  }
 
   // A number as the text the flag parser reads, as written: integers (an
   // unsigned 2^64 - 1 stays 18446744073709551615) and floats (1e-5 stays
@@ -524,6 +572,17 @@ class ConfigReader {
     else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comms_logger" ||
              key == "flops_profiler")
       switched_off(key, value, "not implemented here: --json and --metrics record the run");
+    else if (key == "elasticity" || key == "compile" || key == "autotuning" || key == "data_efficiency" ||
+             key == "curriculum_learning")
+      switched_off(key, value, "a DeepSpeed feature not implemented here");
+    // The ledger is always measured and printed (and in --json).
+    else if (key == "memory_breakdown") accept_boolean(key, value);
+    // DeepSpeed's own checkpoint options (tags, parallel writes): --save and --load here (notes/09).
+    else if (key == "checkpoint") object(key, value);
+    else if (key == "sparse_gradients") off_only(key, value, false, "every gradient is dense here");
+    else if (key == "dump_state") off_only(key, value, false, "--dump-batch writes step 0's state");
+    else if (key == "communication_data_type")
+      off_only(key, value, nullptr, "the wire carries the working precision, summed in fp32 (notes/08)");
     else unknown(key);
   }
   // A block accepted only when it says "enabled": false (or has no "enabled").
@@ -551,6 +610,7 @@ class ConfigReader {
         must_be(name, setting, false, "the model casts nothing: its inputs are token ids");
       else if (fp16 && inner == "fp16_master_weights_and_grads")
         must_be(name, setting, false, "the master weights and the reduced gradients are fp32 here (notes/08)");
+      else if (!fp16 && inner == "immediate_grad_update") accept_boolean(name, setting);  // a BF16_Optimizer ordering
       else unknown(name);
     }
   }
@@ -607,8 +667,15 @@ class ConfigReader {
       // Orderings and checks that change nothing here: every parameter is
       // used, checkpoints hold fp32 and reshard anyway (notes/09).
       else if (inner == "round_robin_gradients" || inner == "ignore_unused_parameters" ||
-               inner == "load_from_fp32_weights" || inner == "elastic_checkpoint")
+               inner == "load_from_fp32_weights" || inner == "elastic_checkpoint" ||
+               inner == "use_multi_rank_bucket_allreduce" || inner == "memory_efficient_linear")
         accept_boolean(name, setting);
+      // ZeRO++ and MiCS, at their "off" values.
+      else if (inner == "zero_quantized_weights" || inner == "zero_quantized_gradients" ||
+               inner == "zero_quantized_nontrainable_weights" || inner == "mics_hierarchical_params_gather")
+        off_only(name, setting, false, "ZeRO++ / MiCS");
+      else if (inner == "zero_hpz_partition_size") off_only(name, setting, 1, "ZeRO++'s hierarchical partitions");
+      else if (inner == "mics_shard_size") off_only(name, setting, -1, "MiCS");
       else unknown(name);
     }
     if (!allgather_bucket_.empty() && allgather_bucket_ != reduce_bucket_)
@@ -702,25 +769,30 @@ class ConfigReader {
         if (!is_auto(entry)) scheduler_lr_ = {"", number(entry, full), full};
       } else if (param == "warmup_min_lr") set_number("warmup_min_lr", full, entry);
       else if (param == "total_num_steps" && type == "warmupdecaylr") set_number("--schedule-steps", full, entry);
+      else if (param == "total_num_steps" && type == "warmuplr")
+        refuse(full, "WarmupLR holds the rate after its warmup and has no total_num_steps (DeepSpeed's WarmupLR "
+                     "rejects it too): WarmupDecayLR decays to warmup_min_lr at total_num_steps");
       else if (param == "warmup_type") {
         warmup_type_given = true;
         if (entry == "linear" || entry == "log") out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
         else if (!is_auto(entry)) refuse(full, "wants \"linear\" or \"log\" (got " + entry.dump() + ")");
       } else if (param == "last_batch_iteration")
         must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
-      else unknown(full);
+      else if (type == "warmupdecaylr" || type == "warmuplr") unknown(full);
+      // (another type is refused already: its own params are not judged)
     });
     // DeepSpeed's warmup is logarithmic unless told otherwise.
     if (!warmup_type_given) out_.flags.push_back({"--warmup-type", "log", key + ".params.warmup_type (DeepSpeed's default)"});
   }
 
   // DeepSpeed's activation checkpointing (paper section 6.1's ZeRO-R, as
-  // Megatron uses it): a block that is present checkpoints each block's
-  // input and recomputes its forward in backward; cpu_checkpointing sends
-  // the checkpoints to the host (notes/04).
+  // Megatron uses it). In DeepSpeed the block configures checkpointing that
+  // the model's code asks for; here --activations is that choice, so the
+  // block alone changes nothing, and cpu_checkpointing true asks for the
+  // checkpoints on the host (--activations offload, notes/04).
   void activation_checkpointing(const std::string& key, const json& value) {
     if (!object(key, value)) return;
-    std::string mode = "recompute";
+    std::string mode;
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
       if (inner == "partition_activations")
@@ -743,7 +815,10 @@ class ConfigReader {
                                       "backward and the step)");
       else unknown(name);
     }
-    out_.flags.push_back({"--activations", mode, key});
+    if (!mode.empty()) out_.flags.push_back({"--activations", mode, key + ".cpu_checkpointing"});
+    else
+      out_.notes.push_back("activation_checkpointing: which activations are checkpointed is --activations here "
+                           "(keep, recompute, offload); the block alone changes nothing, cpu_checkpointing true is offload");
   }
 
   // The learning rate: the scheduler's warmup_max_lr when given (DeepSpeed's
@@ -837,7 +912,7 @@ learning-rate schedule (DeepSpeed's WarmupDecayLR and WarmupLR) [scheduler]
                              warmup_min_lr: config only [scheduler.params.warmup_min_lr]
 memory (ZeRO-R; notes/04, notes/05)
   --activations keep|recompute|offload  what forward leaves for backward (keep)
-                             [activation_checkpointing: recompute; its cpu_checkpointing true: offload]
+                             [activation_checkpointing.cpu_checkpointing true: offload]
   --alloc arena|naive        where device memory comes from (arena)
                              [activation_checkpointing.contiguous_memory_optimization true: arena]
   --device-memory-limit BYTES  per rank (enough for the run)
@@ -862,7 +937,7 @@ output
                              last 5% of the data (at least one window) is then held out of training
   --eval-batches E           micro-batches of held-out windows per evaluation (4)
   --wall-clock-breakdown     forward, backward and step times on each progress line [wall_clock_breakdown]
-  --quiet                    no progress lines
+  --quiet                    print nothing but errors (no header, progress or summary)
   --help                     this text
 )usage";
 
@@ -954,6 +1029,10 @@ inline void check_consistency(Settings& s, int world_size) {
     if (micro_given && !s.accum_given) s.accum = (int)std::max(1l, global / s.micro_batch / N);
     else if (!micro_given && s.accum_given) s.micro_batch = (int)std::max(1l, global / N / s.accum);
     else if (!micro_given) s.accum = 1, s.micro_batch = (int)std::max(1l, global / N);
+    if (global != (long)s.micro_batch * s.accum * N && micro_given && !s.accum_given)
+      fail("config train_batch_size %ld is not a multiple of micro batch %d x %d ranks = %ld (DeepSpeed's rule: the "
+           "accumulation is train_batch_size / (micro batch x ranks))", global, s.micro_batch, world_size,
+           (long)s.micro_batch * N);
     if (global != (long)s.micro_batch * s.accum * N)
       fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks (DeepSpeed's rule: give two of "
            "the three, or three that agree)", global, s.micro_batch, s.accum, world_size);
@@ -2648,6 +2727,11 @@ inline std::string byte_stand_in(int byte) {  // GPT-2's bytes_to_unicode, as UT
 inline json hf_tokenizer() {
   json vocab = json::object();
   for (int b = 0; b < 256; ++b) vocab[byte_stand_in(b)] = b;
+  // The specials in the vocabulary too (not only as added tokens), so the
+  // tokenizer says nothing about "special tokens added to the vocabulary".
+  for (const auto& [name, id] : {std::pair<const char*, int>{"[PAD]", pad_token}, {"[CLS]", cls_token},
+                                 {"[SEP]", sep_token}, {"[MASK]", mask_token}})
+    vocab[name] = id;
   json added = json::array();
   const char* specials[] = {"[PAD]", "[CLS]", "[SEP]", "[MASK]"};
   for (int k = 0; k < 4; ++k)
@@ -3769,6 +3853,9 @@ void Training<Act>::print_schedule() const {
   if (s.schedule_steps != s.steps)
     printf("  steps     %ld of the schedule's %ld (--steps; total_num_steps / --schedule-steps set the schedule)\n",
            s.steps, s.schedule_steps);
+  if (s.steps > s.schedule_steps && s.decay != "none")
+    printf("  WARNING   steps %ld to %ld are past the schedule's end: they train at warmup_min_lr = %g%s\n",
+           s.schedule_steps + 1, s.steps, s.warmup_min_lr, s.warmup_min_lr == 0 ? " (no update at all)" : "");
 }
 
 template <class Act>

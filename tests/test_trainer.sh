@@ -1161,6 +1161,30 @@ timeout 120 mpirun -n 2 "$trainer" --config "$ds/bing_bert_bsz4096_adam.json" "$
 [ "$(json_get "$work/ds_bias_on.json" "d['final_params_hash']")" != "$(json_get "$work/ds_bias_off.json" "d['final_params_hash']")" ] &&
   pass "bias_correction false trains differently from true" || fail "bias_correction has no effect"
 
+# Keys DeepSpeed has that change nothing here, at their "off" values, run; a
+# typo gets the nearest known name; an all-false activation_checkpointing
+# block changes nothing and says so; steps past the schedule's end warn.
+cat > "$work/ds_offs.json" <<'JSON'
+{"elasticity": {"enabled": false}, "compile": {"enabled": false}, "sparse_gradients": false, "dump_state": false,
+ "memory_breakdown": false, "communication_data_type": null, "checkpoint": {"tag_validation": "Warn"},
+ "bf16": {"enabled": false, "immediate_grad_update": false},
+ "zero_optimization": {"stage": 2, "zero_quantized_weights": false, "zero_hpz_partition_size": 1, "mics_shard_size": -1},
+ "activation_checkpointing": {"partition_activations": false, "cpu_checkpointing": false,
+                              "contiguous_memory_optimization": false, "number_checkpoints": null}}
+JSON
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_offs.json" --layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 \
+  --max-positions 20 --steps 2 --json "$work/ds_offs_run.json" > "$work/ds_stdout" 2>&1 &&
+  [ "$(json_get "$work/ds_offs_run.json" "d['activations']")" = keep ] &&
+  grep -q "^  config    activation_checkpointing: which activations are checkpointed is --activations here" "$work/ds_stdout" &&
+  pass "DeepSpeed keys at their off values run; an all-false activation_checkpointing block keeps --activations keep and says why" ||
+  fail "off-value keys: $(head -c 300 "$work/ds_stdout")"
+echo '{"zero_optimization": {"stage": 2, "overlap_com": true}, "wall_clock_breakdwon": true}' > "$work/ds_typos.json"
+ds_refused "$work/ds_typos.json" 2 "zero_optimization.overlap_com: not a DeepSpeed key this trainer knows (did you mean 'zero_optimization.overlap_comm'?)" \
+  "wall_clock_breakdwon: not a DeepSpeed key this trainer knows (did you mean 'wall_clock_breakdown'?)"
+timeout 120 mpirun -n 2 "$trainer" --layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --max-positions 20 \
+  --steps 6 --schedule-steps 4 > "$work/ds_stdout" 2>&1
+grep -q "^  WARNING   steps 5 to 6 are past the schedule's end: they train at warmup_min_lr = 0 (no update at all)" "$work/ds_stdout" &&
+  pass "steps past the schedule's end: the header warns" || fail "past the schedule: $(grep -E 'steps|WARN' "$work/ds_stdout" | head -c 300)"
 # Several hosts: each rank reads its own copy of --data and --config; a copy
 # that differs is named with its rank and host, on every rank (MPMD: rank 1
 # is given another file under another name, as another host's copy would be).
