@@ -3,6 +3,8 @@
 #   bert_mini_run.json  the summary (--json) of `make run`'s training: BERT-mini,
 #                       stage 2, 2 ranks, the embedded corpus, default settings
 #   bert_mini_loss.png  its loss and gradient norm per step (notes/plot_loss.py)
+#   bert_mini_metrics.jsonl, bert_mini_eval.png   the same run with --eval-every 10: its
+#                       --metrics file, and the train and held-out losses from it
 #   bert_mini_run_bf16.json, bert_mini_run_fp16.json   the same training in bf16 and fp16
 #   bert_mini_precision.png   the three loss curves in one figure (notes/plot_precision.py)
 #   memory_*.csv        one step's allocator events (--memory-trace) of the default
@@ -16,6 +18,9 @@ build=${1:-build}
 export OPENBLAS_NUM_THREADS=1
 timeout 900 mpirun -n 2 "$build/train_bert_mini" --stage 2 --quiet --json notes/figures/bert_mini_run.json
 /usr/bin/python3 notes/plot_loss.py notes/figures/bert_mini_run.json notes/figures/bert_mini_loss.png
+# The same run with --eval-every 10 (the data's last 5% held out) and its --metrics file.
+timeout 900 mpirun -n 2 "$build/train_bert_mini" --stage 2 --quiet --eval-every 10 --metrics notes/figures/bert_mini_metrics.jsonl
+/usr/bin/python3 notes/plot_loss.py notes/figures/bert_mini_metrics.jsonl notes/figures/bert_mini_eval.png
 for precision in bf16 fp16; do
   timeout 1800 mpirun -n 2 "$build/train_bert_mini" --stage 2 --precision $precision --quiet \
     --json notes/figures/bert_mini_run_$precision.json
