@@ -4036,7 +4036,9 @@ void Training<Act>::log_evaluation(long step) {
   const float loss = evaluate();
   evaluations_.push_back({{"step", step}, {"loss", loss}, {"loss_bits", hex32(loss)}});
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - training_start_).count();
-  if (metrics_) metrics_->append({{"step", step}, {"eval_loss", loss}, {"elapsed_s", elapsed}});
+  if (!settings_.metrics.empty())
+    agree_on_errors(world_, [&] { if (metrics_) metrics_->append({{"step", step}, {"eval_loss", loss}, {"elapsed_s", elapsed}}); },
+                    "the --metrics line was written");
   if (speak_) {
     printf("  eval      step %ld: loss %.4f on %d held-out micro-batch(es) of %d\n", step, loss, settings_.eval_batches,
            settings_.micro_batch);
@@ -4064,12 +4066,17 @@ void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
   const double eta = done > 0 ? elapsed / (double)done * (double)left : 0.0;
   const double mean_loss = loss_since_log_ / (double)std::max(1l, losses_since_log_);
   const z2::MemoryCounters& memory = compute_->memory();
-  if (metrics_)
-    metrics_->append({{"step", report.step}, {"loss", report.loss}, {"loss_mean", mean_loss},
-                      {"losses_in_mean", losses_since_log_}, {"grad_norm", report.grad_norm}, {"lr", report.lr},
-                      {"loss_scale", report.loss_scale}, {"skipped_so_far", engine_->skipped_steps()},
-                      {"tokens_per_s", records_.back().tokens_per_s}, {"step_ms", ms}, {"elapsed_s", elapsed},
-                      {"eta_s", eta}, {"memory_mib", memory.total_current / 1048576.0}});
+  // Every rank logs the same steps, so all can agree on rank 0's write (a
+  // full disk ends every rank, not only the writer).
+  if (!settings_.metrics.empty())
+    agree_on_errors(world_, [&] {
+      if (metrics_)
+        metrics_->append({{"step", report.step}, {"loss", report.loss}, {"loss_mean", mean_loss},
+                          {"losses_in_mean", losses_since_log_}, {"grad_norm", report.grad_norm}, {"lr", report.lr},
+                          {"loss_scale", report.loss_scale}, {"skipped_so_far", engine_->skipped_steps()},
+                          {"tokens_per_s", records_.back().tokens_per_s}, {"step_ms", ms}, {"elapsed_s", elapsed},
+                          {"eta_s", eta}, {"memory_mib", memory.total_current / 1048576.0}});
+    }, "the --metrics line was written");
   loss_since_log_ = 0, losses_since_log_ = 0;
   if (!speak_) return;
   char scale[48] = "";
@@ -4091,7 +4098,11 @@ void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
 template <class Act>
 int Training<Act>::run() {
   if (speak_) print_header();
-  if (rank_ == 0 && !settings_.metrics.empty()) metrics_ = std::make_unique<MetricsStream>(settings_.metrics);
+  // Rank 0 writes; every rank learns whether it could (or it would wait in
+  // the first step's collectives for a rank that left).
+  if (!settings_.metrics.empty())
+    agree_on_errors(world_, [&] { if (rank_ == 0) metrics_ = std::make_unique<MetricsStream>(settings_.metrics); },
+                    "the --metrics file was made");
   training_start_ = std::chrono::steady_clock::now();
   catch_interrupts();
   const long first_step = engine_->training_progress().steps_taken;

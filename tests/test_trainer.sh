@@ -573,7 +573,11 @@ if mount -t tmpfs -o size=64k tmpfs "$full" 2>"$work/mount.err"; then
     timeout 60 mpirun -n "$ranks" "$trainer" "${tiny_run[@]}" "$@" > "$work/full_stdout" 2> "$work/full_stderr"
     local status=$? messages left
     messages=$(grep -c "train_bert_mini: error:" "$work/full_stderr")
-    left=$(find "$full" -mindepth 1 ! -name filler ! -name export ! -name dump | head -n 3)
+    # (--metrics is a stream: the file itself stays, with whole lines only)
+    left=$(find "$full" -mindepth 1 ! -name filler ! -name export ! -name dump ! -name metrics.jsonl | head -n 3)
+    if [ -s "$full/metrics.jsonl" ] && [ "$(tail -c 1 "$full/metrics.jsonl" | od -An -c | tr -d ' ')" != '\n' ]; then
+      left="a cut line in metrics.jsonl"
+    fi
     if [ $status -eq 0 ] || [ $status -eq 124 ]; then fail "full disk, $label, N=$ranks: exit $status"
     elif [ "$messages" != 1 ] || ! grep -q "No space left on device" "$work/full_stderr"; then
       fail "full disk, $label, N=$ranks: $(head -c 300 "$work/full_stderr")"
@@ -584,6 +588,8 @@ if mount -t tmpfs -o size=64k tmpfs "$full" 2>"$work/mount.err"; then
     full_case "--json" $N --json "$full/out.json"
     full_case "--memory-trace (step 0, the others waiting)" $N --memory-trace "$full/trace.csv"
     full_case "--export-hf" $N --export-hf "$full/export"
+    full_case "--metrics (appended as training goes)" $N --metrics "$full/metrics.jsonl"
+    rm -f "$full/metrics.jsonl"
   done
   full_case "--dump-batch" 1 --dump-batch "$full/dump"
   umount "$full"
