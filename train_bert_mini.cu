@@ -150,6 +150,9 @@ struct Settings {
   long eval_every = 0;
   int eval_batches = 4;
   bool quiet = false;
+  // --plan: print the memory plan and train nothing (notes/10)
+  bool plan = false;
+  std::vector<int> plan_world_sizes;  // empty: 1, 2, 4, ..., 1024
   bool wall_clock_breakdown = false;  // forward / backward / step times on each progress line (DeepSpeed's key)
   std::vector<std::string> config_notes;  // config keys that act differently here, for the header
 };
@@ -235,6 +238,26 @@ inline std::string parse_path(const std::string& flag, const std::string& text) 
   return text;
 }
 
+// "1,2,4,64": positive world sizes, increasing, at most 2^20 (MPI's ranks are int).
+inline std::vector<int> parse_world_sizes(const std::string& flag, const std::string& text) {
+  std::vector<int> sizes;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t comma = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, comma - begin);
+    const bool digits = !item.empty() && item.find_first_not_of("0123456789") == std::string::npos;
+    const long value = digits && item.size() <= 8 ? std::stol(item) : 0;
+    if (value < 1 || value > (1l << 20))
+      fail("%s '%s': '%s' is not a world size (a positive integer up to %ld; give them comma-separated, e.g. 1,2,4)",
+           flag.c_str(), text.c_str(), item.c_str(), 1l << 20);
+    if (!sizes.empty() && value <= sizes.back())
+      fail("%s '%s': give the world sizes in increasing order, each once", flag.c_str(), text.c_str());
+    sizes.push_back((int)value);
+    begin = comma + 1;
+  }
+  return sizes;
+}
+
 inline std::string parse_choice(const std::string& flag, const std::string& text, std::vector<std::string> choices) {
   for (auto& choice : choices)
     if (text == choice) return text;
@@ -280,6 +303,8 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--data") s.data = parse_path(name, value);
   else if (flag == "--config") s.config = parse_path(name, value);
   else if (flag == "--json") s.json_path = parse_path(name, value);
+  else if (flag == "--plan") s.plan = true;
+  else if (flag == "--plan-world-sizes") s.plan_world_sizes = parse_world_sizes(name, value);
   else if (flag == "--metrics") s.metrics = parse_path(name, value);
   else if (flag == "--export-hf") s.export_dir = parse_path(name, value);
   else if (flag == "--dump-batch") s.dump_dir = parse_path(name, value);
@@ -916,6 +941,10 @@ memory (ZeRO-R; notes/04, notes/05)
   --alloc arena|naive        where device memory comes from (arena)
                              [activation_checkpointing.contiguous_memory_optimization true: arena]
   --device-memory-limit BYTES  per rank (enough for the run)
+  --plan                     train nothing: the bytes per rank by category for stages 0/1/2 at N = 1, 2, 4,
+                             ..., 1024, and with --device-memory-limit the largest micro-batch and layer
+                             count that fit (notes/10)
+  --plan-world-sizes LIST    the N --plan covers, comma-separated (1,2,4,...,1024)
 files
   --data FILE                train on this text (UTF-8, at most 1 GiB; the embedded corpus)
   --config FILE              a DeepSpeed config (JSON); notes/07 lists what each key does here
@@ -941,6 +970,23 @@ output
   --help                     this text
 )usage";
 
+// The flags --plan cannot honour: it trains nothing and reads no checkpoint.
+inline void check_plan_flags(const Settings& s) {
+  if (!s.plan) {
+    if (!s.plan_world_sizes.empty()) fail("--plan-world-sizes is for --plan (the memory plan): give --plan too");
+    return;
+  }
+  for (auto [flag, value] : {std::pair<const char*, std::string>{"--save", s.save_dir}, {"--load", s.load_dir},
+                             {"--export-hf", s.export_dir}, {"--dump-batch", s.dump_dir}, {"--metrics", s.metrics},
+                             {"--memory-trace", s.memory_trace}})
+    if (!value.empty())
+      fail("--plan trains nothing, so %s '%s' would have nothing to %s: drop one of them", flag, value.c_str(),
+           std::string(flag) == "--load" ? "read" : "write");
+  if (s.alloc == "naive" && s.device_memory_limit > 0)
+    fail("--plan's largest sizes for --device-memory-limit are exact for --alloc arena only: naive's block also "
+         "depends on where its holes fall (make fraglab measures it). Drop --alloc naive, or the limit");
+}
+
 // The command line. --config is read first, whatever its position, so that
 // every flag given on the command line overrides the file.
 inline Settings parse_command_line(int argc, char** argv) {
@@ -948,8 +994,8 @@ inline Settings parse_command_line(int argc, char** argv) {
   std::vector<std::pair<std::string, std::string>> flags;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
-    if (flag == "--quiet" || flag == "--wall-clock-breakdown") {  // switches: no value
-      flags.push_back({flag, flag == "--quiet" ? "" : "1"});
+    if (flag == "--quiet" || flag == "--wall-clock-breakdown" || flag == "--plan") {  // switches: no value
+      flags.push_back({flag, flag == "--wall-clock-breakdown" ? "1" : ""});
       continue;
     }
     if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
@@ -985,6 +1031,7 @@ inline Settings parse_command_line(int argc, char** argv) {
     else apply(settings, flag, value);
   }
   resolve_precision(settings);
+  check_plan_flags(settings);
   return settings;
 }
 
@@ -1397,22 +1444,30 @@ struct ActivationSizes {
   size_t always, working_set, checkpoint, embedding_sum, backward_long, block_scratch, recompute_scratch, head;
   size_t dropped;  // the dropped probabilities' temporary (0 without dropout)
 };
-inline ActivationSizes activation_sizes(const ModelShape& s) {
+// `round` maps one buffer's bytes to what it takes: the identity for the
+// live bytes the ledger counts, z2::block_round for the part of a block
+// (arena) it occupies. Each term below is one buffer (see the Model).
+using BufferRound = size_t (*)(size_t);
+inline size_t live_bytes(size_t bytes) { return bytes; }
+inline ActivationSizes activation_sizes(const ModelShape& s, BufferRound round = live_bytes) {
   const size_t B = s.micro_batch, T = s.seq, R = B * T, S = B * (T - 2), H = s.hidden, F = s.intermediate,
                V = vocab_size, A = B * s.heads * T * T, dropped = s.dropout > 0.0f ? A : 0, f = sizeof(float),
-               e = z2::element_bytes(s.precision);
+               i = sizeof(int), e = z2::element_bytes(s.precision);
   ActivationSizes z;
-  z.always = (2 * R + 2 * S + V + 1) * sizeof(int) + S * f;
-  z.working_set = (7 * R * H + A + 2 * R * F) * e + 4 * R * f;
-  z.checkpoint = R * H * e;
-  z.embedding_sum = R * H * e + 2 * R * f;
-  z.backward_long = (V * H + R * H) * e;
-  z.block_scratch = (2 * R * H + R * std::max(2 * H, F) + A + dropped) * e;
+  // tokens, selected, targets, token offsets, token rows; per-row losses
+  z.always = round(R * i) + round(S * i) + round(S * i) + round((V + 1) * i) + round(R * i) + round(S * f);
+  // query, key, value, context, attention_sum, attention_out, output_sum; probs; ffn_pre, ffn_act; two stats
+  z.working_set = 7 * round(R * H * e) + round(A * e) + 2 * round(R * F * e) + 2 * round(2 * R * f);
+  z.checkpoint = round(R * H * e);
+  z.embedding_sum = round(R * H * e) + round(2 * R * f);
+  z.backward_long = round(V * H * e) + round(R * H * e);  // decoder gradient, gradient flow
+  // dsum, dattention, dwide, dprobs, dropped
+  z.block_scratch = 2 * round(R * H * e) + round(R * std::max(2 * H, F) * e) + round(A * e) + round(dropped * e);
   // The recomputed forward pushes dropped probabilities, pops them, then the
   // output it does not need: never both at once.
-  z.recompute_scratch = std::max(dropped, R * H) * e;
-  z.head = (7 * S * H + S * V) * e + 2 * S * f;
-  z.dropped = dropped * e;
+  z.recompute_scratch = std::max(round(dropped * e), round(R * H * e));
+  z.head = 7 * round(S * H * e) + round(S * V * e) + round(2 * S * f);  // 7 [S, H], logits, stats
+  z.dropped = round(dropped * e);
   return z;
 }
 
@@ -1427,8 +1482,8 @@ inline size_t recomputing_temporaries(const ActivationSizes& z) {
 
 // The device activation peak (bytes) the ledger must show, by mode and
 // allocator. Phase by phase: what is live while that phase's temporaries are.
-inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bool arena) {
-  const ActivationSizes z = activation_sizes(s);
+inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bool arena, BufferRound round = live_bytes) {
+  const ActivationSizes z = activation_sizes(s, round);
   const size_t L = s.layers, dropped = z.dropped;
   // Buffers that live across blocks, all at once (the arena carves exactly these).
   size_t carved = z.backward_long;
@@ -1471,6 +1526,62 @@ inline size_t offload_activation_bound(const ModelShape& s) {
 
 // How a parameter is initialized (Hugging Face's _init_weights).
 enum class Init { normal, zeros, ones };
+
+// Every parameter in registration order (first layer first: stage 2 then
+// reduces the last layers' bucket while backward still works on the first),
+// through `add(name, dims, decay, init)`, which returns its id. The model
+// registers them with the engine; --plan only collects their sizes.
+// Weight decay on linear weights and embeddings; none on biases and
+// LayerNorm (Hugging Face's and DeepSpeed's default groups; notes/07).
+template <class Add>
+inline Parameters declare_parameters(const ModelShape& shape, Add add) {
+  const long H = shape.hidden, F = shape.intermediate, V = vocab_size;
+  Parameters ids;
+  ids.word_embeddings = add("bert.embeddings.word_embeddings.weight", {V, H}, true, Init::normal);
+  ids.position_embeddings = add("bert.embeddings.position_embeddings.weight", {shape.max_positions, H}, true, Init::normal);
+  ids.token_type_embeddings = add("bert.embeddings.token_type_embeddings.weight", {1, H}, true, Init::normal);
+  ids.embedding_norm_weight = add("bert.embeddings.LayerNorm.weight", {H}, false, Init::ones);
+  ids.embedding_norm_bias = add("bert.embeddings.LayerNorm.bias", {H}, false, Init::zeros);
+  for (int l = 0; l < shape.layers; ++l) {
+    const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
+    BlockParameters b;
+    b.query_weight = add(p + "attention.self.query.weight", {H, H}, true, Init::normal);
+    b.query_bias = add(p + "attention.self.query.bias", {H}, false, Init::zeros);
+    b.key_weight = add(p + "attention.self.key.weight", {H, H}, true, Init::normal);
+    b.key_bias = add(p + "attention.self.key.bias", {H}, false, Init::zeros);
+    b.value_weight = add(p + "attention.self.value.weight", {H, H}, true, Init::normal);
+    b.value_bias = add(p + "attention.self.value.bias", {H}, false, Init::zeros);
+    b.attention_output_weight = add(p + "attention.output.dense.weight", {H, H}, true, Init::normal);
+    b.attention_output_bias = add(p + "attention.output.dense.bias", {H}, false, Init::zeros);
+    b.attention_norm_weight = add(p + "attention.output.LayerNorm.weight", {H}, false, Init::ones);
+    b.attention_norm_bias = add(p + "attention.output.LayerNorm.bias", {H}, false, Init::zeros);
+    b.intermediate_weight = add(p + "intermediate.dense.weight", {F, H}, true, Init::normal);
+    b.intermediate_bias = add(p + "intermediate.dense.bias", {F}, false, Init::zeros);
+    b.output_weight = add(p + "output.dense.weight", {H, F}, true, Init::normal);
+    b.output_bias = add(p + "output.dense.bias", {H}, false, Init::zeros);
+    b.output_norm_weight = add(p + "output.LayerNorm.weight", {H}, false, Init::ones);
+    b.output_norm_bias = add(p + "output.LayerNorm.bias", {H}, false, Init::zeros);
+    ids.blocks.push_back(b);
+  }
+  ids.head_dense_weight = add("cls.predictions.transform.dense.weight", {H, H}, true, Init::normal);
+  ids.head_dense_bias = add("cls.predictions.transform.dense.bias", {H}, false, Init::zeros);
+  ids.head_norm_weight = add("cls.predictions.transform.LayerNorm.weight", {H}, false, Init::ones);
+  ids.head_norm_bias = add("cls.predictions.transform.LayerNorm.bias", {H}, false, Init::zeros);
+  ids.decoder_bias = add("cls.predictions.bias", {V}, false, Init::zeros);
+  return ids;
+}
+
+// Their sizes (elements), as the engine sees them: what the planner lays out.
+inline std::vector<size_t> parameter_numels(const ModelShape& shape) {
+  std::vector<size_t> numels;
+  declare_parameters(shape, [&](const std::string&, const std::vector<long>& dims, bool, Init) {
+    size_t numel = 1;
+    for (long d : dims) numel *= (size_t)d;
+    numels.push_back(numel);
+    return (z2::ParameterId)(numels.size() - 1);
+  });
+  return numels;
+}
 
 // One model buffer. The model opens it where a framework would allocate the
 // tensor (its first write) and closes it after its last read; where the
@@ -1666,39 +1777,9 @@ template <class Act>
 inline Model<Act>::Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape, ActivationMode mode)
     : compute_(compute), engine_(engine), shape_(shape), mode_(mode) {
   const long H = shape.hidden, F = shape.intermediate, V = vocab_size;
-  // Weight decay on linear weights and embeddings; none on biases and
-  // LayerNorm (Hugging Face's and DeepSpeed's default groups; notes/07).
-  ids_.word_embeddings = add("bert.embeddings.word_embeddings.weight", {V, H}, true, Init::normal);
-  ids_.position_embeddings = add("bert.embeddings.position_embeddings.weight", {shape.max_positions, H}, true, Init::normal);
-  ids_.token_type_embeddings = add("bert.embeddings.token_type_embeddings.weight", {1, H}, true, Init::normal);
-  ids_.embedding_norm_weight = add("bert.embeddings.LayerNorm.weight", {H}, false, Init::ones);
-  ids_.embedding_norm_bias = add("bert.embeddings.LayerNorm.bias", {H}, false, Init::zeros);
-  for (int l = 0; l < shape.layers; ++l) {
-    const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
-    BlockParameters b;
-    b.query_weight = add(p + "attention.self.query.weight", {H, H}, true, Init::normal);
-    b.query_bias = add(p + "attention.self.query.bias", {H}, false, Init::zeros);
-    b.key_weight = add(p + "attention.self.key.weight", {H, H}, true, Init::normal);
-    b.key_bias = add(p + "attention.self.key.bias", {H}, false, Init::zeros);
-    b.value_weight = add(p + "attention.self.value.weight", {H, H}, true, Init::normal);
-    b.value_bias = add(p + "attention.self.value.bias", {H}, false, Init::zeros);
-    b.attention_output_weight = add(p + "attention.output.dense.weight", {H, H}, true, Init::normal);
-    b.attention_output_bias = add(p + "attention.output.dense.bias", {H}, false, Init::zeros);
-    b.attention_norm_weight = add(p + "attention.output.LayerNorm.weight", {H}, false, Init::ones);
-    b.attention_norm_bias = add(p + "attention.output.LayerNorm.bias", {H}, false, Init::zeros);
-    b.intermediate_weight = add(p + "intermediate.dense.weight", {F, H}, true, Init::normal);
-    b.intermediate_bias = add(p + "intermediate.dense.bias", {F}, false, Init::zeros);
-    b.output_weight = add(p + "output.dense.weight", {H, F}, true, Init::normal);
-    b.output_bias = add(p + "output.dense.bias", {H}, false, Init::zeros);
-    b.output_norm_weight = add(p + "output.LayerNorm.weight", {H}, false, Init::ones);
-    b.output_norm_bias = add(p + "output.LayerNorm.bias", {H}, false, Init::zeros);
-    ids_.blocks.push_back(b);
-  }
-  ids_.head_dense_weight = add("cls.predictions.transform.dense.weight", {H, H}, true, Init::normal);
-  ids_.head_dense_bias = add("cls.predictions.transform.dense.bias", {H}, false, Init::zeros);
-  ids_.head_norm_weight = add("cls.predictions.transform.LayerNorm.weight", {H}, false, Init::ones);
-  ids_.head_norm_bias = add("cls.predictions.transform.LayerNorm.bias", {H}, false, Init::zeros);
-  ids_.decoder_bias = add("cls.predictions.bias", {V}, false, Init::zeros);
+  ids_ = declare_parameters(shape, [&](const std::string& name, std::vector<long> dims, bool decay, Init init) {
+    return add(name, std::move(dims), decay, init);
+  });
 
   if (shape.precision != z2::precision_of<Act>() || engine.precision() != shape.precision)
     fail("the model's activations (%s), its shape's precision (%s) and the engine's (%s) must agree",
@@ -3523,42 +3604,6 @@ inline std::string read_inputs(const Settings& settings, int rank, MPI_Comm worl
   return corpus;
 }
 
-// Refuse a configuration a rank cannot hold before allocating it (a CPU run
-// would otherwise be killed by the kernel's OOM killer, not stopped with a
-// message). Model states by the stage's formula, 5% for padding and
-// bookkeeping, two staging slots (a bucket and N - 1 shards each), the
-// accumulation tree, activations. A bucket holds at most Psi elements.
-// Returns the one block each rank reserves.
-inline size_t memory_block(const Settings& settings, const ModelShape& shape, ActivationMode mode,
-                           z2::Allocator allocator, z2::Device device, int world_size, MPI_Comm world) {
-  const z2::Precision precision = shape.precision;
-  const double psi = (double)parameter_count(shape) * 1.05, ranks = world_size;
-  const double element = (double)z2::element_bytes(precision);
-  const double accumulation_element = settings.grad_accum_dtype == "fp32" ? 4.0 : element;
-  const double activations = (double)activation_peak_bytes(shape, mode, allocator == z2::Allocator::arena);
-  const double needed = z2::model_states_formula(settings.stage, precision, psi, ranks) +
-                        2 * 2 * element * std::min((double)settings.bucket, psi) +
-                        (double)z2::accumulation_blocks(settings.accum) * accumulation_element * psi / ranks +
-                        activations;
-  const double available = (double)z2::memory_per_rank(device, world);
-  if (needed > available)
-    fail("this configuration needs about %.2f GiB per rank (%s parameters, stage %d, N = %d, activations %.2f GiB "
-         "with --activations %s) but %.2f GiB are available per rank on this %s: use a smaller model or "
-         "micro-batch, --activations recompute or offload, a higher stage or more ranks",
-         needed / 1073741824.0, z2::with_commas(parameter_count(shape)).c_str(), settings.stage, world_size,
-         activations / 1073741824.0, settings.activations.c_str(), available / 1073741824.0, z2::to_string(device));
-  if ((double)settings.device_memory_limit > available)
-    fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s",
-         settings.device_memory_limit, available, z2::to_string(device));
-  // By default: twice the estimate (the naive allocator needs room for its
-  // fragmentation; make fraglab shows how much it took) plus 64 MiB for the
-  // engine's bookkeeping, within 90% of what is available (cuBLAS's
-  // workspace, NCCL's buffers and the CUDA context live outside the block).
-  // On cpu the block is address space until it is touched.
-  return settings.device_memory_limit > 0 ? (size_t)settings.device_memory_limit
-                                          : (size_t)std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
-}
-
 inline z2::EngineOptions engine_options(const Settings& settings, z2::Precision precision) {
   z2::EngineOptions options;
   options.stage = settings.stage;
@@ -3575,6 +3620,82 @@ inline z2::EngineOptions engine_options(const Settings& settings, z2::Precision 
   options.accumulate_fp32 = settings.grad_accum_dtype == "fp32";
   options.loss_scaling = settings.loss_scaling;
   return options;
+}
+
+// --- the memory plan (--plan; notes/10) ------------------------------------------
+//
+// Bytes per rank, by category, from the flags alone: no engine, no model, no
+// allocation. Each category is the code the run allocates with: the engine's
+// buffers are z2::engine_buffers() over z2::lay_out_buckets() of the model's
+// parameter_numels() (what Engine::build() allocates), the activations are
+// activation_peak_bytes() (what the model opens and closes, phase by phase).
+// tests/test_trainer.sh holds every category to the measured ledger, to the
+// byte. The arena's block is the same sum with each buffer rounded up to 256
+// bytes, as the arena serves it: the smallest --device-memory-limit that
+// trains. naive's block also depends on where its holes fall (make fraglab
+// measures it); the plan gives its live peak, a lower bound.
+struct RankPlan {
+  int stage = 2, world_size = 1;
+  z2::EngineBuffers engine;
+  size_t psi = 0;                    // real parameters
+  size_t activation_peak = 0;        // live bytes at the activation peak, for the allocator
+  size_t activation_block = 0;       // the arena's share for them (each buffer rounded to 256)
+  size_t live() const { return engine.live() + activation_peak; }             // the ledger's device peak
+  size_t arena_block() const { return engine.reserved() + activation_block; }  // the ledger's reserved (arena)
+};
+
+inline ModelShape shape_of(const Settings& settings) {
+  return ModelShape{settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.seq,
+                    settings.max_positions, settings.micro_batch, settings.dropout, settings.seed, precision_of(settings)};
+}
+inline ActivationMode mode_of(const Settings& settings) {
+  return settings.activations == "recompute" ? ActivationMode::recompute
+         : settings.activations == "offload" ? ActivationMode::offload
+                                             : ActivationMode::keep;
+}
+
+inline RankPlan plan_rank(const Settings& settings, int stage, int world_size) {
+  Settings at_stage = settings;
+  at_stage.stage = stage;
+  const ModelShape shape = shape_of(settings);
+  const std::vector<size_t> numels = parameter_numels(shape);
+  RankPlan plan;
+  plan.stage = stage, plan.world_size = world_size;
+  for (size_t numel : numels) plan.psi += numel;
+  plan.engine = z2::engine_buffers(z2::lay_out_buckets(numels, world_size, settings.bucket),
+                                   engine_options(at_stage, shape.precision), world_size);
+  const bool arena = settings.alloc == "arena";
+  plan.activation_peak = activation_peak_bytes(shape, mode_of(settings), arena);
+  plan.activation_block = activation_peak_bytes(shape, mode_of(settings), true, z2::block_round);
+  return plan;
+}
+
+// Refuse a configuration a rank cannot hold before allocating it (a CPU run
+// would otherwise be killed by the kernel's OOM killer, not stopped with a
+// message): the plan's block for the arena, its live peak for naive (which
+// needs more: its holes). Returns the one block each rank reserves.
+inline size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Device device, int world_size,
+                           MPI_Comm world) {
+  const RankPlan plan = plan_rank(settings, settings.stage, world_size);
+  const double needed = (double)(allocator == z2::Allocator::arena ? plan.arena_block() : plan.live());
+  const double available = (double)z2::memory_per_rank(device, world);
+  if (needed > available)
+    fail("this configuration needs %s bytes (%.2f GiB) per rank (%s parameters, stage %d, N = %d, activations "
+         "%.2f GiB with --activations %s; --plan shows every category) but %.2f GiB are available per rank on this "
+         "%s: use a smaller model or micro-batch, --activations recompute or offload, a higher stage or more ranks",
+         z2::with_commas((size_t)needed).c_str(), needed / 1073741824.0, z2::with_commas(plan.psi).c_str(),
+         settings.stage, world_size, plan.activation_peak / 1073741824.0, settings.activations.c_str(),
+         available / 1073741824.0, z2::to_string(device));
+  if ((double)settings.device_memory_limit > available)
+    fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s",
+         settings.device_memory_limit, available, z2::to_string(device));
+  // By default: twice the plan (the naive allocator needs room for its
+  // fragmentation; make fraglab shows how much it took) plus 64 MiB, within
+  // 90% of what is available (cuBLAS's workspace, NCCL's buffers and the
+  // CUDA context live outside the block). On cpu the block is address space
+  // until it is touched.
+  return settings.device_memory_limit > 0 ? (size_t)settings.device_memory_limit
+                                          : (size_t)std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
 }
 
 // --- the run --------------------------------------------------------------------
@@ -3663,14 +3784,11 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   if (world_size_ > 1) check_same_inputs(settings_, corpus_, world_);
   device_ = z2::choose_device(settings_.device, world_);
   comm_backend_ = z2::choose_comm(settings_.comm, device_, world_);
-  shape_ = ModelShape{settings_.layers, settings_.hidden, settings_.heads, settings_.intermediate, settings_.seq,
-                      settings_.max_positions, settings_.micro_batch, settings_.dropout, settings_.seed, precision_};
+  shape_ = shape_of(settings_);
   compute_ = std::make_unique<z2::Compute>(device_, z2::local_rank_of(world_));  // selects this rank's GPU
-  mode_ = settings_.activations == "recompute" ? ActivationMode::recompute
-          : settings_.activations == "offload" ? ActivationMode::offload
-                                               : ActivationMode::keep;
+  mode_ = mode_of(settings_);
   allocator_ = settings_.alloc == "naive" ? z2::Allocator::naive : z2::Allocator::arena;
-  const size_t capacity = memory_block(settings_, shape_, mode_, allocator_, device_, world_size_, world_);
+  const size_t capacity = memory_block(settings_, allocator_, device_, world_size_, world_);
   // Reserving can fail on one rank only (ranks sharing a GPU measured its
   // free memory at slightly different times), so the ranks agree.
   agree_on_errors(world_, [&] { compute_->use_allocator(allocator_, capacity); }, "every rank has its memory");
@@ -4247,7 +4365,126 @@ void Training<Act>::write_json(const std::string& hash) const {
 
 // The run in the precision the settings name: the model, its activations and
 // the engine's working copy in float, bfloat16 or float16.
+// --- --plan: the table, the largest sizes, the JSON ---------------------------------
+
+// The largest value in [1, cap] for which fits() holds, fits() being monotone
+// (every category grows with the micro-batch and the layers); 0 if none.
+inline long largest_fitting(long cap, const std::function<bool(long)>& fits) {
+  if (!fits(1)) return 0;
+  long good = 1, bad = cap + 1;
+  for (long probe = 2; probe <= cap && bad == cap + 1; probe *= 2) (fits(probe) ? good : bad) = probe;
+  if (bad == cap + 1 && fits(cap)) return cap;
+  while (bad - good > 1) {
+    const long middle = good + (bad - good) / 2;
+    (fits(middle) ? good : bad) = middle;
+  }
+  return good;
+}
+
+inline json plan_row_json(const RankPlan& p, z2::Precision precision) {
+  return {{"stage", p.stage}, {"world_size", p.world_size}, {"psi_padded", p.engine.psi_padded},
+          {"params_bytes", p.engine.params}, {"grads_bytes", p.engine.grads}, {"master_bytes", p.engine.master},
+          {"optimizer_bytes", 2 * p.engine.moment},
+          {"accumulation_bytes", p.engine.accumulation_blocks * p.engine.accumulation_block},
+          {"staging_bytes", p.engine.staging}, {"activation_peak_bytes", p.activation_peak},
+          {"bookkeeping_bytes", p.engine.chunk_sums + p.engine.decay_flags},
+          {"model_states_bytes", p.engine.model_states()}, {"device_peak_bytes", p.live()},
+          {"arena_block_bytes", p.arena_block()},
+          {"paper_model_states_bytes", z2::model_states_formula(p.stage, precision, (double)p.psi, p.world_size)}};
+}
+
+inline int run_plan(Settings settings, MPI_Comm world) {
+  int rank = 0, world_size = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_size(world, &world_size);
+  check_consistency(settings, world_size);  // the shape's own rules (heads divide hidden, seq fits positions)
+  agree_on_errors(world, [&] { if (rank == 0) check_outputs(settings); });
+  std::vector<int> sizes = settings.plan_world_sizes;
+  if (sizes.empty())
+    for (int n = 1; n <= 1024; n *= 2) sizes.push_back(n);
+  const z2::Precision precision = precision_of(settings);
+  const long limit = settings.device_memory_limit / 256 * 256;  // the block's usable part (Compute::use_allocator)
+  // The caps of the largest sizes: the flags' own limits.
+  const long batch_cap = std::min<long>(1 << 20, (long)(1.5e9 / ((double)settings.seq * std::max(settings.hidden,
+                                                                                      settings.intermediate))));
+  const long layer_cap = 256;
+  json rows = json::array(), largest = json::array();
+  std::string text;
+  char line[1024];
+  auto add = [&](const char* format, auto... values) { snprintf(line, sizeof line, format, values...), text += line; };
+  const RankPlan first = plan_rank(settings, 0, 1);
+  add("memory plan per rank (bytes; --plan: nothing trained, nothing allocated): BERT-mini L %d, H %d, %d heads, "
+      "F %d, micro-batch %d x %d tokens, %s, --activations %s, --alloc %s, A = %d, bucket %ld\n",
+      settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.micro_batch, settings.seq,
+      z2::to_string(precision), settings.activations.c_str(), settings.alloc.c_str(), settings.accum, settings.bucket);
+  add("Psi = %s parameters. Every column is what the run allocates (notes/10); device peak = their sum (live bytes);\n"
+      "arena block = the smallest --device-memory-limit that trains with --alloc arena (each buffer rounded to 256).\n",
+      z2::with_commas(first.psi).c_str());
+  for (int stage = 0; stage <= 2; ++stage) {
+    add("\nstage %d (%s; the paper: %s)\n", stage, stage == 0 ? "DP" : stage == 1 ? "P_os" : "P_os+g",
+        z2::model_states_formula_text(stage, precision));
+    add("| N | params | grads | master | m, v | accumulation | staging | activations | bookkeeping | device peak | "
+        "arena block | paper's model states |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int n : sizes) {
+      const RankPlan p = plan_rank(settings, stage, n);
+      rows.push_back(plan_row_json(p, precision));
+      auto c = [](size_t v) { return z2::with_commas(v); };
+      add("| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", n, c(p.engine.params).c_str(),
+          c(p.engine.grads).c_str(), c(p.engine.master).c_str(), c(2 * p.engine.moment).c_str(),
+          c(p.engine.accumulation_blocks * p.engine.accumulation_block).c_str(), c(p.engine.staging).c_str(),
+          c(p.activation_peak).c_str(), c(p.engine.chunk_sums + p.engine.decay_flags).c_str(), c(p.live()).c_str(),
+          c(p.arena_block()).c_str(),
+          c((size_t)z2::model_states_formula(stage, precision, (double)p.psi, n)).c_str());
+    }
+  }
+  if (limit > 0) {
+    add("\nthe largest that fits in --device-memory-limit %s (--alloc arena; every other flag as given; 0: none)\n",
+        z2::with_commas((size_t)settings.device_memory_limit).c_str());
+    add("| stage | N | micro-batch | layers |\n|---|---|---|---|\n");
+    bool anything = false;
+    for (int stage = 0; stage <= 2; ++stage)
+      for (int n : sizes) {
+        const long batch = largest_fitting(batch_cap, [&](long b) {
+          Settings trial = settings;
+          trial.micro_batch = (int)b;
+          return plan_rank(trial, stage, n).arena_block() <= (size_t)limit;
+        });
+        const long layers = largest_fitting(layer_cap, [&](long l) {
+          Settings trial = settings;
+          trial.layers = (int)l;
+          return plan_rank(trial, stage, n).arena_block() <= (size_t)limit;
+        });
+        anything = anything || batch > 0 || layers > 0;
+        largest.push_back({{"stage", stage}, {"world_size", n}, {"micro_batch", batch}, {"layers", layers},
+                           {"micro_batch_cap", batch_cap}, {"layers_cap", layer_cap}});
+        add("| %d | %d | %ld%s | %ld%s |\n", stage, n, batch, batch == batch_cap ? " (the flag's limit)" : "", layers,
+            layers == layer_cap ? " (the flag's limit)" : "");
+      }
+    if (!anything) {
+      const RankPlan smallest = [&] {
+        Settings trial = settings;
+        trial.micro_batch = 1, trial.layers = 1;
+        return plan_rank(trial, 2, sizes.back());
+      }();
+      fail("--device-memory-limit %s holds nothing: the smallest plan (stage 2, N = %d, micro-batch 1, 1 layer, the "
+           "other flags as given) needs a %s-byte block", z2::with_commas((size_t)settings.device_memory_limit).c_str(),
+           sizes.back(), z2::with_commas(smallest.arena_block()).c_str());
+    }
+  }
+  if (rank == 0 && !settings.quiet) fputs(text.c_str(), stdout);
+  if (!settings.json_path.empty()) {
+    json out = {{"plan", rows}, {"largest", largest}, {"params", first.psi}, {"precision", z2::to_string(precision)},
+                {"activations", settings.activations}, {"alloc", settings.alloc}, {"micro_batch", settings.micro_batch},
+                {"layers", settings.layers}, {"device_memory_limit", settings.device_memory_limit}};
+    agree_on_errors(world, [&] { if (rank == 0) write_output_file(settings.json_path, out.dump(1) + "\n"); },
+                    "the plan was written");
+  }
+  fflush(stdout);
+  return 0;
+}
+
 inline int train(Settings settings, MPI_Comm world) {
+  if (settings.plan) return run_plan(settings, world);
   switch (precision_of(settings)) {
     case z2::Precision::bf16: return Training<z2::bfloat16>(settings, world).run();
     case z2::Precision::fp16: return Training<z2::float16>(settings, world).run();

@@ -486,7 +486,7 @@ struct Compute::Live {
 // Every buffer in the block starts on a 256-byte boundary, as cudaMalloc's
 // do, so cuBLAS sees the same alignment (and picks the same kernels) in every
 // allocator mode.
-static size_t block_round(size_t bytes) { return (bytes + 255) / 256 * 256; }
+size_t block_round(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 Compute::Compute(Device device, int device_index)
     : device_(device), device_index_(device_index), live_(new Live) {
@@ -1726,6 +1726,13 @@ struct BucketExchange::State {
   }
 };
 
+// Staging elements (of the wire type): each slot holds a bucket's gradient
+// (stage 2) and the N - 1 shards the reduce-scatter receives.
+size_t staging_elements(size_t max_padded_bucket, int world_size, int slot_count, bool bucket_buffers) {
+  const size_t bucket_part = bucket_buffers ? max_padded_bucket : 0;
+  return (size_t)slot_count * (bucket_part + (size_t)(world_size - 1) * (max_padded_bucket / world_size));
+}
+
 BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_padded, int slot_count,
                                bool bucket_buffers, Precision wire, bool accumulate_fp32)
     : state_(new State(compute, comm, wire, accumulate_fp32)) {
@@ -1736,7 +1743,8 @@ BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_
   s.max_shard = max_padded / N;
   // In elements of the wire type: 16-bit buckets take half the bytes.
   const size_t bucket_part = bucket_buffers ? max_padded : 0, receive_part = (N - 1) * s.max_shard;
-  s.staging = DeviceArray<char>(compute, s.bytes(slot_count * (bucket_part + receive_part)), MemoryKind::staging);
+  s.staging = DeviceArray<char>(compute, s.bytes(staging_elements(max_padded, (int)N, slot_count, bucket_buffers)),
+                                MemoryKind::staging);
   for (int k = 0; k < slot_count; ++k) {
     Slot slot;
     char* base = s.at(s.staging.data(), k * (bucket_part + receive_part));
@@ -2233,6 +2241,68 @@ Engine::~Engine() = default;
 
 static int staging_slots(const EngineOptions& options) { return options.overlap || options.stage == 2 ? 2 : 1; }
 
+// Buckets of whole parameters, in registration order: a bucket takes
+// parameters while their chunk-rounded sizes fit bucket_elements (at least
+// one), and is padded to a multiple of N norm chunks so it splits into N
+// equal shards. Canonical offsets: each parameter rounded up to a norm chunk.
+std::vector<BucketInfo> lay_out_buckets(const std::vector<size_t>& numels, int world_size, long bucket_elements) {
+  const size_t N = (size_t)world_size, bucket_limit = round_up((size_t)bucket_elements, norm_chunk);
+  std::vector<BucketInfo> buckets;
+  size_t offset = 0, shard_offset = 0, canonical = 0;
+  for (size_t first = 0; first < numels.size();) {
+    BucketInfo b;
+    b.first_parameter = (int)first;
+    b.canonical_chunk = canonical / norm_chunk;
+    size_t end = first, span = 0;
+    while (end < numels.size() && (end == first || span + round_up(numels[end], norm_chunk) <= bucket_limit))
+      span += round_up(numels[end++], norm_chunk);
+    b.end_parameter = (int)end;
+    b.length = span;
+    b.padded_length = round_up(span, N * norm_chunk);
+    b.shard_length = b.padded_length / N;
+    b.offset = offset;
+    b.shard_offset = shard_offset;
+    offset += b.padded_length;
+    shard_offset += b.shard_length;
+    canonical += span;
+    buckets.push_back(b);
+    first = end;
+  }
+  return buckets;
+}
+
+// The bytes of every buffer build() allocates, from the layout alone: build()
+// allocates these sizes, and --plan adds them up without allocating (the
+// planner's model states, staging and bookkeeping are this function).
+EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const EngineOptions& options, int world_size) {
+  EngineBuffers sizes;
+  const size_t N = (size_t)world_size, e = element_bytes(options.precision);
+  const size_t padded = buckets.empty() ? 0 : buckets.back().offset + buckets.back().padded_length, shard = padded / N;
+  const int stage = options.stage;
+  for (auto& b : buckets) sizes.max_padded_bucket = std::max(sizes.max_padded_bucket, b.padded_length);
+  sizes.psi_padded = padded;
+  sizes.params = padded * e;
+  sizes.grads = (stage == 2 ? shard : padded) * e;                                   // P_g: Psi/N in stage 2
+  sizes.master = options.precision == Precision::fp32 ? 0 : (stage == 0 ? padded : shard) * sizeof(float);
+  sizes.moment = (stage == 0 ? padded : shard) * sizeof(float);                      // P_os: Psi/N in stages 1, 2
+  sizes.accumulation_blocks = accumulation_blocks(options.accumulation_steps);
+  sizes.accumulation_block = shard * (options.accumulate_fp32 ? sizeof(float) : e);
+  sizes.staging = staging_elements(sizes.max_padded_bucket, world_size, staging_slots(options), stage == 2) * e;
+  sizes.chunk_sums = (stage == 0 ? padded : shard) / norm_chunk * sizeof(float);
+  sizes.decay_flags = padded / norm_chunk;
+  return sizes;
+}
+
+size_t EngineBuffers::model_states() const { return params + grads + master + 2 * moment; }
+size_t EngineBuffers::live() const {
+  return model_states() + accumulation_blocks * accumulation_block + staging + chunk_sums + decay_flags;
+}
+size_t EngineBuffers::reserved() const {  // in a block: each buffer rounded up as Compute::take rounds it
+  return block_round(params) + block_round(grads) + block_round(master) + 2 * block_round(moment) +
+         accumulation_blocks * block_round(accumulation_block) + block_round(staging) + block_round(chunk_sums) +
+         block_round(decay_flags);
+}
+
 size_t accumulation_blocks(int accumulation_steps) {  // floor(log2 A)
   size_t blocks = 0;
   while ((2l << blocks) <= accumulation_steps) ++blocks;
@@ -2253,74 +2323,55 @@ void Engine::build() {
   if (lowest != highest)
     usage_error("build(): the ranks registered different parameters (names, sizes or decay flags differ); every "
                 "rank must register the same model");
-  const size_t N = (size_t)comm_.world_size();
-  const size_t bucket_limit = round_up((size_t)options_.bucket_elements, norm_chunk);
-
-  // Buckets of whole parameters, in registration order.
-  size_t offset = 0, shard_offset = 0;
-  for (size_t first = 0; first < parameters_.size();) {
-    BucketInfo b;
-    b.first_parameter = (int)first;
-    b.canonical_chunk = parameters_[first].canonical_offset / norm_chunk;
-    size_t end = first, span = 0;
-    while (end < parameters_.size() &&
-           (end == first || span + round_up(parameters_[end].numel, norm_chunk) <= bucket_limit))
-      span += round_up(parameters_[end++].numel, norm_chunk);
-    b.end_parameter = (int)end;
-    b.length = span;
-    b.padded_length = round_up(span, N * norm_chunk);
-    b.shard_length = b.padded_length / N;
-    b.offset = offset;
-    b.shard_offset = shard_offset;
-    for (size_t p = first; p < end; ++p) {
-      parameters_[p].bucket = (int)buckets_.size();
-      parameters_[p].offset = offset + (parameters_[p].canonical_offset - parameters_[first].canonical_offset);
+  std::vector<size_t> numels;
+  for (auto& p : parameters_) numels.push_back(p.numel);
+  buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (int p = buckets_[b].first_parameter; p < buckets_[b].end_parameter; ++p) {
+      parameters_[p].bucket = (int)b;
+      parameters_[p].offset =
+          buckets_[b].offset + (parameters_[p].canonical_offset - parameters_[buckets_[b].first_parameter].canonical_offset);
     }
-    offset += b.padded_length;
-    shard_offset += b.shard_length;
-    buckets_.push_back(b);
-    first = end;
-  }
 
   impl_.reset(new Impl(*this, compute_));
   Impl& impl = *impl_;
   // The ledger's peaks are this engine's: start them from what exists now.
   compute_.reset_peaks();
-  const size_t padded = psi_padded(), shard = padded / N;
+  const size_t N = (size_t)comm_.world_size(), padded = psi_padded();
   const int stage = options_.stage;
-  size_t max_padded_bucket = 0;
-  for (auto& b : buckets_) max_padded_bucket = std::max(max_padded_bucket, b.padded_length);
+  // Every size comes from engine_buffers(), the function --plan calls: what
+  // the planner promises is what is allocated here (section 8).
+  const EngineBuffers sizes = engine_buffers(buckets_, options_, (int)N);
 
   // Model states, the memory the paper's formulas count. Element bytes e =
   // 4 (fp32) or 2 (bf16, fp16); in fp32 the parameters are their own master.
   //   working params  [Psi_padded] x e                  every stage
   //   gradients       [Psi_padded] x e stages 0/1,      [Psi_padded / N] x e stage 2 (P_g, section 5.2)
   //   master, m, v    [Psi_padded] x 4 each stage 0,    [Psi_padded / N] x 4 stages 1/2 (P_os, section 5.1)
-  const size_t e = impl.element;
-  impl.params = DeviceArray<char>(compute_, padded * e, MemoryKind::params);
-  impl.grads = DeviceArray<char>(compute_, (stage == 2 ? shard : padded) * e, MemoryKind::grads);
-  if (impl.mixed) impl.master = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::master);
-  impl.adam_m = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::optimizer);
-  impl.adam_v = DeviceArray<float>(compute_, stage == 0 ? padded : shard, MemoryKind::optimizer);
+  impl.params = DeviceArray<char>(compute_, sizes.params, MemoryKind::params);
+  impl.grads = DeviceArray<char>(compute_, sizes.grads, MemoryKind::grads);
+  if (impl.mixed) impl.master = DeviceArray<float>(compute_, sizes.master / sizeof(float), MemoryKind::master);
+  impl.adam_m = DeviceArray<float>(compute_, sizes.moment / sizeof(float), MemoryKind::optimizer);
+  impl.adam_v = DeviceArray<float>(compute_, sizes.moment / sizeof(float), MemoryKind::optimizer);
   // The accumulation tree's open blocks, each the size of this rank's shard
   // (fp32, or 16-bit with accumulate_fp32 off).
-  for (size_t d = 0; d < accumulation_blocks(options_.accumulation_steps); ++d)
-    impl.accumulation.emplace_back(compute_, shard * impl.accumulation_element, MemoryKind::accumulation);
+  for (size_t d = 0; d < sizes.accumulation_blocks; ++d)
+    impl.accumulation.emplace_back(compute_, sizes.accumulation_block, MemoryKind::accumulation);
 
   // Staging: two slots with overlap (one reduces while backward fills the
   // other), one without. Stage 2 slots also hold a bucket's gradient, and
   // stage 2 needs two even without overlap: a bucket that starts with a layer's
   // bias and ends with the next layer's weight is still open when backward
   // reaches the previous bucket.
-  impl.exchange.reset(new BucketExchange(compute_, comm_, max_padded_bucket, staging_slots(options_), stage == 2,
+  impl.exchange.reset(new BucketExchange(compute_, comm_, sizes.max_padded_bucket, staging_slots(options_), stage == 2,
                                          options_.precision, options_.accumulate_fp32));
   impl.comm_done = compute_.create_event();
 
   // Bookkeeping: a norm chunk sum per chunk of the update region, and a
   // weight-decay flag per chunk of the padded buffer (a chunk never straddles
   // two parameters, so one flag per chunk is exact).
-  impl.chunk_sums = DeviceArray<float>(compute_, (stage == 0 ? padded : shard) / norm_chunk, MemoryKind::bookkeeping);
-  impl.decay = DeviceArray<unsigned char>(compute_, padded / norm_chunk, MemoryKind::bookkeeping);
+  impl.chunk_sums = DeviceArray<float>(compute_, sizes.chunk_sums / sizeof(float), MemoryKind::bookkeeping);
+  impl.decay = DeviceArray<unsigned char>(compute_, sizes.decay_flags, MemoryKind::bookkeeping);
   std::vector<unsigned char> decay(padded / norm_chunk, 0);
   for (auto& p : parameters_)
     for (size_t c = p.offset / norm_chunk; c < (p.offset + p.numel + norm_chunk - 1) / norm_chunk; ++c)
@@ -3100,7 +3151,7 @@ std::string Engine::ledgers_json() const {
        << ", \"accumulation_formula_bytes\": " << m.accumulation_formula << ", \"precision\": \""
        << to_string(m.precision) << "\", \"model_states_formula\": \""
        << model_states_formula_text(options_.stage, m.precision) << "\""
-       << ", \"staging_bytes\": " << m.staging << ", \"activation_peak_bytes\": " << m.activations
+       << ", \"staging_bytes\": " << m.staging << ", \"bookkeeping_bytes\": " << m.bookkeeping << ", \"activation_peak_bytes\": " << m.activations
        << ", \"host_offload_peak_bytes\": " << m.host_offload_peak << ", \"host_pinned_bytes\": " << m.host_pinned
        << ", \"device_peak_bytes\": " << m.device_peak << ", \"reserved_bytes\": " << m.reserved
        << ", \"capacity_bytes\": " << m.capacity << ", \"fragmentation\": " << m.fragmentation

@@ -1014,6 +1014,28 @@ class Engine {
   std::unique_ptr<Impl> impl_;
 };
 
+// --- the memory plan (train_bert_mini --plan; notes/10) ---
+// What build() lays out and allocates, from the parameter sizes alone, with
+// no engine and no allocation: the planner and build() call these, so the
+// plan and the measured ledger cannot drift apart.
+std::vector<BucketInfo> lay_out_buckets(const std::vector<size_t>& numels, int world_size, long bucket_elements);
+struct EngineBuffers {  // bytes of each buffer build() allocates
+  size_t psi_padded = 0, max_padded_bucket = 0;  // elements
+  size_t params = 0, grads = 0, master = 0;
+  size_t moment = 0;                  // each of AdamW's m and v
+  size_t accumulation_blocks = 0, accumulation_block = 0;
+  size_t staging = 0, chunk_sums = 0, decay_flags = 0;
+  size_t model_states() const;        // params + grads + master + m + v
+  size_t live() const;                // every buffer
+  size_t reserved() const;            // every buffer rounded up to 256 bytes, as a block serves it
+};
+EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const EngineOptions& options, int world_size);
+// Staging elements of the bucket exchange (of the wire type).
+size_t staging_elements(size_t max_padded_bucket, int world_size, int slot_count, bool bucket_buffers);
+// Bytes rounded up to 256, as every buffer in a block (arena, naive) starts
+// on a 256-byte boundary.
+size_t block_round(size_t bytes);
+
 // FNV-1a 64 over the bytes of `count` floats.
 uint64_t fnv1a64(const float* values, size_t count);
 

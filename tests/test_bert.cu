@@ -34,10 +34,6 @@ bert::Settings tiny_settings() {
   return s;
 }
 
-bert::ModelShape shape_of(const bert::Settings& s) {
-  return {s.layers, s.hidden, s.heads, s.intermediate, s.seq, s.max_positions, s.micro_batch, s.dropout, s.seed};
-}
-
 }  // namespace
 
 TEST_CASE("BERT finite differences: every element of every parameter tensor matches the loss's slope") {
@@ -50,7 +46,7 @@ TEST_CASE("BERT finite differences: every element of every parameter tensor matc
     z2::EngineOptions options;
     options.stage = 0, options.bucket_elements = 4096, options.overlap = false;
     z2::Engine engine(compute, *backend.deterministic, options);
-    bert::Model<float> model(compute, engine, shape_of(settings));
+    bert::Model<float> model(compute, engine, bert::shape_of(settings));
     engine.build();
     // Weights of order one (not the 0.02 init), so every path through the
     // network carries a gradient well above float noise; LayerNorm gains near 1.
@@ -355,9 +351,9 @@ TEST_CASE("BERT sizes: parameter_count (the fit check's input) equals what the e
     for (bert::Settings settings : {tiny_settings(), bert::Settings()}) {
       z2::EngineOptions options;
       z2::Engine engine(*backend.compute, *backend.deterministic, options);
-      bert::Model<float> model(*backend.compute, engine, shape_of(settings));
+      bert::Model<float> model(*backend.compute, engine, bert::shape_of(settings));
       engine.build();
-      all_ok &= engine.psi() == bert::parameter_count(shape_of(settings));
+      all_ok &= engine.psi() == bert::parameter_count(bert::shape_of(settings));
       MESSAGE(backend.name << ": Psi " << engine.psi());
     }
   }
@@ -508,7 +504,7 @@ bool buffers_come_back() {
   bool all_ok = true;
   float reference_loss = 0.0f;
   std::vector<float> reference_gradient;
-  bert::ModelShape shape = shape_of(settings);
+  bert::ModelShape shape = bert::shape_of(settings);
   shape.precision = z2::precision_of<Act>();
   for (auto mode : {bert::ActivationMode::keep, bert::ActivationMode::recompute, bert::ActivationMode::offload})
     for (auto allocator : {z2::Allocator::arena, z2::Allocator::naive}) {

@@ -45,6 +45,13 @@
 #      one; a killed run leaves whole lines; --eval-every: the held-out loss
 #      has the same bits in every (N, A, stage), its frequency does not change
 #      training, a resume continues it.
+#  12. --plan: every category of the plan (model states, staging, accumulation,
+#      activations, bookkeeping, the device peak and the arena's block)
+#      against the measured ledger, to the byte, for every stage, precision
+#      and activation mode at N = 1, 2, 4; the arena's block is the smallest
+#      --device-memory-limit that trains (256 bytes less runs out); the
+#      largest micro-batch and layer count for a limit trains, one more runs
+#      out of memory with the allocator's message; bad input.
 # Ends with the plain line "N passed, M failed".
 set -u
 build=${1:-build}
@@ -1299,6 +1306,118 @@ bad_case "--eval-every 0 keeps the data's tail in training, and the checkpoint's
 timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_eval" --steps 6 --quiet --json "$work/eval_resumed.json" > "$work/log" 2>&1 &&
   [ "$(json_get "$work/eval_resumed.json" "[e['step'] for e in d['eval']]")" = "[6]" ] &&
   pass "resumed without --eval-every: the saved one (every 2) continues" || fail "eval resume: $(head -c 200 "$work/log")"
+
+# --- 12. the memory plan ---------------------------------------------------------
+echo "=== --plan: the plan against the measured ledger to the byte; the largest sizes against real runs"
+# Nine (precision, activations) cases, each planned once for N = 1, 2, 4 and
+# run at every (stage, N): 81 one-step runs. The cases also vary what the
+# plan must follow: accumulation (the tree's blocks), overlap (staging's
+# slots in stages 0/1), the 16-bit accumulation type, and naive (its own
+# live peak; its block is not planned).
+verdict=$("$PYTHON" - "$trainer" "$work" "${tiny[@]}" <<'PY'
+import json, subprocess, sys
+trainer, work, tiny = sys.argv[1], sys.argv[2], sys.argv[3:]
+tiny = [a for a in tiny if a != "--quiet"]
+cases = [("fp32", "keep", ["--accum", "1"]), ("fp32", "recompute", ["--accum", "4", "--alloc", "naive"]),
+         ("fp32", "offload", ["--accum", "2", "--overlap", "0"]), ("bf16", "keep", ["--accum", "4"]),
+         ("bf16", "recompute", ["--accum", "1", "--overlap", "0"]), ("bf16", "offload", ["--accum", "2", "--alloc", "naive"]),
+         ("fp16", "keep", ["--accum", "2", "--alloc", "naive"]), ("fp16", "recompute", ["--accum", "2"]),
+         ("fp16", "offload", ["--accum", "4", "--config", work + "/plan_accum16.json"])]
+json.dump({"data_types": {"grad_accum_dtype": "fp16"}}, open(work + "/plan_accum16.json", "w"))
+keys = ["params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "accumulation_bytes", "staging_bytes",
+        "activation_peak_bytes", "bookkeeping_bytes", "model_states_bytes", "device_peak_bytes"]
+problems, compared = [], 0
+for precision, activations, extra in cases:
+    flags = tiny + ["--precision", precision, "--activations", activations, "--steps", "1"] + extra
+    plan_file = f"{work}/plan.json"
+    out = subprocess.run([trainer, "--plan", "--plan-world-sizes", "1,2,4", "--json", plan_file, "--quiet"] + flags,
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        problems.append(f"--plan {precision} {activations}: {out.stderr[:200]}"); continue
+    plan = {(r["stage"], r["world_size"]): r for r in json.load(open(plan_file))["plan"]}
+    for stage in (0, 1, 2):
+        for ranks in (1, 2, 4):
+            run = subprocess.run(["mpirun", "-n", str(ranks), trainer, "--stage", str(stage), "--quiet", "--json",
+                                  f"{work}/run.json"] + flags, capture_output=True, text=True, timeout=120)
+            label = f"{precision} {activations} {' '.join(extra[:4])} stage {stage} N {ranks}"
+            if run.returncode != 0:
+                problems.append(f"{label}: the run failed: {run.stderr[:200]}"); continue
+            ledger, row = json.load(open(f"{work}/run.json"))["memory"], plan[(stage, ranks)]
+            for key in keys + (["reserved_bytes"] if "naive" not in extra else []):
+                planned = row["arena_block_bytes" if key == "reserved_bytes" else key]
+                compared += 1
+                if planned != ledger[key]:
+                    problems.append(f"{label}: {key} planned {planned}, measured {ledger[key]}")
+print(f"ok {compared}" if not problems else "; ".join(problems[:6]) + f" ({len(problems)} in all)")
+PY
+)
+case "$verdict" in
+  ok*) pass "--plan = the measured ledger to the byte: ${verdict#ok } values (10 categories, and the arena's reserved block), 3 precisions x 3 activation modes x stages 0/1/2 x N = 1, 2, 4, with A = 1, 2, 4, overlap off, naive, 16-bit accumulation" ;;
+  *) fail "--plan against the ledger: $verdict" ;;
+esac
+
+# The arena's block: the plan's figure trains, 256 bytes less runs out of
+# memory (the allocator's message, every rank).
+block_check() {  # LABEL RANKS STAGE FLAGS...
+  local label=$1 ranks=$2 stage=$3 block
+  shift 3
+  "$trainer" --plan --plan-world-sizes "$ranks" --json "$work/plan.json" --quiet "${tiny[@]}" "$@" > /dev/null 2>&1
+  block=$(json_get "$work/plan.json" "[r['arena_block_bytes'] for r in d['plan'] if r['stage'] == $stage][0]")
+  if ! timeout 120 mpirun -n "$ranks" "$trainer" "${tiny[@]}" --steps 1 --stage "$stage" "$@" \
+       --device-memory-limit "$block" > "$work/log" 2>&1; then
+    fail "$label: the plan's block $block does not train: $(head -c 200 "$work/log")"; return
+  fi
+  timeout 120 mpirun -n "$ranks" "$trainer" "${tiny[@]}" --steps 1 --stage "$stage" "$@" \
+    --device-memory-limit $((block - 256)) > "$work/log" 2>&1
+  local status=$?
+  if [ $status -ne 0 ] && grep -q "out of device memory" "$work/log" && [ "$(grep -c 'error:' "$work/log")" = 1 ]; then
+    pass "$label: the plan's arena block ($block bytes) trains, 256 bytes less runs out of memory"
+  else fail "$label: $((block - 256)) bytes: exit $status, $(head -c 200 "$work/log")"; fi
+}
+block_check "block, fp32 keep, stage 2, N = 2" 2 2
+block_check "block, bf16 offload, stage 1, N = 4" 4 1 --precision bf16 --activations offload --accum 2
+block_check "block, fp16 recompute, stage 0, N = 1" 1 0 --precision fp16 --activations recompute
+
+# The largest micro-batch and layer count for a limit, against real runs.
+# The limit: 1.5 times the default tiny model's stage-2 block at N = 4.
+"$trainer" --plan --plan-world-sizes 4 --json "$work/plan.json" --quiet "${tiny[@]}" > /dev/null 2>&1
+limit=$(json_get "$work/plan.json" "[r['arena_block_bytes'] * 3 // 2 for r in d['plan'] if r['stage'] == 2][0]")
+"$trainer" --plan --plan-world-sizes 1,2,4 --device-memory-limit "$limit" --json "$work/largest.json" --quiet "${tiny[@]}" \
+  > /dev/null 2>&1
+for probe in "0 1" "2 1" "0 4" "2 4"; do
+  set -- $probe
+  stage=$1 ranks=$2
+  for what in micro_batch layers; do
+    flag=--${what//_/-}
+    answer=$(json_get "$work/largest.json" "[r['$what'] for r in d['largest'] if r['stage'] == $stage and r['world_size'] == $ranks][0]")
+    common=("${tiny[@]}" --steps 1 --stage "$stage" --device-memory-limit "$limit")
+    if [ "$answer" -lt 1 ]; then fail "largest $what at stage $stage, N = $ranks: the plan says none fits"; continue; fi
+    timeout 120 mpirun -n "$ranks" "$trainer" "${common[@]}" "$flag" "$answer" > "$work/log" 2>&1
+    fits=$?
+    timeout 120 mpirun -n "$ranks" "$trainer" "${common[@]}" "$flag" $((answer + 1)) > "$work/log_above" 2>&1
+    above=$?
+    if [ $fits -eq 0 ] && [ $above -ne 0 ] && grep -q "out of device memory" "$work/log_above"; then
+      pass "largest $what for a $limit-byte limit, stage $stage, N = $ranks: $answer trains, $((answer + 1)) runs out of memory"
+    else
+      fail "largest $what at stage $stage, N = $ranks: $answer exit $fits ($(head -c 150 "$work/log")), $((answer + 1)) exit $above ($(head -c 150 "$work/log_above"))"
+    fi
+  done
+done
+# ZeRO's point, in the plan's numbers: stage 2 at N = 4 fits more than stage 0.
+json_get "$work/largest.json" "[(r['stage'], r['world_size'], r['micro_batch']) for r in d['largest']]" > "$work/largest.txt"
+more=$(json_get "$work/largest.json" "{(r['stage'], r['world_size']): r['micro_batch'] for r in d['largest']}[(2, 4)] > {(r['stage'], r['world_size']): r['micro_batch'] for r in d['largest']}[(0, 4)]")
+[ "$more" = True ] && pass "the plan: stage 2 at N = 4 holds a larger micro-batch than stage 0 in the same limit ($(cat "$work/largest.txt"))" ||
+  fail "stage 2 does not hold more than stage 0: $(cat "$work/largest.txt")"
+
+bad_ranks=1 bad_case "--plan trains nothing, so --save" --plan "${tiny[@]}" --save "$work/no"
+bad_case "--plan-world-sizes is for --plan" "${tiny[@]}" --plan-world-sizes 1,2
+bad_case "'0' is not a world size" --plan "${tiny[@]}" --plan-world-sizes 1,0,4
+bad_case "'x' is not a world size" --plan "${tiny[@]}" --plan-world-sizes 2,x
+bad_case "'' is not a world size" --plan "${tiny[@]}" --plan-world-sizes 2,,4
+bad_case "in increasing order" --plan "${tiny[@]}" --plan-world-sizes 4,2
+bad_case "exact for --alloc arena only" --plan "${tiny[@]}" --alloc naive --device-memory-limit 1000000
+bad_case "--device-memory-limit 4,096 holds nothing" --plan "${tiny[@]}" --device-memory-limit 4096
+bad_case "--hidden 30 is not divisible by --heads 4" --plan "${tiny[@]}" --hidden 30 --heads 4
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
