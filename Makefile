@@ -70,7 +70,7 @@ endif
 ENGINE  := zero2.cu zero2.h Makefile
 MODEL   := tests/mlp_model.h train_bert_mini.cu
 TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp \
-           tests/test_checkpoint.cpp
+           tests/test_checkpoint.cpp tests/test_allocator.cpp
 TEST_H  := tests/harness.h tests/mlp_model.h tests/synthetic_model.h zero2.h Makefile
 # The trainer embeds data/corpus.txt as a C++ raw string (build*/corpus.inc),
 # so `make run` needs no download and no file at run time.

@@ -12,7 +12,7 @@
 // rows in order, so the same inputs give the same bits on every run.
 //
 // ZeRO-R (paper section 6): --activations keep|recompute|offload chooses what
-// forward leaves for backward (section 4 below), --alloc arena|naive where
+// forward leaves for backward (section 4 below), --alloc arena|naive|caching|cuda where
 // device memory comes from (zero2.cu section 2), --device-memory-limit how
 // much there is. Every combination gives the same bits.
 //
@@ -309,7 +309,7 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--export-hf") s.export_dir = parse_path(name, value);
   else if (flag == "--dump-batch") s.dump_dir = parse_path(name, value);
   else if (flag == "--activations") s.activations = parse_choice(name, value, {"keep", "recompute", "offload"});
-  else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive"});
+  else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive", "caching", "cuda"});
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
   else if (flag == "--memory-trace") s.memory_trace = parse_path(name, value);
   else if (flag == "--save") s.save_dir = parse_path(name, value);
@@ -938,7 +938,8 @@ learning-rate schedule (DeepSpeed's WarmupDecayLR and WarmupLR) [scheduler]
 memory (ZeRO-R; notes/04, notes/05)
   --activations keep|recompute|offload  what forward leaves for backward (keep)
                              [activation_checkpointing.cpu_checkpointing true: offload]
-  --alloc arena|naive        where device memory comes from (arena)
+  --alloc arena|naive|caching|cuda  where device memory comes from (arena): the arena; a best-fit
+                             block; a model of PyTorch's caching allocator; cudaMalloc per tensor (GPU)
                              [activation_checkpointing.contiguous_memory_optimization true: arena]
   --device-memory-limit BYTES  per rank (enough for the run)
   --plan                     train nothing: the bytes per rank by category for stages 0/1/2 at N = 1, 2, 4,
@@ -982,9 +983,10 @@ inline void check_plan_flags(const Settings& s) {
     if (!value.empty())
       fail("--plan trains nothing, so %s '%s' would have nothing to %s: drop one of them", flag, value.c_str(),
            std::string(flag) == "--load" ? "read" : "write");
-  if (s.alloc == "naive" && s.device_memory_limit > 0)
-    fail("--plan's largest sizes for --device-memory-limit are exact for --alloc arena only: naive's block also "
-         "depends on where its holes fall (make fraglab measures it). Drop --alloc naive, or the limit");
+  if (s.alloc != "arena" && s.device_memory_limit > 0)
+    fail("--plan's largest sizes for --device-memory-limit are exact for --alloc arena only: %s's memory also "
+         "depends on where its holes fall (make fraglab measures it). Drop --alloc %s, or the limit",
+         s.alloc.c_str(), s.alloc.c_str());
 }
 
 // The command line. --config is read first, whatever its position, so that
@@ -3654,6 +3656,13 @@ inline ActivationMode mode_of(const Settings& settings) {
                                              : ActivationMode::keep;
 }
 
+inline z2::Allocator allocator_of(const Settings& settings) {
+  if (settings.alloc == "naive") return z2::Allocator::naive;
+  if (settings.alloc == "caching") return z2::Allocator::caching;
+  if (settings.alloc == "cuda") return z2::Allocator::direct;
+  return z2::Allocator::arena;
+}
+
 inline RankPlan plan_rank(const Settings& settings, int stage, int world_size) {
   Settings at_stage = settings;
   at_stage.stage = stage;
@@ -3787,7 +3796,10 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   shape_ = shape_of(settings_);
   compute_ = std::make_unique<z2::Compute>(device_, z2::local_rank_of(world_));  // selects this rank's GPU
   mode_ = mode_of(settings_);
-  allocator_ = settings_.alloc == "naive" ? z2::Allocator::naive : z2::Allocator::arena;
+  allocator_ = allocator_of(settings_);
+  if (allocator_ == z2::Allocator::direct && device_ != z2::Device::cuda)
+    fail("--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU (--device cuda); on the cpu "
+         "use --alloc caching, the model of PyTorch's caching allocator");
   const size_t capacity = memory_block(settings_, allocator_, device_, world_size_, world_);
   // Reserving can fail on one rank only (ranks sharing a GPU measured its
   // free memory at slightly different times), so the ranks agree.

@@ -50,6 +50,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <sys/mman.h>
 #include <numeric>
 #include <sstream>
@@ -390,7 +391,8 @@ const char* to_string(Precision precision) {
   return precision == Precision::bf16 ? "bf16" : precision == Precision::fp16 ? "fp16" : "fp32";
 }
 const char* to_string(Allocator allocator) {
-  return allocator == Allocator::arena ? "arena" : allocator == Allocator::naive ? "naive" : "direct";
+  static const char* names[] = {"direct", "arena", "naive", "caching"};
+  return names[(int)allocator];
 }
 
 const char* to_string(MemoryKind kind) {
@@ -478,6 +480,27 @@ struct Compute::Live {
   // stack[k] is the offset of the k-th pushed buffer.
   size_t bottom = 0, top = 0;
   std::vector<size_t> stack;
+  // caching: segments (each its own device allocation), every block of every
+  // segment by address, and the free blocks of each pool by (size, address),
+  // so the first one not smaller than a request is the best fit.
+  struct Segment {
+    char* base;
+    size_t bytes;
+    bool small;  // serves the small pool (a 2 MiB segment) or the large one
+  };
+  struct CachedBlock {
+    size_t bytes;
+    int segment;
+    bool free;
+  };
+  std::map<int, Segment> segments;
+  int next_segment = 0;
+  size_t segment_bytes = 0;  // all segments: PyTorch's "reserved"
+  std::map<char*, CachedBlock> cached_blocks;
+  std::set<std::pair<size_t, char*>> small_pool, large_pool;
+  std::set<std::pair<size_t, char*>>& pool_of(int segment) {
+    return segments[segment].small ? small_pool : large_pool;
+  }
   size_t offset_of(const void* pointer) const { return (size_t)((const char*)pointer - block); }
   // cpu 16-bit gemm: A, B and C widened to fp32 (host scratch, reused).
   std::vector<float> gemm_a, gemm_b, gemm_c;
@@ -535,6 +558,8 @@ Compute::~Compute() {
     cudaDeviceSynchronize();
     if (live_->block) {
       cudaFree(live_->block);
+    } else if (allocator_ == Allocator::caching) {
+      for (auto& segment : live_->segments) cudaFree(segment.second.base);
     } else {
       for (auto& entry : live_->allocations) cudaFree(entry.first);
     }
@@ -549,6 +574,8 @@ Compute::~Compute() {
 #endif
   if (live_->block) {
     munmap(live_->block, live_->capacity);
+  } else if (allocator_ == Allocator::caching) {
+    for (auto& segment : live_->segments) std::free(segment.second.base);
   } else {
     for (auto& entry : live_->allocations) std::free(entry.first);
   }
@@ -576,10 +603,16 @@ void Compute::use_allocator(Allocator allocator, size_t capacity) {
   if (counters_.device_mallocs != 0 || allocator_ != Allocator::direct)
     usage_error("use_allocator() must come before the first allocation, once");
   allocator_ = allocator;
-  if (allocator == Allocator::direct) return;
+  if (allocator == Allocator::direct) {  // the limit only counts: every buffer is its own cudaMalloc
+    live_->capacity = capacity;
+    return;
+  }
   if (capacity < 256) usage_error("--device-memory-limit %zu: the block needs at least 256 bytes", capacity);
   capacity = capacity / 256 * 256;
   live_->capacity = capacity;
+  // caching reserves nothing up front: it asks the device for segments as it
+  // goes (cudaMalloc), and `capacity` is how much the device lets it have.
+  if (allocator == Allocator::caching) return;
   if (device_ == Device::cpu) {
     // Address space only: the kernel gives pages when they are first
     // touched, so an unused capacity costs nothing on a CPU run.
@@ -608,7 +641,10 @@ size_t Compute::capacity() const { return live_->capacity; }
 
 void Compute::free_space(size_t* total, size_t* pieces, size_t* largest) const {
   *total = *pieces = *largest = 0;
-  if (allocator_ == Allocator::arena) {
+  if (allocator_ == Allocator::direct && live_->capacity > 0) {  // what the limit leaves: the driver's to place
+    *total = *largest = live_->capacity - counters_.total_current;
+    *pieces = *total > 0 ? 1 : 0;
+  } else if (allocator_ == Allocator::arena) {
     *total = *largest = live_->top - live_->bottom;
     *pieces = *total > 0 ? 1 : 0;
   } else if (allocator_ == Allocator::naive) {
@@ -617,6 +653,18 @@ void Compute::free_space(size_t* total, size_t* pieces, size_t* largest) const {
       *pieces += 1;
       *largest = std::max(*largest, piece.second);
     }
+  } else if (allocator_ == Allocator::caching) {
+    // What the device has not given out yet is one piece (the driver pages
+    // it); the rest is free blocks cached inside segments.
+    const size_t unreserved = live_->capacity - live_->segment_bytes;
+    *total = *largest = unreserved;
+    *pieces = unreserved > 0 ? 1 : 0;
+    for (auto* pool : {&live_->small_pool, &live_->large_pool})
+      for (auto& block : *pool) {
+        *total += block.first;
+        *pieces += 1;
+        *largest = std::max(*largest, block.first);
+      }
   }
 }
 
@@ -625,21 +673,30 @@ void Compute::out_of_memory(size_t bytes, MemoryKind kind) const {
   free_space(&total, &pieces, &largest);
   char message[512];
   snprintf(message, sizeof message,
-           "out of device memory in the %s-byte block (--alloc %s): %s bytes of %s asked for; %s bytes free in "
+           "out of device memory in the %s-byte %s (--alloc %s): %s bytes of %s asked for; %s bytes free in "
            "%zu piece(s), the largest %s bytes; %s bytes live. Raise --device-memory-limit%s",
-           with_commas(live_->capacity).c_str(), to_string(allocator_), with_commas(bytes).c_str(), to_string(kind),
+           with_commas(live_->capacity).c_str(), allocator_ == Allocator::arena || allocator_ == Allocator::naive
+                                                     ? "block" : "device limit",
+           to_string(allocator_), with_commas(bytes).c_str(), to_string(kind),
            with_commas(total).c_str(), pieces, with_commas(largest).c_str(),
            with_commas(counters_.total_current).c_str(),
-           allocator_ == Allocator::naive ? ", or use --alloc arena (free memory in pieces is what it avoids)" : "");
-  throw OutOfMemory(message);
+           allocator_ == Allocator::naive || allocator_ == Allocator::caching
+               ? ", or use --alloc arena (free memory in pieces is what it avoids)"
+               : "");
+  std::string text = message;
+  if (allocator_ == Allocator::caching)
+    text += " (caching: " + with_commas(live_->segment_bytes) + " bytes reserved in " +
+            std::to_string(live_->segments.size()) + " segment(s); the cached segments that were wholly free were "
+            "released and the request retried once)";
+  throw OutOfMemory(text);
 }
 
 void* Compute::device_malloc(size_t bytes) {
   void* pointer = nullptr;
   if (device_ == Device::cpu) {
-    // 64-byte alignment, as cudaMalloc gives at least 256: vector loads and
-    // sgemm like aligned rows. aligned_alloc wants a multiple of the alignment.
-    pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    // 256-byte alignment, as cudaMalloc gives: vector loads and sgemm like
+    // aligned rows. aligned_alloc wants a multiple of the alignment.
+    pointer = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
     // Running out may happen on one rank only: take every rank down rather
     // than leave the others waiting in their next collective.
     if (!pointer) abort_all_ranks("memory", "out of host memory", "allocate", __FILE__, __LINE__);
@@ -652,6 +709,120 @@ void* Compute::device_malloc(size_t bytes) {
   return pointer;
 }
 
+void Compute::device_free(void* pointer) {
+  if (device_ == Device::cpu) {
+    std::free(pointer);
+  } else {
+#if defined(__CUDACC__)
+    Z2_CUDA_CHECK(cudaFree(pointer));
+#endif
+  }
+}
+
+// --- caching: a model of PyTorch's CUDA caching allocator ----------------------
+//
+// What most users run (c10/cuda/CUDACachingAllocator.cpp), with its default
+// settings (no max_split_size, no expandable segments, one stream):
+//   - a request is rounded up to a multiple of kMinBlockSize = 512 bytes;
+//   - requests up to kSmallSize = 1 MiB come from the small pool, larger ones
+//     from the large pool; each pool is a set of free blocks, and a request
+//     takes the smallest one that holds it (the lowest address on a tie);
+//   - when none does, a new segment comes from the device (cudaMalloc):
+//     kSmallBuffer = 2 MiB for a small request, kLargeBuffer = 20 MiB for one
+//     below kMinLargeAlloc = 10 MiB, else the request rounded up to
+//     kRoundLarge = 2 MiB;
+//   - a block is split when what is left is worth keeping: >= 512 bytes in
+//     the small pool, > 1 MiB in the large one (else the request keeps the
+//     whole block, the rest unusable until it is freed);
+//   - a freed block merges with its free neighbours in the same segment, never
+//     across segments, and segments stay cached (never given back);
+//   - when the device refuses a segment, every cached segment that is wholly
+//     free is released and the request retried once; then out of memory.
+// The device here is --device-memory-limit bytes: a segment is refused when
+// the segments would exceed it. Unlike arena and naive, no block is reserved.
+static const size_t kMinBlockSize = 512, kSmallSize = 1 << 20, kSmallBuffer = 2 << 20, kLargeBuffer = 20 << 20,
+                    kMinLargeAlloc = 10 << 20, kRoundLarge = 2 << 20;
+
+size_t caching_round_size(size_t bytes) {
+  return bytes < kMinBlockSize ? kMinBlockSize : (bytes + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
+}
+size_t caching_segment_size(size_t rounded) {
+  if (rounded <= kSmallSize) return kSmallBuffer;
+  if (rounded < kMinLargeAlloc) return kLargeBuffer;
+  return (rounded + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
+}
+
+void* Compute::caching_take(size_t bytes, MemoryKind kind) {
+  Live& live = *live_;
+  const size_t size = caching_round_size(bytes);
+  const bool small = size <= kSmallSize;
+  auto& pool = small ? live.small_pool : live.large_pool;
+  auto found = pool.lower_bound({size, nullptr});
+  if (found == pool.end()) {
+    const size_t segment = caching_segment_size(size);
+    if (live.segment_bytes + segment > live.capacity) {
+      // The device said no: release the segments that are wholly free (one
+      // free block spanning the segment), then try once more.
+      for (auto it = live.segments.begin(); it != live.segments.end();) {
+        auto block = live.cached_blocks.find(it->second.base);
+        if (block->second.free && block->second.bytes == it->second.bytes) {
+          (it->second.small ? live.small_pool : live.large_pool).erase({block->second.bytes, block->first});
+          live.cached_blocks.erase(block);
+          live.segment_bytes -= it->second.bytes;
+          device_free(it->second.base);
+          it = live.segments.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (live.segment_bytes + segment > live.capacity) out_of_memory(bytes, kind);
+    }
+    char* base = (char*)device_malloc(segment);
+    const int id = live.next_segment++;
+    live.segments[id] = {base, segment, small};
+    live.segment_bytes += segment;
+    live.cached_blocks[base] = {segment, id, true};
+    found = pool.insert({segment, base}).first;
+  }
+  char* start = found->second;
+  pool.erase(found);
+  Live::CachedBlock& block = live.cached_blocks[start];
+  const size_t remaining = block.bytes - size;
+  if (small ? remaining >= kMinBlockSize : remaining > kSmallSize) {
+    live.cached_blocks[start + size] = {remaining, block.segment, true};
+    pool.insert({remaining, start + size});
+    live.cached_blocks[start].bytes = size;
+  }
+  live.cached_blocks[start].free = false;
+  return start;
+}
+
+void Compute::caching_give_back(char* start) {
+  Live& live = *live_;
+  auto block = live.cached_blocks.find(start);
+  auto& pool = live.pool_of(block->second.segment);  // a block goes back to its segment's pool
+  block->second.free = true;
+  // Merge with the next block, then the previous, inside the same segment.
+  auto next = std::next(block);
+  if (next != live.cached_blocks.end() && next->second.free && next->second.segment == block->second.segment &&
+      start + block->second.bytes == next->first) {
+    pool.erase({next->second.bytes, next->first});
+    block->second.bytes += next->second.bytes;
+    live.cached_blocks.erase(next);
+  }
+  if (block != live.cached_blocks.begin()) {
+    auto previous = std::prev(block);
+    if (previous->second.free && previous->second.segment == block->second.segment &&
+        previous->first + previous->second.bytes == start) {
+      pool.erase({previous->second.bytes, previous->first});
+      previous->second.bytes += block->second.bytes;
+      live.cached_blocks.erase(block);
+      block = previous;
+    }
+  }
+  pool.insert({block->second.bytes, block->first});
+}
+
 // The one place memory is found. `from_stack` is a push (the arena's top).
 void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
   if (bytes == 0) return nullptr;
@@ -659,7 +830,11 @@ void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
   Live& live = *live_;
   const size_t rounded = block_round(bytes);
   if (allocator_ == Allocator::direct) {
+    if (live.capacity > 0 && counters_.total_current + bytes > live.capacity) out_of_memory(bytes, kind);
     pointer = device_malloc(bytes);
+    counters_.allocations += 1;
+  } else if (allocator_ == Allocator::caching) {
+    pointer = caching_take(bytes, kind);
     counters_.allocations += 1;
   } else if (allocator_ == Allocator::arena) {
     if (rounded > live.top - live.bottom) out_of_memory(bytes, kind);
@@ -714,13 +889,9 @@ void Compute::give_back(void* pointer, bool from_stack) {
   // and cudaFree's wait for the device is not a documented promise.
   if (allocator_ == Allocator::direct || kind != MemoryKind::activations) synchronize_all();
   if (allocator_ == Allocator::direct) {
-    if (device_ == Device::cpu) {
-      std::free(pointer);
-    } else {
-#if defined(__CUDACC__)
-      Z2_CUDA_CHECK(cudaFree(pointer));
-#endif
-    }
+    device_free(pointer);
+  } else if (allocator_ == Allocator::caching) {
+    caching_give_back((char*)pointer);
   } else if (allocator_ == Allocator::arena) {
     const size_t offset = live.offset_of(pointer);
     if (from_stack) {
@@ -761,6 +932,7 @@ size_t Compute::reserved_now() const {
   switch (allocator_) {
     case Allocator::arena: return live_->bottom + (live_->capacity - live_->top);
     case Allocator::naive: return live_->end;
+    case Allocator::caching: return live_->segment_bytes;
     default: return counters_.total_current;
   }
 }

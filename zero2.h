@@ -392,7 +392,13 @@ struct Event {
 //           order: a model of a framework's caching allocator without the
 //           arena. Long-lived buffers land between short-lived ones and the
 //           free memory breaks into pieces.
-enum class Allocator { direct, arena, naive };
+//   caching: PyTorch's CUDA caching allocator, modelled (zero2.cu section 2):
+//           sizes rounded to 512 bytes, small and large pools of blocks split
+//           inside segments of 2 MiB, 20 MiB or the request rounded to 2 MiB,
+//           merged only inside their segment, segments cached, never returned
+//           (except to retry a request the device refused). `capacity` is
+//           what the device lets the segments take; nothing is reserved.
+enum class Allocator { direct, arena, naive, caching };
 const char* to_string(Allocator allocator);
 
 // Thrown when the block cannot serve a request. The message says what was
@@ -519,6 +525,9 @@ class Compute {
 
  private:
   void* device_malloc(size_t bytes);             // cudaMalloc / aligned host allocation, zeroed
+  void device_free(void* pointer);               // cudaFree / free
+  void* caching_take(size_t bytes, MemoryKind kind);
+  void caching_give_back(char* start);
   void* take(size_t bytes, MemoryKind kind, bool from_stack);
   void give_back(void* pointer, bool from_stack);
   [[noreturn]] void out_of_memory(size_t bytes, MemoryKind kind) const;
@@ -1035,6 +1044,11 @@ size_t staging_elements(size_t max_padded_bucket, int world_size, int slot_count
 // Bytes rounded up to 256, as every buffer in a block (arena, naive) starts
 // on a 256-byte boundary.
 size_t block_round(size_t bytes);
+// The caching allocator's rules (Allocator::caching): a request's rounded
+// size, and the segment a rounded size asks the device for when no cached
+// block holds it.
+size_t caching_round_size(size_t bytes);
+size_t caching_segment_size(size_t rounded);
 
 // FNV-1a 64 over the bytes of `count` floats.
 uint64_t fnv1a64(const float* values, size_t count);

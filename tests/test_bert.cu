@@ -507,7 +507,7 @@ bool buffers_come_back() {
   bert::ModelShape shape = bert::shape_of(settings);
   shape.precision = z2::precision_of<Act>();
   for (auto mode : {bert::ActivationMode::keep, bert::ActivationMode::recompute, bert::ActivationMode::offload})
-    for (auto allocator : {z2::Allocator::arena, z2::Allocator::naive}) {
+    for (auto allocator : {z2::Allocator::arena, z2::Allocator::naive, z2::Allocator::caching}) {
       try {
         z2::Compute compute(z2::Device::cpu);
         compute.use_allocator(allocator, 64 << 20);
@@ -524,8 +524,10 @@ bool buffers_come_back() {
         auto unchanged = [&] {
           size_t free = 0, pieces = 0, largest = 0;
           compute.free_space(&free, &pieces, &largest);
+          // (caching keeps the segments a step added, as cached free blocks:
+          // the free bytes come back, their pieces need not.)
           return compute.memory().current[(int)z2::MemoryKind::activations] == live_before && free == free_before &&
-                 pieces == pieces_before;
+                 (pieces == pieces_before || allocator == z2::Allocator::caching);
         };
         const float loss_only = model.run(batch, step, 0, scale, false);
         all_ok &= unchanged();
@@ -548,7 +550,7 @@ bool buffers_come_back() {
 
 TEST_CASE("ZeRO-R: loss-only and full micro-steps give every buffer back, stack in order, in every mode and precision") {
   // What the finite-difference test does (run with backward = false), but
-  // with the arena and naive allocators: a pop out of order throws, a buffer
+  // with the arena, naive and caching allocators: a pop out of order throws, a buffer
   // left open shows in the live bytes or the free pieces. Rank-local (its own
   // communicator over MPI_COMM_SELF), so every rank checks it on its own.
   const bool all_ok = buffers_come_back<float>() && buffers_come_back<z2::bfloat16>() && buffers_come_back<z2::float16>();

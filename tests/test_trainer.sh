@@ -10,10 +10,10 @@
 #   3. bad input: one clear message from rank 0, a non-zero exit, no crash, no
 #      hang, no output file left behind;
 #   4. the PyTorch reference (tests/torch_reference.py) on a dumped batch;
-#   5. ZeRO-R: every --activations x --alloc in every (N, stage) of the matrix
+#   5. ZeRO-R: every --activations x --alloc (arena, naive, caching) in every (N, stage) of the matrix
 #      gives the matrix's bits; the offload bound computed here from the
-#      config; the arena allocates nothing after step 1; naive runs out of
-#      memory in a block the arena fits in, cleanly, on every rank;
+#      config; the arena allocates nothing after step 1; naive and caching run
+#      out of memory in a block the arena fits in, cleanly, on every rank;
 #   6. mixed precision: in bf16 and in fp16 the stage matrix and ZeRO-R give
 #      one hash per precision; the ledgers against 16 Psi, 4 Psi + 12 Psi/N,
 #      2 Psi + 14 Psi/N and 2 bytes an element; an fp16 run forced to
@@ -305,7 +305,7 @@ for N in 1 2 4; do
   for stage in 0 1 2; do
     cp "$work/matrix_${N}_${stage}_1.json" "$work/zero_r_${N}_${stage}_keep_arena.json"
     for activations in keep recompute offload; do
-      for alloc in arena naive; do
+      for alloc in arena naive caching; do
         [ "$activations/$alloc" = keep/arena ] && continue
         same_bits_run "ZeRO-R N=$N A=$A stage=$stage --activations $activations --alloc $alloc (the matrix's bits)" \
           $N "$work/zero_r_${N}_${stage}_${activations}_${alloc}.json" --accum $A --stage $stage \
@@ -341,15 +341,15 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "zero_r_*.json"))):
         problems.append(f"{name}: host offload peak {m['host_offload_peak_bytes']} != (L-1) checkpoints")
     if alloc == "arena" and (m["device_allocations_after_step1"] != 0 or m["device_allocations_per_step"] != 0):
         problems.append(f"{name}: the arena allocated after step 1 ({m['device_allocations_after_step1']})")
-    if alloc == "naive" and m["device_allocations_per_step"] <= 0:
-        problems.append(f"{name}: naive made no allocation in a step")
+    if alloc in ("naive", "caching") and m["device_allocations_per_step"] <= 0:
+        problems.append(f"{name}: {alloc} made no allocation in a step")
     if m["reserved_bytes"] > m["capacity_bytes"] or m["device_peak_bytes"] > m["reserved_bytes"]:
         problems.append(f"{name}: peak {m['device_peak_bytes']} <= reserved {m['reserved_bytes']} <= capacity {m['capacity_bytes']} fails")
     if abs(m["fragmentation"] - (1 - m["device_peak_bytes"] / m["reserved_bytes"])) > 1e-9:
         problems.append(f"{name}: fragmentation is not 1 - peak / reserved")
     if m["activation_peak_bytes"] != d["activation_peak_formula_bytes"]:
         problems.append(f"{name}: activation peak {m['activation_peak_bytes']} != formula {d['activation_peak_formula_bytes']}")
-ok = not problems and count == 54
+ok = not problems and count == 81
 print(("ok" if ok else "bad") + f" {count} runs; offload bound {bound:,} bytes; " + "; ".join(problems[:4]))
 EOF
 )
@@ -373,6 +373,7 @@ for N in 1 2 4; do
     fail "out of memory N=$N: the arena failed in its measured need $need"; cat "$work/log"
   fi
   bad_ranks=$N bad_case "bytes free in" "${oom[@]}" --alloc naive --device-memory-limit "$need"
+  bad_ranks=$N bad_case "(caching: " "${oom[@]}" --alloc caching --device-memory-limit "$need"
   bad_ranks=$N bad_case "(--alloc arena)" "${oom[@]}" --alloc arena --device-memory-limit $((need - 256))
 done
 
@@ -397,7 +398,7 @@ for precision in bf16 fp16; do
     # ZeRO-R in this precision: two combinations per N (every one of them
     # runs in process in every precision and stage: tests/test_bert.cu).
     stage=$(( (N + 1) % 3 ))
-    for pair in "recompute naive" "offload arena"; do
+    for pair in "recompute naive" "offload arena" "keep caching"; do
       set -- $pair
       same_bits_run "$precision ZeRO-R N=$N A=$A stage=$stage --activations $1 --alloc $2" $N \
         "$work/mixed_zero_r_${precision}_${N}_$1_$2.json" --precision $precision --accum $A --stage $stage \
@@ -1321,7 +1322,7 @@ tiny = [a for a in tiny if a != "--quiet"]
 cases = [("fp32", "keep", ["--accum", "1"]), ("fp32", "recompute", ["--accum", "4", "--alloc", "naive"]),
          ("fp32", "offload", ["--accum", "2", "--overlap", "0"]), ("bf16", "keep", ["--accum", "4"]),
          ("bf16", "recompute", ["--accum", "1", "--overlap", "0"]), ("bf16", "offload", ["--accum", "2", "--alloc", "naive"]),
-         ("fp16", "keep", ["--accum", "2", "--alloc", "naive"]), ("fp16", "recompute", ["--accum", "2"]),
+         ("fp16", "keep", ["--accum", "2", "--alloc", "caching"]), ("fp16", "recompute", ["--accum", "2"]),
          ("fp16", "offload", ["--accum", "4", "--config", work + "/plan_accum16.json"])]
 json.dump({"data_types": {"grad_accum_dtype": "fp16"}}, open(work + "/plan_accum16.json", "w"))
 keys = ["params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "accumulation_bytes", "staging_bytes",
@@ -1343,7 +1344,7 @@ for precision, activations, extra in cases:
             if run.returncode != 0:
                 problems.append(f"{label}: the run failed: {run.stderr[:200]}"); continue
             ledger, row = json.load(open(f"{work}/run.json"))["memory"], plan[(stage, ranks)]
-            for key in keys + (["reserved_bytes"] if "naive" not in extra else []):
+            for key in keys + (["reserved_bytes"] if "--alloc" not in extra else []):
                 planned = row["arena_block_bytes" if key == "reserved_bytes" else key]
                 compared += 1
                 if planned != ledger[key]:
@@ -1416,6 +1417,8 @@ bad_case "'x' is not a world size" --plan "${tiny[@]}" --plan-world-sizes 2,x
 bad_case "'' is not a world size" --plan "${tiny[@]}" --plan-world-sizes 2,,4
 bad_case "in increasing order" --plan "${tiny[@]}" --plan-world-sizes 4,2
 bad_case "exact for --alloc arena only" --plan "${tiny[@]}" --alloc naive --device-memory-limit 1000000
+bad_case "exact for --alloc arena only" --plan "${tiny[@]}" --alloc caching --device-memory-limit 1000000
+bad_case "--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU" "${tiny[@]}" --device cpu --alloc cuda
 bad_case "--device-memory-limit 4,096 holds nothing" --plan "${tiny[@]}" --device-memory-limit 4096
 bad_case "--hidden 30 is not divisible by --heads 4" --plan "${tiny[@]}" --hidden 30 --heads 4
 
