@@ -13,6 +13,12 @@
 #                 same model and batch; step-time ratios recompute / keep and offload / keep
 #   make fraglab  the smallest --device-memory-limit one BERT-mini step needs, for every
 #                 --activations x --alloc (a binary search of one-step runs; it prints how long it took)
+#   make plan     the memory plan (train_bert_mini --plan) of the default BERT-mini: bytes per rank
+#                 by category for stages 0/1/2 and N = 1 .. 1024
+#   make paper-tables  the paper's Table 1 (7.5B, 128B, 1T) and Table 2's theoretical row from the
+#                 formula the ledger and --plan use
+#   make superlinear  tokens/s per rank at the largest micro-batch that fits a fixed memory per
+#                 rank, stages 0 and 2 at N = 1, 2, 4 (tests/superlinear.sh)
 #   make notes    regenerate the measured tables in notes/
 #   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
 #   make deps     install missing Debian packages (as root), or print the command
@@ -82,7 +88,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run demo bench fraglab test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
+.PHONY: all cpu run demo bench fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -118,8 +124,8 @@ build/demo_stages: build/zero2.o build/tests/mlp_model.o build/tests/demo_stages
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/train_bert_mini: build/zero2.o build/train_bert_mini.o
 	$(MPICXX) $^ -o $@ $(LIBS)
-# For notes/08 (make notes runs both): the 16-bit reduction's error against
-# DeepSpeed's, and the paper's Table 1 from the ledger's formula.
+# For notes/08 and notes/10 (make notes runs both): the 16-bit reduction's error
+# against DeepSpeed's, and the paper's Tables 1 and 2 from the ledger's formula.
 build/reduce_precision: build/zero2.o build/tests/reduce_precision.o
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/paper_table: build/zero2.o build/tests/paper_table.o
@@ -199,6 +205,17 @@ bench: deps test-deps all
 fraglab: deps found
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
 	$(RUN_ENV) tests/fraglab.sh build
+
+plan: deps found
+	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
+	build/train_bert_mini --plan
+
+paper-tables: deps found build/paper_table
+	build/paper_table
+
+superlinear: deps found
+	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
+	$(RUN_ENV) tests/superlinear.sh build
 
 test: deps test-deps hf-venv all
 	$(RUN_ENV) tests/run_tests.sh build

@@ -4027,7 +4027,7 @@ void Training<Act>::print_header() const {
   for (const std::string& line : settings_.config_notes) printf("  config    %s\n", line.c_str());
   printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
          settings_.activations.c_str(), settings_.alloc.c_str(), z2::with_commas(compute_->capacity()).c_str(),
-         settings_.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the estimate + 64 MiB, at most 90% of what is free");
+         settings_.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the plan's need (--plan) + 64 MiB, at most 90% of what is free");
   const size_t checkpoint_bytes = (size_t)B * T * settings_.hidden * sizeof(Act);
   printf("  activations per rank: device peak %s bytes by the formula%s\n",
          z2::with_commas(activation_peak_bytes(shape_, mode_, allocator_ == z2::Allocator::arena)).c_str(),
@@ -4433,7 +4433,7 @@ inline int run_plan(Settings settings, MPI_Comm world) {
       "arena block = the smallest --device-memory-limit that trains with --alloc arena (each buffer rounded to 256).\n",
       z2::with_commas(first.psi).c_str());
   for (int stage = 0; stage <= 2; ++stage) {
-    add("\nstage %d (%s; the paper: %s)\n", stage, stage == 0 ? "DP" : stage == 1 ? "P_os" : "P_os+g",
+    add("\nstage %d (%s; the paper: %s)\n\n", stage, stage == 0 ? "DP" : stage == 1 ? "P_os" : "P_os+g",
         z2::model_states_formula_text(stage, precision));
     add("| N | params | grads | master | m, v | accumulation | staging | activations | bookkeeping | device peak | "
         "arena block | paper's model states |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -4450,7 +4450,7 @@ inline int run_plan(Settings settings, MPI_Comm world) {
     }
   }
   if (limit > 0) {
-    add("\nthe largest that fits in --device-memory-limit %s (--alloc arena; every other flag as given; 0: none)\n",
+    add("\nthe largest that fits in --device-memory-limit %s (--alloc arena; every other flag as given; 0: none)\n\n",
         z2::with_commas((size_t)settings.device_memory_limit).c_str());
     add("| stage | N | micro-batch | layers |\n|---|---|---|---|\n");
     bool anything = false;

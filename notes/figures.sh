@@ -9,7 +9,12 @@
 #   bert_mini_precision.png   the three loss curves in one figure (notes/plot_precision.py)
 #   memory_*.csv        one step's allocator events (--memory-trace) of the default
 #                       BERT-mini on one rank, per --activations x --alloc
-#   memory_keep_vs_offload.png, memory_naive_vs_arena.png   (notes/plot_memory.py)
+#   memory_keep_vs_offload.png, memory_naive_vs_arena.png, memory_caching_vs_arena.png
+#                       (notes/plot_memory.py)
+#   capacity_plan.json, capacity_measured_*.json   --plan of the default BERT-mini at N = 1, 2,
+#                       4, 8, 64 and one-step runs at N = 1, 2, 4 (their device peaks)
+#   superlinear.json    tests/superlinear.sh's rows
+#   capacity_by_stage.png, superlinear.png   (notes/plot_capacity.py)
 # The JSON and CSV files are kept beside the pictures, so the plot scripts can
 # redraw them without training again.
 set -eu
@@ -28,9 +33,20 @@ done
 /usr/bin/python3 notes/plot_precision.py notes/figures/bert_mini_precision.png notes/figures/bert_mini_run.json \
   notes/figures/bert_mini_run_bf16.json notes/figures/bert_mini_run_fp16.json
 for activations in keep recompute offload; do
-  for alloc in arena naive; do
+  for alloc in arena naive caching; do
     timeout 300 "$build/train_bert_mini" --steps 1 --stage 2 --quiet --activations "$activations" --alloc "$alloc" \
       --memory-trace "notes/figures/memory_${activations}_${alloc}.csv"
   done
 done
 /usr/bin/python3 notes/plot_memory.py notes/figures notes/figures
+# The paper's Figure 1 for BERT-mini: the plan, and what runs measure at N = 1, 2, 4.
+"$build/train_bert_mini" --plan --plan-world-sizes 1,2,4,8,64 --quiet --json notes/figures/capacity_plan.json
+for ranks in 1 2 4; do
+  for stage in 0 1 2; do
+    timeout 600 mpirun -n $ranks "$build/train_bert_mini" --steps 1 --stage $stage --quiet \
+      --json notes/figures/capacity_measured_${stage}_${ranks}.json
+  done
+done
+tests/superlinear.sh "$build" 104857600 notes/figures/superlinear.json > /dev/null
+/usr/bin/python3 notes/plot_capacity.py notes/figures/capacity_plan.json notes/figures notes/figures/superlinear.json \
+  notes/figures

@@ -159,9 +159,22 @@ need=$(python3 -c "import json; print(json.load(open('$out/oom.json'))['memory']
   echo '```'
 } >"$out/oom_message"
 
-# --- mixed precision (notes/08-mixed-precision.md) -----------------------------------
-# paper_table: the paper's Table 1 (7.5B, K = 12) from the ledger's formula.
+# --- mixed precision (notes/08-mixed-precision.md), capacity (notes/10) ----------------
+# paper_table: the paper's Tables 1 and 2 (K = 12) from the ledger's formula.
 "$build/paper_table" >"$out/paper_table"
+
+# plan_example, plan_largest (notes/10), plan_readme (README): --plan's tables.
+plan_block() {  # NAME ARGS...: the command (fenced), then what it prints (markdown tables)
+  local name=$1
+  shift
+  { echo '```'; echo "\$ $trainer --plan $*"; echo '```'; echo; "$trainer" --plan "$@"; } >"$out/$name"
+}
+plan_block plan_example --plan-world-sizes 1,2,4,8,64,1024
+plan_block plan_largest --plan-world-sizes 1,4,64 --activations recompute --device-memory-limit 100000000
+plan_block plan_readme --plan-world-sizes 1,4,64
+
+# superlinear (notes/10): make superlinear.
+tests/superlinear.sh "$build" >"$out/superlinear"
 
 # mixed_ledger: the bf16 runs made beside bert_ledger's.
 python3 - "$out" "$trainer" >"$out/mixed_ledger" <<'PY'

@@ -11,6 +11,8 @@ and draws:
                                start-up)
   memory_naive_vs_arena.png    live memory, peak reserved so far, and pieces of free memory over
                                one step, naive vs arena (recompute)
+  memory_caching_vs_arena.png  the same for caching (the model of PyTorch's caching allocator:
+                               reserved = its segments) vs arena (recompute)
 The x axis is the position in the step (allocator event k of n), because the
 modes make different numbers of allocator calls.
 """
@@ -66,21 +68,23 @@ def main():
     fig.tight_layout()
     fig.savefig(os.path.join(out, "memory_keep_vs_offload.png"), dpi=110)
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for alloc, style in (("arena", "-"), ("naive", "--")):
-        t = load(traces, "recompute", alloc)
-        top.step(t["x"], t["peak_reserved"], style, where="post", linewidth=2, label=f"--alloc {alloc}: peak reserved so far")
-        top.step(t["x"], t["live"], style, where="post", alpha=0.45, label=f"--alloc {alloc}: live")
-        bottom.step(t["x"], t["pieces"], style, where="post", label=f"--alloc {alloc}")
-    top.set_ylabel("device memory (MiB)")
-    top.set_title("BERT-mini, one rank, --activations recompute: naive vs arena")
-    top.legend(fontsize=8)
-    bottom.set_ylabel("pieces of free memory")
-    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
-    bottom.set_xlabel("position in one training step (allocator event k / n)")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "memory_naive_vs_arena.png"), dpi=110)
+    for other, name in (("naive", "memory_naive_vs_arena.png"), ("caching", "memory_caching_vs_arena.png")):
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+        for alloc, style in (("arena", "-"), (other, "--")):
+            t = load(traces, "recompute", alloc)
+            top.step(t["x"], t["peak_reserved"], style, where="post", linewidth=2,
+                     label=f"--alloc {alloc}: peak reserved so far")
+            top.step(t["x"], t["live"], style, where="post", alpha=0.45, label=f"--alloc {alloc}: live")
+            bottom.step(t["x"], t["pieces"], style, where="post", label=f"--alloc {alloc}")
+        top.set_ylabel("device memory (MiB)")
+        top.set_title(f"BERT-mini, one rank, --activations recompute: {other} vs arena")
+        top.legend(fontsize=8)
+        bottom.set_ylabel("pieces of free memory")
+        bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
+        bottom.set_xlabel("position in one training step (allocator event k / n)")
+        bottom.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=110)
 
 
 if __name__ == "__main__":

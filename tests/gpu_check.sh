@@ -46,7 +46,13 @@
 #   9. a public DeepSpeed config on the GPU (tests/ds_configs/hand_written.json:
 #      bf16, activation checkpoints to the host, WarmupLR, wall_clock_breakdown):
 #      it runs, and its forward / backward / step milliseconds;
-#  10. a summary.
+#  10. capacity on the GPU: the plan (--plan) against the measured ledger of
+#      BERT-mini at N = 1 (NCCL) in fp32 and bf16, to the byte; the arena in
+#      the plan's block trains; --alloc caching and --alloc cuda (cudaMalloc per
+#      tensor) give the arena's hash, and their peak reserved beside the
+#      arena's; make superlinear's table on the GPU (tests/superlinear.sh with
+#      --device cuda, 4 GiB per rank), tokens/s at the largest micro-batch;
+#  11. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
@@ -264,6 +270,44 @@ print('%s, --activations %s, %.2f ms/step median; last step forward %.2f, backwa
 else
   tail -n 8 /tmp/z2_ds.log
   note "DeepSpeed config hand_written.json on the GPU: FAILED"
+  failures=$((failures + 1))
+fi
+
+# --- 10. capacity on the GPU: the plan, caching and cudaMalloc, super-linear --------------
+for precision in fp32 bf16; do
+  cap=(--device cuda --comm nccl --precision $precision --steps 2)
+  if build/train_bert_mini "${cap[@]}" --plan --plan-world-sizes 1 --quiet --json /tmp/z2_plan.json >/tmp/z2_plan.log 2>&1 &&
+     timeout 120 build/train_bert_mini "${cap[@]}" --quiet --json /tmp/z2_cap_arena.json >>/tmp/z2_plan.log 2>&1 &&
+     timeout 120 build/train_bert_mini "${cap[@]}" --alloc caching --quiet --json /tmp/z2_cap_caching.json >>/tmp/z2_plan.log 2>&1 &&
+     timeout 120 build/train_bert_mini "${cap[@]}" --alloc cuda --quiet --json /tmp/z2_cap_cuda.json >>/tmp/z2_plan.log 2>&1; then
+    verdict=$(python3 -c "
+import json
+plan = [r for r in json.load(open('/tmp/z2_plan.json'))['plan'] if r['stage'] == 2][0]
+runs = {a: json.load(open('/tmp/z2_cap_%s.json' % a)) for a in ('arena', 'caching', 'cuda')}
+m = runs['arena']['memory']
+keys = ['params_bytes', 'grads_bytes', 'master_bytes', 'optimizer_bytes', 'staging_bytes', 'activation_peak_bytes',
+        'bookkeeping_bytes', 'device_peak_bytes']
+bad = [k for k in keys if plan[k] != m[k]] + (['reserved'] if plan['arena_block_bytes'] != m['reserved_bytes'] else [])
+hashes = {a: r['final_params_hash'] for a, r in runs.items()}
+if len(set(hashes.values())) != 1: bad.append('hashes %s' % hashes)
+print(('ok' if not bad else 'DIFFERS ' + ' '.join(bad)) + '; peak reserved arena %.1f MiB, caching %.1f, cuda %.1f' % tuple(
+    runs[a]['memory']['reserved_bytes'] / 1048576 for a in ('arena', 'caching', 'cuda')))")
+    case "$verdict" in
+      ok*) note "capacity $precision on the GPU: the plan = the ledger to the byte, arena = caching = cuda hash${verdict#ok}" ;;
+      *) note "capacity $precision on the GPU: FAILED ($verdict)"; failures=$((failures + 1)) ;;
+    esac
+  else
+    tail -n 8 /tmp/z2_plan.log
+    note "capacity $precision on the GPU: FAILED (a run failed; log above)"
+    failures=$((failures + 1))
+  fi
+done
+if Z2_DEVICE=cuda timeout 240 tests/superlinear.sh build 4294967296 >/tmp/z2_superlinear.log 2>&1; then
+  cat /tmp/z2_superlinear.log
+  note "superlinear on the GPU: $(grep -E '^\| 2 \| 4 ' /tmp/z2_superlinear.log | tr -s ' ')"
+else
+  tail -n 8 /tmp/z2_superlinear.log
+  note "superlinear on the GPU: FAILED"
   failures=$((failures + 1))
 fi
 
