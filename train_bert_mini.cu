@@ -4425,8 +4425,9 @@ inline int run_plan(Settings settings, MPI_Comm world) {
   char line[1024];
   auto add = [&](const char* format, auto... values) { snprintf(line, sizeof line, format, values...), text += line; };
   const RankPlan first = plan_rank(settings, 0, 1);
-  add("memory plan per rank (bytes; --plan: nothing trained, nothing allocated): BERT-mini L %d, H %d, %d heads, "
-      "F %d, micro-batch %d x %d tokens, %s, --activations %s, --alloc %s, A = %d, bucket %ld\n",
+  add("memory plan per rank in bytes (--plan: nothing trained, nothing allocated)\n"
+      "BERT-mini L %d, H %d, %d heads, F %d, micro-batch %d x %d tokens, %s, --activations %s, --alloc %s, A = %d, "
+      "bucket %ld.\n",
       settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.micro_batch, settings.seq,
       z2::to_string(precision), settings.activations.c_str(), settings.alloc.c_str(), settings.accum, settings.bucket);
   add("Psi = %s parameters. Every column is what the run allocates (notes/10); device peak = their sum (live bytes);\n"

@@ -165,7 +165,7 @@ for mode in ("keep", "recompute", "offload"):
 print()
 print(f"In {total['over30']} of {len(cases)} cases the caching allocator ran out of memory during the step with at least")
 print(f"30% of the limit free while the arena trained in the same limit; {total['startup']} more failed at start-up,")
-print("where a model-state tensor of 1-10 MiB asks for a 20 MiB segment the limit cannot give.")
+print("while the engine's buffers (model states, staging, bookkeeping) were being allocated.")
 if best:
     print(f"The largest effect: --layers {best[1]} --hidden {best[2]} --seq {best[3]} --micro-batch {best[4]} "
           f"--activations {best[0]}: {int(best[7]):,} of {int(best[5]):,} bytes ({int(best[7]) / int(best[5]):.1%}) free "

@@ -1310,12 +1310,15 @@ timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_eval" --steps 6 --quiet --js
 
 # --- 12. the memory plan ---------------------------------------------------------
 echo "=== --plan: the plan against the measured ledger to the byte; the largest sizes against real runs"
+# The first section's small model (section 9 redefines tiny): 2 blocks, several buckets.
+planned=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2
+         --steps 3 --warmup 1 --dropout 0.1 --clip 0.5 --bucket 3000 --quiet)
 # Nine (precision, activations) cases, each planned once for N = 1, 2, 4 and
 # run at every (stage, N): 81 one-step runs. The cases also vary what the
 # plan must follow: accumulation (the tree's blocks), overlap (staging's
 # slots in stages 0/1), the 16-bit accumulation type, and naive (its own
 # live peak; its block is not planned).
-verdict=$("$PYTHON" - "$trainer" "$work" "${tiny[@]}" <<'PY'
+verdict=$("$PYTHON" - "$trainer" "$work" "${planned[@]}" <<'PY'
 import json, subprocess, sys
 trainer, work, tiny = sys.argv[1], sys.argv[2], sys.argv[3:]
 tiny = [a for a in tiny if a != "--quiet"]
@@ -1362,13 +1365,13 @@ esac
 block_check() {  # LABEL RANKS STAGE FLAGS...
   local label=$1 ranks=$2 stage=$3 block
   shift 3
-  "$trainer" --plan --plan-world-sizes "$ranks" --json "$work/plan.json" --quiet "${tiny[@]}" "$@" > /dev/null 2>&1
+  "$trainer" --plan --plan-world-sizes "$ranks" --json "$work/plan.json" --quiet "${planned[@]}" "$@" > /dev/null 2>&1
   block=$(json_get "$work/plan.json" "[r['arena_block_bytes'] for r in d['plan'] if r['stage'] == $stage][0]")
-  if ! timeout 120 mpirun -n "$ranks" "$trainer" "${tiny[@]}" --steps 1 --stage "$stage" "$@" \
+  if ! timeout 120 mpirun -n "$ranks" "$trainer" "${planned[@]}" --steps 1 --stage "$stage" "$@" \
        --device-memory-limit "$block" > "$work/log" 2>&1; then
     fail "$label: the plan's block $block does not train: $(head -c 200 "$work/log")"; return
   fi
-  timeout 120 mpirun -n "$ranks" "$trainer" "${tiny[@]}" --steps 1 --stage "$stage" "$@" \
+  timeout 120 mpirun -n "$ranks" "$trainer" "${planned[@]}" --steps 1 --stage "$stage" "$@" \
     --device-memory-limit $((block - 256)) > "$work/log" 2>&1
   local status=$?
   if [ $status -ne 0 ] && grep -q "out of device memory" "$work/log" && [ "$(grep -c 'error:' "$work/log")" = 1 ]; then
@@ -1381,9 +1384,9 @@ block_check "block, fp16 recompute, stage 0, N = 1" 1 0 --precision fp16 --activ
 
 # The largest micro-batch and layer count for a limit, against real runs.
 # The limit: 1.5 times the default tiny model's stage-2 block at N = 4.
-"$trainer" --plan --plan-world-sizes 4 --json "$work/plan.json" --quiet "${tiny[@]}" > /dev/null 2>&1
+"$trainer" --plan --plan-world-sizes 4 --json "$work/plan.json" --quiet "${planned[@]}" > /dev/null 2>&1
 limit=$(json_get "$work/plan.json" "[r['arena_block_bytes'] * 3 // 2 for r in d['plan'] if r['stage'] == 2][0]")
-"$trainer" --plan --plan-world-sizes 1,2,4 --device-memory-limit "$limit" --json "$work/largest.json" --quiet "${tiny[@]}" \
+"$trainer" --plan --plan-world-sizes 1,2,4 --device-memory-limit "$limit" --json "$work/largest.json" --quiet "${planned[@]}" \
   > /dev/null 2>&1
 for probe in "0 1" "2 1" "0 4" "2 4"; do
   set -- $probe
@@ -1391,7 +1394,7 @@ for probe in "0 1" "2 1" "0 4" "2 4"; do
   for what in micro_batch layers; do
     flag=--${what//_/-}
     answer=$(json_get "$work/largest.json" "[r['$what'] for r in d['largest'] if r['stage'] == $stage and r['world_size'] == $ranks][0]")
-    common=("${tiny[@]}" --steps 1 --stage "$stage" --device-memory-limit "$limit")
+    common=("${planned[@]}" --steps 1 --stage "$stage" --device-memory-limit "$limit")
     if [ "$answer" -lt 1 ]; then fail "largest $what at stage $stage, N = $ranks: the plan says none fits"; continue; fi
     timeout 120 mpirun -n "$ranks" "$trainer" "${common[@]}" "$flag" "$answer" > "$work/log" 2>&1
     fits=$?
@@ -1410,17 +1413,17 @@ more=$(json_get "$work/largest.json" "{(r['stage'], r['world_size']): r['micro_b
 [ "$more" = True ] && pass "the plan: stage 2 at N = 4 holds a larger micro-batch than stage 0 in the same limit ($(cat "$work/largest.txt"))" ||
   fail "stage 2 does not hold more than stage 0: $(cat "$work/largest.txt")"
 
-bad_ranks=1 bad_case "--plan trains nothing, so --save" --plan "${tiny[@]}" --save "$work/no"
-bad_case "--plan-world-sizes is for --plan" "${tiny[@]}" --plan-world-sizes 1,2
-bad_case "'0' is not a world size" --plan "${tiny[@]}" --plan-world-sizes 1,0,4
-bad_case "'x' is not a world size" --plan "${tiny[@]}" --plan-world-sizes 2,x
-bad_case "'' is not a world size" --plan "${tiny[@]}" --plan-world-sizes 2,,4
-bad_case "in increasing order" --plan "${tiny[@]}" --plan-world-sizes 4,2
-bad_case "exact for --alloc arena only" --plan "${tiny[@]}" --alloc naive --device-memory-limit 1000000
-bad_case "exact for --alloc arena only" --plan "${tiny[@]}" --alloc caching --device-memory-limit 1000000
-bad_case "--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU" "${tiny[@]}" --device cpu --alloc cuda
-bad_case "--device-memory-limit 4,096 holds nothing" --plan "${tiny[@]}" --device-memory-limit 4096
-bad_case "--hidden 30 is not divisible by --heads 4" --plan "${tiny[@]}" --hidden 30 --heads 4
+bad_ranks=1 bad_case "--plan trains nothing, so --save" --plan "${planned[@]}" --save "$work/no"
+bad_case "--plan-world-sizes is for --plan" "${planned[@]}" --plan-world-sizes 1,2
+bad_case "'0' is not a world size" --plan "${planned[@]}" --plan-world-sizes 1,0,4
+bad_case "'x' is not a world size" --plan "${planned[@]}" --plan-world-sizes 2,x
+bad_case "'' is not a world size" --plan "${planned[@]}" --plan-world-sizes 2,,4
+bad_case "in increasing order" --plan "${planned[@]}" --plan-world-sizes 4,2
+bad_case "exact for --alloc arena only" --plan "${planned[@]}" --alloc naive --device-memory-limit 1000000
+bad_case "exact for --alloc arena only" --plan "${planned[@]}" --alloc caching --device-memory-limit 1000000
+bad_case "--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU" "${planned[@]}" --device cpu --alloc cuda
+bad_case "--device-memory-limit 4,096 holds nothing" --plan "${planned[@]}" --device-memory-limit 4096
+bad_case "--hidden 30 is not divisible by --heads 4" --plan "${planned[@]}" --hidden 30 --heads 4
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
