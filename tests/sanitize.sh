@@ -5,7 +5,7 @@
 #      exhaustive F16C comparison, 2^32 conversions that touch no memory);
 #   2. a short trainer matrix through the command line: N = 1, 2 x stage 0, 2
 #      x fp32, bf16, fp16 (one hash per precision, as in the full suite), the
-#      ZeRO-R modes with the naive allocator, fp16 overflowing, an export and
+#      ZeRO-R modes with the naive allocator, the caching allocator, --plan, fp16 overflowing, an export and
 #      a dump, and a few bad inputs (a nested config, a FIFO, a short seq).
 # Any sanitizer report ends the run it is in (UBSan without recovery), which
 # counts as a failure here. Leak checking is off: MPICH keeps allocations
@@ -64,6 +64,8 @@ done
 echo '{"fp16": {"enabled": true, "initial_scale_power": 30, "loss_scale_window": 2}}' > "$work/fp16.json"
 run "fp16 overflowing" 2 --steps 8 --config "$work/fp16.json" && pass "fp16 from 2^30, skipping steps: clean"
 run "export and dump" 1 --export-hf "$work/export" --dump-batch "$work/dump" && pass "--export-hf and --dump-batch: clean"
+run "--alloc caching" 2 --activations offload --alloc caching && pass "--alloc caching N=2 (offload): clean"
+run "--plan" 2 --plan --plan-world-sizes 1,2,4 --device-memory-limit 2000000 && pass "--plan with the largest sizes: clean"
 
 bad() {  # expected message, flags...: a clean refusal (exit 2, no sanitizer report)
   local expect=$1
