@@ -63,23 +63,27 @@ def capacity(plan_path, measured_dir, out):
 
 def superlinear(path, out):
     rows = json.load(open(path))["rows"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
     base = [r for r in rows if r["stage"] == 0 and r["world_size"] == 1][0]["aggregate_tokens_per_s"]
     sizes = sorted({r["world_size"] for r in rows})
-    ax.plot(sizes, [base * n for n in sizes], "k:", label="linear from stage 0, N = 1")
-    for stage, style in ((0, "o-"), (2, "s-")):
+    left.plot(sizes, [base * n for n in sizes], "k:", label="linear from stage 0, N = 1")
+    for k, (stage, style) in enumerate(((0, "o-"), (2, "s-"))):
         mine = sorted((r for r in rows if r["stage"] == stage), key=lambda r: r["world_size"])
-        ax.plot([r["world_size"] for r in mine], [r["aggregate_tokens_per_s"] for r in mine], style,
-                label=f"stage {stage}")
-        for r in mine:
-            ax.annotate(f"B={r['micro_batch']}", (r["world_size"], r["aggregate_tokens_per_s"]), fontsize=8,
-                        textcoords="offset points", xytext=(4, -12 if stage == 0 else 6))
-    ax.set_xticks(sizes)
-    ax.set_xlabel("ranks N")
-    ax.set_ylabel("aggregate tokens/s")
-    ax.set_title(f"the same {rows[0]['limit_bytes'] / MiB:.0f} MiB per rank: largest micro-batch B per stage "
-                 f"({rows[0]['cores']} cores)", fontsize=10)
-    ax.legend(fontsize=8)
+        left.plot([r["world_size"] for r in mine], [r["aggregate_tokens_per_s"] for r in mine], style,
+                  label=f"stage {stage}")
+        right.bar([sizes.index(r["world_size"]) + (k - 0.5) * 0.38 for r in mine], [r["micro_batch"] for r in mine],
+                  0.38, label=f"stage {stage}")
+    left.set_xticks(sizes)
+    left.set_xlabel("ranks N")
+    left.set_ylabel("aggregate tokens/s")
+    left.set_title(f"throughput at the largest micro-batch ({rows[0]['cores']} cores)", fontsize=10)
+    left.legend(fontsize=8)
+    right.set_xticks(range(len(sizes)))
+    right.set_xticklabels([f"N = {n}" for n in sizes])
+    right.set_ylabel("largest micro-batch (sequences)")
+    right.set_title(f"what {rows[0]['limit_bytes'] / MiB:.0f} MiB per rank holds (--plan, checked by a run)",
+                    fontsize=10)
+    right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "superlinear.png"), dpi=110)
 

@@ -104,8 +104,9 @@ PY
 # the arena trains in it, which a run checks), and the caching allocator gets
 # the same limit. When it fails, its message says how much was free: the part
 # the device had not given out plus the free blocks cached in its segments.
-# A failure while the model states are allocated (at start-up) is counted
-# apart from one during the step (activations).
+# A failure on one of the engine's buffers (model states, staging,
+# bookkeeping: allocated at start-up) is counted apart from one on an
+# activation buffer.
 echo
 started=$(date +%s)
 cases=()
@@ -146,7 +147,7 @@ print("modes, one rank, stage 2, fp32. The limit is the arena's block from --pla
 print("checked); --alloc caching gets the same limit. free: what caching's out-of-memory message reports")
 print("(never given out, plus free blocks cached in its segments) over the limit.")
 print()
-print("| activations | shapes | arena trains | caching trains | caching fails at start-up | fails during the step | of those, with >= 30% free | most free at a failure in the step |")
+print("| activations | shapes | arena trains | caching trains | caching fails on an engine buffer | on an activation | of those, with >= 30% free | most free at such a failure |")
 print("|---|---|---|---|---|---|---|---|")
 total = {"fails_step": 0, "over30": 0, "startup": 0}
 best = None
@@ -163,9 +164,9 @@ for mode in ("keep", "recompute", "offload"):
     most_text = (f"{int(most[7]) / int(most[5]):.1%} (L {most[1]}, H {most[2]}, T {most[3]}, B {most[4]})" if most else "")
     print(f"| {mode} | {len(rows)} | {len(rows)} | {len(trains)} | {len(startup)} | {len(step)} | {len(over)} | {most_text} |")
 print()
-print(f"In {total['over30']} of {len(cases)} cases the caching allocator ran out of memory during the step with at least")
-print(f"30% of the limit free while the arena trained in the same limit; {total['startup']} more failed at start-up,")
-print("while the engine's buffers (model states, staging, bookkeeping) were being allocated.")
+print(f"In {total['over30']} of {len(cases)} cases the caching allocator ran out of memory on an activation with at least")
+print(f"30% of the limit free while the arena trained in the same limit; {total['startup']} more failed on one of the")
+print("engine's buffers (model states, staging, bookkeeping), allocated at start-up.")
 if best:
     print(f"The largest effect: --layers {best[1]} --hidden {best[2]} --seq {best[3]} --micro-batch {best[4]} "
           f"--activations {best[0]}: {int(best[7]):,} of {int(best[5]):,} bytes ({int(best[7]) / int(best[5]):.1%}) free "
