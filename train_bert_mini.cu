@@ -941,7 +941,8 @@ memory (ZeRO-R; notes/04, notes/05)
   --alloc arena|naive|caching|cuda  where device memory comes from (arena): the arena; a best-fit
                              block; a model of PyTorch's caching allocator; cudaMalloc per tensor (GPU)
                              [activation_checkpointing.contiguous_memory_optimization true: arena]
-  --device-memory-limit BYTES  per rank (enough for the run)
+  --device-memory-limit BYTES  per rank, rounded down to a multiple of 256 (twice the plan's need + 64 MiB,
+                             at most 90% of what is free); with --plan: the limit to find the largest sizes for
   --plan                     train nothing: the bytes per rank by category for stages 0/1/2 at N = 1, 2, 4,
                              ..., 1024, and with --device-memory-limit the largest micro-batch and layer
                              count that fit (notes/10)
@@ -1001,6 +1002,10 @@ inline Settings parse_command_line(int argc, char** argv) {
       continue;
     }
     if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
+    const size_t equals = flag.find('=');
+    if (equals != std::string::npos)
+      fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), flag.substr(0, equals).c_str(),
+           flag.substr(equals + 1).c_str());
     // A missing value shows as the next flag taking its place (negative
     // numbers start with a single dash, so they still pass).
     if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) fail("%s needs a value", flag.c_str());
@@ -4025,8 +4030,12 @@ void Training<Act>::print_header() const {
          held_out_.empty() ? "" : ("; the last " + z2::with_commas(held_out_.size()) + " held out for --eval-every").c_str());
   print_schedule();
   for (const std::string& line : settings_.config_notes) printf("  config    %s\n", line.c_str());
-  printf("  memory    --activations %s, --alloc %s: one block of %s bytes per rank (%s)\n",
-         settings_.activations.c_str(), settings_.alloc.c_str(), z2::with_commas(compute_->capacity()).c_str(),
+  printf("  memory    --activations %s, --alloc %s: %s %s bytes per rank (%s)\n",
+         settings_.activations.c_str(), settings_.alloc.c_str(),
+         allocator_ == z2::Allocator::arena || allocator_ == z2::Allocator::naive
+             ? "one block of"
+             : "segments taken as needed (caching) or cudaMalloc per tensor (cuda) within a limit of",
+         z2::with_commas(compute_->capacity()).c_str(),
          settings_.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the plan's need (--plan) + 64 MiB, at most 90% of what is free");
   const size_t checkpoint_bytes = (size_t)B * T * settings_.hidden * sizeof(Act);
   printf("  activations per rank: device peak %s bytes by the formula%s\n",
@@ -4393,6 +4402,12 @@ inline long largest_fitting(long cap, const std::function<bool(long)>& fits) {
   return good;
 }
 
+// Model states by the formula, from Psi_padded as the run's ledger computes it
+// (exact in double: Psi_padded is a multiple of N).
+inline size_t formula_bytes(const RankPlan& p, z2::Precision precision) {
+  return (size_t)z2::model_states_formula(p.stage, precision, (double)p.engine.psi_padded, p.world_size);
+}
+
 inline json plan_row_json(const RankPlan& p, z2::Precision precision) {
   return {{"stage", p.stage}, {"world_size", p.world_size}, {"psi_padded", p.engine.psi_padded},
           {"params_bytes", p.engine.params}, {"grads_bytes", p.engine.grads}, {"master_bytes", p.engine.master},
@@ -4401,94 +4416,149 @@ inline json plan_row_json(const RankPlan& p, z2::Precision precision) {
           {"staging_bytes", p.engine.staging}, {"activation_peak_bytes", p.activation_peak},
           {"bookkeeping_bytes", p.engine.chunk_sums + p.engine.decay_flags},
           {"model_states_bytes", p.engine.model_states()}, {"device_peak_bytes", p.live()},
-          {"arena_block_bytes", p.arena_block()},
-          {"paper_model_states_bytes", z2::model_states_formula(p.stage, precision, (double)p.psi, p.world_size)}};
+          {"arena_block_bytes", p.arena_block()}, {"model_states_formula_bytes", formula_bytes(p, precision)}};
+}
+
+// The settings at world size N: DeepSpeed's batch rule (train_batch_size ->
+// accumulation) and the masked-positions check depend on N, so each N of
+// the plan is checked as a run at that N would be. Empty `why`: valid.
+struct PlannedWorld {
+  int world_size;
+  Settings settings;
+  std::string why;
+};
+inline std::vector<PlannedWorld> planned_worlds(const Settings& settings, const std::vector<int>& sizes) {
+  std::vector<PlannedWorld> worlds;
+  for (int n : sizes) {
+    PlannedWorld world{n, settings, ""};
+    try {
+      check_consistency(world.settings, n);
+    } catch (const z2::Error& error) {
+      world.why = error.what();
+    }
+    worlds.push_back(world);
+  }
+  return worlds;
+}
+
+// The table of one stage, rows by N, into `text` and `rows`.
+inline void plan_stage_table(int stage, const std::vector<PlannedWorld>& worlds, z2::Precision precision,
+                             std::string& text, json& rows) {
+  char line[1024];
+  snprintf(line, sizeof line, "\nstage %d (%s; model states by the formula %s%s)\n\n", stage,
+           stage == 0 ? "DP" : stage == 1 ? "P_os" : "P_os+g", z2::model_states_formula_text(stage, precision),
+           precision == z2::Precision::fp32 ? " in fp32" : ", the paper's K = 12");
+  text += line;
+  text += "| N | params | grads | master | m, v | accumulation | staging | activations | bookkeeping | device peak | "
+          "arena block | model states by the formula |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  auto c = [](size_t v) { return z2::with_commas(v); };
+  for (const PlannedWorld& world : worlds) {
+    if (!world.why.empty()) {
+      snprintf(line, sizeof line, "| %d | not a valid run at this N: %s |||||||||||\n", world.world_size,
+               world.why.c_str());
+      text += line;
+      rows.push_back({{"stage", stage}, {"world_size", world.world_size}, {"refused", world.why}});
+      continue;
+    }
+    const RankPlan p = plan_rank(world.settings, stage, world.world_size);
+    rows.push_back(plan_row_json(p, precision));
+    snprintf(line, sizeof line, "| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", world.world_size,
+             c(p.engine.params).c_str(), c(p.engine.grads).c_str(), c(p.engine.master).c_str(),
+             c(2 * p.engine.moment).c_str(), c(p.engine.accumulation_blocks * p.engine.accumulation_block).c_str(),
+             c(p.engine.staging).c_str(), c(p.activation_peak).c_str(),
+             c(p.engine.chunk_sums + p.engine.decay_flags).c_str(), c(p.live()).c_str(), c(p.arena_block()).c_str(),
+             c(formula_bytes(p, precision)).c_str());
+    text += line;
+  }
+}
+
+// The largest micro-batch (with --layers as given) and the largest layer
+// count (with --micro-batch as given) whose arena block fits `limit`.
+inline void plan_largest(const std::vector<PlannedWorld>& worlds, long limit, std::string& text, json& largest) {
+  const Settings& base = worlds.front().settings;
+  const long batch_cap = std::min<long>(1 << 20, (long)(1.5e9 / ((double)base.seq * std::max(base.hidden,
+                                                                                            base.intermediate))));
+  const long layer_cap = 256;  // the flags' own limits
+  char line[512];
+  snprintf(line, sizeof line,
+           "\nthe largest that fits in --device-memory-limit %s (its arena block; 0: not even 1 fits)\n"
+           "micro-batch: with --layers %d as given; layers: with --micro-batch %d as given\n\n"
+           "| stage | N | micro-batch | layers |\n|---|---|---|---|\n",
+           z2::with_commas((size_t)limit).c_str(), base.layers, base.micro_batch);
+  text += line;
+  size_t smallest = SIZE_MAX;
+  int smallest_stage = 0, smallest_n = 1;
+  for (int stage = 0; stage <= 2; ++stage)
+    for (const PlannedWorld& world : worlds) {
+      if (!world.why.empty()) continue;
+      auto fits = [&](int micro_batch, int layers) {
+        Settings trial = world.settings;
+        trial.micro_batch = micro_batch, trial.layers = layers;
+        return plan_rank(trial, stage, world.world_size).arena_block() <= (size_t)limit;
+      };
+      const long batch = largest_fitting(batch_cap, [&](long b) { return fits((int)b, world.settings.layers); });
+      const long layers = largest_fitting(layer_cap, [&](long l) { return fits(world.settings.micro_batch, (int)l); });
+      Settings one = world.settings;
+      one.micro_batch = 1, one.layers = 1;
+      const size_t floor = plan_rank(one, stage, world.world_size).arena_block();
+      if (floor < smallest) smallest = floor, smallest_stage = stage, smallest_n = world.world_size;
+      largest.push_back({{"stage", stage}, {"world_size", world.world_size}, {"micro_batch", batch}, {"layers", layers},
+                         {"micro_batch_cap", batch_cap}, {"layers_cap", layer_cap}});
+      snprintf(line, sizeof line, "| %d | %d | %ld%s | %ld%s |\n", stage, world.world_size, batch,
+               batch == batch_cap ? " (the flag's limit)" : "", layers, layers == layer_cap ? " (the flag's limit)" : "");
+      text += line;
+    }
+  if (smallest > (size_t)limit)
+    fail("--device-memory-limit %s holds nothing: the smallest of the plan (stage %d, N = %d, micro-batch 1, 1 layer, "
+         "the other flags as given) needs a %s-byte arena block", z2::with_commas((size_t)limit).c_str(), smallest_stage,
+         smallest_n, z2::with_commas(smallest).c_str());
 }
 
 inline int run_plan(Settings settings, MPI_Comm world) {
-  int rank = 0, world_size = 1;
+  int rank = 0;
   MPI_Comm_rank(world, &rank);
-  MPI_Comm_size(world, &world_size);
-  check_consistency(settings, world_size);  // the shape's own rules (heads divide hidden, seq fits positions)
+  if (settings.quiet && settings.json_path.empty())
+    fail("--plan --quiet would print nothing: give --json FILE for the plan, or drop --quiet");
   agree_on_errors(world, [&] { if (rank == 0) check_outputs(settings); });
   std::vector<int> sizes = settings.plan_world_sizes;
   if (sizes.empty())
     for (int n = 1; n <= 1024; n *= 2) sizes.push_back(n);
+  std::vector<PlannedWorld> worlds = planned_worlds(settings, sizes);
+  std::vector<PlannedWorld> valid;
+  for (auto& w : worlds)
+    if (w.why.empty()) valid.push_back(w);
+  if (valid.empty()) throw z2::Error(worlds.front().why + (sizes.size() > 1 ? " (at every N of the plan)" : ""));
   const z2::Precision precision = precision_of(settings);
-  const long limit = settings.device_memory_limit / 256 * 256;  // the block's usable part (Compute::use_allocator)
-  // The caps of the largest sizes: the flags' own limits.
-  const long batch_cap = std::min<long>(1 << 20, (long)(1.5e9 / ((double)settings.seq * std::max(settings.hidden,
-                                                                                      settings.intermediate))));
-  const long layer_cap = 256;
-  json rows = json::array(), largest = json::array();
+  const Settings& shown = valid.front().settings;
+  const RankPlan first = plan_rank(shown, 0, 1);
   std::string text;
   char line[1024];
-  auto add = [&](const char* format, auto... values) { snprintf(line, sizeof line, format, values...), text += line; };
-  const RankPlan first = plan_rank(settings, 0, 1);
-  add("memory plan per rank in bytes (--plan: nothing trained, nothing allocated)\n"
-      "BERT-mini L %d, H %d, %d heads, F %d, micro-batch %d x %d tokens, %s, --activations %s, --alloc %s, A = %d, "
-      "bucket %ld.\n",
-      settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.micro_batch, settings.seq,
-      z2::to_string(precision), settings.activations.c_str(), settings.alloc.c_str(), settings.accum, settings.bucket);
-  add("Psi = %s parameters. Every column is what the run allocates (notes/10); device peak = their sum (live bytes);\n"
-      "arena block = the smallest --device-memory-limit that trains with --alloc arena (each buffer rounded to 256).\n",
-      z2::with_commas(first.psi).c_str());
-  for (int stage = 0; stage <= 2; ++stage) {
-    add("\nstage %d (%s; the paper: %s)\n\n", stage, stage == 0 ? "DP" : stage == 1 ? "P_os" : "P_os+g",
-        z2::model_states_formula_text(stage, precision));
-    add("| N | params | grads | master | m, v | accumulation | staging | activations | bookkeeping | device peak | "
-        "arena block | paper's model states |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int n : sizes) {
-      const RankPlan p = plan_rank(settings, stage, n);
-      rows.push_back(plan_row_json(p, precision));
-      auto c = [](size_t v) { return z2::with_commas(v); };
-      add("| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", n, c(p.engine.params).c_str(),
-          c(p.engine.grads).c_str(), c(p.engine.master).c_str(), c(2 * p.engine.moment).c_str(),
-          c(p.engine.accumulation_blocks * p.engine.accumulation_block).c_str(), c(p.engine.staging).c_str(),
-          c(p.activation_peak).c_str(), c(p.engine.chunk_sums + p.engine.decay_flags).c_str(), c(p.live()).c_str(),
-          c(p.arena_block()).c_str(),
-          c((size_t)z2::model_states_formula(stage, precision, (double)p.psi, n)).c_str());
-    }
-  }
-  if (limit > 0) {
-    add("\nthe largest that fits in --device-memory-limit %s (--alloc arena; every other flag as given; 0: none)\n\n",
-        z2::with_commas((size_t)settings.device_memory_limit).c_str());
-    add("| stage | N | micro-batch | layers |\n|---|---|---|---|\n");
-    bool anything = false;
-    for (int stage = 0; stage <= 2; ++stage)
-      for (int n : sizes) {
-        const long batch = largest_fitting(batch_cap, [&](long b) {
-          Settings trial = settings;
-          trial.micro_batch = (int)b;
-          return plan_rank(trial, stage, n).arena_block() <= (size_t)limit;
-        });
-        const long layers = largest_fitting(layer_cap, [&](long l) {
-          Settings trial = settings;
-          trial.layers = (int)l;
-          return plan_rank(trial, stage, n).arena_block() <= (size_t)limit;
-        });
-        anything = anything || batch > 0 || layers > 0;
-        largest.push_back({{"stage", stage}, {"world_size", n}, {"micro_batch", batch}, {"layers", layers},
-                           {"micro_batch_cap", batch_cap}, {"layers_cap", layer_cap}});
-        add("| %d | %d | %ld%s | %ld%s |\n", stage, n, batch, batch == batch_cap ? " (the flag's limit)" : "", layers,
-            layers == layer_cap ? " (the flag's limit)" : "");
-      }
-    if (!anything) {
-      const RankPlan smallest = [&] {
-        Settings trial = settings;
-        trial.micro_batch = 1, trial.layers = 1;
-        return plan_rank(trial, 2, sizes.back());
-      }();
-      fail("--device-memory-limit %s holds nothing: the smallest plan (stage 2, N = %d, micro-batch 1, 1 layer, the "
-           "other flags as given) needs a %s-byte block", z2::with_commas((size_t)settings.device_memory_limit).c_str(),
-           sizes.back(), z2::with_commas(smallest.arena_block()).c_str());
-    }
-  }
+  snprintf(line, sizeof line,
+           "memory plan per rank in bytes (--plan: nothing trained, nothing allocated)\n"
+           "BERT-mini L %d, H %d, %d heads, F %d, micro-batch %d x %d tokens, %s, --activations %s, --alloc %s, "
+           "A = %d, bucket %ld, overlap %s.\n"
+           "Psi = %s parameters. Every column is what the run allocates (notes/10); device peak = their sum (live "
+           "bytes);\narena block = the smallest --device-memory-limit that trains with --alloc arena (each buffer "
+           "rounded to 256).\n",
+           shown.layers, shown.hidden, shown.heads, shown.intermediate, shown.micro_batch, shown.seq,
+           z2::to_string(precision), shown.activations.c_str(), shown.alloc.c_str(), shown.accum, shown.bucket,
+           shown.overlap ? "on" : "off", z2::with_commas(first.psi).c_str());
+  text += line;
+  if (settings.alloc != "arena")
+    text += "With --alloc " + settings.alloc + " the device peak is a lower bound: where its holes fall adds to it "
+            "(make fraglab measures how much).\n";
+  if (settings.given.count("--stage")) text += "(--stage is not used: the plan covers stages 0, 1 and 2.)\n";
+  json rows = json::array(), largest = json::array();
+  for (int stage = 0; stage <= 2; ++stage) plan_stage_table(stage, worlds, precision, text, rows);
+  if (settings.device_memory_limit > 0) plan_largest(valid, settings.device_memory_limit / 256 * 256, text, largest);
   if (rank == 0 && !settings.quiet) fputs(text.c_str(), stdout);
   if (!settings.json_path.empty()) {
     json out = {{"plan", rows}, {"largest", largest}, {"params", first.psi}, {"precision", z2::to_string(precision)},
-                {"activations", settings.activations}, {"alloc", settings.alloc}, {"micro_batch", settings.micro_batch},
-                {"layers", settings.layers}, {"device_memory_limit", settings.device_memory_limit}};
+                {"activations", shown.activations}, {"alloc", shown.alloc}, {"micro_batch", shown.micro_batch},
+                {"layers", shown.layers}, {"hidden", shown.hidden}, {"heads", shown.heads},
+                {"intermediate", shown.intermediate}, {"seq", shown.seq}, {"bucket", shown.bucket},
+                {"overlap", shown.overlap}, {"accum_given", settings.accum},
+                {"device_memory_limit", settings.device_memory_limit}};
     agree_on_errors(world, [&] { if (rank == 0) write_output_file(settings.json_path, out.dump(1) + "\n"); },
                     "the plan was written");
   }

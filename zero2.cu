@@ -668,27 +668,33 @@ void Compute::free_space(size_t* total, size_t* pieces, size_t* largest) const {
   }
 }
 
-void Compute::out_of_memory(size_t bytes, MemoryKind kind) const {
+void Compute::out_of_memory(size_t bytes, MemoryKind kind, size_t segment) const {
   size_t total = 0, pieces = 0, largest = 0;
   free_space(&total, &pieces, &largest);
-  char message[512];
+  // caching: why none of that free memory serves the request.
+  std::string why;
+  if (allocator_ == Allocator::caching)
+    why = ", but none can hold it: no cached block of the " +
+          std::string(caching_round_size(bytes) <= (1 << 20) ? "small" : "large") + " pool holds the request rounded to " +
+          with_commas(caching_round_size(bytes)) + " bytes, and a new " + with_commas(segment) +
+          "-byte segment does not fit in the " + with_commas(live_->capacity - live_->segment_bytes) +
+          " bytes of the limit not yet in segments (" + with_commas(live_->segment_bytes) + " bytes in " +
+          std::to_string(live_->segments.size()) +
+          " segment(s); the wholly free cached segments were released and the request retried once)";
+  char message[1024];
   snprintf(message, sizeof message,
            "out of device memory in the %s-byte %s (--alloc %s): %s bytes of %s asked for; %s bytes free in "
-           "%zu piece(s), the largest %s bytes; %s bytes live. Raise --device-memory-limit%s",
+           "%zu piece(s), the largest %s bytes%s; %s bytes live. Raise --device-memory-limit (train_bert_mini --plan "
+           "gives what the arena needs)%s",
            with_commas(live_->capacity).c_str(), allocator_ == Allocator::arena || allocator_ == Allocator::naive
                                                      ? "block" : "device limit",
            to_string(allocator_), with_commas(bytes).c_str(), to_string(kind),
-           with_commas(total).c_str(), pieces, with_commas(largest).c_str(),
+           with_commas(total).c_str(), pieces, with_commas(largest).c_str(), why.c_str(),
            with_commas(counters_.total_current).c_str(),
            allocator_ == Allocator::naive || allocator_ == Allocator::caching
-               ? ", or use --alloc arena (free memory in pieces is what it avoids)"
+               ? ", or use --alloc arena, whose free memory never breaks into pieces"
                : "");
-  std::string text = message;
-  if (allocator_ == Allocator::caching)
-    text += " (caching: " + with_commas(live_->segment_bytes) + " bytes reserved in " +
-            std::to_string(live_->segments.size()) + " segment(s); the cached segments that were wholly free were "
-            "released and the request retried once)";
-  throw OutOfMemory(text);
+  throw OutOfMemory(message);
 }
 
 void* Compute::device_malloc(size_t bytes) {
@@ -775,7 +781,7 @@ void* Compute::caching_take(size_t bytes, MemoryKind kind) {
           ++it;
         }
       }
-      if (live.segment_bytes + segment > live.capacity) out_of_memory(bytes, kind);
+      if (live.segment_bytes + segment > live.capacity) out_of_memory(bytes, kind, segment);
     }
     char* base = (char*)device_malloc(segment);
     const int id = live.next_segment++;
@@ -3291,6 +3297,9 @@ void Engine::print_ledgers(FILE* out) const {
   fprintf(out, "  %-22s %14s   (peak live bytes)\n", "device peak", with_commas(m.device_peak).c_str());
   if (compute_.allocator() == Allocator::direct)
     fprintf(out, "  %-22s %14s   (Allocator::direct: one allocation per buffer)\n", "reserved", with_commas(m.reserved).c_str());
+  else if (compute_.allocator() == Allocator::caching)
+    fprintf(out, "  %-22s %14s   (peak of the segments under the %s-byte device limit, --alloc caching)\n", "reserved",
+            with_commas(m.reserved).c_str(), with_commas(m.capacity).c_str());
   else
     fprintf(out, "  %-22s %14s   (peak used part of the %s-byte block, --alloc %s)\n", "reserved",
             with_commas(m.reserved).c_str(), with_commas(m.capacity).c_str(), to_string(compute_.allocator()));

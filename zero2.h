@@ -530,7 +530,7 @@ class Compute {
   void caching_give_back(char* start);
   void* take(size_t bytes, MemoryKind kind, bool from_stack);
   void give_back(void* pointer, bool from_stack);
-  [[noreturn]] void out_of_memory(size_t bytes, MemoryKind kind) const;
+  [[noreturn]] void out_of_memory(size_t bytes, MemoryKind kind, size_t segment = 0) const;  // segment: caching's ask
   void count(void* pointer, size_t bytes, MemoryKind kind);
   size_t reserved_now() const;
   void sample();

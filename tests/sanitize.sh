@@ -65,7 +65,7 @@ echo '{"fp16": {"enabled": true, "initial_scale_power": 30, "loss_scale_window":
 run "fp16 overflowing" 2 --steps 8 --config "$work/fp16.json" && pass "fp16 from 2^30, skipping steps: clean"
 run "export and dump" 1 --export-hf "$work/export" --dump-batch "$work/dump" && pass "--export-hf and --dump-batch: clean"
 run "--alloc caching" 2 --activations offload --alloc caching && pass "--alloc caching N=2 (offload): clean"
-run "--plan" 2 --plan --plan-world-sizes 1,2,4 --device-memory-limit 2000000 && pass "--plan with the largest sizes: clean"
+run "--plan" 2 --plan --plan-world-sizes 1,2,4 --device-memory-limit 2000000 --json "$work/plan.json" && pass "--plan with the largest sizes: clean"
 
 bad() {  # expected message, flags...: a clean refusal (exit 2, no sanitizer report)
   local expect=$1

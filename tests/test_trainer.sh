@@ -373,7 +373,7 @@ for N in 1 2 4; do
     fail "out of memory N=$N: the arena failed in its measured need $need"; cat "$work/log"
   fi
   bad_ranks=$N bad_case "bytes free in" "${oom[@]}" --alloc naive --device-memory-limit "$need"
-  bad_ranks=$N bad_case "(caching: " "${oom[@]}" --alloc caching --device-memory-limit "$need"
+  bad_ranks=$N bad_case "bytes of the limit not yet in segments" "${oom[@]}" --alloc caching --device-memory-limit "$need"
   bad_ranks=$N bad_case "(--alloc arena)" "${oom[@]}" --alloc arena --device-memory-limit $((need - 256))
 done
 
@@ -1326,8 +1326,11 @@ cases = [("fp32", "keep", ["--accum", "1"]), ("fp32", "recompute", ["--accum", "
          ("fp32", "offload", ["--accum", "2", "--overlap", "0"]), ("bf16", "keep", ["--accum", "4"]),
          ("bf16", "recompute", ["--accum", "1", "--overlap", "0"]), ("bf16", "offload", ["--accum", "2", "--alloc", "naive"]),
          ("fp16", "keep", ["--accum", "2", "--alloc", "caching"]), ("fp16", "recompute", ["--accum", "2"]),
-         ("fp16", "offload", ["--accum", "4", "--config", work + "/plan_accum16.json"])]
+         ("fp16", "offload", ["--accum", "4", "--config", work + "/plan_accum16.json"]),
+         # DeepSpeed's batch rule: train_batch_size 8 of micro-batches of 2 is A = 4 / N at each N
+         ("fp32", "recompute", ["--config", work + "/plan_batch.json"])]
 json.dump({"data_types": {"grad_accum_dtype": "fp16"}}, open(work + "/plan_accum16.json", "w"))
+json.dump({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, open(work + "/plan_batch.json", "w"))
 keys = ["params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "accumulation_bytes", "staging_bytes",
         "activation_peak_bytes", "bookkeeping_bytes", "model_states_bytes", "device_peak_bytes"]
 problems, compared = [], 0
@@ -1356,7 +1359,7 @@ print(f"ok {compared}" if not problems else "; ".join(problems[:6]) + f" ({len(p
 PY
 )
 case "$verdict" in
-  ok*) pass "--plan = the measured ledger to the byte: ${verdict#ok } values (10 categories, and the arena's reserved block), 3 precisions x 3 activation modes x stages 0/1/2 x N = 1, 2, 4, with A = 1, 2, 4, overlap off, naive, 16-bit accumulation" ;;
+  ok*) pass "--plan = the measured ledger to the byte: ${verdict#ok } values (10 categories, and the arena's reserved block), 3 precisions x 3 activation modes x stages 0/1/2 x N = 1, 2, 4, with A = 1, 2, 4, overlap off, naive, caching, 16-bit accumulation, and a config's train_batch_size (A by N)" ;;
   *) fail "--plan against the ledger: $verdict" ;;
 esac
 
@@ -1424,6 +1427,12 @@ bad_case "exact for --alloc arena only" --plan "${planned[@]}" --alloc caching -
 bad_case "--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU" "${planned[@]}" --device cpu --alloc cuda
 bad_case "--device-memory-limit 4,096 holds nothing" --plan "${planned[@]}" --device-memory-limit 4096
 bad_case "--hidden 30 is not divisible by --heads 4" --plan "${planned[@]}" --hidden 30 --heads 4
+# (bad_case gives --json, which --plan --quiet writes to: this one runs alone)
+timeout 60 mpirun -n 2 "$trainer" --plan --quiet > "$work/log" 2>&1
+status=$?
+[ $status -eq 2 ] && [ "$(grep -c 'would print nothing' "$work/log")" = 1 ] &&
+  pass "bad input [--plan --quiet]: one message, exit 2" || fail "--plan --quiet: exit $status, $(head -c 200 "$work/log")"
+bad_case "write '--stage 2'" --plan --stage=2
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
