@@ -60,7 +60,7 @@ HAVE_NCCL := $(shell printf '$(HASH)include <nccl.h>\nint main(){int v;return nc
 CXXFLAGS  := -std=c++17 -O2 -g -ffp-contract=off -Wall -Wextra -Wno-unused-parameter
 # nvcc uses mpicxx as its host compiler, so MPI's include and link flags come
 # along without nvcc having to parse them (it rejects some, e.g. -Wl,-z,relro).
-# --extended-lambda lets a Z2_HD lambda be a kernel body; sm_80 (A100) and
+# --extended-lambda lets a lambda be a kernel body (Z2_LOOP's __device__ half); sm_80 (A100) and
 # sm_90 (H100/H200) machine code, plus compute_90 PTX for newer GPUs.
 CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 NVCCFLAGS := -std=c++17 -O2 -g -ccbin $(MPICXX) --extended-lambda --expt-relaxed-constexpr $(CUDA_ARCH) \

@@ -1964,9 +1964,9 @@ inline void Model<Act>::matmul_bias(const Act* input, const Act* weight, const A
                                     Act* output) {
   if constexpr (std::is_same<Act, float>::value) {
     compute_.gemm(false, true, rows, out, in, 1.0f, input, in, weight, in, 0.0f, output, out);
-    compute_.for_each((size_t)rows * out, [=] Z2_HD(size_t i) { output[i] += bias[i % out]; });
+    compute_.for_each((size_t)rows * out, Z2_LOOP(i, { output[i] += bias[i % out]; }));
   } else {
-    compute_.for_each((size_t)rows * out, [=] Z2_HD(size_t i) { output[i] = bias[i % out]; });
+    compute_.for_each((size_t)rows * out, Z2_LOOP(i, { output[i] = bias[i % out]; }));
     compute_.gemm(false, true, rows, out, in, 1.0f, input, in, weight, in, 1.0f, output, out);
   }
 }
@@ -1981,11 +1981,11 @@ inline void Model<Act>::linear(const Act* input, z2::ParameterId weight, z2::Par
 // atomics for bias and LayerNorm gradients).
 template <class Act>
 inline void Model<Act>::column_sums(const Act* matrix, int rows, int columns, Act* sums) {
-  compute_.for_each((size_t)columns, [=] Z2_HD(size_t j) {
+  compute_.for_each((size_t)columns, Z2_LOOP(j, {
     float sum = 0.0f;
     for (int r = 0; r < rows; ++r) sum += to_float(matrix[(size_t)r * columns + j]);
     sums[j] = from_float<Act>(sum);
-  });
+  }));
 }
 
 // Given doutput [rows, out]: db = column sums and dW [out, in] = doutput^T x
@@ -2008,9 +2008,9 @@ inline void Model<Act>::layer_norm(const Act* x, z2::ParameterId weight, z2::Par
                                    float* stats) {
   const int n = shape_.hidden;
   const Act *gamma = param(weight), *beta = param(bias);
-  compute_.for_each((size_t)rows, [=] Z2_HD(size_t r) {
+  compute_.for_each((size_t)rows, Z2_LOOP(r, {
     layer_norm_row(x + r * n, gamma, beta, n, y + r * n, stats + 2 * r, stats + 2 * r + 1);
-  });
+  }));
 }
 
 // dx [rows, H] from dy; dbeta = sum_rows dy and dgamma = sum_rows dy * xhat go
@@ -2023,16 +2023,16 @@ inline void Model<Act>::layer_norm_backward(const Act* x, const float* stats, co
   column_sums(dy, rows, n, gradient(bias));
   engine_.gradient_ready(bias);
   Act* dgamma = gradient(weight);
-  compute_.for_each((size_t)n, [=] Z2_HD(size_t j) {
+  compute_.for_each((size_t)n, Z2_LOOP(j, {
     float sum = 0.0f;
     for (int r = 0; r < rows; ++r)
       sum += to_float(dy[(size_t)r * n + j]) * ((to_float(x[(size_t)r * n + j]) - stats[2 * r]) * stats[2 * r + 1]);
     dgamma[j] = from_float<Act>(sum);
-  });
+  }));
   engine_.gradient_ready(weight);
-  compute_.for_each((size_t)rows, [=] Z2_HD(size_t r) {
+  compute_.for_each((size_t)rows, Z2_LOOP(r, {
     layer_norm_backward_row(x + r * n, stats[2 * r], stats[2 * r + 1], gamma, dy + r * n, n, dx + r * n);
-  });
+  }));
 }
 
 // output [B, per_sample] = input x dropout scale, keyed by (sample, key,
@@ -2048,10 +2048,10 @@ inline void Model<Act>::dropout(const Act* input, Act* output, size_t count, siz
     return;
   }
   const uint64_t tensor_key = dropout_tensor_key(shape_.seed, key, step);
-  compute_.for_each(count, [=] Z2_HD(size_t i) {
+  compute_.for_each(count, Z2_LOOP(i, {
     output[i] = from_float<Act>(to_float(input[i]) *
                                 dropout_scale(p, tensor_key, first_sample + (long)(i / per_sample), i % per_sample));
-  });
+  }));
 }
 
 // --- forward -----------------------------------------------------------------
@@ -2078,11 +2078,11 @@ inline void Model<Act>::embeddings_forward(long step, long first_sample, Act* x0
             *position = param(ids_.position_embeddings),  // [P, H], rows 0..T-1 used
             *token_type = param(ids_.token_type_embeddings);  // [1, H]: every token is type 0
   Act* sum = embedding_sum_.data();                      // [R, H] LayerNorm's input, for backward
-  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) {
+  compute_.for_each((size_t)R * H, Z2_LOOP(i, {
     const size_t row = i / H, j = i % H;
     sum[i] = from_float<Act>(to_float(word[(size_t)tokens[row] * H + j]) + to_float(position[(row % T) * H + j]) +
                              to_float(token_type[j]));
-  });
+  }));
   layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data());
   dropout(x0, x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
 }
@@ -2118,7 +2118,7 @@ inline void Model<Act>::block_forward(int l, long step, long first_sample, Buffe
   // torch divides the scores by sqrt(D) after the product; so do we (a
   // separate rounding, not folded into the gemm's alpha).
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
-  compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) { scaled_softmax_row(probs + row * T, T, inverse_sqrt); });
+  compute_.for_each((size_t)B * NH * T, Z2_LOOP(row, { scaled_softmax_row(probs + row * T, T, inverse_sqrt); }));
   // Dropout on the probabilities into a temporary (probs stays for backward).
   const Act* source = probs;  // what multiplies V: probs, or their dropped copy
   if (shape_.dropout > 0.0f) {
@@ -2138,20 +2138,20 @@ inline void Model<Act>::block_forward(int l, long step, long first_sample, Buffe
   Act* sum = a.attention_sum.data();  // [R, H] x + dropout(context Wo^T + bo), kept for LayerNorm's backward
   linear(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
   dropout(sum, sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
-  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) { sum[i] = from_float<Act>(to_float(sum[i]) + to_float(x[i])); });
+  compute_.for_each((size_t)R * H, Z2_LOOP(i, { sum[i] = from_float<Act>(to_float(sum[i]) + to_float(x[i])); }));
   layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data(), a.attention_stats.data());
   // Feed-forward: dense to F, GELU, dense to H, dropout, residual, LayerNorm.
   linear(a.attention_out.data(), p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_pre.data());
   const Act* pre = a.ffn_pre.data();  // [R, F] before GELU (backward needs GELU's derivative here)
   Act* act = a.ffn_act.data();        // [R, F] after GELU (the output dense's input)
-  compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) { act[i] = from_float<Act>(gelu(to_float(pre[i]))); });
+  compute_.for_each((size_t)R * F, Z2_LOOP(i, { act[i] = from_float<Act>(gelu(to_float(pre[i]))); }));
   Act* out_sum = a.output_sum.data();  // [R, H] attention_out + dropout(act Wf^T + bf)
   linear(act, p.output_weight, p.output_bias, R, F, H, out_sum);
   dropout(out_sum, out_sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
   const Act* residual = a.attention_out.data();  // [R, H]
-  compute_.for_each((size_t)R * H, [=] Z2_HD(size_t i) {
+  compute_.for_each((size_t)R * H, Z2_LOOP(i, {
     out_sum[i] = from_float<Act>(to_float(out_sum[i]) + to_float(residual[i]));
-  });
+  }));
   layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, open(output), a.output_stats.data());
 }
 
@@ -2175,9 +2175,9 @@ inline void Model<Act>::head_forward_backward(long step, float gradient_scale, b
   float* stats = open(head_stats_);                      // [S, 2] fp32
   Act* out = open(head_out_);                            // [S, H] LayerNorm's output: the decoder's input
   Act* logits = open(logits_);                           // [S, V]
-  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { gathered[i] = hidden[(size_t)selected[i / H] * H + i % H]; });
+  compute_.for_each((size_t)S * H, Z2_LOOP(i, { gathered[i] = hidden[(size_t)selected[i / H] * H + i % H]; }));
   linear(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, pre);
-  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { act[i] = from_float<Act>(gelu(to_float(pre[i]))); });
+  compute_.for_each((size_t)S * H, Z2_LOOP(i, { act[i] = from_float<Act>(gelu(to_float(pre[i]))); }));
   layer_norm(act, ids_.head_norm_weight, ids_.head_norm_bias, S, out, stats);
   // logits [S, V] = out x word_embeddings^T + decoder bias (the tied decoder).
   matmul_bias(out, param(ids_.word_embeddings), param(ids_.decoder_bias), S, H, V, logits);
@@ -2185,10 +2185,10 @@ inline void Model<Act>::head_forward_backward(long step, float gradient_scale, b
   // divided by the global count (so the reduced sum over ranks is the mean's
   // gradient) and, in fp16, multiplied by the loss scale.
   float* sample_loss = sample_loss_.data();
-  compute_.for_each((size_t)S, [=] Z2_HD(size_t s) {
+  compute_.for_each((size_t)S, Z2_LOOP(s, {
     Act* row = logits + s * V;
     sample_loss[s] = cross_entropy_row(row, V, targets[s], gradient_scale, row);
-  });
+  }));
   if (backward) {
   const Act* dlogits = logits;  // [S, V] dL/dlogits, in the logits' buffer
   column_sums(dlogits, S, V, gradient(ids_.decoder_bias));
@@ -2203,14 +2203,14 @@ inline void Model<Act>::head_forward_backward(long step, float gradient_scale, b
   compute_.gemm(false, false, S, H, V, 1.0f, dlogits, V, param(ids_.word_embeddings), H, 0.0f, dout, H);
   Act* dact = open(head_dact_);  // [S, H] dL/d GELU output, then (in place) dL/d its input
   layer_norm_backward(act, stats, dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
-  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) {
+  compute_.for_each((size_t)S * H, Z2_LOOP(i, {
     dact[i] = from_float<Act>(to_float(dact[i]) * gelu_grad(to_float(pre[i])));
-  });
+  }));
   Act* dgathered = open(head_dgathered_);  // [S, H] dL/d the selected rows
   linear_backward(gathered, dact, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, dgathered, 0.0f);
   // Scatter back to the selected rows; the others get zero.
   compute_.fill_zero(dhidden, (size_t)R * H * sizeof(Act), compute_.compute_stream());
-  compute_.for_each((size_t)S * H, [=] Z2_HD(size_t i) { dhidden[(size_t)selected[i / H] * H + i % H] = dgathered[i]; });
+  compute_.for_each((size_t)S * H, Z2_LOOP(i, { dhidden[(size_t)selected[i / H] * H + i % H] = dgathered[i]; }));
   close(head_dgathered_), close(head_dact_), close(head_dout_);
   }
   close(logits_), close(head_out_), close(head_stats_), close(head_act_), close(head_pre_), close(head_input_);
@@ -2256,9 +2256,9 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   dropout(dsum, dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
   linear_backward(a.ffn_act.data(), dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
   const Act* pre = a.ffn_pre.data();
-  compute_.for_each((size_t)R * F, [=] Z2_HD(size_t i) {
+  compute_.for_each((size_t)R * F, Z2_LOOP(i, {
     dwide[i] = from_float<Act>(to_float(dwide[i]) * gelu_grad(to_float(pre[i])));
-  });
+  }));
   // d attention_out = dsum (residual) + dwide x Wi: gemm with beta = 1 adds onto dsum.
   linear_backward(a.attention_out.data(), dwide, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum, 1.0f);
   // Attention LayerNorm: dattn = dL/d(x + dropout(dense(context))).
@@ -2292,13 +2292,13 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   }
   dropout(dprobs, dprobs, attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
-  compute_.for_each((size_t)B * NH * T, [=] Z2_HD(size_t row) {
+  compute_.for_each((size_t)B * NH * T, Z2_LOOP(row, {
     const Act* p_row = probs + row * T;
     Act* d_row = dprobs + row * T;
     float dot = 0.0f;
     for (int j = 0; j < T; ++j) dot += to_float(d_row[j]) * to_float(p_row[j]);
     for (int j = 0; j < T; ++j) d_row[j] = from_float<Act>(to_float(p_row[j]) * (to_float(d_row[j]) - dot) * inverse_sqrt);
-  });
+  }));
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
     compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.key.data() + rows, H, D, 0.0f,
@@ -2335,13 +2335,13 @@ inline void Model<Act>::embeddings_backward(long step, long first_sample) {
   engine_.gradient_ready(ids_.token_type_embeddings);
   // Position t collects row t of every sample, samples in order; unused positions get 0.
   Act* dposition = gradient(ids_.position_embeddings);  // [P, H]
-  compute_.for_each((size_t)P * H, [=] Z2_HD(size_t i) {
+  compute_.for_each((size_t)P * H, Z2_LOOP(i, {
     const size_t t = i / H, j = i % H;
     float sum = 0.0f;
     if (t < (size_t)T)
       for (int b = 0; b < B; ++b) sum += to_float(dsum[((size_t)b * T + t) * H + j]);
     dposition[i] = from_float<Act>(sum);
-  });
+  }));
   engine_.gradient_ready(ids_.position_embeddings);
   // Word row v: the tied decoder's part plus the rows where token v occurs,
   // in position order (the counting sort made on the host).
@@ -2349,12 +2349,12 @@ inline void Model<Act>::embeddings_backward(long step, long first_sample) {
   const Act* decoder = decoder_gradient_.data();                   // [V, H] the tied decoder's part
   const int* offsets = token_offsets_.data();  // [V + 1] CSR offsets by token id
   const int* rows = token_rows_.data();        // [R] positions sorted by token id, in order within an id
-  compute_.for_each((size_t)vocab_size * H, [=] Z2_HD(size_t i) {
+  compute_.for_each((size_t)vocab_size * H, Z2_LOOP(i, {
     const size_t v = i / H, j = i % H;
     float sum = 0.0f;
     for (int k = offsets[v]; k < offsets[v + 1]; ++k) sum += to_float(dsum[(size_t)rows[k] * H + j]);
     dword[i] = from_float<Act>(to_float(decoder[i]) + sum);
-  });
+  }));
   engine_.gradient_ready(ids_.word_embeddings);
   close(dsum_);
 }

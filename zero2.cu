@@ -1127,10 +1127,10 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
     // BLAS defines it. We do it ourselves because cuBLAS has, in some
     // releases, returned without touching C when k = 0 (pytorch#31421), which
     // would leave stale values where a zero gradient belongs.
-    for_each((size_t)M * N, [=] Z2_HD(size_t i) {
+    for_each((size_t)M * N, Z2_LOOP(i, {
       float* c = C + (i / N) * (size_t)ldc + i % N;
       *c = beta == 0.0f ? 0.0f : beta * *c;
-    });
+    }));
     return;
   }
   if (device_ == Device::cpu) {
@@ -1180,11 +1180,11 @@ static void widen_to(const T* source, size_t count, std::vector<float>& target) 
 // C = beta C (an empty sum, K = 0): as the fp32 gemm does it, in the storage type.
 template <class T>
 static void scale_matrix(Compute& compute, int M, int N, float beta, T* C, int ldc, long stride_c, int batch) {
-  compute.for_each((size_t)batch * M * N, [=] Z2_HD(size_t i) {
+  compute.for_each((size_t)batch * M * N, Z2_LOOP(i, {
     const size_t k = i / ((size_t)M * N), within = i % ((size_t)M * N);
     T* c = C + k * stride_c + (within / N) * (size_t)ldc + within % N;
     *c = beta == 0.0f ? from_float<T>(0.0f) : from_float<T>(beta * to_float(*c));
-  });
+  }));
 }
 
 // The cpu reference: widen each operand's span once, sgemm each product, and
@@ -1629,12 +1629,12 @@ struct BucketExchange::State {
     const long step = into.step, steps = into.steps;
     compute.for_each(
         shard,
-        [=] Z2_HD(size_t i) {
+        Z2_LOOP(i, {
           float value = canonical_tree_sum(ranks, [&](long j) {
             return to_float(j == me ? own[i] : received[(size_t)(j - (j > me)) * shard + i]);
           });
           accumulate_micro_step(stack, step, steps, value, result, i);
-        },
+        }),
         compute.comm_stream());
   }
   // One reduced value per element already (one rank, or a native reduce-scatter): into the tree.
@@ -1646,7 +1646,7 @@ struct BucketExchange::State {
     for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
     const long step = into.step, steps = into.steps;
     compute.for_each(
-        n, [=] Z2_HD(size_t i) { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); },
+        n, Z2_LOOP(i, { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); }),
         compute.comm_stream());
   }
   // The two kernels for the exchange's types.
@@ -2248,13 +2248,13 @@ struct Engine::Impl {
   void chunk_squares_as(int b, float scale) {
     const Working* gradient = (const Working*)region_gradient(b);
     float* sums = chunk_sums.data() + region_offset(b) / norm_chunk;
-    compute.for_each(region_length(b) / norm_chunk, [=] Z2_HD(size_t c) {
+    compute.for_each(region_length(b) / norm_chunk, Z2_LOOP(c, {
       const Working* chunk = gradient + c * norm_chunk;
       sums[c] = canonical_tree_sum(norm_chunk, [&](long k) {
         const float value = to_float(chunk[k]) * scale;  // exact: scale is a power of two (1 as a rule)
         return value * value;
       });
-    });
+    }));
   }
   // The largest |g| of each norm chunk (NaN if the chunk holds one), into
   // the same buffer: max is exact and order-free, so no tree is needed.
@@ -2262,7 +2262,7 @@ struct Engine::Impl {
   void chunk_largest_as(int b) {
     const Working* gradient = (const Working*)region_gradient(b);
     float* largest = chunk_sums.data() + region_offset(b) / norm_chunk;
-    compute.for_each(region_length(b) / norm_chunk, [=] Z2_HD(size_t c) {
+    compute.for_each(region_length(b) / norm_chunk, Z2_LOOP(c, {
       float value = 0.0f;
       for (long k = 0; k < norm_chunk; ++k) {
         const float magnitude = fabsf(to_float(gradient[c * norm_chunk + k]));
@@ -2270,7 +2270,7 @@ struct Engine::Impl {
         if (value != value) break;
       }
       largest[c] = value;
-    });
+    }));
   }
   // AdamW on bucket b's update region. fp32: the parameters are the master.
   // Mixed: the fp32 master is updated, then rounded once into the working
@@ -2284,11 +2284,11 @@ struct Engine::Impl {
     float* m = adam_m.data() + region_offset(b);
     float* v = adam_v.data() + region_offset(b);
     Working* working = mixed ? (Working*)region_param(b) : nullptr;
-    compute.for_each(region_length(b), [=] Z2_HD(size_t i) {
+    compute.for_each(region_length(b), Z2_LOOP(i, {
       bool decay = decay_flags[first_chunk + i / norm_chunk] != 0;
       adamw_update(constants, decay, param, gradient, m, v, i);
       if (working) working[i] = from_float<Working>(param[i]);
-    });
+    }));
   }
   template <class Call>
   void for_working_type(Call call) {

@@ -10,7 +10,7 @@
 //      numbers, bf16 / fp16 conversions, the canonical summation tree of
 //      chapter 06 of notes/ (the determinism contract), AdamW
 //   3. the compute backend (cpu | cuda): memory with a ledger, streams, events,
-//      for_each (one Z2_HD body, run as a CPU loop or a CUDA kernel), gemm
+//      for_each (one Z2_LOOP body, run as a CPU loop or a CUDA kernel), gemm
 //   4. the communicator (mpi | nccl), its byte ledger, and the bucket
 //      collectives (BucketExchange)
 //   5. the engine: flat buckets, stages 0/1/2, gradient accumulation,
@@ -52,7 +52,7 @@
 #include <vector>
 
 // Z2_HD marks code that runs on both backends: a function (written
-// `Z2_HD inline`) or a lambda handed to Compute::for_each (`[=] Z2_HD (size_t i)`).
+// `Z2_HD inline`); a loop body handed to Compute::for_each is written Z2_LOOP(i, { ... }) (below).
 #if defined(__CUDACC__)
 #define Z2_HD __host__ __device__
 #else
@@ -60,6 +60,29 @@
 #endif
 
 namespace z2 {
+
+// Z2_LOOP(i, { body }): one loop body, written once. In the nvcc build it
+// becomes two lambdas from the same text, a plain host one for the CPU loop
+// (inlined and vectorised as g++ would: nvcc's __host__ __device__ lambdas
+// are called through a type-erased wrapper on the host, one indirect call
+// per element) and a __device__ one for the kernel; in the g++ build, one
+// plain lambda. (__VA_ARGS__: commas in the body survive the macro.)
+template <class HostBody, class DeviceBody>
+struct Loop {
+  HostBody host;
+  DeviceBody device;
+};
+template <class HostBody, class DeviceBody>
+Loop<HostBody, DeviceBody> make_loop(HostBody host, DeviceBody device) {
+  return {host, device};
+}
+#if defined(__CUDACC__)
+#define Z2_LOOP(index, ...) \
+  ::z2::make_loop([=](size_t index) __VA_ARGS__, [=] __device__(size_t index) __VA_ARGS__)
+#else
+#define Z2_LOOP(index, ...) [=](size_t index) __VA_ARGS__
+#endif
+
 
 // ----------------------------------------------------------------------------
 // 1. Errors
@@ -522,6 +545,10 @@ class Compute {
   void for_each(size_t n, Body body, Stream stream);
   template <class Body>
   void for_each(size_t n, Body body) { for_each(n, body, compute_stream_); }
+  template <class HostBody, class DeviceBody>
+  void for_each(size_t n, Loop<HostBody, DeviceBody> loop, Stream stream);  // Z2_LOOP's two lambdas
+  template <class HostBody, class DeviceBody>
+  void for_each(size_t n, Loop<HostBody, DeviceBody> loop) { for_each(n, loop, compute_stream_); }
 
  private:
   void* device_malloc(size_t bytes);             // cudaMalloc / aligned host allocation, zeroed
@@ -593,6 +620,24 @@ __global__ void for_each_kernel(size_t n, Body body) {
 }
 void launch_check(const char* file, int line);  // cudaGetLastError after a launch
 #endif
+
+template <class HostBody, class DeviceBody>
+void Compute::for_each(size_t n, Loop<HostBody, DeviceBody> loop, Stream stream) {
+  if (n == 0) return;
+  if (device_ == Device::cpu) {
+    for (size_t i = 0; i < n; ++i) loop.host(i);
+    return;
+  }
+#if defined(__CUDACC__)
+  const unsigned threads = 256;
+  const size_t blocks = (n + threads - 1) / threads;
+  for_each_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)stream.handle>>>(n, loop.device);
+  launch_check(__FILE__, __LINE__);
+#else
+  (void)stream;
+  usage_error("for_each on cuda called from a file not compiled by nvcc");
+#endif
+}
 
 template <class Body>
 void Compute::for_each(size_t n, Body body, Stream stream) {

@@ -25,7 +25,7 @@ Z2_HD inline unsigned nan_bits_differ(uint16_t ours, uint16_t theirs, uint16_t e
 }
 void count_mismatches(z2::Compute& compute, uint64_t first, size_t threads, unsigned* bf16_slots, unsigned* fp16_slots,
                       unsigned* nan_slots) {
-  compute.for_each(threads, [=] Z2_HD(size_t t) {
+  compute.for_each(threads, Z2_LOOP(t, {
     unsigned bf16_bad = 0, fp16_bad = 0, nan_differ = 0;
     for (uint64_t k = 0; k < 64; ++k) {
       const float x = z2::float_of((uint32_t)(first + t * 64 + k));
@@ -43,11 +43,11 @@ void count_mismatches(z2::Compute& compute, uint64_t first, size_t threads, unsi
     bf16_slots[t] = bf16_bad;
     fp16_slots[t] = fp16_bad;
     nan_slots[t] = nan_differ;
-  });
+  }));
 }
 
 void count_widening_mismatches(z2::Compute& compute, unsigned* slots) {
-  compute.for_each(65536, [=] Z2_HD(size_t b) {
+  compute.for_each(65536, Z2_LOOP(b, {
     unsigned bad = 0;
 #if defined(__CUDA_ARCH__)
     const uint16_t bits = (uint16_t)b;
@@ -58,7 +58,7 @@ void count_widening_mismatches(z2::Compute& compute, unsigned* slots) {
     bad += isnan(ours_fp16) ? !isnan(theirs_fp16) : z2::bits_of(ours_fp16) != z2::bits_of(theirs_fp16);
 #endif
     slots[b] = bad;
-  });
+  }));
 }
 
 }  // namespace
