@@ -1289,26 +1289,50 @@ inline long global_selected_count(const std::string& corpus, uint64_t seed, long
 using z2::from_float;
 using z2::to_float;
 
-// GELU, erf form (Hugging Face "gelu"), and its derivative.
-Z2_HD inline float gelu(float x) { return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f)); }
-Z2_HD inline float gelu_grad(float x) {
-  const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+// fmaxf(a, b) as glibc defines it (a NaN loses to a number; a tie returns a),
+// written out so the compiler inlines it: fmaxf is a libm call at -O3.
+Z2_HD inline float max_or_number(float a, float b) { return (a >= b || b != b) ? a : b; }
+
+// GELU, erf form (Hugging Face "gelu"), and its derivative, both from
+// 1 + erf(x / sqrt 2): forward can make the derivative with the erf it
+// computes anyway (see linear_gelu).
+Z2_HD inline float one_plus_erf(float x) { return 1.0f + erff(x * 0.70710678118654752f); }
+Z2_HD inline float gelu_from(float x, float one_plus_erf_x) { return x * 0.5f * one_plus_erf_x; }
+Z2_HD inline float gelu_grad_from(float x, float one_plus_erf_x) {
+  const float cdf = 0.5f * one_plus_erf_x;
   const float pdf = expf(-0.5f * x * x) * 0.39894228040143268f;  // 1 / sqrt(2 pi)
   return cdf + x * pdf;
 }
+Z2_HD inline float gelu_grad(float x) { return gelu_grad_from(x, one_plus_erf(x)); }
 
 // Inverted dropout: the scale an element is multiplied by, 0 or 1 / (1 - p),
-// from the element's keys alone (notes/06). The keys that are
-// the same for a whole tensor, (seed, layer and site, step), are folded into
-// `tensor_key` once on the host (dropout_tensor_key); per element we mix in
-// only the global sample and the element: two rounds of mix64, not five
-// (dropout was a tenth of a CPU step with all five).
+// from the element's keys alone (notes/06, "Random numbers"). The keys are
+// folded in three steps, each as often as it changes:
+//   tensor key (seed, layer and site, step): once per dropout call, on the host;
+//   row key: mix64(tensor key ^ global sample), once per sample (the CPU loop
+//     hoists it out of the row; a CUDA thread computes it itself);
+//   per element: two rounds of mix32, the row key's low half xor the element
+//     index into the first and its high half into the second.
+// The mask is a function of (seed, layer, site, step, sample, element) alone:
+// the same at every N, rank and micro-batch split.
 inline uint64_t dropout_tensor_key(uint64_t seed, uint64_t layer_site, long step) {
   return z2::hash_keys(seed, site_dropout + layer_site, (uint64_t)step);
 }
-Z2_HD inline float dropout_scale(float p, uint64_t tensor_key, long sample, size_t element) {
-  float u = z2::uniform_from_hash(z2::mix64(z2::mix64(tensor_key ^ (uint64_t)sample) ^ element));
-  return u < p ? 0.0f : 1.0f / (1.0f - p);
+Z2_HD inline uint64_t dropout_row_key(uint64_t tensor_key, long sample) {
+  return z2::mix64(tensor_key ^ (uint64_t)sample);
+}
+Z2_HD inline float dropout_scale(float p, uint64_t row_key, uint32_t element) {
+  const uint32_t bits = z2::mix32(z2::mix32((uint32_t)row_key ^ element) ^ (uint32_t)(row_key >> 32));
+  return z2::uniform_from_hash32(bits) < p ? 0.0f : 1.0f / (1.0f - p);
+}
+// Dropout of one row of n elements that sit at `first_element` onwards in
+// their sample (row_key): output[j] = input[j] x dropout_scale (output may be
+// input). The attention's row passes call it next to the softmax, while the
+// row is in cache.
+template <class T>
+Z2_HD inline void dropout_row(float p, uint64_t row_key, size_t first_element, const T* input, T* output, int n) {
+  for (int j = 0; j < n; ++j)
+    output[j] = from_float<T>(to_float(input[j]) * dropout_scale(p, row_key, (uint32_t)(first_element + j)));
 }
 // The dropout key of (layer, site): blocks 0..255, the embeddings 1000.
 Z2_HD inline uint64_t dropout_key(uint64_t layer, uint64_t site) { return layer * 8 + site; }
@@ -1354,13 +1378,31 @@ Z2_HD inline void layer_norm_backward_row(const T* x, float mean, float rstd, co
 // Softmax of one row of n scores times `scale` (1/sqrt(D), applied after the
 // product as torch does), in place (max subtracted for range). The scaled
 // scores are formed in fp32 as each pass reads them, never stored.
+// In fp32 the exponentials are stored in the row as the sum is formed and
+// divided in place: expf once per element, the bits of computing it twice.
+// A 16-bit row cannot hold them unrounded, so there it is computed again.
 template <class T>
 Z2_HD inline void scaled_softmax_row(T* row, int n, float scale) {
   float max_value = to_float(row[0]) * scale;
-  for (int j = 1; j < n; ++j) max_value = fmaxf(max_value, to_float(row[j]) * scale);
+  for (int j = 1; j < n; ++j) max_value = max_or_number(max_value, to_float(row[j]) * scale);
   float sum = 0.0f;
-  for (int j = 0; j < n; ++j) sum += expf(to_float(row[j]) * scale - max_value);
-  for (int j = 0; j < n; ++j) row[j] = from_float<T>(expf(to_float(row[j]) * scale - max_value) / sum);
+  if constexpr (std::is_same<T, float>::value) {
+    for (int j = 0; j < n; ++j) sum += (row[j] = expf(row[j] * scale - max_value));
+    for (int j = 0; j < n; ++j) row[j] = row[j] / sum;
+  } else {
+    for (int j = 0; j < n; ++j) sum += expf(to_float(row[j]) * scale - max_value);
+    for (int j = 0; j < n; ++j) row[j] = from_float<T>(expf(to_float(row[j]) * scale - max_value) / sum);
+  }
+}
+
+// Softmax's backward on one row, with the scale after the product (as in
+// forward): d_row holds dL/d probabilities in and dL/d scores out,
+// dS = P (dP - rowsum(dP P)) / sqrt(D).
+template <class T>
+Z2_HD inline void softmax_backward_row(const T* p_row, T* d_row, int n, float scale) {
+  float dot = 0.0f;
+  for (int j = 0; j < n; ++j) dot += to_float(d_row[j]) * to_float(p_row[j]);
+  for (int j = 0; j < n; ++j) d_row[j] = from_float<T>(to_float(p_row[j]) * (to_float(d_row[j]) - dot) * scale);
 }
 
 // Cross-entropy of one row of logits against `target`; writes the gradient
@@ -1369,7 +1411,7 @@ Z2_HD inline void scaled_softmax_row(T* row, int n, float scale) {
 template <class T>
 Z2_HD inline float cross_entropy_row(const T* logits, int n, int target, float scale, T* dlogits) {
   float max_value = to_float(logits[0]);
-  for (int j = 1; j < n; ++j) max_value = fmaxf(max_value, to_float(logits[j]));
+  for (int j = 1; j < n; ++j) max_value = max_or_number(max_value, to_float(logits[j]));
   float sum = 0.0f;
   for (int j = 0; j < n; ++j) sum += expf(to_float(logits[j]) - max_value);
   const float log_sum = logf(sum);
@@ -1463,7 +1505,7 @@ inline ActivationSizes activation_sizes(const ModelShape& s, BufferRound round =
   ActivationSizes z;
   // tokens, selected, targets, token offsets, token rows; per-row losses
   z.always = round(R * i) + round(S * i) + round(S * i) + round((V + 1) * i) + round(R * i) + round(S * f);
-  // query, key, value, context, attention_sum, attention_out, output_sum; probs; ffn_pre, ffn_act; two stats
+  // query, key, value, context, attention_sum, attention_out, output_sum; probs; ffn_gelu_saved, ffn_act; two stats
   z.working_set = 7 * round(R * H * e) + round(A * e) + 2 * round(R * F * e) + 2 * round(2 * R * f);
   z.checkpoint = round(R * H * e);
   z.embedding_sum = round(R * H * e) + round(2 * R * f);
@@ -1625,14 +1667,14 @@ struct BlockActivations {
   BufferOf<Act> attention_sum;       // [R, H]   x + dropout(dense(context)), LayerNorm's input
   BufferOf<float> attention_stats;   // [R, 2]   its mean and rstd
   BufferOf<Act> attention_out;       // [R, H]   LayerNorm output: the FFN's input and residual
-  BufferOf<Act> ffn_pre;             // [R, F]   before GELU
+  BufferOf<Act> ffn_gelu_saved;      // [R, F]   GELU' before the activation (fp32) or the pre-activation (16-bit)
   BufferOf<Act> ffn_act;             // [R, F]   after GELU
   BufferOf<Act> output_sum;          // [R, H]   attention_out + dropout(dense(ffn_act))
   BufferOf<float> output_stats;      // [R, 2]
   // In the order forward opens them (backward closes them in reverse).
   std::array<Buffer*, 12> in_order() {
     return {&query, &key, &value, &probs, &context, &attention_sum, &attention_stats, &attention_out,
-            &ffn_pre, &ffn_act, &output_sum, &output_stats};
+            &ffn_gelu_saved, &ffn_act, &output_sum, &output_stats};
   }
 };
 
@@ -1709,6 +1751,11 @@ class Model {
   // Small building blocks (section 4 continued).
   void matmul_bias(const Act* input, const Act* weight, const Act* bias, int rows, int in, int out, Act* output);
   void linear(const Act* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out, Act* output);
+  void linear_gelu(const Act* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out,
+                   Act* gelu_saved, Act* act);
+  void gelu_backward(const Act* gelu_saved, size_t count, Act* dact);
+  void linear_dropout_residual(const Act* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in,
+                               int out, const Act* residual, Act* output, long step, long first_sample, uint64_t key);
   void linear_backward(const Act* input, const Act* doutput, z2::ParameterId weight, z2::ParameterId bias, int rows,
                        int in, int out, Act* dinput, float dinput_beta);
   void column_sums(const Act* matrix, int rows, int columns, Act* sums);
@@ -1750,7 +1797,7 @@ class Model {
   BufferOf<Act> embedding_sum_;      // [R, H] long-lived with keep, a temporary otherwise
   BufferOf<float> embedding_stats_;  // [R, 2] likewise
   std::vector<BlockActivations<Act>> blocks_;  // keep: one per layer, long-lived; else one working set, temporary
-  BufferOf<Act> head_input_, head_pre_, head_act_, head_out_;  // [S, H] temporaries (S = the most rows the head can select)
+  BufferOf<Act> head_input_, head_gelu_saved_, head_act_, head_out_;  // [S, H] temporaries (S = the most rows the head can select)
   BufferOf<float> head_stats_;                                  // [S, 2]
   BufferOf<Act> logits_;                                        // [S, V]
   BufferOf<Act> head_dout_, head_dact_, head_dgathered_;        // [S, H] the head's backward
@@ -1814,10 +1861,10 @@ inline Model<Act>::Model(z2::Compute& compute, z2::Engine& engine, const ModelSh
     sized(a.query, R * H, keep), sized(a.key, R * H, keep), sized(a.value, R * H, keep);
     sized(a.probs, attention, keep), sized(a.context, R * H, keep);
     sized(a.attention_sum, R * H, keep), sized(a.attention_stats, R * 2, keep), sized(a.attention_out, R * H, keep);
-    sized(a.ffn_pre, R * F, keep), sized(a.ffn_act, R * F, keep);
+    sized(a.ffn_gelu_saved, R * F, keep), sized(a.ffn_act, R * F, keep);
     sized(a.output_sum, R * H, keep), sized(a.output_stats, R * 2, keep);
   }
-  for (Buffer* b : {&head_input_, &head_pre_, &head_act_, &head_out_, &head_dout_, &head_dact_, &head_dgathered_})
+  for (Buffer* b : {&head_input_, &head_gelu_saved_, &head_act_, &head_out_, &head_dout_, &head_dact_, &head_dgathered_})
     sized(*b, S * H, false);
   sized(head_stats_, S * 2, false), sized(logits_, S * V, false);
   sized(decoder_gradient_, V * H, true), sized(gradient_flow_, R * H, true);
@@ -1964,9 +2011,9 @@ inline void Model<Act>::matmul_bias(const Act* input, const Act* weight, const A
                                     Act* output) {
   if constexpr (std::is_same<Act, float>::value) {
     compute_.gemm(false, true, rows, out, in, 1.0f, input, in, weight, in, 0.0f, output, out);
-    compute_.for_each((size_t)rows * out, Z2_LOOP(i, { output[i] += bias[i % out]; }));
+    compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, { output[r * out + j] += bias[j]; }));
   } else {
-    compute_.for_each((size_t)rows * out, Z2_LOOP(i, { output[i] = bias[i % out]; }));
+    compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, { output[r * out + j] = bias[j]; }));
     compute_.gemm(false, true, rows, out, in, 1.0f, input, in, weight, in, 1.0f, output, out);
   }
 }
@@ -1976,16 +2023,82 @@ inline void Model<Act>::linear(const Act* input, z2::ParameterId weight, z2::Par
   matmul_bias(input, param(weight), param(bias), rows, in, out, output);
 }
 
-// sums [columns] = the sum over rows of matrix [rows, columns]: one thread per
-// column adding the rows in order (the fixed-order reduction that replaces
-// atomics for bias and LayerNorm gradients).
+// The two fused forms below are linear() and the pass that follows it in a
+// block, with the bias added in that pass (fp32; in 16-bit it is in the
+// product, as in matmul_bias): one pass over the output instead of two or
+// three, each value rounded exactly as the separate passes round it.
+// act [rows, out] = GELU(pre), pre = input x W^T + b, and gelu_saved [rows,
+// out] = what GELU's backward reads (as PyTorch's autograd saves a tensor
+// for it). fp32: GELU'(pre), made here from the same 1 + erf(pre / sqrt 2)
+// as GELU(pre), so backward calls no erf (one of the two per element; the
+// same bits as computing it there). 16-bit: pre itself, because GELU'
+// rounded to 16 bits would change the gradient's bits.
+template <class Act>
+inline void Model<Act>::linear_gelu(const Act* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in,
+                                    int out, Act* gelu_saved, Act* act) {
+  constexpr bool fp32 = std::is_same<Act, float>::value;
+  const Act* b = param(bias);
+  if (fp32) {
+    compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, act, out);  // act = x W^T
+    compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
+      const size_t i = r * out + j;
+      const float pre = to_float(act[i]) + to_float(b[j]);
+      const float ope = one_plus_erf(pre);
+      act[i] = from_float<Act>(gelu_from(pre, ope));
+      gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope));
+    }));
+  } else {
+    matmul_bias(input, param(weight), b, rows, in, out, gelu_saved);  // pre, bias in the product
+    compute_.for_each((size_t)rows * out, Z2_LOOP(i, {
+      const float pre = to_float(gelu_saved[i]);
+      act[i] = from_float<Act>(gelu_from(pre, one_plus_erf(pre)));
+    }));
+  }
+}
+// dact [count] *= GELU'(pre), from linear_gelu's gelu_saved.
+template <class Act>
+inline void Model<Act>::gelu_backward(const Act* gelu_saved, size_t count, Act* dact) {
+  if constexpr (std::is_same<Act, float>::value)
+    compute_.for_each(count, Z2_LOOP(i, { dact[i] = dact[i] * gelu_saved[i]; }));
+  else
+    compute_.for_each(count, Z2_LOOP(i, {
+      dact[i] = from_float<Act>(to_float(dact[i]) * gelu_grad(to_float(gelu_saved[i])));
+    }));
+}
+// output [rows, out] = residual + dropout(input x W^T + b), the sublayer
+// output of a post-LN block (rows are positions, T per sample; `key` the
+// dropout site's).
+template <class Act>
+inline void Model<Act>::linear_dropout_residual(const Act* input, z2::ParameterId weight, z2::ParameterId bias,
+                                                int rows, int in, int out, const Act* residual, Act* output, long step,
+                                                long first_sample, uint64_t key) {
+  constexpr bool bias_in_pass = std::is_same<Act, float>::value;
+  const Act* b = param(bias);
+  if (bias_in_pass) compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, output, out);
+  else matmul_bias(input, param(weight), b, rows, in, out, output);
+  const float rate = shape_.dropout;
+  const uint64_t tensor_key = dropout_tensor_key(shape_.seed, key, step);
+  const size_t T = (size_t)shape_.seq;
+  compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
+    const size_t i = r * out + j;
+    // No branch on the rate: at 0 the scale is exactly 1 and the rounding
+    // changes nothing, and a branch-free body is one the CPU loop vectorises.
+    const uint64_t row_key = dropout_row_key(tensor_key, first_sample + (long)(r / T));
+    float value = to_float(output[i]);
+    if (bias_in_pass) value = value + to_float(b[j]);
+    value = to_float(from_float<Act>(value * dropout_scale(rate, row_key, (uint32_t)((r % T) * out + j))));
+    output[i] = from_float<Act>(value + to_float(residual[i]));
+  }));
+}
+
+// sums [columns] = the sum over rows of matrix [rows, columns], each column's
+// rows added in order (the fixed-order reduction that replaces atomics for
+// bias and LayerNorm gradients; Compute::column_sums says how each backend
+// runs it).
 template <class Act>
 inline void Model<Act>::column_sums(const Act* matrix, int rows, int columns, Act* sums) {
-  compute_.for_each((size_t)columns, Z2_LOOP(j, {
-    float sum = 0.0f;
-    for (int r = 0; r < rows; ++r) sum += to_float(matrix[(size_t)r * columns + j]);
-    sums[j] = from_float<Act>(sum);
-  }));
+  compute_.column_sums((size_t)rows, (size_t)columns, Z2_LOOP2(r, j, { return to_float(matrix[r * columns + j]); }),
+                       sums);
 }
 
 // Given doutput [rows, out]: db = column sums and dW [out, in] = doutput^T x
@@ -2022,13 +2135,9 @@ inline void Model<Act>::layer_norm_backward(const Act* x, const float* stats, co
   const Act* gamma = param(weight);
   column_sums(dy, rows, n, gradient(bias));
   engine_.gradient_ready(bias);
-  Act* dgamma = gradient(weight);
-  compute_.for_each((size_t)n, Z2_LOOP(j, {
-    float sum = 0.0f;
-    for (int r = 0; r < rows; ++r)
-      sum += to_float(dy[(size_t)r * n + j]) * ((to_float(x[(size_t)r * n + j]) - stats[2 * r]) * stats[2 * r + 1]);
-    dgamma[j] = from_float<Act>(sum);
-  }));
+  compute_.column_sums((size_t)rows, (size_t)n, Z2_LOOP2(r, j, {
+    return to_float(dy[r * n + j]) * ((to_float(x[r * n + j]) - stats[2 * r]) * stats[2 * r + 1]);  // dy * xhat
+  }), gradient(weight));
   engine_.gradient_ready(weight);
   compute_.for_each((size_t)rows, Z2_LOOP(r, {
     layer_norm_backward_row(x + r * n, stats[2 * r], stats[2 * r + 1], gamma, dy + r * n, n, dx + r * n);
@@ -2047,10 +2156,14 @@ inline void Model<Act>::dropout(const Act* input, Act* output, size_t count, siz
     compute_.copy(output, input, count * sizeof(Act), compute_.compute_stream());  // nothing if in place
     return;
   }
+  if (per_sample > UINT32_MAX)
+    z2::usage_error("dropout over %zu elements per sample: the mask's element key is 32 bits (at most %u)", per_sample,
+                    UINT32_MAX);
   const uint64_t tensor_key = dropout_tensor_key(shape_.seed, key, step);
-  compute_.for_each(count, Z2_LOOP(i, {
-    output[i] = from_float<Act>(to_float(input[i]) *
-                                dropout_scale(p, tensor_key, first_sample + (long)(i / per_sample), i % per_sample));
+  compute_.for_each(count / per_sample, per_sample, Z2_LOOP2(sample, element, {
+    const size_t i = sample * per_sample + element;
+    const uint64_t row_key = dropout_row_key(tensor_key, first_sample + (long)sample);
+    output[i] = from_float<Act>(to_float(input[i]) * dropout_scale(p, row_key, (uint32_t)element));
   }));
 }
 
@@ -2078,10 +2191,9 @@ inline void Model<Act>::embeddings_forward(long step, long first_sample, Act* x0
             *position = param(ids_.position_embeddings),  // [P, H], rows 0..T-1 used
             *token_type = param(ids_.token_type_embeddings);  // [1, H]: every token is type 0
   Act* sum = embedding_sum_.data();                      // [R, H] LayerNorm's input, for backward
-  compute_.for_each((size_t)R * H, Z2_LOOP(i, {
-    const size_t row = i / H, j = i % H;
-    sum[i] = from_float<Act>(to_float(word[(size_t)tokens[row] * H + j]) + to_float(position[(row % T) * H + j]) +
-                             to_float(token_type[j]));
+  compute_.for_each((size_t)R, (size_t)H, Z2_LOOP2(row, j, {
+    sum[row * H + j] = from_float<Act>(to_float(word[(size_t)tokens[row] * H + j]) +
+                                       to_float(position[(row % T) * H + j]) + to_float(token_type[j]));
   }));
   layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data());
   dropout(x0, x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
@@ -2118,40 +2230,39 @@ inline void Model<Act>::block_forward(int l, long step, long first_sample, Buffe
   // torch divides the scores by sqrt(D) after the product; so do we (a
   // separate rounding, not folded into the gemm's alpha).
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
-  compute_.for_each((size_t)B * NH * T, Z2_LOOP(row, { scaled_softmax_row(probs + row * T, T, inverse_sqrt); }));
-  // Dropout on the probabilities into a temporary (probs stays for backward).
-  const Act* source = probs;  // what multiplies V: probs, or their dropped copy
-  if (shape_.dropout > 0.0f) {
-    Act* dropped = open(dropped_);  // [B, NH, T, T]
-    dropout(probs, dropped, (size_t)B * NH * TT, (size_t)NH * TT, step, first_sample,
-            dropout_key(l, dropout_attention_probs));
-    source = dropped;
-  }
+  // Softmax and, in the same pass over the row, dropout on the probabilities
+  // into a temporary (probs stays for backward).
+  const float rate = shape_.dropout;
+  Act* dropped = rate > 0.0f ? open(dropped_) : nullptr;  // [B, NH, T, T]
+  const uint64_t tensor_key = dropout_tensor_key(shape_.seed, dropout_key(l, dropout_attention_probs), step);
+  const size_t rows_per_sample = (size_t)NH * T;
+  compute_.for_each((size_t)B * NH * T, Z2_LOOP(row, {
+    Act* row_probs = probs + row * T;
+    scaled_softmax_row(row_probs, T, inverse_sqrt);
+    if (dropped)
+      dropout_row(rate, dropout_row_key(tensor_key, first_sample + (long)(row / rows_per_sample)),
+                  (row % rows_per_sample) * T, row_probs, dropped + row * T, T);
+  }));
+  const Act* source = dropped ? dropped : probs;  // what multiplies V: probs, or their dropped copy
   // Context [T, D] per (sample, head) = probs x V, into the head's columns.
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
     compute_.gemm_batched(false, false, T, D, T, 1.0f, source + square, T, (long)TT, a.value.data() + rows, H, D, 0.0f,
                           a.context.data() + rows, H, D, NH);
   }
-  if (shape_.dropout > 0.0f) close(dropped_);
+  if (dropped) close(dropped_);
   // Attention output: dense, dropout, residual, LayerNorm.
   Act* sum = a.attention_sum.data();  // [R, H] x + dropout(context Wo^T + bo), kept for LayerNorm's backward
-  linear(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, sum);
-  dropout(sum, sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
-  compute_.for_each((size_t)R * H, Z2_LOOP(i, { sum[i] = from_float<Act>(to_float(sum[i]) + to_float(x[i])); }));
+  linear_dropout_residual(a.context.data(), p.attention_output_weight, p.attention_output_bias, R, H, H, x, sum, step,
+                          first_sample, dropout_key(l, dropout_attention_output));
   layer_norm(sum, p.attention_norm_weight, p.attention_norm_bias, R, a.attention_out.data(), a.attention_stats.data());
   // Feed-forward: dense to F, GELU, dense to H, dropout, residual, LayerNorm.
-  linear(a.attention_out.data(), p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_pre.data());
-  const Act* pre = a.ffn_pre.data();  // [R, F] before GELU (backward needs GELU's derivative here)
-  Act* act = a.ffn_act.data();        // [R, F] after GELU (the output dense's input)
-  compute_.for_each((size_t)R * F, Z2_LOOP(i, { act[i] = from_float<Act>(gelu(to_float(pre[i]))); }));
+  Act* act = a.ffn_act.data();  // [R, F] after GELU (the output dense's input)
+  linear_gelu(a.attention_out.data(), p.intermediate_weight, p.intermediate_bias, R, H, F, a.ffn_gelu_saved.data(),
+              act);
   Act* out_sum = a.output_sum.data();  // [R, H] attention_out + dropout(act Wf^T + bf)
-  linear(act, p.output_weight, p.output_bias, R, F, H, out_sum);
-  dropout(out_sum, out_sum, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
-  const Act* residual = a.attention_out.data();  // [R, H]
-  compute_.for_each((size_t)R * H, Z2_LOOP(i, {
-    out_sum[i] = from_float<Act>(to_float(out_sum[i]) + to_float(residual[i]));
-  }));
+  linear_dropout_residual(act, p.output_weight, p.output_bias, R, F, H, a.attention_out.data(), out_sum, step,
+                          first_sample, dropout_key(l, dropout_ffn_output));
   layer_norm(out_sum, p.output_norm_weight, p.output_norm_bias, R, open(output), a.output_stats.data());
 }
 
@@ -2170,14 +2281,13 @@ inline void Model<Act>::head_forward_backward(long step, float gradient_scale, b
   const int* targets = targets_.data();       // [S] their labels (the original bytes)
   const Act* hidden = checkpoints_[shape_.layers].data();  // [R, H] the last block's output
   Act* gathered = open(head_input_);                     // [S, H] its selected rows
-  Act* pre = open(head_pre_);                            // [S, H] before GELU
+  Act* gelu_saved = open(head_gelu_saved_);              // [S, H] for GELU's backward (see linear_gelu)
   Act* act = open(head_act_);                            // [S, H] after GELU: the head LayerNorm's input
   float* stats = open(head_stats_);                      // [S, 2] fp32
   Act* out = open(head_out_);                            // [S, H] LayerNorm's output: the decoder's input
   Act* logits = open(logits_);                           // [S, V]
-  compute_.for_each((size_t)S * H, Z2_LOOP(i, { gathered[i] = hidden[(size_t)selected[i / H] * H + i % H]; }));
-  linear(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, pre);
-  compute_.for_each((size_t)S * H, Z2_LOOP(i, { act[i] = from_float<Act>(gelu(to_float(pre[i]))); }));
+  compute_.for_each((size_t)S, (size_t)H, Z2_LOOP2(s, j, { gathered[s * H + j] = hidden[(size_t)selected[s] * H + j]; }));
+  linear_gelu(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, gelu_saved, act);
   layer_norm(act, ids_.head_norm_weight, ids_.head_norm_bias, S, out, stats);
   // logits [S, V] = out x word_embeddings^T + decoder bias (the tied decoder).
   matmul_bias(out, param(ids_.word_embeddings), param(ids_.decoder_bias), S, H, V, logits);
@@ -2203,17 +2313,15 @@ inline void Model<Act>::head_forward_backward(long step, float gradient_scale, b
   compute_.gemm(false, false, S, H, V, 1.0f, dlogits, V, param(ids_.word_embeddings), H, 0.0f, dout, H);
   Act* dact = open(head_dact_);  // [S, H] dL/d GELU output, then (in place) dL/d its input
   layer_norm_backward(act, stats, dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
-  compute_.for_each((size_t)S * H, Z2_LOOP(i, {
-    dact[i] = from_float<Act>(to_float(dact[i]) * gelu_grad(to_float(pre[i])));
-  }));
+  gelu_backward(gelu_saved, (size_t)S * H, dact);
   Act* dgathered = open(head_dgathered_);  // [S, H] dL/d the selected rows
   linear_backward(gathered, dact, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, dgathered, 0.0f);
   // Scatter back to the selected rows; the others get zero.
   compute_.fill_zero(dhidden, (size_t)R * H * sizeof(Act), compute_.compute_stream());
-  compute_.for_each((size_t)S * H, Z2_LOOP(i, { dhidden[(size_t)selected[i / H] * H + i % H] = dgathered[i]; }));
+  compute_.for_each((size_t)S, (size_t)H, Z2_LOOP2(s, j, { dhidden[(size_t)selected[s] * H + j] = dgathered[s * H + j]; }));
   close(head_dgathered_), close(head_dact_), close(head_dout_);
   }
-  close(logits_), close(head_out_), close(head_stats_), close(head_act_), close(head_pre_), close(head_input_);
+  close(logits_), close(head_out_), close(head_stats_), close(head_act_), close(head_gelu_saved_), close(head_input_);
 }
 
 // The micro-batch's loss contribution: sum over its S selected rows of
@@ -2246,7 +2354,7 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   // they happen):
   Act* dy = gradient_flow_.data();  // [R, H] dL/d block output in; dL/d block input out
   Act* dsum = open(dsum_);        // [R, H] dL/d output_sum, then dL/d attention_out
-  Act* dwide = open(dwide_);      // [R, F] dL/d ffn_act, then d ffn_pre; later dq, dk [R, H] each
+  Act* dwide = open(dwide_);      // [R, F] dL/d ffn_act, then dL/d the FFN's pre-activation; later dq, dk [R, H] each
   Act* dattn = open(dattention_); // [R, H] dL/d attention_sum (the residual into x)
 
   // Output LayerNorm: dsum = dL/d(attention_out + dropout(ffn)).
@@ -2255,10 +2363,7 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   Act* dffn = dy;  // dy is no longer needed: reuse it
   dropout(dsum, dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
   linear_backward(a.ffn_act.data(), dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
-  const Act* pre = a.ffn_pre.data();
-  compute_.for_each((size_t)R * F, Z2_LOOP(i, {
-    dwide[i] = from_float<Act>(to_float(dwide[i]) * gelu_grad(to_float(pre[i])));
-  }));
+  gelu_backward(a.ffn_gelu_saved.data(), (size_t)R * F, dwide);
   // d attention_out = dsum (residual) + dwide x Wi: gemm with beta = 1 adds onto dsum.
   linear_backward(a.attention_out.data(), dwide, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum, 1.0f);
   // Attention LayerNorm: dattn = dL/d(x + dropout(dense(context))).
@@ -2273,32 +2378,39 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   // dV = Pd^T dC, dPd = dC V^T, dP = dropout(dPd), dS = P (dP - rowsum(dP P)) / sqrt(D),
   // dQ = dS K, dK = dS^T Q. dq and dk go to dwide (R x max(2H, F)), dv to
   // dsum (free once the attention output's backward is done).
-  const size_t TT = (size_t)T * T, attention = (size_t)B * NH * TT;
+  const size_t TT = (size_t)T * T;
   const Act* probs = a.probs.data();  // [B, NH, T, T] saved softmax output
-  const Act* dropped = probs;       // the same after dropout: recomputed from its keys, not stored
-  if (shape_.dropout > 0.0f) {
-    dropout(probs, open(dropped_), attention, (size_t)NH * TT, step, first_sample,
-            dropout_key(l, dropout_attention_probs));
-    dropped = dropped_.data();
-  }
+  const float rate = shape_.dropout;
+  Act* dropped = rate > 0.0f ? open(dropped_) : nullptr;  // [B, NH, T, T] probs after dropout, recomputed from its keys
   Act *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
   Act* dprobs = open(dprobs_);  // [B, NH, T, T] dL/d dropped probs, then d scores
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(true, false, T, D, T, 1.0f, dropped + square, T, (long)TT, dcontext + rows, H, D, 0.0f,
-                          dv + rows, H, D, NH);
     compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data() + rows, H, D, 0.0f,
                           dprobs + square, T, (long)TT, NH);
   }
-  dropout(dprobs, dprobs, attention, (size_t)NH * TT, step, first_sample, dropout_key(l, dropout_attention_probs));
+  // One pass over each row: the dropped probabilities (for dV), dP =
+  // dropout(dPd) with the same mask, and softmax's backward.
+  const uint64_t tensor_key = dropout_tensor_key(shape_.seed, dropout_key(l, dropout_attention_probs), step);
+  const size_t rows_per_sample = (size_t)NH * T;
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
   compute_.for_each((size_t)B * NH * T, Z2_LOOP(row, {
     const Act* p_row = probs + row * T;
     Act* d_row = dprobs + row * T;
-    float dot = 0.0f;
-    for (int j = 0; j < T; ++j) dot += to_float(d_row[j]) * to_float(p_row[j]);
-    for (int j = 0; j < T; ++j) d_row[j] = from_float<Act>(to_float(p_row[j]) * (to_float(d_row[j]) - dot) * inverse_sqrt);
+    if (dropped) {
+      const uint64_t row_key = dropout_row_key(tensor_key, first_sample + (long)(row / rows_per_sample));
+      const size_t first_element = (row % rows_per_sample) * T;
+      dropout_row(rate, row_key, first_element, p_row, dropped + row * T, T);
+      dropout_row(rate, row_key, first_element, d_row, d_row, T);
+    }
+    softmax_backward_row(p_row, d_row, T, inverse_sqrt);
   }));
+  const Act* source = dropped ? dropped : probs;  // what multiplied V in forward
+  for (int b = 0; b < B; ++b) {
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
+    compute_.gemm_batched(true, false, T, D, T, 1.0f, source + square, T, (long)TT, dcontext + rows, H, D, 0.0f,
+                          dv + rows, H, D, NH);
+  }
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
     compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.key.data() + rows, H, D, 0.0f,
@@ -2307,7 +2419,7 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
                           dk + rows, H, D, NH);
   }
   close(dprobs_);
-  if (shape_.dropout > 0.0f) close(dropped_);
+  if (dropped) close(dropped_);
   // dx = dattn (residual) + dv Wv + dk Wk + dq Wq, added in that order into
   // dy: value first, so gradients reach the engine in exactly the reverse of
   // registration order and stage 2 never needs more than its two slots.
@@ -2335,12 +2447,11 @@ inline void Model<Act>::embeddings_backward(long step, long first_sample) {
   engine_.gradient_ready(ids_.token_type_embeddings);
   // Position t collects row t of every sample, samples in order; unused positions get 0.
   Act* dposition = gradient(ids_.position_embeddings);  // [P, H]
-  compute_.for_each((size_t)P * H, Z2_LOOP(i, {
-    const size_t t = i / H, j = i % H;
+  compute_.for_each((size_t)P, (size_t)H, Z2_LOOP2(t, j, {
     float sum = 0.0f;
     if (t < (size_t)T)
       for (int b = 0; b < B; ++b) sum += to_float(dsum[((size_t)b * T + t) * H + j]);
-    dposition[i] = from_float<Act>(sum);
+    dposition[t * H + j] = from_float<Act>(sum);
   }));
   engine_.gradient_ready(ids_.position_embeddings);
   // Word row v: the tied decoder's part plus the rows where token v occurs,
@@ -2349,11 +2460,10 @@ inline void Model<Act>::embeddings_backward(long step, long first_sample) {
   const Act* decoder = decoder_gradient_.data();                   // [V, H] the tied decoder's part
   const int* offsets = token_offsets_.data();  // [V + 1] CSR offsets by token id
   const int* rows = token_rows_.data();        // [R] positions sorted by token id, in order within an id
-  compute_.for_each((size_t)vocab_size * H, Z2_LOOP(i, {
-    const size_t v = i / H, j = i % H;
+  compute_.for_each((size_t)vocab_size, (size_t)H, Z2_LOOP2(v, j, {
     float sum = 0.0f;
     for (int k = offsets[v]; k < offsets[v + 1]; ++k) sum += to_float(dsum[(size_t)rows[k] * H + j]);
-    dword[i] = from_float<Act>(to_float(decoder[i]) + sum);
+    dword[v * H + j] = from_float<Act>(to_float(decoder[v * H + j]) + sum);
   }));
   engine_.gradient_ready(ids_.word_embeddings);
   close(dsum_);
@@ -3536,6 +3646,7 @@ struct StepRecord {
   double loss_scale;  // the scale this step's gradients carried (fp16; 1 otherwise)
   bool skipped;       // fp16 overflow: no update
   double forward_ms = 0, backward_ms = 0, optimizer_ms = 0;  // wall_clock_breakdown only
+  double gemm_ms = 0;  // of ms, the time inside sgemm (cpu; 0 on cuda, where gemm only queues work)
 };
 
 // --- before step 1 -------------------------------------------------------------
@@ -4071,6 +4182,7 @@ template <class Act>
 void Training<Act>::train_step(long step) {
   const int A = settings_.accum, B = settings_.micro_batch, T = settings_.seq;
   const auto start = std::chrono::steady_clock::now();
+  const double gemm_seconds_before = compute_->gemm_seconds();
   const long selected = global_selected_count(training_text_, settings_.seed, step, (long)world_size_ * A, B, T);
   // A global batch with no selected position has no loss; the scale 1/1 then
   // multiplies nothing (every gradient is zero).
@@ -4095,6 +4207,7 @@ void Training<Act>::train_step(long step) {
   const double ms = std::chrono::duration<double, std::milli>(end - start).count();
   records_.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, tokens_per_step_ / (ms / 1000.0),
                       report.loss_scale, report.skipped});
+  records_.back().gemm_ms = (compute_->gemm_seconds() - gemm_seconds_before) * 1000.0;
   if (settings_.wall_clock_breakdown) {
     const typename Model<Act>::Times times = model_->take_times();
     records_.back().forward_ms = times.forward_ms;
@@ -4379,7 +4492,13 @@ void Training<Act>::write_json(const std::string& hash) const {
     for (auto& r : records_) times.push_back(r.ms);
     std::sort(times.begin(), times.end());
     const double median_ms = times[times.size() / 2];
-    out["time"] = {{"step_ms_median", median_ms}, {"tokens_per_s_median", tokens_per_step_ / (median_ms / 1000.0)}};
+    // The sgemm share: the median over steps of (time in sgemm) / (step time).
+    std::vector<double> gemm_shares;
+    for (auto& r : records_) gemm_shares.push_back(r.gemm_ms / r.ms);
+    std::sort(gemm_shares.begin(), gemm_shares.end());
+    out["time"] = {{"step_ms_median", median_ms},
+                   {"tokens_per_s_median", tokens_per_step_ / (median_ms / 1000.0)},
+                   {"gemm_share_median", gemm_shares[gemm_shares.size() / 2]}};
   }
   write_output_file(settings_.json_path, out.dump(2) + "\n");
 }

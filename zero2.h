@@ -82,6 +82,19 @@ Loop<HostBody, DeviceBody> make_loop(HostBody host, DeviceBody device) {
 #else
 #define Z2_LOOP(index, ...) [=](size_t index) __VA_ARGS__
 #endif
+// Z2_LOOP2(row, column, { body }): the same over a [rows, columns] grid, for
+// Compute::for_each(rows, columns, ...) and Compute::column_sums. On the CPU
+// the rows are the outer loop and the columns the inner one, so the body sees
+// `row` constant across the inner loop: no division per element (i / columns
+// and i % columns cost 20-40 cycles each), what depends on the row alone is
+// hoisted out, and the inner loop can be vectorised.
+#if defined(__CUDACC__)
+#define Z2_LOOP2(row, column, ...)                                       \
+  ::z2::make_loop([=](size_t row, size_t column) __VA_ARGS__,            \
+                  [=] __device__(size_t row, size_t column) __VA_ARGS__)
+#else
+#define Z2_LOOP2(row, column, ...) [=](size_t row, size_t column) __VA_ARGS__
+#endif
 
 
 // ----------------------------------------------------------------------------
@@ -159,6 +172,16 @@ Z2_HD inline uint64_t hash_keys(uint64_t a, uint64_t b, uint64_t c = 0, uint64_t
 }
 // Uniform in [0, 1) with 24 random bits: every value is exactly a float.
 Z2_HD inline float uniform_from_hash(uint64_t h) { return (float)(h >> 40) * (1.0f / 16777216.0f); }
+// For hashes made per element, where 64-bit multiplies would cost more than
+// the rest of the loop: murmur3's 32-bit finaliser (a bijection of 32 bits;
+// 32-bit multiplies vectorise on every x86-64 vector unit), and a uniform
+// from its top 24 bits (converted as a signed int: exact, and vectorisable).
+Z2_HD inline uint32_t mix32(uint32_t x) {
+  x = (x ^ (x >> 16)) * 0x85ebca6bu;
+  x = (x ^ (x >> 13)) * 0xc2b2ae35u;
+  return x ^ (x >> 16);
+}
+Z2_HD inline float uniform_from_hash32(uint32_t h) { return (float)(int32_t)(h >> 8) * (1.0f / 16777216.0f); }
 
 // --- 16-bit floating point (mixed precision, notes/08) ----------------------
 //
@@ -301,6 +324,24 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
   float sum = depth > 0 ? stack[--depth] : 0.0f;
   while (depth > 0) sum = stack[--depth] + sum;
   return sum;
+}
+
+// canonical_tree_sum of a power-of-two count of leaves, by levels: the pairs
+// of leaves, then the pairs of pairs, ... A perfect tree has one shape, so
+// these are the same additions in the same order, written as loops the CPU
+// can vectorise (each level reads `from` and writes `to`, then they swap).
+// `leaves` [n] is overwritten.
+template <int n>
+Z2_HD inline float perfect_tree_sum(float* leaves) {
+  static_assert(n > 0 && (n & (n - 1)) == 0, "n must be a power of two");
+  float scratch[n / 2 > 0 ? n / 2 : 1];
+  float *from = leaves, *to = scratch;
+  for (int width = n / 2; width >= 1; width /= 2) {
+    for (int k = 0; k < width; ++k) to[k] = from[2 * k] + from[2 * k + 1];
+    float* swap = from;
+    from = to, to = swap;
+  }
+  return from[0];
 }
 
 // The same tree, fed over time: the A micro-step results of one optimizer step
@@ -540,6 +581,11 @@ class Compute {
                     long stride_a, const float16* B, int ldb, long stride_b, float beta, float16* C, int ldc,
                     long stride_c, int batch);
 
+  // Seconds spent inside OpenBLAS's sgemm since this Compute was made (cpu
+  // only: on cuda the calls only queue work, so there is nothing to time on
+  // the host). `make bench` prints it as the step's sgemm share.
+  double gemm_seconds() const { return gemm_seconds_; }
+
   // Run body(i) for i in [0, n): a CPU loop, or one CUDA thread per i on `stream`.
   template <class Body>
   void for_each(size_t n, Body body, Stream stream);
@@ -549,6 +595,18 @@ class Compute {
   void for_each(size_t n, Loop<HostBody, DeviceBody> loop, Stream stream);  // Z2_LOOP's two lambdas
   template <class HostBody, class DeviceBody>
   void for_each(size_t n, Loop<HostBody, DeviceBody> loop) { for_each(n, loop, compute_stream_); }
+  // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
+  // cpu rows outer and columns inner; on cuda one thread per cell.
+  template <class Body>
+  void for_each(size_t rows, size_t columns, Body body);
+  // sums[column] = the sum over rows of element(row, column) (Z2_LOOP2
+  // returning float), added in row order 0, 1, ..., rows - 1 from 0.0f and
+  // stored once as T: the fixed order of the bias and LayerNorm gradients. On
+  // cpu the rows are the outer loop (every column's running sum advances one
+  // row at a time: the same order, vectorised across columns, in fp32
+  // scratch); on cuda one thread per column walks its rows.
+  template <class T, class Element>
+  void column_sums(size_t rows, size_t columns, Element element, T* sums);
 
  private:
   void* device_malloc(size_t bytes);             // cudaMalloc / aligned host allocation, zeroed
@@ -573,6 +631,8 @@ class Compute {
   MemoryCounters counters_;
   bool tracing_ = false;
   std::vector<MemorySample> trace_;
+  double gemm_seconds_ = 0;  // see gemm_seconds()
+  std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)
   struct Live;
   std::unique_ptr<Live> live_;  // pointer -> (bytes, kind), and the block's bookkeeping
 };
@@ -654,6 +714,80 @@ void Compute::for_each(size_t n, Body body, Stream stream) {
 #else
   (void)stream;
   usage_error("for_each on cuda called from a file not compiled by nvcc");
+#endif
+}
+
+#if defined(__CUDACC__)
+template <class Body>
+__global__ void for_each_2d_kernel(size_t rows, size_t columns, Body body) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < rows * columns) body(i / columns, i % columns);
+}
+template <class T, class Element>
+__global__ void column_sums_kernel(size_t rows, size_t columns, Element element, T* sums) {
+  size_t column = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (column >= columns) return;
+  float sum = 0.0f;
+  for (size_t row = 0; row < rows; ++row) sum += element(row, column);
+  sums[column] = from_float<T>(sum);
+}
+#endif
+
+// The host half of a Z2_LOOP2 (or the plain lambda of the g++ build), and the
+// device half (which only the nvcc build has).
+template <class Body>
+const Body& host_body(const Body& body) { return body; }
+template <class HostBody, class DeviceBody>
+const HostBody& host_body(const Loop<HostBody, DeviceBody>& loop) { return loop.host; }
+template <class Body>
+const Body& device_body(const Body& body) { return body; }
+template <class HostBody, class DeviceBody>
+const DeviceBody& device_body(const Loop<HostBody, DeviceBody>& loop) { return loop.device; }
+
+template <class Body>
+void Compute::for_each(size_t rows, size_t columns, Body body) {
+  if (rows == 0 || columns == 0) return;
+  if (device_ == Device::cpu) {
+    const auto& host = host_body(body);
+    for (size_t row = 0; row < rows; ++row)
+      // Cells are independent (on cuda each is its own thread), which is what
+      // ivdep tells the compiler: no alias check stands between it and vectors.
+#pragma GCC ivdep
+      for (size_t column = 0; column < columns; ++column) host(row, column);
+    return;
+  }
+#if defined(__CUDACC__)
+  const unsigned threads = 256;
+  const size_t blocks = (rows * columns + threads - 1) / threads;
+  for_each_2d_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)compute_stream_.handle>>>(rows, columns,
+                                                                                              device_body(body));
+  launch_check(__FILE__, __LINE__);
+#else
+  usage_error("for_each on cuda called from a file not compiled by nvcc");
+#endif
+}
+
+template <class T, class Element>
+void Compute::column_sums(size_t rows, size_t columns, Element element, T* sums) {
+  if (columns == 0) return;
+  if (device_ == Device::cpu) {
+    const auto& host = host_body(element);
+    column_scratch_.assign(columns, 0.0f);
+    float* running = column_scratch_.data();  // [columns] the sums over the rows so far
+    for (size_t row = 0; row < rows; ++row)
+#pragma GCC ivdep
+      for (size_t column = 0; column < columns; ++column) running[column] += host(row, column);
+    for (size_t column = 0; column < columns; ++column) sums[column] = from_float<T>(running[column]);
+    return;
+  }
+#if defined(__CUDACC__)
+  const unsigned threads = 256;
+  const size_t blocks = (columns + threads - 1) / threads;
+  column_sums_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)compute_stream_.handle>>>(rows, columns,
+                                                                                              device_body(element), sums);
+  launch_check(__FILE__, __LINE__);
+#else
+  usage_error("column_sums on cuda called from a file not compiled by nvcc");
 #endif
 }
 

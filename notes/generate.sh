@@ -99,7 +99,8 @@ PY
 } >"$out/bert_reference"
 
 # bert_bench: `make bench`; zero_r_bench: its ZeRO-R lines (notes/04).
-tests/bench.sh "$build" >"$out/bench_output"
+# With the g++ build beside it (make notes builds both), the per-core lines compare the two.
+tests/bench.sh "$build" $(test -x build-cpu/train_bert_mini && echo build-cpu) >"$out/bench_output"
 {
   echo '```'
   echo "\$ make bench"
@@ -112,6 +113,12 @@ tests/bench.sh "$build" >"$out/bench_output"
   sed -n '/^ZeRO-R/,$p' "$out/bench_output"
   echo '```'
 } >"$out/zero_r_bench"
+{
+  echo '```'
+  echo "\$ make bench    # (its per-core lines)"
+  sed -n '1p;/^Per core/,/^Two cores/p' "$out/bench_output"
+  echo '```'
+} >"$out/bench_summary"
 
 # --- ZeRO-R (notes/04-activation-offload.md, notes/05-arena.md) ---------------------
 # zero_r_modes: the default BERT-mini, N = 2, stage 2, every --activations x --alloc.

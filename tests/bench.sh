@@ -1,65 +1,104 @@
 #!/usr/bin/env bash
-# tests/bench.sh BUILD_DIR — `make bench`: throughput of the default BERT-mini,
-# from one run each (figures, not a timed test):
-#   - stage 0 and stage 2 at N = 2 (one OpenBLAS thread per rank), and their ratio;
-#   - stage 2 at N = 2 with --activations recompute and offload: the
-#     step-time ratios recompute / keep and offload / keep (ZeRO-R's price);
-#   - stage 2 at N = 2 in bf16 and fp16 (--precision): tokens/s beside fp32's;
-#   - PyTorch (tests/torch_reference.py bench) on the same model, the same
-#     global batch (N x micro-batch sequences per step), the same dropout and the
-#     same number of threads (2), and the ratio of ours to it.
-# Tokens/s are the median step's (ours) and the mean over the timed steps
-# (PyTorch's), after warm-up. BENCH_STEPS (default 12) sets the step count.
+# tests/bench.sh BUILD_DIR [SECOND_BUILD_DIR] — `make bench`: throughput of the
+# default BERT-mini (L=4 H=256 heads=4 F=1024 T=128, micro-batch 8 per rank,
+# dropout 0.1), figures from one run each, not a timed test:
+#   - one table: fp32 / bf16 / fp16 x stage 0 / 2 x N = 1, 2 ranks, tokens/s of
+#     the median step and the share of it spent inside sgemm (the trainer's
+#     timer around every sgemm call; cpu only), N=2 / N=1 (the same per-rank
+#     batch, so 2.0 is perfect scaling) and stage 2 / stage 0 at N = 2;
+#   - PyTorch (tests/torch_reference.py bench) on the same model, dropout
+#     sites and AdamW, one thread on the per-rank batch: zero2 / PyTorch per
+#     core. Measured back to back twice with zero2 (and SECOND_BUILD_DIR's
+#     zero2, `make cpu`'s, when given), the mean of the two for each;
+#   - PyTorch with 2 threads on the global batch of N = 2 beside zero2 N = 2;
+#   - ZeRO-R at stage 2, N = 2: the step-time ratios recompute / keep and
+#     offload / keep (notes/04 quotes these last lines).
+# One OpenBLAS thread per rank. BENCH_STEPS (default 12) sets the step count.
 set -eu
 build=${1:-build}
-trainer="$build/train_bert_mini"
+second=${2:-}
 steps=${BENCH_STEPS:-12}
 work=$(mktemp -d /tmp/z2_bench.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 export OPENBLAS_NUM_THREADS=1
 model=(--layers 4 --hidden 256 --heads 4 --intermediate 1024 --seq 128 --micro-batch 8 --dropout 0.1)
-N=2
-for stage in 0 2; do
-  timeout 900 mpirun -n $N "$trainer" "${model[@]}" --stage $stage --steps "$steps" --warmup 1 --quiet \
-    --json "$work/stage$stage.json"
+torch_model=(--layers 4 --hidden 256 --heads 4 --intermediate 1024 --seq 128 --dropout 0.1 --steps "$steps")
+
+# zero2 BUILD NAME N ARGS...: one run, its JSON in $work/NAME.json.
+zero2() {
+  local dir=$1 name=$2 ranks=$3
+  shift 3
+  timeout 900 mpirun -n "$ranks" "$dir/train_bert_mini" "${model[@]}" --steps "$steps" --warmup 1 --quiet \
+    --json "$work/$name.json" "$@"
+}
+# torch NAME THREADS BATCH: PyTorch's tokens/s into $work/NAME.tokens.
+torch() {
+  /usr/bin/python3 tests/torch_reference.py bench "${torch_model[@]}" --threads "$2" --batch "$3" |
+    sed -n 's/^torch tokens\/s: //p' >"$work/$1.tokens"
+}
+
+for precision in fp32 bf16 fp16; do
+  for stage in 0 2; do
+    for ranks in 1 2; do
+      zero2 "$build" "${precision}_s${stage}_n${ranks}" $ranks --stage $stage --precision $precision
+    done
+  done
 done
-for precision in bf16 fp16; do
-  timeout 900 mpirun -n $N "$trainer" "${model[@]}" --stage 2 --precision $precision --steps "$steps" --warmup 1 \
-    --quiet --json "$work/$precision.json"
+# Per core, back to back, twice: zero2 (both builds) and PyTorch with one thread.
+for round in 1 2; do
+  zero2 "$build" "percore_$round" 1 --stage 2
+  if [ -n "$second" ]; then zero2 "$second" "percore_second_$round" 1 --stage 2; fi
+  torch "torch1_$round" 1 8
 done
+torch torch2 2 16
 for activations in recompute offload; do
-  timeout 900 mpirun -n $N "$trainer" "${model[@]}" --stage 2 --activations $activations --steps "$steps" --warmup 1 \
-    --quiet --json "$work/$activations.json"
+  zero2 "$build" "$activations" 2 --stage 2 --activations $activations
 done
-field() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
-device=$(field "$work/stage0.json" "d['device']")
-s0=$(field "$work/stage0.json" "d['time']['tokens_per_s_median']")
-s2=$(field "$work/stage2.json" "d['time']['tokens_per_s_median']")
-keep_ms=$(field "$work/stage2.json" "d['time']['step_ms_median']")
-recompute_ms=$(field "$work/recompute.json" "d['time']['step_ms_median']")
-offload_ms=$(field "$work/offload.json" "d['time']['step_ms_median']")
-bf16=$(field "$work/bf16.json" "d['time']['tokens_per_s_median']")
-fp16=$(field "$work/fp16.json" "d['time']['tokens_per_s_median']")
-torch_line=$(/usr/bin/python3 tests/torch_reference.py bench --layers 4 --hidden 256 --heads 4 --intermediate 1024 \
-  --seq 128 --batch $((N * 8)) --steps "$steps" --threads $N --dropout 0.1 | grep '^torch tokens/s:')
-torch=${torch_line#torch tokens/s: }
-python3 - "$s0" "$s2" "$torch" "$device" "$steps" "$keep_ms" "$recompute_ms" "$offload_ms" "$bf16" "$fp16" <<'PY'
-import sys
-s0, s2, torch = (float(x) for x in sys.argv[1:4]); device, steps = sys.argv[4], sys.argv[5]
-keep, recompute, offload = (float(x) for x in sys.argv[6:9])
-bf16, fp16 = (float(x) for x in sys.argv[9:11])
-print(f"BERT-mini (L=4 H=256 heads=4 F=1024 T=128), global batch 16 sequences, {steps} steps, 2 ranks / 2 threads")
-print(f"  zero2 stage 0 ({device}, N=2)   {s0:10,.0f} tokens/s")
-print(f"  zero2 stage 2 ({device}, N=2)   {s2:10,.0f} tokens/s")
-print(f"  stage 2 / stage 0           {s2 / s0:10.3f}")
-print(f"  PyTorch (cpu, 2 threads)    {torch:10,.0f} tokens/s")
-print(f"  zero2 stage 2 / PyTorch     {s2 / torch:10.3f}")
-print(f"Mixed precision at stage 2, N=2: tokens/s by --precision ({device}; on the CPU 16-bit values are")
-print(f"widened for sgemm and every kernel converts: the bytes shrink, the arithmetic does not)")
-print(f"  fp32                        {s2:10,.0f} tokens/s")
-print(f"  bf16                        {bf16:10,.0f} tokens/s   bf16 / fp32 {bf16 / s2:6.3f}")
-print(f"  fp16                        {fp16:10,.0f} tokens/s   fp16 / fp32 {fp16 / s2:6.3f}")
-print(f"ZeRO-R at stage 2, N=2: median step time by --activations")
+
+cpu_model=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+cores=$(nproc)
+kind=$(if ldd "$build/train_bert_mini" | grep -q libcudart; then echo nvcc; else echo g++; fi)
+/usr/bin/python3 - "$work" "$build" "$kind" "$second" "$steps" "$cpu_model" "$cores" <<'PY'
+import json, os, sys
+work, build, kind, second, steps, cpu_model, cores = sys.argv[1:8]
+def run(name): return json.load(open(os.path.join(work, name + ".json")))
+def tokens(name): return run(name)["time"]["tokens_per_s_median"]
+def share(name):
+    d = run(name)
+    return "   -" if d["device"] != "cpu" else f"{d['time']['gemm_share_median']:.2f}"
+def torch(name): return float(open(os.path.join(work, name + ".tokens")).read())
+device = run("fp32_s2_n1")["device"]
+print(f"Machine: {cpu_model}, {cores} cores; zero2 on {device} ({build}/, built by {kind}); one OpenBLAS thread per rank")
+print(f"BERT-mini L=4 H=256 heads=4 F=1024 T=128, micro-batch 8 per rank, dropout 0.1, {steps} steps;")
+print("tokens/s of the median step, sgemm = share of the step inside sgemm (cpu; '-' on a GPU)")
+print()
+print(f"  {'precision':<10}{'stage':>5}{'N=1 tokens/s':>15}{'sgemm':>7}{'N=2 tokens/s':>15}{'sgemm':>7}{'N=2 / N=1':>11}")
+for precision in ("fp32", "bf16", "fp16"):
+    for stage in (0, 2):
+        one, two = f"{precision}_s{stage}_n1", f"{precision}_s{stage}_n2"
+        print(f"  {precision:<10}{stage:>5}{tokens(one):>15,.0f}{share(one):>7}{tokens(two):>15,.0f}{share(two):>7}"
+              f"{tokens(two) / tokens(one):>11.3f}")
+print("  stage 2 / stage 0 at N=2:   " + "   ".join(
+    f"{p} {tokens(p + '_s2_n2') / tokens(p + '_s0_n2'):.3f}" for p in ("fp32", "bf16", "fp16")))
+print()
+mean = lambda values: sum(values) / len(values)
+ours = mean([tokens(f"percore_{r}") for r in (1, 2)])
+theirs = mean([torch(f"torch1_{r}") for r in (1, 2)])
+print("Per core (N=1, one thread, fp32, stage 2, batch 8), back to back twice, the mean of each:")
+label = lambda text: f"  {text:<30}"
+print(label(f"zero2 ({build}/, {kind})") + f"{ours:>10,.0f} tokens/s")
+if second:
+    other = mean([tokens(f"percore_second_{r}") for r in (1, 2)])
+    print(label(f"zero2 ({second}/, g++)") + f"{other:>10,.0f} tokens/s   {build}/ / {second}/ {ours / other:.3f}")
+print(label("PyTorch (1 thread)") + f"{theirs:>10,.0f} tokens/s")
+print(label("zero2 / PyTorch") + f"{ours / theirs:>10.3f}" + (f"   ({second}/: {other / theirs:.3f})" if second else ""))
+torch2 = torch("torch2")
+print(f"Two cores: zero2 fp32 stage 2 N=2 {tokens('fp32_s2_n2'):,.0f} tokens/s, PyTorch 2 threads batch 16 "
+      f"{torch2:,.0f}: ratio {tokens('fp32_s2_n2') / torch2:.3f}")
+print()
+keep = run("fp32_s2_n2")["time"]["step_ms_median"]
+recompute, offload = (run(n)["time"]["step_ms_median"] for n in ("recompute", "offload"))
+print("ZeRO-R at stage 2, N=2: median step time by --activations")
 print(f"  keep                        {keep:10.1f} ms")
 print(f"  recompute                   {recompute:10.1f} ms   recompute / keep {recompute / keep:6.3f}")
 print(f"  offload                     {offload:10.1f} ms   offload / keep   {offload / keep:6.3f}")

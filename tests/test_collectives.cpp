@@ -34,6 +34,35 @@ TEST_CASE("canonical_tree_sum (binary counter) equals the recursive left-complet
   CHECK(order_matters);
 }
 
+// perfect_tree_sum (by levels, the norm chunks' fast form) must be the same
+// tree: compared with the recursive definition for every power of two the
+// engine could use, on data where a wrong pairing shows.
+template <int n>
+static bool perfect_tree_matches(bool* order_matters) {
+  bool equal = true;
+  for (int trial = 0; trial < 8; ++trial) {
+    float leaves[n], copy[n];
+    for (int k = 0; k < n; ++k) leaves[k] = copy[k] = test_value(1000 * n + trial, k);
+    const float levels = z2::perfect_tree_sum<n>(copy);
+    const float recursive = recursive_tree_sum(leaves, n);
+    equal &= std::memcmp(&levels, &recursive, sizeof(float)) == 0;
+    float sequential = 0.0f;
+    for (float leaf : leaves) sequential += leaf;
+    *order_matters |= sequential != recursive;
+  }
+  return equal;
+}
+TEST_CASE("perfect_tree_sum (by levels) equals the recursive tree for n = 1 ... 256") {
+  bool order_matters = false;
+  bool equal = perfect_tree_matches<1>(&order_matters) && perfect_tree_matches<2>(&order_matters) &&
+               perfect_tree_matches<4>(&order_matters) && perfect_tree_matches<8>(&order_matters) &&
+               perfect_tree_matches<16>(&order_matters) && perfect_tree_matches<32>(&order_matters) &&
+               perfect_tree_matches<64>(&order_matters) && perfect_tree_matches<128>(&order_matters) &&
+               perfect_tree_matches<256>(&order_matters);
+  CHECK(agree(equal, "perfect_tree_sum differs from the recursive tree"));
+  CHECK(order_matters);  // the data make the order show, so the test can fail
+}
+
 TEST_CASE("accumulate_micro_step over A micro-steps equals the canonical tree over A leaves") {
   bool all_equal = true;
   const size_t elements = 5;

@@ -767,13 +767,15 @@ for flags in "--lr 1e-320" "--bucket 1073741824"; do
   else fail "refused: $flags: $(head -c 200 "$work/log")"; fi
 done
 
-# Gradients whose fp32 squares overflow (dropout 0.97 scales them by 1/0.03
-# at every site): the norm is still finite, and every step reports it.
-if timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --steps 5 --dropout 0.97 --json "$work/dropout.json" > "$work/log" 2>&1; then
+# Gradients whose fp32 squares overflow (dropout 0.99 scales them by 1/0.01
+# at every site; at 0.97 whether they overflow depends on the masks: seeds
+# 1, 2, 3 give first-step norms of 2e7, 6e27 and 9e6 there, above 1e22 at
+# 0.99): the norm is still finite, and every step reports it.
+if timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --steps 5 --dropout 0.99 --json "$work/dropout.json" > "$work/log" 2>&1; then
   verdict=$(json_get "$work/dropout.json" "'ok' if all(s['grad_norm'] is not None and s['grad_norm'] > 0 for s in d['steps']) and max(s['grad_norm'] for s in d['steps']) > 1.8e19 else 'bad ' + str([s['grad_norm'] for s in d['steps']])")
-  case "$verdict" in ok*) pass "dropout 0.97: every gradient norm finite, the largest beyond sqrt(FLT_MAX)";; *) fail "dropout 0.97: $verdict";; esac
+  case "$verdict" in ok*) pass "dropout 0.99: every gradient norm finite, the largest beyond sqrt(FLT_MAX)";; *) fail "dropout 0.99: $verdict";; esac
 else
-  fail "dropout 0.97: exit non-zero: $(head -c 300 "$work/log")"
+  fail "dropout 0.99: exit non-zero: $(head -c 300 "$work/log")"
 fi
 
 # A stopped rank (SIGSTOP: hydra does not notice it): the others' watchdog
