@@ -1381,10 +1381,26 @@ Z2_HD inline void layer_norm_backward_row(const T* x, float mean, float rstd, co
 // In fp32 the exponentials are stored in the row as the sum is formed and
 // divided in place: expf once per element, the bits of computing it twice.
 // A 16-bit row cannot hold them unrounded, so there it is computed again.
+// The max, in 8 lanes (element j in lane j % 8, then the lanes in order): a
+// max is the same whatever the order, up to the sign of a zero, which
+// x - max and exp cannot see; and a row of NaNs still gives row[0]'s. The
+// lanes make 8 short dependency chains instead of one long one.
+template <class T>
+Z2_HD inline float scaled_row_max(const T* row, int n, float scale) {
+  constexpr int lanes = 8;
+  float lane_max[lanes];
+  for (int k = 0; k < lanes; ++k) lane_max[k] = to_float(row[0]) * scale;
+  int j = 1;
+  for (; j + lanes <= n; j += lanes)
+    for (int k = 0; k < lanes; ++k) lane_max[k] = max_or_number(lane_max[k], to_float(row[j + k]) * scale);
+  float max_value = lane_max[0];
+  for (int k = 1; k < lanes; ++k) max_value = max_or_number(max_value, lane_max[k]);
+  for (; j < n; ++j) max_value = max_or_number(max_value, to_float(row[j]) * scale);
+  return max_value;
+}
 template <class T>
 Z2_HD inline void scaled_softmax_row(T* row, int n, float scale) {
-  float max_value = to_float(row[0]) * scale;
-  for (int j = 1; j < n; ++j) max_value = max_or_number(max_value, to_float(row[j]) * scale);
+  const float max_value = scaled_row_max(row, n, scale);
   float sum = 0.0f;
   if constexpr (std::is_same<T, float>::value) {
     for (int j = 0; j < n; ++j) sum += (row[j] = expf(row[j] * scale - max_value));
