@@ -1298,12 +1298,13 @@ Z2_HD inline float max_or_number(float a, float b) { return (a >= b || b != b) ?
 // computes anyway (see linear_gelu).
 Z2_HD inline float one_plus_erf(float x) { return 1.0f + erff(x * 0.70710678118654752f); }
 Z2_HD inline float gelu_from(float x, float one_plus_erf_x) { return x * 0.5f * one_plus_erf_x; }
-Z2_HD inline float gelu_grad_from(float x, float one_plus_erf_x) {
+Z2_HD inline float gaussian_exp(float x) { return expf(-0.5f * x * x); }  // exp(-x^2 / 2)
+Z2_HD inline float gelu_grad_from(float x, float one_plus_erf_x, float gaussian_exp_x) {
   const float cdf = 0.5f * one_plus_erf_x;
-  const float pdf = expf(-0.5f * x * x) * 0.39894228040143268f;  // 1 / sqrt(2 pi)
+  const float pdf = gaussian_exp_x * 0.39894228040143268f;  // 1 / sqrt(2 pi)
   return cdf + x * pdf;
 }
-Z2_HD inline float gelu_grad(float x) { return gelu_grad_from(x, one_plus_erf(x)); }
+Z2_HD inline float gelu_grad(float x) { return gelu_grad_from(x, one_plus_erf(x), gaussian_exp(x)); }
 
 // Inverted dropout: the scale an element is multiplied by, 0 or 1 / (1 - p),
 // from the element's keys alone (notes/06, "Random numbers"). The keys are
@@ -2054,14 +2055,34 @@ inline void Model<Act>::linear_gelu(const Act* input, z2::ParameterId weight, z2
                                     int out, Act* gelu_saved, Act* act) {
   constexpr bool fp32 = std::is_same<Act, float>::value;
   const Act* b = param(bias);
-  if (fp32) {
+  if (fp32 && compute_.device() == z2::Device::cpu) {
+    compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, act, out);  // act = x W^T
+    // The CPU in phases over chunks of a row: the libm calls (erf, exp) in
+    // loops of their own, where little else is live across a call, and the
+    // arithmetic around them in loops that vectorise. The same values.
+    constexpr int chunk = 256;
+    float pre[chunk], ope[chunk], gauss[chunk];
+    for (int r = 0; r < rows; ++r)
+      for (int first = 0; first < out; first += chunk) {
+        const int n = std::min(chunk, out - first);
+        Act* act_row = act + (size_t)r * out + first;
+        Act* saved_row = gelu_saved + (size_t)r * out + first;
+        for (int j = 0; j < n; ++j) pre[j] = to_float(act_row[j]) + to_float(b[first + j]);
+        for (int j = 0; j < n; ++j) ope[j] = one_plus_erf(pre[j]);
+        for (int j = 0; j < n; ++j) gauss[j] = gaussian_exp(pre[j]);
+        for (int j = 0; j < n; ++j) {
+          act_row[j] = from_float<Act>(gelu_from(pre[j], ope[j]));
+          saved_row[j] = from_float<Act>(gelu_grad_from(pre[j], ope[j], gauss[j]));
+        }
+      }
+  } else if (fp32) {
     compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, act, out);  // act = x W^T
     compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
       const size_t i = r * out + j;
       const float pre = to_float(act[i]) + to_float(b[j]);
       const float ope = one_plus_erf(pre);
       act[i] = from_float<Act>(gelu_from(pre, ope));
-      gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope));
+      gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope, gaussian_exp(pre)));
     }));
   } else {
     matmul_bias(input, param(weight), b, rows, in, out, gelu_saved);  // pre, bias in the product
