@@ -596,7 +596,9 @@ class Compute {
   template <class HostBody, class DeviceBody>
   void for_each(size_t n, Loop<HostBody, DeviceBody> loop) { for_each(n, loop, compute_stream_); }
   // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
-  // cpu rows outer and columns inner; on cuda one thread per cell.
+  // cpu rows outer and columns inner; on cuda one thread per cell. As for
+  // any kernel, no cell may read what another cell writes (the CPU loop tells
+  // the compiler so, to vectorise it).
   template <class Body>
   void for_each(size_t rows, size_t columns, Body body);
   // sums[column] = the sum over rows of element(row, column) (Z2_LOOP2
