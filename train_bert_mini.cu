@@ -2055,35 +2055,36 @@ inline void Model<Act>::linear_gelu(const Act* input, z2::ParameterId weight, z2
                                     int out, Act* gelu_saved, Act* act) {
   constexpr bool fp32 = std::is_same<Act, float>::value;
   const Act* b = param(bias);
-  if (fp32 && compute_.device() == z2::Device::cpu) {
+  if (fp32) {
     compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, act, out);  // act = x W^T
-    // The CPU in phases over chunks of a row: the libm calls (erf, exp) in
-    // loops of their own, where little else is live across a call, and the
-    // arithmetic around them in loops that vectorise. The same values.
-    constexpr int chunk = 256;
-    float pre[chunk], ope[chunk], gauss[chunk];
-    for (int r = 0; r < rows; ++r)
-      for (int first = 0; first < out; first += chunk) {
-        const int n = std::min(chunk, out - first);
-        Act* act_row = act + (size_t)r * out + first;
-        Act* saved_row = gelu_saved + (size_t)r * out + first;
-        for (int j = 0; j < n; ++j) pre[j] = to_float(act_row[j]) + to_float(b[first + j]);
-        for (int j = 0; j < n; ++j) ope[j] = one_plus_erf(pre[j]);
-        for (int j = 0; j < n; ++j) gauss[j] = gaussian_exp(pre[j]);
-        for (int j = 0; j < n; ++j) {
-          act_row[j] = from_float<Act>(gelu_from(pre[j], ope[j]));
-          saved_row[j] = from_float<Act>(gelu_grad_from(pre[j], ope[j], gauss[j]));
+    if (compute_.device() == z2::Device::cpu) {
+      // The CPU in phases over chunks of a row: the libm calls (erf, exp) in
+      // loops of their own, where little else is live across a call, and the
+      // arithmetic around them in loops that vectorise. The same values.
+      constexpr int chunk = 256;
+      float pre[chunk], ope[chunk], gauss[chunk];
+      for (int r = 0; r < rows; ++r)
+        for (int first = 0; first < out; first += chunk) {
+          const int n = std::min(chunk, out - first);
+          Act* act_row = act + (size_t)r * out + first;
+          Act* saved_row = gelu_saved + (size_t)r * out + first;
+          for (int j = 0; j < n; ++j) pre[j] = to_float(act_row[j]) + to_float(b[first + j]);
+          for (int j = 0; j < n; ++j) ope[j] = one_plus_erf(pre[j]);
+          for (int j = 0; j < n; ++j) gauss[j] = gaussian_exp(pre[j]);
+          for (int j = 0; j < n; ++j) {
+            act_row[j] = from_float<Act>(gelu_from(pre[j], ope[j]));
+            saved_row[j] = from_float<Act>(gelu_grad_from(pre[j], ope[j], gauss[j]));
+          }
         }
-      }
-  } else if (fp32) {
-    compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, act, out);  // act = x W^T
-    compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
-      const size_t i = r * out + j;
-      const float pre = to_float(act[i]) + to_float(b[j]);
-      const float ope = one_plus_erf(pre);
-      act[i] = from_float<Act>(gelu_from(pre, ope));
-      gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope, gaussian_exp(pre)));
-    }));
+    } else {
+      compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
+        const size_t i = r * out + j;
+        const float pre = to_float(act[i]) + to_float(b[j]);
+        const float ope = one_plus_erf(pre);
+        act[i] = from_float<Act>(gelu_from(pre, ope));
+        gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope, gaussian_exp(pre)));
+      }));
+    }
   } else {
     matmul_bias(input, param(weight), b, rows, in, out, gelu_saved);  // pre, bias in the product
     compute_.for_each((size_t)rows * out, Z2_LOOP(i, {
