@@ -586,15 +586,12 @@ class Compute {
   // the host). `make bench` prints it as the step's sgemm share.
   double gemm_seconds() const { return gemm_seconds_; }
 
-  // Run body(i) for i in [0, n): a CPU loop, or one CUDA thread per i on `stream`.
+  // Run body(i) for i in [0, n) (a Z2_LOOP): a CPU loop, or one CUDA thread
+  // per i on `stream`.
   template <class Body>
   void for_each(size_t n, Body body, Stream stream);
   template <class Body>
   void for_each(size_t n, Body body) { for_each(n, body, compute_stream_); }
-  template <class HostBody, class DeviceBody>
-  void for_each(size_t n, Loop<HostBody, DeviceBody> loop, Stream stream);  // Z2_LOOP's two lambdas
-  template <class HostBody, class DeviceBody>
-  void for_each(size_t n, Loop<HostBody, DeviceBody> loop) { for_each(n, loop, compute_stream_); }
   // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
   // cpu rows outer and columns inner; on cuda one thread per cell. As for
   // any kernel, no cell may read what another cell writes (the CPU loop tells
@@ -683,35 +680,29 @@ __global__ void for_each_kernel(size_t n, Body body) {
 void launch_check(const char* file, int line);  // cudaGetLastError after a launch
 #endif
 
+// The host half of a Z2_LOOP / Z2_LOOP2 (or the plain lambda of the g++
+// build), and the device half (which only the nvcc build has).
+template <class Body>
+const Body& host_body(const Body& body) { return body; }
 template <class HostBody, class DeviceBody>
-void Compute::for_each(size_t n, Loop<HostBody, DeviceBody> loop, Stream stream) {
-  if (n == 0) return;
-  if (device_ == Device::cpu) {
-    for (size_t i = 0; i < n; ++i) loop.host(i);
-    return;
-  }
-#if defined(__CUDACC__)
-  const unsigned threads = 256;
-  const size_t blocks = (n + threads - 1) / threads;
-  for_each_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)stream.handle>>>(n, loop.device);
-  launch_check(__FILE__, __LINE__);
-#else
-  (void)stream;
-  usage_error("for_each on cuda called from a file not compiled by nvcc");
-#endif
-}
+const HostBody& host_body(const Loop<HostBody, DeviceBody>& loop) { return loop.host; }
+template <class Body>
+const Body& device_body(const Body& body) { return body; }
+template <class HostBody, class DeviceBody>
+const DeviceBody& device_body(const Loop<HostBody, DeviceBody>& loop) { return loop.device; }
 
 template <class Body>
 void Compute::for_each(size_t n, Body body, Stream stream) {
   if (n == 0) return;
   if (device_ == Device::cpu) {
-    for (size_t i = 0; i < n; ++i) body(i);
+    const auto& host = host_body(body);
+    for (size_t i = 0; i < n; ++i) host(i);
     return;
   }
 #if defined(__CUDACC__)
   const unsigned threads = 256;
   const size_t blocks = (n + threads - 1) / threads;
-  for_each_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)stream.handle>>>(n, body);
+  for_each_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)stream.handle>>>(n, device_body(body));
   launch_check(__FILE__, __LINE__);
 #else
   (void)stream;
@@ -734,17 +725,6 @@ __global__ void column_sums_kernel(size_t rows, size_t columns, Element element,
   sums[column] = from_float<T>(sum);
 }
 #endif
-
-// The host half of a Z2_LOOP2 (or the plain lambda of the g++ build), and the
-// device half (which only the nvcc build has).
-template <class Body>
-const Body& host_body(const Body& body) { return body; }
-template <class HostBody, class DeviceBody>
-const HostBody& host_body(const Loop<HostBody, DeviceBody>& loop) { return loop.host; }
-template <class Body>
-const Body& device_body(const Body& body) { return body; }
-template <class HostBody, class DeviceBody>
-const DeviceBody& device_body(const Loop<HostBody, DeviceBody>& loop) { return loop.device; }
 
 template <class Body>
 void Compute::for_each(size_t rows, size_t columns, Body body) {
