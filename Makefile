@@ -52,7 +52,7 @@ HAVE_NCCL := $(shell printf '$(HASH)include <nccl.h>\nint main(){int v;return nc
                g++ -x c++ - -I$(CUDA_HOME)/include -L$(CUDA_HOME)/lib64 -lnccl -o /dev/null 2>/dev/null && echo yes)
 
 # --- flags --------------------------------------------------------------------
-# -O2, no -ffast-math: the determinism contract needs IEEE float semantics
+# No -ffast-math: the determinism contract needs IEEE float semantics
 # (fast-math would let the compiler reassociate our fixed summation order).
 # No contraction of a * b + c into one fused multiply-add either: the canonical
 # tree is defined on rounded products (a norm chunk sums rounded squares), and
@@ -66,15 +66,18 @@ HAVE_NCCL := $(shell printf '$(HASH)include <nccl.h>\nint main(){int v;return nc
 # slower loops).
 CPU_ARCH  ?= -march=native
 # -fno-math-errno: sqrtf becomes one instruction (nothing here reads errno;
-# the result is the same correctly rounded root).
-CXXFLAGS  := -std=c++17 -O3 $(CPU_ARCH) -g -ffp-contract=off -fno-math-errno -Wall -Wextra -Wno-unused-parameter
+# the result is the same correctly rounded root). -fno-trapping-math: nothing
+# here reads the floating-point exception flags either, so the compiler may
+# compute both sides of a select on floats (exp_fp32's clamp, erf_fp32's +-1)
+# and vectorise the loop around it; every value is rounded as before.
+CXXFLAGS  := -std=c++17 -O3 $(CPU_ARCH) -g -ffp-contract=off -fno-math-errno -fno-trapping-math -Wall -Wextra -Wno-unused-parameter
 # nvcc uses mpicxx as its host compiler, so MPI's include and link flags come
 # along without nvcc having to parse them (it rejects some, e.g. -Wl,-z,relro).
 # --extended-lambda lets a lambda be a kernel body (Z2_LOOP's __device__ half); sm_80 (A100) and
 # sm_90 (H100/H200) machine code, plus compute_90 PTX for newer GPUs.
 CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 NVCCFLAGS := -std=c++17 -O3 -g -ccbin $(MPICXX) --extended-lambda --expt-relaxed-constexpr $(CUDA_ARCH) \
-             -fmad=false -Xcompiler -Wall,-Wno-unused-parameter,-ffp-contract=off,-fno-math-errno$(if $(CPU_ARCH),$(comma)$(CPU_ARCH))
+             -fmad=false -Xcompiler -Wall,-Wno-unused-parameter,-ffp-contract=off,-fno-math-errno,-fno-trapping-math$(if $(CPU_ARCH),$(comma)$(CPU_ARCH))
 BLAS_LIBS := -lopenblas
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart
 ifeq ($(HAVE_NCCL),yes)
@@ -86,8 +89,8 @@ endif
 ENGINE  := zero2.cu zero2.h Makefile
 MODEL   := tests/mlp_model.h train_bert_mini.cu
 TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp \
-           tests/test_checkpoint.cpp tests/test_allocator.cpp
-TEST_H  := tests/harness.h tests/mlp_model.h tests/synthetic_model.h zero2.h Makefile
+           tests/test_checkpoint.cpp tests/test_allocator.cpp tests/test_math.cpp
+TEST_H  := tests/harness.h tests/mlp_model.h tests/synthetic_model.h tests/math_accuracy.h zero2.h Makefile
 # The trainer embeds data/corpus.txt as a C++ raw string (build*/corpus.inc),
 # so `make run` needs no download and no file at run time.
 CORPUS_INC = { printf 'R"corpus('; cat $<; printf ')corpus"\n'; } > $@
@@ -98,7 +101,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run demo bench fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
+.PHONY: all cpu run demo bench math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -143,6 +146,10 @@ build/paper_table: build/zero2.o build/tests/paper_table.o
 # A desynchronized program, for the watchdog's roll call (tests/test_trainer.sh).
 build/watchdog_check: build/zero2.o build/tests/watchdog_check.o
 	$(MPICXX) $^ -o $@ $(LIBS)
+# exp / log / erf of zero2.h against libm's double functions, over every float
+# (make math-accuracy; notes/07 shows its table). Header-only: no engine object.
+build/math_accuracy: tests/math_accuracy.cpp tests/math_accuracy.h zero2.h | build/tests
+	$(MPICXX) $(CXXFLAGS) $< -o $@ -lpthread
 # The 16-bit conversions as a filter, for tests/convert_check.py (torch's rounding).
 build/convert_tool: tests/convert_tool.cpp zero2.h | build/tests
 	$(MPICXX) $(CXXFLAGS) $< -o $@
@@ -211,6 +218,10 @@ demo: deps all
 bench: deps test-deps all cpu
 	$(RUN_ENV) tests/bench.sh build build-cpu
 
+# Every float through exp_fp32, log_fp32 and erf_fp32 (a few minutes on 2 cores).
+math-accuracy: deps found build/math_accuracy
+	build/math_accuracy
+
 # Only the trainer is needed, built as `make run` builds it.
 fraglab: deps found
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
@@ -236,7 +247,7 @@ test-cpu: deps test-deps hf-venv cpu
 sanitize: deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini
 	$(RUN_ENV) tests/sanitize.sh build-sanitize
 
-notes: deps test-deps all cpu build/reduce_precision build/paper_table
+notes: deps test-deps all cpu build/reduce_precision build/paper_table build/math_accuracy
 	$(RUN_ENV) notes/generate.sh build
 
 figures: deps figure-deps all

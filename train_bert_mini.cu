@@ -1296,9 +1296,9 @@ Z2_HD inline float max_or_number(float a, float b) { return (a >= b || b != b) ?
 // GELU, erf form (Hugging Face "gelu"), and its derivative, both from
 // 1 + erf(x / sqrt 2): forward can make the derivative with the erf it
 // computes anyway (see linear_gelu).
-Z2_HD inline float one_plus_erf(float x) { return 1.0f + erff(x * 0.70710678118654752f); }
+Z2_HD inline float one_plus_erf(float x) { return 1.0f + z2::erf_fp32(x * 0.70710678118654752f); }
 Z2_HD inline float gelu_from(float x, float one_plus_erf_x) { return x * 0.5f * one_plus_erf_x; }
-Z2_HD inline float gaussian_exp(float x) { return expf(-0.5f * x * x); }  // exp(-x^2 / 2)
+Z2_HD inline float gaussian_exp(float x) { return z2::exp_fp32(-0.5f * x * x); }  // exp(-x^2 / 2)
 Z2_HD inline float gelu_grad_from(float x, float one_plus_erf_x, float gaussian_exp_x) {
   const float cdf = 0.5f * one_plus_erf_x;
   const float pdf = gaussian_exp_x * 0.39894228040143268f;  // 1 / sqrt(2 pi)
@@ -1380,7 +1380,7 @@ Z2_HD inline void layer_norm_backward_row(const T* x, float mean, float rstd, co
 // product as torch does), in place (max subtracted for range). The scaled
 // scores are formed in fp32 as each pass reads them, never stored.
 // In fp32 the exponentials are stored in the row as the sum is formed and
-// divided in place: expf once per element, the bits of computing it twice.
+// divided in place: exp once per element, the bits of computing it twice.
 // A 16-bit row cannot hold them unrounded, so there it is computed again.
 // The max, in 8 lanes (element j in lane j % 8, then the lanes in order): a
 // max is the same whatever the order, up to the sign of a zero, which
@@ -1404,11 +1404,14 @@ Z2_HD inline void scaled_softmax_row(T* row, int n, float scale) {
   const float max_value = scaled_row_max(row, n, scale);
   float sum = 0.0f;
   if constexpr (std::is_same<T, float>::value) {
-    for (int j = 0; j < n; ++j) sum += (row[j] = expf(row[j] * scale - max_value));
+    // The exponentials in a loop of their own (it vectorises), then their
+    // sum in order j = 0, 1, ... (a chain, as it always was).
+    for (int j = 0; j < n; ++j) row[j] = z2::exp_fp32(row[j] * scale - max_value);
+    for (int j = 0; j < n; ++j) sum += row[j];
     for (int j = 0; j < n; ++j) row[j] = row[j] / sum;
   } else {
-    for (int j = 0; j < n; ++j) sum += expf(to_float(row[j]) * scale - max_value);
-    for (int j = 0; j < n; ++j) row[j] = from_float<T>(expf(to_float(row[j]) * scale - max_value) / sum);
+    for (int j = 0; j < n; ++j) sum += z2::exp_fp32(to_float(row[j]) * scale - max_value);
+    for (int j = 0; j < n; ++j) row[j] = from_float<T>(z2::exp_fp32(to_float(row[j]) * scale - max_value) / sum);
   }
 }
 
@@ -1430,11 +1433,12 @@ Z2_HD inline float cross_entropy_row(const T* logits, int n, int target, float s
   float max_value = to_float(logits[0]);
   for (int j = 1; j < n; ++j) max_value = max_or_number(max_value, to_float(logits[j]));
   float sum = 0.0f;
-  for (int j = 0; j < n; ++j) sum += expf(to_float(logits[j]) - max_value);
-  const float log_sum = logf(sum);
+  for (int j = 0; j < n; ++j) sum += z2::exp_fp32(to_float(logits[j]) - max_value);
+  const float log_sum = z2::log_fp32(sum);
   const float loss = log_sum + max_value - to_float(logits[target]);  // read before dlogits may overwrite it
   for (int j = 0; j < n; ++j)
-    dlogits[j] = from_float<T>((expf(to_float(logits[j]) - max_value - log_sum) - (j == target ? 1.0f : 0.0f)) * scale);
+    dlogits[j] =
+        from_float<T>((z2::exp_fp32(to_float(logits[j]) - max_value - log_sum) - (j == target ? 1.0f : 0.0f)) * scale);
   return loss;
 }
 
@@ -2057,34 +2061,13 @@ inline void Model<Act>::linear_gelu(const Act* input, z2::ParameterId weight, z2
   const Act* b = param(bias);
   if (fp32) {
     compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, act, out);  // act = x W^T
-    if (compute_.device() == z2::Device::cpu) {
-      // The CPU in phases over chunks of a row: the libm calls (erf, exp) in
-      // loops of their own, where little else is live across a call, and the
-      // arithmetic around them in loops that vectorise. The same values.
-      constexpr int chunk = 256;
-      float pre[chunk], ope[chunk], gauss[chunk];
-      for (int r = 0; r < rows; ++r)
-        for (int first = 0; first < out; first += chunk) {
-          const int n = std::min(chunk, out - first);
-          Act* act_row = act + (size_t)r * out + first;
-          Act* saved_row = gelu_saved + (size_t)r * out + first;
-          for (int j = 0; j < n; ++j) pre[j] = to_float(act_row[j]) + to_float(b[first + j]);
-          for (int j = 0; j < n; ++j) ope[j] = one_plus_erf(pre[j]);
-          for (int j = 0; j < n; ++j) gauss[j] = gaussian_exp(pre[j]);
-          for (int j = 0; j < n; ++j) {
-            act_row[j] = from_float<Act>(gelu_from(pre[j], ope[j]));
-            saved_row[j] = from_float<Act>(gelu_grad_from(pre[j], ope[j], gauss[j]));
-          }
-        }
-    } else {
-      compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
-        const size_t i = r * out + j;
-        const float pre = to_float(act[i]) + to_float(b[j]);
-        const float ope = one_plus_erf(pre);
-        act[i] = from_float<Act>(gelu_from(pre, ope));
-        gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope, gaussian_exp(pre)));
-      }));
-    }
+    compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
+      const size_t i = r * out + j;
+      const float pre = to_float(act[i]) + to_float(b[j]);
+      const float ope = one_plus_erf(pre);
+      act[i] = from_float<Act>(gelu_from(pre, ope));
+      gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope, gaussian_exp(pre)));
+    }));
   } else {
     matmul_bias(input, param(weight), b, rows, in, out, gelu_saved);  // pre, bias in the product
     compute_.for_each((size_t)rows * out, Z2_LOOP(i, {

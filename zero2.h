@@ -205,16 +205,16 @@ enum class Precision { fp32, bf16, fp16 };
 const char* to_string(Precision precision);
 inline size_t element_bytes(Precision precision) { return precision == Precision::fp32 ? 4 : 2; }
 
-Z2_HD inline uint32_t bits_of(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, sizeof bits);
-  return bits;
+// A value's bits read as another type of the same size (C++20's bit_cast).
+template <class To, class From>
+Z2_HD inline To bit_cast_to(From value) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast_to: the sizes differ");
+  To result;
+  memcpy(&result, &value, sizeof result);
+  return result;
 }
-Z2_HD inline float float_of(uint32_t bits) {
-  float value;
-  memcpy(&value, &bits, sizeof value);
-  return value;
-}
+Z2_HD inline uint32_t bits_of(float value) { return bit_cast_to<uint32_t>(value); }
+Z2_HD inline float float_of(uint32_t bits) { return bit_cast_to<float>(bits); }
 
 Z2_HD inline uint16_t bf16_bits_from_float(float value) {
   uint32_t bits = bits_of(value);
@@ -292,6 +292,111 @@ constexpr Precision precision_of<bfloat16>() {
 template <>
 constexpr Precision precision_of<float16>() {
   return Precision::fp16;
+}
+
+// --- exp, log and erf of our own (notes/07, "Math functions") ---------------
+//
+// The model's transcendental functions: softmax's and cross-entropy's exp and
+// log, GELU's erf. libm's expf / erff are calls the compiler cannot vectorise
+// (a call per element was ~10% of a CPU step), and their bits are the
+// library's: glibc picks an FMA variant of expf on CPUs that have FMA, CUDA's
+// libdevice is another again. Ours are written once, for the CPU loops (where
+// they vectorise) and the kernels. Each works in double on a float argument,
+// with + - * / only (no fma, no table, no libm): the double result is within
+// ~4e-13 of the exact value, rounded to float once, so the float is the
+// correctly rounded one except where the exact value lies that close to a
+// midpoint between two floats. build/math_accuracy measures the error in
+// ulps over every float input (tests/test_math.cpp checks a sample in CI).
+Z2_HD inline uint64_t bits_of_double(double value) { return bit_cast_to<uint64_t>(value); }
+Z2_HD inline double double_of(uint64_t bits) { return bit_cast_to<double>(bits); }
+
+// e^x: x = k ln 2 + r with k an integer and |r| <= ln 2 / 2, e^r by Taylor's
+// series to r^10 (the rest is < 2.3e-13 of it), and 2^k made from its bits.
+Z2_HD inline float exp_fp32(float x) {
+  // Clamped where the float is already decided: e^89 > FLT_MAX (inf) and
+  // e^-104 < half the smallest subnormal (0). A NaN fails both tests. Two
+  // selects, no branch: with -fno-trapping-math (Makefile) the compiler
+  // computes both sides of each, and the caller's loop vectorises.
+  const float below_max = x > 89.0f ? 89.0f : x;
+  const float clamped = below_max < -104.0f ? -104.0f : below_max;
+  const double xd = clamped;
+  // Adding 1.5 * 2^52 rounds to an integer and leaves it in the low bits.
+  const double shift = 6755399441055744.0;
+  const double shifted = xd * 1.4426950408889634 + shift;  // x log2(e) + shift
+  const double k = shifted - shift;
+  // k ln 2 rounds by < 2^-46 (|k| <= 151): that much relative error in e^x.
+  const double r = xd - k * 0.6931471805599453;
+  double series = 1.0 / 3628800.0;  // 1/10!, then Horner down to 1/0!
+  series = series * r + 1.0 / 362880.0;
+  series = series * r + 1.0 / 40320.0;
+  series = series * r + 1.0 / 5040.0;
+  series = series * r + 1.0 / 720.0;
+  series = series * r + 1.0 / 120.0;
+  series = series * r + 1.0 / 24.0;
+  series = series * r + 1.0 / 6.0;
+  series = series * r + 0.5;
+  series = series * r + 1.0;
+  series = series * r + 1.0;
+  // 2^k from its bits: k in [-151, 129] is a normal double's exponent, and
+  // the product is exact (a power of two), so the one rounding is to float
+  // (to inf above FLT_MAX, to a subnormal or 0 below FLT_MIN, as IEEE says).
+  const uint64_t k_bits = bits_of_double(shifted) - bits_of_double(shift);  // k, two's complement
+  const double two_to_k = double_of((k_bits + 1023u) << 52);
+  return (float)(series * two_to_k);
+}
+
+// log x: x = 2^e m with m in [sqrt(1/2), sqrt 2), log m = 2 atanh(s) with
+// s = (m - 1) / (m + 1), |s| <= 0.1716, by its series to s^19 (the rest is
+// < 1e-15 of it). Called a few hundred times a step (cross-entropy), so the
+// special inputs are plain branches.
+Z2_HD inline float log_fp32(float x) {
+  if (x != x || x == INFINITY) return x;            // NaN, +inf
+  if (x == 0.0f) return -INFINITY;                  // either sign of zero
+  if (x < 0.0f) return float_of(0x7fc00000u);       // a quiet NaN
+  const uint64_t bits = bits_of_double((double)x);  // a subnormal float is a normal double
+  int exponent = (int)(bits >> 52) - 1023;
+  double mantissa = double_of((bits & 0x000fffffffffffffull) | 0x3ff0000000000000ull);  // [1, 2)
+  if (mantissa > 1.4142135623730951) {
+    mantissa *= 0.5;
+    exponent += 1;
+  }
+  const double s = (mantissa - 1.0) / (mantissa + 1.0);  // m - 1 is exact (Sterbenz)
+  const double s2 = s * s;
+  double series = 1.0 / 19.0;  // sum of s2^j / (2j + 1), Horner from j = 9
+  for (int odd = 17; odd >= 1; odd -= 2) series = series * s2 + 1.0 / odd;
+  // For x in [sqrt(1/2), sqrt 2) the exponent is 0: no cancellation near 1.
+  return (float)(exponent * 0.6931471805599453 + 2.0 * s * series);
+}
+
+// c[first] + t (c[first + 1] + t (... + t c[last])), unrolled at compile time
+// (a loop over the coefficients would keep the caller's loop from vectorising).
+template <int first, int last>
+Z2_HD inline double horner(const double* c, double t) {
+  if constexpr (first == last)
+    return c[last];
+  else
+    return horner<first + 1, last>(c, t) * t + c[first];
+}
+
+// erf x = x P(t) for |x| < 4, t = x^2 / 8 - 1 in [-1, 1] (x^2 of a float is
+// exact in double), P the Chebyshev interpolant of degree 22 of
+// erf(sqrt u) / sqrt u on u in [0, 16], in powers of t (relative error
+// 3.6e-13; tests/fit_erf.py prints these). |x| >= 4: erf rounds to +-1.
+Z2_HD inline float erf_fp32(float x) {
+  constexpr double coefficients[23] = {
+      0x1.6a040781a4982p-2,  -0x1.69a0ccda54952p-3, 0x1.0dabaf061ddfcp-3,  -0x1.b92e95b20b5e1p-4,
+      0x1.717efc728e255p-4,  -0x1.3215da49e043ap-4, 0x1.ea97f26001881p-5,  -0x1.76e83f098334ap-5,
+      0x1.0ed51f90471d4p-5,  -0x1.7036eb6c5269dp-6, 0x1.d6366b9d70c84p-7,  -0x1.19f28bf3e4857p-7,
+      0x1.3e0b127cfde9fp-8,  -0x1.52908d0777a74p-9, 0x1.533fbf51c858fp-10, -0x1.3d1cc2c1e9bd2p-11,
+      0x1.1e453c5321644p-12, -0x1.094fac537a6f5p-13, 0x1.a84593e9bd379p-15, -0x1.a7b88f4de9bd6p-17,
+      0x1.526ee6f4de9c0p-18, -0x1.33e39bd37a6f5p-18, 0x1.90dc2c8590b21p-20};
+  const double xd = x;
+  const double t = xd * xd * 0.125 - 1.0;
+  const float inside = (float)(xd * horner<0, 22>(coefficients, t));
+  // Selected, not branched (as in exp_fp32), so the loops vectorise; inf
+  // gives +-1 and NaN gives NaN (tests/test_math.cpp).
+  const float at_most_one = x >= 4.0f ? 1.0f : inside;
+  return x <= -4.0f ? -1.0f : at_most_one;
 }
 
 // The canonical summation tree (notes/06). Float addition is not

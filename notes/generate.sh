@@ -98,6 +98,13 @@ PY
   echo '```'
 } >"$out/bert_reference"
 
+# math_accuracy: zero2's exp / log / erf over every float (notes/07, "Math functions").
+{
+  echo "\$ make math-accuracy"
+  echo
+  build/math_accuracy
+} >"$out/math_accuracy"
+
 # bert_bench: `make bench`; zero_r_bench: its ZeRO-R lines (notes/04).
 # With the g++ build beside it (make notes builds both), the per-core lines compare the two.
 tests/bench.sh "$build" $(test -x build-cpu/train_bert_mini && echo build-cpu) >"$out/bench_output"

@@ -36,7 +36,9 @@
 #      N = 1 (NCCL), stage 2, in fp32, bf16 and fp16: median step times and
 #      the ratios to fp32; bf16 at stage 0 must give stage 2's hash; the
 #      16-bit conversions against __float2bfloat16_rn / __float2half_rn over
-#      all 2^32 floats (the suite's test_conversions_gpu.cu, quoted here);
+#      all 2^32 floats (the suite's test_conversions_gpu.cu, quoted here),
+#      and zero2's exp / log / erf in a kernel against the CPU's bits (every
+#      5th float; the same file, quoted too);
 #      the bf16 / fp16 stage matrices themselves run in step 3's suite;
 #   8. checkpoints on the GPU, in bf16 and fp16: 20 steps at N = 1 (NCCL)
 #      stage 2, A = 2, straight through; the same saved every 10 steps at N = 2 (MPI)
@@ -207,6 +209,9 @@ fi
 conversions=$(grep -m 1 "all 2^32 floats on the GPU" /tmp/z2tests.log | sed 's/.*MESSAGE: //')
 if [ -n "$conversions" ]; then note "16-bit conversions vs CUDA intrinsics: $conversions"
 else note "16-bit conversions vs CUDA intrinsics: NOT RUN (no MESSAGE in the suite's log)"; failures=$((failures + 1)); fi
+math_bits=$(grep -m 1 "exp / log / erf on the GPU vs the CPU" /tmp/z2tests.log | sed 's/.*MESSAGE: //')
+if [ -n "$math_bits" ]; then note "own exp / log / erf, GPU vs CPU: $math_bits"
+else note "own exp / log / erf, GPU vs CPU: NOT RUN (no MESSAGE in the suite's log)"; failures=$((failures + 1)); fi
 declare -A mixed_ms mixed_hash
 for run in "fp32 2" "bf16 2" "fp16 2" "bf16 0"; do
   set -- $run

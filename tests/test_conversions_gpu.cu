@@ -1,7 +1,8 @@
 // tests/test_conversions_gpu.cu — z2's 16-bit conversions (zero2.h) against
 // the CUDA intrinsics the GPU's kernels would otherwise use, bit for bit:
 // __float2bfloat16_rn and __float2half_rn over all 2^32 floats, and the two
-// widenings over all 2^16 values. Compiled by nvcc; skipped with a message
+// widenings over all 2^16 values; and zero2's own exp, log and erf computed
+// by a kernel against the same functions on the CPU. Compiled by nvcc; skipped with a message
 // without a GPU (and in the cpu-only build). tests/gpu_check.sh runs it.
 #include "harness.h"
 
@@ -61,6 +62,18 @@ void count_widening_mismatches(z2::Compute& compute, unsigned* slots) {
   }));
 }
 
+// exp_fp32 / log_fp32 / erf_fp32 (zero2.h) of the inputs first + k stride,
+// k < count, on whichever backend `compute` is: one element per thread.
+void math_functions(z2::Compute& compute, uint64_t first, uint64_t stride, size_t count, float* exp_out,
+                    float* log_out, float* erf_out) {
+  compute.for_each(count, Z2_LOOP(k, {
+    const float x = z2::float_of((uint32_t)(first + k * stride));
+    exp_out[k] = z2::exp_fp32(x);
+    log_out[k] = z2::log_fp32(x);
+    erf_out[k] = z2::erf_fp32(x);
+  }));
+}
+
 }  // namespace
 #endif
 
@@ -101,5 +114,43 @@ TEST_CASE("GPU: bf16 and fp16 conversions equal __float2bfloat16_rn / __float2ha
   CHECK(harness::agree(ok, "a 16-bit conversion differs from the CUDA intrinsic"));
 #else
   MESSAGE("SKIP: the cpu-only build has no CUDA intrinsics");
+#endif
+}
+
+TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits (every 5th float)") {
+#if defined(__CUDACC__)
+  bool ran = false, ok = true;
+  for (const auto& backend : harness::sub_world(1)) {
+    if (!backend.compute->on_cuda() || !backend.deterministic || ran) continue;  // rank 0's GPU, once
+    ran = true;
+    z2::Compute& gpu = *backend.compute;
+    z2::Compute cpu(z2::Device::cpu, 0);
+    const uint64_t stride = 5;
+    const size_t chunk = 1ull << 26;
+    z2::DeviceArray<float> gpu_exp(gpu, chunk, z2::MemoryKind::activations), gpu_log(gpu, chunk, z2::MemoryKind::activations),
+        gpu_erf(gpu, chunk, z2::MemoryKind::activations);
+    std::vector<float> got_exp(chunk), got_log(chunk), got_erf(chunk), want_exp(chunk), want_log(chunk), want_erf(chunk);
+    uint64_t differ = 0;
+    for (uint64_t first = 0; first < (1ull << 32); first += chunk * stride) {
+      const size_t count = (size_t)std::min<uint64_t>(chunk, ((1ull << 32) - first + stride - 1) / stride);
+      math_functions(gpu, first, stride, count, gpu_exp.data(), gpu_log.data(), gpu_erf.data());
+      gpu.copy(got_exp.data(), gpu_exp.data(), count * sizeof(float), gpu.compute_stream());
+      gpu.copy(got_log.data(), gpu_log.data(), count * sizeof(float), gpu.compute_stream());
+      gpu.copy(got_erf.data(), gpu_erf.data(), count * sizeof(float), gpu.compute_stream());
+      gpu.synchronize(gpu.compute_stream());
+      math_functions(cpu, first, stride, count, want_exp.data(), want_log.data(), want_erf.data());
+      // Bits, NaN included: both sides make their NaNs with the same operations.
+      for (size_t k = 0; k < count; ++k)
+        differ += (z2::bits_of(got_exp[k]) != z2::bits_of(want_exp[k])) +
+                  (z2::bits_of(got_log[k]) != z2::bits_of(want_log[k])) +
+                  (z2::bits_of(got_erf[k]) != z2::bits_of(want_erf[k]));
+    }
+    MESSAGE("exp / log / erf on the GPU vs the CPU, every 5th float: " << differ << " results differ");
+    ok = differ == 0;
+  }
+  if (!harness::from_rank0(ran)) MESSAGE("SKIP: no GPU (" << (z2::cuda_available() ? "" : "cudaGetDeviceCount failed") << ")");
+  CHECK(harness::agree(ok, "exp_fp32 / log_fp32 / erf_fp32 differs between a CUDA kernel and the CPU"));
+#else
+  MESSAGE("SKIP: the cpu-only build has no GPU");
 #endif
 }
