@@ -154,6 +154,9 @@ struct Settings {
   bool plan = false;
   std::vector<int> plan_world_sizes;  // empty: 1, 2, 4, ..., 1024
   bool wall_clock_breakdown = false;  // forward / backward / step times on each progress line (DeepSpeed's key)
+  // --poison-activations: fresh activation buffers full of NaN instead of
+  // left as they are (a check that the model reads none before writing it)
+  bool poison_activations = false;
   std::vector<std::string> config_notes;  // config keys that act differently here, for the header
 };
 
@@ -304,6 +307,7 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--config") s.config = parse_path(name, value);
   else if (flag == "--json") s.json_path = parse_path(name, value);
   else if (flag == "--plan") s.plan = true;
+  else if (flag == "--poison-activations") s.poison_activations = true;
   else if (flag == "--plan-world-sizes") s.plan_world_sizes = parse_world_sizes(name, value);
   else if (flag == "--metrics") s.metrics = parse_path(name, value);
   else if (flag == "--export-hf") s.export_dir = parse_path(name, value);
@@ -969,6 +973,8 @@ output
   --eval-batches E           micro-batches of held-out windows per evaluation (4)
   --wall-clock-breakdown     forward, backward and step times on each progress line [wall_clock_breakdown]
   --quiet                    print nothing but errors (no header, progress or summary)
+  --poison-activations       fill each fresh activation buffer with NaN (a test: the model must write
+                             every element before reading it, so the bits stay those of a plain run)
   --help                     this text
 )usage";
 
@@ -997,7 +1003,8 @@ inline Settings parse_command_line(int argc, char** argv) {
   std::vector<std::pair<std::string, std::string>> flags;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
-    if (flag == "--quiet" || flag == "--wall-clock-breakdown" || flag == "--plan") {  // switches: no value
+    if (flag == "--quiet" || flag == "--wall-clock-breakdown" || flag == "--plan" ||
+        flag == "--poison-activations") {  // switches: no value
       flags.push_back({flag, flag == "--wall-clock-breakdown" ? "1" : ""});
       continue;
     }
@@ -3932,6 +3939,11 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   comm_backend_ = z2::choose_comm(settings_.comm, device_, world_);
   shape_ = shape_of(settings_);
   compute_ = std::make_unique<z2::Compute>(device_, z2::local_rank_of(world_));  // selects this rank's GPU
+  // The model writes every element of a pushed activation before reading it
+  // (the suite checks with --poison-activations), so zeroing them was one
+  // more pass over every activation buffer, every step.
+  compute_->set_activation_fill(settings_.poison_activations ? z2::Compute::PushFill::poison
+                                                             : z2::Compute::PushFill::none);
   mode_ = mode_of(settings_);
   allocator_ = allocator_of(settings_);
   if (allocator_ == z2::Allocator::direct && device_ != z2::Device::cuda)

@@ -868,10 +868,12 @@ void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
     live.end = std::max(live.end, offset + rounded);
     counters_.allocations += 1;
   }
-  // Zeroed, on the compute stream. Model buffers (activations) are used on
-  // that stream only, so stream order is enough; the engine's buffers are
+  // Zeroed (a pushed activations buffer: as set_activation_fill says), on
+  // the compute stream. Model buffers (activations) are used on that stream
+  // only, so stream order is enough; the engine's buffers are
   // made at start-up and also touched by the comm stream, so we wait.
-  fill_zero(pointer, bytes, compute_stream_);
+  const PushFill fill = from_stack && kind == MemoryKind::activations ? activation_fill_ : PushFill::zero;
+  if (fill != PushFill::none) fill_bytes(pointer, fill == PushFill::poison ? 0xff : 0, bytes, compute_stream_);
   if (kind != MemoryKind::activations) synchronize(compute_stream_);
   count(pointer, bytes, kind);
   return pointer;
@@ -1031,14 +1033,14 @@ void Compute::copy(void* destination, const void* source, size_t bytes, Stream s
 #endif
 }
 
-void Compute::fill_zero(void* destination, size_t bytes, Stream stream) {
+void Compute::fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream) {
   if (bytes == 0) return;
   if (device_ == Device::cpu) {
-    std::memset(destination, 0, bytes);
+    std::memset(destination, value, bytes);
     return;
   }
 #if defined(__CUDACC__)
-  Z2_CUDA_CHECK(cudaMemsetAsync(destination, 0, bytes, (cudaStream_t)stream.handle));
+  Z2_CUDA_CHECK(cudaMemsetAsync(destination, value, bytes, (cudaStream_t)stream.handle));
 #endif
 }
 

@@ -629,6 +629,15 @@ class Compute {
   void release(void* pointer);
   void* push(size_t bytes, MemoryKind kind);
   void pop(void* pointer);
+  // What push() of an `activations` buffer leaves in it: zeros (as every
+  // other buffer gets; the default), nothing in particular (`none`: for a
+  // model that writes every element before it reads it, to which the zeroing
+  // was one more pass over the memory; BERT-mini's trainer), or all bits set
+  // (`poison`: NaN in fp32, bf16 and fp16, so a read of an unwritten element
+  // changes the run's bits; the trainer's --poison-activations, which the
+  // suite compares with the plain run).
+  enum class PushFill { zero, none, poison };
+  void set_activation_fill(PushFill fill) { activation_fill_ = fill; }
   // Page-locked host memory (cudaMallocHost on cuda, plain on cpu). `offload`
   // counts it as activation offload space rather than communication staging.
   void* allocate_host_pinned(size_t bytes, bool offload = false);
@@ -644,7 +653,8 @@ class Compute {
   // Copies are asynchronous on `stream` for cuda (host side must be pinned to
   // really overlap) and immediate on cpu.
   void copy(void* destination, const void* source, size_t bytes, Stream stream);
-  void fill_zero(void* destination, size_t bytes, Stream stream);
+  void fill_zero(void* destination, size_t bytes, Stream stream) { fill_bytes(destination, 0, bytes, stream); }
+  void fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream);  // memset
   void synchronize(Stream stream);
   void synchronize_all();
 
@@ -734,6 +744,7 @@ class Compute {
   Allocator allocator_ = Allocator::direct;
   MemoryCounters counters_;
   bool tracing_ = false;
+  PushFill activation_fill_ = PushFill::zero;
   std::vector<MemorySample> trace_;
   double gemm_seconds_ = 0;  // see gemm_seconds()
   std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)

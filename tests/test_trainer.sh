@@ -11,7 +11,9 @@
 #      hang, no output file left behind;
 #   4. the PyTorch reference (tests/torch_reference.py) on a dumped batch;
 #   5. ZeRO-R: every --activations x --alloc (arena, naive, caching) in every (N, stage) of the matrix
-#      gives the matrix's bits; the offload bound computed here from the
+#      gives the matrix's bits, with fresh activation buffers poisoned (NaN:
+#      the trainer leaves them unzeroed, so it must write before it reads;
+#      the 16-bit ZeRO-R runs of 6. are poisoned too); the offload bound computed here from the
 #      config; the arena allocates nothing after step 1; naive and caching run
 #      out of memory in a block the arena fits in, cleanly, on every rank;
 #   6. mixed precision: in bf16 and in fp16 the stage matrix and ZeRO-R give
@@ -307,9 +309,10 @@ for N in 1 2 4; do
     for activations in keep recompute offload; do
       for alloc in arena naive caching; do
         [ "$activations/$alloc" = keep/arena ] && continue
-        same_bits_run "ZeRO-R N=$N A=$A stage=$stage --activations $activations --alloc $alloc (the matrix's bits)" \
+        # Poisoned: a read of an activation before it is written would show.
+        same_bits_run "ZeRO-R N=$N A=$A stage=$stage --activations $activations --alloc $alloc, poisoned (the matrix's bits)" \
           $N "$work/zero_r_${N}_${stage}_${activations}_${alloc}.json" --accum $A --stage $stage \
-          --activations $activations --alloc $alloc
+          --activations $activations --alloc $alloc --poison-activations
       done
     done
   done
@@ -400,9 +403,9 @@ for precision in bf16 fp16; do
     stage=$(( (N + 1) % 3 ))
     for pair in "recompute naive" "offload arena" "keep caching"; do
       set -- $pair
-      same_bits_run "$precision ZeRO-R N=$N A=$A stage=$stage --activations $1 --alloc $2" $N \
+      same_bits_run "$precision ZeRO-R N=$N A=$A stage=$stage --activations $1 --alloc $2, poisoned" $N \
         "$work/mixed_zero_r_${precision}_${N}_$1_$2.json" --precision $precision --accum $A --stage $stage \
-        --activations $1 --alloc $2
+        --activations $1 --alloc $2 --poison-activations
     done
   done
   precision_bits[$precision]=$reference
