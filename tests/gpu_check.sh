@@ -38,7 +38,7 @@
 #      16-bit conversions against __float2bfloat16_rn / __float2half_rn over
 #      all 2^32 floats (the suite's test_conversions_gpu.cu, quoted here),
 #      and zero2's exp / log / erf in a kernel against the CPU's bits (every
-#      5th float; the same file, quoted too);
+#      13th float, a NaN only needing to be a NaN; the same file, quoted too);
 #      the bf16 / fp16 stage matrices themselves run in step 3's suite;
 #   8. checkpoints on the GPU, in bf16 and fp16: 20 steps at N = 1 (NCCL)
 #      stage 2, A = 2, straight through; the same saved every 10 steps at N = 2 (MPI)

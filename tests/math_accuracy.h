@@ -31,6 +31,7 @@ struct Result {
 // The ulp of a float at value v: 2^(e - 23) for v in [2^e, 2^(e+1)), and the
 // subnormal spacing 2^-149 below 2^-126.
 inline double float_ulp(double value) {
+  if (value == 0.0) return 0x1p-149;  // frexp(0) says exponent 0
   int exponent;
   std::frexp(std::fabs(value), &exponent);  // |v| in [2^(exponent-1), 2^exponent)
   return std::ldexp(1.0, std::max(exponent - 1, -126) - 23);
@@ -79,7 +80,7 @@ inline void measure_range(Function function, uint64_t first, uint64_t stride, ui
 }
 
 // All of [0, 2^32) with the given stride, split over `threads` threads
-// (thread t takes every threads-th block of the input list).
+// (thread t takes the t-th of `threads` contiguous runs of the input list).
 inline Result measure(Function function, uint64_t stride, unsigned threads) {
   std::vector<Result> parts(threads);
   std::vector<std::thread> workers;

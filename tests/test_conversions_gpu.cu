@@ -117,7 +117,7 @@ TEST_CASE("GPU: bf16 and fp16 conversions equal __float2bfloat16_rn / __float2ha
 #endif
 }
 
-TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits (every 5th float)") {
+TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits (every 13th float)") {
 #if defined(__CUDACC__)
   bool ran = false, ok = true;
   for (const auto& backend : harness::sub_world(1)) {
@@ -125,12 +125,12 @@ TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits 
     ran = true;
     z2::Compute& gpu = *backend.compute;
     z2::Compute cpu(z2::Device::cpu, 0);
-    const uint64_t stride = 5;
+    const uint64_t stride = 13;
     const size_t chunk = 1ull << 26;
     z2::DeviceArray<float> gpu_exp(gpu, chunk, z2::MemoryKind::activations), gpu_log(gpu, chunk, z2::MemoryKind::activations),
         gpu_erf(gpu, chunk, z2::MemoryKind::activations);
     std::vector<float> got_exp(chunk), got_log(chunk), got_erf(chunk), want_exp(chunk), want_log(chunk), want_erf(chunk);
-    uint64_t differ = 0;
+    uint64_t differ = 0, nan_payloads = 0;
     for (uint64_t first = 0; first < (1ull << 32); first += chunk * stride) {
       const size_t count = (size_t)std::min<uint64_t>(chunk, ((1ull << 32) - first + stride - 1) / stride);
       math_functions(gpu, first, stride, count, gpu_exp.data(), gpu_log.data(), gpu_erf.data());
@@ -139,13 +139,26 @@ TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits 
       gpu.copy(got_erf.data(), gpu_erf.data(), count * sizeof(float), gpu.compute_stream());
       gpu.synchronize(gpu.compute_stream());
       math_functions(cpu, first, stride, count, want_exp.data(), want_log.data(), want_erf.data());
-      // Bits, NaN included: both sides make their NaNs with the same operations.
-      for (size_t k = 0; k < count; ++k)
-        differ += (z2::bits_of(got_exp[k]) != z2::bits_of(want_exp[k])) +
-                  (z2::bits_of(got_log[k]) != z2::bits_of(want_log[k])) +
-                  (z2::bits_of(got_erf[k]) != z2::bits_of(want_erf[k]));
+      // Bits; but a NaN only needs to be a NaN: x86 carries a NaN input's
+      // sign and payload through the arithmetic, the GPU makes its canonical
+      // 0x7fffffff (as in the conversions above). Those are counted apart.
+      auto compare = [&](float gpu_value, float cpu_value) {
+        if (cpu_value != cpu_value) {
+          differ += gpu_value == gpu_value;
+          nan_payloads += gpu_value != gpu_value && z2::bits_of(gpu_value) != z2::bits_of(cpu_value);
+        } else {
+          differ += z2::bits_of(gpu_value) != z2::bits_of(cpu_value);
+        }
+      };
+      for (size_t k = 0; k < count; ++k) {
+        compare(got_exp[k], want_exp[k]);
+        compare(got_log[k], want_log[k]);
+        compare(got_erf[k], want_erf[k]);
+      }
     }
-    MESSAGE("exp / log / erf on the GPU vs the CPU, every 5th float: " << differ << " results differ");
+    MESSAGE("exp / log / erf on the GPU vs the CPU, every 13th float: " << differ
+                                                                       << " results differ (NaNs whose bits differ: "
+                                                                       << nan_payloads << ")");
     ok = differ == 0;
   }
   if (!harness::from_rank0(ran)) MESSAGE("SKIP: no GPU (" << (z2::cuda_available() ? "" : "cudaGetDeviceCount failed") << ")");
