@@ -227,35 +227,34 @@ Z2_HD inline uint16_t bf16_bits_from_float(float value) {
 }
 Z2_HD inline float float_from_bf16_bits(uint16_t bits) { return float_of((uint32_t)bits << 16); }
 
+// Both fp16 conversions are branch-free: every case is computed and the
+// right one selected, so a loop that converts (every fp16 kernel) vectorises.
 Z2_HD inline uint16_t fp16_bits_from_float(float value) {
-  const uint32_t bits = bits_of(value), magnitude = bits & 0x7fffffffu;
-  const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-  if (magnitude > 0x7f800000u) return 0x7fffu;  // NaN
+  const uint32_t bits = bits_of(value), magnitude = bits & 0x7fffffffu, sign = (bits >> 16) & 0x8000u;
+  // A normal fp16 (2^-14 and up): rebias 127 -> 15, round the 13 dropped bits
+  // to nearest even (add just under half, plus the kept lowest bit; a carry
+  // into the exponent is right).
+  uint32_t rebased = magnitude - 0x38000000u;
+  rebased += 0xfffu + ((rebased >> 13) & 1u);
+  const uint32_t normal = rebased >> 13;
+  // Below 2^-14, fp16 counts in units of 2^-24, and |x| + 0.5 in float rounds
+  // |x| to a multiple of 2^-24 (0.5's ulp), to nearest even, in one IEEE
+  // addition: the units are the sum's bits above 0.5's. This covers zero, the
+  // ties to 0 at 2^-25 and below, and the carry into the smallest normal.
+  const uint32_t subnormal = bits_of(float_of(magnitude) + 0.5f) - 0x3f000000u;
+  uint32_t result = magnitude >= 0x38800000u ? normal : subnormal;
   // 65520 (0x477ff000) is halfway between 65504, the largest finite, and
   // 65536; its tie goes to the even neighbour, which is infinity.
-  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;
-  if (magnitude >= 0x38800000u) {  // a normal fp16 (2^-14 and up): rebias 127 -> 15, round 13 bits
-    uint32_t rebased = magnitude - 0x38000000u;
-    rebased += 0xfffu + ((rebased >> 13) & 1u);
-    return sign | (uint16_t)(rebased >> 13);
-  }
-  if (magnitude <= 0x33000000u) return sign;  // at most 2^-25, half the smallest subnormal: ties to 0
-  // Subnormal: the value is (24-bit significand) x 2^(exponent - 150); in
-  // units of 2^-24 that is the significand shifted right by 126 - exponent.
-  const uint32_t exponent = magnitude >> 23, shift = 126 - exponent;  // 14 .. 24
-  const uint32_t significand = (magnitude & 0x7fffffu) | 0x800000u;
-  uint32_t result = significand >> shift;
-  const uint32_t dropped = significand << (32 - shift);  // the bits shifted out, left-aligned
-  if (dropped > 0x80000000u || (dropped == 0x80000000u && (result & 1u))) ++result;
-  return sign | (uint16_t)result;  // a carry out of the subnormals is the smallest normal: right
+  result = magnitude >= 0x477ff000u ? 0x7c00u : result;
+  return magnitude > 0x7f800000u ? (uint16_t)0x7fffu : (uint16_t)(sign | result);  // NaN: 0x7fff
 }
 Z2_HD inline float float_from_fp16_bits(uint16_t bits) {
   const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
-  if (exponent == 0x1fu) return float_of(mantissa ? 0x7fffffffu : sign | 0x7f800000u);  // NaN (as CUDA), +-inf
-  if (exponent != 0) return float_of(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-  // Zero or subnormal: mantissa x 2^-24, exact in float.
-  const float magnitude = (float)mantissa * 5.9604644775390625e-8f;
-  return sign ? -magnitude : magnitude;
+  const uint32_t special = mantissa ? 0x7fffffffu : sign | 0x7f800000u;  // NaN (as CUDA), +-inf
+  const uint32_t normal = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  // Zero or subnormal: mantissa x 2^-24, exact in float; the sign ORed in.
+  const uint32_t small = sign | bits_of((float)mantissa * 5.9604644775390625e-8f);
+  return float_of(exponent == 0x1fu ? special : (exponent != 0 ? normal : small));
 }
 
 // Reading and writing an element of any storage type: the model's and the
