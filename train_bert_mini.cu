@@ -1386,8 +1386,8 @@ Z2_HD inline void layer_norm_backward_row(const T* x, float mean, float rstd, co
 // Softmax of one row of n scores times `scale` (1/sqrt(D), applied after the
 // product as torch does), in place (max subtracted for range). The scaled
 // scores are formed in fp32 as each pass reads them, never stored.
-// In fp32 the exponentials are stored in the row as the sum is formed and
-// divided in place: exp once per element, the bits of computing it twice.
+// In fp32 the exponentials are stored in the row, summed, and divided in
+// place: exp once per element, the bits of computing it twice.
 // A 16-bit row cannot hold them unrounded, so there it is computed again.
 // The max, in 8 lanes (element j in lane j % 8, then the lanes in order): a
 // max is the same whatever the order, up to the sign of a zero, which
