@@ -309,6 +309,16 @@ constexpr Precision precision_of<float16>() {
 Z2_HD inline uint64_t bits_of_double(double value) { return bit_cast_to<uint64_t>(value); }
 Z2_HD inline double double_of(uint64_t bits) { return bit_cast_to<double>(bits); }
 
+// c[first] + t (c[first + 1] + t (... + t c[last])), unrolled at compile time
+// (a loop over the coefficients would keep the caller's loop from vectorising).
+template <int first, int last>
+Z2_HD inline double horner(const double* c, double t) {
+  if constexpr (first == last)
+    return c[last];
+  else
+    return horner<first + 1, last>(c, t) * t + c[first];
+}
+
 // e^x: x = k ln 2 + r with k an integer and |r| <= ln 2 / 2, e^r by Taylor's
 // series to r^10 (the rest is < 3.1e-13 of e^r), and 2^k made from its bits.
 Z2_HD inline float exp_fp32(float x) {
@@ -325,17 +335,10 @@ Z2_HD inline float exp_fp32(float x) {
   const double k = shifted - shift;
   // k ln 2 rounds by < 2^-46 (|k| <= 151): that much relative error in e^x.
   const double r = xd - k * 0.6931471805599453;
-  double series = 1.0 / 3628800.0;  // 1/10!, then Horner down to 1/0!
-  series = series * r + 1.0 / 362880.0;
-  series = series * r + 1.0 / 40320.0;
-  series = series * r + 1.0 / 5040.0;
-  series = series * r + 1.0 / 720.0;
-  series = series * r + 1.0 / 120.0;
-  series = series * r + 1.0 / 24.0;
-  series = series * r + 1.0 / 6.0;
-  series = series * r + 0.5;
-  series = series * r + 1.0;
-  series = series * r + 1.0;
+  constexpr double inverse_factorials[11] = {1.0,         1.0,          1.0 / 2,       1.0 / 6,
+                                             1.0 / 24,    1.0 / 120,    1.0 / 720,     1.0 / 5040,
+                                             1.0 / 40320, 1.0 / 362880, 1.0 / 3628800};  // 1 / j!
+  const double series = horner<0, 10>(inverse_factorials, r);
   // 2^k from its bits: k in [-151, 129] is a normal double's exponent, and
   // the product is exact (a power of two), so the one rounding is to float
   // (to inf above FLT_MAX, to a subnormal or 0 below FLT_MIN, as IEEE says).
@@ -361,20 +364,11 @@ Z2_HD inline float log_fp32(float x) {
   }
   const double s = (mantissa - 1.0) / (mantissa + 1.0);  // m - 1 is exact (Sterbenz)
   const double s2 = s * s;
-  double series = 1.0 / 19.0;  // sum of s2^j / (2j + 1), Horner from j = 9
-  for (int odd = 17; odd >= 1; odd -= 2) series = series * s2 + 1.0 / odd;
+  constexpr double inverse_odds[10] = {1.0,      1.0 / 3,  1.0 / 5,  1.0 / 7,  1.0 / 9,
+                                       1.0 / 11, 1.0 / 13, 1.0 / 15, 1.0 / 17, 1.0 / 19};  // 1 / (2j + 1)
+  const double series = horner<0, 9>(inverse_odds, s2);  // sum of s2^j / (2j + 1)
   // For x in [sqrt(1/2), sqrt 2) the exponent is 0: no cancellation near 1.
   return (float)(exponent * 0.6931471805599453 + 2.0 * s * series);
-}
-
-// c[first] + t (c[first + 1] + t (... + t c[last])), unrolled at compile time
-// (a loop over the coefficients would keep the caller's loop from vectorising).
-template <int first, int last>
-Z2_HD inline double horner(const double* c, double t) {
-  if constexpr (first == last)
-    return c[last];
-  else
-    return horner<first + 1, last>(c, t) * t + c[first];
 }
 
 // erf x = x P(t) for |x| < 4, t = x^2 / 8 - 1 in [-1, 1] (x^2 of a float is
