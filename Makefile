@@ -89,7 +89,8 @@ endif
 ENGINE  := zero2.cu zero2.h Makefile
 MODEL   := tests/mlp_model.h train_bert_mini.cu
 TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp \
-           tests/test_checkpoint.cpp tests/test_allocator.cpp tests/test_math.cpp
+           tests/test_checkpoint.cpp tests/test_allocator.cpp tests/test_math.cpp \
+           tests/test_portable.cpp
 TEST_H  := tests/harness.h tests/mlp_model.h tests/synthetic_model.h tests/math_accuracy.h zero2.h Makefile
 # The trainer embeds data/corpus.txt as a C++ raw string (build*/corpus.inc),
 # so `make run` needs no download and no file at run time.

@@ -154,6 +154,9 @@ struct Settings {
   bool plan = false;
   std::vector<int> plan_world_sizes;  // empty: 1, 2, 4, ..., 1024
   bool wall_clock_breakdown = false;  // forward / backward / step times on each progress line (DeepSpeed's key)
+  // --portable: zero2's own gemm in place of OpenBLAS / cuBLAS, so that the
+  // bits depend on the inputs alone, not on the CPU or GPU (notes/11).
+  bool portable = false;
   // --poison-activations: fresh activation buffers full of NaN instead of
   // left as they are (a check that the model reads none before writing it)
   bool poison_activations = false;
@@ -296,6 +299,7 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--warmup-type") s.warmup_type = parse_choice(name, value, {"linear", "log"});
   else if (flag == "--decay") s.decay = parse_choice(name, value, {"linear", "none"});
   else if (flag == "--wall-clock-breakdown") s.wall_clock_breakdown = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "--portable") s.portable = parse_integer(name, value, 0, 1) != 0;
   else if (flag == "--lr") s.lr = parse_real(name, value, 0.0, 10.0);
   else if (flag == "--weight-decay") s.weight_decay = parse_real(name, value, 0.0, 10.0);
   else if (flag == "--clip") s.clip = parse_real(name, value, 0.0, 1e30);
@@ -519,7 +523,7 @@ class ConfigReader {
       "offload_optimizer", "offload_param", "type", "params", "lr", "betas", "eps", "weight_decay", "bias_correction",
       "adam_w_mode", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
       "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
-      "synchronize_checkpoint_boundary", "memory_breakdown", "communication_data_type"};
+      "synchronize_checkpoint_boundary", "memory_breakdown", "communication_data_type", "zero2_portable"};
   // A DeepSpeed key this trainer does not act on, at the value that means
   // "off" in DeepSpeed; any other value is refused with `why`.
   void off_only(const std::string& key, const json& value, const json& off, const std::string& why) {
@@ -584,6 +588,7 @@ class ConfigReader {
       if (!is_auto(value)) clipping_ = {"", number(value, key), key};
     } else if (key == "steps_per_print") set_number("--log-every", key, value);
     else if (key == "wall_clock_breakdown") set_boolean("--wall-clock-breakdown", key, value);
+    else if (key == "zero2_portable") set_boolean("--portable", key, value);  // ours, not DeepSpeed's
     else if (key == "fp16" || key == "bf16") precision_block(key, value);
     else if (key == "data_types") data_types(key, value);
     else if (key == "zero_optimization") zero_optimization(key, value);
@@ -914,6 +919,9 @@ where and how
   --overlap 0|1              reduce buckets during backward (1) [zero_optimization.overlap_comm]
   --precision fp32|bf16|fp16 working precision; fp32 master weights either way (fp32; notes/08)
                              [fp16.enabled, bf16.enabled; fp16's loss-scaler keys]
+  --portable                 zero2's own gemm instead of OpenBLAS / cuBLAS: bits that depend on the inputs
+                             alone, the same on any CPU, in both builds and on the GPU (notes/11)
+                             [zero2_portable: zero2's own key]
   --timeout SECONDS          the watchdog's limit on any wait (600)
 model
   --layers L --hidden H --heads NH --intermediate F   (4, 256, 4, 1024: BERT-Mini)
@@ -1004,8 +1012,9 @@ inline Settings parse_command_line(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (flag == "--quiet" || flag == "--wall-clock-breakdown" || flag == "--plan" ||
-        flag == "--poison-activations") {  // switches: no value
-      flags.push_back({flag, flag == "--wall-clock-breakdown" ? "1" : ""});
+        flag == "--poison-activations" || flag == "--portable") {  // switches: no value
+      const bool on_off = flag == "--wall-clock-breakdown" || flag == "--portable";  // a config key sets these too
+      flags.push_back({flag, on_off ? "1" : ""});
       continue;
     }
     if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
@@ -2017,10 +2026,11 @@ inline void Model<Act>::initialize() {
         continue;
       }
       // Box-Muller from two 53-bit uniforms in double: host-only, so the same
-      // bits on every backend. u1 in (0, 1] keeps the logarithm finite.
+      // bits on every backend, and with zero2's log and cos (zero2.h), not
+      // libm's, so on every machine. u1 in (0, 1] keeps the logarithm finite.
       uint64_t h1 = z2::hash_keys(shape_.seed, 0x1417, id, i, 1), h2 = z2::hash_keys(shape_.seed, 0x1417, id, i, 2);
       double u1 = ((h1 >> 11) + 1) * (1.0 / 9007199254740992.0), u2 = (h2 >> 11) * (1.0 / 9007199254740992.0);
-      double normal = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+      double normal = std::sqrt(-2.0 * z2::log_double(u1)) * z2::cos_two_pi(u2);
       values.push_back((float)(normal * initializer_range));
     }
   engine_.parameters_from_host(values);
@@ -3634,7 +3644,7 @@ inline double learning_rate(const Settings& s, long t) {
   const double low = s.warmup_min_lr, range = s.lr - s.warmup_min_lr;
   const long S = s.schedule_steps > 0 ? s.schedule_steps : s.steps, W = s.warmup;  // (0 before check_consistency)
   if (t <= W) {
-    if (s.warmup_type == "log") return low + range * std::log((double)t + 1) / std::log((double)W + 1);
+    if (s.warmup_type == "log") return low + range * z2::log_double((double)t + 1) / z2::log_double((double)W + 1);
     return low + range * (double)t / (double)W;
   }
   if (s.decay == "none") return s.lr;
@@ -3944,6 +3954,7 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   // more pass over every activation buffer, every step.
   compute_->set_activation_fill(settings_.poison_activations ? z2::Compute::PushFill::poison
                                                              : z2::Compute::PushFill::none);
+  compute_->set_portable(settings_.portable);
   mode_ = mode_of(settings_);
   allocator_ = allocator_of(settings_);
   if (allocator_ == z2::Allocator::direct && device_ != z2::Device::cuda)
@@ -4147,6 +4158,9 @@ void Training<Act>::print_header() const {
          z2::to_string(device_), z2::to_string(comm_backend_), settings_.collectives.c_str(),
          settings_.overlap ? "on" : "off", z2::with_commas((size_t)settings_.bucket).c_str());
   printf("  stage     %d: %s\n", settings_.stage, names[settings_.stage]);
+  if (settings_.portable)
+    printf("  portable  zero2's own gemm (%s), own exp / log / erf: the bits depend on the inputs alone (notes/11)\n",
+           device_ == z2::Device::cuda ? "a tiled CUDA kernel" : "a blocked CPU kernel");
   if (precision_ == z2::Precision::fp32)
     printf("  precision fp32: parameters, gradients, AdamW state and activations in fp32\n");
   else
@@ -4478,6 +4492,7 @@ void Training<Act>::write_json(const std::string& hash) const {
               {"collectives", settings_.collectives},
               {"stage", settings_.stage},
               {"precision", settings_.precision},
+              {"portable", settings_.portable},
               {"grad_accum_dtype", settings_.grad_accum_dtype},
               {"loss_scale", engine_->loss_scaler().scale()},
               {"skipped_steps", engine_->skipped_steps()},

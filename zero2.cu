@@ -57,6 +57,18 @@
 #include <thread>
 #include <unordered_map>
 
+// The portable gemm's vector schedules (section 2), where the host compiler
+// targets them (-march=native; never in nvcc's device pass).
+#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+#define Z2_AVX512_LANES 1
+#endif
+#if !defined(__CUDA_ARCH__) && defined(__AVX2__) && defined(__FMA__)
+#define Z2_AVX2_LANES 1
+#endif
+#if defined(Z2_AVX512_LANES) || defined(Z2_AVX2_LANES)
+#include <immintrin.h>
+#endif
+
 #if defined(__CUDACC__)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -1121,13 +1133,241 @@ void Compute::wait(Stream waiter, Event event) {
   (void)waiter, (void)event;
 }
 
-// OpenBLAS's sgemm, with the time it took added to `seconds` (a clock read
+// --- the portable products (notes/11, "Portable bits") -----------------------
+//
+// zero2's own gemm, for --portable: every element in portable_dot's order
+// (zero2.h): acc = fma(a_k, b_k, acc) for k = 0, 1, ..., K-1, then alpha and
+// beta. The two kernels below are schedules of that loop. Neither splits k
+// (no partial sums over ranges of k, no tree over k), so any blocking over
+// rows and columns of C, any vector width and any thread layout give the
+// same bits.
+//
+// Legend: M, N, K the product's sizes, C [M x N] row-major with leading
+// dimension ldc; op(A) [M x K], op(B) [K x N]. The CPU kernel works on tiles
+// of C of kTileRows x kTileColumns.
+//
+// The CPU schedule (a GotoBLAS-style plan, one thread):
+//   pack op(A) into strips of kTileRows rows, k-major:   [strips][K][kTileRows]
+//   for each block of kColumnBlock columns of C:
+//     pack op(B)'s block into panels, k-major:           [panels][K][kTileColumns]
+//     for each strip x panel: the tile kernel sums over all of k in registers
+//     (kTileRows x kTileColumns accumulators), then alpha / beta into C.
+// Rows and columns past M and N are packed as zeros; their results are
+// discarded. k is never padded: a product 0 * 0 added to an accumulator of
+// -0 would make it +0.
+
+namespace {
+constexpr int kTileRows = 8, kTileColumns = 32, kColumnBlock = 256;
+
+// Vector traits for the tile kernel: `lanes` floats in one register, and the
+// explicit fused multiply-add of that width (one rounding per lane, the same
+// as fma_fp32 on each lane: IEEE defines fma exactly).
+struct ScalarLanes {
+  static constexpr int lanes = 1;
+  using Vector = float;
+  static Vector zero() { return 0.0f; }
+  static Vector load(const float* p) { return *p; }
+  static Vector broadcast(float x) { return x; }
+  static Vector fma(Vector a, Vector b, Vector c) { return fma_fp32(a, b, c); }
+  static void store(float* p, Vector v) { *p = v; }
+};
+#if defined(Z2_AVX2_LANES)
+struct Avx2Lanes {
+  static constexpr int lanes = 8;
+  using Vector = __m256;
+  static Vector zero() { return _mm256_setzero_ps(); }
+  static Vector load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vector broadcast(float x) { return _mm256_set1_ps(x); }
+  static Vector fma(Vector a, Vector b, Vector c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, Vector v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+#if defined(Z2_AVX512_LANES)
+struct Avx512Lanes {
+  static constexpr int lanes = 16;
+  using Vector = __m512;
+  static Vector zero() { return _mm512_setzero_ps(); }
+  static Vector load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vector broadcast(float x) { return _mm512_set1_ps(x); }
+  static Vector fma(Vector a, Vector b, Vector c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, Vector v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// tile [kTileRows x kTileColumns] = the sums over k of one strip of op(A)
+// (rows [K][kTileRows]) times one panel of op(B) (columns [K][kTileColumns]).
+// The accumulators stay in registers for all of k: 8 rows x 2 AVX-512
+// vectors is 16 of the 32 registers, the rest hold B's row and A's broadcast.
+template <class Lanes>
+void portable_tile(int K, const float* __restrict rows, const float* __restrict columns, float* __restrict tile) {
+  constexpr int vectors = kTileColumns / Lanes::lanes;  // per row of the tile
+  typename Lanes::Vector acc[kTileRows][vectors];
+  for (int r = 0; r < kTileRows; ++r)
+    for (int v = 0; v < vectors; ++v) acc[r][v] = Lanes::zero();
+  for (int k = 0; k < K; ++k) {
+    typename Lanes::Vector b[vectors];
+    for (int v = 0; v < vectors; ++v) b[v] = Lanes::load(columns + (size_t)k * kTileColumns + v * Lanes::lanes);
+    for (int r = 0; r < kTileRows; ++r) {
+      const auto a = Lanes::broadcast(rows[(size_t)k * kTileRows + r]);
+      for (int v = 0; v < vectors; ++v) acc[r][v] = Lanes::fma(a, b[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kTileRows; ++r)
+    for (int v = 0; v < vectors; ++v) Lanes::store(tile + r * kTileColumns + v * Lanes::lanes, acc[r][v]);
+}
+
+// packed [strips][K][kTileRows] = op(A) [M x K] by strips of rows (zeros past M).
+void pack_row_strips(bool transpose_a, int M, int K, const float* A, int lda, std::vector<float>& packed) {
+  const int strips = (M + kTileRows - 1) / kTileRows;
+  packed.resize((size_t)strips * K * kTileRows);
+  for (int strip = 0; strip < strips; ++strip)
+    for (int k = 0; k < K; ++k)
+      for (int r = 0; r < kTileRows; ++r) {
+        const int m = strip * kTileRows + r;
+        const float value = m >= M ? 0.0f : transpose_a ? A[(size_t)k * lda + m] : A[(size_t)m * lda + k];
+        packed[((size_t)strip * K + k) * kTileRows + r] = value;
+      }
+}
+
+// packed [panels][K][kTileColumns] = columns [first, first + count) of
+// op(B) [K x N] by panels (zeros past the block).
+void pack_column_panels(bool transpose_b, int K, int first, int count, const float* B, int ldb,
+                        std::vector<float>& packed) {
+  const int panels = (count + kTileColumns - 1) / kTileColumns;
+  packed.resize((size_t)panels * K * kTileColumns);
+  for (int panel = 0; panel < panels; ++panel)
+    for (int k = 0; k < K; ++k)
+      for (int c = 0; c < kTileColumns; ++c) {
+        const int within = panel * kTileColumns + c, n = first + within;
+        const float value = within >= count ? 0.0f : transpose_b ? B[(size_t)n * ldb + k] : B[(size_t)k * ldb + n];
+        packed[((size_t)panel * K + k) * kTileColumns + c] = value;
+      }
+}
+
+template <class Lanes>
+void portable_gemm_schedule(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                            int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+  // Kept between calls (one set per thread): no page faults per product.
+  thread_local std::vector<float> strips, panels;
+  pack_row_strips(transpose_a, M, K, A, lda, strips);
+  alignas(64) float tile[kTileRows * kTileColumns];
+  for (int first = 0; first < N; first += kColumnBlock) {
+    const int count = std::min(kColumnBlock, N - first);
+    pack_column_panels(transpose_b, K, first, count, B, ldb, panels);
+    for (int strip = 0; strip * kTileRows < M; ++strip)
+      for (int panel = 0; panel * kTileColumns < count; ++panel) {
+        portable_tile<Lanes>(K, strips.data() + (size_t)strip * K * kTileRows,
+                             panels.data() + (size_t)panel * K * kTileColumns, tile);
+        const int rows = std::min(kTileRows, M - strip * kTileRows);
+        const int columns = std::min(kTileColumns, count - panel * kTileColumns);
+        for (int r = 0; r < rows; ++r) {
+          float* c_row = C + (size_t)(strip * kTileRows + r) * ldc + first + panel * kTileColumns;
+          for (int c = 0; c < columns; ++c)
+            c_row[c] = portable_finish(tile[r * kTileColumns + c], alpha, beta, beta == 0.0f ? 0.0f : c_row[c]);
+        }
+      }
+  }
+}
+}  // namespace
+
+int portable_gemm_lanes() {
+#if defined(Z2_AVX512_LANES)
+  return 16;
+#elif defined(Z2_AVX2_LANES)
+  return 8;
+#else
+  return 1;
+#endif
+}
+
+bool portable_gemm_has_lanes(int lanes) { return lanes == 1 || (lanes <= portable_gemm_lanes() && lanes % 8 == 0); }
+
+void portable_gemm_cpu(int lanes, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                       int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+  if (!portable_gemm_has_lanes(lanes)) usage_error("portable gemm: this build has no %d-lane schedule", lanes);
+  if (M == 0 || N == 0) return;
+#if defined(Z2_AVX512_LANES)
+  if (lanes == 16)
+    return portable_gemm_schedule<Avx512Lanes>(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#endif
+#if defined(Z2_AVX2_LANES)
+  if (lanes == 8)
+    return portable_gemm_schedule<Avx2Lanes>(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#endif
+  portable_gemm_schedule<ScalarLanes>(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+#if defined(__CUDACC__)
+// The CUDA schedule: a block of 16 x 16 threads computes a 64 x 64 tile of C,
+// each thread 4 x 4 elements (rows ty + 16 i, columns tx + 16 j), with
+// op(A) and op(B) staged through shared memory 16 values of k at a time,
+// widened to fp32 as they are loaded. Each thread's accumulators walk k in
+// order, one __fmaf_rn per step: portable_dot's loop. blockIdx.z is the
+// product of a strided batch.
+constexpr int kCudaTile = 64, kCudaDepth = 16, kCudaThreads = 16, kCudaPerThread = kCudaTile / kCudaThreads;
+
+template <class T>
+__global__ void portable_gemm_kernel(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const T* A,
+                                     int lda, long stride_a, const T* B, int ldb, long stride_b, float beta, T* C,
+                                     int ldc, long stride_c) {
+  __shared__ float a_tile[kCudaDepth][kCudaTile + 1];  // [k][row of C]; +1 keeps the stores off one bank
+  __shared__ float b_tile[kCudaDepth][kCudaTile + 1];  // [k][column of C]
+  A += blockIdx.z * stride_a;
+  B += blockIdx.z * stride_b;
+  C += blockIdx.z * stride_c;
+  const int first_row = blockIdx.y * kCudaTile, first_column = blockIdx.x * kCudaTile;
+  const int tx = threadIdx.x, ty = threadIdx.y, thread = ty * kCudaThreads + tx;
+  float acc[kCudaPerThread][kCudaPerThread];
+  for (int i = 0; i < kCudaPerThread; ++i)
+    for (int j = 0; j < kCudaPerThread; ++j) acc[i][j] = 0.0f;
+  for (int k0 = 0; k0 < K; k0 += kCudaDepth) {
+    for (int e = thread; e < kCudaDepth * kCudaTile; e += kCudaThreads * kCudaThreads) {
+      const int kk = e / kCudaTile, within = e % kCudaTile, k = k0 + kk;
+      const int m = first_row + within, n = first_column + within;
+      a_tile[kk][within] = m < M && k < K ? to_float(transpose_a ? A[(size_t)k * lda + m] : A[(size_t)m * lda + k]) : 0.0f;
+      b_tile[kk][within] = n < N && k < K ? to_float(transpose_b ? B[(size_t)n * ldb + k] : B[(size_t)k * ldb + n]) : 0.0f;
+    }
+    __syncthreads();
+    const int depth = min(kCudaDepth, K - k0);  // never past K: see the CPU schedule's note on -0
+    for (int kk = 0; kk < depth; ++kk)
+      for (int i = 0; i < kCudaPerThread; ++i)
+        for (int j = 0; j < kCudaPerThread; ++j)
+          acc[i][j] = fma_fp32(a_tile[kk][ty + kCudaThreads * i], b_tile[kk][tx + kCudaThreads * j], acc[i][j]);
+    __syncthreads();
+  }
+  for (int i = 0; i < kCudaPerThread; ++i)
+    for (int j = 0; j < kCudaPerThread; ++j) {
+      const int m = first_row + ty + kCudaThreads * i, n = first_column + tx + kCudaThreads * j;
+      if (m >= M || n >= N) continue;
+      T* c = C + (size_t)m * ldc + n;
+      *c = from_float<T>(portable_finish(acc[i][j], alpha, beta, beta == 0.0f ? 0.0f : to_float(*c)));
+    }
+}
+
+template <class T>
+void launch_portable_gemm(Stream stream, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
+                          const T* A, int lda, long stride_a, const T* B, int ldb, long stride_b, float beta, T* C,
+                          int ldc, long stride_c, int batch) {
+  const dim3 grid((N + kCudaTile - 1) / kCudaTile, (M + kCudaTile - 1) / kCudaTile, batch);
+  const dim3 threads(kCudaThreads, kCudaThreads);
+  portable_gemm_kernel<T><<<grid, threads, 0, (cudaStream_t)stream.handle>>>(
+      transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C, ldc, stride_c);
+  launch_check(__FILE__, __LINE__);
+}
+#endif
+
+// One fp32 product on the host, OpenBLAS's sgemm or (portable) zero2's
+// widest schedule, with the time it took added to `seconds` (a clock read
 // costs ~20 ns; the smallest product of a BERT-mini step takes ~100 us).
-static void timed_sgemm(double& seconds, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
-                        const float* A, int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+static void timed_cpu_gemm(double& seconds, bool portable, bool transpose_a, bool transpose_b, int M, int N, int K,
+                           float alpha, const float* A, int lda, const float* B, int ldb, float beta, float* C,
+                           int ldc) {
   const auto start = Clock::now();
-  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N, K,
-              alpha, A, lda, B, ldb, beta, C, ldc);
+  if (portable)
+    portable_gemm_cpu(portable_gemm_lanes(), transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  else
+    cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M,
+                N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   seconds += std::chrono::duration<double>(Clock::now() - start).count();
 }
 
@@ -1146,10 +1386,13 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
     return;
   }
   if (device_ == Device::cpu) {
-    timed_sgemm(gemm_seconds_, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    timed_cpu_gemm(gemm_seconds_, portable_, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
 #if defined(__CUDACC__)
+  if (portable_)
+    return launch_portable_gemm(compute_stream_, transpose_a, transpose_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta,
+                                C, ldc, 0, 1);
   // cuBLAS is column-major. A row-major C is a column-major C^T, and
   // C^T = op(B)^T op(A)^T: swap the operands and the sizes, keep the flags.
   Z2_CUBLAS_CHECK(cublasSgemm((cublasHandle_t)cublas_, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -1168,6 +1411,9 @@ void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int
     return;
   }
 #if defined(__CUDACC__)
+  if (portable_)
+    return launch_portable_gemm(compute_stream_, transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb,
+                                stride_b, beta, C, ldc, stride_c, batch);
   // The same operand swap as gemm, batch by batch.
   Z2_CUBLAS_CHECK(cublasSgemmStridedBatched((cublasHandle_t)cublas_, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                             transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, stride_b,
@@ -1202,7 +1448,7 @@ static void scale_matrix(Compute& compute, int M, int N, float beta, T* C, int l
 // round back only C's M x N elements (the columns between them may belong to
 // another head's product).
 template <class T>
-static void cpu_gemm_16bit(double& seconds, std::vector<float>& a, std::vector<float>& b, std::vector<float>& c,
+static void cpu_gemm_16bit(double& seconds, bool portable, std::vector<float>& a, std::vector<float>& b, std::vector<float>& c,
                            bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const T* A, int lda,
                            long stride_a, const T* B, int ldb, long stride_b, float beta, T* C, int ldc, long stride_c,
                            int batch) {
@@ -1213,8 +1459,8 @@ static void cpu_gemm_16bit(double& seconds, std::vector<float>& a, std::vector<f
   else widen_to(C, c_span, c);
   for (int k = 0; k < batch; ++k) {
     float* c_k = c.data() + k * stride_c;
-    timed_sgemm(seconds, transpose_a, transpose_b, M, N, K, alpha, a.data() + k * stride_a, lda,
-                b.data() + k * stride_b, ldb, beta, c_k, ldc);
+    timed_cpu_gemm(seconds, portable, transpose_a, transpose_b, M, N, K, alpha, a.data() + k * stride_a, lda,
+                   b.data() + k * stride_b, ldb, beta, c_k, ldc);
     T* C_k = C + k * stride_c;
     for (int row = 0; row < M; ++row)
       for (int column = 0; column < N; ++column)
@@ -1235,11 +1481,11 @@ void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b
   if (device_ == Device::cpu) {
     Live& l = *live_;
     if (bf16)
-      cpu_gemm_16bit(gemm_seconds_, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
+      cpu_gemm_16bit(gemm_seconds_, portable_, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
                      (const bfloat16*)A, lda, stride_a, (const bfloat16*)B, ldb, stride_b, beta, (bfloat16*)C, ldc,
                      stride_c, batch);
     else
-      cpu_gemm_16bit(gemm_seconds_, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
+      cpu_gemm_16bit(gemm_seconds_, portable_, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
                      (const float16*)A, lda, stride_a, (const float16*)B, ldb, stride_b, beta, (float16*)C, ldc,
                      stride_c, batch);
     return;
@@ -1248,6 +1494,12 @@ void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b
   // The operand swap of gemm() (row-major C is column-major C^T), with the
   // 16-bit types and fp32 compute; alpha and beta are fp32 (the scale type of
   // CUBLAS_COMPUTE_32F).
+  if (portable_ && bf16)
+    return launch_portable_gemm(compute_stream_, transpose_a, transpose_b, M, N, K, alpha, (const bfloat16*)A, lda,
+                                stride_a, (const bfloat16*)B, ldb, stride_b, beta, (bfloat16*)C, ldc, stride_c, batch);
+  if (portable_)
+    return launch_portable_gemm(compute_stream_, transpose_a, transpose_b, M, N, K, alpha, (const float16*)A, lda,
+                                stride_a, (const float16*)B, ldb, stride_b, beta, (float16*)C, ldc, stride_c, batch);
   const cudaDataType type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
   cublasHandle_t handle = (cublasHandle_t)cublas_16bit_;
   const cublasOperation_t op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -2680,8 +2932,10 @@ AdamWConstants Engine::Impl::adamw_constants(double lr, long t, float grad_scale
   constants.one_minus_beta2 = (float)(1.0 - o.beta2);
   constants.eps = (float)o.eps;
   // Without bias correction the step is -lr and the divisor 1 (exact: v / 1 = v).
-  constants.negative_step_size = (float)(o.bias_correction ? -lr / (1.0 - std::pow(o.beta1, (double)t)) : -lr);
-  constants.bias_correction2_sqrt = o.bias_correction ? (float)std::sqrt(1.0 - std::pow(o.beta2, (double)t)) : 1.0f;
+  // beta^t by repeated squaring (zero2.h's power_double), not libm's pow:
+  // the same double on every machine.
+  constants.negative_step_size = (float)(o.bias_correction ? -lr / (1.0 - power_double(o.beta1, t)) : -lr);
+  constants.bias_correction2_sqrt = o.bias_correction ? (float)std::sqrt(1.0 - power_double(o.beta2, t)) : 1.0f;
   constants.grad_scale = grad_scale;
   return constants;
 }

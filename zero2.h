@@ -347,15 +347,15 @@ Z2_HD inline float exp_fp32(float x) {
   return (float)(series * two_to_k);
 }
 
-// log x: x = 2^e m with m in [sqrt(1/2), sqrt 2), log m = 2 atanh(s) with
-// s = (m - 1) / (m + 1), |s| <= 0.1716, by its series to s^19 (the rest is
-// < 1e-15 of it). Called a few hundred times a step (cross-entropy), so the
-// special inputs are plain branches.
-Z2_HD inline float log_fp32(float x) {
-  if (x != x || x == INFINITY) return x;            // NaN, +inf
-  if (x == 0.0f) return -INFINITY;                  // either sign of zero
-  if (x < 0.0f) return float_of(0x7fc00000u);       // a quiet NaN
-  const uint64_t bits = bits_of_double((double)x);  // a subnormal float is a normal double
+// log x for a positive, finite x (a normal double): x = 2^e m with m in
+// [sqrt(1/2), sqrt 2), log m = 2 atanh(s) with s = (m - 1) / (m + 1),
+// |s| <= 0.1716, by its series to s^(2 terms - 1). log_fp32 sums 10 terms
+// (the rest is < 1e-15 of the sum); the host's double log (the initial
+// weights' Box-Muller, the "log" warmup) sums 13 (< 2e-20: what is left is
+// the double roundings, a few ulps of the double).
+template <int terms>
+Z2_HD inline double log_series(double x) {
+  const uint64_t bits = bits_of_double(x);
   int exponent = (int)(bits >> 52) - 1023;
   double mantissa = double_of((bits & 0x000fffffffffffffull) | 0x3ff0000000000000ull);  // [1, 2)
   if (mantissa > 1.4142135623730951) {
@@ -364,11 +364,76 @@ Z2_HD inline float log_fp32(float x) {
   }
   const double s = (mantissa - 1.0) / (mantissa + 1.0);  // m - 1 is exact (Sterbenz)
   const double s2 = s * s;
-  constexpr double inverse_odds[10] = {1.0,      1.0 / 3,  1.0 / 5,  1.0 / 7,  1.0 / 9,
-                                       1.0 / 11, 1.0 / 13, 1.0 / 15, 1.0 / 17, 1.0 / 19};  // 1 / (2j + 1)
-  const double series = horner<0, 9>(inverse_odds, s2);  // sum of s2^j / (2j + 1)
+  constexpr double inverse_odds[13] = {1.0,      1.0 / 3,  1.0 / 5,  1.0 / 7,  1.0 / 9,  1.0 / 11, 1.0 / 13,
+                                       1.0 / 15, 1.0 / 17, 1.0 / 19, 1.0 / 21, 1.0 / 23, 1.0 / 25};  // 1 / (2j + 1)
+  static_assert(terms <= 13, "inverse_odds has 13 terms");
+  const double series = horner<0, terms - 1>(inverse_odds, s2);  // sum of s2^j / (2j + 1)
   // For x in [sqrt(1/2), sqrt 2) the exponent is 0: no cancellation near 1.
-  return (float)(exponent * 0.6931471805599453 + 2.0 * s * series);
+  return exponent * 0.6931471805599453 + 2.0 * s * series;
+}
+
+// log x of a float (cross-entropy). Called a few hundred times a step, so the
+// special inputs are plain branches; a subnormal float is a normal double.
+Z2_HD inline float log_fp32(float x) {
+  if (x != x || x == INFINITY) return x;       // NaN, +inf
+  if (x == 0.0f) return -INFINITY;             // either sign of zero
+  if (x < 0.0f) return float_of(0x7fc00000u);  // a quiet NaN
+  return (float)log_series<10>((double)x);
+}
+
+// The host's double log of a positive finite x (no special values: its two
+// callers pass (0, 1] and [1, 2^31]).
+inline double log_double(double x) { return log_series<13>(x); }
+
+// cos(2 pi u) for u in [0, 1) (the angle of Box-Muller), in turns so that
+// the reduction is exact: cos(2 pi u) = cos(2 pi (1 - u)) = -cos(2 pi (1/2 - u))
+// = sin(2 pi (1/4 - u)), each subtraction exact for these u (multiples of
+// 2^-53), down to x = 2 pi u' <= pi / 4, where Taylor's series to x^18 (cos)
+// or x^19 (sin) leaves < 3e-18.
+inline double cos_two_pi(double u) {
+  if (u > 0.5) u = 1.0 - u;
+  double sign = 1.0;
+  if (u > 0.25) {
+    u = 0.5 - u;
+    sign = -1.0;
+  }
+  const bool as_sine = u > 0.125;
+  if (as_sine) u = 0.25 - u;
+  const double x = 6.283185307179586 * u, x2 = x * x;
+  constexpr double cos_terms[10] = {1.0,
+                                    -1.0 / 2,
+                                    1.0 / 24,
+                                    -1.0 / 720,
+                                    1.0 / 40320,
+                                    -1.0 / 3628800,
+                                    1.0 / 479001600,
+                                    -1.0 / 87178291200.0,
+                                    1.0 / 20922789888000.0,
+                                    -1.0 / 6402373705728000.0};  // (-1)^j / (2j)!
+  constexpr double sin_terms[10] = {1.0,
+                                    -1.0 / 6,
+                                    1.0 / 120,
+                                    -1.0 / 5040,
+                                    1.0 / 362880,
+                                    -1.0 / 39916800,
+                                    1.0 / 6227020800.0,
+                                    -1.0 / 1307674368000.0,
+                                    1.0 / 355687428096000.0,
+                                    -1.0 / 121645100408832000.0};  // (-1)^j / (2j + 1)!
+  return sign * (as_sine ? x * horner<0, 9>(sin_terms, x2) : horner<0, 9>(cos_terms, x2));
+}
+
+// base^exponent for an integer exponent >= 0 by repeated squaring (Adam's
+// bias corrections beta^t): multiplications only, the same on every machine,
+// where libm's pow is a different function per library (and per CPU: glibc
+// has an FMA variant).
+inline double power_double(double base, long exponent) {
+  double result = 1.0;
+  for (; exponent > 0; exponent >>= 1) {
+    if (exponent & 1) result *= base;
+    base *= base;
+  }
+  return result;
 }
 
 // erf x = x P(t) for |x| < 4, t = x^2 / 8 - 1 in [-1, 1] (x^2 of a float is
@@ -390,6 +455,44 @@ Z2_HD inline float erf_fp32(float x) {
   // gives +-1 and NaN gives NaN (tests/test_math.cpp).
   const float at_most_one = x >= 4.0f ? 1.0f : inside;
   return x <= -4.0f ? -1.0f : at_most_one;
+}
+
+// --- the portable product's order (notes/11, "Portable bits") ---------------
+//
+// What one element of C = alpha op(A) op(B) + beta C is in portable mode
+// (Compute::set_portable): the sum over k in index order, each step one fused
+// multiply-add (a * b + acc rounded once, IEEE's fma), from +0:
+//
+//   acc = 0;  for k = 0 .. K-1:  acc = fma(a_k, b_k, acc)
+//   C   = alpha * acc                      (beta == 0: C's old value unread)
+//   C   = alpha * acc + beta * C           (otherwise: two products, one sum)
+//
+// Every multiply-add and product is correctly rounded, so the result is a
+// function of the inputs alone. zero2's CPU kernel (zero2.cu, section 2) and
+// its CUDA kernel are two schedules of this loop: they block and vectorise
+// over rows and columns of C, never over k.
+Z2_HD inline float fma_fp32(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);  // an instruction with FMA hardware; glibc's exact fmaf without
+#endif
+}
+
+// The sum over k of one element: a_k = a[k * a_step], b_k = b[k * b_step],
+// widened to fp32 (exactly) if T is a 16-bit type.
+template <class T>
+Z2_HD inline float portable_dot(int K, const T* a, size_t a_step, const T* b, size_t b_step) {
+  float acc = 0.0f;
+  for (int k = 0; k < K; ++k) acc = fma_fp32(to_float(a[k * a_step]), to_float(b[k * b_step]), acc);
+  return acc;
+}
+
+// alpha and beta applied to the sum (c_old is ignored when beta == 0, so NaN
+// in a fresh output does not leak into it, as BLAS defines beta = 0).
+Z2_HD inline float portable_finish(float acc, float alpha, float beta, float c_old) {
+  const float scaled = alpha * acc;
+  return beta == 0.0f ? scaled : scaled + beta * c_old;
 }
 
 // The canonical summation tree (notes/06). Float addition is not
@@ -658,7 +761,8 @@ class Compute {
   void wait(Stream waiter, Event event);   // GPU-side: `waiter` waits, the host does not
 
   // Row-major C[M x N] = alpha * op(A) op(B) + beta * C, with op(X) = X or X^T:
-  // OpenBLAS sgemm on cpu, cuBLAS sgemm on the compute stream on cuda.
+  // OpenBLAS sgemm on cpu, cuBLAS sgemm on the compute stream on cuda; in
+  // portable mode (set_portable, below) zero2's own kernels on both.
   void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
             int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
@@ -689,9 +793,19 @@ class Compute {
                     long stride_a, const float16* B, int ldb, long stride_b, float beta, float16* C, int ldc,
                     long stride_c, int batch);
 
-  // Seconds spent inside OpenBLAS's sgemm since this Compute was made (cpu
-  // only: on cuda the calls only queue work, so there is nothing to time on
-  // the host). `make bench` prints it as the step's sgemm share.
+  // Portable mode (the trainer's --portable; notes/11): every gemm above is
+  // zero2's own, in the order portable_dot defines (a blocked, vectorised CPU
+  // kernel; a tiled CUDA kernel), in place of OpenBLAS / cuBLAS, whose
+  // summation order depends on the CPU or GPU they run on. With it a run's
+  // bits depend on its inputs alone. The 16-bit products widen their
+  // operands exactly, as the cpu path always does, and round C once.
+  void set_portable(bool on) { portable_ = on; }
+  bool portable() const { return portable_; }
+
+  // Seconds spent inside the gemm (OpenBLAS's sgemm or, in portable mode,
+  // zero2's) since this Compute was made (cpu only: on cuda the calls only
+  // queue work, so there is nothing to time on the host). `make bench`
+  // prints it as the step's gemm share.
   double gemm_seconds() const { return gemm_seconds_; }
 
   // Run body(i) for i in [0, n) (a Z2_LOOP): a CPU loop, or one CUDA thread
@@ -740,10 +854,22 @@ class Compute {
   PushFill activation_fill_ = PushFill::zero;
   std::vector<MemorySample> trace_;
   double gemm_seconds_ = 0;  // see gemm_seconds()
+  bool portable_ = false;    // see set_portable()
   std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)
   struct Live;
   std::unique_ptr<Live> live_;  // pointer -> (bytes, kind), and the block's bookkeeping
 };
+
+// The portable product's CPU kernel (zero2.cu, section 2), callable on host
+// memory for the tests: row-major C [M x N] = alpha op(A) op(B) + beta C in
+// portable_dot's order, by the schedule of `lanes` floats per vector (16:
+// AVX-512, 8: AVX2 with FMA, 1: scalar fma, the one every CPU has).
+// portable_gemm_lanes() is the widest this build was compiled for; the others
+// exist so that the tests compare every schedule with the definition.
+int portable_gemm_lanes();
+bool portable_gemm_has_lanes(int lanes);
+void portable_gemm_cpu(int lanes, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                       int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
 // A typed, owning device array: frees itself, counts itself in the ledger.
 template <class T>
