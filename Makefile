@@ -19,6 +19,10 @@
 #                 formula the ledger and --plan use
 #   make superlinear  tokens/s per rank at the largest micro-batch that fits a fixed memory per
 #                 rank, stages 0 and 2 at N = 1, 2, 4 (tests/superlinear.sh)
+#   make verify   does this build compute zero2's reference bits? The small rows of tests/golden_bits.txt
+#                 in portable mode (--portable; notes/11), under 2 minutes: "your build computes ..."
+#                 or the configuration that differs. VERIFY_BUILD=build-cpu checks the mpicxx build
+#   make golden   rewrite tests/golden_bits.txt from this build (only for a change meant to change bits)
 #   make notes    regenerate the measured tables in notes/
 #   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
 #   make deps     install missing Debian packages (as root), or print the command
@@ -102,7 +106,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run demo bench math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
+.PHONY: all cpu run verify golden demo bench math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -212,6 +216,14 @@ RUN_ENV := OPENBLAS_NUM_THREADS=1
 run: deps found
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
 	$(RUN_ENV) timeout 600 mpirun -n 2 build/train_bert_mini --stage 2
+
+VERIFY_BUILD ?= build
+verify: deps
+	@$(MAKE) --no-print-directory -j2 $(if $(filter build-cpu,$(VERIFY_BUILD)),cpu,all)
+	tests/verify.sh $(VERIFY_BUILD)
+
+golden: deps all
+	tests/verify.sh build --write
 
 demo: deps all
 	$(RUN_ENV) timeout 300 mpirun -n 2 build/demo_stages

@@ -1009,16 +1009,20 @@ inline void check_plan_flags(const Settings& s) {
 inline Settings parse_command_line(int argc, char** argv) {
   Settings settings;
   std::vector<std::pair<std::string, std::string>> flags;
+  const std::set<std::string> switches = {"--quiet", "--wall-clock-breakdown", "--plan", "--poison-activations",
+                                           "--portable"};  // no value
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
-    if (flag == "--quiet" || flag == "--wall-clock-breakdown" || flag == "--plan" ||
-        flag == "--poison-activations" || flag == "--portable") {  // switches: no value
+    if (switches.count(flag)) {
       const bool on_off = flag == "--wall-clock-breakdown" || flag == "--portable";  // a config key sets these too
       flags.push_back({flag, on_off ? "1" : ""});
       continue;
     }
     if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
     const size_t equals = flag.find('=');
+    if (equals != std::string::npos && switches.count(flag.substr(0, equals)))
+      fail("'%s': %s takes no value (write '%s' to switch it on)", flag.c_str(), flag.substr(0, equals).c_str(),
+           flag.substr(0, equals).c_str());
     if (equals != std::string::npos)
       fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), flag.substr(0, equals).c_str(),
            flag.substr(equals + 1).c_str());
@@ -3228,7 +3232,8 @@ inline json recorded_values(const Settings& s) {
           {"beta2", s.beta2}, {"eps", s.eps}, {"precision", s.precision}, {"grad_accum_dtype", s.grad_accum_dtype},
           {"loss_scale", l.static_scale}, {"initial_scale_power", l.initial_scale_power},
           {"loss_scale_window", l.window}, {"hysteresis", l.hysteresis},
-          {"consecutive_hysteresis", l.consecutive_hysteresis}, {"min_loss_scale", l.min_scale}};
+          {"consecutive_hysteresis", l.consecutive_hysteresis}, {"min_loss_scale", l.min_scale},
+          {"portable", s.portable}};
 }
 
 // A field of index.json, or one message naming it and the file. `shown`
@@ -3385,6 +3390,16 @@ inline void adopt_checkpoint(Settings& s, int world_size) {
       apply(s, setting.flag, text, "the checkpoint's setting '" + std::string(setting.key) + "'");
       s.given.erase(setting.flag);  // taken, not given
     }
+  }
+  // Portable mode (notes/11) is not among the settings above: a run may
+  // choose it anew, as it may the device, and a checkpoint from before it
+  // existed has no record of it. Not given, it continues as saved, so that
+  // a resumed portable run keeps the bits of one that never stopped.
+  if (!s.given.count("--portable") && saved.contains("portable")) {
+    if (!saved["portable"].is_boolean())
+      fail("the checkpoint index '%s': settings.portable is %s, not true or false", file.c_str(),
+           saved["portable"].dump().c_str());
+    s.portable = saved["portable"].get<bool>();
   }
   if (export_only) s.export_only = true;
   // The run's length is not the schedule's: a resumed run may train longer

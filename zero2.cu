@@ -30,7 +30,8 @@
 //
 // Reading order: the sections are numbered and build on each other.
 //   1. Checks and errors
-//   2. Compute backend: memory, streams, events, gemm
+//   2. Compute backend: memory, streams, events, gemm (OpenBLAS / cuBLAS, or
+//      zero2's own in one documented order for --portable, notes/11)
 //   3. Communicator: MPI and NCCL start-up, scalar helpers
 //   4. The bucket collectives: deterministic and native, step by step
 //   5. Layout: parameters, norm chunks, buckets, shards

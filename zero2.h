@@ -7,7 +7,8 @@
 // What you find here (zero2.cu's sections 1-8 implement it in this order):
 //   1. errors and check macros (MPI, CUDA, cuBLAS, NCCL)
 //   2. Z2_HD math shared by CPU loops and CUDA kernels: counter-based random
-//      numbers, bf16 / fp16 conversions, the canonical summation tree of
+//      numbers, bf16 / fp16 conversions, exp / log / erf of our own, the
+//      portable product's order (notes/11), the canonical summation tree of
 //      chapter 06 of notes/ (the determinism contract), AdamW
 //   3. the compute backend (cpu | cuda): memory with a ledger, streams, events,
 //      for_each (one Z2_LOOP body, run as a CPU loop or a CUDA kernel), gemm

@@ -117,15 +117,65 @@ tests/bench.sh "$build" $(test -x build-cpu/train_bert_mini && echo build-cpu) >
 {
   echo '```'
   echo "\$ make bench    # (its last lines)"
-  sed -n '/^ZeRO-R/,$p' "$out/bench_output"
+  sed -n '/^ZeRO-R/,/^  offload/p' "$out/bench_output"
   echo '```'
 } >"$out/zero_r_bench"
+{
+  echo '```'
+  echo "\$ make bench    # (its portable-mode lines)"
+  sed -n '/^Portable mode/,$p' "$out/bench_output"
+  echo '```'
+} >"$out/portable_bench"
 {
   echo '```'
   echo "\$ make bench    # (its per-core lines)"
   sed -n '1p;/^Per core/,/^Two cores/p' "$out/bench_output"
   echo '```'
 } >"$out/bench_summary"
+
+# --- portable bits (notes/11-portable-bits.md, README.md) ---------------------------
+# golden_table: tests/golden_bits.txt, each row checked on this build first
+# (tests/verify.sh --all fails the generation if one differs).
+tests/verify.sh "$build" --all >"$out/verify_output"
+if [ -x build-cpu/train_bert_mini ]; then tests/verify.sh build-cpu --all >"$out/verify_cpu_output"; fi
+python3 - tests/golden_bits.txt "$build" "$out/verify_output" >"$out/golden_table" <<'PY'
+import sys
+table, build, verdict = sys.argv[1], sys.argv[2], open(sys.argv[3]).read().strip().splitlines()[-1]
+print("From `tests/golden_bits.txt`; every row rerun by `make notes` on this build (`tests/verify.sh %s --all`:" % build)
+print("\"%s\"). Each run is `mpirun -n N train_bert_mini FLAGS --portable`." % verdict)
+print()
+print("| configuration | N | flags | final_params_hash | last loss bits | in `make verify` |")
+print("|---|---|---|---|---|---|")
+for line in open(table):
+    if line.startswith("#") or not line.strip(): continue
+    name, size, ranks, flags, hash_, bits = (field.strip() for field in line.split("|"))
+    print(f"| {name} | {ranks} | `{flags}` | `{hash_}` | `{bits}` | {'yes' if size == 'small' else 'no (the suite)'} |")
+PY
+# portable_variants: the issue's tiny configuration under forced OpenBLAS
+# kernels, thread counts and glibc masks, in the default and the portable
+# mode, in both builds (the suite's section 13 checks the same).
+variant_flags="--layers 2 --hidden 64 --heads 2 --intermediate 128 --seq 32 --micro-batch 4 --steps 5 --quiet"
+{
+  echo "Measured by \`make notes\`: \`VARIANT mpirun -n 1 BUILD/train_bert_mini $variant_flags [--portable]\`"
+  echo "(final_params_hash, then the last step's loss bits)."
+  echo
+  echo "| variant | build | default mode | portable mode |"
+  echo "|---|---|---|---|"
+  for binary_dir in "$build" $(test -x build-cpu/train_bert_mini && echo build-cpu); do
+    for variant in "OPENBLAS_CORETYPE=" OPENBLAS_CORETYPE=Haswell "OPENBLAS_CORETYPE=Haswell OPENBLAS_NUM_THREADS=2" \
+                   OPENBLAS_CORETYPE=SkylakeX OPENBLAS_CORETYPE=Sandybridge OPENBLAS_CORETYPE=Nehalem \
+                   "GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX2,-FMA,-AVX512F,-AVX512VL"; do
+      hashes=""
+      for mode in "" --portable; do
+        env $variant timeout 120 mpirun -n 1 "$binary_dir/train_bert_mini" $variant_flags $mode --json "$out/variant.json" >/dev/null
+        hashes="$hashes | \`$(python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(d['final_params_hash'] + '\` \`' + d['steps'][-1]['loss_bits'])" "$out/variant.json")\`"
+      done
+      shown=${variant/OPENBLAS_CORETYPE= OPENBLAS/OPENBLAS}
+      [ "$variant" = "OPENBLAS_CORETYPE=" ] && shown="(none: OpenBLAS picks)"
+      echo "| $shown | $binary_dir/ $hashes |"
+    done
+  done
+} >"$out/portable_variants"
 
 # --- ZeRO-R (notes/04-activation-offload.md, notes/05-arena.md) ---------------------
 # zero_r_modes: the default BERT-mini, N = 2, stage 2, every --activations x --alloc.

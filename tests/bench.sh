@@ -12,7 +12,10 @@
 #     zero2, `make cpu`'s, when given), the mean of the two for each;
 #   - PyTorch with 2 threads on the global batch of N = 2 beside zero2 N = 2;
 #   - ZeRO-R at stage 2, N = 2: the step-time ratios recompute / keep and
-#     offload / keep (notes/04 quotes these last lines).
+#     offload / keep (notes/04 quotes these);
+#   - portable mode (--portable: zero2's own gemm, notes/11) beside the
+#     default mode, N = 1, stage 2: fp32 in the per-core rounds (each round
+#     runs both), bf16 and fp16 right after their default run.
 # One OpenBLAS thread per rank. BENCH_STEPS (default 12) sets the step count.
 set -eu
 build=${1:-build}
@@ -41,12 +44,16 @@ for precision in fp32 bf16 fp16; do
   for stage in 0 2; do
     for ranks in 1 2; do
       zero2 "$build" "${precision}_s${stage}_n${ranks}" $ranks --stage $stage --precision $precision
+      if [ $stage = 2 ] && [ $ranks = 1 ] && [ $precision != fp32 ]; then
+        zero2 "$build" "${precision}_portable" 1 --stage 2 --precision $precision --portable
+      fi
     done
   done
 done
 # Per core, back to back, twice: zero2 (both builds) and PyTorch with one thread.
 for round in 1 2; do
   zero2 "$build" "percore_$round" 1 --stage 2
+  zero2 "$build" "portable_$round" 1 --stage 2 --portable
   if [ -n "$second" ]; then zero2 "$second" "percore_second_$round" 1 --stage 2; fi
   torch "torch1_$round" 1 8
 done
@@ -102,4 +109,16 @@ print("ZeRO-R at stage 2, N=2: median step time by --activations")
 print(f"  keep                        {keep:10.1f} ms")
 print(f"  recompute                   {recompute:10.1f} ms   recompute / keep {recompute / keep:6.3f}")
 print(f"  offload                     {offload:10.1f} ms   offload / keep   {offload / keep:6.3f}")
+print()
+print("Portable mode (--portable: zero2's own gemm), N=1, stage 2, beside the default mode (fp32: the per-core")
+print("rounds' means; bf16, fp16: the run right after the table's):")
+print(f"  {'precision':<10}{'default':>12}{'portable':>12}{'gemm':>7}{'portable / default':>21}")
+pairs = [("fp32", mean([tokens(f"percore_{r}") for r in (1, 2)]), mean([tokens(f"portable_{r}") for r in (1, 2)]),
+          mean([run(f"portable_{r}")["time"]["gemm_share_median"] for r in (1, 2)]) if device == "cpu" else None)]
+for p in ("bf16", "fp16"):
+    pairs.append((p, tokens(f"{p}_s2_n1"), tokens(f"{p}_portable"),
+                  run(f"{p}_portable")["time"]["gemm_share_median"] if device == "cpu" else None))
+for p, default, portable, gemm in pairs:
+    print(f"  {p:<10}{default:>12,.0f}{portable:>12,.0f}{'   -' if gemm is None else f'{gemm:7.2f}'}"
+          f"{portable / default:>21.3f}")
 PY

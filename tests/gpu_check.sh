@@ -54,7 +54,13 @@
 #      tensor) give the arena's hash, and their peak reserved beside the
 #      arena's; make superlinear's table on the GPU (tests/superlinear.sh with
 #      --device cuda, 4 GiB per rank), tokens/s at the largest micro-batch;
-#  11. a summary.
+#  11. portable bits on the GPU (--portable: zero2's tiled CUDA gemm, notes/11):
+#      every row of tests/golden_bits.txt on the GPU (N = 2 over MPI sharing
+#      it) must give the table's hash, which the CPU computes; the N = 1 rows
+#      (fp32, bf16) over NCCL too; the kernel against the CPU schedule element by element
+#      (the suite's test_conversions_gpu.cu, quoted); BERT-mini's portable
+#      step time beside cuBLAS's;
+#  12. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
@@ -315,6 +321,37 @@ else
   note "superlinear on the GPU: FAILED"
   failures=$((failures + 1))
 fi
+
+# --- 11. portable bits on the GPU ------------------------------------------------------
+if Z2_VERIFY_FLAGS="--device cuda --comm mpi" timeout 240 tests/verify.sh build --all >/tmp/z2_verify.log 2>&1; then
+  note "portable on the GPU: $(tail -n 1 /tmp/z2_verify.log) (the CPU's table, on the GPU, N = 2 over MPI)"
+else
+  cat /tmp/z2_verify.log
+  note "portable on the GPU: FAILED ($(grep -c '^DIFFERS\|^FAILED' /tmp/z2_verify.log) row(s) differ from the CPU's table)"
+  failures=$((failures + 1))
+fi
+# Over NCCL only the N = 1 rows can run (NCCL refuses two ranks on one GPU).
+Z2_VERIFY_FLAGS="--device cuda --comm nccl" timeout 120 tests/verify.sh build >/tmp/z2_verify_nccl.log 2>&1
+if grep -q '^same    tiny fp32, N=1:' /tmp/z2_verify_nccl.log && grep -q '^same    tiny bf16, N=1:' /tmp/z2_verify_nccl.log; then
+  note "portable on the GPU over NCCL: the N = 1 rows (fp32, bf16) give the table's hashes"
+else
+  cat /tmp/z2_verify_nccl.log
+  note "portable on the GPU over NCCL: FAILED"
+  failures=$((failures + 1))
+fi
+portable_kernel=$(grep -m 1 "the portable gemm kernel on the GPU" /tmp/z2tests.log | sed 's/.*MESSAGE: //')
+note "portable gemm kernel vs the CPU schedule: ${portable_kernel:-not found in the suite's log}"
+portable_ms=()
+for mode in default portable; do
+  extra=$([ $mode = portable ] && echo --portable)
+  if timeout 120 build/train_bert_mini --device cuda --comm nccl --stage 2 --steps 30 --quiet $extra \
+       --json /tmp/z2_portable_$mode.json >/tmp/z2_portable.log 2>&1; then
+    portable_ms+=("$(python3 -c "import json; print('%.2f' % json.load(open('/tmp/z2_portable_$mode.json'))['time']['step_ms_median'])")")
+  else
+    tail -n 8 /tmp/z2_portable.log; portable_ms+=(failed); failures=$((failures + 1))
+  fi
+done
+note "portable step on the GPU (BERT-mini N=1 stage 2 fp32, median): cuBLAS ${portable_ms[0]} ms, zero2's kernel ${portable_ms[1]} ms"
 
 echo
 echo "=== summary ($(elapsed "$started") s)"

@@ -2,7 +2,9 @@
 // the CUDA intrinsics the GPU's kernels would otherwise use, bit for bit:
 // __float2bfloat16_rn and __float2half_rn over all 2^32 floats, and the two
 // widenings over all 2^16 values; and zero2's own exp, log and erf computed
-// by a kernel against the same functions on the CPU. Compiled by nvcc; skipped with a message
+// by a kernel against the same functions on the CPU; and the portable gemm's
+// CUDA kernel against its CPU schedule (zero2.cu, section 2), element by
+// element, fp32 / bf16 / fp16, every transpose, batched. Compiled by nvcc; skipped with a message
 // without a GPU (and in the cpu-only build). tests/gpu_check.sh runs it.
 #include "harness.h"
 
@@ -74,16 +76,27 @@ void math_functions(z2::Compute& compute, uint64_t first, uint64_t stride, size_
   }));
 }
 
+// Runs check(gpu), which returns whether it passed, once on rank 0's GPU,
+// then agrees on the result across ranks (every rank reaches the agreement,
+// so a failure hangs no one); without a GPU, says SKIP.
+template <class Check>
+void on_rank0_gpu(const char* failure, Check check) {
+  bool ran = false, ok = true;
+  for (const auto& backend : harness::sub_world(1)) {
+    if (!backend.compute->on_cuda() || !backend.deterministic || ran) continue;  // rank 0's GPU, once
+    ran = true;
+    ok = check(*backend.compute);
+  }
+  if (!harness::from_rank0(ran)) MESSAGE("SKIP: no GPU (" << (z2::cuda_available() ? "" : "cudaGetDeviceCount failed") << ")");
+  CHECK(harness::agree(ok, failure));
+}
+
 }  // namespace
 #endif
 
 TEST_CASE("GPU: bf16 and fp16 conversions equal __float2bfloat16_rn / __float2half_rn on all 2^32 floats") {
 #if defined(__CUDACC__)
-  bool ran = false, ok = true;
-  for (const auto& backend : harness::sub_world(1)) {
-    if (!backend.compute->on_cuda() || !backend.deterministic || ran) continue;  // rank 0's GPU, once
-    ran = true;
-    z2::Compute& compute = *backend.compute;
+  on_rank0_gpu("a 16-bit conversion differs from the CUDA intrinsic", [&](z2::Compute& compute) {
     const size_t chunk = 1ull << 28, threads = chunk / 64;
     z2::DeviceArray<unsigned> bf16_slots(compute, threads, z2::MemoryKind::activations),
         fp16_slots(compute, threads, z2::MemoryKind::activations), nan_slots(compute, threads, z2::MemoryKind::activations),
@@ -108,10 +121,8 @@ TEST_CASE("GPU: bf16 and fp16 conversions equal __float2bfloat16_rn / __float2ha
     MESSAGE("all 2^32 floats on the GPU: " << bf16_total << " bf16 and " << fp16_total
                                            << " fp16 results differ from the intrinsics (NaN inputs whose NaN bits differ: "
                                            << nan_total << "); widening: " << widening_total);
-    ok = bf16_total == 0 && fp16_total == 0 && widening_total == 0;
-  }
-  if (!harness::from_rank0(ran)) MESSAGE("SKIP: no GPU (" << (z2::cuda_available() ? "" : "cudaGetDeviceCount failed") << ")");
-  CHECK(harness::agree(ok, "a 16-bit conversion differs from the CUDA intrinsic"));
+    return bf16_total == 0 && fp16_total == 0 && widening_total == 0;
+  });
 #else
   MESSAGE("SKIP: the cpu-only build has no CUDA intrinsics");
 #endif
@@ -119,11 +130,7 @@ TEST_CASE("GPU: bf16 and fp16 conversions equal __float2bfloat16_rn / __float2ha
 
 TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits (every 13th float)") {
 #if defined(__CUDACC__)
-  bool ran = false, ok = true;
-  for (const auto& backend : harness::sub_world(1)) {
-    if (!backend.compute->on_cuda() || !backend.deterministic || ran) continue;  // rank 0's GPU, once
-    ran = true;
-    z2::Compute& gpu = *backend.compute;
+  on_rank0_gpu("exp_fp32 / log_fp32 / erf_fp32 differs between a CUDA kernel and the CPU", [&](z2::Compute& gpu) {
     z2::Compute cpu(z2::Device::cpu, 0);
     const uint64_t stride = 13;
     const size_t chunk = 1ull << 26;
@@ -159,10 +166,84 @@ TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits 
     MESSAGE("exp / log / erf on the GPU vs the CPU, every 13th float: " << differ
                                                                        << " results differ (NaNs whose bits differ: "
                                                                        << nan_payloads << ")");
-    ok = differ == 0;
-  }
-  if (!harness::from_rank0(ran)) MESSAGE("SKIP: no GPU (" << (z2::cuda_available() ? "" : "cudaGetDeviceCount failed") << ")");
-  CHECK(harness::agree(ok, "exp_fp32 / log_fp32 / erf_fp32 differs between a CUDA kernel and the CPU"));
+    return differ == 0;
+  });
+#else
+  MESSAGE("SKIP: the cpu-only build has no GPU");
+#endif
+}
+
+#if defined(__CUDACC__)
+namespace {
+
+// One portable product of T on `gpu` and on a cpu Compute, the same inputs;
+// the number of elements of C whose bits differ.
+template <class T>
+size_t portable_gemm_differences(z2::Compute& gpu, z2::Compute& cpu, bool transpose_a, bool transpose_b, int M, int N,
+                                 int K, int batch, float beta) {
+  const int lda = (transpose_a ? M : K) + 1, ldb = (transpose_b ? K : N) + 2, ldc = N + 3;
+  const long stride_a = (long)(transpose_a ? K : M) * lda, stride_b = (long)(transpose_b ? N : K) * ldb,
+             stride_c = (long)M * ldc;
+  std::vector<T> A((size_t)stride_a * batch), B((size_t)stride_b * batch), C((size_t)stride_c * batch);
+  const int spread = z2::precision_of<T>() == z2::Precision::fp16 ? 5 : 20;  // fp16 tops out at 65504
+  uint64_t key = 77;
+  auto value = [&](void) {
+    const uint64_t h = z2::hash_keys(0x9e12, ++key);
+    const float unit = (float)((h >> 40) & 0xffffff) / 16777216.0f - 0.5f;
+    return z2::from_float<T>(std::ldexp(unit, (int)(h % (2 * spread + 1)) - spread));
+  };
+  for (T& x : A) x = value();
+  for (T& x : B) x = value();
+  for (T& x : C) x = value();
+  std::vector<T> want = C, got(C.size());
+  z2::DeviceArray<T> a(gpu, A.size(), z2::MemoryKind::activations), b(gpu, B.size(), z2::MemoryKind::activations),
+      c(gpu, C.size(), z2::MemoryKind::activations);
+  gpu.copy(a.data(), A.data(), A.size() * sizeof(T), gpu.compute_stream());
+  gpu.copy(b.data(), B.data(), B.size() * sizeof(T), gpu.compute_stream());
+  gpu.copy(c.data(), C.data(), C.size() * sizeof(T), gpu.compute_stream());
+  gpu.gemm_batched(transpose_a, transpose_b, M, N, K, 0.75f, a.data(), lda, stride_a, b.data(), ldb, stride_b, beta,
+                   c.data(), ldc, stride_c, batch);
+  gpu.copy(got.data(), c.data(), got.size() * sizeof(T), gpu.compute_stream());
+  gpu.synchronize(gpu.compute_stream());
+  cpu.gemm_batched(transpose_a, transpose_b, M, N, K, 0.75f, A.data(), lda, stride_a, B.data(), ldb, stride_b, beta,
+                   want.data(), ldc, stride_c, batch);
+  size_t differ = 0;
+  for (int k = 0; k < batch; ++k)
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) {
+        const size_t at = (size_t)k * stride_c + (size_t)m * ldc + n;
+        differ += std::memcmp(&got[at], &want[at], sizeof(T)) != 0;
+      }
+  return differ;
+}
+
+}  // namespace
+#endif
+
+TEST_CASE("GPU: the portable gemm kernel gives the CPU schedule's bits (fp32, bf16, fp16, every transpose, batched)") {
+#if defined(__CUDACC__)
+  on_rank0_gpu("the portable gemm's CUDA kernel differs from its CPU schedule", [&](z2::Compute& gpu) {
+    z2::Compute cpu(z2::Device::cpu, 0);
+    const bool was_portable = gpu.portable();
+    gpu.set_portable(true);
+    cpu.set_portable(true);
+    size_t differ = 0, elements = 0;
+    // Sizes across the kernel's 64 x 64 tile and 16-deep k steps, and BERT-mini's.
+    const int shapes[][4] = {{1, 1, 1, 1}, {65, 63, 17, 2}, {128, 128, 64, 3}, {300, 70, 257, 1}, {1024, 256, 64, 1}};
+    for (const auto& shape : shapes)
+      for (int transposes = 0; transposes < 4; ++transposes)
+        for (float beta : {0.0f, 1.0f}) {
+          const bool ta = transposes & 1, tb = transposes & 2;
+          differ += portable_gemm_differences<float>(gpu, cpu, ta, tb, shape[0], shape[1], shape[2], shape[3], beta);
+          differ += portable_gemm_differences<z2::bfloat16>(gpu, cpu, ta, tb, shape[0], shape[1], shape[2], shape[3], beta);
+          differ += portable_gemm_differences<z2::float16>(gpu, cpu, ta, tb, shape[0], shape[1], shape[2], shape[3], beta);
+          elements += 3 * (size_t)shape[0] * shape[1] * shape[3];
+        }
+    gpu.set_portable(was_portable);
+    MESSAGE("the portable gemm kernel on the GPU vs the CPU schedule: " << differ << " of " << elements
+                                                                       << " elements differ");
+    return differ == 0;
+  });
 #else
   MESSAGE("SKIP: the cpu-only build has no GPU");
 #endif

@@ -108,3 +108,38 @@ TEST_CASE("exp, log, erf: the vectorised loop and a scalar call give the same bi
                   harness::same_bits(vector_erf, scalar_erf_out);
   CHECK(harness::agree(ok, "exp_fp32 / log_fp32 / erf_fp32 differs between its vectorised and scalar forms"));
 }
+
+TEST_CASE("host math: log_double, cos_two_pi and power_double against long double libm") {
+  // The initial weights' Box-Muller (log, cos), the "log" warmup and Adam's
+  // beta^t use these instead of libm's double functions (zero2.h). Their
+  // results are rounded to float afterwards, so what matters is a small
+  // relative error in double: bounded here against x87's 64-bit-mantissa
+  // logl / cosl / powl, which are ~2^11 times more precise.
+  double worst_log = 0, worst_cos = 0, worst_power = 0;
+  const long double two_pi = 6.283185307179586476925286766559L;
+  for (uint64_t i = 0; i < 200000; ++i) {
+    const uint64_t h = z2::hash_keys(0x1095, i);
+    // Box-Muller's u1 in (0, 1], and the warmup's 1 .. 2^31
+    const double u1 = ((h >> 11) + 1) * (1.0 / 9007199254740992.0), step = (double)(1 + (h >> 33));
+    for (double x : {u1, step}) {
+      const long double exact = logl((long double)x);
+      if (exact != 0) worst_log = std::max(worst_log, (double)fabsl((z2::log_double(x) - exact) / exact));
+    }
+    // cos(2 pi u): an absolute error (the result crosses zero)
+    const double u2 = (h >> 11) * (1.0 / 9007199254740992.0);
+    worst_cos = std::max(worst_cos, (double)fabsl(z2::cos_two_pi(u2) - cosl(two_pi * (long double)u2)));
+    // beta^t for Adam's betas and steps up to 2^20
+    const double beta = (i & 1) ? 0.999 : 0.9;
+    const long t = (long)(h % 1048576);
+    const long double exact_power = powl((long double)beta, (long double)t);
+    if (exact_power > 1e-300L)
+      worst_power = std::max(worst_power, (double)fabsl((z2::power_double(beta, t) - exact_power) / exact_power));
+  }
+  if (harness::rank() == 0)
+    MESSAGE("log_double relative " << worst_log << ", cos_two_pi absolute " << worst_cos << ", power_double relative "
+                                   << worst_power << " (t up to 2^20)");
+  // A few ulps of a double (2^-52 = 2.2e-16) for log and cos; repeated
+  // squaring multiplies a rounding by up to t, so t = 2^20 allows ~1e-10.
+  const bool ok = worst_log < 1e-15 && worst_cos < 1e-15 && worst_power < 1e-9 && std::isfinite(worst_power);
+  CHECK(harness::agree(ok, "a host math function of zero2.h is less accurate than its bound"));
+}
