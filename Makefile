@@ -20,8 +20,8 @@
 #   make superlinear  tokens/s per rank at the largest micro-batch that fits a fixed memory per
 #                 rank, stages 0 and 2 at N = 1, 2, 4 (tests/superlinear.sh)
 #   make verify   does this build compute zero2's reference bits? The small rows of tests/golden_bits.txt
-#                 in portable mode (--portable; notes/11), under 2 minutes: "your build computes ..."
-#                 or the configuration that differs. VERIFY_BUILD=build-cpu checks the mpicxx build
+#                 in portable mode (--portable; notes/11), seconds after the build: "your build computes
+#                 ..." or the configuration that differs. VERIFY_BUILD=build-cpu checks the mpicxx build
 #   make golden   rewrite tests/golden_bits.txt from this build (only for a change meant to change bits)
 #   make notes    regenerate the measured tables in notes/
 #   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
@@ -56,7 +56,8 @@ HAVE_NCCL := $(shell printf '$(HASH)include <nccl.h>\nint main(){int v;return nc
                g++ -x c++ - -I$(CUDA_HOME)/include -L$(CUDA_HOME)/lib64 -lnccl -o /dev/null 2>/dev/null && echo yes)
 
 # --- flags --------------------------------------------------------------------
-# No -ffast-math: the determinism contract needs IEEE float semantics
+# No -ffast-math (nor nvcc's --use_fast_math, -ftz=true, -prec-div=false or
+# -prec-sqrt=false: nvcc's defaults are IEEE's): the determinism contract needs IEEE float semantics
 # (fast-math would let the compiler reassociate our fixed summation order).
 # No contraction of a * b + c into one fused multiply-add either: the canonical
 # tree is defined on rounded products (a norm chunk sums rounded squares), and
@@ -219,7 +220,7 @@ run: deps found
 
 VERIFY_BUILD ?= build
 verify: deps
-	@$(MAKE) --no-print-directory -j2 $(if $(filter build-cpu,$(VERIFY_BUILD)),cpu,all)
+	@$(MAKE) --no-print-directory -j2 $(VERIFY_BUILD)/train_bert_mini
 	tests/verify.sh $(VERIFY_BUILD)
 
 golden: deps all

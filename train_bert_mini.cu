@@ -1021,8 +1021,9 @@ inline Settings parse_command_line(int argc, char** argv) {
     if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
     const size_t equals = flag.find('=');
     if (equals != std::string::npos && switches.count(flag.substr(0, equals)))
-      fail("'%s': %s takes no value (write '%s' to switch it on)", flag.c_str(), flag.substr(0, equals).c_str(),
-           flag.substr(0, equals).c_str());
+      fail("'%s': %s takes no value (write '%s' to switch it on%s)", flag.c_str(), flag.substr(0, equals).c_str(),
+           flag.substr(0, equals).c_str(),
+           flag.substr(0, equals) == "--portable" ? "; a config file's \"zero2_portable\": false switches it off" : "");
     if (equals != std::string::npos)
       fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), flag.substr(0, equals).c_str(),
            flag.substr(equals + 1).c_str());
@@ -1074,6 +1075,11 @@ inline void check_consistency(Settings& s, int world_size) {
   if (s.save_every > 0 && s.save_dir.empty()) fail("--save-every %ld needs --save DIR", s.save_every);
   if (s.hidden % s.heads != 0)
     fail("--hidden %d is not divisible by --heads %d (each head gets hidden / heads features)", s.hidden, s.heads);
+  // Portable bits need every sum in zero2's order (notes/11); the libraries'
+  // own reductions sum over ranks in theirs.
+  if (s.portable && s.collectives == "native")
+    fail("--portable needs --collectives deterministic: native collectives sum over ranks in MPI's or NCCL's own "
+         "order, which depends on the library and the machine");
   if (s.seq > s.max_positions)
     fail("--seq %d is longer than the %d learned positions (--max-positions)", s.seq, s.max_positions);
   // The schedule's length: --schedule-steps (total_num_steps), else the

@@ -1145,26 +1145,29 @@ void Compute::wait(Stream waiter, Event event) {
 //
 // Legend: M, N, K the product's sizes, C [M x N] row-major with leading
 // dimension ldc; op(A) [M x K], op(B) [K x N]. The CPU kernel works on tiles
-// of C of kTileRows x kTileColumns.
+// of C of R x W (tile_rows x tile_columns of the vector width's traits).
 //
 // The CPU schedule (a GotoBLAS-style plan, one thread):
-//   pack op(A) into strips of kTileRows rows, k-major:   [strips][K][kTileRows]
+//   pack op(A) into strips of R rows, k-major:            [strips][K][R]
 //   for each block of kColumnBlock columns of C:
-//     pack op(B)'s block into panels, k-major:           [panels][K][kTileColumns]
+//     pack op(B)'s block into panels of W columns, k-major: [panels][K][W]
 //     for each strip x panel: the tile kernel sums over all of k in registers
-//     (kTileRows x kTileColumns accumulators), then alpha / beta into C.
+//     (R x W accumulators), then alpha / beta into C.
 // Rows and columns past M and N are packed as zeros; their results are
 // discarded. k is never padded: a product 0 * 0 added to an accumulator of
 // -0 would make it +0.
 
 namespace {
-constexpr int kTileRows = 8, kTileColumns = 32, kColumnBlock = 256;
+constexpr int kColumnBlock = 256;  // a multiple of every tile width
 
-// Vector traits for the tile kernel: `lanes` floats in one register, and the
+// Vector traits for the tile kernel: `lanes` floats in one register, the
 // explicit fused multiply-add of that width (one rounding per lane, the same
-// as fma_fp32 on each lane: IEEE defines fma exactly).
+// as fma_fp32 on each lane: IEEE defines fma exactly), and the tile that
+// fills the register file without spilling: R x W / lanes accumulators, plus
+// W / lanes registers for B's row and one for A's broadcast. The tile shape
+// changes the speed, never the bits.
 struct ScalarLanes {
-  static constexpr int lanes = 1;
+  static constexpr int lanes = 1, tile_rows = 4, tile_columns = 4;  // 16 accumulators
   using Vector = float;
   static Vector zero() { return 0.0f; }
   static Vector load(const float* p) { return *p; }
@@ -1174,7 +1177,7 @@ struct ScalarLanes {
 };
 #if defined(Z2_AVX2_LANES)
 struct Avx2Lanes {
-  static constexpr int lanes = 8;
+  static constexpr int lanes = 8, tile_rows = 6, tile_columns = 16;  // 12 of the 16 ymm registers
   using Vector = __m256;
   static Vector zero() { return _mm256_setzero_ps(); }
   static Vector load(const float* p) { return _mm256_loadu_ps(p); }
@@ -1185,7 +1188,9 @@ struct Avx2Lanes {
 #endif
 #if defined(Z2_AVX512_LANES)
 struct Avx512Lanes {
-  static constexpr int lanes = 16;
+  // 24 of the 32 zmm registers; 12 rows measured ~10% faster than 8 or 14 on
+  // BERT-mini's shapes (a Skylake-X core).
+  static constexpr int lanes = 16, tile_rows = 12, tile_columns = 32;
   using Vector = __m512;
   static Vector zero() { return _mm512_setzero_ps(); }
   static Vector load(const float* p) { return _mm512_loadu_ps(p); }
@@ -1195,76 +1200,75 @@ struct Avx512Lanes {
 };
 #endif
 
-// tile [kTileRows x kTileColumns] = the sums over k of one strip of op(A)
-// (rows [K][kTileRows]) times one panel of op(B) (columns [K][kTileColumns]).
-// The accumulators stay in registers for all of k: 8 rows x 2 AVX-512
-// vectors is 16 of the 32 registers, the rest hold B's row and A's broadcast.
+// tile [R x W] = the sums over k of one strip of op(A) (rows [K][R]) times
+// one panel of op(B) (columns [K][W]), each accumulator in a register for
+// all of k: portable_dot's loop for R x W elements at once.
 template <class Lanes>
 void portable_tile(int K, const float* __restrict rows, const float* __restrict columns, float* __restrict tile) {
-  constexpr int vectors = kTileColumns / Lanes::lanes;  // per row of the tile
-  typename Lanes::Vector acc[kTileRows][vectors];
-  for (int r = 0; r < kTileRows; ++r)
+  constexpr int R = Lanes::tile_rows, W = Lanes::tile_columns, vectors = W / Lanes::lanes;  // vectors per tile row
+  typename Lanes::Vector acc[R][vectors];
+  for (int r = 0; r < R; ++r)
     for (int v = 0; v < vectors; ++v) acc[r][v] = Lanes::zero();
   for (int k = 0; k < K; ++k) {
     typename Lanes::Vector b[vectors];
-    for (int v = 0; v < vectors; ++v) b[v] = Lanes::load(columns + (size_t)k * kTileColumns + v * Lanes::lanes);
-    for (int r = 0; r < kTileRows; ++r) {
-      const auto a = Lanes::broadcast(rows[(size_t)k * kTileRows + r]);
+    for (int v = 0; v < vectors; ++v) b[v] = Lanes::load(columns + (size_t)k * W + v * Lanes::lanes);
+    for (int r = 0; r < R; ++r) {
+      const auto a = Lanes::broadcast(rows[(size_t)k * R + r]);
       for (int v = 0; v < vectors; ++v) acc[r][v] = Lanes::fma(a, b[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < kTileRows; ++r)
-    for (int v = 0; v < vectors; ++v) Lanes::store(tile + r * kTileColumns + v * Lanes::lanes, acc[r][v]);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < vectors; ++v) Lanes::store(tile + r * W + v * Lanes::lanes, acc[r][v]);
 }
 
-// packed [strips][K][kTileRows] = op(A) [M x K] by strips of rows (zeros past M).
-void pack_row_strips(bool transpose_a, int M, int K, const float* A, int lda, std::vector<float>& packed) {
-  const int strips = (M + kTileRows - 1) / kTileRows;
-  packed.resize((size_t)strips * K * kTileRows);
+// packed [strips][K][R] = op(A) [M x K] by strips of R rows (zeros past M).
+void pack_row_strips(int R, bool transpose_a, int M, int K, const float* A, int lda, std::vector<float>& packed) {
+  const int strips = (M + R - 1) / R;
+  packed.resize((size_t)strips * K * R);
   for (int strip = 0; strip < strips; ++strip)
     for (int k = 0; k < K; ++k)
-      for (int r = 0; r < kTileRows; ++r) {
-        const int m = strip * kTileRows + r;
+      for (int r = 0; r < R; ++r) {
+        const int m = strip * R + r;
         const float value = m >= M ? 0.0f : transpose_a ? A[(size_t)k * lda + m] : A[(size_t)m * lda + k];
-        packed[((size_t)strip * K + k) * kTileRows + r] = value;
+        packed[((size_t)strip * K + k) * R + r] = value;
       }
 }
 
-// packed [panels][K][kTileColumns] = columns [first, first + count) of
-// op(B) [K x N] by panels (zeros past the block).
-void pack_column_panels(bool transpose_b, int K, int first, int count, const float* B, int ldb,
+// packed [panels][K][W] = columns [first, first + count) of op(B) [K x N]
+// by panels of W columns (zeros past the block).
+void pack_column_panels(int W, bool transpose_b, int K, int first, int count, const float* B, int ldb,
                         std::vector<float>& packed) {
-  const int panels = (count + kTileColumns - 1) / kTileColumns;
-  packed.resize((size_t)panels * K * kTileColumns);
+  const int panels = (count + W - 1) / W;
+  packed.resize((size_t)panels * K * W);
   for (int panel = 0; panel < panels; ++panel)
     for (int k = 0; k < K; ++k)
-      for (int c = 0; c < kTileColumns; ++c) {
-        const int within = panel * kTileColumns + c, n = first + within;
+      for (int c = 0; c < W; ++c) {
+        const int within = panel * W + c, n = first + within;
         const float value = within >= count ? 0.0f : transpose_b ? B[(size_t)n * ldb + k] : B[(size_t)k * ldb + n];
-        packed[((size_t)panel * K + k) * kTileColumns + c] = value;
+        packed[((size_t)panel * K + k) * W + c] = value;
       }
 }
 
 template <class Lanes>
 void portable_gemm_schedule(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
                             int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+  constexpr int R = Lanes::tile_rows, W = Lanes::tile_columns;
+  static_assert(kColumnBlock % W == 0, "a column block holds whole panels");
   // Kept between calls (one set per thread): no page faults per product.
   thread_local std::vector<float> strips, panels;
-  pack_row_strips(transpose_a, M, K, A, lda, strips);
-  alignas(64) float tile[kTileRows * kTileColumns];
+  pack_row_strips(R, transpose_a, M, K, A, lda, strips);
+  alignas(64) float tile[R * W];
   for (int first = 0; first < N; first += kColumnBlock) {
     const int count = std::min(kColumnBlock, N - first);
-    pack_column_panels(transpose_b, K, first, count, B, ldb, panels);
-    for (int strip = 0; strip * kTileRows < M; ++strip)
-      for (int panel = 0; panel * kTileColumns < count; ++panel) {
-        portable_tile<Lanes>(K, strips.data() + (size_t)strip * K * kTileRows,
-                             panels.data() + (size_t)panel * K * kTileColumns, tile);
-        const int rows = std::min(kTileRows, M - strip * kTileRows);
-        const int columns = std::min(kTileColumns, count - panel * kTileColumns);
+    pack_column_panels(W, transpose_b, K, first, count, B, ldb, panels);
+    for (int strip = 0; strip * R < M; ++strip)
+      for (int panel = 0; panel * W < count; ++panel) {
+        portable_tile<Lanes>(K, strips.data() + (size_t)strip * K * R, panels.data() + (size_t)panel * K * W, tile);
+        const int rows = std::min(R, M - strip * R), columns = std::min(W, count - panel * W);
         for (int r = 0; r < rows; ++r) {
-          float* c_row = C + (size_t)(strip * kTileRows + r) * ldc + first + panel * kTileColumns;
+          float* c_row = C + (size_t)(strip * R + r) * ldc + first + panel * W;
           for (int c = 0; c < columns; ++c)
-            c_row[c] = portable_finish(tile[r * kTileColumns + c], alpha, beta, beta == 0.0f ? 0.0f : c_row[c]);
+            c_row[c] = portable_finish(tile[r * W + c], alpha, beta, beta == 0.0f ? 0.0f : c_row[c]);
         }
       }
   }
@@ -1281,7 +1285,15 @@ int portable_gemm_lanes() {
 #endif
 }
 
-bool portable_gemm_has_lanes(int lanes) { return lanes == 1 || (lanes <= portable_gemm_lanes() && lanes % 8 == 0); }
+bool portable_gemm_has_lanes(int lanes) {
+#if defined(Z2_AVX512_LANES)
+  if (lanes == 16) return true;
+#endif
+#if defined(Z2_AVX2_LANES)
+  if (lanes == 8) return true;
+#endif
+  return lanes == 1;
+}
 
 void portable_gemm_cpu(int lanes, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
                        int lda, const float* B, int ldb, float beta, float* C, int ldc) {
@@ -1311,8 +1323,10 @@ template <class T>
 __global__ void portable_gemm_kernel(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const T* A,
                                      int lda, long stride_a, const T* B, int ldb, long stride_b, float beta, T* C,
                                      int ldc, long stride_c) {
-  __shared__ float a_tile[kCudaDepth][kCudaTile + 1];  // [k][row of C]; +1 keeps the stores off one bank
-  __shared__ float b_tile[kCudaDepth][kCudaTile + 1];  // [k][column of C]
+  // [k][row of C] and [k][column of C]. The +1 spreads a k-contiguous
+  // operand's stores (16 threads on one row, 65 floats apart) over banks.
+  __shared__ float a_tile[kCudaDepth][kCudaTile + 1];
+  __shared__ float b_tile[kCudaDepth][kCudaTile + 1];
   A += blockIdx.z * stride_a;
   B += blockIdx.z * stride_b;
   C += blockIdx.z * stride_c;
@@ -1322,11 +1336,20 @@ __global__ void portable_gemm_kernel(bool transpose_a, bool transpose_b, int M, 
   for (int i = 0; i < kCudaPerThread; ++i)
     for (int j = 0; j < kCudaPerThread; ++j) acc[i][j] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += kCudaDepth) {
+    // Element e of each tile: consecutive threads read consecutive addresses
+    // (k for an operand stored k-contiguous, rows or columns otherwise), so a
+    // warp's loads coalesce. Which thread loads which element changes no value.
     for (int e = thread; e < kCudaDepth * kCudaTile; e += kCudaThreads * kCudaThreads) {
-      const int kk = e / kCudaTile, within = e % kCudaTile, k = k0 + kk;
-      const int m = first_row + within, n = first_column + within;
-      a_tile[kk][within] = m < M && k < K ? to_float(transpose_a ? A[(size_t)k * lda + m] : A[(size_t)m * lda + k]) : 0.0f;
-      b_tile[kk][within] = n < N && k < K ? to_float(transpose_b ? B[(size_t)n * ldb + k] : B[(size_t)k * ldb + n]) : 0.0f;
+      const bool a_k_contiguous = !transpose_a, b_k_contiguous = transpose_b;
+      const int a_kk = a_k_contiguous ? e % kCudaDepth : e / kCudaTile;
+      const int a_within = a_k_contiguous ? e / kCudaDepth : e % kCudaTile;
+      const int b_kk = b_k_contiguous ? e % kCudaDepth : e / kCudaTile;
+      const int b_within = b_k_contiguous ? e / kCudaDepth : e % kCudaTile;
+      const int m = first_row + a_within, a_k = k0 + a_kk, n = first_column + b_within, b_k = k0 + b_kk;
+      a_tile[a_kk][a_within] =
+          m < M && a_k < K ? to_float(transpose_a ? A[(size_t)a_k * lda + m] : A[(size_t)m * lda + a_k]) : 0.0f;
+      b_tile[b_kk][b_within] =
+          n < N && b_k < K ? to_float(transpose_b ? B[(size_t)n * ldb + b_k] : B[(size_t)b_k * ldb + n]) : 0.0f;
     }
     __syncthreads();
     const int depth = min(kCudaDepth, K - k0);  // never past K: see the CPU schedule's note on -0
@@ -1349,23 +1372,50 @@ template <class T>
 void launch_portable_gemm(Stream stream, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
                           const T* A, int lda, long stride_a, const T* B, int ldb, long stride_b, float beta, T* C,
                           int ldc, long stride_c, int batch) {
-  const dim3 grid((N + kCudaTile - 1) / kCudaTile, (M + kCudaTile - 1) / kCudaTile, batch);
-  const dim3 threads(kCudaThreads, kCudaThreads);
-  portable_gemm_kernel<T><<<grid, threads, 0, (cudaStream_t)stream.handle>>>(
-      transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C, ldc, stride_c);
-  launch_check(__FILE__, __LINE__);
+  // gridDim.y and .z stop at 65535: rows and products beyond go in further
+  // launches, each on its part of A and C (a tile's values do not depend on
+  // which launch computes it).
+  const int rows_per_launch = 65535 * kCudaTile, batch_per_launch = 65535;
+  for (int first_product = 0; first_product < batch; first_product += batch_per_launch)
+    for (int first_row = 0; first_row < M; first_row += rows_per_launch) {
+      const int rows = std::min(rows_per_launch, M - first_row);
+      const int products = std::min(batch_per_launch, batch - first_product);
+      const T* A_part = A + first_product * stride_a + (transpose_a ? (size_t)first_row : (size_t)first_row * lda);
+      const T* B_part = B + first_product * stride_b;
+      T* C_part = C + first_product * stride_c + (size_t)first_row * ldc;
+      const dim3 grid((N + kCudaTile - 1) / kCudaTile, (rows + kCudaTile - 1) / kCudaTile, products);
+      const dim3 threads(kCudaThreads, kCudaThreads);
+      portable_gemm_kernel<T><<<grid, threads, 0, (cudaStream_t)stream.handle>>>(transpose_a, transpose_b, rows, N, K,
+                                                                               alpha, A_part, lda, stride_a, B_part,
+                                                                               ldb, stride_b, beta, C_part, ldc,
+                                                                               stride_c);
+      launch_check(__FILE__, __LINE__);
+    }
 }
 #endif
 
-// One fp32 product on the host, OpenBLAS's sgemm or (portable) zero2's
-// widest schedule, with the time it took added to `seconds` (a clock read
-// costs ~20 ns; the smallest product of a BERT-mini step takes ~100 us).
-static void timed_cpu_gemm(double& seconds, bool portable, bool transpose_a, bool transpose_b, int M, int N, int K,
-                           float alpha, const float* A, int lda, const float* B, int ldb, float beta, float* C,
+void Compute::set_portable(bool on) {
+  portable_ = on;
+  portable_lanes_ = portable_gemm_lanes();
+  const char* forced = getenv("Z2_PORTABLE_LANES");
+  if (!on || forced == nullptr || *forced == '\0') return;
+  const std::string text = forced;
+  if (!(text == "16" || text == "8" || text == "1") || !portable_gemm_has_lanes(std::stoi(text)))
+    usage_error("Z2_PORTABLE_LANES=%s: this build's portable CPU schedules have %s lanes (16: AVX-512, 8: AVX2 "
+                "with FMA, 1: scalar; the CPU target decides which exist)",
+                forced, portable_gemm_lanes() == 16 ? "16, 8 or 1" : portable_gemm_lanes() == 8 ? "8 or 1" : "1");
+  portable_lanes_ = std::stoi(text);
+}
+
+// One fp32 product on the host, OpenBLAS's sgemm or (portable: lanes > 0)
+// zero2's schedule of that width, with the time it took added to `seconds`
+// (a clock read costs ~20 ns; the smallest product of a BERT-mini step takes ~100 us).
+static void timed_cpu_gemm(double& seconds, int portable_lanes, bool transpose_a, bool transpose_b, int M, int N,
+                           int K, float alpha, const float* A, int lda, const float* B, int ldb, float beta, float* C,
                            int ldc) {
   const auto start = Clock::now();
-  if (portable)
-    portable_gemm_cpu(portable_gemm_lanes(), transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  if (portable_lanes > 0)
+    portable_gemm_cpu(portable_lanes, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   else
     cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M,
                 N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -1376,18 +1426,21 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
                    const float* B, int ldb, float beta, float* C, int ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) {
-    // An empty sum (a micro-batch that selected no position): C = beta C, as
-    // BLAS defines it. We do it ourselves because cuBLAS has, in some
-    // releases, returned without touching C when k = 0 (pytorch#31421), which
-    // would leave stale values where a zero gradient belongs.
+    // An empty sum (a micro-batch that selected no position): C = alpha 0 +
+    // beta C, as BLAS defines it, in portable_finish's roundings (so portable
+    // mode's definition holds for K = 0 too, signed zeros included). We do it
+    // ourselves because cuBLAS has, in some releases, returned without
+    // touching C when k = 0 (pytorch#31421), which would leave stale values
+    // where a zero gradient belongs.
     for_each((size_t)M * N, Z2_LOOP(i, {
       float* c = C + (i / N) * (size_t)ldc + i % N;
-      *c = beta == 0.0f ? 0.0f : beta * *c;
+      *c = portable_finish(0.0f, alpha, beta, beta == 0.0f ? 0.0f : *c);
     }));
     return;
   }
   if (device_ == Device::cpu) {
-    timed_cpu_gemm(gemm_seconds_, portable_, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    timed_cpu_gemm(gemm_seconds_, portable_ ? portable_lanes_ : 0, transpose_a, transpose_b, M, N, K, alpha, A, lda, B,
+                   ldb, beta, C, ldc);
     return;
   }
 #if defined(__CUDACC__)
@@ -1435,13 +1488,14 @@ static void widen_to(const T* source, size_t count, std::vector<float>& target) 
   for (size_t i = 0; i < count; ++i) target[i] = to_float(source[i]);
 }
 
-// C = beta C (an empty sum, K = 0): as the fp32 gemm does it, in the storage type.
+// C = alpha 0 + beta C (an empty sum, K = 0): as the fp32 gemm does it, in the storage type.
 template <class T>
-static void scale_matrix(Compute& compute, int M, int N, float beta, T* C, int ldc, long stride_c, int batch) {
+static void scale_matrix(Compute& compute, int M, int N, float alpha, float beta, T* C, int ldc, long stride_c,
+                         int batch) {
   compute.for_each((size_t)batch * M * N, Z2_LOOP(i, {
     const size_t k = i / ((size_t)M * N), within = i % ((size_t)M * N);
     T* c = C + k * stride_c + (within / N) * (size_t)ldc + within % N;
-    *c = beta == 0.0f ? from_float<T>(0.0f) : from_float<T>(beta * to_float(*c));
+    *c = from_float<T>(portable_finish(0.0f, alpha, beta, beta == 0.0f ? 0.0f : to_float(*c)));
   }));
 }
 
@@ -1449,7 +1503,8 @@ static void scale_matrix(Compute& compute, int M, int N, float beta, T* C, int l
 // round back only C's M x N elements (the columns between them may belong to
 // another head's product).
 template <class T>
-static void cpu_gemm_16bit(double& seconds, bool portable, std::vector<float>& a, std::vector<float>& b, std::vector<float>& c,
+static void cpu_gemm_16bit(double& seconds, int portable_lanes, std::vector<float>& a, std::vector<float>& b,
+                           std::vector<float>& c,
                            bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const T* A, int lda,
                            long stride_a, const T* B, int ldb, long stride_b, float beta, T* C, int ldc, long stride_c,
                            int batch) {
@@ -1460,7 +1515,7 @@ static void cpu_gemm_16bit(double& seconds, bool portable, std::vector<float>& a
   else widen_to(C, c_span, c);
   for (int k = 0; k < batch; ++k) {
     float* c_k = c.data() + k * stride_c;
-    timed_cpu_gemm(seconds, portable, transpose_a, transpose_b, M, N, K, alpha, a.data() + k * stride_a, lda,
+    timed_cpu_gemm(seconds, portable_lanes, transpose_a, transpose_b, M, N, K, alpha, a.data() + k * stride_a, lda,
                    b.data() + k * stride_b, ldb, beta, c_k, ldc);
     T* C_k = C + k * stride_c;
     for (int row = 0; row < M; ++row)
@@ -1475,18 +1530,19 @@ void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b
   if (M == 0 || N == 0 || batch == 0) return;
   const bool bf16 = precision == Precision::bf16;
   if (K == 0) {  // see gemm(): C = beta C ourselves
-    if (bf16) scale_matrix(*this, M, N, beta, (bfloat16*)C, ldc, stride_c, batch);
-    else scale_matrix(*this, M, N, beta, (float16*)C, ldc, stride_c, batch);
+    if (bf16) scale_matrix(*this, M, N, alpha, beta, (bfloat16*)C, ldc, stride_c, batch);
+    else scale_matrix(*this, M, N, alpha, beta, (float16*)C, ldc, stride_c, batch);
     return;
   }
   if (device_ == Device::cpu) {
     Live& l = *live_;
+    const int lanes = portable_ ? portable_lanes_ : 0;  // 0: OpenBLAS
     if (bf16)
-      cpu_gemm_16bit(gemm_seconds_, portable_, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
+      cpu_gemm_16bit(gemm_seconds_, lanes, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
                      (const bfloat16*)A, lda, stride_a, (const bfloat16*)B, ldb, stride_b, beta, (bfloat16*)C, ldc,
                      stride_c, batch);
     else
-      cpu_gemm_16bit(gemm_seconds_, portable_, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
+      cpu_gemm_16bit(gemm_seconds_, lanes, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
                      (const float16*)A, lda, stride_a, (const float16*)B, ldb, stride_b, beta, (float16*)C, ldc,
                      stride_c, batch);
     return;

@@ -800,7 +800,11 @@ class Compute {
   // summation order depends on the CPU or GPU they run on. With it a run's
   // bits depend on its inputs alone. The 16-bit products widen their
   // operands exactly, as the cpu path always does, and round C once.
-  void set_portable(bool on) { portable_ = on; }
+  // The CPU kernel's vector width is this build's widest, or the one the
+  // environment's Z2_PORTABLE_LANES names (16, 8 or 1; a bad value is refused
+  // here): a narrower schedule must train to the same bits, which the suite
+  // shows as OPENBLAS_CORETYPE forces OpenBLAS's kernels.
+  void set_portable(bool on);
   bool portable() const { return portable_; }
 
   // Seconds spent inside the gemm (OpenBLAS's sgemm or, in portable mode,
@@ -856,6 +860,7 @@ class Compute {
   std::vector<MemorySample> trace_;
   double gemm_seconds_ = 0;  // see gemm_seconds()
   bool portable_ = false;    // see set_portable()
+  int portable_lanes_ = 1;   // the CPU schedule's vector width in portable mode
   std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)
   struct Live;
   std::unique_ptr<Live> live_;  // pointer -> (bytes, kind), and the block's bookkeeping

@@ -70,19 +70,43 @@ TEST_CASE("portable gemm: worked by hand, the order over k and the fused multipl
   const float a3[3] = {1.0f, 1.0f, 1.0f};
   float c3 = 1.25f;
   compute.gemm(false, false, 1, 1, 3, 0.5f, a3, 3, ones, 1, 2.0f, &c3, 1);
-  const float want1 = 0.0f, want2 = std::ldexp(1.0f, -11) + std::ldexp(1.0f, -24), want3 = 4.0f;
-  const bool ok = std::memcmp(&c1, &want1, 4) == 0 && std::memcmp(&c2, &want2, 4) == 0 && std::memcmp(&c3, &want3, 4) == 0;
+  // The finish rounds alpha acc and beta C apart, then their sum: for these
+  // two values (found by a search) a fused finish, fma(beta, C, alpha acc)
+  // or fma(alpha, acc, beta C), rounds to the float below.
+  const float x = 0x1.40414p+0f, c_old = 0x1.6bed46p+1f, one = 1.0f;
+  float c4 = c_old;
+  compute.gemm(false, false, 1, 1, 1, 0.1f, &one, 1, &x, 1, 0.3f, &c4, 1);
+  const float scaled = 0.1f * x, kept = 0.3f * c_old, want4 = scaled + kept;  // -ffp-contract=off: three roundings
+  const bool finish_matters = want4 != std::fma(0.3f, c_old, scaled) && want4 != std::fma(0.1f, x, kept);
+  // An empty sum (K = 0) by the same definition: alpha (+0) + beta C, so
+  // alpha = -1 gives -0, and +0 + (-0) is +0.
+  float c5 = 7.0f, c6 = -0.0f;
+  compute.gemm(false, false, 1, 1, 0, -1.0f, &one, 1, &one, 1, 0.0f, &c5, 1);
+  compute.gemm(false, false, 1, 1, 0, 1.0f, &one, 1, &one, 1, 1.0f, &c6, 1);
+  const float want1 = 0.0f, want2 = std::ldexp(1.0f, -11) + std::ldexp(1.0f, -24), want3 = 4.0f, want5 = -0.0f,
+              want6 = 0.0f;
+  const bool ok = std::memcmp(&c1, &want1, 4) == 0 && std::memcmp(&c2, &want2, 4) == 0 &&
+                  std::memcmp(&c3, &want3, 4) == 0 && std::memcmp(&c4, &want4, 4) == 0 && finish_matters &&
+                  std::memcmp(&c5, &want5, 4) == 0 && std::memcmp(&c6, &want6, 4) == 0;
   if (!ok && harness::rank() == 0) {
-    char text[160];
-    snprintf(text, sizeof text, "got %a (want 0), %a (want %a), %a (want 4)", c1, c2, want2, c3);
+    char text[320];
+    snprintf(text, sizeof text, "got %a (want 0), %a (want %a), %a (want 4), %a (want %a%s), %a (want -0), %a (want +0)",
+             c1, c2, want2, c3, c4, want4, finish_matters ? "" : "; the case no longer tells a fused finish", c5, c6);
     MESSAGE(text);
   }
   CHECK(harness::agree(ok, "the portable gemm does not sum over k in index order with fused multiply-adds"));
 }
 
 TEST_CASE("portable gemm: every CPU schedule equals the definition, element by element (memcmp)") {
-  const Shape shapes[] = {{1, 1, 1},   {7, 31, 2},   {8, 32, 17},  {9, 33, 64},  {17, 257, 3},
-                          {33, 300, 5}, {3, 520, 40}, {64, 64, 300}, {5, 2, 0}};
+  // Shapes across every schedule's tile edges (4 x 4, 6 x 16, 12 x 32: one
+  // less, equal, one more), the 256-column block, K = 0 and 1, then random ones.
+  std::vector<Shape> shapes = {{1, 1, 1},    {3, 3, 2},    {4, 4, 1},    {5, 5, 3},    {6, 16, 7},   {7, 17, 2},
+                               {11, 31, 17}, {12, 32, 1},  {13, 33, 64}, {25, 65, 9},  {17, 257, 3}, {33, 300, 5},
+                               {3, 520, 40}, {64, 64, 300}, {5, 2, 0}};
+  for (uint64_t r = 0; r < 12; ++r) {
+    const uint64_t h = z2::hash_keys(0x5a9e, r);
+    shapes.push_back({1 + (int)(h % 40), 1 + (int)((h >> 8) % 300), (int)((h >> 20) % 70)});
+  }
   const float alphas[] = {1.0f, 0.75f, -1.5f}, betas[] = {0.0f, 1.0f, 0.5f};
   int checked_schedules = 0;
   bool ok = true;

@@ -1447,7 +1447,7 @@ bad_case "write '--stage 2'" --plan --stage=2
 
 # --- 13. portable bits ---------------------------------------------------------------
 echo "=== portable mode: the same bits whatever OpenBLAS and glibc pick, in both builds; the golden table; the matrix"
-# The issue's tiny configuration (tests/golden_bits.txt's first row).
+# A tiny configuration: tests/golden_bits.txt's first row.
 portable_tiny=(--layers 2 --hidden 64 --heads 2 --intermediate 128 --seq 32 --micro-batch 4 --steps 5 --quiet)
 tiny_bits() {  # tiny_bits TRAINER ENV_ASSIGNMENT FLAGS...: "hash last-loss-bits", or "failed"
   local binary=$1 assignment=$2
@@ -1465,24 +1465,32 @@ tiny_bits() {  # tiny_bits TRAINER ENV_ASSIGNMENT FLAGS...: "hash last-loss-bits
 # splits the work differently on 2 threads), and glibc's CPU features masked
 # (the variants of its functions it would pick). The default mode's bits follow
 # OpenBLAS; portable mode calls neither.
+# And zero2's own schedules, forced the same way (Z2_PORTABLE_LANES: the
+# narrower ones this build has; they change only the portable mode).
+portable_lanes=""
+for lanes in 8 1; do
+  Z2_PORTABLE_LANES=$lanes timeout 60 mpirun -n 1 "$trainer" "${portable_tiny[@]}" --steps 1 --portable \
+    > /dev/null 2>&1 && portable_lanes="$portable_lanes Z2_PORTABLE_LANES=$lanes"
+done
 declare -A default_seen=()
 portable_seen=()
 for variant in "OPENBLAS_CORETYPE=" OPENBLAS_CORETYPE=Haswell "OPENBLAS_CORETYPE=Haswell OPENBLAS_NUM_THREADS=2" \
                OPENBLAS_CORETYPE=SkylakeX OPENBLAS_CORETYPE=Sandybridge OPENBLAS_CORETYPE=Nehalem \
-               "GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX2,-FMA,-AVX512F,-AVX512VL"; do
+               "GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX2,-FMA,-AVX512F,-AVX512VL" $portable_lanes; do
   default=$(tiny_bits "$trainer" "$variant")
   portable=$(tiny_bits "$trainer" "$variant" --portable)
   echo "    $variant: default $default, portable $portable"
   default_seen[$default]=1
   portable_seen+=("$portable")
 done
+Z2_PORTABLE_LANES=3 bad_case "Z2_PORTABLE_LANES=3: this build's portable CPU schedules have" "${small[@]}" --portable
 golden_first=$(grep -v '^#' "$(dirname "$0")/golden_bits.txt" | head -n 1 | awk -F'|' '{gsub(/ /, "", $5); gsub(/ /, "", $6); print $5 " " $6}')
 distinct_portable=$(printf '%s\n' "${portable_seen[@]}" | sort -u)
 [ ${#default_seen[@]} -ge 2 ] && [ -z "${default_seen[failed]:-}" ] &&
   pass "default mode: the forced OpenBLAS kernels give ${#default_seen[@]} different hashes (the bits follow the machine)" ||
   fail "default mode: the forced OpenBLAS kernels gave ${#default_seen[@]} hash(es): ${!default_seen[*]} (nothing to show)"
 [ "$(echo "$distinct_portable" | wc -l)" = 1 ] && [ "$distinct_portable" = "$golden_first" ] &&
-  pass "portable mode: one hash under every OpenBLAS kernel and glibc mask, the golden table's ($golden_first)" ||
+  pass "portable mode: one hash under every OpenBLAS kernel, glibc mask and zero2 schedule ($portable_lanes), the golden table's ($golden_first)" ||
   fail "portable mode: $(echo $distinct_portable) under the variants, the golden table has $golden_first"
 # The other build (nvcc <-> g++), if it is there: the same portable bits.
 other_build=$([ "$build" = build-cpu ] && echo build || echo build-cpu)
@@ -1501,7 +1509,9 @@ by_key=$(tiny_bits "$trainer" "" --config "$work/portable.json.cfg")
   fail "config zero2_portable: $by_key, --portable $golden_first"
 echo '{"zero2_portable": "yes"}' > "$work/portable_bad.json"
 bad_case "zero2_portable: wants true or false" "${small[@]}" --config "$work/portable_bad.json"
-bad_case "'--portable=1': --portable takes no value (write '--portable' to switch it on)" "${small[@]}" --portable=1
+bad_case "'--portable=1': --portable takes no value (write '--portable' to switch it on; a config file's" \
+  "${small[@]}" --portable=1
+bad_case "--portable needs --collectives deterministic" "${small[@]}" --portable --collectives native
 
 # A portable run saved and resumed (at another N and stage, no --portable on
 # the command line: the checkpoint's mode continues) ends on the golden
@@ -1529,6 +1539,10 @@ import json, sys; p = sys.argv[1]; d = json.load(open(p)); d['settings']['portab
 else
   fail "portable save / resume: a run failed: $(head -c 300 "$work/log")"
 fi
+
+# tests/gpu_check.sh runs only where a GPU is lent: it must at least parse.
+bash -n "$(dirname "$0")/gpu_check.sh" 2> "$work/log" && pass "tests/gpu_check.sh parses (bash -n)" ||
+  fail "tests/gpu_check.sh does not parse: $(head -c 300 "$work/log")"
 
 # The golden table (tests/verify.sh, make verify), every row with make run's
 # configuration; then a table with one row planted wrong must be caught.
@@ -1560,12 +1574,18 @@ for precision in fp32 bf16 fp16; do
         --precision $precision --accum $((4 / N)) --stage $stage
     done
   done
-  same_bits_run "portable $precision N=2 stage 2 --activations offload --alloc naive (poisoned)" 2 \
-    "$work/portable_matrix.json" --portable --precision $precision --accum 2 --stage 2 --activations offload \
-    --alloc naive --poison-activations
-  same_bits_run "portable $precision N=4 stage 1 --activations recompute --alloc caching (poisoned)" 4 \
-    "$work/portable_matrix.json" --portable --precision $precision --accum 1 --stage 1 --activations recompute \
-    --alloc caching --poison-activations
+  # ZeRO-R: fp32 every --activations x --alloc at N = 2, stage 2; 16-bit two of them.
+  for activations in keep recompute offload; do
+    for alloc in arena naive caching; do
+      case "$precision $activations $alloc" in
+        fp32*|*"offload naive"|*"recompute caching") ;;
+        *) continue;;
+      esac
+      same_bits_run "portable $precision N=2 stage 2 --activations $activations --alloc $alloc (poisoned)" 2 \
+        "$work/portable_matrix.json" --portable --precision $precision --accum 2 --stage 2 --activations $activations \
+        --alloc $alloc --poison-activations
+    done
+  done
 done
 
 echo "$passed passed, $failed failed"

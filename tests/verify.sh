@@ -13,6 +13,7 @@
 set -u
 build=${1:-build}
 mode=${2:-small}
+case "$mode" in small|--all|--write) ;; *) echo "verify: unknown option '$mode' (--all or --write)"; exit 2;; esac
 trainer="$build/train_bert_mini"
 table="${Z2_GOLDEN:-$(dirname "$0")/golden_bits.txt}"  # Z2_GOLDEN: another table (the suite plants a wrong row)
 [ -x "$trainer" ] || { echo "verify: no $trainer: build it first (make)"; exit 1; }
