@@ -1188,8 +1188,8 @@ struct Avx2Lanes {
 #endif
 #if defined(Z2_AVX512_LANES)
 struct Avx512Lanes {
-  // 24 of the 32 zmm registers; 12 rows measured ~10% faster than 8 or 14 on
-  // BERT-mini's shapes (a Skylake-X core).
+  // 24 of the 32 zmm registers; 12 rows were faster than 8 or 14 in a
+  // micro-benchmark of BERT-mini's shapes on a Skylake-X core.
   static constexpr int lanes = 16, tile_rows = 12, tile_columns = 32;
   using Vector = __m512;
   static Vector zero() { return _mm512_setzero_ps(); }
