@@ -69,4 +69,14 @@ inline float test_value(uint64_t a, uint64_t b, uint64_t c = 0) {
   return (2.0f * z2::uniform_from_hash(h) - 1.0f) * magnitude;
 }
 
+// A pseudo-random float over 2 spread + 1 binades and both signs (40 by
+// default), so that another order over k of a product rounds differently
+// almost everywhere (the portable gemm's tests; fp16 wants spread 5, as it
+// tops out at 65504).
+inline float wide_value(uint64_t key, int spread = 20) {
+  const uint64_t h = z2::hash_keys(0x9e11, key);
+  const float unit = (float)((h >> 40) & 0xffffff) / 16777216.0f - 0.5f;
+  return std::ldexp(unit, (int)(h % (2 * spread + 1)) - spread);
+}
+
 }  // namespace harness

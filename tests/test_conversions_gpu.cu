@@ -188,12 +188,8 @@ size_t portable_gemm_differences(z2::Compute& gpu, z2::Compute& cpu, bool transp
              stride_c = (long)M * ldc;
   std::vector<T> A((size_t)stride_a * batch), B((size_t)stride_b * batch), C((size_t)stride_c * batch);
   const int spread = z2::precision_of<T>() == z2::Precision::fp16 ? 5 : 20;  // fp16 tops out at 65504
-  uint64_t key = 77;
-  auto value = [&](void) {
-    const uint64_t h = z2::hash_keys(0x9e12, ++key);
-    const float unit = (float)((h >> 40) & 0xffffff) / 16777216.0f - 0.5f;
-    return z2::from_float<T>(std::ldexp(unit, (int)(h % (2 * spread + 1)) - spread));
-  };
+  uint64_t key = 1u << 20;  // keys of its own: not test_portable.cpp's values
+  auto value = [&] { return z2::from_float<T>(harness::wide_value(++key, spread)); };
   for (T& x : A) x = value();
   for (T& x : B) x = value();
   // beta = 0 must not read C: NaN there stays out of the result.

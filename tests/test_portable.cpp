@@ -37,13 +37,7 @@ float expected_element(bool transpose_a, bool transpose_b, int m, int n, int K, 
                              beta == 0.0f ? 0.0f : z2::to_float(c_old));
 }
 
-// Values over 2 spread + 1 binades and both signs (40 by default), so that
-// another order over k rounds differently almost everywhere.
-float wide_value(uint64_t key, int spread = 20) {
-  const uint64_t h = z2::hash_keys(0x9e11, key, 0, 0, 0);
-  const float unit = (float)((h >> 40) & 0xffffff) / 16777216.0f - 0.5f;
-  return std::ldexp(unit, (int)(h % (2 * spread + 1)) - spread);
-}
+using harness::wide_value;
 
 struct Shape {
   int M, N, K;
