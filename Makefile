@@ -23,6 +23,10 @@
 #                 in portable mode (--portable; notes/11), seconds after the build: "your build computes
 #                 ..." or the configuration that differs. VERIFY_BUILD=build-cpu checks the mpicxx build
 #   make golden   rewrite tests/golden_bits.txt from this build (only for a change meant to change bits)
+#   make lab LAB=<name> [SOLUTION=<file>]  a course lab (notes/labs): zero2 with your function in
+#                 place of the engine's, graded by the lab's tests at N = 1, 2, 4 ("N passed, M failed"
+#                 and what differs first). Without SOLUTION, the skeleton as shipped; SOLUTION=engine,
+#                 zero2's own code. `make labs`: every lab is gradable (CI)
 #   make notes    regenerate the measured tables in notes/
 #   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
 #   make deps     install missing Debian packages (as root), or print the command
@@ -95,7 +99,7 @@ ENGINE  := zero2.cu zero2.h Makefile
 MODEL   := tests/mlp_model.h train_bert_mini.cu
 TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp \
            tests/test_checkpoint.cpp tests/test_allocator.cpp tests/test_math.cpp \
-           tests/test_portable.cpp
+           tests/test_portable.cpp tests/test_labs.cpp
 TEST_H  := tests/harness.h tests/mlp_model.h tests/synthetic_model.h tests/math_accuracy.h zero2.h Makefile
 # The trainer embeds data/corpus.txt as a C++ raw string (build*/corpus.inc),
 # so `make run` needs no download and no file at run time.
@@ -107,7 +111,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run verify golden demo bench math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
+.PHONY: all cpu run verify golden lab labs demo bench math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -187,6 +191,19 @@ build-cpu/corpus.inc: data/corpus.txt | build-cpu/tests
 build-cpu/tests:
 	mkdir -p $@
 
+# --- the course labs (notes/labs) ----------------------------------------------------
+# One engine object with its lab seams weak (-DZ2_LAB_BUILD, zero2.h's "lab
+# seams"): a student's definition linked beside it replaces the engine's.
+# Everything else is build-cpu's objects, so a lab builds in seconds after
+# `make cpu`, and there is no copy of the engine per lab.
+LAB_OBJECTS := build-cpu/tests/mlp_model.o build-cpu/tests/test_bert.o build-cpu/tests/test_conversions_gpu.o \
+               $(TESTS:tests/%.cpp=build-cpu/tests/%.o)
+build-lab/zero2.o: zero2.cu $(ENGINE) | build-lab
+	$(MPICXX) $(CXXFLAGS) -DZ2_LAB_BUILD -x c++ -c $< -o $@ -x none
+build-lab:
+	mkdir -p $@
+LAB_ENV = MPICXX="$(MPICXX)" CXXFLAGS="$(CXXFLAGS)" LAB_OBJECTS="$(LAB_OBJECTS)" $(RUN_ENV)
+
 # --- the sanitized cpu build: ASan + UBSan ---------------------------------------
 # -O1 keeps the runs short; an UBSan finding stops the program (no recover),
 # as an ASan one does. The same .cu files, compiled as C++.
@@ -261,6 +278,12 @@ test-cpu: deps test-deps hf-venv cpu
 sanitize: deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini
 	$(RUN_ENV) tests/sanitize.sh build-sanitize
 
+lab: deps found build-lab/zero2.o $(LAB_OBJECTS)
+	@$(LAB_ENV) tests/lab.sh $(if $(LAB),$(LAB),--list) $(SOLUTION)
+
+labs: deps found build-lab/zero2.o $(LAB_OBJECTS)
+	$(LAB_ENV) tests/lab.sh --all
+
 notes: deps test-deps all cpu build/reduce_precision build/paper_table build/math_accuracy
 	$(RUN_ENV) notes/generate.sh build
 
@@ -291,4 +314,4 @@ hf-venv:
 	fi
 
 clean:
-	rm -rf build build-cpu build-sanitize
+	rm -rf build build-cpu build-sanitize build-lab

@@ -1817,6 +1817,48 @@ void Communicator::barrier() {
 // ----------------------------------------------------------------------------
 // 4. The bucket collectives
 //
+// --- first, the plain blocking version -----------------------------------------
+// What the deterministic reduce-scatter computes, in the fewest lines (MPI,
+// fp32, host memory): an all-to-all of slices, then the canonical tree over
+// the ranks for each element of the own shard. Every rank sends (N-1)/N of
+// the bucket, what a ring reduce-scatter sends, and the sum's order is ours,
+// not the library's, so the bits do not depend on N or on MPI's algorithm.
+// The engine does not train with it (it blocks, so backward could not go on
+// while a bucket is reduced); it is the reference the non-blocking exchange
+// below is tested against (tests/test_collectives.cpp) and the answer to the
+// reduce-scatter lab (notes/labs).
+
+// tree_sum (the seam of the tree-sum lab) over leaves in memory.
+Z2_LAB_SEAM float tree_sum(long n, const float* leaves) {
+  return canonical_tree_sum(n, [&](long k) { return leaves[k]; });
+}
+
+static int mpi_count(size_t elements, const char* what) {
+  if (elements > (size_t)INT_MAX) usage_error("%s: %zu elements, more than MPI's int count holds", what, elements);
+  return (int)elements;
+}
+
+Z2_LAB_SEAM void reduce_scatter_blocking(const float* bucket, float* shard, size_t shard_elements, MPI_Comm comm) {
+  int world = 0;
+  Z2_MPI_CHECK(MPI_Comm_size(comm, &world));
+  const int count = mpi_count(shard_elements, "reduce_scatter_blocking");
+  // Slice j of this rank's bucket goes to rank j; rank j's slice of this
+  // rank's shard arrives at j x shard_elements.
+  std::vector<float> slices((size_t)world * shard_elements), leaves(world);
+  Z2_MPI_CHECK(MPI_Alltoall(bucket, count, MPI_FLOAT, slices.data(), count, MPI_FLOAT, comm));
+  for (size_t i = 0; i < shard_elements; ++i) {
+    for (int j = 0; j < world; ++j) leaves[j] = slices[(size_t)j * shard_elements + i];
+    shard[i] = tree_sum(world, leaves.data());  // in rank order: never MPI_SUM, whose order is MPI's
+  }
+}
+
+// An all-gather only copies, so the library's is exact.
+Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t shard_elements, MPI_Comm comm) {
+  const int count = mpi_count(shard_elements, "all_gather_blocking");
+  Z2_MPI_CHECK(MPI_Allgather(shard, count, MPI_FLOAT, bucket, count, MPI_FLOAT, comm));
+}
+
+// --- then the non-blocking exchange the engine trains with ---------------------
 // A transfer moves one bucket through one collective. It is a list of steps;
 // each step either enqueues work and is done at once, or waits (an MPI
 // request, a CUDA event) and reports "not yet". progress() advances every
@@ -1950,12 +1992,23 @@ struct BucketExchange::State {
     AccumulationStackOf<Accum> stack;
     for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
     const long step = into.step, steps = into.steps;
+#if defined(Z2_LAB_BUILD)
+    if (ranks > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", ranks);
+#endif
     compute.for_each(
         shard,
         Z2_LOOP(i, {
-          float value = canonical_tree_sum(ranks, [&](long j) {
+          auto slice_of_rank = [&](long j) {
             return to_float(j == me ? own[i] : received[(size_t)(j - (j > me)) * shard + i]);
-          });
+          };
+#if defined(Z2_LAB_BUILD)
+          // A lab build sums through the seam (host only), so a student's tree is the one trained with.
+          float leaves[64];
+          for (long j = 0; j < ranks; ++j) leaves[j] = slice_of_rank(j);
+          float value = tree_sum(ranks, leaves);
+#else
+          float value = canonical_tree_sum(ranks, slice_of_rank);
+#endif
           accumulate_micro_step(stack, step, steps, value, result, i);
         }),
         compute.comm_stream());
@@ -2413,9 +2466,13 @@ std::pair<size_t, size_t> Engine::shard_range(int bucket, int rank) const {
     usage_error("shard_range: bucket %d out of range (the layout has %zu buckets)", bucket, buckets_.size());
   if (rank < 0 || rank >= comm_.world_size())
     usage_error("shard_range: rank %d out of range (world size %d)", rank, comm_.world_size());
-  const BucketInfo& b = buckets_[bucket];
-  size_t begin = b.offset + (size_t)rank * b.shard_length;
-  return {begin, begin + b.shard_length};
+  const size_t begin = shard_begin(buckets_[bucket], rank);
+  return {begin, begin + buckets_[bucket].shard_length};
+}
+
+// Rank r owns the r-th of the bucket's N equal slices (the shards lab's seam).
+Z2_LAB_SEAM size_t shard_begin(const BucketInfo& bucket, int rank) {
+  return bucket.offset + (size_t)rank * bucket.shard_length;
 }
 
 long Engine::micro_batch_index(int a) const {
@@ -2521,7 +2578,7 @@ struct Engine::Impl {
   size_t region_offset(int b) const { return stage == 0 ? bucket(b).offset : bucket(b).shard_offset; }
   size_t region_length(int b) const { return stage == 0 ? bucket(b).padded_length : bucket(b).shard_length; }
   size_t region_start(int b) const {
-    return bucket(b).offset + (stage == 0 ? 0 : (size_t)rank * bucket(b).shard_length);
+    return stage == 0 ? bucket(b).offset : shard_begin(bucket(b), rank);
   }
   void* region_param(int b) { return at(params, region_start(b)); }
   // The fp32 values AdamW updates: the parameters themselves in fp32.
@@ -2533,7 +2590,7 @@ struct Engine::Impl {
   // (stage 2).
   void* shard_gradient(int b) {
     if (stage == 2) return at(grads, bucket(b).shard_offset);
-    return at(grads, bucket(b).offset + (size_t)rank * bucket(b).shard_length);
+    return at(grads, shard_begin(bucket(b), rank));
   }
   // The reduced gradient of the update region (stage 0: after the all-gather).
   void* region_gradient(int b) { return stage == 0 ? at(grads, bucket(b).offset) : shard_gradient(b); }
@@ -2831,6 +2888,17 @@ void Engine::build() {
   std::vector<size_t> numels;
   for (auto& p : parameters_) numels.push_back(p.numel);
   buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
+#if defined(Z2_LAB_BUILD)
+  // A student's shard_begin (the shards lab) is checked here, on every rank
+  // for every rank, so that a wrong one stops all ranks with this message
+  // instead of one rank tripping over its shard inside a collective.
+  for (const BucketInfo& b : buckets_)
+    for (int r = 0; r < comm_.world_size(); ++r)
+      if (shard_begin(b, r) != b.offset + (size_t)r * b.shard_length)
+        usage_error("lab build: shard_begin(bucket at %zu, rank %d) = %zu, but the bucket exchange gives rank %d the "
+                    "bucket's slice %d, which begins at %zu", b.offset, r, shard_begin(b, r), r, r,
+                    b.offset + (size_t)r * b.shard_length);
+#endif
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (int p = buckets_[b].first_parameter; p < buckets_[b].end_parameter; ++p) {
       parameters_[p].bucket = (int)b;
@@ -2921,7 +2989,7 @@ float Engine::Impl::global_loss() {
   engine.comm_.all_gather_host(micro_losses.data(), A, gathered.data(), "the micro-batch losses");
   for (int r = 0; r < N; ++r)
     for (int a = 0; a < A; ++a) by_micro_batch[(size_t)a * N + r] = gathered[(size_t)r * A + a];
-  return canonical_tree_sum((long)by_micro_batch.size(), [&](long m) { return by_micro_batch[m]; });
+  return tree_sum((long)by_micro_batch.size(), by_micro_batch.data());
 }
 
 // The sum of squares of every norm chunk of this rank's update region, on the host.
@@ -2969,14 +3037,14 @@ float Engine::Impl::global_squared_norm(const std::vector<float>& local) {
     for (int r = 0; r < N; ++r)
       for (auto& b : buckets)
         for (size_t k = 0; k < b.shard_length / norm_chunk; ++k)
-          all_chunks[(b.offset + r * b.shard_length) / norm_chunk + k] =
+          all_chunks[shard_begin(b, r) / norm_chunk + k] =
               gathered_chunks[r * local.size() + b.shard_offset / norm_chunk + k];
   }
   std::vector<float> canonical(engine.canonical_elements_ / norm_chunk);
   for (auto& b : buckets)
     for (size_t k = 0; k < b.length / norm_chunk; ++k)
       canonical[b.canonical_chunk + k] = all_chunks[b.offset / norm_chunk + k];
-  return canonical_tree_sum((long)canonical.size(), [&](long c) { return canonical[c]; });
+  return tree_sum((long)canonical.size(), canonical.data());
 }
 
 // torch.optim.AdamW's scalars, computed in double, for update t (1-based).
@@ -3166,7 +3234,7 @@ std::vector<float> Engine::parameters_to_host() {
   for (int r = 0; r < N; ++r)
     for (auto& b : buckets_)
       std::copy_n(gathered.begin() + (size_t)r * master.size() + b.shard_offset, b.shard_length,
-                  padded.begin() + b.offset + (size_t)r * b.shard_length);
+                  padded.begin() + shard_begin(b, r));
   return canonical_from_padded(padded);
 }
 
@@ -3251,7 +3319,7 @@ std::vector<LocatedRun> located_runs(const Engine& engine, int rank) {
   for (size_t p = 0; p < parameters.size(); ++p) canonical[p + 1] = canonical[p] + parameters[p].numel;
   std::vector<LocatedRun> runs;
   for (const BucketInfo& bucket : engine.buckets()) {
-    const size_t start = bucket.offset + (stage == 0 ? 0 : (size_t)rank * bucket.shard_length);
+    const size_t start = stage == 0 ? bucket.offset : shard_begin(bucket, rank);
     const size_t length = stage == 0 ? bucket.padded_length : bucket.shard_length;
     const size_t stored = stage == 0 ? bucket.offset : bucket.shard_offset;
     for (int p = bucket.first_parameter; p < bucket.end_parameter; ++p) {
@@ -3476,7 +3544,7 @@ void LossScaler::restore(const LossScalerState& state) {
   iteration_ = state.iteration;
   last_overflow_ = state.last_overflow;
 }
-void LossScaler::update(bool overflow) {
+Z2_LAB_SEAM void LossScaler::update(bool overflow) {
   if (!dynamic_) return;  // a static scale never changes (an overflow still skips the step)
   if (overflow) {
     if (settings_.hysteresis == 1 || hysteresis_left_ == 1) {

@@ -60,6 +60,16 @@
 #define Z2_HD
 #endif
 
+// Z2_LAB_SEAM marks the engine's definition of a function a course lab asks
+// students to write (notes/labs). In a lab build (-DZ2_LAB_BUILD, `make lab`)
+// the definition is weak, so the student's file, linked beside it, replaces
+// it; in every other build it is an ordinary function.
+#if defined(Z2_LAB_BUILD)
+#define Z2_LAB_SEAM __attribute__((weak))
+#else
+#define Z2_LAB_SEAM
+#endif
+
 namespace z2 {
 
 // Z2_LOOP(i, { body }): one loop body, written once. In the nvcc build it
@@ -1249,6 +1259,36 @@ struct StateRun {
   size_t canonical = 0;  // first element, in the canonical order
   size_t length = 0;
 };
+
+// --- the lab seams (notes/labs) ------------------------------------------------
+// Four functions of the engine a student can write in its place and have the
+// suite grade bit for bit (`make lab LAB=<name> SOLUTION=<file>`). Each is
+// called by the engine wherever it needs that idea, so a wrong one breaks the
+// stages' equality, not only its own test.
+//
+//   tree-sum        tree_sum: the canonical summation tree (notes/06). The
+//                   engine sums the N ranks' slices, the loss and the norm's
+//                   chunk sums with it.
+//   reduce-scatter  reduce_scatter_blocking, all_gather_blocking: the plain
+//                   blocking collectives over MPI, the reference the engine's
+//                   non-blocking bucket exchange is tested against.
+//   shards          shard_begin: where rank r's shard of a bucket starts, the
+//                   partition of P_os and P_os+g (paper sections 5.1, 5.2).
+//   loss-scale      LossScaler::update (above): fp16's dynamic loss scale.
+
+// The canonical tree (canonical_tree_sum, section 2) over leaves [n].
+float tree_sum(long n, const float* leaves);
+// Blocking, deterministic, fp32, over every rank of `comm` (N ranks):
+// bucket [N x shard_elements] on every rank; rank r receives in shard
+// [shard_elements] element i of the sum over ranks j = 0..N-1 of bucket_j[r
+// shard_elements + i], summed with tree_sum in rank order.
+void reduce_scatter_blocking(const float* bucket, float* shard, size_t shard_elements, MPI_Comm comm);
+// shard [shard_elements] of every rank into bucket [N x shard_elements], rank
+// r's at r x shard_elements.
+void all_gather_blocking(const float* shard, float* bucket, size_t shard_elements, MPI_Comm comm);
+// The first element of rank `rank`'s shard of `bucket` in the padded flat
+// buffer (parameters, full gradients): the bucket's offset plus `rank` shards.
+size_t shard_begin(const BucketInfo& bucket, int rank);
 
 // The fp32 optimizer state of some runs of the canonical order, run after
 // run: the master weights (the parameters themselves in fp32), AdamW's

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# tests/lab.sh — build and grade one course lab (notes/labs), or prove that
+# every lab can be graded.
+#
+#   tests/lab.sh LAB [SOLUTION]   link SOLUTION (default: the lab's skeleton;
+#                                 "engine": zero2's own code) in place of the
+#                                 engine's seam, run the lab's tests under
+#                                 mpirun -n 1, 2, 4, print the first failure
+#                                 and "N passed, M failed"
+#   tests/lab.sh --all            for every lab: the engine's code passes, the
+#                                 skeleton fails, and each planted mistake in
+#                                 tests/lab_mistakes/ fails with the words its
+#                                 "// expect:" line names (CI runs this)
+#   tests/lab.sh --list           the labs and their seams
+#
+# `make lab` and `make labs` call it after building build-lab/zero2.o (the
+# engine compiled with -DZ2_LAB_BUILD: its seams weak) and build-cpu/'s test
+# objects; they pass MPICXX, CXXFLAGS and LAB_OBJECTS.
+set -u
+cd "$(dirname "$0")/.."
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
+MPICXX=${MPICXX:-mpicxx}
+CXXFLAGS=${CXXFLAGS:--std=c++17 -O2 -ffp-contract=off}
+LAB_OBJECTS=${LAB_OBJECTS:-}
+
+# --- the labs: seam, test cases (doctest filters), rank counts -----------------------
+labs="tree-sum reduce-scatter shards loss-scale"
+seam_of() {
+  case $1 in
+    tree-sum) echo "z2::tree_sum" ;;
+    reduce-scatter) echo "z2::reduce_scatter_blocking, z2::all_gather_blocking" ;;
+    shards) echo "z2::shard_begin" ;;
+    loss-scale) echo "z2::LossScaler::update" ;;
+  esac
+}
+tests_of() {  # the graders first, then the engine's own tests the seam takes part in
+  case $1 in
+    tree-sum) echo "lab tree-sum*,accumulating A reduce-scatters*,world-size invariance:*" ;;
+    reduce-scatter) echo "lab reduce-scatter*,deterministic reduce-scatter*" ;;
+    shards) echo "lab shards*,stage matrix*,mixed precision stage matrix*" ;;
+    loss-scale) echo "lab loss-scale*,fp16 loss scaler*,fp16 overflow on one rank*" ;;
+  esac
+}
+
+die() { echo "lab: $*" >&2; echo "0 passed, 1 failed"; exit 1; }
+[ -f build-lab/zero2.o ] || die "no build-lab/zero2.o: run it through make (make lab LAB=...)"
+[ -n "$LAB_OBJECTS" ] || die "LAB_OBJECTS is empty: run it through make (make lab LAB=...)"
+
+# build LAB SOLUTION BINARY: link the engine, the test objects and the solution.
+build() {
+  local lab=$1 solution=$2 binary=$3 objects=""
+  mkdir -p "$(dirname "$binary")"
+  if [ "$solution" != engine ]; then
+    [ -f "$solution" ] || { echo "lab: no file $solution"; return 1; }
+    "$MPICXX" $CXXFLAGS -I. -c "$solution" -o "$binary.solution.o" 2>"$binary.log" || {
+      echo "lab: $solution does not compile:"; head -n 20 "$binary.log"; return 1; }
+    objects="$binary.solution.o"
+  fi
+  "$MPICXX" build-lab/zero2.o $LAB_OBJECTS $objects -o "$binary" -lopenblas 2>"$binary.log" || {
+    echo "lab: linking $solution failed (does it define $(seam_of "$lab") exactly as zero2.h declares it?):"
+    head -n 20 "$binary.log"; return 1; }
+}
+
+# grade LAB SOLUTION [RANKS...]: prints what differs first and "N passed, M failed".
+grade() {
+  local lab=$1 solution=$2; shift 2
+  local ranks=${*:-1 2 4} binary="build-lab/$lab/test_lab" passed=0 failed=0 first=""
+  build "$lab" "$solution" "$binary" || { echo "0 passed, 1 failed"; return 1; }
+  for n in $ranks; do
+    local log="build-lab/$lab/run.$n.log"
+    timeout 120 mpirun -n "$n" "$binary" --test-case="$(tests_of "$lab")" >"$log" 2>&1
+    local status=$? summary
+    summary=$(grep -E '^\[doctest\] test cases:' "$log" | tail -n 1)
+    local run_passed=0 run_failed=1
+    if [ -n "$summary" ]; then
+      run_passed=$(echo "$summary" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+')
+      run_failed=$(echo "$summary" | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+')
+    fi
+    [ "$status" -ne 0 ] && [ "$run_failed" -eq 0 ] && run_failed=1
+    echo "  mpirun -n $n: $run_passed passed, $run_failed failed$([ "$status" -eq 124 ] && echo ' (timed out)')"
+    if [ "$run_failed" -gt 0 ] && [ -z "$first" ]; then
+      # The grader's own line when there is one; else doctest's first error and its messages.
+      first=$(grep -m1 '^\[lab\]' "$log" | sed 's/^\[lab\] //')
+      [ -z "$first" ] && first=$(grep -m1 -A4 -E 'ERROR|error:|Error|terminate' "$log" | tr '\n' ' ')
+      [ -z "$first" ] && first="the run ended without a summary (exit $status): see $log"
+      first="at N = $n: $first"
+    fi
+    passed=$((passed + run_passed))
+    failed=$((failed + run_failed))
+  done
+  [ -n "$first" ] && echo "first failure, $first"
+  echo "$passed passed, $failed failed"
+  [ "$failed" -eq 0 ]
+}
+
+case ${1:-} in
+  --list)
+    for lab in $labs; do printf '%-15s %s   (notes/labs/%s/)\n' "$lab" "$(seam_of "$lab")" "$lab"; done
+    exit 0 ;;
+  --all)
+    checks_passed=0 checks_failed=0
+    verdict() {  # verdict OK TEXT
+      if [ "$1" = yes ]; then echo "PASS: $2"; checks_passed=$((checks_passed + 1));
+      else echo "FAIL: $2"; checks_failed=$((checks_failed + 1)); fi
+    }
+    for lab in $labs; do
+      echo "=== lab $lab: the engine's code"
+      out=$(grade "$lab" engine); echo "$out"
+      verdict "$(echo "$out" | grep -qE '^[1-9][0-9]* passed, 0 failed$' && echo yes)" \
+        "lab $lab: zero2's own $(seam_of "$lab") passes its grader"
+      echo "=== lab $lab: the skeleton"
+      out=$(grade "$lab" "notes/labs/$lab/skeleton.cpp"); echo "$out"
+      verdict "$(echo "$out" | grep -qE '^[0-9]+ passed, [1-9][0-9]* failed$' && echo yes)" \
+        "lab $lab: the skeleton as shipped fails its grader"
+      for mistake in tests/lab_mistakes/"$lab".*.cpp; do
+        [ -f "$mistake" ] || continue
+        expect=$(sed -n 's|^// expect: ||p' "$mistake" | head -n 1)
+        echo "=== lab $lab: planted mistake $(basename "$mistake") (N = 4)"
+        out=$(grade "$lab" "$mistake" 4); echo "$out"
+        verdict "$(echo "$out" | grep -qE '^[0-9]+ passed, [1-9][0-9]* failed$' &&
+                   echo "$out" | grep '^first failure' | grep -qF "$expect" && echo yes)" \
+          "lab $lab: $(basename "$mistake" .cpp | cut -d. -f2-) fails, and the first failure says \"$expect\""
+      done
+    done
+    echo "$checks_passed passed, $checks_failed failed"
+    [ "$checks_failed" -eq 0 ] ;;
+  ""|-h|--help)
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2 ;;
+  *)
+    lab=$1
+    echo " $labs " | grep -q " $lab " || die "no lab \"$lab\"; the labs: $labs (tests/lab.sh --list)"
+    solution=${2:-notes/labs/$lab/skeleton.cpp}
+    echo "=== lab $lab: grading $solution in place of $(seam_of "$lab")"
+    grade "$lab" "$solution" ;;
+esac

@@ -1,0 +1,374 @@
+// tests/test_labs.cpp — the graders of the course labs (notes/labs): one test
+// case or more per seam declared in zero2.h ("the lab seams"), each with
+// expected values worked out independently of the engine (by hand, or from
+// the definition written another way), and on failure one line that says what
+// differs and what the usual mistake behind it is.
+//
+// They run in every suite against the engine's own code (which must pass),
+// and in `make lab LAB=<name>` against a student's file. A line starting with
+// "[lab]" is what tests/lab.sh shows as the first failure.
+//
+// The reduce-scatter grader watches MPI's reductions through the profiling
+// interface: MPI_Allreduce and friends are defined here, count their calls
+// while a grader is watching, and call PMPI_*. A deterministic reduce-scatter
+// does its own arithmetic, so any call is the mistake "all-reduce, then slice"
+// (or "reduce-scatter with MPI_SUM"): twice the bytes, MPI's summation order.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <string>
+
+#include "harness.h"
+
+using harness::agree;
+using harness::recursive_tree_sum;
+using harness::same_float_bits;
+using harness::wide_value;
+
+// --- watching MPI's reductions (PMPI) --------------------------------------------
+
+namespace {
+bool watching_reductions = false;
+int reductions_called = 0;
+const char* reduction_name = "";
+int watched(const char* name) {
+  if (watching_reductions && reductions_called++ == 0) reduction_name = name;
+  return 0;
+}
+}  // namespace
+
+extern "C" {
+int MPI_Allreduce(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm) {
+  watched("MPI_Allreduce");
+  return PMPI_Allreduce(send, receive, count, type, op, comm);
+}
+int MPI_Reduce(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, int root, MPI_Comm comm) {
+  watched("MPI_Reduce");
+  return PMPI_Reduce(send, receive, count, type, op, root, comm);
+}
+int MPI_Reduce_scatter_block(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op,
+                             MPI_Comm comm) {
+  watched("MPI_Reduce_scatter_block");
+  return PMPI_Reduce_scatter_block(send, receive, count, type, op, comm);
+}
+int MPI_Reduce_scatter(const void* send, void* receive, const int counts[], MPI_Datatype type, MPI_Op op,
+                       MPI_Comm comm) {
+  watched("MPI_Reduce_scatter");
+  return PMPI_Reduce_scatter(send, receive, counts, type, op, comm);
+}
+int MPI_Iallreduce(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                   MPI_Request* request) {
+  watched("MPI_Iallreduce");
+  return PMPI_Iallreduce(send, receive, count, type, op, comm, request);
+}
+int MPI_Ireduce_scatter_block(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op,
+                              MPI_Comm comm, MPI_Request* request) {
+  watched("MPI_Ireduce_scatter_block");
+  return PMPI_Ireduce_scatter_block(send, receive, count, type, op, comm, request);
+}
+int MPI_Reduce_local(const void* in, void* inout, int count, MPI_Datatype type, MPI_Op op) {
+  watched("MPI_Reduce_local");
+  return PMPI_Reduce_local(in, inout, count, type, op);
+}
+}
+
+namespace {
+
+// The grader's one line: rank 0 prints it (or, when only some ranks found
+// the fault, the lowest of them), and every rank returns the agreed verdict.
+bool lab_verdict(bool local_ok, const std::string& local_message) {
+  const int me = harness::rank();
+  int first_bad = local_ok ? 1 << 30 : me, lowest = 0;
+  MPI_Allreduce(&first_bad, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (lowest == (1 << 30)) return true;
+  if (me == lowest) printf("[lab] %s\n", local_message.c_str()), fflush(stdout);
+  return false;
+}
+
+std::string hex_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  char text[16];
+  snprintf(text, sizeof text, "%08x", bits);
+  return text;
+}
+
+// --- tree-sum ------------------------------------------------------------------------
+
+// The canonical tree of leaves [first, first + n) as a formula: "((0+1)+(2+3))+4".
+std::string tree_formula(long first, long n) {
+  if (n == 1) return std::to_string(first);
+  long p = 1;
+  while (p * 2 < n) p *= 2;
+  const std::string left = tree_formula(first, p), right = tree_formula(first + p, n - p);
+  return "(" + left + "+" + right + ")";
+}
+
+// The sums students write instead, each named, to say which one was written.
+float left_to_right(const float* leaves, long n) {
+  float sum = 0;
+  for (long k = 0; k < n; ++k) sum += leaves[k];
+  return sum;
+}
+float first_leaf_then_left_to_right(const float* leaves, long n) {
+  float sum = leaves[0];
+  for (long k = 1; k < n; ++k) sum += leaves[k];
+  return sum;
+}
+float halves(const float* leaves, long n) {  // split at n / 2, not at the power of two below n
+  if (n == 1) return leaves[0];
+  return halves(leaves, n / 2) + halves(leaves + n / 2, n - n / 2);
+}
+
+std::string which_wrong_sum(const float* leaves, long n, float got) {
+  if (same_float_bits(got, left_to_right(leaves, n)) || same_float_bits(got, first_leaf_then_left_to_right(leaves, n)))
+    return "you added left to right: a sequential sum depends on how the leaves are split across ranks and "
+           "micro-steps, the tree does not";
+  if (same_float_bits(got, halves(leaves, n)))
+    return "you split at n / 2: the canonical tree splits after the largest power of two below n, so that "
+           "every left subtree is perfect (and N = 3, A = 2 equals N = 6, A = 1)";
+  if (got == 0.0f) return "the sum is 0: is tree_sum written yet?";
+  return "the order of the additions differs from the canonical tree";
+}
+
+}  // namespace
+
+TEST_CASE("lab tree-sum: tree_sum is the canonical left-complete tree for n = 0 .. 130") {
+  bool ok = true;
+  std::string message;
+  std::vector<float> leaves(130);
+  float empty = z2::tree_sum(0, leaves.data());
+  if (!same_float_bits(empty, 0.0f)) ok = false, message = "tree_sum of no leaves is +0 (gave " + hex_bits(empty) + ")";
+  for (long n = 1; n <= 130 && ok; ++n) {
+    // Leaves over 9 binades and both signs: almost every other order rounds differently.
+    for (long k = 0; k < n; ++k) leaves[k] = wide_value((uint64_t)(n * 1000 + k), 4);
+    const float got = z2::tree_sum(n, leaves.data()), expected = recursive_tree_sum(leaves.data(), n);
+    if (same_float_bits(got, expected)) continue;
+    ok = false;
+    std::ostringstream out;
+    out << "tree-sum: n = " << n << ": tree_sum gave " << hex_bits(got) << ", the canonical tree";
+    if (n <= 16) out << " " << tree_formula(0, n);
+    out << " gives " << hex_bits(expected) << " — " << which_wrong_sum(leaves.data(), n, got);
+    message = out.str();
+  }
+  CHECK_MESSAGE(lab_verdict(ok, message), message);
+}
+
+TEST_CASE("lab tree-sum: the engine's global loss is the tree over the N x A micro-batch losses") {
+  // Engine::step's loss goes through tree_sum over the micro-batches in
+  // global order (m = a N + r). With losses whose order matters, the report
+  // must equal the definition's sum on every rank.
+  const auto& backend = harness::backends()[0];
+  const int N = backend.deterministic->world_size(), A = 3;
+  z2::EngineOptions options;
+  options.stage = 2, options.accumulation_steps = A, options.bucket_elements = 64;
+  z2::Engine engine(*backend.compute, *backend.deterministic, options);
+  const z2::ParameterId id = engine.add_parameter("w", 96, true);
+  engine.build();
+  std::vector<float> losses((size_t)N * A);
+  for (size_t m = 0; m < losses.size(); ++m) losses[m] = wide_value(m + 77, 6);
+  std::vector<float> zeros(96, 0.0f);
+  for (int a = 0; a < A; ++a) {
+    backend.compute->copy(engine.gradient_output(id), zeros.data(), zeros.size() * sizeof(float),
+                          backend.compute->compute_stream());
+    engine.gradient_ready(id);
+    engine.end_micro_step(losses[(size_t)engine.micro_batch_index(a)]);
+  }
+  const float got = engine.step().loss, expected = recursive_tree_sum(losses.data(), (long)losses.size());
+  const std::string message = "tree-sum: the engine's loss over " + std::to_string(N * A) + " micro-batches is " +
+                              hex_bits(got) + ", the canonical tree gives " + hex_bits(expected) + " — " +
+                              which_wrong_sum(losses.data(), (long)losses.size(), got);
+  CHECK_MESSAGE(lab_verdict(same_float_bits(got, expected), message), message);
+}
+
+// --- reduce-scatter --------------------------------------------------------------------
+
+TEST_CASE("lab reduce-scatter: reduce_scatter_blocking leaves rank r the tree over ranks of slice r") {
+  const int N = harness::world_size(), me = harness::rank();
+  bool ok = true;
+  std::string message;
+  for (size_t shard : {1, 7, 64, 1000}) {
+    // Rank j's bucket element k, known to every rank: each can work out the sum.
+    auto value = [&](int j, size_t k) { return wide_value((uint64_t)j * 1000003 + k + shard * 17, 4); };
+    std::vector<float> bucket(N * shard), got(shard, -7.0f), leaves(N);
+    for (size_t k = 0; k < bucket.size(); ++k) bucket[k] = value(me, k);
+    watching_reductions = true, reductions_called = 0;
+    z2::reduce_scatter_blocking(bucket.data(), got.data(), shard, MPI_COMM_WORLD);
+    watching_reductions = false;
+    if (reductions_called > 0) {
+      ok = false;
+      message = std::string("reduce-scatter: reduce_scatter_blocking called ") + reduction_name +
+                ": all-reduce-then-slice sends 2 (N-1)/N of the bucket where a reduce-scatter sends (N-1)/N, "
+                "holds the whole sum on every rank, and sums in MPI's order, not the canonical tree. Send slice j "
+                "to rank j and add the N slices yourself";
+      break;
+    }
+    for (size_t i = 0; i < shard && ok; ++i) {
+      for (int j = 0; j < N; ++j) leaves[j] = value(j, me * shard + i);
+      const float expected = recursive_tree_sum(leaves.data(), N);
+      if (same_float_bits(got[i], expected)) continue;
+      ok = false;
+      std::ostringstream out;
+      out << "reduce-scatter: N = " << N << ", shard " << shard << ", rank " << me << ", element " << i << ": bits "
+          << hex_bits(got[i]) << ", the tree " << tree_formula(0, N) << " over the ranks' slices gives "
+          << hex_bits(expected) << " — ";
+      std::vector<float> slice0(N);
+      for (int j = 0; j < N; ++j) slice0[j] = value(j, i);
+      if (me > 0 && same_float_bits(got[i], recursive_tree_sum(slice0.data(), N)))
+        out << "you kept slice 0 of the sum: rank r keeps slice r, at r x shard_elements (the shard offset)";
+      else if (same_float_bits(got[i], value(me, me * shard + i)))
+        out << "you kept your own slice, unsummed: the other ranks' slices never arrived or were not added";
+      else if (same_float_bits(got[i], -7.0f))
+        out << "the shard was never written";
+      else
+        out << which_wrong_sum(leaves.data(), N, got[i]) << " (the ranks' slices in rank order, j = 0 .. N-1)";
+      message = out.str();
+    }
+  }
+  CHECK_MESSAGE(lab_verdict(ok, message), message);
+}
+
+TEST_CASE("lab reduce-scatter: all_gather_blocking puts rank r's shard at r x shard_elements on every rank") {
+  const int N = harness::world_size(), me = harness::rank();
+  const size_t shard = 33;
+  std::vector<float> mine(shard), got(N * shard, -7.0f);
+  for (size_t i = 0; i < shard; ++i) mine[i] = (float)(me * 1000 + (int)i);  // rank and element, exactly
+  z2::all_gather_blocking(mine.data(), got.data(), shard, MPI_COMM_WORLD);
+  bool ok = true;
+  std::string message;
+  for (size_t k = 0; k < got.size() && ok; ++k) {
+    const float expected = (float)((int)(k / shard) * 1000 + (int)(k % shard));
+    if (got[k] == expected) continue;
+    ok = false;
+    std::ostringstream out;
+    out << "reduce-scatter: all_gather_blocking, rank " << me << ", element " << k << " (rank " << k / shard
+        << "'s shard, element " << k % shard << ") is " << got[k] << ", expected " << expected;
+    if (got[k] == -7.0f) out << " — never written";
+    message = out.str();
+  }
+  CHECK_MESSAGE(lab_verdict(ok, message), message);
+}
+
+// --- shards --------------------------------------------------------------------------------
+
+TEST_CASE("lab shards: shard_begin tiles each bucket with N shards in rank order") {
+  // Buckets as Engine::build lays them out: padded to N x norm_chunk, one
+  // after another. The shards must start at the bucket's offset, follow each
+  // other, and end where the bucket ends, for any N.
+  bool ok = true;
+  std::string message;
+  for (int N : {1, 2, 3, 4, 8}) {
+    size_t offset = 0;
+    for (size_t length : {32ul, 96ul, 4096ul}) {
+      z2::BucketInfo bucket;
+      bucket.offset = offset;
+      bucket.length = length;
+      bucket.padded_length = (length + N * z2::norm_chunk - 1) / (N * z2::norm_chunk) * (N * z2::norm_chunk);
+      bucket.shard_length = bucket.padded_length / N;
+      bucket.shard_offset = offset / N;  // (a plausible shard-space start; not what shard_begin returns)
+      offset += bucket.padded_length;
+      std::ostringstream out;
+      out << "shards: N = " << N << ", a bucket at offset " << bucket.offset << " of " << bucket.padded_length
+          << " elements (shards of " << bucket.shard_length << "): ";
+      const size_t first = z2::shard_begin(bucket, 0);
+      if (first != bucket.offset) {
+        out << "rank 0's shard begins at " << first << ", not at the bucket's offset " << bucket.offset;
+        if (first == 0) out << " — the bucket's offset is missing";
+        if (first == bucket.shard_offset) out << " — shard_offset is where the shard is stored in shard space, not "
+                                                 "where it lies in the flat buffer";
+        ok = false, message = out.str();
+        break;
+      }
+      for (int r = 1; r < N && ok; ++r) {
+        const size_t begin = z2::shard_begin(bucket, r), previous = z2::shard_begin(bucket, r - 1);
+        if (begin == previous + bucket.shard_length) continue;
+        out << "rank " << r << "'s shard begins at " << begin << ", rank " << r - 1 << "'s at " << previous
+            << ": consecutive shards are shard_length = " << bucket.shard_length << " apart";
+        if (begin == previous) out << " — every rank got the same shard: the rank's offset r x shard_length is missing";
+        ok = false, message = out.str();
+      }
+      if (ok && z2::shard_begin(bucket, N - 1) + bucket.shard_length != bucket.offset + bucket.padded_length) {
+        out << "the last shard does not end where the bucket ends";
+        ok = false, message = out.str();
+      }
+      if (!ok) break;
+    }
+    if (!ok) break;
+  }
+  CHECK_MESSAGE(lab_verdict(ok, message), message);
+}
+
+// --- loss-scale ------------------------------------------------------------------------
+
+namespace {
+// One hand-worked sequence: the updates ('O' overflow, 'c' clean) and the
+// scale after each, from DeepSpeed's update_scale worked through by hand.
+struct ScalerCase {
+  const char* what;
+  int initial_power;
+  long window;
+  int hysteresis;
+  bool consecutive;
+  const char* updates;
+  std::vector<double> scales;
+  const char* mistake;  // what a student who fails it most likely wrote
+};
+}  // namespace
+
+TEST_CASE("lab loss-scale: LossScaler::update follows DeepSpeed's DynamicLossScaler step by step") {
+  const std::vector<ScalerCase> cases = {
+      {"window 4, four clean steps", 8, 4, 1, false, "cccccccc", {256, 256, 256, 512, 512, 512, 512, 1024},
+       "a scale that never grows (or grows at the wrong step): after every `window` clean steps since the last "
+       "overflow (counting from iteration 0 when there was none) the scale doubles"},
+      {"hysteresis 1: an overflow halves at once", 8, 100, 1, false, "OOc", {128, 64, 64},
+       "an overflow with no hysteresis left halves the scale"},
+      {"hysteresis 2: the first overflow only spends hysteresis", 8, 100, 2, false, "OO", {256, 128},
+       "with hysteresis h the scale halves at the h-th overflow; the ones before only count down"},
+      {"the window restarts at an overflow", 4, 3, 1, false, "ccOccc", {16, 16, 8, 8, 8, 16},
+       "the clean steps are counted from the last overflow ((iteration - last_overflow) % window == 0), not "
+       "from the start"},
+      {"without consecutive_hysteresis a clean step does not restore it", 4, 100, 2, false, "OcOcO", {16, 16, 8, 8, 4},
+       "hysteresis comes back only when the scale doubles (unless consecutive_hysteresis)"},
+      {"consecutive_hysteresis restores it on every clean step", 4, 100, 2, true, "OcOcO", {16, 16, 16, 16, 16},
+       "with consecutive_hysteresis every clean step resets the hysteresis"},
+  };
+  bool ok = true;
+  std::string message;
+  for (const ScalerCase& c : cases) {
+    z2::LossScaling settings;
+    settings.initial_scale_power = c.initial_power, settings.window = c.window, settings.hysteresis = c.hysteresis;
+    settings.consecutive_hysteresis = c.consecutive, settings.min_scale = 1;
+    z2::LossScaler scaler(settings, true);
+    for (size_t k = 0; c.updates[k] && ok; ++k) {
+      scaler.update(c.updates[k] == 'O');
+      if (scaler.scale() == c.scales[k]) continue;
+      std::ostringstream out;
+      out << "loss-scale: " << c.what << " (initial 2^" << c.initial_power << ", window " << c.window
+          << ", hysteresis " << c.hysteresis << "), updates \"" << std::string(c.updates, k + 1) << "\": scale "
+          << scaler.scale() << ", expected " << c.scales[k] << " — " << c.mistake;
+      ok = false, message = out.str();
+    }
+    if (!ok) break;
+  }
+  // An overflow at the minimum with no hysteresis left ends the run (DeepSpeed raises).
+  if (ok) {
+    z2::LossScaling settings;
+    settings.initial_scale_power = 1, settings.hysteresis = 1, settings.min_scale = 1;
+    z2::LossScaler scaler(settings, true);
+    bool threw = false;
+    try {
+      scaler.update(true);  // 2 -> 1
+      scaler.update(true);  // at the minimum: an error
+    } catch (const z2::Error&) {
+      threw = true;
+    }
+    if (!threw || scaler.scale() != 1) {
+      ok = false;
+      message = "loss-scale: an overflow at min_loss_scale with no hysteresis left must throw z2::Error (the run "
+                "cannot go on: DeepSpeed raises \"Current loss scale already at minimum\"); the scale never goes "
+                "below the minimum";
+    }
+  }
+  CHECK_MESSAGE(lab_verdict(ok, message), message);
+}
