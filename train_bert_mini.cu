@@ -1861,6 +1861,7 @@ class Model {
   std::vector<z2::DeviceArray<char>> carved_;
   Act* host_checkpoints_ = nullptr;  // [L - 1, R, H]
   std::vector<z2::Event> produced_, offloaded_, prefetched_;
+  std::vector<char> fetched_;  // checkpoint c is back on the device in this backward (offload)
   z2::Event slot_free_;
 };
 
@@ -1950,6 +1951,7 @@ inline Model<Act>::Model(z2::Compute& compute, z2::Engine& engine, const ModelSh
       produced_.push_back(compute.create_event()), offloaded_.push_back(compute.create_event()),
           prefetched_.push_back(compute.create_event());
     slot_free_ = compute.create_event();
+    fetched_.assign(shape.layers >= 2 ? shape.layers - 1 : 0, 0);
   }
 }
 
@@ -2000,6 +2002,7 @@ inline void Model<Act>::close_block(BlockActivations<Act>& block) {
 // that plays the role of pinned memory).
 template <class Act>
 inline void Model<Act>::offload(int c) {
+  fetched_[c] = 0;
   const size_t count = checkpoints_[c].count;
   compute_.record(produced_[c], compute_.compute_stream());
   compute_.wait(compute_.copy_stream(), produced_[c]);
@@ -2013,6 +2016,10 @@ inline void Model<Act>::offload(int c) {
 // stream: the copy waits for that, and block c's backward waits for the copy.
 template <class Act>
 inline void Model<Act>::prefetch(int c) {
+  if (c > (int)fetched_.size() - 1 || fetched_[c])
+    z2::usage_error("offload: checkpoint %d cannot be brought back now: only checkpoints 0 .. %d go to the host, "
+                    "each once per backward", c, (int)fetched_.size() - 1);
+  fetched_[c] = 1;
   const size_t count = checkpoints_[c].count;
   open(checkpoints_[c]);
   compute_.record(slot_free_, compute_.compute_stream());
@@ -2564,8 +2571,15 @@ inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, fl
   // Backward, last block first. Checkpoint l - 1 comes back from the host
   // while block l works (offload), so it is there when block l - 1 starts.
   for (int l = L - 1; l >= 0; --l) {
-    if (offloading && l - 1 >= 0 && l - 1 <= L - 2) prefetch(l - 1);
-    if (offloading && l <= L - 2) compute_.wait(compute_.compute_stream(), prefetched_[l]);
+    const int fetch = offloading ? z2::checkpoint_to_prefetch(l, L) : -1;
+    if (fetch >= 0) prefetch(fetch);
+    if (offloading && l <= L - 2) {
+      // Reading a checkpoint still on the host would read whatever its slot holds now.
+      if (!fetched_[l])
+        z2::usage_error("offload: block %d's backward needs checkpoint %d, which was never brought back from the host "
+                        "(checkpoint_to_prefetch returned it for no block before this one)", l, l);
+      compute_.wait(compute_.compute_stream(), prefetched_[l]);
+    }
     if (!keep) {
       // Recompute the block's forward from its checkpoint: the same code,
       // inputs and dropout keys, so the same bits as the first time.

@@ -489,10 +489,8 @@ struct Compute::Live {
   // reserved segments end there).
   std::map<size_t, size_t> free_pieces;
   size_t end = 0;
-  // arena: [0, bottom) holds long-lived buffers, [top, capacity) the stack;
-  // stack[k] is the offset of the k-th pushed buffer.
-  size_t bottom = 0, top = 0;
-  std::vector<size_t> stack;
+  // arena: its books (zero2.h, ArenaBooks).
+  ArenaBooks arena;
   // caching: segments (each its own device allocation), every block of every
   // segment by address, and the free blocks of each pool by (size, address),
   // so the first one not smaller than a request is the best fit.
@@ -647,7 +645,7 @@ void Compute::use_allocator(Allocator allocator, size_t capacity) {
   }
   counters_.device_mallocs += 1;
   live_->free_pieces[0] = capacity;
-  live_->top = capacity;
+  live_->arena = ArenaBooks{capacity, 0, capacity, {}};
 }
 
 size_t Compute::capacity() const { return live_->capacity; }
@@ -658,7 +656,7 @@ void Compute::free_space(size_t* total, size_t* pieces, size_t* largest) const {
     *total = *largest = live_->capacity - counters_.total_current;
     *pieces = *total > 0 ? 1 : 0;
   } else if (allocator_ == Allocator::arena) {
-    *total = *largest = live_->top - live_->bottom;
+    *total = *largest = live_->arena.top - live_->arena.bottom;
     *pieces = *total > 0 ? 1 : 0;
   } else if (allocator_ == Allocator::naive) {
     for (auto& piece : live_->free_pieces) {
@@ -843,6 +841,42 @@ void Compute::caching_give_back(char* start) {
 }
 
 // The one place memory is found. `from_stack` is a push (the arena's top).
+// --- the arena's books (the arena lab's seams) ---------------------------------
+// Neither end searches: a request is one comparison and one addition, and
+// the free middle stays one piece, however buffers come and go.
+Z2_LAB_SEAM size_t arena_allocate(ArenaBooks& books, size_t bytes) {
+  if (bytes > books.top - books.bottom) return arena_full;
+  books.bottom += bytes;
+  return books.bottom - bytes;
+}
+Z2_LAB_SEAM size_t arena_push(ArenaBooks& books, size_t bytes) {
+  if (bytes > books.top - books.bottom) return arena_full;
+  books.top -= bytes;
+  books.stack.push_back(books.top);
+  return books.top;
+}
+Z2_LAB_SEAM void arena_pop(ArenaBooks& books, size_t offset, size_t bytes) {
+  // Out of order, the top would step over a live buffer, and the next push would overwrite it.
+  if (books.stack.empty() || books.stack.back() != offset)
+    usage_error("arena stack: pop of a buffer that is not the last one pushed (temporaries must be popped in "
+                "the reverse order of their pushes)");
+  books.stack.pop_back();
+  books.top += bytes;
+}
+Z2_LAB_SEAM void arena_release(ArenaBooks& books, size_t offset, size_t bytes) {
+  if (offset + bytes == books.bottom) books.bottom = offset;  // the last long-lived buffer: the bump pointer steps back
+  // (Any other keeps its place until the block goes: the arena never searches, so it never reuses a hole.)
+}
+
+// --- ZeRO-R's offload schedule (the offload lab's seam) -------------------------
+// Block l's backward needs checkpoint l; fetching it while block l + 1 runs
+// hides the copy behind compute, and fetching no earlier keeps two
+// checkpoints on the device, not L - 1.
+Z2_LAB_SEAM int checkpoint_to_prefetch(int block, int layers) {
+  const int needed_next = block - 1;  // the input of the block that runs after this one
+  return needed_next >= 0 && needed_next <= layers - 2 ? needed_next : -1;
+}
+
 void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
   if (bytes == 0) return nullptr;
   void* pointer = nullptr;
@@ -856,17 +890,10 @@ void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
     pointer = caching_take(bytes, kind);
     counters_.allocations += 1;
   } else if (allocator_ == Allocator::arena) {
-    if (rounded > live.top - live.bottom) out_of_memory(bytes, kind);
-    if (from_stack) {
-      live.top -= rounded;
-      live.stack.push_back(live.top);
-      pointer = live.block + live.top;
-      counters_.pushes += 1;
-    } else {
-      pointer = live.block + live.bottom;
-      live.bottom += rounded;
-      counters_.allocations += 1;
-    }
+    const size_t offset = from_stack ? arena_push(live.arena, rounded) : arena_allocate(live.arena, rounded);
+    if (offset == arena_full) out_of_memory(bytes, kind);
+    pointer = live.block + offset;
+    (from_stack ? counters_.pushes : counters_.allocations) += 1;
   } else {
     // Best fit: the smallest free piece that holds the request, the lowest
     // such on a tie; the request takes the piece's start.
@@ -915,17 +942,8 @@ void Compute::give_back(void* pointer, bool from_stack) {
     caching_give_back((char*)pointer);
   } else if (allocator_ == Allocator::arena) {
     const size_t offset = live.offset_of(pointer);
-    if (from_stack) {
-      if (live.stack.empty() || live.stack.back() != offset)
-        usage_error("arena stack: pop of a buffer that is not the last one pushed (temporaries must be popped in "
-                    "the reverse order of their pushes)");
-      live.stack.pop_back();
-      live.top += rounded;
-    } else if (offset + rounded == live.bottom) {
-      live.bottom = offset;  // the last long-lived buffer: the bump pointer steps back
-    }
-    // (Any other long-lived buffer keeps its place until the block goes: the
-    // arena never searches, so it never reuses a hole.)
+    if (from_stack) arena_pop(live.arena, offset, rounded);
+    else arena_release(live.arena, offset, rounded);
   } else {
     // Return the piece and merge it with free neighbours on both sides.
     size_t offset = live.offset_of(pointer), size = rounded;
@@ -951,7 +969,7 @@ void Compute::give_back(void* pointer, bool from_stack) {
 // The block's used part now (see "reserved =" above).
 size_t Compute::reserved_now() const {
   switch (allocator_) {
-    case Allocator::arena: return live_->bottom + (live_->capacity - live_->top);
+    case Allocator::arena: return live_->arena.bottom + (live_->capacity - live_->arena.top);
     case Allocator::naive: return live_->end;
     case Allocator::caching: return live_->segment_bytes;
     default: return counters_.total_current;

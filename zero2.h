@@ -677,6 +677,37 @@ struct Event {
 enum class Allocator { direct, arena, naive, caching };
 const char* to_string(Allocator allocator);
 
+// The arena's books, kept apart from the memory they describe (the arena
+// lab's seams, notes/labs): offsets into one block of `capacity` bytes.
+// [0, bottom) holds the long-lived buffers, [top, capacity) the stack of
+// temporaries, and the free memory is the middle, always one piece. Sizes
+// come rounded (Compute rounds every request to its block size).
+struct ArenaBooks {
+  size_t capacity = 0, bottom = 0, top = 0;
+  std::vector<size_t> stack;  // the offset of every pushed buffer, oldest first
+};
+constexpr size_t arena_full = SIZE_MAX;  // what allocate and push return when the middle is too small
+// A long-lived buffer from the bottom (a bump pointer), or a temporary
+// from the top: its offset, or arena_full.
+size_t arena_allocate(ArenaBooks& books, size_t bytes);
+size_t arena_push(ArenaBooks& books, size_t bytes);
+// A temporary back: it must be the last one pushed (the stack is last in,
+// first out), else usage_error.
+void arena_pop(ArenaBooks& books, size_t offset, size_t bytes);
+// A long-lived buffer back: the bump pointer steps back over it when it is
+// the last one; any other keeps its place (the arena never fills a hole).
+void arena_release(ArenaBooks& books, size_t offset, size_t bytes);
+
+// ZeRO-R's activation offload (paper section 6.1, "CPU offload"; the offload
+// lab's seam): a model of `layers` blocks keeps block l's input, checkpoint
+// l, on the host between forward and backward for l = 0 .. layers-2 (the
+// last block's input stays). Backward runs block = layers-1 down to 0;
+// before each block's backward the model starts copying back the checkpoint
+// this returns (-1: none) on the copy stream, and block l waits for
+// checkpoint l. One block ahead, the copy of checkpoint l-1 overlaps block
+// l's backward, and at most two checkpoints are on the device at once.
+int checkpoint_to_prefetch(int block, int layers);
+
 // Thrown when the block cannot serve a request. The message says what was
 // asked, how much is free, in how many pieces, and the largest piece. Every
 // rank makes the same requests in the same order (the trainer sees to it), so
@@ -1261,7 +1292,7 @@ struct StateRun {
 };
 
 // --- the lab seams (notes/labs) ------------------------------------------------
-// Four functions of the engine a student can write in its place and have the
+// Functions of the engine a student can write in its place and have the
 // suite grade bit for bit (`make lab LAB=<name> SOLUTION=<file>`). Each is
 // called by the engine wherever it needs that idea, so a wrong one breaks the
 // stages' equality, not only its own test.
@@ -1275,6 +1306,11 @@ struct StateRun {
 //   shards          shard_begin: where rank r's shard of a bucket starts, the
 //                   partition of P_os and P_os+g (paper sections 5.1, 5.2).
 //   loss-scale      LossScaler::update (above): fp16's dynamic loss scale.
+//   arena           arena_allocate, arena_push, arena_pop, arena_release
+//                   (section 3, ArenaBooks): ZeRO-R's contiguous memory
+//                   (paper section 6.3), a bump region and a LIFO stack.
+//   offload         checkpoint_to_prefetch (section 3): which activation
+//                   checkpoint comes back from the host, one block ahead.
 
 // The canonical tree (canonical_tree_sum, section 2) over leaves [n].
 float tree_sum(long n, const float* leaves);

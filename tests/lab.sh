@@ -24,13 +24,15 @@ CXXFLAGS=${CXXFLAGS:--std=c++17 -O2 -ffp-contract=off}
 LAB_OBJECTS=${LAB_OBJECTS:-}
 
 # --- the labs: seam, test cases (doctest filters), rank counts -----------------------
-labs="tree-sum reduce-scatter shards loss-scale"
+labs="tree-sum reduce-scatter shards loss-scale arena offload"
 seam_of() {
   case $1 in
     tree-sum) echo "z2::tree_sum" ;;
     reduce-scatter) echo "z2::reduce_scatter_blocking, z2::all_gather_blocking" ;;
     shards) echo "z2::shard_begin" ;;
     loss-scale) echo "z2::LossScaler::update" ;;
+    arena) echo "z2::arena_allocate, z2::arena_push, z2::arena_pop, z2::arena_release" ;;
+    offload) echo "z2::checkpoint_to_prefetch" ;;
   esac
 }
 tests_of() {  # the graders first, then the engine's own tests the seam takes part in
@@ -39,6 +41,8 @@ tests_of() {  # the graders first, then the engine's own tests the seam takes pa
     reduce-scatter) echo "lab reduce-scatter*,deterministic reduce-scatter*" ;;
     shards) echo "lab shards*,stage matrix*,mixed precision stage matrix*" ;;
     loss-scale) echo "lab loss-scale*,fp16 loss scaler*,fp16 overflow on one rank*" ;;
+    arena) echo "lab arena*,ZeRO-R:*" ;;
+    offload) echo "lab offload*,ZeRO-R:*" ;;
   esac
 }
 

@@ -372,3 +372,111 @@ TEST_CASE("lab loss-scale: LossScaler::update follows DeepSpeed's DynamicLossSca
   }
   CHECK_MESSAGE(lab_verdict(ok, message), message);
 }
+
+// --- arena ---------------------------------------------------------------------------------
+
+TEST_CASE("lab arena: the bump region and the LIFO stack on a hand-worked sequence") {
+  // A block of 1,000 bytes (sizes come rounded; here any size is a size).
+  // Worked by hand: long-lived 100 and 200 at 0 and 100; pushes of 300 and
+  // 100 at 700 and 600; the middle [300, 600) is the free memory.
+  z2::ArenaBooks books{1000, 0, 1000, {}};
+  std::string message;
+  auto expect = [&](bool holds, const std::string& what) {
+    if (!holds && message.empty()) message = "arena: " + what;
+  };
+  auto text = [](size_t offset) { return offset == z2::arena_full ? std::string("arena_full") : std::to_string(offset); };
+  auto books_are = [&](size_t bottom, size_t top, size_t depth) {
+    return books.bottom == bottom && books.top == top && books.stack.size() == depth;
+  };
+  const size_t first = z2::arena_allocate(books, 100), second = z2::arena_allocate(books, 200);
+  expect(first == 0 && second == 100,
+         "long-lived buffers of 100 and 200 bytes begin at " + text(first) + " and " +
+             text(second) + "; the bump pointer gives 0 and 100 (from the bottom, one after another)");
+  const size_t pushed = z2::arena_push(books, 300), pushed_again = z2::arena_push(books, 100);
+  expect(pushed == 700 && pushed_again == 600,
+         "pushes of 300 and 100 bytes begin at " + text(pushed) + " and " + text(pushed_again) +
+             "; the stack grows down from the top: 700 and 600");
+  expect(books_are(300, 600, 2), "after two allocations and two pushes the books should read bottom 300, top 600, "
+                                 "2 on the stack; they read bottom " + std::to_string(books.bottom) + ", top " +
+                                     std::to_string(books.top) + ", " + std::to_string(books.stack.size()));
+  // 300 bytes are free: 301 does not fit either way, 300 does, and nothing moves when it does not.
+  expect(z2::arena_allocate(books, 301) == z2::arena_full && z2::arena_push(books, 301) == z2::arena_full &&
+             books_are(300, 600, 2),
+         "a request of 301 bytes with 300 free must return arena_full and change nothing (Compute then reports "
+         "out of memory with the free bytes)");
+  const size_t exact = z2::arena_push(books, 300);
+  expect(exact == 300, "a push of exactly the 300 free bytes fits, at 300; it gave " + text(exact));
+  if (exact == 300) z2::arena_pop(books, 300, 300);
+  // A pop out of order must be refused: the buffer at 700 is not the last pushed (600 is).
+  bool refused = false;
+  try {
+    z2::arena_pop(books, 700, 300);
+  } catch (const z2::Error&) {
+    refused = true;
+  }
+  expect(refused, "a pop out of order was accepted: the buffer at 700 is not the last one pushed (the one at 600 "
+                  "is); the top would step over a live buffer and the next push would overwrite it. Refuse it "
+                  "with usage_error");
+  if (!refused) books = z2::ArenaBooks{1000, 300, 600, {700, 600}};  // go on from where the books should be
+  expect(books_are(300, 600, 2), "a refused pop must leave the books as they were");
+  z2::arena_pop(books, 600, 100);
+  z2::arena_pop(books, 700, 300);
+  expect(books_are(300, 1000, 0), "after popping both pushes the top is back at 1000 and the stack is empty; "
+                                  "the books read top " + std::to_string(books.top) + ", " +
+                                      std::to_string(books.stack.size()) + " on the stack");
+  // Releasing the first long-lived buffer leaves a hole the arena never fills; the last one steps back.
+  z2::arena_release(books, 0, 100);
+  expect(books.bottom == 300, "releasing the long-lived buffer at 0 (not the last one) must leave the bump pointer "
+                              "at 300: the arena never searches for holes; it moved to " +
+                                  std::to_string(books.bottom));
+  z2::arena_release(books, 100, 200);
+  expect(books.bottom == 100, "releasing the last long-lived buffer (200 bytes at 100) steps the bump pointer back "
+                              "to 100; it is at " + std::to_string(books.bottom));
+  CHECK_MESSAGE(lab_verdict(message.empty(), message), message);
+}
+
+// --- offload -----------------------------------------------------------------------------
+
+TEST_CASE("lab offload: checkpoint_to_prefetch brings every checkpoint back one block ahead of its use") {
+  // Backward runs block L-1 .. 0; block l needs checkpoint l (l <= L-2 live
+  // on the host). Walk the schedule as the model does and name the first
+  // block where it goes wrong.
+  std::string message;
+  for (int layers = 8; layers >= 1 && message.empty(); --layers) {
+    std::vector<int> fetched_at(layers, -1);  // the block before whose backward checkpoint c was fetched
+    const std::string where = "offload: " + std::to_string(layers) + " layers (checkpoints 0 .. " +
+                              std::to_string(layers - 2) + " on the host): ";
+    for (int block = layers - 1; block >= 0 && message.empty(); --block) {
+      const int c = z2::checkpoint_to_prefetch(block, layers);
+      const std::string at = "before block " + std::to_string(block) + "'s backward ";
+      if (c < -1 || c > layers - 2) {
+        message = where + at + "it fetches checkpoint " + std::to_string(c) + ", which never went to the host";
+      } else if (c >= 0 && fetched_at[c] >= 0) {
+        message = where + at + "it fetches checkpoint " + std::to_string(c) + " again (first before block " +
+                  std::to_string(fetched_at[c]) + ")";
+      } else if (c > block) {
+        message = where + at + "it fetches checkpoint " + std::to_string(c) + ", whose block already ran: a prefetch "
+                  "after use (the block it feeds has already read its slot)";
+      } else if (c == block) {
+        message = where + at + "it fetches checkpoint " + std::to_string(c) + ", the one this block reads now: the "
+                  "copy waits in front of the compute instead of overlapping the block before it; fetch one block "
+                  "ahead";
+      } else if (c >= 0 && c < block - 1) {
+        message = where + at + "it fetches checkpoint " + std::to_string(c) + ", " + std::to_string(block - c) +
+                  " blocks ahead: more checkpoints are on the device at once than the bound (one block plus two "
+                  "checkpoints) allows";
+      } else {
+        if (c >= 0) fetched_at[c] = block;
+        if (block <= layers - 2 && fetched_at[block] < 0) {
+          message = where + "block " + std::to_string(block) + "'s backward needs checkpoint " +
+                    std::to_string(block) + ", which nothing fetched before it: it is still on the host";
+          for (int later = block - 1; later >= 0; --later)
+            if (z2::checkpoint_to_prefetch(later, layers) == block)
+              message += "; it is fetched before block " + std::to_string(later) + "'s backward, after block " +
+                         std::to_string(block) + " read it: a prefetch after use";
+        }
+      }
+    }
+  }
+  CHECK_MESSAGE(lab_verdict(message.empty(), message), message);
+}
