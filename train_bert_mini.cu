@@ -3574,21 +3574,28 @@ inline z2::OptimizerState read_owned_state(const Settings& s, const z2::Engine& 
     if (file_sha256(files[q].path) != files[q].sha256)
       fail("the checkpoint file '%s' is damaged: its SHA-256 is not the one its index records", files[q].path.c_str());
   }
+  const std::vector<z2::StateRun> owned = engine.owned_state_runs(rank);
+  std::vector<z2::StateRun> ranges;
+  for (const CheckpointFile& file : files) ranges.push_back({file.begin, file.end - file.begin});
+  size_t owned_elements = 0;
+  for (const z2::StateRun& run : owned) owned_elements += run.length;
   z2::OptimizerState state;
+  state.master.resize(owned_elements), state.exp_avg.resize(owned_elements), state.exp_avg_sq.resize(owned_elements);
   std::vector<std::unique_ptr<StateFile>> opened(files.size());  // each file opened (and its header read) once
-  for (const z2::StateRun& run : engine.owned_state_runs(rank)) {
-    const size_t at = state.master.size();
-    state.master.resize(at + run.length), state.exp_avg.resize(at + run.length), state.exp_avg_sq.resize(at + run.length);
-    for (size_t q = 0; q < files.size(); ++q) {
-      const size_t low = std::max(run.canonical, files[q].begin), high = std::min(run.canonical + run.length, files[q].end);
-      if (low >= high) continue;
-      if (!opened[q]) opened[q] = std::make_unique<StateFile>(files[q]);
-      const size_t into = at + (low - run.canonical);
-      opened[q]->read(0, low, high - low, state.master.data() + into);
-      opened[q]->read(1, low, high - low, state.exp_avg.data() + into);
-      opened[q]->read(2, low, high - low, state.exp_avg_sq.data() + into);
-    }
+  size_t filled = 0;
+  for (const z2::ReshardRead& read : z2::reshard_reads(owned, ranges)) {
+    if (read.file >= files.size() || read.canonical < files[read.file].begin ||
+        read.canonical + read.length > files[read.file].end || read.into + read.length > owned_elements)
+      fail("resharding: a read of %zu elements at %zu from file %zu (into %zu) lies outside the file or the owned "
+           "state", read.length, read.canonical, read.file, read.into);
+    if (!opened[read.file]) opened[read.file] = std::make_unique<StateFile>(files[read.file]);
+    opened[read.file]->read(0, read.canonical, read.length, state.master.data() + read.into);
+    opened[read.file]->read(1, read.canonical, read.length, state.exp_avg.data() + read.into);
+    opened[read.file]->read(2, read.canonical, read.length, state.exp_avg_sq.data() + read.into);
+    filled += read.length;
   }
+  if (filled != owned_elements)
+    fail("resharding: the reads fill %zu of the %zu elements this rank owns", filled, owned_elements);
   return state;
 }
 

@@ -3368,6 +3368,23 @@ std::vector<Piece> pieces_within(const std::vector<LocatedRun>& runs, size_t beg
 }
 }  // namespace
 
+// Each owned run meets the files whose range overlaps it, in file order; a
+// run saved across a file boundary becomes two reads.
+Z2_LAB_SEAM std::vector<ReshardRead> reshard_reads(const std::vector<StateRun>& owned,
+                                                    const std::vector<StateRun>& files) {
+  std::vector<ReshardRead> reads;
+  size_t into = 0;
+  for (const StateRun& run : owned) {
+    for (size_t q = 0; q < files.size(); ++q) {
+      const size_t low = std::max(run.canonical, files[q].canonical);
+      const size_t high = std::min(run.canonical + run.length, files[q].canonical + files[q].length);
+      if (low < high) reads.push_back({q, low, high - low, into + (low - run.canonical)});
+    }
+    into += run.length;
+  }
+  return reads;
+}
+
 std::vector<StateRun> Engine::owned_state_runs(int rank) const {
   require_built("owned_state_runs");
   std::vector<StateRun> runs;

@@ -1309,6 +1309,8 @@ struct StateRun {
 //   arena           arena_allocate, arena_push, arena_pop, arena_release
 //                   (section 3, ArenaBooks): ZeRO-R's contiguous memory
 //                   (paper section 6.3), a bump region and a LIFO stack.
+//   reshard         reshard_reads: which pieces of a checkpoint saved at any N
+//                   fill the optimizer state a rank owns.
 //   offload         checkpoint_to_prefetch (section 3): which activation
 //                   checkpoint comes back from the host, one block ahead.
 
@@ -1325,6 +1327,18 @@ void all_gather_blocking(const float* shard, float* bucket, size_t shard_element
 // The first element of rank `rank`'s shard of `bucket` in the padded flat
 // buffer (parameters, full gradients): the bucket's offset plus `rank` shards.
 size_t shard_begin(const BucketInfo& bucket, int rank);
+
+// Resharding a checkpoint (notes/09; the reshard lab's seam). A checkpoint
+// is files that each hold one range of the canonical order, together
+// [0, Psi) in order (`files`, as runs); a rank of the loading run owns
+// `owned` (Engine::owned_state_runs, at its own N and stage). The reads that
+// fill the owned state, in order: read k copies elements [canonical,
+// canonical + length) of the canonical order from file `file` to position
+// `into` of the owned state (the owned runs one after another).
+struct ReshardRead {
+  size_t file = 0, canonical = 0, length = 0, into = 0;
+};
+std::vector<ReshardRead> reshard_reads(const std::vector<StateRun>& owned, const std::vector<StateRun>& files);
 
 // The fp32 optimizer state of some runs of the canonical order, run after
 // run: the master weights (the parameters themselves in fp32), AdamW's

@@ -24,7 +24,7 @@ CXXFLAGS=${CXXFLAGS:--std=c++17 -O2 -ffp-contract=off}
 LAB_OBJECTS=${LAB_OBJECTS:-}
 
 # --- the labs: seam, test cases (doctest filters), rank counts -----------------------
-labs="tree-sum reduce-scatter shards loss-scale arena offload"
+labs="tree-sum reduce-scatter shards loss-scale arena offload reshard"
 seam_of() {
   case $1 in
     tree-sum) echo "z2::tree_sum" ;;
@@ -33,6 +33,7 @@ seam_of() {
     loss-scale) echo "z2::LossScaler::update" ;;
     arena) echo "z2::arena_allocate, z2::arena_push, z2::arena_pop, z2::arena_release" ;;
     offload) echo "z2::checkpoint_to_prefetch" ;;
+    reshard) echo "z2::reshard_reads" ;;
   esac
 }
 tests_of() {  # the graders first, then the engine's own tests the seam takes part in
@@ -43,6 +44,7 @@ tests_of() {  # the graders first, then the engine's own tests the seam takes pa
     loss-scale) echo "lab loss-scale*,fp16 loss scaler*,fp16 overflow on one rank*" ;;
     arena) echo "lab arena*,ZeRO-R:*" ;;
     offload) echo "lab offload*,ZeRO-R:*" ;;
+    reshard) echo "lab reshard*" ;;
   esac
 }
 

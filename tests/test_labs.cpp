@@ -480,3 +480,87 @@ TEST_CASE("lab offload: checkpoint_to_prefetch brings every checkpoint back one 
   }
   CHECK_MESSAGE(lab_verdict(message.empty(), message), message);
 }
+
+// --- reshard -----------------------------------------------------------------------------
+
+namespace {
+// Apply `reads` to an owned state that records, at each position, the
+// canonical index it was filled from; compare with what the owned runs ask
+// for. "" when right, else what is wrong first.
+std::string check_reads(const std::vector<z2::StateRun>& owned, const std::vector<z2::StateRun>& files,
+                        const std::string& where) {
+  size_t total = 0;
+  for (const z2::StateRun& run : owned) total += run.length;
+  const size_t unfilled = SIZE_MAX;
+  std::vector<size_t> filled_from(total, unfilled);
+  const std::vector<z2::ReshardRead> reads = z2::reshard_reads(owned, files);
+  if (reads.empty() && total > 0) return where + "reshard_reads returned no reads for " + std::to_string(total) +
+                                         " owned elements: is it written yet?";
+  for (const z2::ReshardRead& read : reads) {
+    const std::string text = "a read of [" + std::to_string(read.canonical) + ", " +
+                             std::to_string(read.canonical + read.length) + ") from file " + std::to_string(read.file);
+    if (read.file >= files.size()) return where + text + ": there are only " + std::to_string(files.size()) + " files";
+    const z2::StateRun& file = files[read.file];
+    if (read.canonical < file.canonical || read.canonical + read.length > file.canonical + file.length)
+      return where + text + ", which holds [" + std::to_string(file.canonical) + ", " +
+             std::to_string(file.canonical + file.length) + "): a file holds only its own range";
+    if (read.into + read.length > total)
+      return where + text + " into position " + std::to_string(read.into) + " goes past the " + std::to_string(total) +
+             " elements this rank owns";
+    for (size_t i = 0; i < read.length; ++i) filled_from[read.into + i] = read.canonical + i;
+  }
+  size_t position = 0;
+  for (const z2::StateRun& run : owned)
+    for (size_t i = 0; i < run.length; ++i, ++position) {
+      const size_t wanted = run.canonical + i;
+      if (filled_from[position] == wanted) continue;
+      std::string text = where + "owned position " + std::to_string(position) + " (canonical element " +
+                         std::to_string(wanted) + ", in the run [" + std::to_string(run.canonical) + ", " +
+                         std::to_string(run.canonical + run.length) + ")) ";
+      if (filled_from[position] != unfilled)
+        return text + "was filled from canonical element " + std::to_string(filled_from[position]) +
+               ": `into` is the run's place in the owned runs laid end to end, plus the read's offset in the run";
+      for (size_t q = 0; q + 1 < files.size(); ++q) {
+        const size_t boundary = files[q + 1].canonical;
+        if (run.canonical < boundary && boundary < run.canonical + run.length)
+          return text + "is never read: the run crosses the boundary between files " + std::to_string(q) + " and " +
+                 std::to_string(q + 1) + " at " + std::to_string(boundary) + ", so it takes a read from each";
+      }
+      return text + "is never read";
+    }
+  return "";
+}
+
+// Files as a run of N_saved ranks writes them: rank q the range [q Psi / N, (q + 1) Psi / N).
+std::vector<z2::StateRun> saved_files(size_t psi, int saved_world) {
+  std::vector<z2::StateRun> files;
+  for (int q = 0; q < saved_world; ++q) {
+    const size_t begin = psi * q / saved_world, end = psi * (q + 1) / saved_world;
+    files.push_back({begin, end - begin});
+  }
+  return files;
+}
+}  // namespace
+
+TEST_CASE("lab reshard: reshard_reads fills the owned state from files saved at any world size") {
+  // By hand: Psi = 100 saved by 3 ranks ([0, 33), [33, 66), [66, 100)); the
+  // owned runs [10, 40), [60, 70), [95, 100) need five reads, two runs
+  // crossing a file boundary.
+  std::string message = check_reads({{10, 30}, {60, 10}, {95, 5}}, saved_files(100, 3), "reshard: by hand: ");
+  // The engine's own runs at this world size, in stages 1 and 2 (every owner
+  // has a piece), against checkpoints saved by 1 .. 5 ranks.
+  const auto& backend = harness::backends()[0];
+  for (int stage : {1, 2}) {
+    z2::EngineOptions options;
+    options.stage = stage, options.bucket_elements = 200;
+    z2::Engine engine(*backend.compute, *backend.deterministic, options);
+    for (size_t numel : {70, 33, 300, 5, 128}) engine.add_parameter("p" + std::to_string(numel), numel, true);
+    engine.build();
+    for (int saved = 1; saved <= 5 && message.empty(); ++saved)
+      message = check_reads(engine.owned_state_runs(engine.rank()), saved_files(engine.psi(), saved),
+                            "reshard: stage " + std::to_string(stage) + ", rank " + std::to_string(engine.rank()) +
+                                " of " + std::to_string(engine.world_size()) + ", saved by " + std::to_string(saved) +
+                                " rank(s): ");
+  }
+  CHECK_MESSAGE(lab_verdict(message.empty(), message), message);
+}
