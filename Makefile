@@ -284,7 +284,7 @@ lab: deps found build-lab/zero2.o $(LAB_OBJECTS)
 labs: deps found build-lab/zero2.o $(LAB_OBJECTS)
 	$(LAB_ENV) tests/lab.sh --all
 
-notes: deps test-deps all cpu build/reduce_precision build/paper_table build/math_accuracy
+notes: deps test-deps all cpu build-lab/zero2.o $(LAB_OBJECTS) build/reduce_precision build/paper_table build/math_accuracy
 	$(RUN_ENV) notes/generate.sh build
 
 figures: deps figure-deps all

@@ -482,7 +482,26 @@ gpu_log=notes/gpu/gpu_check_h200.log
   echo '```'
 } >"$out/gpu_zero_r"
 
-python3 - "$out" README.md notes/*.md <<'PY'
+# --- the labs (notes/labs/README.md) -------------------------------------------------
+# labs_example: one planted mistake graded as a student's file is;
+# labs_check: `make labs`, every lab's engine, skeleton and planted mistakes.
+{
+  echo '```'
+  echo "\$ make lab LAB=reduce-scatter SOLUTION=tests/lab_mistakes/reduce-scatter.left-to-right.cpp"
+  make --no-print-directory lab LAB=reduce-scatter SOLUTION=tests/lab_mistakes/reduce-scatter.left-to-right.cpp |
+    fold -w 110 -s || true
+  echo '```'
+} >"$out/labs_example"
+make --no-print-directory labs >"$out/labs_output" 2>&1 || { cat "$out/labs_output"; echo "make labs failed"; exit 1; }
+{
+  echo '```'
+  echo "\$ make labs    # (its verdicts)"
+  grep -E '^(PASS|FAIL):' "$out/labs_output"
+  tail -n 1 "$out/labs_output"
+  echo '```'
+} >"$out/labs_check"
+
+python3 - "$out" README.md notes/*.md notes/labs/README.md <<'PY'
 import os, re, sys
 blocks = sys.argv[1]
 for path in sys.argv[2:]:
