@@ -1610,7 +1610,7 @@ inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bo
   return z.always + peak;
 }
 
-// The bound issue 4 asks of offload, from the configuration: one block's
+// The bound offload promises (notes/04, "The bound"), from the configuration: one block's
 // working set (its activations and backward scratch) plus two checkpoints,
 // plus what every mode holds (the batch, the per-row losses, the two
 // backward buffers). The head and the embeddings are smaller phases at any

@@ -2591,7 +2591,7 @@ struct Engine::Impl {
   // Element `index` of a buffer of the working type, as a byte address.
   char* at(DeviceArray<char>& buffer, size_t index) { return buffer.data() + index * element; }
   // The update region of bucket b: the whole bucket in stage 0, the own shard
-  // in stages 1 and 2; its offset in the buffers that hold only that region
+  // in stages 1 and 2 (P_os, paper 5.1: AdamW's state for Psi/N, not Psi); its offset in the buffers that hold only that region
   // (m, v, the master, the chunk sums), and where it starts in the padded buffer.
   size_t region_offset(int b) const { return stage == 0 ? bucket(b).offset : bucket(b).shard_offset; }
   size_t region_length(int b) const { return stage == 0 ? bucket(b).padded_length : bucket(b).shard_length; }
@@ -2627,10 +2627,14 @@ struct Engine::Impl {
     const BucketInfo& info = bucket(b);
     const bool last_micro_step = engine.micro_step_ == engine.options_.accumulation_steps - 1;
     if (stage == 0 && last_micro_step) {
+      // DP (paper 2.1): an all-reduce; every rank keeps the whole sum, 4 Psi (2 Psi mixed) of gradients.
       exchange->all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, accumulate_into(b));
     } else if (stage < 2) {
+      // P_os (5.1), and DP's earlier micro-steps: reduce-scatter in place; the full gradient buffer stays.
       exchange->reduce_scatter(exchange->acquire(b), at(grads, info.offset), info.padded_length, accumulate_into(b));
     } else {
+      // P_os+g (5.2): from the bucket's constant-size slot, keeping only the own shard of the sum: the
+      // gradient buffer is Psi/N, saving 4 Psi (N-1)/N bytes (2 Psi (N-1)/N mixed).
       int slot = exchange->slot_of(b);
       exchange->reduce_scatter(slot, staged_bucket[b], info.padded_length, accumulate_into(b));
     }
@@ -2735,8 +2739,10 @@ void* Engine::gradient_storage(ParameterId id, Precision expected) {
   const ParameterInfo& p = parameters_[id];
   if (impl.parameter_ready[id])
     usage_error("gradient_output: '%s' was already handed over this micro-step", p.name.c_str());
+  // DP and P_os: backward writes the full gradient buffer [Psi_padded].
   if (impl.stage < 2) return impl.at(impl.grads, p.offset);
-  // Stage 2: the bucket's staging buffer, taken when its first parameter asks.
+  // P_os+g (paper 5.2): backward writes a slot of the bucket's size instead,
+  // taken when the bucket's first parameter asks; no full gradient exists.
   const BucketInfo& b = buckets_[p.bucket];
   if (impl.exchange->slot_of(p.bucket) < 0) {
     int slot = impl.exchange->acquire(p.bucket);
@@ -2861,10 +2867,17 @@ EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const Engin
   const int stage = options.stage;
   for (auto& b : buckets) sizes.max_padded_bucket = std::max(sizes.max_padded_bucket, b.padded_length);
   sizes.psi_padded = padded;
+  // Where the stages' savings happen. Bytes per rank, fp32 | mixed precision:
+  //               stage 0, DP (2.1)   stage 1, P_os (5.1)   stage 2, P_os+g (5.2)
+  //   params      4 Psi | 2 Psi       4 Psi | 2 Psi         4 Psi | 2 Psi
+  //   grads       4 Psi | 2 Psi       4 Psi | 2 Psi         4 Psi/N | 2 Psi/N    saves 4 | 2 Psi (N-1)/N
+  //   master      -     | 4 Psi       -     | 4 Psi/N       -     | 4 Psi/N    saves 4 Psi (N-1)/N in mixed
+  //   m and v     8 Psi | 8 Psi       8 Psi/N | 8 Psi/N     8 Psi/N | 8 Psi/N    saves 8 Psi (N-1)/N
+  // (fp32's parameters are their own master.)
   sizes.params = padded * e;
-  sizes.grads = (stage == 2 ? shard : padded) * e;                                   // P_g: Psi/N in stage 2
-  sizes.master = options.precision == Precision::fp32 ? 0 : (stage == 0 ? padded : shard) * sizeof(float);
-  sizes.moment = (stage == 0 ? padded : shard) * sizeof(float);                      // P_os: Psi/N in stages 1, 2
+  sizes.grads = (stage == 2 ? shard : padded) * e;  // P_g (5.2): only the own shard of the reduced gradient
+  sizes.master = options.precision == Precision::fp32 ? 0 : (stage == 0 ? padded : shard) * sizeof(float);  // P_os
+  sizes.moment = (stage == 0 ? padded : shard) * sizeof(float);  // P_os (5.1): AdamW's m and v of the own shard
   sizes.accumulation_blocks = accumulation_blocks(options.accumulation_steps);
   sizes.accumulation_block = shard * (options.accumulate_fp32 ? sizeof(float) : e);
   sizes.staging = staging_elements(sizes.max_padded_bucket, world_size, staging_slots(options), stage == 2) * e;
@@ -3047,8 +3060,9 @@ float Engine::Impl::global_squared_norm(const std::vector<float>& local) {
   const auto& buckets = engine.buckets_;
   std::vector<float> all_chunks;  // indexed by chunk of the padded buffer
   if (stage == 0) {
-    all_chunks = local;
+    all_chunks = local;  // DP: this rank holds every reduced gradient
   } else {
+    // P_os, P_os+g: each rank summed its own shards' chunks; gather Psi/32 floats, not Psi.
     std::vector<float> gathered_chunks(local.size() * N);
     engine.comm_.all_gather_host(local.data(), local.size(), gathered_chunks.data(), "the norm chunk sums");
     all_chunks.assign(engine.psi_padded() / norm_chunk, 0.0f);
@@ -3086,7 +3100,9 @@ AdamWConstants Engine::Impl::adamw_constants(double lr, long t, float grad_scale
 // Stages 1 and 2: every rank updated only its own shards; all-gather them
 // (16-bit working parameters in mixed precision: half the bytes).
 void Engine::Impl::all_gather_parameters() {
-  if (stage == 0) return;
+  if (stage == 0) return;  // DP: every rank updated every parameter
+  // P_os (5.1) and P_os+g (5.2): the all-gather sends (N-1)/N Psi elements, the
+  // second half of the all-reduce that DP sends, so the volume is DP's (7.2.1).
   for (int b = 0; b < (int)engine.buckets_.size(); ++b)
     exchange->all_gather(exchange->acquire(b), at(params, bucket(b).offset), bucket(b).padded_length);
   exchange->finish_all();

@@ -4,19 +4,27 @@
 // plain C++ (no CUDA types), so test files compiled by mpicxx and model files
 // compiled by nvcc include the same declarations.
 //
-// What you find here (zero2.cu's sections 1-8 implement it in this order):
-//   1. errors and check macros (MPI, CUDA, cuBLAS, NCCL)
-//   2. Z2_HD math shared by CPU loops and CUDA kernels: counter-based random
-//      numbers, bf16 / fp16 conversions, exp / log / erf of our own, the
-//      portable product's order (notes/11), the canonical summation tree of
-//      chapter 06 of notes/ (the determinism contract), AdamW
-//   3. the compute backend (cpu | cuda): memory with a ledger, streams, events,
-//      for_each (one Z2_LOOP body, run as a CPU loop or a CUDA kernel), gemm
-//   4. the communicator (mpi | nccl), its byte ledger, and the bucket
-//      collectives (BucketExchange)
-//   5. the engine: flat buckets, stages 0/1/2, gradient accumulation,
-//      clipping, AdamW, mixed precision with fp16 loss scaling (notes/08),
-//      and the memory and communication ledgers
+// What you find here, and where zero2.cu implements it (its sections 1-8):
+//   1. errors and check macros (MPI, CUDA, cuBLAS, NCCL)     zero2.cu 1
+//   2. Z2_HD math shared by CPU loops and CUDA kernels:      here only (inline),
+//      counter-based random numbers, bf16 / fp16              used by zero2.cu 2,
+//      conversions, exp / log / erf of our own, the           4, 6 and 7
+//      portable product's order (notes/11), the canonical
+//      summation tree (notes/06, the determinism contract),
+//      AdamW
+//   3. the compute backend (cpu | cuda): memory with a        zero2.cu 2
+//      ledger (and the arena's books), streams, events,
+//      for_each (one Z2_LOOP body, run as a CPU loop or a
+//      CUDA kernel), gemm
+//   4. the communicator (mpi | nccl), its byte ledger, and    zero2.cu 3 and 4
+//      the bucket collectives (BucketExchange, and the
+//      blocking reference they are tested against)
+//   5. the engine: flat buckets, stages 0/1/2, gradient      zero2.cu 5 (layout),
+//      accumulation, clipping, AdamW, mixed precision with    6 (stages), 7 (the
+//      fp16 loss scaling (notes/08), checkpoint state, and    step), 8 (ledgers)
+//      the memory and communication ledgers
+// The functions the course labs replace are listed under "the lab seams"
+// (section 5; notes/labs).
 //
 // Usage, in the shape of a training loop (tests/mlp_model.cu is a full example):
 //
@@ -1307,11 +1315,11 @@ struct StateRun {
 //                   partition of P_os and P_os+g (paper sections 5.1, 5.2).
 //   loss-scale      LossScaler::update (above): fp16's dynamic loss scale.
 //   arena           arena_allocate, arena_push, arena_pop, arena_release
-//                   (section 3, ArenaBooks): ZeRO-R's contiguous memory
+//                   (ArenaBooks, section 3 of this header): ZeRO-R's contiguous memory
 //                   (paper section 6.3), a bump region and a LIFO stack.
 //   reshard         reshard_reads: which pieces of a checkpoint saved at any N
 //                   fill the optimizer state a rank owns.
-//   offload         checkpoint_to_prefetch (section 3): which activation
+//   offload         checkpoint_to_prefetch (section 3 of this header): which activation
 //                   checkpoint comes back from the host, one block ahead.
 
 // The canonical tree (canonical_tree_sum, section 2) over leaves [n].
