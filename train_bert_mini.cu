@@ -121,9 +121,9 @@ struct Settings {
   bool accum_given = false;   // else DeepSpeed derives accum from train_batch_size
   // precision (notes/08): fp32, or bf16 / fp16 mixed precision
   std::string precision = "fp32";
-  bool precision_given = false;                           // --precision on the command line
+  bool precision_given = false;                            // --precision on the command line
   int config_fp16_enabled = -1, config_bf16_enabled = -1;  // a config's "enabled": -1 absent, 0 false, 1 true
-  z2::LossScaling loss_scaling;                           // the config's "fp16" block (DeepSpeed's keys)
+  z2::LossScaling loss_scaling;                            // the config's "fp16" block (DeepSpeed's keys)
   // The config's data_types.grad_accum_dtype. zero2 defaults to fp32 (it keeps
   // (N, A) invariance); DeepSpeed, without the key, accumulates in the model's
   // 16-bit type under ZeRO (engine.py, get_data_types): name it to get that.
@@ -138,9 +138,9 @@ struct Settings {
   std::string save_dir, load_dir;
   long save_every = 0;  // 0: only at the end (and on an interrupt)
   int save_keep = 2;
-  bool export_only = false;         // --load DIR --steps 0: export the checkpoint, train nothing
-  json checkpoint;                  // --load's index.json, read before anything else
-  std::string checkpoint_directory; // the step directory it came from
+  bool export_only = false;          // --load DIR --steps 0: export the checkpoint, train nothing
+  json checkpoint;                   // --load's index.json, read before anything else
+  std::string checkpoint_directory;  // the step directory it came from
   // The flags given (command line or config): a resumed run takes the
   // checkpoint's value for every recorded setting not among them.
   std::set<std::string> given;
@@ -324,8 +324,10 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--load") s.load_dir = parse_path(name, value);
   else if (flag == "--save-every") s.save_every = parse_integer(name, value, 0, big);
   else if (flag == "--save-keep") s.save_keep = (int)parse_integer(name, value, 1, 1 << 20);
-  else if (flag == "--timeout") s.timeout = parse_real(name, value, 1, 1e9);  // below a second a healthy wait can expire
-  else if (flag == "--precision") s.precision = parse_choice(name, value, {"fp32", "bf16", "fp16"}), s.precision_given = true;
+  else if (flag == "--timeout")
+    s.timeout = parse_real(name, value, 1, 1e9);  // below a second a healthy wait can expire
+  else if (flag == "--precision")
+    s.precision = parse_choice(name, value, {"fp32", "bf16", "fp16"}), s.precision_given = true;
   // Not command-line flags: only a config file sets these.
   else if (flag == "fp16.enabled") s.config_fp16_enabled = (int)parse_integer(name, value, 0, 1);
   else if (flag == "bf16.enabled") s.config_bf16_enabled = (int)parse_integer(name, value, 0, 1);
@@ -333,7 +335,8 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "initial_scale_power") s.loss_scaling.initial_scale_power = (int)parse_integer(name, value, 0, 100);
   else if (flag == "loss_scale_window") s.loss_scaling.window = parse_integer(name, value, 1, big);
   else if (flag == "hysteresis") s.loss_scaling.hysteresis = (int)parse_integer(name, value, 1, big);
-  else if (flag == "consecutive_hysteresis") s.loss_scaling.consecutive_hysteresis = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "consecutive_hysteresis")
+    s.loss_scaling.consecutive_hysteresis = parse_integer(name, value, 0, 1) != 0;
   else if (flag == "min_loss_scale") s.loss_scaling.min_scale = parse_real(name, value, 1e-30, 1e30);
   else if (flag == "grad_accum_dtype") s.grad_accum_dtype = parse_choice(name, value, {"fp32", "bf16", "fp16"});
   else if (flag == "beta1") s.beta1 = parse_real(name, value, 0.0, 1.0, false);
@@ -402,12 +405,13 @@ inline json parse_config_json(const std::string& path, const std::string& text) 
     if (event == json::parse_event_t::object_start) keys.emplace_back();
     else if (event == json::parse_event_t::object_end) keys.pop_back();
     else if (event == json::parse_event_t::key && !keys.back().insert(parsed.get<std::string>()).second)
-      fail("the config file '%s' has the key '%s' twice in one object", path.c_str(), parsed.get<std::string>().c_str());
+      fail("the config file '%s' has the key '%s' twice in one object", path.c_str(),
+           parsed.get<std::string>().c_str());
     return true;
   };
   try {
     return json::parse(text, no_duplicates);  // strict: nothing may follow the value
-  } catch (const json::exception& e) {  // a syntax error, or a number beyond double (1e400)
+  } catch (const json::exception& e) {        // a syntax error, or a number beyond double (1e400)
     fail("the config file '%s' is not valid JSON: %s", path.c_str(), e.what());
   }
 }
@@ -426,8 +430,8 @@ struct NumberTexts : nlohmann::json_sax<json> {
   std::string here() const {
     std::string where;
     for (size_t level = 0; level < keys.size(); ++level)
-      where += indices[level] >= 0 ? "[" + std::to_string(indices[level]) + "]"
-                                   : (where.empty() ? "" : ".") + keys[level];
+      where +=
+          indices[level] >= 0 ? "[" + std::to_string(indices[level]) + "]" : (where.empty() ? "" : ".") + keys[level];
     return where;
   }
   bool value() {  // a value ended: the next one in an array has the next index
@@ -513,6 +517,7 @@ class ConfigReader {
     return row[b.size()];
   }
   // Every key name the reader takes, at any level (for the suggestion only).
+  // clang-format off
   static constexpr const char* known_names[] = {
       "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
       "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "data_types", "zero_optimization", "optimizer",
@@ -524,6 +529,7 @@ class ConfigReader {
       "adam_w_mode", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
       "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
       "synchronize_checkpoint_boundary", "memory_breakdown", "communication_data_type", "zero2_portable"};
+  // clang-format on
   // A DeepSpeed key this trainer does not act on, at the value that means
   // "off" in DeepSpeed; any other value is refused with `why`.
   void off_only(const std::string& key, const json& value, const json& off, const std::string& why) {
@@ -599,10 +605,12 @@ class ConfigReader {
     else if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
     // The canonical tree sums gradients in fp32 and divides once (notes/06):
     // dividing before the reduction would round differently.
-    else if (key == "prescale_gradients") must_be(key, value, false, "gradients are summed, then divided once (notes/06)");
+    else if (key == "prescale_gradients")
+      must_be(key, value, false, "gradients are summed, then divided once (notes/06)");
     else if (key == "gradient_predivide_factor")
       must_be(key, value, 1, "gradients are summed, then divided once by the global batch (notes/06)");
-    else if (key == "amp") switched_off(key, value, "apex AMP is not used: --precision bf16|fp16, or the bf16 / fp16 blocks");
+    else if (key == "amp")
+      switched_off(key, value, "apex AMP is not used: --precision bf16|fp16, or the bf16 / fp16 blocks");
     else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comms_logger" ||
              key == "flops_profiler")
       switched_off(key, value, "not implemented here: --json and --metrics record the run");
@@ -659,9 +667,9 @@ class ConfigReader {
       }
       // DeepSpeed's spellings of the three types.
       static const std::map<std::string, std::string> names = {
-          {"fp32", "fp32"}, {"float32", "fp32"}, {"float", "fp32"}, {"torch.float32", "fp32"},
+          {"fp32", "fp32"}, {"float32", "fp32"},  {"float", "fp32"},  {"torch.float32", "fp32"},
           {"bf16", "bf16"}, {"bfloat16", "bf16"}, {"bfloat", "bf16"}, {"torch.bfloat16", "bf16"},
-          {"fp16", "fp16"}, {"float16", "fp16"}, {"half", "fp16"}, {"torch.float16", "fp16"}};
+          {"fp16", "fp16"}, {"float16", "fp16"},  {"half", "fp16"},   {"torch.float16", "fp16"}};
       const auto found = setting.is_string() ? names.find(setting.get<std::string>()) : names.end();
       if (found == names.end()) refuse(name, "wants \"fp32\", \"bf16\" or \"fp16\" (got " + setting.dump() + ")");
       else out_.flags.push_back({"grad_accum_dtype", found->second, name});
@@ -723,8 +731,9 @@ class ConfigReader {
     const json device = value.value("device", json("none"));
     if (device == "none") return;
     if (optimizer_state)
-      refuse(key + ".device", device.dump() + " is not supported: ZeRO-Offload (the optimizer state in host "
-                              "memory) is not implemented; \"none\" keeps it on the device");
+      refuse(key + ".device", device.dump() +
+                                  " is not supported: ZeRO-Offload (the optimizer state in host "
+                                  "memory) is not implemented; \"none\" keeps it on the device");
     else out_.notes.push_back(key + " has no effect below stage 3 (as in DeepSpeed)");
   }
 
@@ -750,11 +759,13 @@ class ConfigReader {
       // DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its default is true).
       const bool adam_w = params.is_object() ? params.value("adam_w_mode", json(true)) == true : true;
       if (name == "adam" && !adam_w)
-        refuse("optimizer.params.adam_w_mode", "false (Adam with L2 regularization in the gradient) is not "
-                                               "implemented: the optimizer is AdamW, DeepSpeed's default for \"Adam\"");
+        refuse("optimizer.params.adam_w_mode",
+               "false (Adam with L2 regularization in the gradient) is not "
+               "implemented: the optimizer is AdamW, DeepSpeed's default for \"Adam\"");
       else if (name != "adamw" && name != "adam")
-        refuse("optimizer.type", type.dump() + " is not supported: the optimizer is AdamW (\"AdamW\", or \"Adam\" "
-                                               "with adam_w_mode true)");
+        refuse("optimizer.type", type.dump() +
+                                     " is not supported: the optimizer is AdamW (\"AdamW\", or \"Adam\" "
+                                     "with adam_w_mode true)");
     }
     each_param(key, value, [&](const std::string& param, const json& entry, const std::string& full) {
       if (param == "lr") {
@@ -793,8 +804,9 @@ class ConfigReader {
       if (type == "warmuplr") out_.flags.push_back({"--decay", "none", key + ".type"});
       else if (type == "warmupdecaylr") out_.flags.push_back({"--decay", "linear", key + ".type"});
       else
-        refuse(key + ".type", named.dump() + " is not supported: WarmupLR (warmup, then constant) or WarmupDecayLR "
-                                             "(warmup, then linear decay)");
+        refuse(key + ".type", named.dump() +
+                                  " is not supported: WarmupLR (warmup, then constant) or WarmupDecayLR "
+                                  "(warmup, then linear decay)");
     }
     bool warmup_type_given = false;
     each_param(key, value, [&](const std::string& param, const json& entry, const std::string& full) {
@@ -804,11 +816,13 @@ class ConfigReader {
       } else if (param == "warmup_min_lr") set_number("warmup_min_lr", full, entry);
       else if (param == "total_num_steps" && type == "warmupdecaylr") set_number("--schedule-steps", full, entry);
       else if (param == "total_num_steps" && type == "warmuplr")
-        refuse(full, "WarmupLR holds the rate after its warmup and has no total_num_steps (DeepSpeed's WarmupLR "
-                     "rejects it too): WarmupDecayLR decays to warmup_min_lr at total_num_steps");
+        refuse(full,
+               "WarmupLR holds the rate after its warmup and has no total_num_steps (DeepSpeed's WarmupLR "
+               "rejects it too): WarmupDecayLR decays to warmup_min_lr at total_num_steps");
       else if (param == "warmup_type") {
         warmup_type_given = true;
-        if (entry == "linear" || entry == "log") out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
+        if (entry == "linear" || entry == "log")
+          out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
         else if (!is_auto(entry)) refuse(full, "wants \"linear\" or \"log\" (got " + entry.dump() + ")");
       } else if (param == "last_batch_iteration")
         must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
@@ -816,7 +830,8 @@ class ConfigReader {
       // (another type is refused already: its own params are not judged)
     });
     // DeepSpeed's warmup is logarithmic unless told otherwise.
-    if (!warmup_type_given) out_.flags.push_back({"--warmup-type", "log", key + ".params.warmup_type (DeepSpeed's default)"});
+    if (!warmup_type_given)
+      out_.flags.push_back({"--warmup-type", "log", key + ".params.warmup_type (DeepSpeed's default)"});
   }
 
   // DeepSpeed's activation checkpointing (paper section 6.1's ZeRO-R, as
@@ -830,8 +845,9 @@ class ConfigReader {
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
       if (inner == "partition_activations")
-        must_be(name, setting, false, "P_a splits activation checkpoints across model-parallel ranks, and there is "
-                                      "no model parallelism here (notes/04)");
+        must_be(name, setting, false,
+                "P_a splits activation checkpoints across model-parallel ranks, and there is "
+                "no model parallelism here (notes/04)");
       else if (inner == "cpu_checkpointing") {
         accept_boolean(name, setting);
         if (setting == true) mode = "offload";
@@ -845,14 +861,16 @@ class ConfigReader {
           refuse(name, "wants an integer or null (got " + setting.dump() + ")");
       } else if (inner == "synchronize_checkpoint_boundary") accept_boolean(name, setting);
       else if (inner == "profile")
-        must_be(name, setting, false, "per-checkpoint timing is not implemented (wall_clock_breakdown times forward, "
-                                      "backward and the step)");
+        must_be(name, setting, false,
+                "per-checkpoint timing is not implemented (wall_clock_breakdown times forward, "
+                "backward and the step)");
       else unknown(name);
     }
     if (!mode.empty()) out_.flags.push_back({"--activations", mode, key + ".cpu_checkpointing"});
     else
-      out_.notes.push_back("activation_checkpointing: which activations are checkpointed is --activations here "
-                           "(keep, recompute, offload); the block alone changes nothing, cpu_checkpointing true is offload");
+      out_.notes.push_back(
+          "activation_checkpointing: which activations are checkpointed is --activations here "
+          "(keep, recompute, offload); the block alone changes nothing, cpu_checkpointing true is offload");
   }
 
   // The learning rate: the scheduler's warmup_max_lr when given (DeepSpeed's
@@ -874,7 +892,7 @@ class ConfigReader {
   NumberTexts numbers_;
   ConfigReading out_;
   ConfigSetting optimizer_lr_, scheduler_lr_, clipping_, max_grad_norm_;  // settled once every key is read
-  std::string reduce_bucket_, allgather_bucket_;  // as numbers' texts, for the note
+  std::string reduce_bucket_, allgather_bucket_;                          // as numbers' texts, for the note
 };
 
 // The precision, from --precision and a config's fp16 / bf16 blocks. A
@@ -896,12 +914,16 @@ inline void resolve_precision(Settings& s) {
     s.precision = from_config;
   }
   if (s.grad_accum_dtype != "fp32" && s.grad_accum_dtype != s.precision)
-    fail("config key 'data_types.grad_accum_dtype' = \"%s\" with precision %s: accumulate in fp32 or in the "
-         "training precision", s.grad_accum_dtype.c_str(), s.precision.c_str());
+    fail(
+        "config key 'data_types.grad_accum_dtype' = \"%s\" with precision %s: accumulate in fp32 or in the "
+        "training precision",
+        s.grad_accum_dtype.c_str(), s.precision.c_str());
 }
 
 inline z2::Precision precision_of(const Settings& s) {
-  return s.precision == "bf16" ? z2::Precision::bf16 : s.precision == "fp16" ? z2::Precision::fp16 : z2::Precision::fp32;
+  return s.precision == "bf16"   ? z2::Precision::bf16
+         : s.precision == "fp16" ? z2::Precision::fp16
+                                 : z2::Precision::fp32;
 }
 
 // What --help prints: every flag, its values and its default (Settings above).
@@ -992,16 +1014,20 @@ inline void check_plan_flags(const Settings& s) {
     if (!s.plan_world_sizes.empty()) fail("--plan-world-sizes is for --plan (the memory plan): give --plan too");
     return;
   }
-  for (auto [flag, value] : {std::pair<const char*, std::string>{"--save", s.save_dir}, {"--load", s.load_dir},
-                             {"--export-hf", s.export_dir}, {"--dump-batch", s.dump_dir}, {"--metrics", s.metrics},
+  for (auto [flag, value] : {std::pair<const char*, std::string>{"--save", s.save_dir},
+                             {"--load", s.load_dir},
+                             {"--export-hf", s.export_dir},
+                             {"--dump-batch", s.dump_dir},
+                             {"--metrics", s.metrics},
                              {"--memory-trace", s.memory_trace}})
     if (!value.empty())
       fail("--plan trains nothing, so %s '%s' would have nothing to %s: drop one of them", flag, value.c_str(),
            std::string(flag) == "--load" ? "read" : "write");
   if (s.alloc != "arena" && s.device_memory_limit > 0)
-    fail("--plan's largest sizes for --device-memory-limit are exact for --alloc arena only: %s's memory also "
-         "depends on where its holes fall (make fraglab measures it). Drop --alloc %s, or the limit",
-         s.alloc.c_str(), s.alloc.c_str());
+    fail(
+        "--plan's largest sizes for --device-memory-limit are exact for --alloc arena only: %s's memory also "
+        "depends on where its holes fall (make fraglab measures it). Drop --alloc %s, or the limit",
+        s.alloc.c_str(), s.alloc.c_str());
 }
 
 // The command line. --config is read first, whatever its position, so that
@@ -1010,7 +1036,7 @@ inline Settings parse_command_line(int argc, char** argv) {
   Settings settings;
   std::vector<std::pair<std::string, std::string>> flags;
   const std::set<std::string> switches = {"--quiet", "--wall-clock-breakdown", "--plan", "--poison-activations",
-                                           "--portable"};  // no value
+                                          "--portable"};  // no value
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (switches.count(flag)) {
@@ -1042,7 +1068,8 @@ inline Settings parse_command_line(int argc, char** argv) {
           apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
         } catch (const z2::Error& error) {
           const std::string said = error.what(), prefix = "config key '" + setting.key + "' ";
-          config.refused.push_back(setting.key + ": " + (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
+          config.refused.push_back(setting.key + ": " +
+                                   (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
         }
       }
       if (!config.refused.empty()) {
@@ -1068,18 +1095,19 @@ inline void check_consistency(Settings& s, int world_size) {
   if (s.steps == 0 && !s.export_only)
     fail("--steps wants an integer from 1 to %ld (0 only with --load: export a checkpoint without training)", 1l << 30);
   if (s.export_only && s.export_dir.empty() && s.json_path.empty() && s.save_dir.empty())
-    fail("--load with --steps 0 trains nothing: give --export-hf DIR, --save DIR (the checkpoint re-sliced for "
-         "this N) or --json FILE for it to write");
-  if (!s.load_dir.empty() && !s.dump_dir.empty())
-    fail("--dump-batch writes step 0 of a fresh run: not with --load");
+    fail(
+        "--load with --steps 0 trains nothing: give --export-hf DIR, --save DIR (the checkpoint re-sliced for "
+        "this N) or --json FILE for it to write");
+  if (!s.load_dir.empty() && !s.dump_dir.empty()) fail("--dump-batch writes step 0 of a fresh run: not with --load");
   if (s.save_every > 0 && s.save_dir.empty()) fail("--save-every %ld needs --save DIR", s.save_every);
   if (s.hidden % s.heads != 0)
     fail("--hidden %d is not divisible by --heads %d (each head gets hidden / heads features)", s.hidden, s.heads);
   // Portable bits need every sum in zero2's order (notes/11); the libraries'
   // own reductions sum over ranks in theirs.
   if (s.portable && s.collectives == "native")
-    fail("--portable needs --collectives deterministic: native collectives sum over ranks in MPI's or NCCL's own "
-         "order, which depends on the library and the machine");
+    fail(
+        "--portable needs --collectives deterministic: native collectives sum over ranks in MPI's or NCCL's own "
+        "order, which depends on the library and the machine");
   if (s.seq > s.max_positions)
     fail("--seq %d is longer than the %d learned positions (--max-positions)", s.seq, s.max_positions);
   // The schedule's length: --schedule-steps (total_num_steps), else the
@@ -1094,8 +1122,9 @@ inline void check_consistency(Settings& s, int world_size) {
   }
   if (s.warmup < 0) s.warmup = s.schedule_steps / 10;
   if (s.eval_every > s.steps && !s.export_only)
-    fail("--eval-every %ld is more than --steps %ld: it would evaluate only at the end (give --eval-every %ld for that)",
-         s.eval_every, s.steps, s.steps);
+    fail(
+        "--eval-every %ld is more than --steps %ld: it would evaluate only at the end (give --eval-every %ld for that)",
+        s.eval_every, s.steps, s.steps);
   if (s.warmup_min_lr > s.lr)
     fail("warmup_min_lr %g is above the learning rate %g (warmup_max_lr, --lr)", s.warmup_min_lr, s.lr);
   // DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters):
@@ -1110,12 +1139,15 @@ inline void check_consistency(Settings& s, int world_size) {
     else if (!micro_given && s.accum_given) s.micro_batch = (int)std::max(1l, global / N / s.accum);
     else if (!micro_given) s.accum = 1, s.micro_batch = (int)std::max(1l, global / N);
     if (global != (long)s.micro_batch * s.accum * N && micro_given && !s.accum_given)
-      fail("config train_batch_size %ld is not a multiple of micro batch %d x %d ranks = %ld (DeepSpeed's rule: the "
-           "accumulation is train_batch_size / (micro batch x ranks))", global, s.micro_batch, world_size,
-           (long)s.micro_batch * N);
+      fail(
+          "config train_batch_size %ld is not a multiple of micro batch %d x %d ranks = %ld (DeepSpeed's rule: the "
+          "accumulation is train_batch_size / (micro batch x ranks))",
+          global, s.micro_batch, world_size, (long)s.micro_batch * N);
     if (global != (long)s.micro_batch * s.accum * N)
-      fail("config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks (DeepSpeed's rule: give two of "
-           "the three, or three that agree)", global, s.micro_batch, s.accum, world_size);
+      fail(
+          "config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks (DeepSpeed's rule: give two of "
+          "the three, or three that agree)",
+          global, s.micro_batch, s.accum, world_size);
   }
   if (!s.dump_dir.empty() && world_size != 1)
     fail("--dump-batch writes step 0 of a single-rank run: run it with 1 rank (got %d)", world_size);
@@ -1128,9 +1160,11 @@ inline void check_consistency(Settings& s, int world_size) {
   const long sequences = (long)s.micro_batch * s.accum * world_size;
   const double selected = 0.15 * (s.seq - 2) * (double)sequences;
   if (selected < 1.0)
-    fail("--seq %d leaves %d byte(s) per sequence to mask, and 15%% of them are selected: a global batch of %ld "
-         "sequence(s) (micro-batch x accumulation x ranks) selects %.2f positions on average, so most steps would "
-         "have no loss to learn from. Use a longer --seq or a larger batch", s.seq, s.seq - 2, sequences, selected);
+    fail(
+        "--seq %d leaves %d byte(s) per sequence to mask, and 15%% of them are selected: a global batch of %ld "
+        "sequence(s) (micro-batch x accumulation x ranks) selects %.2f positions on average, so most steps would "
+        "have no loss to learn from. Use a longer --seq or a larger batch",
+        s.seq, s.seq - 2, sequences, selected);
 }
 
 // Run `checks` on every rank; if any rank failed, every rank throws the
@@ -1169,10 +1203,18 @@ inline void agree_on_errors(MPI_Comm world, const std::function<void()>& checks,
 // the rank that computes it: what makes 1x4 = 2x2 = 4x1 (notes/06).
 
 enum Site : uint64_t {  // the first key after the seed: which random decision
-  site_window = 1, site_select, site_action, site_random_byte,
+  site_window = 1,
+  site_select,
+  site_action,
+  site_random_byte,
   site_dropout = 16  // + 8 * layer + one of the dropout sites below
 };
-enum DropoutSite : uint64_t { dropout_embeddings, dropout_attention_probs, dropout_attention_output, dropout_ffn_output };
+enum DropoutSite : uint64_t {
+  dropout_embeddings,
+  dropout_attention_probs,
+  dropout_attention_output,
+  dropout_ffn_output
+};
 constexpr uint64_t embeddings_layer = 1000;  // dropout key of the embeddings: above any block (--layers <= 256)
 
 // The embedded default corpus (data/corpus.txt, made into a string by the Makefile).
@@ -1236,12 +1278,12 @@ inline std::string read_corpus(const std::string& path) {
 // One micro-batch on the host: tokens, which positions the loss reads, and
 // the word-embedding gradient's gather lists.
 struct Batch {
-  std::vector<int> tokens;        // [B, T] input ids after masking
-  std::vector<long> labels;       // [B, T] original byte where selected, -100 elsewhere (Hugging Face's convention)
-  std::vector<int> selected;      // [S] flat positions b * T + t whose label counts, in order
-  std::vector<int> targets;       // [S] their labels
-  std::vector<int> token_offsets; // [V + 1] CSR over token ids: positions with token v are
-  std::vector<int> token_rows;    //   token_rows[token_offsets[v] .. token_offsets[v + 1]), in order
+  std::vector<int> tokens;         // [B, T] input ids after masking
+  std::vector<long> labels;        // [B, T] original byte where selected, -100 elsewhere (Hugging Face's convention)
+  std::vector<int> selected;       // [S] flat positions b * T + t whose label counts, in order
+  std::vector<int> targets;        // [S] their labels
+  std::vector<int> token_offsets;  // [V + 1] CSR over token ids: positions with token v are
+  std::vector<int> token_rows;     //   token_rows[token_offsets[v] .. token_offsets[v + 1]), in order
 };
 
 // Sample `sample` of step `step`: fills row b of the batch.
@@ -1260,10 +1302,12 @@ inline void make_sample(const std::string& corpus, uint64_t seed, long step, lon
     labels[t] = -100;
     // 15% of the positions are selected; of those 80% become [MASK], 10% a
     // random byte and 10% stay (BERT's recipe). [CLS] and [SEP] never are.
-    float select = z2::uniform_from_hash(z2::hash_keys(seed, site_select, (uint64_t)step, (uint64_t)sample, (uint64_t)t));
+    float select =
+        z2::uniform_from_hash(z2::hash_keys(seed, site_select, (uint64_t)step, (uint64_t)sample, (uint64_t)t));
     if (select >= 0.15f) continue;
     labels[t] = byte;
-    float action = z2::uniform_from_hash(z2::hash_keys(seed, site_action, (uint64_t)step, (uint64_t)sample, (uint64_t)t));
+    float action =
+        z2::uniform_from_hash(z2::hash_keys(seed, site_action, (uint64_t)step, (uint64_t)sample, (uint64_t)t));
     if (action < 0.8f) tokens[t] = mask_token;
     else if (action < 0.9f)
       tokens[t] = (int)(z2::hash_keys(seed, site_random_byte, (uint64_t)step, (uint64_t)sample, (uint64_t)t) % 256);
@@ -1291,7 +1335,8 @@ inline Batch make_batch(const std::string& corpus, uint64_t seed, long step, lon
 // The loss is the mean over the selected positions of the whole global batch
 // (all N x A micro-batches), so every rank needs that count. Each rank
 // recomputes the masks of all M micro-batches (cheap hashes) instead of asking.
-inline long global_selected_count(const std::string& corpus, uint64_t seed, long step, long micro_batches, int B, int T) {
+inline long global_selected_count(const std::string& corpus, uint64_t seed, long step, long micro_batches, int B,
+                                  int T) {
   long count = 0;
   Batch scratch;
   scratch.tokens.resize((size_t)B * T);
@@ -1398,8 +1443,8 @@ Z2_HD inline void layer_norm_backward_row(const T* x, float mean, float rstd, co
   }
   const float mean_g = sum_g / n, mean_g_xhat = sum_g_xhat / n;
   for (int j = 0; j < n; ++j)
-    dx[j] = from_float<T>(rstd * (to_float(dy[j]) * to_float(gamma[j]) - mean_g -
-                                  (to_float(x[j]) - mean) * rstd * mean_g_xhat));
+    dx[j] = from_float<T>(
+        rstd * (to_float(dy[j]) * to_float(gamma[j]) - mean_g - (to_float(x[j]) - mean) * rstd * mean_g_xhat));
 }
 
 // Softmax of one row of n scores times `scale` (1/sqrt(D), applied after the
@@ -1485,10 +1530,12 @@ struct ModelShape {
 struct BlockParameters {
   z2::ParameterId query_weight, query_bias, key_weight, key_bias, value_weight, value_bias;
   z2::ParameterId attention_output_weight, attention_output_bias, attention_norm_weight, attention_norm_bias;
-  z2::ParameterId intermediate_weight, intermediate_bias, output_weight, output_bias, output_norm_weight, output_norm_bias;
+  z2::ParameterId intermediate_weight, intermediate_bias, output_weight, output_bias, output_norm_weight,
+      output_norm_bias;
 };
 struct Parameters {
-  z2::ParameterId word_embeddings, position_embeddings, token_type_embeddings, embedding_norm_weight, embedding_norm_bias;
+  z2::ParameterId word_embeddings, position_embeddings, token_type_embeddings, embedding_norm_weight,
+      embedding_norm_bias;
   std::vector<BlockParameters> blocks;
   z2::ParameterId head_dense_weight, head_dense_bias, head_norm_weight, head_norm_bias, decoder_bias;
 };
@@ -1572,13 +1619,14 @@ inline ActivationSizes activation_sizes(const ModelShape& s, BufferRound round =
 // plus scratch), the head, or the embeddings' recomputation. (A block's
 // forward, W + dropped probabilities, is never more: the scratch holds them too.)
 inline size_t recomputing_temporaries(const ActivationSizes& z) {
-  return std::max({z.working_set + std::max(z.recompute_scratch, z.block_scratch), z.head,
-                   z.embedding_sum + z.checkpoint});
+  return std::max(
+      {z.working_set + std::max(z.recompute_scratch, z.block_scratch), z.head, z.embedding_sum + z.checkpoint});
 }
 
 // The device activation peak (bytes) the ledger must show, by mode and
 // allocator. Phase by phase: what is live while that phase's temporaries are.
-inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bool arena, BufferRound round = live_bytes) {
+inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bool arena,
+                                    BufferRound round = live_bytes) {
   const ActivationSizes z = activation_sizes(s, round);
   const size_t L = s.layers, dropped = z.dropped;
   // Buffers that live across blocks, all at once (the arena carves exactly these).
@@ -1595,17 +1643,16 @@ inline size_t activation_peak_bytes(const ModelShape& s, ActivationMode mode, bo
   size_t peak = 0;
   if (mode == ActivationMode::keep) {
     const size_t forward = z.embedding_sum + L * (C + z.working_set);  // before the head's input exists
-    peak = std::max({forward + dropped, forward + C + z.backward_long + z.head,
-                     forward + z.backward_long + z.block_scratch});
+    peak = std::max(
+        {forward + dropped, forward + C + z.backward_long + z.head, forward + z.backward_long + z.block_scratch});
   } else {
     // checkpoints on the device: while the head runs, and in block L-1's backward
     const size_t head_checkpoints = mode == ActivationMode::recompute ? (L + 1) * C : std::min<size_t>(2, L + 1) * C;
     const size_t backward_checkpoints = mode == ActivationMode::recompute ? L * C : std::min<size_t>(2, L) * C;
     const size_t forward_checkpoints = mode == ActivationMode::recompute ? L * C : std::min<size_t>(1, L) * C;
-    peak = std::max({forward_checkpoints + z.working_set + std::max(dropped, C),
-                     head_checkpoints + z.backward_long + z.head,
-                     backward_checkpoints + z.backward_long + z.working_set +
-                         std::max(z.recompute_scratch, z.block_scratch)});
+    peak = std::max(
+        {forward_checkpoints + z.working_set + std::max(dropped, C), head_checkpoints + z.backward_long + z.head,
+         backward_checkpoints + z.backward_long + z.working_set + std::max(z.recompute_scratch, z.block_scratch)});
   }
   return z.always + peak;
 }
@@ -1634,7 +1681,8 @@ inline Parameters declare_parameters(const ModelShape& shape, Add add) {
   const long H = shape.hidden, F = shape.intermediate, V = vocab_size;
   Parameters ids;
   ids.word_embeddings = add("bert.embeddings.word_embeddings.weight", {V, H}, true, Init::normal);
-  ids.position_embeddings = add("bert.embeddings.position_embeddings.weight", {shape.max_positions, H}, true, Init::normal);
+  ids.position_embeddings =
+      add("bert.embeddings.position_embeddings.weight", {shape.max_positions, H}, true, Init::normal);
   ids.token_type_embeddings = add("bert.embeddings.token_type_embeddings.weight", {1, H}, true, Init::normal);
   ids.embedding_norm_weight = add("bert.embeddings.LayerNorm.weight", {H}, false, Init::ones);
   ids.embedding_norm_bias = add("bert.embeddings.LayerNorm.bias", {H}, false, Init::zeros);
@@ -1692,8 +1740,8 @@ struct Buffer {
   size_t count = 0;          // elements
   size_t element_bytes = 4;  // 4 (float), 2 (a 16-bit activation)
   bool long_lived = false;
-  bool carved = false;       // arena: `storage` is fixed for the whole run
-  void* storage = nullptr;   // while open (always, when carved)
+  bool carved = false;      // arena: `storage` is fixed for the whole run
+  void* storage = nullptr;  // while open (always, when carved)
   size_t bytes() const { return count * element_bytes; }
 };
 template <class T>
@@ -1708,20 +1756,20 @@ struct BufferOf : Buffer {
 // checkpoint (Model::checkpoints_[l]).
 template <class Act>
 struct BlockActivations {
-  BufferOf<Act> query, key, value;   // [R, H]   heads side by side: head h is columns h*D .. h*D+D-1
-  BufferOf<Act> probs;               // [B, NH, T, T] softmax before dropout
-  BufferOf<Act> context;             // [R, H]   probs (after dropout) x value
-  BufferOf<Act> attention_sum;       // [R, H]   x + dropout(dense(context)), LayerNorm's input
-  BufferOf<float> attention_stats;   // [R, 2]   its mean and rstd
-  BufferOf<Act> attention_out;       // [R, H]   LayerNorm output: the FFN's input and residual
-  BufferOf<Act> ffn_gelu_saved;      // [R, F]   GELU' before the activation (fp32) or the pre-activation (16-bit)
-  BufferOf<Act> ffn_act;             // [R, F]   after GELU
-  BufferOf<Act> output_sum;          // [R, H]   attention_out + dropout(dense(ffn_act))
-  BufferOf<float> output_stats;      // [R, 2]
+  BufferOf<Act> query, key, value;  // [R, H]   heads side by side: head h is columns h*D .. h*D+D-1
+  BufferOf<Act> probs;              // [B, NH, T, T] softmax before dropout
+  BufferOf<Act> context;            // [R, H]   probs (after dropout) x value
+  BufferOf<Act> attention_sum;      // [R, H]   x + dropout(dense(context)), LayerNorm's input
+  BufferOf<float> attention_stats;  // [R, 2]   its mean and rstd
+  BufferOf<Act> attention_out;      // [R, H]   LayerNorm output: the FFN's input and residual
+  BufferOf<Act> ffn_gelu_saved;     // [R, F]   GELU' before the activation (fp32) or the pre-activation (16-bit)
+  BufferOf<Act> ffn_act;            // [R, F]   after GELU
+  BufferOf<Act> output_sum;         // [R, H]   attention_out + dropout(dense(ffn_act))
+  BufferOf<float> output_stats;     // [R, 2]
   // In the order forward opens them (backward closes them in reverse).
   std::array<Buffer*, 12> in_order() {
-    return {&query, &key, &value, &probs, &context, &attention_sum, &attention_stats, &attention_out,
-            &ffn_gelu_saved, &ffn_act, &output_sum, &output_stats};
+    return {&query,           &key,           &value,          &probs,   &context,    &attention_sum,
+            &attention_stats, &attention_out, &ffn_gelu_saved, &ffn_act, &output_sum, &output_stats};
   }
 };
 
@@ -1733,8 +1781,7 @@ class Model {
  public:
   // Construct after compute.use_allocator(): with the arena, the long-lived
   // buffers are carved here, before the engine's model states.
-  Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape,
-        ActivationMode mode = ActivationMode::keep);
+  Model(z2::Compute& compute, z2::Engine& engine, const ModelShape& shape, ActivationMode mode = ActivationMode::keep);
   ~Model();
 
   // After engine.build(): Hugging Face's initialization (normal(0, 0.02) for
@@ -1841,13 +1888,14 @@ class Model {
   // Checkpoint l is block l's input ([R, H]); checkpoint L is the last
   // block's output, the head's input. Long-lived in every mode.
   std::vector<BufferOf<Act>> checkpoints_;
-  BufferOf<Act> embedding_sum_;      // [R, H] long-lived with keep, a temporary otherwise
-  BufferOf<float> embedding_stats_;  // [R, 2] likewise
+  BufferOf<Act> embedding_sum_;                // [R, H] long-lived with keep, a temporary otherwise
+  BufferOf<float> embedding_stats_;            // [R, 2] likewise
   std::vector<BlockActivations<Act>> blocks_;  // keep: one per layer, long-lived; else one working set, temporary
-  BufferOf<Act> head_input_, head_gelu_saved_, head_act_, head_out_;  // [S, H] temporaries (S = the most rows the head can select)
-  BufferOf<float> head_stats_;                                  // [S, 2]
-  BufferOf<Act> logits_;                                        // [S, V]
-  BufferOf<Act> head_dout_, head_dact_, head_dgathered_;        // [S, H] the head's backward
+  BufferOf<Act> head_input_, head_gelu_saved_, head_act_,
+      head_out_;                                          // [S, H] temporaries (S = the most rows the head can select)
+  BufferOf<float> head_stats_;                            // [S, 2]
+  BufferOf<Act> logits_;                                  // [S, V]
+  BufferOf<Act> head_dout_, head_dact_, head_dgathered_;  // [S, H] the head's backward
   // Long-lived through backward: the tied decoder's part of dL/d
   // word_embeddings [V, H], and dL/d the current block's output [R, H].
   BufferOf<Act> decoder_gradient_, gradient_flow_;
@@ -1896,7 +1944,9 @@ inline Model<Act>::Model(z2::Compute& compute, z2::Engine& engine, const ModelSh
   tokens_ = ints(R), selected_ = ints(S), targets_ = ints(S), token_offsets_ = ints(V + 1), token_rows_ = ints(R);
   sample_loss_ = z2::DeviceArray<float>(compute, S, z2::MemoryKind::activations);
   const bool keep = mode == ActivationMode::keep;
-  auto sized = [](Buffer& buffer, size_t count, bool long_lived) { buffer.count = count, buffer.long_lived = long_lived; };
+  auto sized = [](Buffer& buffer, size_t count, bool long_lived) {
+    buffer.count = count, buffer.long_lived = long_lived;
+  };
   checkpoints_.resize(shape.layers + 1);
   for (auto& checkpoint : checkpoints_) sized(checkpoint, R * H, true);
   // With keep, the last block's output lives only from its LayerNorm to the
@@ -1912,7 +1962,8 @@ inline Model<Act>::Model(z2::Compute& compute, z2::Engine& engine, const ModelSh
     sized(a.ffn_gelu_saved, R * F, keep), sized(a.ffn_act, R * F, keep);
     sized(a.output_sum, R * H, keep), sized(a.output_stats, R * 2, keep);
   }
-  for (Buffer* b : {&head_input_, &head_gelu_saved_, &head_act_, &head_out_, &head_dout_, &head_dact_, &head_dgathered_})
+  for (Buffer* b :
+       {&head_input_, &head_gelu_saved_, &head_act_, &head_out_, &head_dout_, &head_dact_, &head_dgathered_})
     sized(*b, S * H, false);
   sized(head_stats_, S * 2, false), sized(logits_, S * V, false);
   sized(decoder_gradient_, V * H, true), sized(gradient_flow_, R * H, true);
@@ -2017,8 +2068,10 @@ inline void Model<Act>::offload(int c) {
 template <class Act>
 inline void Model<Act>::prefetch(int c) {
   if (c > (int)fetched_.size() - 1 || fetched_[c])
-    z2::usage_error("offload: checkpoint %d cannot be brought back now: only checkpoints 0 .. %d go to the host, "
-                    "each once per backward", c, (int)fetched_.size() - 1);
+    z2::usage_error(
+        "offload: checkpoint %d cannot be brought back now: only checkpoints 0 .. %d go to the host, "
+        "each once per backward",
+        c, (int)fetched_.size() - 1);
   fetched_[c] = 1;
   const size_t count = checkpoints_[c].count;
   open(checkpoints_[c]);
@@ -2096,18 +2149,18 @@ inline void Model<Act>::linear_gelu(const Act* input, z2::ParameterId weight, z2
   if (fp32) {
     compute_.gemm(false, true, rows, out, in, 1.0f, input, in, param(weight), in, 0.0f, act, out);  // act = x W^T
     compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
-      const size_t i = r * out + j;
-      const float pre = to_float(act[i]) + to_float(b[j]);
-      const float ope = one_plus_erf(pre);
-      act[i] = from_float<Act>(gelu_from(pre, ope));
-      gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope, gaussian_exp(pre)));
-    }));
+                        const size_t i = r * out + j;
+                        const float pre = to_float(act[i]) + to_float(b[j]);
+                        const float ope = one_plus_erf(pre);
+                        act[i] = from_float<Act>(gelu_from(pre, ope));
+                        gelu_saved[i] = from_float<Act>(gelu_grad_from(pre, ope, gaussian_exp(pre)));
+                      }));
   } else {
     matmul_bias(input, param(weight), b, rows, in, out, gelu_saved);  // pre, bias in the product
     compute_.for_each((size_t)rows * out, Z2_LOOP(i, {
-      const float pre = to_float(gelu_saved[i]);
-      act[i] = from_float<Act>(gelu_from(pre, one_plus_erf(pre)));
-    }));
+                        const float pre = to_float(gelu_saved[i]);
+                        act[i] = from_float<Act>(gelu_from(pre, one_plus_erf(pre)));
+                      }));
   }
 }
 // dact [count] *= GELU'(pre), from linear_gelu's gelu_saved.
@@ -2116,9 +2169,8 @@ inline void Model<Act>::gelu_backward(const Act* gelu_saved, size_t count, Act* 
   if constexpr (std::is_same<Act, float>::value)
     compute_.for_each(count, Z2_LOOP(i, { dact[i] = dact[i] * gelu_saved[i]; }));
   else
-    compute_.for_each(count, Z2_LOOP(i, {
-      dact[i] = from_float<Act>(to_float(dact[i]) * gelu_grad(to_float(gelu_saved[i])));
-    }));
+    compute_.for_each(
+        count, Z2_LOOP(i, { dact[i] = from_float<Act>(to_float(dact[i]) * gelu_grad(to_float(gelu_saved[i]))); }));
 }
 // output [rows, out] = residual + dropout(input x W^T + b), the sublayer
 // output of a post-LN block (rows are positions, T per sample; `key` the
@@ -2134,16 +2186,17 @@ inline void Model<Act>::linear_dropout_residual(const Act* input, z2::ParameterI
   const float rate = shape_.dropout;
   const uint64_t tensor_key = dropout_tensor_key(shape_.seed, key, step);
   const size_t T = (size_t)shape_.seq;
-  compute_.for_each((size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
-    const size_t i = r * out + j;
-    // No branch on the rate: at 0 the scale is exactly 1 and the rounding
-    // changes nothing, and a branch-free body is one the CPU loop vectorises.
-    const uint64_t row_key = dropout_row_key(tensor_key, first_sample + (long)(r / T));
-    float value = to_float(output[i]);
-    if (bias_in_pass) value = value + to_float(b[j]);
-    value = to_float(from_float<Act>(value * dropout_scale(rate, row_key, (uint32_t)((r % T) * out + j))));
-    output[i] = from_float<Act>(value + to_float(residual[i]));
-  }));
+  compute_.for_each(
+      (size_t)rows, (size_t)out, Z2_LOOP2(r, j, {
+        const size_t i = r * out + j;
+        // No branch on the rate: at 0 the scale is exactly 1 and the rounding
+        // changes nothing, and a branch-free body is one the CPU loop vectorises.
+        const uint64_t row_key = dropout_row_key(tensor_key, first_sample + (long)(r / T));
+        float value = to_float(output[i]);
+        if (bias_in_pass) value = value + to_float(b[j]);
+        value = to_float(from_float<Act>(value * dropout_scale(rate, row_key, (uint32_t)((r % T) * out + j))));
+        output[i] = from_float<Act>(value + to_float(residual[i]));
+      }));
 }
 
 // sums [columns] = the sum over rows of matrix [rows, columns], each column's
@@ -2168,7 +2221,8 @@ inline void Model<Act>::linear_backward(const Act* input, const Act* doutput, z2
   engine_.gradient_ready(bias);
   compute_.gemm(true, false, out, in, rows, 1.0f, doutput, out, input, in, 0.0f, gradient(weight), in);
   engine_.gradient_ready(weight);
-  if (dinput) compute_.gemm(false, false, rows, in, out, 1.0f, doutput, out, param(weight), in, dinput_beta, dinput, in);
+  if (dinput)
+    compute_.gemm(false, false, rows, in, out, 1.0f, doutput, out, param(weight), in, dinput_beta, dinput, in);
 }
 
 template <class Act>
@@ -2177,8 +2231,8 @@ inline void Model<Act>::layer_norm(const Act* x, z2::ParameterId weight, z2::Par
   const int n = shape_.hidden;
   const Act *gamma = param(weight), *beta = param(bias);
   compute_.for_each((size_t)rows, Z2_LOOP(r, {
-    layer_norm_row(x + r * n, gamma, beta, n, y + r * n, stats + 2 * r, stats + 2 * r + 1);
-  }));
+                      layer_norm_row(x + r * n, gamma, beta, n, y + r * n, stats + 2 * r, stats + 2 * r + 1);
+                    }));
 }
 
 // dx [rows, H] from dy; dbeta = sum_rows dy and dgamma = sum_rows dy * xhat go
@@ -2190,13 +2244,18 @@ inline void Model<Act>::layer_norm_backward(const Act* x, const float* stats, co
   const Act* gamma = param(weight);
   column_sums(dy, rows, n, gradient(bias));
   engine_.gradient_ready(bias);
-  compute_.column_sums((size_t)rows, (size_t)n, Z2_LOOP2(r, j, {
-    return to_float(dy[r * n + j]) * ((to_float(x[r * n + j]) - stats[2 * r]) * stats[2 * r + 1]);  // dy * xhat
-  }), gradient(weight));
+  compute_.column_sums((size_t)rows, (size_t)n,
+                       Z2_LOOP2(r, j,
+                                {
+                                  return to_float(dy[r * n + j]) *
+                                         ((to_float(x[r * n + j]) - stats[2 * r]) * stats[2 * r + 1]);  // dy * xhat
+                                }),
+                       gradient(weight));
   engine_.gradient_ready(weight);
   compute_.for_each((size_t)rows, Z2_LOOP(r, {
-    layer_norm_backward_row(x + r * n, stats[2 * r], stats[2 * r + 1], gamma, dy + r * n, n, dx + r * n);
-  }));
+                      layer_norm_backward_row(x + r * n, stats[2 * r], stats[2 * r + 1], gamma, dy + r * n, n,
+                                              dx + r * n);
+                    }));
 }
 
 // output [B, per_sample] = input x dropout scale, keyed by (sample, key,
@@ -2216,10 +2275,10 @@ inline void Model<Act>::dropout(const Act* input, Act* output, size_t count, siz
                     UINT32_MAX);
   const uint64_t tensor_key = dropout_tensor_key(shape_.seed, key, step);
   compute_.for_each(count / per_sample, per_sample, Z2_LOOP2(sample, element, {
-    const size_t i = sample * per_sample + element;
-    const uint64_t row_key = dropout_row_key(tensor_key, first_sample + (long)sample);
-    output[i] = from_float<Act>(to_float(input[i]) * dropout_scale(p, row_key, (uint32_t)element));
-  }));
+                      const size_t i = sample * per_sample + element;
+                      const uint64_t row_key = dropout_row_key(tensor_key, first_sample + (long)sample);
+                      output[i] = from_float<Act>(to_float(input[i]) * dropout_scale(p, row_key, (uint32_t)element));
+                    }));
 }
 
 // --- forward -----------------------------------------------------------------
@@ -2241,15 +2300,16 @@ inline void Model<Act>::upload(const Batch& batch) {
 template <class Act>
 inline void Model<Act>::embeddings_forward(long step, long first_sample, Act* x0) {
   const int H = shape_.hidden, T = shape_.seq, R = shape_.micro_batch * T;
-  const int* tokens = tokens_.data();                    // [R] token ids, row r = sample r / T, position r % T
-  const Act *word = param(ids_.word_embeddings),         // [V, H]
-            *position = param(ids_.position_embeddings),  // [P, H], rows 0..T-1 used
-            *token_type = param(ids_.token_type_embeddings);  // [1, H]: every token is type 0
-  Act* sum = embedding_sum_.data();                      // [R, H] LayerNorm's input, for backward
+  const int* tokens = tokens_.data();                       // [R] token ids, row r = sample r / T, position r % T
+  const Act *word = param(ids_.word_embeddings),            // [V, H]
+      *position = param(ids_.position_embeddings),          // [P, H], rows 0..T-1 used
+          *token_type = param(ids_.token_type_embeddings);  // [1, H]: every token is type 0
+  Act* sum = embedding_sum_.data();                         // [R, H] LayerNorm's input, for backward
   compute_.for_each((size_t)R, (size_t)H, Z2_LOOP2(row, j, {
-    sum[row * H + j] = from_float<Act>(to_float(word[(size_t)tokens[row] * H + j]) +
-                                       to_float(position[(row % T) * H + j]) + to_float(token_type[j]));
-  }));
+                      sum[row * H + j] =
+                          from_float<Act>(to_float(word[(size_t)tokens[row] * H + j]) +
+                                          to_float(position[(row % T) * H + j]) + to_float(token_type[j]));
+                    }));
   layer_norm(sum, ids_.embedding_norm_weight, ids_.embedding_norm_bias, R, x0, embedding_stats_.data());
   dropout(x0, x0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
 }
@@ -2265,8 +2325,8 @@ inline void Model<Act>::block_forward(int l, long step, long first_sample, Buffe
   const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
             F = shape_.intermediate, R = B * T;
   const BlockParameters& p = ids_.blocks[l];
-  BlockActivations<Act>& a = block(l);     // this block's activations (shapes in BlockActivations)
-  const Act* x = checkpoints_[l].data();   // [R, H] the block's input
+  BlockActivations<Act>& a = block(l);    // this block's activations (shapes in BlockActivations)
+  const Act* x = checkpoints_[l].data();  // [R, H] the block's input
   linear(x, p.query_weight, p.query_bias, R, H, H, a.query.data());
   linear(x, p.key_weight, p.key_bias, R, H, H, a.key.data());
   linear(x, p.value_weight, p.value_bias, R, H, H, a.value.data());
@@ -2292,12 +2352,12 @@ inline void Model<Act>::block_forward(int l, long step, long first_sample, Buffe
   const uint64_t tensor_key = dropout_tensor_key(shape_.seed, dropout_key(l, dropout_attention_probs), step);
   const size_t rows_per_sample = (size_t)NH * T;
   compute_.for_each((size_t)B * NH * T, Z2_LOOP(row, {
-    Act* row_probs = probs + row * T;
-    scaled_softmax_row(row_probs, T, inverse_sqrt);
-    if (dropped)
-      dropout_row(rate, dropout_row_key(tensor_key, first_sample + (long)(row / rows_per_sample)),
-                  (row % rows_per_sample) * T, row_probs, dropped + row * T, T);
-  }));
+                      Act* row_probs = probs + row * T;
+                      scaled_softmax_row(row_probs, T, inverse_sqrt);
+                      if (dropped)
+                        dropout_row(rate, dropout_row_key(tensor_key, first_sample + (long)(row / rows_per_sample)),
+                                    (row % rows_per_sample) * T, row_probs, dropped + row * T, T);
+                    }));
   const Act* source = dropped ? dropped : probs;  // what multiplies V: probs, or their dropped copy
   // Context [T, D] per (sample, head) = probs x V, into the head's columns.
   for (int b = 0; b < B; ++b) {
@@ -2332,16 +2392,17 @@ inline void Model<Act>::block_forward(int l, long step, long first_sample, Buffe
 template <class Act>
 inline void Model<Act>::head_forward_backward(long step, float gradient_scale, bool backward) {
   const int H = shape_.hidden, V = vocab_size, R = shape_.micro_batch * shape_.seq, S = selected_count_;
-  const int* selected = selected_.data();     // [S] which of the R rows carry a label
-  const int* targets = targets_.data();       // [S] their labels (the original bytes)
+  const int* selected = selected_.data();                  // [S] which of the R rows carry a label
+  const int* targets = targets_.data();                    // [S] their labels (the original bytes)
   const Act* hidden = checkpoints_[shape_.layers].data();  // [R, H] the last block's output
-  Act* gathered = open(head_input_);                     // [S, H] its selected rows
-  Act* gelu_saved = open(head_gelu_saved_);              // [S, H] for GELU's backward (see linear_gelu)
-  Act* act = open(head_act_);                            // [S, H] after GELU: the head LayerNorm's input
-  float* stats = open(head_stats_);                      // [S, 2] fp32
-  Act* out = open(head_out_);                            // [S, H] LayerNorm's output: the decoder's input
-  Act* logits = open(logits_);                           // [S, V]
-  compute_.for_each((size_t)S, (size_t)H, Z2_LOOP2(s, j, { gathered[s * H + j] = hidden[(size_t)selected[s] * H + j]; }));
+  Act* gathered = open(head_input_);                       // [S, H] its selected rows
+  Act* gelu_saved = open(head_gelu_saved_);                // [S, H] for GELU's backward (see linear_gelu)
+  Act* act = open(head_act_);                              // [S, H] after GELU: the head LayerNorm's input
+  float* stats = open(head_stats_);                        // [S, 2] fp32
+  Act* out = open(head_out_);                              // [S, H] LayerNorm's output: the decoder's input
+  Act* logits = open(logits_);                             // [S, V]
+  compute_.for_each((size_t)S, (size_t)H,
+                    Z2_LOOP2(s, j, { gathered[s * H + j] = hidden[(size_t)selected[s] * H + j]; }));
   linear_gelu(gathered, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, gelu_saved, act);
   layer_norm(act, ids_.head_norm_weight, ids_.head_norm_bias, S, out, stats);
   // logits [S, V] = out x word_embeddings^T + decoder bias (the tied decoder).
@@ -2351,30 +2412,31 @@ inline void Model<Act>::head_forward_backward(long step, float gradient_scale, b
   // gradient) and, in fp16, multiplied by the loss scale.
   float* sample_loss = sample_loss_.data();
   compute_.for_each((size_t)S, Z2_LOOP(s, {
-    Act* row = logits + s * V;
-    sample_loss[s] = cross_entropy_row(row, V, targets[s], gradient_scale, row);
-  }));
+                      Act* row = logits + s * V;
+                      sample_loss[s] = cross_entropy_row(row, V, targets[s], gradient_scale, row);
+                    }));
   if (backward) {
-  const Act* dlogits = logits;  // [S, V] dL/dlogits, in the logits' buffer
-  column_sums(dlogits, S, V, gradient(ids_.decoder_bias));
-  engine_.gradient_ready(ids_.decoder_bias);
-  // The tied decoder's gradient [V, H] = dlogits^T x out. It belongs to the
-  // word embeddings, whose bucket is the very first (written last), so we
-  // keep it here until the embeddings' backward adds its own part: handing it
-  // over now would hold a stage-2 staging slot open through all of backward.
-  compute_.gemm(true, false, V, H, S, 1.0f, dlogits, V, out, H, 0.0f, open(decoder_gradient_), H);
-  Act* dhidden = open(gradient_flow_);  // [R, H] dL/d the last block's output
-  Act* dout = open(head_dout_);  // [S, H] dL/d head LayerNorm output = dlogits x word_embeddings
-  compute_.gemm(false, false, S, H, V, 1.0f, dlogits, V, param(ids_.word_embeddings), H, 0.0f, dout, H);
-  Act* dact = open(head_dact_);  // [S, H] dL/d GELU output, then (in place) dL/d its input
-  layer_norm_backward(act, stats, dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
-  gelu_backward(gelu_saved, (size_t)S * H, dact);
-  Act* dgathered = open(head_dgathered_);  // [S, H] dL/d the selected rows
-  linear_backward(gathered, dact, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, dgathered, 0.0f);
-  // Scatter back to the selected rows; the others get zero.
-  compute_.fill_zero(dhidden, (size_t)R * H * sizeof(Act), compute_.compute_stream());
-  compute_.for_each((size_t)S, (size_t)H, Z2_LOOP2(s, j, { dhidden[(size_t)selected[s] * H + j] = dgathered[s * H + j]; }));
-  close(head_dgathered_), close(head_dact_), close(head_dout_);
+    const Act* dlogits = logits;  // [S, V] dL/dlogits, in the logits' buffer
+    column_sums(dlogits, S, V, gradient(ids_.decoder_bias));
+    engine_.gradient_ready(ids_.decoder_bias);
+    // The tied decoder's gradient [V, H] = dlogits^T x out. It belongs to the
+    // word embeddings, whose bucket is the very first (written last), so we
+    // keep it here until the embeddings' backward adds its own part: handing it
+    // over now would hold a stage-2 staging slot open through all of backward.
+    compute_.gemm(true, false, V, H, S, 1.0f, dlogits, V, out, H, 0.0f, open(decoder_gradient_), H);
+    Act* dhidden = open(gradient_flow_);  // [R, H] dL/d the last block's output
+    Act* dout = open(head_dout_);         // [S, H] dL/d head LayerNorm output = dlogits x word_embeddings
+    compute_.gemm(false, false, S, H, V, 1.0f, dlogits, V, param(ids_.word_embeddings), H, 0.0f, dout, H);
+    Act* dact = open(head_dact_);  // [S, H] dL/d GELU output, then (in place) dL/d its input
+    layer_norm_backward(act, stats, dout, ids_.head_norm_weight, ids_.head_norm_bias, S, dact);
+    gelu_backward(gelu_saved, (size_t)S * H, dact);
+    Act* dgathered = open(head_dgathered_);  // [S, H] dL/d the selected rows
+    linear_backward(gathered, dact, ids_.head_dense_weight, ids_.head_dense_bias, S, H, H, dgathered, 0.0f);
+    // Scatter back to the selected rows; the others get zero.
+    compute_.fill_zero(dhidden, (size_t)R * H * sizeof(Act), compute_.compute_stream());
+    compute_.for_each((size_t)S, (size_t)H,
+                      Z2_LOOP2(s, j, { dhidden[(size_t)selected[s] * H + j] = dgathered[s * H + j]; }));
+    close(head_dgathered_), close(head_dact_), close(head_dout_);
   }
   close(logits_), close(head_out_), close(head_stats_), close(head_act_), close(head_gelu_saved_), close(head_input_);
 }
@@ -2408,12 +2470,13 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   // block (the names say what each holds first; later reuses are named where
   // they happen):
   Act* dy = gradient_flow_.data();  // [R, H] dL/d block output in; dL/d block input out
-  Act* dsum = open(dsum_);        // [R, H] dL/d output_sum, then dL/d attention_out
-  Act* dwide = open(dwide_);      // [R, F] dL/d ffn_act, then dL/d the FFN's pre-activation; later dq, dk [R, H] each
-  Act* dattn = open(dattention_); // [R, H] dL/d attention_sum (the residual into x)
+  Act* dsum = open(dsum_);          // [R, H] dL/d output_sum, then dL/d attention_out
+  Act* dwide = open(dwide_);        // [R, F] dL/d ffn_act, then dL/d the FFN's pre-activation; later dq, dk [R, H] each
+  Act* dattn = open(dattention_);   // [R, H] dL/d attention_sum (the residual into x)
 
   // Output LayerNorm: dsum = dL/d(attention_out + dropout(ffn)).
-  layer_norm_backward(a.output_sum.data(), a.output_stats.data(), dy, p.output_norm_weight, p.output_norm_bias, R, dsum);
+  layer_norm_backward(a.output_sum.data(), a.output_stats.data(), dy, p.output_norm_weight, p.output_norm_bias, R,
+                      dsum);
   // The FFN branch sees dsum through the dropout; the residual gets dsum itself.
   Act* dffn = dy;  // dy is no longer needed: reuse it
   dropout(dsum, dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
@@ -2427,7 +2490,8 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   Act* ddense = dsum;  // [R, H] dL/d the attention output dense's result: dattn through the dropout
   dropout(dattn, ddense, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_attention_output));
   Act* dcontext = dy;  // [R, H] dL/d context, heads side by side
-  linear_backward(a.context.data(), ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext, 0.0f);
+  linear_backward(a.context.data(), ddense, p.attention_output_weight, p.attention_output_bias, R, H, H, dcontext,
+                  0.0f);
 
   // Attention, per (sample, head): with P the probabilities and Pd = dropout(P),
   // dV = Pd^T dC, dPd = dC V^T, dP = dropout(dPd), dS = P (dP - rowsum(dP P)) / sqrt(D),
@@ -2438,7 +2502,7 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   const float rate = shape_.dropout;
   Act* dropped = rate > 0.0f ? open(dropped_) : nullptr;  // [B, NH, T, T] probs after dropout, recomputed from its keys
   Act *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
-  Act* dprobs = open(dprobs_);  // [B, NH, T, T] dL/d dropped probs, then d scores
+  Act* dprobs = open(dprobs_);                               // [B, NH, T, T] dL/d dropped probs, then d scores
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
     compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data() + rows, H, D, 0.0f,
@@ -2450,16 +2514,17 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   const size_t rows_per_sample = (size_t)NH * T;
   const float inverse_sqrt = 1.0f / sqrtf((float)D);
   compute_.for_each((size_t)B * NH * T, Z2_LOOP(row, {
-    const Act* p_row = probs + row * T;
-    Act* d_row = dprobs + row * T;
-    if (dropped) {
-      const uint64_t row_key = dropout_row_key(tensor_key, first_sample + (long)(row / rows_per_sample));
-      const size_t first_element = (row % rows_per_sample) * T;
-      dropout_row(rate, row_key, first_element, p_row, dropped + row * T, T);
-      dropout_row(rate, row_key, first_element, d_row, d_row, T);
-    }
-    softmax_backward_row(p_row, d_row, T, inverse_sqrt);
-  }));
+                      const Act* p_row = probs + row * T;
+                      Act* d_row = dprobs + row * T;
+                      if (dropped) {
+                        const uint64_t row_key =
+                            dropout_row_key(tensor_key, first_sample + (long)(row / rows_per_sample));
+                        const size_t first_element = (row % rows_per_sample) * T;
+                        dropout_row(rate, row_key, first_element, p_row, dropped + row * T, T);
+                        dropout_row(rate, row_key, first_element, d_row, d_row, T);
+                      }
+                      softmax_backward_row(p_row, d_row, T, inverse_sqrt);
+                    }));
   const Act* source = dropped ? dropped : probs;  // what multiplied V in forward
   for (int b = 0; b < B; ++b) {
     const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
@@ -2493,7 +2558,8 @@ template <class Act>
 inline void Model<Act>::embeddings_backward(long step, long first_sample) {
   const int H = shape_.hidden, T = shape_.seq, B = shape_.micro_batch, R = B * T, P = shape_.max_positions;
   Act* dx0 = gradient_flow_.data();  // [R, H] dL/d x0 (from block 0's backward)
-  dropout(dx0, dx0, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(embeddings_layer, dropout_embeddings));
+  dropout(dx0, dx0, (size_t)R * H, (size_t)T * H, step, first_sample,
+          dropout_key(embeddings_layer, dropout_embeddings));
   Act* dsum = open(dsum_);  // [R, H] dL/d (word + position + type)
   layer_norm_backward(embedding_sum_.data(), embedding_stats_.data(), dx0, ids_.embedding_norm_weight,
                       ids_.embedding_norm_bias, R, dsum);
@@ -2503,23 +2569,23 @@ inline void Model<Act>::embeddings_backward(long step, long first_sample) {
   // Position t collects row t of every sample, samples in order; unused positions get 0.
   Act* dposition = gradient(ids_.position_embeddings);  // [P, H]
   compute_.for_each((size_t)P, (size_t)H, Z2_LOOP2(t, j, {
-    float sum = 0.0f;
-    if (t < (size_t)T)
-      for (int b = 0; b < B; ++b) sum += to_float(dsum[((size_t)b * T + t) * H + j]);
-    dposition[t * H + j] = from_float<Act>(sum);
-  }));
+                      float sum = 0.0f;
+                      if (t < (size_t)T)
+                        for (int b = 0; b < B; ++b) sum += to_float(dsum[((size_t)b * T + t) * H + j]);
+                      dposition[t * H + j] = from_float<Act>(sum);
+                    }));
   engine_.gradient_ready(ids_.position_embeddings);
   // Word row v: the tied decoder's part plus the rows where token v occurs,
   // in position order (the counting sort made on the host).
-  Act* dword = gradient(ids_.word_embeddings);  // [V, H]
-  const Act* decoder = decoder_gradient_.data();                   // [V, H] the tied decoder's part
-  const int* offsets = token_offsets_.data();  // [V + 1] CSR offsets by token id
-  const int* rows = token_rows_.data();        // [R] positions sorted by token id, in order within an id
+  Act* dword = gradient(ids_.word_embeddings);    // [V, H]
+  const Act* decoder = decoder_gradient_.data();  // [V, H] the tied decoder's part
+  const int* offsets = token_offsets_.data();     // [V + 1] CSR offsets by token id
+  const int* rows = token_rows_.data();           // [R] positions sorted by token id, in order within an id
   compute_.for_each((size_t)vocab_size, (size_t)H, Z2_LOOP2(v, j, {
-    float sum = 0.0f;
-    for (int k = offsets[v]; k < offsets[v + 1]; ++k) sum += to_float(dsum[(size_t)rows[k] * H + j]);
-    dword[v * H + j] = from_float<Act>(to_float(decoder[v * H + j]) + sum);
-  }));
+                      float sum = 0.0f;
+                      for (int k = offsets[v]; k < offsets[v + 1]; ++k) sum += to_float(dsum[(size_t)rows[k] * H + j]);
+                      dword[v * H + j] = from_float<Act>(to_float(decoder[v * H + j]) + sum);
+                    }));
   engine_.gradient_ready(ids_.word_embeddings);
   close(dsum_);
 }
@@ -2576,8 +2642,10 @@ inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, fl
     if (offloading && l <= L - 2) {
       // Reading a checkpoint still on the host would read whatever its slot holds now.
       if (!fetched_[l])
-        z2::usage_error("offload: block %d's backward needs checkpoint %d, which was never brought back from the host "
-                        "(checkpoint_to_prefetch returned it for no block before this one)", l, l);
+        z2::usage_error(
+            "offload: block %d's backward needs checkpoint %d, which was never brought back from the host "
+            "(checkpoint_to_prefetch returned it for no block before this one)",
+            l, l);
       compute_.wait(compute_.compute_stream(), prefetched_[l]);
     }
     if (!keep) {
@@ -2744,7 +2812,8 @@ inline void write_output_file(const std::string& path, const std::string& conten
 // for too long ends this one with a message that says so.
 class DirectoryLock {
  public:
-  explicit DirectoryLock(const std::string& directory) : fd_(open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
+  explicit DirectoryLock(const std::string& directory)
+      : fd_(open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
     if (fd_ < 0) fail("cannot lock the directory '%s' for writing: %s", directory.c_str(), std::strerror(errno));
     z2::wait_until(
         [&] {
@@ -2802,7 +2871,8 @@ inline void probe_writable(const std::string& flag, const std::string& directory
   close(folder);
   const std::string probe = unique_temporary(directory, "probe");
   const int file = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (file < 0) fail("%s: cannot create files in the directory '%s': %s", flag.c_str(), directory.c_str(), std::strerror(errno));
+  if (file < 0)
+    fail("%s: cannot create files in the directory '%s': %s", flag.c_str(), directory.c_str(), std::strerror(errno));
   close(file);
   unlink(probe.c_str());
 }
@@ -2824,7 +2894,8 @@ inline void prepare_directory(const std::string& flag, const std::string& direct
 inline void check_output_file(const std::string& flag, const std::string& path) {
   const std::string parent = directory_of(path);
   const std::string name = std::filesystem::path(path).filename().string();
-  if (name.empty() || name == "." || name == "..") fail("%s '%s' names a directory, not a file", flag.c_str(), path.c_str());
+  if (name.empty() || name == "." || name == "..")
+    fail("%s '%s' names a directory, not a file", flag.c_str(), path.c_str());
   if (!is_directory(parent))
     fail("%s '%s': the directory '%s' does not exist", flag.c_str(), path.c_str(), parent.c_str());
   if (is_directory(path)) fail("%s '%s' is a directory", flag.c_str(), path.c_str());
@@ -2837,8 +2908,8 @@ inline void check_output_file(const std::string& flag, const std::string& path) 
 inline void check_name_lengths(const std::string& what, const std::string& path) {
   for (const auto& part : std::filesystem::path(path))
     if (part.string().size() > NAME_MAX)
-      fail("%s '%s': the name '%s...' has %zu bytes, more than the %d a file name may have", what.c_str(),
-           path.c_str(), part.string().substr(0, 24).c_str(), part.string().size(), NAME_MAX);
+      fail("%s '%s': the name '%s...' has %zu bytes, more than the %d a file name may have", what.c_str(), path.c_str(),
+           part.string().substr(0, 24).c_str(), part.string().size(), NAME_MAX);
 }
 
 // Compared as absolute paths, normalised, symlinks resolved as far as the
@@ -2873,7 +2944,8 @@ inline void check_outputs(const Settings& s) {
   if (!s.memory_trace.empty()) outputs.push_back({"--memory-trace", s.memory_trace, false});
   if (!s.metrics.empty()) outputs.push_back({"--metrics", s.metrics, false});
   for (auto [flag, directory] : {std::pair<std::string, std::string>{"--export-hf", s.export_dir},
-                                 {"--dump-batch", s.dump_dir}, {"--save", s.save_dir}}) {
+                                 {"--dump-batch", s.dump_dir},
+                                 {"--save", s.save_dir}}) {
     if (directory.empty()) continue;
     outputs.push_back({flag, directory, true});
     std::vector<std::string> names = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
@@ -2895,8 +2967,10 @@ inline void check_outputs(const Settings& s) {
     for (size_t other = 0; other < o; ++other)
       if (normal[o] == normal[other])
         fail("%s and %s name the same %s '%s': one would overwrite the other", outputs[other].what.c_str(),
-             outputs[o].what.c_str(), outputs[o].directory && outputs[other].directory ? "directory"
-                                                    : outputs[o].directory || outputs[other].directory ? "path" : "file",
+             outputs[o].what.c_str(),
+             outputs[o].directory && outputs[other].directory   ? "directory"
+             : outputs[o].directory || outputs[other].directory ? "path"
+                                                                : "file",
              outputs[o].path.c_str());
   }
   for (auto& output : outputs)
@@ -2972,7 +3046,8 @@ inline json hf_config(const ModelShape& s) {
 // template adds [CLS] and [SEP]; the ByteLevel decoder maps back.
 inline std::string byte_stand_in(int byte) {  // GPT-2's bytes_to_unicode, as UTF-8
   int code = byte;
-  const bool printable = (byte >= '!' && byte <= '~') || (byte >= 0xA1 && byte <= 0xAC) || (byte >= 0xAE && byte <= 0xFF);
+  const bool printable =
+      (byte >= '!' && byte <= '~') || (byte >= 0xA1 && byte <= 0xAC) || (byte >= 0xAE && byte <= 0xFF);
   if (!printable) {  // the others, in byte order, from U+0100 on
     int before = 0;
     for (int b = 0; b < byte; ++b)
@@ -2989,31 +3064,51 @@ inline json hf_tokenizer() {
   for (int b = 0; b < 256; ++b) vocab[byte_stand_in(b)] = b;
   // The specials in the vocabulary too (not only as added tokens), so the
   // tokenizer says nothing about "special tokens added to the vocabulary".
-  for (const auto& [name, id] : {std::pair<const char*, int>{"[PAD]", pad_token}, {"[CLS]", cls_token},
-                                 {"[SEP]", sep_token}, {"[MASK]", mask_token}})
+  for (const auto& [name, id] : {std::pair<const char*, int>{"[PAD]", pad_token},
+                                 {"[CLS]", cls_token},
+                                 {"[SEP]", sep_token},
+                                 {"[MASK]", mask_token}})
     vocab[name] = id;
   json added = json::array();
   const char* specials[] = {"[PAD]", "[CLS]", "[SEP]", "[MASK]"};
   for (int k = 0; k < 4; ++k)
-    added.push_back({{"id", pad_token + k}, {"content", specials[k]}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", false}, {"special", true}});
+    added.push_back({{"id", pad_token + k},
+                     {"content", specials[k]},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
   auto special = [](const char* name) { return json{{"SpecialToken", {{"id", name}, {"type_id", 0}}}}; };
-  auto sequence = [](const char* name) { return json{{"Sequence", {{"id", name}, {"type_id", 0}}}}; };  // one token type
-  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
-  json tokenizer = {
-      {"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", added},
-      {"normalizer", nullptr}, {"pre_tokenizer", byte_level},
-      {"post_processor",
-       {{"type", "TemplateProcessing"},
-        {"single", {special("[CLS]"), sequence("A"), special("[SEP]")}},
-        {"pair", {special("[CLS]"), sequence("A"), special("[SEP]"), sequence("B"), special("[SEP]")}},
-        {"special_tokens",
-         {{"[CLS]", {{"id", "[CLS]"}, {"ids", {cls_token}}, {"tokens", {"[CLS]"}}}},
-          {"[SEP]", {{"id", "[SEP]"}, {"ids", {sep_token}}, {"tokens", {"[SEP]"}}}}}}}},
-      {"decoder", byte_level},
-      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", nullptr},
-                 {"end_of_word_suffix", nullptr}, {"fuse_unk", false}, {"byte_fallback", false}, {"vocab", vocab},
-                 {"merges", json::array()}}}};
+  auto sequence = [](const char* name) {
+    return json{{"Sequence", {{"id", name}, {"type_id", 0}}}};
+  };  // one token type
+  const json byte_level = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
+  json tokenizer = {{"version", "1.0"},
+                    {"truncation", nullptr},
+                    {"padding", nullptr},
+                    {"added_tokens", added},
+                    {"normalizer", nullptr},
+                    {"pre_tokenizer", byte_level},
+                    {"post_processor",
+                     {{"type", "TemplateProcessing"},
+                      {"single", {special("[CLS]"), sequence("A"), special("[SEP]")}},
+                      {"pair", {special("[CLS]"), sequence("A"), special("[SEP]"), sequence("B"), special("[SEP]")}},
+                      {"special_tokens",
+                       {{"[CLS]", {{"id", "[CLS]"}, {"ids", {cls_token}}, {"tokens", {"[CLS]"}}}},
+                        {"[SEP]", {{"id", "[SEP]"}, {"ids", {sep_token}}, {"tokens", {"[SEP]"}}}}}}}},
+                    {"decoder", byte_level},
+                    {"model",
+                     {{"type", "BPE"},
+                      {"dropout", nullptr},
+                      {"unk_token", nullptr},
+                      {"continuing_subword_prefix", nullptr},
+                      {"end_of_word_suffix", nullptr},
+                      {"fuse_unk", false},
+                      {"byte_fallback", false},
+                      {"vocab", vocab},
+                      {"merges", json::array()}}}};
   return tokenizer;
 }
 inline json hf_special_tokens() {
@@ -3037,7 +3132,8 @@ inline std::vector<Tensor> named_tensors(const Model<Act>& model, const z2::Engi
   size_t position = 0;
   const auto& infos = engine.parameters();
   for (size_t id = 0; id < infos.size(); ++id) {
-    tensors.push_back(tensor_f32(prefix + infos[id].name, model.tensor_shape((int)id), values.data() + position, infos[id].numel));
+    tensors.push_back(
+        tensor_f32(prefix + infos[id].name, model.tensor_shape((int)id), values.data() + position, infos[id].numel));
     position += infos[id].numel;
   }
   return tensors;
@@ -3064,7 +3160,8 @@ inline void export_hf(const std::string& directory, const Model<Act>& model, con
   json config = hf_config(model.shape());
   if (dumped != z2::Precision::fp32) {
     config["zero2_precision"] = z2::to_string(dumped);
-    config["zero2_weights"] = std::string("the ") + z2::to_string(dumped) + " working weights of the dumped step, as float32";
+    config["zero2_weights"] =
+        std::string("the ") + z2::to_string(dumped) + " working weights of the dumped step, as float32";
   }
   write_output_file(directory + "/config.json", config.dump(2) + "\n");
 }
@@ -3133,8 +3230,8 @@ class Sha256 {
       const uint32_t s1 = rotate(w[t - 2], 17) ^ rotate(w[t - 2], 19) ^ (w[t - 2] >> 10);
       w[t] = w[t - 16] + s0 + w[t - 7] + s1;
     }
-    uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3], e = state_[4], f = state_[5],
-             g = state_[6], h = state_[7];
+    uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3], e = state_[4], f = state_[5], g = state_[6],
+             h = state_[7];
     for (int t = 0; t < 64; ++t) {
       const uint32_t t1 = h + (rotate(e, 6) ^ rotate(e, 11) ^ rotate(e, 25)) + ((e & f) ^ (~e & g)) + k[t] + w[t];
       const uint32_t t2 = (rotate(a, 2) ^ rotate(a, 13) ^ rotate(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
@@ -3242,17 +3339,38 @@ constexpr RecordedSetting recorded_settings[] = {
 
 inline json recorded_values(const Settings& s) {
   const z2::LossScaling& l = s.loss_scaling;
-  return {{"layers", s.layers}, {"hidden", s.hidden}, {"heads", s.heads}, {"intermediate", s.intermediate},
-          {"seq", s.seq}, {"max_positions", s.max_positions}, {"dropout", (double)s.dropout},
-          {"seed", s.seed}, {"micro_batch", s.micro_batch}, {"lr", s.lr}, {"warmup", s.warmup},
-          {"steps", s.steps}, {"schedule_steps", s.schedule_steps}, {"warmup_type", s.warmup_type},
-          {"decay", s.decay}, {"warmup_min_lr", s.warmup_min_lr}, {"bias_correction", s.bias_correction},
-          {"held_out", s.eval_every > 0}, {"eval_every", s.eval_every},
-          {"weight_decay", s.weight_decay}, {"clip", s.clip}, {"beta1", s.beta1},
-          {"beta2", s.beta2}, {"eps", s.eps}, {"precision", s.precision}, {"grad_accum_dtype", s.grad_accum_dtype},
-          {"loss_scale", l.static_scale}, {"initial_scale_power", l.initial_scale_power},
-          {"loss_scale_window", l.window}, {"hysteresis", l.hysteresis},
-          {"consecutive_hysteresis", l.consecutive_hysteresis}, {"min_loss_scale", l.min_scale},
+  return {{"layers", s.layers},
+          {"hidden", s.hidden},
+          {"heads", s.heads},
+          {"intermediate", s.intermediate},
+          {"seq", s.seq},
+          {"max_positions", s.max_positions},
+          {"dropout", (double)s.dropout},
+          {"seed", s.seed},
+          {"micro_batch", s.micro_batch},
+          {"lr", s.lr},
+          {"warmup", s.warmup},
+          {"steps", s.steps},
+          {"schedule_steps", s.schedule_steps},
+          {"warmup_type", s.warmup_type},
+          {"decay", s.decay},
+          {"warmup_min_lr", s.warmup_min_lr},
+          {"bias_correction", s.bias_correction},
+          {"held_out", s.eval_every > 0},
+          {"eval_every", s.eval_every},
+          {"weight_decay", s.weight_decay},
+          {"clip", s.clip},
+          {"beta1", s.beta1},
+          {"beta2", s.beta2},
+          {"eps", s.eps},
+          {"precision", s.precision},
+          {"grad_accum_dtype", s.grad_accum_dtype},
+          {"loss_scale", l.static_scale},
+          {"initial_scale_power", l.initial_scale_power},
+          {"loss_scale_window", l.window},
+          {"hysteresis", l.hysteresis},
+          {"consecutive_hysteresis", l.consecutive_hysteresis},
+          {"min_loss_scale", l.min_scale},
           {"portable", s.portable}};
 }
 
@@ -3267,7 +3385,8 @@ inline const json& index_field(const json& index, const std::string& path, const
   while (start <= path.size()) {
     const size_t dot = std::min(path.find('.', start), path.size());
     const std::string key = path.substr(start, dot - start);
-    if (!here->is_object() || !here->contains(key)) fail("the checkpoint index '%s' lacks '%s'", file.c_str(), name.c_str());
+    if (!here->is_object() || !here->contains(key))
+      fail("the checkpoint index '%s' lacks '%s'", file.c_str(), name.c_str());
     here = &(*here)[key];
     start = dot + 1;
   }
@@ -3307,11 +3426,12 @@ inline std::string checkpoint_step_directory(const std::string& directory) {
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
   const bool well_formed = name.size() > 5 && name.compare(0, 5, "step_") == 0 &&
                            name.find_first_not_of("0123456789", 5) == std::string::npos;
-  if (!well_formed) fail("'%s' should name a step (step_<number>), not '%s'", latest.c_str(), name.substr(0, 64).c_str());
+  if (!well_formed)
+    fail("'%s' should name a step (step_<number>), not '%s'", latest.c_str(), name.substr(0, 64).c_str());
   const std::string step = directory + "/" + name;
   if (!std::filesystem::exists(step + "/index.json"))
-    fail("'%s' names '%s', which is not a complete checkpoint in '%s' (no %s/index.json)", latest.c_str(),
-         name.c_str(), directory.c_str(), name.c_str());
+    fail("'%s' names '%s', which is not a complete checkpoint in '%s' (no %s/index.json)", latest.c_str(), name.c_str(),
+         directory.c_str(), name.c_str());
   return step;
 }
 
@@ -3352,19 +3472,23 @@ inline void adopt_checkpoint_batch(Settings& s, int world_size, const std::strin
     if (micro_batches % world_size == 0) s.accum = (int)std::min(most, micro_batches / world_size);
     else if (records_nothing) s.accum = 1;  // nothing is trained or saved: the split does not matter
     else
-      fail("the checkpoint was saved with N x A = %ld x %ld = %ld micro-batches per step; %d ranks cannot split "
-           "that evenly (use a divisor of %ld ranks)", saved_world, saved_accum, micro_batches, world_size, micro_batches);
+      fail(
+          "the checkpoint was saved with N x A = %ld x %ld = %ld micro-batches per step; %d ranks cannot split "
+          "that evenly (use a divisor of %ld ranks)",
+          saved_world, saved_accum, micro_batches, world_size, micro_batches);
   }
   if ((long)s.accum * world_size != micro_batches && !records_nothing)
-    fail("--accum %d x %d ranks = %ld micro-batches per step, but the checkpoint's steps had %ld (N %ld x A %ld): "
-         "the global batch must stay the same", s.accum, world_size, (long)s.accum * world_size, micro_batches,
-         saved_world, saved_accum);
+    fail(
+        "--accum %d x %d ranks = %ld micro-batches per step, but the checkpoint's steps had %ld (N %ld x A %ld): "
+        "the global batch must stay the same",
+        s.accum, world_size, (long)s.accum * world_size, micro_batches, saved_world, saved_accum);
   // 16-bit accumulation rounds after every micro-step (notes/08): its bits
   // depend on A itself, so only fp32 accumulation may change the split.
   if (s.grad_accum_dtype != "fp32" && s.accum != saved_accum && !records_nothing)
-    fail("the checkpoint accumulates gradients in %s (data_types.grad_accum_dtype), which rounds after every "
-         "micro-step: a different split gives different bits. Resume with %ld ranks (A = %ld)",
-         s.grad_accum_dtype.c_str(), saved_world, saved_accum);
+    fail(
+        "the checkpoint accumulates gradients in %s (data_types.grad_accum_dtype), which rounds after every "
+        "micro-step: a different split gives different bits. Resume with %ld ranks (A = %ld)",
+        s.grad_accum_dtype.c_str(), saved_world, saved_accum);
 }
 
 // The checkpoint's settings into `s`: each recorded setting not given is
@@ -3379,21 +3503,25 @@ inline void adopt_checkpoint(Settings& s, int world_size) {
   const json& saved = index_field(s.checkpoint, "settings", file);
   const bool export_only = s.steps == 0;  // --load DIR --steps 0: export the checkpoint, train nothing
   if (export_only) s.given.erase("--steps");
-  const bool precision_given = s.given.count("--precision") || s.given.count("fp16.enabled") || s.given.count("bf16.enabled");
+  const bool precision_given =
+      s.given.count("--precision") || s.given.count("fp16.enabled") || s.given.count("bf16.enabled");
   const json current = recorded_values(s);
   for (const RecordedSetting& setting : recorded_settings) {
     const json& value = index_field(saved, setting.key, file);
     const bool given = std::string(setting.key) == "precision" ? precision_given : s.given.count(setting.flag) > 0;
     if (given) {
       if (std::string(setting.key) == "held_out" && current[setting.key] != value)
-        fail("--eval-every %ld %s, and the checkpoint's run (in '%s') did %s: the training data would differ", s.eval_every,
+        fail("--eval-every %ld %s, and the checkpoint's run (in '%s') did %s: the training data would differ",
+             s.eval_every,
              s.eval_every > 0 ? "holds the data's tail out of training" : "keeps the data's tail in training",
              s.checkpoint_directory.c_str(),
              value == true ? "hold it out (--eval-every K > 0 continues it)" : "not (leave --eval-every out)");
       if (current[setting.key] != value)
-        fail("%s %s contradicts the checkpoint's %s (in '%s'): a different value changes %s. Leave it out to "
-             "continue as saved", setting.flag, current[setting.key].dump().c_str(), value.dump().c_str(),
-             s.checkpoint_directory.c_str(), setting.what);
+        fail(
+            "%s %s contradicts the checkpoint's %s (in '%s'): a different value changes %s. Leave it out to "
+            "continue as saved",
+            setting.flag, current[setting.key].dump().c_str(), value.dump().c_str(), s.checkpoint_directory.c_str(),
+            setting.what);
       continue;
     }
     if (std::string(setting.key) == "held_out") {
@@ -3404,7 +3532,7 @@ inline void adopt_checkpoint(Settings& s, int world_size) {
       s.precision = parse_choice("the checkpoint's setting 'precision' (in '" + file + "')",
                                  index_string(saved, "precision", file, "settings"), {"fp32", "bf16", "fp16"});
     } else {
-      const std::string text = value.is_boolean() ? (value.get<bool>() ? "1" : "0")
+      const std::string text = value.is_boolean()  ? (value.get<bool>() ? "1" : "0")
                                : value.is_string() ? value.get<std::string>()
                                                    : value.dump();
       apply(s, setting.flag, text, "the checkpoint's setting '" + std::string(setting.key) + "'");
@@ -3456,7 +3584,8 @@ inline std::vector<CheckpointFile> checkpoint_files(const Settings& s, size_t ps
     CheckpointFile entry;
     const std::string name = index_string(files[q], "file", file, where);
     if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
-      fail("the checkpoint index '%s': '%s.file' = \"%s\" is not a file name", file.c_str(), where.c_str(), name.c_str());
+      fail("the checkpoint index '%s': '%s.file' = \"%s\" is not a file name", file.c_str(), where.c_str(),
+           name.c_str());
     entry.path = s.checkpoint_directory + "/" + name;
     entry.sha256 = index_string(files[q], "sha256", file, where);
     entry.begin = (size_t)index_integer(files[q], "begin", file, 0, (long)psi, where);
@@ -3468,7 +3597,8 @@ inline std::vector<CheckpointFile> checkpoint_files(const Settings& s, size_t ps
     covered = entry.end;
     list.push_back(entry);
   }
-  if (covered != psi) fail("the checkpoint index '%s': its files cover %zu of %zu parameters", file.c_str(), covered, psi);
+  if (covered != psi)
+    fail("the checkpoint index '%s': its files cover %zu of %zu parameters", file.c_str(), covered, psi);
   return list;
 }
 
@@ -3495,9 +3625,7 @@ class StateFile {
     json header;
     try {
       header = json::parse(text);
-    } catch (const json::exception&) {
-      damaged("its header (not JSON)");
-    }
+    } catch (const json::exception&) { damaged("its header (not JSON)"); }
     const size_t count = entry.end - entry.begin;
     data_start_ = 8 + length;
     if (!header.is_object()) damaged("its header (not a JSON object)");
@@ -3534,7 +3662,8 @@ class StateFile {
       const ssize_t got = pread(fd_, (char*)into + done, bytes - done, (off_t)(offset + done));
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0)
-        fail("cannot read the checkpoint file '%s': %s", entry_.path.c_str(), got < 0 ? std::strerror(errno) : "it ends early");
+        fail("cannot read the checkpoint file '%s': %s", entry_.path.c_str(),
+             got < 0 ? std::strerror(errno) : "it ends early");
       done += (size_t)got;
     }
   }
@@ -3586,8 +3715,10 @@ inline z2::OptimizerState read_owned_state(const Settings& s, const z2::Engine& 
   for (const z2::ReshardRead& read : z2::reshard_reads(owned, ranges)) {
     if (read.file >= files.size() || read.canonical < files[read.file].begin ||
         read.canonical + read.length > files[read.file].end || read.into + read.length > owned_elements)
-      fail("resharding: a read of %zu elements at %zu from file %zu (into %zu) lies outside the file or the owned "
-           "state", read.length, read.canonical, read.file, read.into);
+      fail(
+          "resharding: a read of %zu elements at %zu from file %zu (into %zu) lies outside the file or the owned "
+          "state",
+          read.length, read.canonical, read.file, read.into);
     if (!opened[read.file]) opened[read.file] = std::make_unique<StateFile>(files[read.file]);
     opened[read.file]->read(0, read.canonical, read.length, state.master.data() + read.into);
     opened[read.file]->read(1, read.canonical, read.length, state.exp_avg.data() + read.into);
@@ -3631,7 +3762,8 @@ inline void check_checkpoint_parameters(const Settings& s, const Model<Act>& mod
     fail("the checkpoint index '%s' lists %zu parameters; this model has %zu", file.c_str(),
          listed.is_array() ? listed.size() : 0, infos.size());
   for (size_t id = 0; id < infos.size(); ++id) {
-    const json expected = {{"name", infos[id].name}, {"shape", model.tensor_shape((int)id)}, {"numel", infos[id].numel}};
+    const json expected = {
+        {"name", infos[id].name}, {"shape", model.tensor_shape((int)id)}, {"numel", infos[id].numel}};
     if (listed[id] != expected)
       fail("the checkpoint index '%s': parameter %zu is %s; this model's is %s", file.c_str(), id,
            listed[id].dump().c_str(), expected.dump().c_str());
@@ -3669,8 +3801,9 @@ inline void catch_interrupts() {
   std::signal(SIGTERM, on_interrupt);
 }
 
-inline const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "a signal"; }
-
+inline const char* signal_name(int signal) {
+  return signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "a signal";
+}
 
 // ----------------------------------------------------------------------------
 // 6. Training
@@ -3744,23 +3877,27 @@ inline void check_same_inputs(const Settings& settings, const std::string& corpu
     long bytes[3];
   };
   Fingerprint mine = {};
-  agree_on_errors(world, [&] {  // reading the config again may fail on one host: agreed before the all-gather
-    int length = 0;
-    MPI_Get_processor_name(mine.host, &length);
-    const std::string index = settings.checkpoint.is_null() ? "" : settings.checkpoint.dump();
-    const std::string config = settings.config.empty() ? "" : read_config_text(settings.config);
-    const std::string* texts[3] = {&corpus, &config, &index};
-    for (int k = 0; k < 3; ++k) {
-      snprintf(mine.sha256[k], 65, "%s", sha256_hex(*texts[k]).c_str());
-      mine.bytes[k] = (long)texts[k]->size();
-    }
-  }, "every rank fingerprinted its inputs");
+  agree_on_errors(
+      world,
+      [&] {  // reading the config again may fail on one host: agreed before the all-gather
+        int length = 0;
+        MPI_Get_processor_name(mine.host, &length);
+        const std::string index = settings.checkpoint.is_null() ? "" : settings.checkpoint.dump();
+        const std::string config = settings.config.empty() ? "" : read_config_text(settings.config);
+        const std::string* texts[3] = {&corpus, &config, &index};
+        for (int k = 0; k < 3; ++k) {
+          snprintf(mine.sha256[k], 65, "%s", sha256_hex(*texts[k]).c_str());
+          mine.bytes[k] = (long)texts[k]->size();
+        }
+      },
+      "every rank fingerprinted its inputs");
   int rank = 0, size = 1;
   MPI_Comm_rank(world, &rank);
   MPI_Comm_size(world, &size);
   std::vector<Fingerprint> all((size_t)size);
   MPI_Request request;
-  Z2_MPI_CHECK(MPI_Iallgather(&mine, (int)sizeof mine, MPI_BYTE, all.data(), (int)sizeof mine, MPI_BYTE, world, &request));
+  Z2_MPI_CHECK(
+      MPI_Iallgather(&mine, (int)sizeof mine, MPI_BYTE, all.data(), (int)sizeof mine, MPI_BYTE, world, &request));
   z2::wait_request(&request, "the all-gather of every rank's input fingerprints");
   const char* names[3] = {"--data", "--config", "--load's index.json"};
   for (int k = 0; k < 3; ++k) {
@@ -3771,9 +3908,10 @@ inline void check_same_inputs(const Settings& settings, const std::string& corpu
                      " has " + z2::with_commas((size_t)all[q].bytes[k]) + " bytes, SHA-256 " +
                      std::string(all[q].sha256[k]).substr(0, 12) + "...";
     if (!differing.empty())
-      fail("%s is not the same file on every rank: rank 0 on %s has %s bytes, SHA-256 %.12s...; %s. Every host "
-           "needs the same copy (notes/07, \"Several machines\")", names[k], all[0].host,
-           z2::with_commas((size_t)all[0].bytes[k]).c_str(), all[0].sha256[k], differing.c_str());
+      fail(
+          "%s is not the same file on every rank: rank 0 on %s has %s bytes, SHA-256 %.12s...; %s. Every host "
+          "needs the same copy (notes/07, \"Several machines\")",
+          names[k], all[0].host, z2::with_commas((size_t)all[0].bytes[k]).c_str(), all[0].sha256[k], differing.c_str());
   }
 }
 
@@ -3793,10 +3931,12 @@ inline std::string read_inputs(const Settings& settings, int rank, MPI_Comm worl
       const std::string sha = index_string(settings.checkpoint, "data.sha256", file);
       const long bytes = index_integer(settings.checkpoint, "data.bytes", file, 0, LONG_MAX);
       if (sha != sha256_hex(corpus) || bytes != (long)corpus.size())
-        fail("this run's data (%s, %s bytes) is not the data the checkpoint '%s' was trained on (%s, %s bytes): "
-             "give that --data", settings.data.empty() ? "the embedded corpus" : settings.data.c_str(),
-             z2::with_commas(corpus.size()).c_str(), settings.checkpoint_directory.c_str(),
-             index_string(settings.checkpoint, "data.source", file).c_str(), z2::with_commas((size_t)bytes).c_str());
+        fail(
+            "this run's data (%s, %s bytes) is not the data the checkpoint '%s' was trained on (%s, %s bytes): "
+            "give that --data",
+            settings.data.empty() ? "the embedded corpus" : settings.data.c_str(),
+            z2::with_commas(corpus.size()).c_str(), settings.checkpoint_directory.c_str(),
+            index_string(settings.checkpoint, "data.source", file).c_str(), z2::with_commas((size_t)bytes).c_str());
     }
   });
   return corpus;
@@ -3835,16 +3975,17 @@ inline z2::EngineOptions engine_options(const Settings& settings, z2::Precision 
 struct RankPlan {
   int stage = 2, world_size = 1;
   z2::EngineBuffers engine;
-  size_t psi = 0;                    // real parameters
-  size_t activation_peak = 0;        // live bytes at the activation peak, for the allocator
-  size_t activation_block = 0;       // the arena's share for them (each buffer rounded to 256)
-  size_t live() const { return engine.live() + activation_peak; }             // the ledger's device peak
+  size_t psi = 0;               // real parameters
+  size_t activation_peak = 0;   // live bytes at the activation peak, for the allocator
+  size_t activation_block = 0;  // the arena's share for them (each buffer rounded to 256)
+  size_t live() const { return engine.live() + activation_peak; }              // the ledger's device peak
   size_t arena_block() const { return engine.reserved() + activation_block; }  // the ledger's reserved (arena)
 };
 
 inline ModelShape shape_of(const Settings& settings) {
-  return ModelShape{settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.seq,
-                    settings.max_positions, settings.micro_batch, settings.dropout, settings.seed, precision_of(settings)};
+  return ModelShape{settings.layers, settings.hidden,        settings.heads,       settings.intermediate,
+                    settings.seq,    settings.max_positions, settings.micro_batch, settings.dropout,
+                    settings.seed,   precision_of(settings)};
 }
 inline ActivationMode mode_of(const Settings& settings) {
   return settings.activations == "recompute" ? ActivationMode::recompute
@@ -3885,12 +4026,13 @@ inline size_t memory_block(const Settings& settings, z2::Allocator allocator, z2
   const double needed = (double)(allocator == z2::Allocator::arena ? plan.arena_block() : plan.live());
   const double available = (double)z2::memory_per_rank(device, world);
   if (needed > available)
-    fail("this configuration needs %s bytes (%.2f GiB) per rank (%s parameters, stage %d, N = %d, activations "
-         "%.2f GiB with --activations %s; --plan shows every category) but %.2f GiB are available per rank on this "
-         "%s: use a smaller model or micro-batch, --activations recompute or offload, a higher stage or more ranks",
-         z2::with_commas((size_t)needed).c_str(), needed / 1073741824.0, z2::with_commas(plan.psi).c_str(),
-         settings.stage, world_size, plan.activation_peak / 1073741824.0, settings.activations.c_str(),
-         available / 1073741824.0, z2::to_string(device));
+    fail(
+        "this configuration needs %s bytes (%.2f GiB) per rank (%s parameters, stage %d, N = %d, activations "
+        "%.2f GiB with --activations %s; --plan shows every category) but %.2f GiB are available per rank on this "
+        "%s: use a smaller model or micro-batch, --activations recompute or offload, a higher stage or more ranks",
+        z2::with_commas((size_t)needed).c_str(), needed / 1073741824.0, z2::with_commas(plan.psi).c_str(),
+        settings.stage, world_size, plan.activation_peak / 1073741824.0, settings.activations.c_str(),
+        available / 1073741824.0, z2::to_string(device));
   if ((double)settings.device_memory_limit > available)
     fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s",
          settings.device_memory_limit, available, z2::to_string(device));
@@ -3961,7 +4103,7 @@ class Training {
   // --eval-every: the held-out tail of the data, and each evaluation's loss.
   std::string training_text_, held_out_;
   json evaluations_ = json::array();
-  int interrupted_by_ = 0;               // the signal that stopped the run early, or 0
+  int interrupted_by_ = 0;  // the signal that stopped the run early, or 0
 };
 
 template <class Act>
@@ -3979,9 +4121,11 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   if (settings_.eval_every > 0) {
     const size_t window = (size_t)settings_.seq - 2, held = std::max(window, corpus_.size() / 20);
     if (corpus_.size() < held + window)
-      fail("--eval-every holds out the data's last %s bytes (5%%, at least one window of --seq - 2), leaving %s "
-           "bytes to train on; a window needs %zu: give more data or a shorter --seq",
-           z2::with_commas(held).c_str(), z2::with_commas(corpus_.size() - std::min(held, corpus_.size())).c_str(), window);
+      fail(
+          "--eval-every holds out the data's last %s bytes (5%%, at least one window of --seq - 2), leaving %s "
+          "bytes to train on; a window needs %zu: give more data or a shorter --seq",
+          z2::with_commas(held).c_str(), z2::with_commas(corpus_.size() - std::min(held, corpus_.size())).c_str(),
+          window);
     held_out_ = corpus_.substr(corpus_.size() - held);
     training_text_.resize(corpus_.size() - held);
   }
@@ -4000,15 +4144,17 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   mode_ = mode_of(settings_);
   allocator_ = allocator_of(settings_);
   if (allocator_ == z2::Allocator::direct && device_ != z2::Device::cuda)
-    fail("--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU (--device cuda); on the cpu "
-         "use --alloc caching, the model of PyTorch's caching allocator");
+    fail(
+        "--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU (--device cuda); on the cpu "
+        "use --alloc caching, the model of PyTorch's caching allocator");
   const size_t capacity = memory_block(settings_, allocator_, device_, world_size_, world_);
   // Reserving can fail on one rank only (ranks sharing a GPU measured its
   // free memory at slightly different times), so the ranks agree.
-  agree_on_errors(world_, [&] { compute_->use_allocator(allocator_, capacity); }, "every rank has its memory");
-  comm_ = std::make_unique<z2::Communicator>(*compute_, world_, comm_backend_,
-                                             settings_.collectives == "native" ? z2::Collectives::native
-                                                                               : z2::Collectives::deterministic);
+  agree_on_errors(
+      world_, [&] { compute_->use_allocator(allocator_, capacity); }, "every rank has its memory");
+  comm_ = std::make_unique<z2::Communicator>(
+      *compute_, world_, comm_backend_,
+      settings_.collectives == "native" ? z2::Collectives::native : z2::Collectives::deterministic);
   engine_ = std::make_unique<z2::Engine>(*compute_, *comm_, engine_options(settings_, precision_));
   model_ = std::make_unique<Model<Act>>(*compute_, *engine_, shape_, mode_);
   model_->time_phases(settings_.wall_clock_breakdown);
@@ -4026,11 +4172,14 @@ void Training<Act>::load_checkpoint() {
   const auto start = std::chrono::steady_clock::now();
   z2::OptimizerState state;
   z2::TrainingProgress progress;
-  agree_on_errors(world_, [&] {
-    check_checkpoint_parameters(settings_, *model_, *engine_);
-    progress = checkpoint_progress(settings_);
-    state = read_owned_state(settings_, *engine_, rank_, world_size_);
-  }, "every rank read its part of the checkpoint");
+  agree_on_errors(
+      world_,
+      [&] {
+        check_checkpoint_parameters(settings_, *model_, *engine_);
+        progress = checkpoint_progress(settings_);
+        state = read_owned_state(settings_, *engine_, rank_, world_size_);
+      },
+      "every rank read its part of the checkpoint");
   engine_->owned_state_from_host(state);
   engine_->restore_training_progress(progress);
   const std::string file = settings_.checkpoint_directory + "/index.json";
@@ -4056,12 +4205,15 @@ void Training<Act>::save_checkpoint() {
   const std::string directory = settings_.save_dir + "/" + name;
   const std::string incomplete = incomplete_step_directory(settings_.save_dir, progress.steps_taken);
   z2::set_watchdog_context("the checkpoint of step " + std::to_string(progress.steps_taken));
-  agree_on_errors(world_, [&] {
-    if (rank_ != 0) return;
-    std::error_code ignored;
-    std::filesystem::remove_all(incomplete, ignored);  // left by a save that was killed
-    prepare_directory("--save", incomplete);
-  }, "the checkpoint's directory was made");
+  agree_on_errors(
+      world_,
+      [&] {
+        if (rank_ != 0) return;
+        std::error_code ignored;
+        std::filesystem::remove_all(incomplete, ignored);  // left by a save that was killed
+        prepare_directory("--save", incomplete);
+      },
+      "the checkpoint's directory was made");
   const size_t psi = engine_->psi();
   const auto [begin, end] = file_range(psi, rank_, world_size_);
   const z2::OptimizerState state = engine_->state_range_to_host(begin, end);
@@ -4069,15 +4221,16 @@ void Training<Act>::save_checkpoint() {
   snprintf(range[0], sizeof range[0], "%zu", begin);
   snprintf(range[1], sizeof range[1], "%zu", end);
   const long count = (long)(end - begin);
-  const std::string contents = safetensors_bytes(
-      {tensor_f32("master", {count}, state.master.data(), state.master.size()),
-       tensor_f32("exp_avg", {count}, state.exp_avg.data(), state.exp_avg.size()),
-       tensor_f32("exp_avg_sq", {count}, state.exp_avg_sq.data(), state.exp_avg_sq.size())},
-      {{"format", "zero2"}, {"begin", range[0]}, {"end", range[1]}});
+  const std::string contents =
+      safetensors_bytes({tensor_f32("master", {count}, state.master.data(), state.master.size()),
+                         tensor_f32("exp_avg", {count}, state.exp_avg.data(), state.exp_avg.size()),
+                         tensor_f32("exp_avg_sq", {count}, state.exp_avg_sq.data(), state.exp_avg_sq.size())},
+                        {{"format", "zero2"}, {"begin", range[0]}, {"end", range[1]}});
   char sha[65] = {};
   snprintf(sha, sizeof sha, "%s", sha256_hex(contents).c_str());
-  agree_on_errors(world_, [&] { write_output_file(incomplete + "/" + rank_file_name(rank_), contents); },
-                  "every rank's checkpoint file was written");
+  agree_on_errors(
+      world_, [&] { write_output_file(incomplete + "/" + rank_file_name(rank_), contents); },
+      "every rank's checkpoint file was written");
   // Every file's SHA-256 and size to rank 0, for the index.
   std::vector<char> shas(rank_ == 0 ? 65 * (size_t)world_size_ : 0);
   std::vector<long> sizes(rank_ == 0 ? world_size_ : 0);
@@ -4088,52 +4241,61 @@ void Training<Act>::save_checkpoint() {
   z2::wait_request(&requests[0], "the gather of the checkpoint files' SHA-256");
   z2::wait_request(&requests[1], "the gather of the checkpoint files' sizes");
   long total_bytes = 0;
-  agree_on_errors(world_, [&] {
-    if (rank_ != 0) return;
-    json files = json::array();
-    for (int q = 0; q < world_size_; ++q) {
-      const auto [low, high] = file_range(psi, q, world_size_);
-      files.push_back({{"file", rank_file_name(q)}, {"begin", low}, {"end", high}, {"bytes", sizes[q]},
-                       {"sha256", std::string(shas.data() + 65 * q)}});
-      total_bytes += sizes[q];
-    }
-    json parameters = json::array();
-    for (size_t id = 0; id < engine_->parameters().size(); ++id)
-      parameters.push_back({{"name", engine_->parameters()[id].name},
-                            {"shape", model_->tensor_shape((int)id)},
-                            {"numel", engine_->parameters()[id].numel}});
-    const json index = {
-        {"format", "zero2 checkpoint"},
-        {"version", checkpoint_version},
-        {"step", progress.steps_taken},
-        {"world_size", world_size_},
-        {"accum", settings_.accum},
-        {"stage", settings_.stage},
-        {"precision", settings_.precision},
-        {"vocab_size", vocab_size},
-        {"settings", recorded_values(settings_)},
-        // Absolute: a run resumed from another working directory finds it.
-        {"data", {{"source", settings_.data.empty() ? std::string("embedded") : std::filesystem::absolute(settings_.data).string()},
-                  {"bytes", corpus_.size()},
-                  {"sha256", sha256_hex(corpus_)},
-                  {"cursor", "the data of step s is drawn from (seed, s, micro-batch): resuming at step s needs s only"}}},
-        {"progress", {{"steps_taken", progress.steps_taken},
-                      {"applied", progress.applied},
-                      {"skipped", progress.skipped},
-                      {"loss_scale", progress.scaler.scale},
-                      {"hysteresis_left", progress.scaler.hysteresis_left},
-                      {"scaler_iteration", progress.scaler.iteration},
-                      {"last_overflow", progress.scaler.last_overflow}}},
-        {"psi", psi},
-        {"parameters", parameters},
-        {"files", files}};
-    write_output_file(incomplete + "/index.json", index.dump(2) + "\n");
-    publish_step(incomplete, directory);
-    write_output_file(settings_.save_dir + "/latest", name + "\n");  // last: the step is complete
-    std::error_code ignored;
-    std::filesystem::remove_all(incomplete, ignored);  // the step it replaced, if any
-    prune_checkpoints(progress.steps_taken);
-  }, "the checkpoint's index was written");
+  agree_on_errors(
+      world_,
+      [&] {
+        if (rank_ != 0) return;
+        json files = json::array();
+        for (int q = 0; q < world_size_; ++q) {
+          const auto [low, high] = file_range(psi, q, world_size_);
+          files.push_back({{"file", rank_file_name(q)},
+                           {"begin", low},
+                           {"end", high},
+                           {"bytes", sizes[q]},
+                           {"sha256", std::string(shas.data() + 65 * q)}});
+          total_bytes += sizes[q];
+        }
+        json parameters = json::array();
+        for (size_t id = 0; id < engine_->parameters().size(); ++id)
+          parameters.push_back({{"name", engine_->parameters()[id].name},
+                                {"shape", model_->tensor_shape((int)id)},
+                                {"numel", engine_->parameters()[id].numel}});
+        const json index = {
+            {"format", "zero2 checkpoint"},
+            {"version", checkpoint_version},
+            {"step", progress.steps_taken},
+            {"world_size", world_size_},
+            {"accum", settings_.accum},
+            {"stage", settings_.stage},
+            {"precision", settings_.precision},
+            {"vocab_size", vocab_size},
+            {"settings", recorded_values(settings_)},
+            // Absolute: a run resumed from another working directory finds it.
+            {"data",
+             {{"source",
+               settings_.data.empty() ? std::string("embedded") : std::filesystem::absolute(settings_.data).string()},
+              {"bytes", corpus_.size()},
+              {"sha256", sha256_hex(corpus_)},
+              {"cursor", "the data of step s is drawn from (seed, s, micro-batch): resuming at step s needs s only"}}},
+            {"progress",
+             {{"steps_taken", progress.steps_taken},
+              {"applied", progress.applied},
+              {"skipped", progress.skipped},
+              {"loss_scale", progress.scaler.scale},
+              {"hysteresis_left", progress.scaler.hysteresis_left},
+              {"scaler_iteration", progress.scaler.iteration},
+              {"last_overflow", progress.scaler.last_overflow}}},
+            {"psi", psi},
+            {"parameters", parameters},
+            {"files", files}};
+        write_output_file(incomplete + "/index.json", index.dump(2) + "\n");
+        publish_step(incomplete, directory);
+        write_output_file(settings_.save_dir + "/latest", name + "\n");  // last: the step is complete
+        std::error_code ignored;
+        std::filesystem::remove_all(incomplete, ignored);  // the step it replaced, if any
+        prune_checkpoints(progress.steps_taken);
+      },
+      "the checkpoint's index was written");
   saved_.push_back({{"directory", directory},
                     {"step", progress.steps_taken},
                     {"bytes", total_bytes},
@@ -4150,9 +4312,8 @@ void Training<Act>::prune_checkpoints(long keep_step) const {
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(settings_.save_dir, error)) {
     const std::string name = entry.path().filename().string();
-    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos ||
-        name.size() > 5 + 18 || !entry.is_directory())
-    {
+    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos || name.size() > 5 + 18 || !entry.is_directory()) {
       // A save killed before it was complete left .step_<k>.incomplete.
       if (name.size() > 16 && name[0] == '.' && name.compare(name.size() - 11, 11, ".incomplete") == 0)
         std::filesystem::remove_all(entry.path(), error);
@@ -4176,12 +4337,13 @@ void Training<Act>::print_schedule() const {
   const Settings& s = settings_;
   char from[48] = "";
   if (s.warmup_min_lr > 0) snprintf(from, sizeof from, " from %g", s.warmup_min_lr);
-  std::string after = s.decay == "none" ? "then constant" : "then linear decay over " + std::to_string(s.schedule_steps) + " steps";
+  std::string after =
+      s.decay == "none" ? "then constant" : "then linear decay over " + std::to_string(s.schedule_steps) + " steps";
   if (s.decay != "none" && s.warmup_min_lr > 0) after += " back toward " + std::string(from + 6);
   const std::string warmup = s.warmup == 0 ? std::string("no warmup,")
-                                            : "warmup " + std::to_string(s.warmup) + " (" + s.warmup_type + ")" + from;
-  printf("  optimizer AdamW%s lr %g, %s %s, weight decay %g, clip %g\n", s.bias_correction ? "" : " (no bias correction)",
-         s.lr, warmup.c_str(), after.c_str(), s.weight_decay, s.clip);
+                                           : "warmup " + std::to_string(s.warmup) + " (" + s.warmup_type + ")" + from;
+  printf("  optimizer AdamW%s lr %g, %s %s, weight decay %g, clip %g\n",
+         s.bias_correction ? "" : " (no bias correction)", s.lr, warmup.c_str(), after.c_str(), s.weight_decay, s.clip);
   if (s.schedule_steps != s.steps)
     printf("  steps     %ld of the schedule's %ld (--steps; total_num_steps / --schedule-steps set the schedule)\n",
            s.steps, s.schedule_steps);
@@ -4206,13 +4368,13 @@ void Training<Act>::print_header() const {
   if (precision_ == z2::Precision::fp32)
     printf("  precision fp32: parameters, gradients, AdamW state and activations in fp32\n");
   else
-    printf("  precision %s: %s parameters, gradients and activations, fp32 master weights and AdamW state "
-           "(K = 12); sums in fp32, accumulation in %s\n",
-           settings_.precision.c_str(), settings_.precision.c_str(), settings_.grad_accum_dtype.c_str());
+    printf(
+        "  precision %s: %s parameters, gradients and activations, fp32 master weights and AdamW state "
+        "(K = 12); sums in fp32, accumulation in %s\n",
+        settings_.precision.c_str(), settings_.precision.c_str(), settings_.grad_accum_dtype.c_str());
   if (precision_ == z2::Precision::fp16) {
     const z2::LossScaling& l = settings_.loss_scaling;
-    if (l.static_scale > 0)
-      printf("  loss scale static %s (fp16.loss_scale)\n", scale_text(l.static_scale).c_str());
+    if (l.static_scale > 0) printf("  loss scale static %s (fp16.loss_scale)\n", scale_text(l.static_scale).c_str());
     else
       printf("  loss scale dynamic: 2^%d, doubled after %ld clean steps, halved after %d overflow(s), at least %s\n",
              l.initial_scale_power, l.window, l.hysteresis, scale_text(l.min_scale).c_str());
@@ -4227,24 +4389,29 @@ void Training<Act>::print_header() const {
   printf("  data      %s (%s bytes), seed %llu%s\n",
          settings_.data.empty() ? "embedded corpus (data/corpus.txt)" : settings_.data.c_str(),
          z2::with_commas((size_t)corpus_.size()).c_str(), (unsigned long long)settings_.seed,
-         held_out_.empty() ? "" : ("; the last " + z2::with_commas(held_out_.size()) + " held out for --eval-every").c_str());
+         held_out_.empty()
+             ? ""
+             : ("; the last " + z2::with_commas(held_out_.size()) + " held out for --eval-every").c_str());
   print_schedule();
   for (const std::string& line : settings_.config_notes) printf("  config    %s\n", line.c_str());
-  printf("  memory    --activations %s, --alloc %s: %s %s bytes per rank (%s)\n",
-         settings_.activations.c_str(), settings_.alloc.c_str(),
+  printf("  memory    --activations %s, --alloc %s: %s %s bytes per rank (%s)\n", settings_.activations.c_str(),
+         settings_.alloc.c_str(),
          allocator_ == z2::Allocator::arena || allocator_ == z2::Allocator::naive
              ? "one block of"
              : "segments taken as needed (caching) or cudaMalloc per tensor (cuda) within a limit of",
          z2::with_commas(compute_->capacity()).c_str(),
-         settings_.device_memory_limit > 0 ? "--device-memory-limit" : "default: twice the plan's need (--plan) + 64 MiB, at most 90% of what is free");
+         settings_.device_memory_limit > 0
+             ? "--device-memory-limit"
+             : "default: twice the plan's need (--plan) + 64 MiB, at most 90% of what is free");
   const size_t checkpoint_bytes = (size_t)B * T * settings_.hidden * sizeof(Act);
-  printf("  activations per rank: device peak %s bytes by the formula%s\n",
-         z2::with_commas(activation_peak_bytes(shape_, mode_, allocator_ == z2::Allocator::arena)).c_str(),
-         mode_ == ActivationMode::offload
-             ? (" (bound: one block + 2 checkpoints = " + z2::with_commas(offload_activation_bound(shape_)) +
-                "); host " + z2::with_commas((size_t)(settings_.layers - 1) * checkpoint_bytes) + " (L - 1 checkpoints)")
-                   .c_str()
-             : "");
+  printf(
+      "  activations per rank: device peak %s bytes by the formula%s\n",
+      z2::with_commas(activation_peak_bytes(shape_, mode_, allocator_ == z2::Allocator::arena)).c_str(),
+      mode_ == ActivationMode::offload
+          ? (" (bound: one block + 2 checkpoints = " + z2::with_commas(offload_activation_bound(shape_)) + "); host " +
+             z2::with_commas((size_t)(settings_.layers - 1) * checkpoint_bytes) + " (L - 1 checkpoints)")
+                .c_str()
+          : "");
   printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",
          z2::with_commas((size_t)start_ledger_.model_states).c_str(),
          z2::model_states_formula_text(settings_.stage, precision_),
@@ -4257,10 +4424,12 @@ void Training<Act>::print_header() const {
            settings_.precision.c_str(), loaded_["seconds"].get<double>());
   if (!settings_.save_dir.empty())
     printf("  save      %s/step_<s>: %s, keeping the newest %d\n", settings_.save_dir.c_str(),
-           settings_.save_every > 0 ? ("every " + std::to_string(settings_.save_every) + " steps and at the end").c_str()
-                                    : "at the end",
+           settings_.save_every > 0
+               ? ("every " + std::to_string(settings_.save_every) + " steps and at the end").c_str()
+               : "at the end",
            settings_.save_keep);
-  if (loaded_.is_null()) printf("  initial loss should be near ln(%d) = %.3f\n", vocab_size, std::log((double)vocab_size));
+  if (loaded_.is_null())
+    printf("  initial loss should be near ln(%d) = %.3f\n", vocab_size, std::log((double)vocab_size));
   printf("\n");
   fflush(stdout);
 }
@@ -4314,43 +4483,56 @@ void Training<Act>::train_step(long step) {
 template <class Act>
 void Training<Act>::write_memory_trace() {
   compute_->set_tracing(false);
-  agree_on_errors(world_, [&] {
-    if (rank_ != 0) return;
-    std::ostringstream csv;
-    csv << "event,live_bytes,reserved_bytes,activation_bytes,free_pieces\n";
-    for (size_t k = 0; k < compute_->trace().size(); ++k) {
-      const z2::MemorySample& sample = compute_->trace()[k];
-      csv << k << ',' << sample.live << ',' << sample.reserved << ',' << sample.activations << ','
-          << sample.free_pieces << '\n';
-    }
-    write_output_file(settings_.memory_trace, csv.str());
-  }, "the memory trace was written");
+  agree_on_errors(
+      world_,
+      [&] {
+        if (rank_ != 0) return;
+        std::ostringstream csv;
+        csv << "event,live_bytes,reserved_bytes,activation_bytes,free_pieces\n";
+        for (size_t k = 0; k < compute_->trace().size(); ++k) {
+          const z2::MemorySample& sample = compute_->trace()[k];
+          csv << k << ',' << sample.live << ',' << sample.reserved << ',' << sample.activations << ','
+              << sample.free_pieces << '\n';
+        }
+        write_output_file(settings_.memory_trace, csv.str());
+      },
+      "the memory trace was written");
 }
 
 // Step 0, one rank: the weights, batch, loss and gradients of this step.
 template <class Act>
 void Training<Act>::write_dump(const z2::StepReport& report, const std::vector<float>& gradients) {
-  agree_on_errors(world_, [&] {
-    const int T = settings_.seq;
-    std::vector<Tensor> tensors = named_tensors(*model_, *engine_, gradients, "grad.");
-    std::vector<int64_t> ids, labels;
-    for (auto& batch : dump_batches_) {
-      ids.insert(ids.end(), batch.tokens.begin(), batch.tokens.end());
-      labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
-    }
-    const long rows = (long)dump_batches_.size() * settings_.micro_batch;
-    tensors.push_back({"input_ids", "I64", {rows, T}, std::string((const char*)ids.data(), ids.size() * 8)});
-    tensors.push_back({"labels", "I64", {rows, T}, std::string((const char*)labels.data(), labels.size() * 8)});
-    tensors.push_back(tensor_f32("loss", {}, &report.loss, 1));
-    char text[7][40];
-    const double values[] = {report.lr, settings_.beta1, settings_.beta2, settings_.eps, settings_.weight_decay,
-                             settings_.clip, settings_.dropout};
-    for (int k = 0; k < 7; ++k) snprintf(text[k], sizeof text[k], "%.17g", values[k]);
-    write_safetensors(settings_.dump_dir + "/batch.safetensors", tensors,
-                      {{"format", "pt"}, {"lr", text[0]}, {"beta1", text[1]}, {"beta2", text[2]}, {"eps", text[3]},
-                       {"weight_decay", text[4]}, {"clip", text[5]}, {"dropout", text[6]}});
-    export_hf(settings_.dump_dir, *model_, *engine_, dump_weights_, precision_);
-  }, "the batch dump was written");
+  agree_on_errors(
+      world_,
+      [&] {
+        const int T = settings_.seq;
+        std::vector<Tensor> tensors = named_tensors(*model_, *engine_, gradients, "grad.");
+        std::vector<int64_t> ids, labels;
+        for (auto& batch : dump_batches_) {
+          ids.insert(ids.end(), batch.tokens.begin(), batch.tokens.end());
+          labels.insert(labels.end(), batch.labels.begin(), batch.labels.end());
+        }
+        const long rows = (long)dump_batches_.size() * settings_.micro_batch;
+        tensors.push_back({"input_ids", "I64", {rows, T}, std::string((const char*)ids.data(), ids.size() * 8)});
+        tensors.push_back({"labels", "I64", {rows, T}, std::string((const char*)labels.data(), labels.size() * 8)});
+        tensors.push_back(tensor_f32("loss", {}, &report.loss, 1));
+        char text[7][40];
+        const double values[] = {report.lr,        settings_.beta1,        settings_.beta2,
+                                 settings_.eps,    settings_.weight_decay, settings_.clip,
+                                 settings_.dropout};
+        for (int k = 0; k < 7; ++k) snprintf(text[k], sizeof text[k], "%.17g", values[k]);
+        write_safetensors(settings_.dump_dir + "/batch.safetensors", tensors,
+                          {{"format", "pt"},
+                           {"lr", text[0]},
+                           {"beta1", text[1]},
+                           {"beta2", text[2]},
+                           {"eps", text[3]},
+                           {"weight_decay", text[4]},
+                           {"clip", text[5]},
+                           {"dropout", text[6]}});
+        export_hf(settings_.dump_dir, *model_, *engine_, dump_weights_, precision_);
+      },
+      "the batch dump was written");
 }
 
 // The MLM loss on --eval-batches micro-batches of held-out windows, without
@@ -4367,7 +4549,8 @@ float Training<Act>::evaluate() const {
   const float loss_scale = 1.0f / (float)std::max(1l, selected);
   model_->set_evaluation(true);
   float loss = 0.0f;
-  for (int m = 0; m < E; ++m) loss += model_->run(make_batch(held_out_, settings_.seed, key, m, B, T), key, m, loss_scale, false);
+  for (int m = 0; m < E; ++m)
+    loss += model_->run(make_batch(held_out_, settings_.seed, key, m, B, T), key, m, loss_scale, false);
   model_->set_evaluation(false);
   return loss;
 }
@@ -4378,8 +4561,12 @@ void Training<Act>::log_evaluation(long step) {
   evaluations_.push_back({{"step", step}, {"loss", loss}, {"loss_bits", hex32(loss)}});
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - training_start_).count();
   if (!settings_.metrics.empty())
-    agree_on_errors(world_, [&] { if (metrics_) metrics_->append({{"step", step}, {"eval_loss", loss}, {"elapsed_s", elapsed}}); },
-                    "the --metrics line was written");
+    agree_on_errors(
+        world_,
+        [&] {
+          if (metrics_) metrics_->append({{"step", step}, {"eval_loss", loss}, {"elapsed_s", elapsed}});
+        },
+        "the --metrics line was written");
   if (speak_) {
     printf("  eval      step %ld: loss %.4f on %d held-out micro-batch(es) of %d\n", step, loss, settings_.eval_batches,
            settings_.micro_batch);
@@ -4396,10 +4583,12 @@ void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
       printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %s: step skipped (%ld so far); scale now %s%s\n",
              report.step, settings_.steps, scale_text(report.loss_scale).c_str(), engine_->skipped_steps(),
              scale_text(engine_->loss_scaler().scale()).c_str(),
-             engine_->loss_scaler().scale() == report.loss_scale && engine_->loss_scaler().dynamic() ? " (hysteresis)" : "");
+             engine_->loss_scaler().scale() == report.loss_scale && engine_->loss_scaler().dynamic() ? " (hysteresis)"
+                                                                                                     : "");
     return;
   }
-  if (report.step != 1 && report.step % settings_.log_every != 0 && report.step != settings_.steps && records_.size() != 1)
+  if (report.step != 1 && report.step % settings_.log_every != 0 && report.step != settings_.steps &&
+      records_.size() != 1)
     return;
   // Elapsed since this run's first step; the ETA from this run's mean step.
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - training_start_).count();
@@ -4410,28 +4599,42 @@ void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
   // Every rank logs the same steps, so all can agree on rank 0's write (a
   // full disk ends every rank, not only the writer).
   if (!settings_.metrics.empty())
-    agree_on_errors(world_, [&] {
-      if (metrics_)
-        metrics_->append({{"step", report.step}, {"loss", report.loss}, {"loss_mean", mean_loss},
-                          {"losses_in_mean", losses_since_log_}, {"grad_norm", report.grad_norm}, {"lr", report.lr},
-                          {"loss_scale", report.loss_scale}, {"skipped_so_far", engine_->skipped_steps()},
-                          {"tokens_per_s", records_.back().tokens_per_s}, {"step_ms", ms}, {"elapsed_s", elapsed},
-                          {"eta_s", eta}, {"memory_mib", memory.total_current / 1048576.0}});
-    }, "the --metrics line was written");
+    agree_on_errors(
+        world_,
+        [&] {
+          if (metrics_)
+            metrics_->append({{"step", report.step},
+                              {"loss", report.loss},
+                              {"loss_mean", mean_loss},
+                              {"losses_in_mean", losses_since_log_},
+                              {"grad_norm", report.grad_norm},
+                              {"lr", report.lr},
+                              {"loss_scale", report.loss_scale},
+                              {"skipped_so_far", engine_->skipped_steps()},
+                              {"tokens_per_s", records_.back().tokens_per_s},
+                              {"step_ms", ms},
+                              {"elapsed_s", elapsed},
+                              {"eta_s", eta},
+                              {"memory_mib", memory.total_current / 1048576.0}});
+        },
+        "the --metrics line was written");
   loss_since_log_ = 0, losses_since_log_ = 0;
   if (!speak_) return;
   char scale[48] = "";
-  if (precision_ == z2::Precision::fp16) snprintf(scale, sizeof scale, " | scale %s", scale_text(report.loss_scale).c_str());
+  if (precision_ == z2::Precision::fp16)
+    snprintf(scale, sizeof scale, " | scale %s", scale_text(report.loss_scale).c_str());
   printf("step %5ld/%ld | loss %.4f | grad norm %8.4f | lr %.2e%s | %9s tok/s | %8.1f ms | %s %.1f MiB | %s, ETA %s\n",
          report.step, settings_.steps, report.loss, report.grad_norm, report.lr, scale,
          z2::with_commas((size_t)std::llround(records_.back().tokens_per_s)).c_str(), ms,
-         device_ == z2::Device::cuda ? "device" : "memory", memory.total_current / 1048576.0, clock_text(elapsed).c_str(),
-         clock_text(eta).c_str());
+         device_ == z2::Device::cuda ? "device" : "memory", memory.total_current / 1048576.0,
+         clock_text(elapsed).c_str(), clock_text(eta).c_str());
   if (settings_.wall_clock_breakdown) {  // DeepSpeed's breakdown: this step's phases, over its A micro-steps
     const StepRecord& r = records_.back();
-    printf("  time (ms) | forward %.2f | backward %.2f | step %.2f | other %.2f (communication overlaps backward "
-           "and the step)\n", r.forward_ms, r.backward_ms, r.optimizer_ms,
-           std::max(0.0, r.ms - r.forward_ms - r.backward_ms - r.optimizer_ms));
+    printf(
+        "  time (ms) | forward %.2f | backward %.2f | step %.2f | other %.2f (communication overlaps backward "
+        "and the step)\n",
+        r.forward_ms, r.backward_ms, r.optimizer_ms,
+        std::max(0.0, r.ms - r.forward_ms - r.backward_ms - r.optimizer_ms));
   }
   fflush(stdout);
 }
@@ -4442,8 +4645,12 @@ int Training<Act>::run() {
   // Rank 0 writes; every rank learns whether it could (or it would wait in
   // the first step's collectives for a rank that left).
   if (!settings_.metrics.empty())
-    agree_on_errors(world_, [&] { if (rank_ == 0) metrics_ = std::make_unique<MetricsStream>(settings_.metrics); },
-                    "the --metrics file was made");
+    agree_on_errors(
+        world_,
+        [&] {
+          if (rank_ == 0) metrics_ = std::make_unique<MetricsStream>(settings_.metrics);
+        },
+        "the --metrics file was made");
   training_start_ = std::chrono::steady_clock::now();
   catch_interrupts();
   const long first_step = engine_->training_progress().steps_taken;
@@ -4466,18 +4673,24 @@ int Training<Act>::run() {
   // re-slices a checkpoint without a step.
   const long now = engine_->training_progress().steps_taken;
   if (!settings_.save_dir.empty() && (saved_.empty() || saved_.back()["step"].get<long>() != now)) save_checkpoint();
-  z2::set_watchdog_context("the end of the run, after step " + std::to_string(engine_->training_progress().steps_taken));
+  z2::set_watchdog_context("the end of the run, after step " +
+                           std::to_string(engine_->training_progress().steps_taken));
   // The fp32 master weights (collective: sharded in mixed precision stages 1, 2).
   const std::vector<float> final_parameters = engine_->parameters_to_host();
   char hash[24];
-  snprintf(hash, sizeof hash, "%016llx", (unsigned long long)z2::fnv1a64(final_parameters.data(), final_parameters.size()));
+  snprintf(hash, sizeof hash, "%016llx",
+           (unsigned long long)z2::fnv1a64(final_parameters.data(), final_parameters.size()));
   // The export is the trained model: an interrupted run has a checkpoint instead (--save).
-  agree_on_errors(world_, [&] {
-    if (rank_ == 0 && !settings_.export_dir.empty() && interrupted_by_ == 0)
-      export_hf(settings_.export_dir, *model_, *engine_, final_parameters);
-  }, "the export was written");
+  agree_on_errors(
+      world_,
+      [&] {
+        if (rank_ == 0 && !settings_.export_dir.empty() && interrupted_by_ == 0)
+          export_hf(settings_.export_dir, *model_, *engine_, final_parameters);
+      },
+      "the export was written");
   if (speak_) print_summary(final_parameters, hash);
-  agree_on_errors(world_, [&] { write_json(hash); }, "the JSON summary was written");
+  agree_on_errors(
+      world_, [&] { write_json(hash); }, "the JSON summary was written");
   // Every rank reaches here before any finalizes: a rank stopped now would
   // otherwise leave the others in MPI_Finalize, where no watchdog runs.
   MPI_Request finished;
@@ -4505,8 +4718,8 @@ void Training<Act>::print_summary(const std::vector<float>& final_parameters, co
     printf("  %-24s %s\n", "tokens/s (median step)",
            z2::with_commas((size_t)std::llround(tokens_per_step_ / (median_ms / 1000.0))).c_str());
   } else {
-    printf("  %-24s none (the run starts at step %ld of %ld)\n", "steps trained", engine_->training_progress().steps_taken,
-           settings_.steps);
+    printf("  %-24s none (the run starts at step %ld of %ld)\n", "steps trained",
+           engine_->training_progress().steps_taken, settings_.steps);
   }
   printf("  %-24s %s%s\n", "final params hash", hash.c_str(),
          precision_ == z2::Precision::fp32 ? "" : " (of the fp32 master weights)");
@@ -4528,41 +4741,55 @@ template <class Act>
 void Training<Act>::write_json(const std::string& hash) const {
   if (rank_ != 0 || settings_.json_path.empty()) return;
   json summary = json::parse(engine_->ledgers_json());
-  json out = {{"world_size", world_size_},
-              {"device", z2::to_string(device_)},
-              {"comm", z2::to_string(comm_backend_)},
-              {"collectives", settings_.collectives},
-              {"stage", settings_.stage},
-              {"precision", settings_.precision},
-              {"portable", settings_.portable},
-              {"grad_accum_dtype", settings_.grad_accum_dtype},
-              {"loss_scale", engine_->loss_scaler().scale()},
-              {"skipped_steps", engine_->skipped_steps()},
-              {"activations", settings_.activations},
-              {"alloc", settings_.alloc},
-              {"device_memory_limit", settings_.device_memory_limit},
-              {"activation_peak_formula_bytes", activation_peak_bytes(shape_, mode_, allocator_ == z2::Allocator::arena)},
-              {"offload_activation_bound_bytes", offload_activation_bound(shape_)},
-              {"accum", settings_.accum},
-              {"micro_batch", settings_.micro_batch},
-              {"seq", settings_.seq},
-              {"overlap", settings_.overlap},
-              {"bucket", settings_.bucket},
-              {"params", engine_->psi()},
-              {"params_padded", engine_->psi_padded()},
-              {"tokens_per_step", tokens_per_step_},
-              {"steps_total", settings_.steps},
-              {"schedule", {{"lr", settings_.lr}, {"warmup", settings_.warmup}, {"warmup_type", settings_.warmup_type},
-                            {"warmup_min_lr", settings_.warmup_min_lr}, {"decay", settings_.decay},
-                            {"schedule_steps", settings_.schedule_steps}}},
-              {"optimizer", {{"betas", {settings_.beta1, settings_.beta2}}, {"eps", settings_.eps},
-                             {"weight_decay", settings_.weight_decay}, {"clip", settings_.clip},
-                             {"bias_correction", settings_.bias_correction}}},
-              {"interrupted", interrupted_by_ != 0 ? json(signal_name(interrupted_by_)) : json(nullptr)}};
+  json out = {
+      {"world_size", world_size_},
+      {"device", z2::to_string(device_)},
+      {"comm", z2::to_string(comm_backend_)},
+      {"collectives", settings_.collectives},
+      {"stage", settings_.stage},
+      {"precision", settings_.precision},
+      {"portable", settings_.portable},
+      {"grad_accum_dtype", settings_.grad_accum_dtype},
+      {"loss_scale", engine_->loss_scaler().scale()},
+      {"skipped_steps", engine_->skipped_steps()},
+      {"activations", settings_.activations},
+      {"alloc", settings_.alloc},
+      {"device_memory_limit", settings_.device_memory_limit},
+      {"activation_peak_formula_bytes", activation_peak_bytes(shape_, mode_, allocator_ == z2::Allocator::arena)},
+      {"offload_activation_bound_bytes", offload_activation_bound(shape_)},
+      {"accum", settings_.accum},
+      {"micro_batch", settings_.micro_batch},
+      {"seq", settings_.seq},
+      {"overlap", settings_.overlap},
+      {"bucket", settings_.bucket},
+      {"params", engine_->psi()},
+      {"params_padded", engine_->psi_padded()},
+      {"tokens_per_step", tokens_per_step_},
+      {"steps_total", settings_.steps},
+      {"schedule",
+       {{"lr", settings_.lr},
+        {"warmup", settings_.warmup},
+        {"warmup_type", settings_.warmup_type},
+        {"warmup_min_lr", settings_.warmup_min_lr},
+        {"decay", settings_.decay},
+        {"schedule_steps", settings_.schedule_steps}}},
+      {"optimizer",
+       {{"betas", {settings_.beta1, settings_.beta2}},
+        {"eps", settings_.eps},
+        {"weight_decay", settings_.weight_decay},
+        {"clip", settings_.clip},
+        {"bias_correction", settings_.bias_correction}}},
+      {"interrupted", interrupted_by_ != 0 ? json(signal_name(interrupted_by_)) : json(nullptr)}};
   json steps = json::array();
   for (auto& r : records_) {
-    steps.push_back({{"step", r.step}, {"loss", r.loss}, {"loss_bits", hex32(r.loss)}, {"grad_norm", r.grad_norm},
-                     {"lr", r.lr}, {"ms", r.ms}, {"tokens_per_s", r.tokens_per_s}, {"loss_scale", r.loss_scale},
+    steps.push_back({{"step", r.step},
+                     {"loss", r.loss},
+                     {"loss_bits", hex32(r.loss)},
+                     {"grad_norm", r.grad_norm},
+                     {"lr", r.lr},
+                     {"ms", r.ms},
+                     {"tokens_per_s", r.tokens_per_s},
+                     {"loss_scale", r.loss_scale},
                      {"skipped", r.skipped}});
     if (settings_.wall_clock_breakdown) {
       steps.back()["forward_ms"] = r.forward_ms;
@@ -4618,14 +4845,21 @@ inline size_t formula_bytes(const RankPlan& p, z2::Precision precision) {
 }
 
 inline json plan_row_json(const RankPlan& p, z2::Precision precision) {
-  return {{"stage", p.stage}, {"world_size", p.world_size}, {"psi_padded", p.engine.psi_padded},
-          {"params_bytes", p.engine.params}, {"grads_bytes", p.engine.grads}, {"master_bytes", p.engine.master},
+  return {{"stage", p.stage},
+          {"world_size", p.world_size},
+          {"psi_padded", p.engine.psi_padded},
+          {"params_bytes", p.engine.params},
+          {"grads_bytes", p.engine.grads},
+          {"master_bytes", p.engine.master},
           {"optimizer_bytes", 2 * p.engine.moment},
           {"accumulation_bytes", p.engine.accumulation_blocks * p.engine.accumulation_block},
-          {"staging_bytes", p.engine.staging}, {"activation_peak_bytes", p.activation_peak},
+          {"staging_bytes", p.engine.staging},
+          {"activation_peak_bytes", p.activation_peak},
           {"bookkeeping_bytes", p.engine.chunk_sums + p.engine.decay_flags},
-          {"model_states_bytes", p.engine.model_states()}, {"device_peak_bytes", p.live()},
-          {"arena_block_bytes", p.arena_block()}, {"model_states_formula_bytes", formula_bytes(p, precision)}};
+          {"model_states_bytes", p.engine.model_states()},
+          {"device_peak_bytes", p.live()},
+          {"arena_block_bytes", p.arena_block()},
+          {"model_states_formula_bytes", formula_bytes(p, precision)}};
 }
 
 // The settings at world size N: DeepSpeed's batch rule (train_batch_size ->
@@ -4642,9 +4876,7 @@ inline std::vector<PlannedWorld> planned_worlds(const Settings& settings, const 
     PlannedWorld world{n, settings, ""};
     try {
       check_consistency(world.settings, n);
-    } catch (const z2::Error& error) {
-      world.why = error.what();
-    }
+    } catch (const z2::Error& error) { world.why = error.what(); }
     worlds.push_back(world);
   }
   return worlds;
@@ -4655,11 +4887,15 @@ inline void plan_stage_table(int stage, const std::vector<PlannedWorld>& worlds,
                              std::string& text, json& rows) {
   char line[1024];
   snprintf(line, sizeof line, "\nstage %d (%s; model states by the formula %s%s)\n\n", stage,
-           stage == 0 ? "DP" : stage == 1 ? "P_os" : "P_os+g", z2::model_states_formula_text(stage, precision),
+           stage == 0   ? "DP"
+           : stage == 1 ? "P_os"
+                        : "P_os+g",
+           z2::model_states_formula_text(stage, precision),
            precision == z2::Precision::fp32 ? " in fp32" : ", the paper's K = 12");
   text += line;
-  text += "| N | params | grads | master | m, v | accumulation | staging | activations | bookkeeping | device peak | "
-          "arena block | model states by the formula |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  text +=
+      "| N | params | grads | master | m, v | accumulation | staging | activations | bookkeeping | device peak | "
+      "arena block | model states by the formula |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   auto c = [](size_t v) { return z2::with_commas(v); };
   for (const PlannedWorld& world : worlds) {
     if (!world.why.empty()) {
@@ -4685,8 +4921,8 @@ inline void plan_stage_table(int stage, const std::vector<PlannedWorld>& worlds,
 // count (with --micro-batch as given) whose arena block fits `limit`.
 inline void plan_largest(const std::vector<PlannedWorld>& worlds, long limit, std::string& text, json& largest) {
   const Settings& base = worlds.front().settings;
-  const long batch_cap = std::min<long>(1 << 20, (long)(1.5e9 / ((double)base.seq * std::max(base.hidden,
-                                                                                            base.intermediate))));
+  const long batch_cap =
+      std::min<long>(1 << 20, (long)(1.5e9 / ((double)base.seq * std::max(base.hidden, base.intermediate))));
   const long layer_cap = 256;  // the flags' own limits
   char line[512];
   snprintf(line, sizeof line,
@@ -4711,16 +4947,22 @@ inline void plan_largest(const std::vector<PlannedWorld>& worlds, long limit, st
       one.micro_batch = 1, one.layers = 1;
       const size_t floor = plan_rank(one, stage, world.world_size).arena_block();
       if (floor < smallest) smallest = floor, smallest_stage = stage, smallest_n = world.world_size;
-      largest.push_back({{"stage", stage}, {"world_size", world.world_size}, {"micro_batch", batch}, {"layers", layers},
-                         {"micro_batch_cap", batch_cap}, {"layers_cap", layer_cap}});
+      largest.push_back({{"stage", stage},
+                         {"world_size", world.world_size},
+                         {"micro_batch", batch},
+                         {"layers", layers},
+                         {"micro_batch_cap", batch_cap},
+                         {"layers_cap", layer_cap}});
       snprintf(line, sizeof line, "| %d | %d | %ld%s | %ld%s |\n", stage, world.world_size, batch,
-               batch == batch_cap ? " (the flag's limit)" : "", layers, layers == layer_cap ? " (the flag's limit)" : "");
+               batch == batch_cap ? " (the flag's limit)" : "", layers,
+               layers == layer_cap ? " (the flag's limit)" : "");
       text += line;
     }
   if (smallest > (size_t)limit)
-    fail("--device-memory-limit %s holds nothing: the smallest of the plan (stage %d, N = %d, micro-batch 1, 1 layer, "
-         "the other flags as given) needs a %s-byte arena block", z2::with_commas((size_t)limit).c_str(), smallest_stage,
-         smallest_n, z2::with_commas(smallest).c_str());
+    fail(
+        "--device-memory-limit %s holds nothing: the smallest of the plan (stage %d, N = %d, micro-batch 1, 1 layer, "
+        "the other flags as given) needs a %s-byte arena block",
+        z2::with_commas((size_t)limit).c_str(), smallest_stage, smallest_n, z2::with_commas(smallest).c_str());
 }
 
 inline int run_plan(Settings settings, MPI_Comm world) {
@@ -4728,7 +4970,9 @@ inline int run_plan(Settings settings, MPI_Comm world) {
   MPI_Comm_rank(world, &rank);
   if (settings.quiet && settings.json_path.empty())
     fail("--plan --quiet would print nothing: give --json FILE for the plan, or drop --quiet");
-  agree_on_errors(world, [&] { if (rank == 0) check_outputs(settings); });
+  agree_on_errors(world, [&] {
+    if (rank == 0) check_outputs(settings);
+  });
   std::vector<int> sizes = settings.plan_world_sizes;
   if (sizes.empty())
     for (int n = 1; n <= 1024; n *= 2) sizes.push_back(n);
@@ -4754,7 +4998,8 @@ inline int run_plan(Settings settings, MPI_Comm world) {
            shown.overlap ? "on" : "off", z2::with_commas(first.psi).c_str());
   text += line;
   if (settings.alloc != "arena")
-    text += "With --alloc " + settings.alloc + " the device peak is a lower bound: where its holes fall adds to it "
+    text += "With --alloc " + settings.alloc +
+            " the device peak is a lower bound: where its holes fall adds to it "
             "(make fraglab measures how much).\n";
   if (settings.given.count("--stage")) text += "(--stage is not used: the plan covers stages 0, 1 and 2.)\n";
   json rows = json::array(), largest = json::array();
@@ -4762,14 +5007,28 @@ inline int run_plan(Settings settings, MPI_Comm world) {
   if (settings.device_memory_limit > 0) plan_largest(valid, settings.device_memory_limit / 256 * 256, text, largest);
   if (rank == 0 && !settings.quiet) fputs(text.c_str(), stdout);
   if (!settings.json_path.empty()) {
-    json out = {{"plan", rows}, {"largest", largest}, {"params", first.psi}, {"precision", z2::to_string(precision)},
-                {"activations", shown.activations}, {"alloc", shown.alloc}, {"micro_batch", shown.micro_batch},
-                {"layers", shown.layers}, {"hidden", shown.hidden}, {"heads", shown.heads},
-                {"intermediate", shown.intermediate}, {"seq", shown.seq}, {"bucket", shown.bucket},
-                {"overlap", shown.overlap}, {"accum_given", settings.accum},
+    json out = {{"plan", rows},
+                {"largest", largest},
+                {"params", first.psi},
+                {"precision", z2::to_string(precision)},
+                {"activations", shown.activations},
+                {"alloc", shown.alloc},
+                {"micro_batch", shown.micro_batch},
+                {"layers", shown.layers},
+                {"hidden", shown.hidden},
+                {"heads", shown.heads},
+                {"intermediate", shown.intermediate},
+                {"seq", shown.seq},
+                {"bucket", shown.bucket},
+                {"overlap", shown.overlap},
+                {"accum_given", settings.accum},
                 {"device_memory_limit", settings.device_memory_limit}};
-    agree_on_errors(world, [&] { if (rank == 0) write_output_file(settings.json_path, out.dump(1) + "\n"); },
-                    "the plan was written");
+    agree_on_errors(
+        world,
+        [&] {
+          if (rank == 0) write_output_file(settings.json_path, out.dump(1) + "\n");
+        },
+        "the plan was written");
   }
   fflush(stdout);
   return 0;
@@ -4811,7 +5070,8 @@ int main(int argc, char** argv) {
             settings = bert::parse_command_line(argc, argv);
             int world_size = 1;
             MPI_Comm_size(MPI_COMM_WORLD, &world_size);
-            if (!settings.load_dir.empty()) bert::adopt_checkpoint(settings, world_size);  // before the precision is chosen
+            if (!settings.load_dir.empty())
+              bert::adopt_checkpoint(settings, world_size);  // before the precision is chosen
           },
           "the command line was read");
       status = bert::train(settings, MPI_COMM_WORLD);

@@ -87,26 +87,26 @@ namespace z2 {
 // library said and a hint, then takes every rank down with MPI_Abort: a rank
 // that simply exited would leave the others blocked in their next collective.
 
-[[noreturn]] void abort_all_ranks(const char* library, const char* message, const char* call,
-                                  const char* file, int line) {
+[[noreturn]] void abort_all_ranks(const char* library, const char* message, const char* call, const char* file,
+                                  int line) {
   int initialized = 0, finalized = 0, rank = -1;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
   if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   const char* hint = "";
   if (!strcmp(library, "CUDA"))
-    hint = "no GPU or out of memory? try --device cpu, a smaller --micro-batch, or CUDA_LAUNCH_BLOCKING=1 "
-           "to find the failing kernel";
-  else if (!strcmp(library, "cuBLAS"))
-    hint = "check the matrix sizes and leading dimensions passed to gemm";
+    hint =
+        "no GPU or out of memory? try --device cpu, a smaller --micro-batch, or CUDA_LAUNCH_BLOCKING=1 "
+        "to find the failing kernel";
+  else if (!strcmp(library, "cuBLAS")) hint = "check the matrix sizes and leading dimensions passed to gemm";
   else if (!strcmp(library, "NCCL"))
     hint = "NCCL needs one GPU per rank (several ranks on one GPU: --comm mpi); NCCL_DEBUG=INFO says more";
   else if (!strcmp(library, "MPI"))
     hint = "every rank must call the same collectives in the same order; check the mpirun command";
   else if (!strcmp(library, "memory"))
     hint = "a smaller model or micro-batch, fewer ranks per host, or a higher stage to shard more";
-  fprintf(stderr, "[zero2] rank %d: %s error at %s:%d\n  call:    %s\n  message: %s\n  hint:    %s\n", rank,
-          library, file, line, call, message, hint);
+  fprintf(stderr, "[zero2] rank %d: %s error at %s:%d\n  call:    %s\n  message: %s\n  hint:    %s\n", rank, library,
+          file, line, call, message, hint);
   fflush(stderr);
   if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, 1);
   std::exit(1);
@@ -192,9 +192,7 @@ int roll_call_by = -1;  // the first rank whose roll call this rank answered: it
 Clock::duration seconds(double count) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(count));
 }
-double seconds_since(Clock::time_point moment) {
-  return std::chrono::duration<double>(Clock::now() - moment).count();
-}
+double seconds_since(Clock::time_point moment) { return std::chrono::duration<double>(Clock::now() - moment).count(); }
 int world_rank() {
   int rank = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -409,8 +407,8 @@ const char* to_string(Allocator allocator) {
 }
 
 const char* to_string(MemoryKind kind) {
-  static const char* names[] = {"params",  "grads",   "optimizer",   "master",     "accumulation",
-                                "staging", "activations", "bookkeeping"};
+  static const char* names[] = {"params",       "grads",   "optimizer",   "master",
+                                "accumulation", "staging", "activations", "bookkeeping"};
   return names[(int)kind];
 }
 
@@ -462,7 +460,8 @@ bool cuda_available(std::string* why) {
     else if (why && status == cudaErrorInsufficientDriver)
       *why = std::string("the NVIDIA driver is older than this build's CUDA runtime needs (") +
              cudaGetErrorString(status) + ")";
-    else if (why) *why = status == cudaErrorNoDevice ? "no GPU here (no CUDA device found)" : cudaGetErrorString(status);
+    else if (why)
+      *why = status == cudaErrorNoDevice ? "no GPU here (no CUDA device found)" : cudaGetErrorString(status);
     return false;
   }
   if (count == 0) {
@@ -482,8 +481,8 @@ bool cuda_available(std::string* why) {
 struct Compute::Live {
   std::unordered_map<void*, std::pair<size_t, MemoryKind>> allocations;
   std::unordered_map<void*, std::pair<size_t, bool>> pinned;  // bytes, offload space
-  char* block = nullptr;   // the one reserved block (arena, naive)
-  size_t capacity = 0;     // its size in bytes
+  char* block = nullptr;                                      // the one reserved block (arena, naive)
+  size_t capacity = 0;                                        // its size in bytes
   // naive: the free pieces, offset -> size, ordered so neighbours coalesce;
   // `end` is the highest byte any buffer has used (the caching allocator's
   // reserved segments end there).
@@ -509,9 +508,7 @@ struct Compute::Live {
   size_t segment_bytes = 0;  // all segments: PyTorch's "reserved"
   std::map<char*, CachedBlock> cached_blocks;
   std::set<std::pair<size_t, char*>> small_pool, large_pool;
-  std::set<std::pair<size_t, char*>>& pool_of(int segment) {
-    return segments[segment].small ? small_pool : large_pool;
-  }
+  std::set<std::pair<size_t, char*>>& pool_of(int segment) { return segments[segment].small ? small_pool : large_pool; }
   size_t offset_of(const void* pointer) const { return (size_t)((const char*)pointer - block); }
   // cpu 16-bit gemm: A, B and C widened to fp32 (host scratch, reused).
   std::vector<float> gemm_a, gemm_b, gemm_c;
@@ -522,8 +519,7 @@ struct Compute::Live {
 // allocator mode.
 size_t block_round(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-Compute::Compute(Device device, int device_index)
-    : device_(device), device_index_(device_index), live_(new Live) {
+Compute::Compute(Device device, int device_index) : device_(device), device_index_(device_index), live_(new Live) {
   if (device_ == Device::cpu) return;
 #if defined(__CUDACC__)
   std::string why;
@@ -686,22 +682,21 @@ void Compute::out_of_memory(size_t bytes, MemoryKind kind, size_t segment) const
   std::string why;
   if (allocator_ == Allocator::caching)
     why = ", but none can hold it: no cached block of the " +
-          std::string(caching_round_size(bytes) <= (1 << 20) ? "small" : "large") + " pool holds the request rounded to " +
-          with_commas(caching_round_size(bytes)) + " bytes, and a new " + with_commas(segment) +
-          "-byte segment does not fit in the " + with_commas(live_->capacity - live_->segment_bytes) +
-          " bytes of the limit not yet in segments (" + with_commas(live_->segment_bytes) + " bytes in " +
-          std::to_string(live_->segments.size()) +
+          std::string(caching_round_size(bytes) <= (1 << 20) ? "small" : "large") +
+          " pool holds the request rounded to " + with_commas(caching_round_size(bytes)) + " bytes, and a new " +
+          with_commas(segment) + "-byte segment does not fit in the " +
+          with_commas(live_->capacity - live_->segment_bytes) + " bytes of the limit not yet in segments (" +
+          with_commas(live_->segment_bytes) + " bytes in " + std::to_string(live_->segments.size()) +
           " segment(s); the wholly free cached segments were released and the request retried once)";
   char message[1024];
   snprintf(message, sizeof message,
            "out of device memory in the %s-byte %s (--alloc %s): %s bytes of %s asked for; %s bytes free in "
            "%zu piece(s), the largest %s bytes%s; %s bytes live. Raise --device-memory-limit (train_bert_mini --plan "
            "gives what the arena needs)%s",
-           with_commas(live_->capacity).c_str(), allocator_ == Allocator::arena || allocator_ == Allocator::naive
-                                                     ? "block" : "device limit",
-           to_string(allocator_), with_commas(bytes).c_str(), to_string(kind),
-           with_commas(total).c_str(), pieces, with_commas(largest).c_str(), why.c_str(),
-           with_commas(counters_.total_current).c_str(),
+           with_commas(live_->capacity).c_str(),
+           allocator_ == Allocator::arena || allocator_ == Allocator::naive ? "block" : "device limit",
+           to_string(allocator_), with_commas(bytes).c_str(), to_string(kind), with_commas(total).c_str(), pieces,
+           with_commas(largest).c_str(), why.c_str(), with_commas(counters_.total_current).c_str(),
            allocator_ == Allocator::naive || allocator_ == Allocator::caching
                ? ", or use --alloc arena, whose free memory never breaks into pieces"
                : "");
@@ -858,8 +853,9 @@ Z2_LAB_SEAM size_t arena_push(ArenaBooks& books, size_t bytes) {
 Z2_LAB_SEAM void arena_pop(ArenaBooks& books, size_t offset, size_t bytes) {
   // Out of order, the top would step over a live buffer, and the next push would overwrite it.
   if (books.stack.empty() || books.stack.back() != offset)
-    usage_error("arena stack: pop of a buffer that is not the last one pushed (temporaries must be popped in "
-                "the reverse order of their pushes)");
+    usage_error(
+        "arena stack: pop of a buffer that is not the last one pushed (temporaries must be popped in "
+        "the reverse order of their pushes)");
   books.stack.pop_back();
   books.top += bytes;
 }
@@ -993,8 +989,8 @@ void Compute::sample() {
   if (!tracing_) return;
   size_t free_total = 0, pieces = 0, largest = 0;
   free_space(&free_total, &pieces, &largest);
-  trace_.push_back({counters_.total_current, counters_.reserved_current,
-                    counters_.current[(int)MemoryKind::activations], pieces});
+  trace_.push_back(
+      {counters_.total_current, counters_.reserved_current, counters_.current[(int)MemoryKind::activations], pieces});
 }
 
 void Compute::set_tracing(bool on) {
@@ -1092,7 +1088,8 @@ void Compute::synchronize(Stream stream) {
           return true;
         },
         [&] {
-          return std::string("the GPU's ") + name + " stream (a kernel, a copy or an NCCL collective that did not finish)";
+          return std::string("the GPU's ") + name +
+                 " stream (a kernel, a copy or an NCCL collective that did not finish)";
         });
   }
 #endif
@@ -1403,10 +1400,9 @@ void launch_portable_gemm(Stream stream, bool transpose_a, bool transpose_b, int
       T* C_part = C + first_product * stride_c + (size_t)first_row * ldc;
       const dim3 grid((N + kCudaTile - 1) / kCudaTile, (rows + kCudaTile - 1) / kCudaTile, products);
       const dim3 threads(kCudaThreads, kCudaThreads);
-      portable_gemm_kernel<T><<<grid, threads, 0, (cudaStream_t)stream.handle>>>(transpose_a, transpose_b, rows, N, K,
-                                                                               alpha, A_part, lda, stride_a, B_part,
-                                                                               ldb, stride_b, beta, C_part, ldc,
-                                                                               stride_c);
+      portable_gemm_kernel<T><<<grid, threads, 0, (cudaStream_t)stream.handle>>>(
+          transpose_a, transpose_b, rows, N, K, alpha, A_part, lda, stride_a, B_part, ldb, stride_b, beta, C_part, ldc,
+          stride_c);
       launch_check(__FILE__, __LINE__);
     }
 }
@@ -1419,24 +1415,28 @@ void Compute::set_portable(bool on) {
   if (!on || forced == nullptr || *forced == '\0') return;
   const std::string text = forced;
   if (!(text == "16" || text == "8" || text == "1") || !portable_gemm_has_lanes(std::stoi(text)))
-    usage_error("Z2_PORTABLE_LANES=%s: this build's portable CPU schedules have %s lanes (16: AVX-512, 8: AVX2 "
-                "with FMA, 1: scalar; the CPU target decides which exist)",
-                forced, portable_gemm_lanes() == 16 ? "16, 8 or 1" : portable_gemm_lanes() == 8 ? "8 or 1" : "1");
+    usage_error(
+        "Z2_PORTABLE_LANES=%s: this build's portable CPU schedules have %s lanes (16: AVX-512, 8: AVX2 "
+        "with FMA, 1: scalar; the CPU target decides which exist)",
+        forced,
+        portable_gemm_lanes() == 16  ? "16, 8 or 1"
+        : portable_gemm_lanes() == 8 ? "8 or 1"
+                                     : "1");
   portable_lanes_ = std::stoi(text);
 }
 
 // One fp32 product on the host, OpenBLAS's sgemm or (portable: lanes > 0)
 // zero2's schedule of that width, with the time it took added to `seconds`
 // (a clock read costs ~20 ns; the smallest product of a BERT-mini step takes ~100 us).
-static void timed_cpu_gemm(double& seconds, int portable_lanes, bool transpose_a, bool transpose_b, int M, int N,
-                           int K, float alpha, const float* A, int lda, const float* B, int ldb, float beta, float* C,
+static void timed_cpu_gemm(double& seconds, int portable_lanes, bool transpose_a, bool transpose_b, int M, int N, int K,
+                           float alpha, const float* A, int lda, const float* B, int ldb, float beta, float* C,
                            int ldc) {
   const auto start = Clock::now();
   if (portable_lanes > 0)
     portable_gemm_cpu(portable_lanes, transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   else
-    cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M,
-                N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, M, N,
+                K, alpha, A, lda, B, ldb, beta, C, ldc);
   seconds += std::chrono::duration<double>(Clock::now() - start).count();
 }
 
@@ -1451,9 +1451,9 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
     // touching C when k = 0 (pytorch#31421), which would leave stale values
     // where a zero gradient belongs.
     for_each((size_t)M * N, Z2_LOOP(i, {
-      float* c = C + (i / N) * (size_t)ldc + i % N;
-      *c = portable_finish(0.0f, alpha, beta, beta == 0.0f ? 0.0f : *c);
-    }));
+               float* c = C + (i / N) * (size_t)ldc + i % N;
+               *c = portable_finish(0.0f, alpha, beta, beta == 0.0f ? 0.0f : *c);
+             }));
     return;
   }
   if (device_ == Device::cpu) {
@@ -1468,8 +1468,7 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
   // cuBLAS is column-major. A row-major C is a column-major C^T, and
   // C^T = op(B)^T op(A)^T: swap the operands and the sizes, keep the flags.
   Z2_CUBLAS_CHECK(cublasSgemm((cublasHandle_t)cublas_, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                              transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, A, lda, &beta, C,
-                              ldc));
+                              transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, A, lda, &beta, C, ldc));
 #endif
 }
 
@@ -1511,10 +1510,10 @@ template <class T>
 static void scale_matrix(Compute& compute, int M, int N, float alpha, float beta, T* C, int ldc, long stride_c,
                          int batch) {
   compute.for_each((size_t)batch * M * N, Z2_LOOP(i, {
-    const size_t k = i / ((size_t)M * N), within = i % ((size_t)M * N);
-    T* c = C + k * stride_c + (within / N) * (size_t)ldc + within % N;
-    *c = from_float<T>(portable_finish(0.0f, alpha, beta, beta == 0.0f ? 0.0f : to_float(*c)));
-  }));
+                     const size_t k = i / ((size_t)M * N), within = i % ((size_t)M * N);
+                     T* c = C + k * stride_c + (within / N) * (size_t)ldc + within % N;
+                     *c = from_float<T>(portable_finish(0.0f, alpha, beta, beta == 0.0f ? 0.0f : to_float(*c)));
+                   }));
 }
 
 // The cpu reference: widen each operand's span once, sgemm each product, and
@@ -1522,10 +1521,9 @@ static void scale_matrix(Compute& compute, int M, int N, float alpha, float beta
 // another head's product).
 template <class T>
 static void cpu_gemm_16bit(double& seconds, int portable_lanes, std::vector<float>& a, std::vector<float>& b,
-                           std::vector<float>& c,
-                           bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const T* A, int lda,
-                           long stride_a, const T* B, int ldb, long stride_b, float beta, T* C, int ldc, long stride_c,
-                           int batch) {
+                           std::vector<float>& c, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
+                           const T* A, int lda, long stride_a, const T* B, int ldb, long stride_b, float beta, T* C,
+                           int ldc, long stride_c, int batch) {
   widen_to(A, batch_span(matrix_span(transpose_a ? K : M, transpose_a ? M : K, lda), stride_a, batch), a);
   widen_to(B, batch_span(matrix_span(transpose_b ? N : K, transpose_b ? K : N, ldb), stride_b, batch), b);
   const size_t c_span = batch_span(matrix_span(M, N, ldc), stride_c, batch);
@@ -1577,14 +1575,15 @@ void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b
                                 stride_a, (const float16*)B, ldb, stride_b, beta, (float16*)C, ldc, stride_c, batch);
   const cudaDataType type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
   cublasHandle_t handle = (cublasHandle_t)cublas_16bit_;
-  const cublasOperation_t op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                          op_a = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (batch == 1)
     Z2_CUBLAS_CHECK(cublasGemmEx(handle, op_b, op_a, N, M, K, &alpha, B, type, ldb, A, type, lda, &beta, C, type, ldc,
                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   else
     Z2_CUBLAS_CHECK(cublasGemmStridedBatchedEx(handle, op_b, op_a, N, M, K, &alpha, B, type, ldb, stride_b, A, type,
-                                               lda, stride_a, &beta, C, type, ldc, stride_c, batch,
-                                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                               lda, stride_a, &beta, C, type, ldc, stride_c, batch, CUBLAS_COMPUTE_32F,
+                                               CUBLAS_GEMM_DEFAULT));
 #endif
 }
 
@@ -1745,8 +1744,10 @@ CommBackend choose_comm(const std::string& requested, Device device, MPI_Comm co
     if (device != Device::cuda) usage_error("--comm nccl needs --device cuda");
     if (!built_with_nccl()) usage_error("--comm nccl: this binary was built without NCCL");
     if (!nccl_possible)
-      usage_error("--comm nccl: NCCL needs one GPU per rank, but a host has %d ranks and %d GPU(s); "
-                  "use --comm mpi to share a GPU", local_size_of(comm), gpus);
+      usage_error(
+          "--comm nccl: NCCL needs one GPU per rank, but a host has %d ranks and %d GPU(s); "
+          "use --comm mpi to share a GPU",
+          local_size_of(comm), gpus);
     return CommBackend::nccl;
   }
   if (requested == "auto") return nccl_possible ? CommBackend::nccl : CommBackend::mpi;
@@ -1777,8 +1778,10 @@ Communicator::Communicator(Compute& compute, MPI_Comm mpi_comm, CommBackend back
 #if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
   int gpus = 0;
   if (!one_gpu_per_rank(mpi_comm_, &gpus))
-    usage_error("--comm nccl: NCCL needs one GPU per rank, but a host has more ranks than its %d GPU(s); "
-                "use --comm mpi to share a GPU", gpus);
+    usage_error(
+        "--comm nccl: NCCL needs one GPU per rank, but a host has more ranks than its %d GPU(s); "
+        "use --comm mpi to share a GPU",
+        gpus);
   ncclUniqueId id;
   if (rank_ == 0) Z2_NCCL_CHECK(ncclGetUniqueId(&id));
   watched_bcast(&id, sizeof id, MPI_BYTE, 0, mpi_comm_, "the broadcast of the NCCL unique id");
@@ -1821,7 +1824,8 @@ bool Communicator::all_agree(bool local_ok) { return all_ranks(local_ok, mpi_com
 
 bool Communicator::any_rank(bool local) {
   int value = local ? 1 : 0, any = 0;
-  watched_allreduce(&value, &any, 1, MPI_INT, MPI_MAX, mpi_comm_, "the all-reduce of a flag (an overflow, a non-finite gradient)");
+  watched_allreduce(&value, &any, 1, MPI_INT, MPI_MAX, mpi_comm_,
+                    "the all-reduce of a flag (an overflow, a non-finite gradient)");
   counters_.other += (size_t)(world_size_ - 1) * sizeof(int);  // as a ring would send one int
   return any == 1;
 }
@@ -1876,6 +1880,20 @@ Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t s
   Z2_MPI_CHECK(MPI_Allgather(shard, count, MPI_FLOAT, bucket, count, MPI_FLOAT, comm));
 }
 
+// The canonical tree over the N ranks' slices of one element, in the
+// exchange's kernels. A lab build (host only) sums through the seam, so a
+// student's tree_sum is the one the engine trains with.
+template <class Leaf>
+Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {
+#if defined(Z2_LAB_BUILD)
+  float leaves[64];  // a lab build refuses more ranks (sum_and_accumulate_as)
+  for (long j = 0; j < ranks; ++j) leaves[j] = leaf(j);
+  return tree_sum(ranks, leaves);
+#else
+  return canonical_tree_sum(ranks, leaf);
+#endif
+}
+
 // --- then the non-blocking exchange the engine trains with ---------------------
 // A transfer moves one bucket through one collective. It is a list of steps;
 // each step either enqueues work and is done at once, or waits (an MPI
@@ -1901,14 +1919,14 @@ Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t s
 // and the received slices are copied back before the device sums them.
 
 struct Slot {
-  char* bucket_gradients = nullptr;   // [max padded bucket]   stage 2: backward writes here
-  char* receive = nullptr;            // [(N-1) x max shard]  slices from the other ranks
-  char* host_send = nullptr;          // [max padded bucket]   pinned, --comm mpi on cuda
-  char* host_receive = nullptr;       // [(N-1) x max shard]  pinned, --comm mpi on cuda
-  Event done;                         // recorded on the comm stream when its transfer ends
-  Event copied;                       // its transfer's device-to-host staging copy has finished
-  int bucket = -1;                    // the bucket holding the slot, -1 when free
-  bool running = false;               // a transfer is using it
+  char* bucket_gradients = nullptr;  // [max padded bucket]   stage 2: backward writes here
+  char* receive = nullptr;           // [(N-1) x max shard]  slices from the other ranks
+  char* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda
+  char* host_receive = nullptr;      // [(N-1) x max shard]  pinned, --comm mpi on cuda
+  Event done;                        // recorded on the comm stream when its transfer ends
+  Event copied;                      // its transfer's device-to-host staging copy has finished
+  int bucket = -1;                   // the bucket holding the slot, -1 when free
+  bool running = false;              // a transfer is using it
 };
 // (Buffers are in elements of the exchange's wire type: 4 bytes for fp32, 2
 // for bf16 and fp16. State::at() does the byte arithmetic.)
@@ -1931,10 +1949,10 @@ struct BucketExchange::State {
   const int rank, world;
   const bool staged_through_host;  // --comm mpi with --device cuda
   const bool native;
-  const Precision wire;            // element type of buckets, gradients and parameters
-  const size_t element;            // its bytes
-  const bool accumulate_fp32;      // the accumulation tree's blocks in fp32 (else the wire type)
-  const MPI_Datatype mpi_type;     // MPI moves 16-bit elements as MPI_UINT16_T (it only copies them)
+  const Precision wire;         // element type of buckets, gradients and parameters
+  const size_t element;         // its bytes
+  const bool accumulate_fp32;   // the accumulation tree's blocks in fp32 (else the wire type)
+  const MPI_Datatype mpi_type;  // MPI moves 16-bit elements as MPI_UINT16_T (it only copies them)
   size_t max_padded, max_shard;
   DeviceArray<char> staging;  // slots x (bucket gradients + receive)
   std::vector<Slot> slots;
@@ -1949,10 +1967,16 @@ struct BucketExchange::State {
   long next_ticket = 0, next_to_post = 0;
 
   State(Compute& c, Communicator& m, Precision w, bool fp32_blocks)
-      : compute(c), comm(m), rank(m.rank()), world(m.world_size()),
+      : compute(c),
+        comm(m),
+        rank(m.rank()),
+        world(m.world_size()),
         staged_through_host(m.backend() == CommBackend::mpi && c.on_cuda()),
-        native(m.collectives() == Collectives::native), wire(w), element(element_bytes(w)),
-        accumulate_fp32(fp32_blocks), mpi_type(w == Precision::fp32 ? MPI_FLOAT : MPI_UINT16_T) {}
+        native(m.collectives() == Collectives::native),
+        wire(w),
+        element(element_bytes(w)),
+        accumulate_fp32(fp32_blocks),
+        mpi_type(w == Precision::fp32 ? MPI_FLOAT : MPI_UINT16_T) {}
 
   // Element `index` of a wire-typed buffer, as a byte address.
   char* at(void* base, size_t index) const { return (char*)base + index * element; }
@@ -1978,8 +2002,7 @@ struct BucketExchange::State {
     return [transfer] {
       if (transfer->requests.empty()) return true;
       int done = 0;
-      Z2_MPI_CHECK(MPI_Testall((int)transfer->requests.size(), transfer->requests.data(), &done,
-                               MPI_STATUSES_IGNORE));
+      Z2_MPI_CHECK(MPI_Testall((int)transfer->requests.size(), transfer->requests.data(), &done, MPI_STATUSES_IGNORE));
       if (done) transfer->requests.clear(), transfer->peers.clear();
       return done != 0;
     };
@@ -2013,23 +2036,15 @@ struct BucketExchange::State {
 #if defined(Z2_LAB_BUILD)
     if (ranks > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", ranks);
 #endif
-    compute.for_each(
-        shard,
-        Z2_LOOP(i, {
-          auto slice_of_rank = [&](long j) {
-            return to_float(j == me ? own[i] : received[(size_t)(j - (j > me)) * shard + i]);
-          };
-#if defined(Z2_LAB_BUILD)
-          // A lab build sums through the seam (host only), so a student's tree is the one trained with.
-          float leaves[64];
-          for (long j = 0; j < ranks; ++j) leaves[j] = slice_of_rank(j);
-          float value = tree_sum(ranks, leaves);
-#else
-          float value = canonical_tree_sum(ranks, slice_of_rank);
-#endif
-          accumulate_micro_step(stack, step, steps, value, result, i);
-        }),
-        compute.comm_stream());
+    compute.for_each(shard,
+                     Z2_LOOP(i,
+                             {
+                               float value = sum_over_ranks(ranks, [&](long j) {
+                                 return to_float(j == me ? own[i] : received[(size_t)(j - (j > me)) * shard + i]);
+                               });
+                               accumulate_micro_step(stack, step, steps, value, result, i);
+                             }),
+                     compute.comm_stream());
   }
   // One reduced value per element already (one rank, or a native reduce-scatter): into the tree.
   template <class Wire, class Accum>
@@ -2039,9 +2054,8 @@ struct BucketExchange::State {
     AccumulationStackOf<Accum> stack;
     for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
     const long step = into.step, steps = into.steps;
-    compute.for_each(
-        n, Z2_LOOP(i, { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); }),
-        compute.comm_stream());
+    compute.for_each(n, Z2_LOOP(i, { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); }),
+                     compute.comm_stream());
   }
   // The two kernels for the exchange's types.
   void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
@@ -2078,8 +2092,7 @@ struct BucketExchange::State {
   // NCCL, so the ledger counts traffic that happened, by the collective that
   // sent it (a reduce-scatter that quietly became an all-reduce would show),
   // in bytes of the wire type (16-bit slices count half of fp32's).
-  void add_reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into,
-                          size_t* sent) {
+  void add_reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into, size_t* sent) {
     Slot& slot = slots[transfer->slot];
     const size_t shard = padded / world;
     char* own = at(bucket, (size_t)rank * shard);
@@ -2143,8 +2156,8 @@ struct BucketExchange::State {
           Z2_MPI_CHECK(MPI_Irecv(at(receive, (size_t)(j - (j > rank)) * shard), (int)shard, type, j, tag, mpi,
                                  &transfer->requests.back()));
           transfer->requests.emplace_back();
-          Z2_MPI_CHECK(MPI_Isend(at(send, (size_t)j * shard), (int)shard, type, j, tag, mpi,
-                                 &transfer->requests.back()));
+          Z2_MPI_CHECK(
+              MPI_Isend(at(send, (size_t)j * shard), (int)shard, type, j, tag, mpi, &transfer->requests.back()));
           transfer->peers.insert(transfer->peers.end(), {j, j});
           *sent += bytes(shard);
         }
@@ -2155,10 +2168,8 @@ struct BucketExchange::State {
     const size_t received_count = native ? shard : (size_t)(world - 1) * shard;
     transfer->steps.push_back(now([=] {
       if (staged_through_host) compute.copy(received, receive, bytes(received_count), compute.comm_stream());
-      if (native)
-        accumulate(received, shard, into);
-      else
-        sum_and_accumulate(shard, own, received, into);
+      if (native) accumulate(received, shard, into);
+      else sum_and_accumulate(shard, own, received, into);
     }));
   }
 
@@ -2261,7 +2272,8 @@ struct BucketExchange::State {
       Z2_MPI_CHECK(MPI_Test(&transfer.requests[k], &done, MPI_STATUS_IGNORE));
       if (done) continue;
       if (transfer.peers[k] < 0) collective = true;
-      else if (std::find(missing.begin(), missing.end(), transfer.peers[k]) == missing.end()) missing.push_back(transfer.peers[k]);
+      else if (std::find(missing.begin(), missing.end(), transfer.peers[k]) == missing.end())
+        missing.push_back(transfer.peers[k]);
     }
     std::string text = transfer.what;
     if (!missing.empty()) {
@@ -2366,9 +2378,10 @@ int BucketExchange::acquire(int bucket) {
     slot = s.free_slot();
   }
   if (slot < 0)
-    usage_error("all %zu staging slot(s) are held by buckets not yet handed over (bucket %d is open) when bucket %d "
-                "needs one: hand over every gradient of a bucket before starting the next",
-                s.slots.size(), s.slots[0].bucket, bucket);
+    usage_error(
+        "all %zu staging slot(s) are held by buckets not yet handed over (bucket %d is open) when bucket %d "
+        "needs one: hand over every gradient of a bucket before starting the next",
+        s.slots.size(), s.slots[0].bucket, bucket);
   s.slots[slot].bucket = bucket;
   return slot;
 }
@@ -2431,7 +2444,6 @@ void BucketExchange::finish_all() {
   for (auto& transfer : s.transfers) s.finish(*transfer);
   s.retire_finished();
 }
-
 
 // ----------------------------------------------------------------------------
 // 5. Layout: parameters, norm chunks, buckets, shards
@@ -2553,18 +2565,18 @@ struct Engine::Impl {
   Engine& engine;
   Compute& compute;
   int stage, rank;
-  Precision precision;     // of the working parameters and gradients
-  size_t element;          // their bytes: 4 or 2
-  bool mixed;              // bf16 or fp16: a separate fp32 master
+  Precision precision;          // of the working parameters and gradients
+  size_t element;               // their bytes: 4 or 2
+  bool mixed;                   // bf16 or fp16: a separate fp32 master
   size_t accumulation_element;  // bytes of an accumulation block element
 
-  DeviceArray<char> params;           // [Psi_padded] working parameters, every stage (fp32: also the master)
-  DeviceArray<char> grads;            // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2, working type
-  DeviceArray<float> master;          // mixed only: [Psi_padded] stage 0, [Psi_padded / N] stages 1/2
-  DeviceArray<float> adam_m, adam_v;  // [Psi_padded] stage 0,    [Psi_padded / N] stages 1/2
+  DeviceArray<char> params;                     // [Psi_padded] working parameters, every stage (fp32: also the master)
+  DeviceArray<char> grads;                      // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2, working type
+  DeviceArray<float> master;                    // mixed only: [Psi_padded] stage 0, [Psi_padded / N] stages 1/2
+  DeviceArray<float> adam_m, adam_v;            // [Psi_padded] stage 0,    [Psi_padded / N] stages 1/2
   std::vector<DeviceArray<char>> accumulation;  // floor(log2 A) x [Psi_padded / N]
-  DeviceArray<float> chunk_sums;      // [update region / norm_chunk]
-  DeviceArray<unsigned char> decay;   // [Psi_padded / norm_chunk] 1 = weight decay applies
+  DeviceArray<float> chunk_sums;                // [update region / norm_chunk]
+  DeviceArray<unsigned char> decay;             // [Psi_padded / norm_chunk] 1 = weight decay applies
   std::unique_ptr<BucketExchange> exchange;
   Event comm_done;
 
@@ -2582,8 +2594,13 @@ struct Engine::Impl {
   CommCounters step_start_counters, last_step_counters;
 
   Impl(Engine& e, Compute& c)
-      : engine(e), compute(c), stage(e.options_.stage), rank(e.comm_.rank()), precision(e.options_.precision),
-        element(element_bytes(precision)), mixed(precision != Precision::fp32),
+      : engine(e),
+        compute(c),
+        stage(e.options_.stage),
+        rank(e.comm_.rank()),
+        precision(e.options_.precision),
+        element(element_bytes(precision)),
+        mixed(precision != Precision::fp32),
         accumulation_element(e.options_.accumulate_fp32 ? sizeof(float) : element) {}
   ~Impl() { compute.destroy_event(comm_done); }
 
@@ -2591,13 +2608,12 @@ struct Engine::Impl {
   // Element `index` of a buffer of the working type, as a byte address.
   char* at(DeviceArray<char>& buffer, size_t index) { return buffer.data() + index * element; }
   // The update region of bucket b: the whole bucket in stage 0, the own shard
-  // in stages 1 and 2 (P_os, paper 5.1: AdamW's state for Psi/N, not Psi); its offset in the buffers that hold only that region
+  // in stages 1 and 2 (P_os, paper 5.1: AdamW's state for Psi/N, not Psi);
+  // its offset in the buffers that hold only that region
   // (m, v, the master, the chunk sums), and where it starts in the padded buffer.
   size_t region_offset(int b) const { return stage == 0 ? bucket(b).offset : bucket(b).shard_offset; }
   size_t region_length(int b) const { return stage == 0 ? bucket(b).padded_length : bucket(b).shard_length; }
-  size_t region_start(int b) const {
-    return stage == 0 ? bucket(b).offset : shard_begin(bucket(b), rank);
-  }
+  size_t region_start(int b) const { return stage == 0 ? bucket(b).offset : shard_begin(bucket(b), rank); }
   void* region_param(int b) { return at(params, region_start(b)); }
   // The fp32 values AdamW updates: the parameters themselves in fp32.
   float* region_master(int b) {
@@ -2651,14 +2667,15 @@ struct Engine::Impl {
     const Working* gradient = (const Working*)region_gradient(b);
     float* sums = chunk_sums.data() + region_offset(b) / norm_chunk;
     compute.for_each(region_length(b) / norm_chunk, Z2_LOOP(c, {
-      const Working* chunk = gradient + c * norm_chunk;
-      float squares[norm_chunk];  // the tree's leaves
-      for (long k = 0; k < norm_chunk; ++k) {
-        const float value = to_float(chunk[k]) * scale;  // exact: scale is a power of two (1 as a rule)
-        squares[k] = value * value;
-      }
-      sums[c] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
-    }));
+                       const Working* chunk = gradient + c * norm_chunk;
+                       float squares[norm_chunk];  // the tree's leaves
+                       for (long k = 0; k < norm_chunk; ++k) {
+                         const float value =
+                             to_float(chunk[k]) * scale;  // exact: scale is a power of two (1 as a rule)
+                         squares[k] = value * value;
+                       }
+                       sums[c] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
+                     }));
   }
   // The largest |g| of each norm chunk (NaN if the chunk holds one), into
   // the same buffer: max is exact and order-free, so no tree is needed.
@@ -2667,14 +2684,14 @@ struct Engine::Impl {
     const Working* gradient = (const Working*)region_gradient(b);
     float* largest = chunk_sums.data() + region_offset(b) / norm_chunk;
     compute.for_each(region_length(b) / norm_chunk, Z2_LOOP(c, {
-      float value = 0.0f;
-      for (long k = 0; k < norm_chunk; ++k) {
-        const float magnitude = fabsf(to_float(gradient[c * norm_chunk + k]));
-        if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
-        if (value != value) break;
-      }
-      largest[c] = value;
-    }));
+                       float value = 0.0f;
+                       for (long k = 0; k < norm_chunk; ++k) {
+                         const float magnitude = fabsf(to_float(gradient[c * norm_chunk + k]));
+                         if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
+                         if (value != value) break;
+                       }
+                       largest[c] = value;
+                     }));
   }
   // AdamW on bucket b's update region. fp32: the parameters are the master.
   // Mixed: the fp32 master is updated, then rounded once into the working
@@ -2691,10 +2708,10 @@ struct Engine::Impl {
     // A row per norm chunk (the decay flag is per chunk): the CPU loop reads
     // the flag once a chunk and vectorises the 32 updates of each.
     compute.for_each(region_length(b) / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
-      const size_t i = chunk * norm_chunk + k;
-      adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, m, v, i);
-      if (working) working[i] = from_float<Working>(param[i]);
-    }));
+                       const size_t i = chunk * norm_chunk + k;
+                       adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, m, v, i);
+                       if (working) working[i] = from_float<Working>(param[i]);
+                     }));
   }
   template <class Call>
   void for_working_type(Call call) {
@@ -2808,7 +2825,9 @@ void Engine::end_micro_step(float loss) {
 // build(): the layout of section 5 and the buffers of section 6.
 
 Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& options)
-    : compute_(compute), comm_(comm), options_(options),
+    : compute_(compute),
+      comm_(comm),
+      options_(options),
       scaler_(options.loss_scaling, options.precision == Precision::fp16) {
   if (options_.stage < 0 || options_.stage > 2) usage_error("stage must be 0, 1 or 2 (got %d)", options_.stage);
   if (options_.bucket_elements <= 0)
@@ -2818,9 +2837,10 @@ Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& option
   if (!(options_.lr >= 0) || !(options_.beta1 >= 0 && options_.beta1 < 1) ||
       !(options_.beta2 >= 0 && options_.beta2 < 1) || !(options_.eps > 0) || !(options_.weight_decay >= 0) ||
       !(options_.clip >= 0))
-    usage_error("AdamW settings out of range: lr %g >= 0, 0 <= beta1 %g < 1, 0 <= beta2 %g < 1, eps %g > 0, "
-                "weight decay %g >= 0, clip %g >= 0",
-                options_.lr, options_.beta1, options_.beta2, options_.eps, options_.weight_decay, options_.clip);
+    usage_error(
+        "AdamW settings out of range: lr %g >= 0, 0 <= beta1 %g < 1, 0 <= beta2 %g < 1, eps %g > 0, "
+        "weight decay %g >= 0, clip %g >= 0",
+        options_.lr, options_.beta1, options_.beta2, options_.eps, options_.weight_decay, options_.clip);
 }
 
 Engine::~Engine() = default;
@@ -2914,8 +2934,9 @@ void Engine::build() {
   watched_allreduce(&mine, &lowest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm_.mpi(), "the layout check's all-reduce");
   watched_allreduce(&mine, &highest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_.mpi(), "the layout check's all-reduce");
   if (lowest != highest)
-    usage_error("build(): the ranks registered different parameters (names, sizes or decay flags differ); every "
-                "rank must register the same model");
+    usage_error(
+        "build(): the ranks registered different parameters (names, sizes or decay flags differ); every "
+        "rank must register the same model");
   std::vector<size_t> numels;
   for (auto& p : parameters_) numels.push_back(p.numel);
   buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
@@ -2926,15 +2947,16 @@ void Engine::build() {
   for (const BucketInfo& b : buckets_)
     for (int r = 0; r < comm_.world_size(); ++r)
       if (shard_begin(b, r) != b.offset + (size_t)r * b.shard_length)
-        usage_error("lab build: shard_begin(bucket at %zu, rank %d) = %zu, but the bucket exchange gives rank %d the "
-                    "bucket's slice %d, which begins at %zu", b.offset, r, shard_begin(b, r), r, r,
-                    b.offset + (size_t)r * b.shard_length);
+        usage_error(
+            "lab build: shard_begin(bucket at %zu, rank %d) = %zu, but the bucket exchange gives rank %d the "
+            "bucket's slice %d, which begins at %zu",
+            b.offset, r, shard_begin(b, r), r, r, b.offset + (size_t)r * b.shard_length);
 #endif
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (int p = buckets_[b].first_parameter; p < buckets_[b].end_parameter; ++p) {
       parameters_[p].bucket = (int)b;
-      parameters_[p].offset =
-          buckets_[b].offset + (parameters_[p].canonical_offset - parameters_[buckets_[b].first_parameter].canonical_offset);
+      parameters_[p].offset = buckets_[b].offset + (parameters_[p].canonical_offset -
+                                                    parameters_[buckets_[b].first_parameter].canonical_offset);
     }
 
   impl_.reset(new Impl(*this, compute_));
@@ -3049,7 +3071,8 @@ float Engine::Impl::global_largest_magnitude(bool* finite) {
   }
   *finite = !engine.comm_.any_rank(!mine_finite);
   float global = 0.0f;
-  watched_allreduce(&largest, &global, 1, MPI_FLOAT, MPI_MAX, engine.comm_.mpi(), "the all-reduce of the largest |gradient|");
+  watched_allreduce(&largest, &global, 1, MPI_FLOAT, MPI_MAX, engine.comm_.mpi(),
+                    "the all-reduce of the largest |gradient|");
   return global;
 }
 
@@ -3119,7 +3142,8 @@ void Engine::Impl::account_step() {
   last_step_counters.other = now.other - step_start_counters.other;
   step_start_counters = now;
   const MemoryCounters& memory = compute.memory();
-  if (allocations_at_step1 < 0) allocations_at_step1 = memory.allocations;  // this run's first step (a resumed run's too)
+  if (allocations_at_step1 < 0)
+    allocations_at_step1 = memory.allocations;  // this run's first step (a resumed run's too)
   allocations_last_step = memory.allocations - allocations_at_step_start;
   pushes_last_step = memory.pushes - pushes_at_step_start;
   allocations_at_step_start = memory.allocations;
@@ -3130,8 +3154,7 @@ StepReport Engine::step() {
   require_built("step");
   Impl& impl = *impl_;
   const int A = options_.accumulation_steps;
-  if (micro_step_ != A)
-    usage_error("step() after %d micro-step(s); accumulation_steps is %d", micro_step_, A);
+  if (micro_step_ != A) usage_error("step() after %d micro-step(s); accumulation_steps is %d", micro_step_, A);
   StepReport report;
   report.loss = impl.global_loss();
   report.step = ++steps_taken_;
@@ -3187,8 +3210,10 @@ StepReport Engine::step() {
   }
   report.grad_norm = std::sqrt(squared) * scale_back / (float)report.loss_scale;
   if (!std::isfinite(report.grad_norm))
-    usage_error("the gradient norm is beyond float's range in optimizer step %ld (every element finite, their "
-                "norm not): training diverged. Lower --lr or lengthen --warmup", report.step);
+    usage_error(
+        "the gradient norm is beyond float's range in optimizer step %ld (every element finite, their "
+        "norm not): training diverged. Lower --lr or lengthen --warmup",
+        report.step);
   // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
   // 1e-6), capped at 1, in float.
   if (options_.clip > 0) {
@@ -3251,7 +3276,8 @@ std::vector<float> Engine::parameters_to_host() {
   require_built("parameters_to_host");
   compute_.synchronize_all();
   Impl& impl = *impl_;
-  if (!impl.mixed) return canonical_from_padded(working_to_host(compute_, impl.params.data(), psi_padded(), Precision::fp32));
+  if (!impl.mixed)
+    return canonical_from_padded(working_to_host(compute_, impl.params.data(), psi_padded(), Precision::fp32));
   std::vector<float> master(impl.master.size());
   compute_.copy(master.data(), impl.master.data(), master.size() * sizeof(float), compute_.compute_stream());
   compute_.synchronize(compute_.compute_stream());
@@ -3308,8 +3334,8 @@ std::vector<float> Engine::gradients_to_host() {
   if (micro_step_ != options_.accumulation_steps)
     usage_error("gradients_to_host: only after all %d micro-steps and before step()", options_.accumulation_steps);
   if (options_.stage != 0 && comm_.world_size() != 1)
-    usage_error("gradients_to_host: stage %d holds only a shard of the gradient on each of %d ranks",
-                options_.stage, comm_.world_size());
+    usage_error("gradients_to_host: stage %d holds only a shard of the gradient on each of %d ranks", options_.stage,
+                comm_.world_size());
   compute_.synchronize_all();
   // With stage 0 or N = 1, each bucket's update region is the whole bucket.
   std::vector<float> padded(psi_padded());
@@ -3387,7 +3413,7 @@ std::vector<Piece> pieces_within(const std::vector<LocatedRun>& runs, size_t beg
 // Each owned run meets the files whose range overlaps it, in file order; a
 // run saved across a file boundary becomes two reads.
 Z2_LAB_SEAM std::vector<ReshardRead> reshard_reads(const std::vector<StateRun>& owned,
-                                                    const std::vector<StateRun>& files) {
+                                                   const std::vector<StateRun>& files) {
   std::vector<ReshardRead> reads;
   size_t into = 0;
   for (const StateRun& run : owned) {
@@ -3427,7 +3453,8 @@ OptimizerState Engine::owned_state_to_host() {
   for (const LocatedRun& located : runs) {
     const size_t at = impl.mixed ? located.stored : located.padded;
     state.master.insert(state.master.end(), master.begin() + at, master.begin() + at + located.run.length);
-    state.exp_avg.insert(state.exp_avg.end(), m.begin() + located.stored, m.begin() + located.stored + located.run.length);
+    state.exp_avg.insert(state.exp_avg.end(), m.begin() + located.stored,
+                         m.begin() + located.stored + located.run.length);
     state.exp_avg_sq.insert(state.exp_avg_sq.end(), v.begin() + located.stored,
                             v.begin() + located.stored + located.run.length);
   }
@@ -3514,8 +3541,9 @@ OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
   // rank refuses together, before the all-to-all.
   for (int q = 0; q < N; ++q)
     if (ranges[2 * q + 1] - ranges[2 * q] > INT_MAX || psi_padded() / (size_t)N > (size_t)INT_MAX)
-      usage_error("state_range_to_host: more than 2^31 - 1 elements to or from one rank (MPI counts are int): "
-                  "save with more ranks");
+      usage_error(
+          "state_range_to_host: more than 2^31 - 1 elements to or from one rank (MPI counts are int): "
+          "save with more ranks");
   std::vector<int> send_counts(N, 0), send_offsets(N, 0), receive_counts(N, 0), receive_offsets(N, 0);
   std::vector<std::vector<Piece>> outgoing(N), incoming(N);
   const std::vector<LocatedRun> my_runs = located_runs(*this, me);
@@ -3559,7 +3587,8 @@ TrainingProgress Engine::training_progress() const {
 }
 
 void Engine::restore_training_progress(const TrainingProgress& progress) {
-  if (micro_step_ != 0) usage_error("restore_training_progress: in the middle of a step (%d micro-steps done)", micro_step_);
+  if (micro_step_ != 0)
+    usage_error("restore_training_progress: in the middle of a step (%d micro-steps done)", micro_step_);
   steps_taken_ = progress.steps_taken;
   optimizer_step_ = progress.applied;
   skipped_steps_ = progress.skipped;
@@ -3588,8 +3617,9 @@ LossScaler::LossScaler(const LossScaling& settings, bool fp16) : settings_(setti
 void LossScaler::restore(const LossScalerState& state) {
   if (!(state.scale > 0) || !std::isfinite(state.scale) || state.hysteresis_left < 1 || state.iteration < 0 ||
       state.last_overflow < -1 || state.last_overflow >= state.iteration)
-    usage_error("a loss scaler state that no run reaches: scale %g, hysteresis left %d, iteration %ld, last overflow %ld",
-                state.scale, state.hysteresis_left, state.iteration, state.last_overflow);
+    usage_error(
+        "a loss scaler state that no run reaches: scale %g, hysteresis left %d, iteration %ld, last overflow %ld",
+        state.scale, state.hysteresis_left, state.iteration, state.last_overflow);
   scale_ = state.scale;
   hysteresis_left_ = state.hysteresis_left;
   iteration_ = state.iteration;
@@ -3600,9 +3630,10 @@ Z2_LAB_SEAM void LossScaler::update(bool overflow) {
   if (overflow) {
     if (settings_.hysteresis == 1 || hysteresis_left_ == 1) {
       if (scale_ == settings_.min_scale)
-        usage_error("fp16 gradients overflowed at the minimum loss scale %g (min_loss_scale) with no hysteresis "
-                    "left: the scale cannot go lower (DeepSpeed stops here too). Lower --lr, use bf16, or clip",
-                    scale_);
+        usage_error(
+            "fp16 gradients overflowed at the minimum loss scale %g (min_loss_scale) with no hysteresis "
+            "left: the scale cannot go lower (DeepSpeed stops here too). Lower --lr, use bf16, or clip",
+            scale_);
       scale_ = std::max(scale_ / 2, settings_.min_scale);
     } else {
       hysteresis_left_ -= 1;
@@ -3672,13 +3703,14 @@ MemoryLedger Engine::memory_ledger() const {
   ledger.bookkeeping = c.current[(int)MemoryKind::bookkeeping];
   ledger.model_states = ledger.params + ledger.grads + ledger.optimizer + ledger.master;
   // Exact in double: Psi_padded is a multiple of N, and far below 2^53.
-  ledger.model_states_formula = (size_t)model_states_formula(options_.stage, options_.precision, (double)psi, (double)N);
+  ledger.model_states_formula =
+      (size_t)model_states_formula(options_.stage, options_.precision, (double)psi, (double)N);
   ledger.accumulation_formula =
       accumulation_blocks(options_.accumulation_steps) * (psi / N) * impl_->accumulation_element;
   size_t max_padded_bucket = 0;
   for (auto& b : buckets_) max_padded_bucket = std::max(max_padded_bucket, b.padded_length);
-  ledger.staging_formula = staging_slots(options_) *
-                           ((options_.stage == 2 ? max_padded_bucket : 0) + (N - 1) * (max_padded_bucket / N)) * e;
+  ledger.staging_formula =
+      staging_slots(options_) * ((options_.stage == 2 ? max_padded_bucket : 0) + (N - 1) * (max_padded_bucket / N)) * e;
   ledger.device_current = c.total_current;
   ledger.device_peak = c.total_peak;
   ledger.host_pinned = c.host_pinned_current;
@@ -3728,7 +3760,8 @@ void Engine::print_ledgers(FILE* out) const {
   fprintf(out, "  %-22s %14s   (%s)\n", "grads", with_commas(m.grads).c_str(), type);
   fprintf(out, "  %-22s %14s   (fp32)\n", "optimizer (m, v)", with_commas(m.optimizer).c_str());
   fprintf(out, "  %-22s %14s   %s\n", "master", with_commas(m.master).c_str(),
-          mixed ? "(fp32 weights AdamW updates; the params are them rounded)" : "(fp32: the parameters are the master copy)");
+          mixed ? "(fp32 weights AdamW updates; the params are them rounded)"
+                : "(fp32: the parameters are the master copy)");
   fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(m.model_states).c_str(),
           model_states_formula_text(options_.stage, precision), with_commas(m.model_states_formula).c_str(),
           m.model_states == m.model_states_formula ? "(equal)" : "(DIFFERS)");
@@ -3744,7 +3777,8 @@ void Engine::print_ledgers(FILE* out) const {
           with_commas(m.host_offload_peak).c_str());
   fprintf(out, "  %-22s %14s   (peak live bytes)\n", "device peak", with_commas(m.device_peak).c_str());
   if (compute_.allocator() == Allocator::direct)
-    fprintf(out, "  %-22s %14s   (Allocator::direct: one allocation per buffer)\n", "reserved", with_commas(m.reserved).c_str());
+    fprintf(out, "  %-22s %14s   (Allocator::direct: one allocation per buffer)\n", "reserved",
+            with_commas(m.reserved).c_str());
   else if (compute_.allocator() == Allocator::caching)
     fprintf(out, "  %-22s %14s   (peak of the segments under the %s-byte device limit, --alloc caching)\n", "reserved",
             with_commas(m.reserved).c_str(), with_commas(m.capacity).c_str());
@@ -3762,10 +3796,10 @@ void Engine::print_ledgers(FILE* out) const {
   fprintf(out, "  %-22s %14s\n", "all-reduce", with_commas(c.per_step.all_reduce).c_str());
   size_t total = c.per_step.reduce_scatter + c.per_step.all_gather + c.per_step.all_reduce;
   fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "total", with_commas(total).c_str(),
-          e == 4 ? "(A + 1) (N-1)/N Psi x 4" : "(A + 1) (N-1)/N Psi x 2",
-          with_commas(c.formula_per_step).c_str(), total == c.formula_per_step ? "(equal)" : "(DIFFERS)");
-  fprintf(out, "  %-22s %14s   (loss and norm chunk sums%s, over MPI)\n", "other", with_commas(c.per_step.other).c_str(),
-          precision == Precision::fp16 ? ", the overflow flag" : "");
+          e == 4 ? "(A + 1) (N-1)/N Psi x 4" : "(A + 1) (N-1)/N Psi x 2", with_commas(c.formula_per_step).c_str(),
+          total == c.formula_per_step ? "(equal)" : "(DIFFERS)");
+  fprintf(out, "  %-22s %14s   (loss and norm chunk sums%s, over MPI)\n", "other",
+          with_commas(c.per_step.other).c_str(), precision == Precision::fp16 ? ", the overflow flag" : "");
 }
 
 std::string Engine::ledgers_json() const {
@@ -3780,19 +3814,20 @@ std::string Engine::ledgers_json() const {
        << ", \"accumulation_formula_bytes\": " << m.accumulation_formula << ", \"precision\": \""
        << to_string(m.precision) << "\", \"model_states_formula\": \""
        << model_states_formula_text(options_.stage, m.precision) << "\""
-       << ", \"staging_bytes\": " << m.staging << ", \"bookkeeping_bytes\": " << m.bookkeeping << ", \"activation_peak_bytes\": " << m.activations
-       << ", \"host_offload_peak_bytes\": " << m.host_offload_peak << ", \"host_pinned_bytes\": " << m.host_pinned
-       << ", \"device_peak_bytes\": " << m.device_peak << ", \"reserved_bytes\": " << m.reserved
-       << ", \"capacity_bytes\": " << m.capacity << ", \"fragmentation\": " << m.fragmentation
+       << ", \"staging_bytes\": " << m.staging << ", \"bookkeeping_bytes\": " << m.bookkeeping
+       << ", \"activation_peak_bytes\": " << m.activations << ", \"host_offload_peak_bytes\": " << m.host_offload_peak
+       << ", \"host_pinned_bytes\": " << m.host_pinned << ", \"device_peak_bytes\": " << m.device_peak
+       << ", \"reserved_bytes\": " << m.reserved << ", \"capacity_bytes\": " << m.capacity
+       << ", \"fragmentation\": " << m.fragmentation
        << ", \"device_allocations_after_step1\": " << m.device_allocations_after_step1
        << ", \"device_allocations_per_step\": " << m.device_allocations_per_step
-       << ", \"stack_pushes_per_step\": " << m.stack_pushes_per_step
-       << ", \"device_mallocs\": " << m.device_mallocs << ", \"allocator\": \"" << to_string(compute_.allocator())
-       << "\"}, \"comm\": {\"reduce_scatter_bytes_per_step\": "
-       << c.per_step.reduce_scatter << ", \"all_gather_bytes_per_step\": " << c.per_step.all_gather
+       << ", \"stack_pushes_per_step\": " << m.stack_pushes_per_step << ", \"device_mallocs\": " << m.device_mallocs
+       << ", \"allocator\": \"" << to_string(compute_.allocator())
+       << "\"}, \"comm\": {\"reduce_scatter_bytes_per_step\": " << c.per_step.reduce_scatter
+       << ", \"all_gather_bytes_per_step\": " << c.per_step.all_gather
        << ", \"all_reduce_bytes_per_step\": " << c.per_step.all_reduce
-       << ", \"other_bytes_per_step\": " << c.per_step.other
-       << ", \"formula_bytes_per_step\": " << c.formula_per_step << "}}";
+       << ", \"other_bytes_per_step\": " << c.per_step.other << ", \"formula_bytes_per_step\": " << c.formula_per_step
+       << "}}";
   return json.str();
 }
 

@@ -96,8 +96,7 @@ Loop<HostBody, DeviceBody> make_loop(HostBody host, DeviceBody device) {
   return {host, device};
 }
 #if defined(__CUDACC__)
-#define Z2_LOOP(index, ...) \
-  ::z2::make_loop([=](size_t index) __VA_ARGS__, [=] __device__(size_t index) __VA_ARGS__)
+#define Z2_LOOP(index, ...) ::z2::make_loop([=](size_t index) __VA_ARGS__, [=] __device__(size_t index) __VA_ARGS__)
 #else
 #define Z2_LOOP(index, ...) [=](size_t index) __VA_ARGS__
 #endif
@@ -108,13 +107,11 @@ Loop<HostBody, DeviceBody> make_loop(HostBody host, DeviceBody device) {
 // and i % columns cost 20-40 cycles each), what depends on the row alone is
 // hoisted out, and the inner loop can be vectorised.
 #if defined(__CUDACC__)
-#define Z2_LOOP2(row, column, ...)                                       \
-  ::z2::make_loop([=](size_t row, size_t column) __VA_ARGS__,            \
-                  [=] __device__(size_t row, size_t column) __VA_ARGS__)
+#define Z2_LOOP2(row, column, ...) \
+  ::z2::make_loop([=](size_t row, size_t column) __VA_ARGS__, [=] __device__(size_t row, size_t column) __VA_ARGS__)
 #else
 #define Z2_LOOP2(row, column, ...) [=](size_t row, size_t column) __VA_ARGS__
 #endif
-
 
 // ----------------------------------------------------------------------------
 // 1. Errors
@@ -136,8 +133,8 @@ void check_mpi(int code, const char* call, const char* file, int line);
 void check_cuda(int code, const char* call, const char* file, int line);
 void check_cublas(int code, const char* call, const char* file, int line);
 void check_nccl(int code, const char* call, const char* file, int line);
-[[noreturn]] void abort_all_ranks(const char* library, const char* message, const char* call,
-                                  const char* file, int line);
+[[noreturn]] void abort_all_ranks(const char* library, const char* message, const char* call, const char* file,
+                                  int line);
 
 #define Z2_MPI_CHECK(call) ::z2::check_mpi((call), #call, __FILE__, __LINE__)
 #define Z2_CUDA_CHECK(call) ::z2::check_cuda(static_cast<int>(call), #call, __FILE__, __LINE__)
@@ -332,10 +329,8 @@ Z2_HD inline double double_of(uint64_t bits) { return bit_cast_to<double>(bits);
 // (a loop over the coefficients would keep the caller's loop from vectorising).
 template <int first, int last>
 Z2_HD inline double horner(const double* c, double t) {
-  if constexpr (first == last)
-    return c[last];
-  else
-    return horner<first + 1, last>(c, t) * t + c[first];
+  if constexpr (first == last) return c[last];
+  else return horner<first + 1, last>(c, t) * t + c[first];
 }
 
 // e^x: x = k ln 2 + r with k an integer and |r| <= ln 2 / 2, e^r by Taylor's
@@ -354,9 +349,9 @@ Z2_HD inline float exp_fp32(float x) {
   const double k = shifted - shift;
   // k ln 2 rounds by < 2^-46 (|k| <= 151): that much relative error in e^x.
   const double r = xd - k * 0.6931471805599453;
-  constexpr double inverse_factorials[11] = {1.0,         1.0,          1.0 / 2,       1.0 / 6,
-                                             1.0 / 24,    1.0 / 120,    1.0 / 720,     1.0 / 5040,
-                                             1.0 / 40320, 1.0 / 362880, 1.0 / 3628800};  // 1 / j!
+  constexpr double inverse_factorials[11] = {
+      1.0,       1.0,        1.0 / 2,     1.0 / 6,      1.0 / 24,     1.0 / 120,
+      1.0 / 720, 1.0 / 5040, 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800};  // 1 / j!
   const double series = horner<0, 10>(inverse_factorials, r);
   // 2^k from its bits: k in [-151, 129] is a normal double's exponent, and
   // the product is exact (a power of two), so the one rounding is to float
@@ -461,10 +456,10 @@ inline double power_double(double base, long exponent) {
 // 3.6e-13; tests/fit_erf.py prints these). |x| >= 4: erf rounds to +-1.
 Z2_HD inline float erf_fp32(float x) {
   constexpr double coefficients[23] = {
-      0x1.6a040781a4982p-2,  -0x1.69a0ccda54952p-3, 0x1.0dabaf061ddfcp-3,  -0x1.b92e95b20b5e1p-4,
-      0x1.717efc728e255p-4,  -0x1.3215da49e043ap-4, 0x1.ea97f26001881p-5,  -0x1.76e83f098334ap-5,
-      0x1.0ed51f90471d4p-5,  -0x1.7036eb6c5269dp-6, 0x1.d6366b9d70c84p-7,  -0x1.19f28bf3e4857p-7,
-      0x1.3e0b127cfde9fp-8,  -0x1.52908d0777a74p-9, 0x1.533fbf51c858fp-10, -0x1.3d1cc2c1e9bd2p-11,
+      0x1.6a040781a4982p-2,  -0x1.69a0ccda54952p-3,  0x1.0dabaf061ddfcp-3,  -0x1.b92e95b20b5e1p-4,
+      0x1.717efc728e255p-4,  -0x1.3215da49e043ap-4,  0x1.ea97f26001881p-5,  -0x1.76e83f098334ap-5,
+      0x1.0ed51f90471d4p-5,  -0x1.7036eb6c5269dp-6,  0x1.d6366b9d70c84p-7,  -0x1.19f28bf3e4857p-7,
+      0x1.3e0b127cfde9fp-8,  -0x1.52908d0777a74p-9,  0x1.533fbf51c858fp-10, -0x1.3d1cc2c1e9bd2p-11,
       0x1.1e453c5321644p-12, -0x1.094fac537a6f5p-13, 0x1.a84593e9bd379p-15, -0x1.a7b88f4de9bd6p-17,
       0x1.526ee6f4de9c0p-18, -0x1.33e39bd37a6f5p-18, 0x1.90dc2c8590b21p-20};
   const double xd = x;
@@ -605,8 +600,8 @@ Z2_HD inline void accumulate_micro_step(const AccumulationStackOf<Accum>& stack,
 // v + (c * g) * g; addcdiv: p + (c * m) / d). Bitwise equality with torch is
 // not claimed: its vectorized kernels fuse multiply-adds.
 struct AdamWConstants {
-  float decay_factor;           // 1 - lr * weight_decay
-  float one_minus_beta1;        // lerp weight w
+  float decay_factor;     // 1 - lr * weight_decay
+  float one_minus_beta1;  // lerp weight w
   float beta2, one_minus_beta2;
   float eps;
   float negative_step_size;     // -lr / (1 - beta1^t)
@@ -617,8 +612,8 @@ struct AdamWConstants {
 // here; `param` is always fp32: the parameters themselves in fp32, the
 // master weights in mixed precision.
 template <class Grad>
-Z2_HD inline void adamw_update(const AdamWConstants& c, bool decay, float* param, const Grad* grad, float* m,
-                               float* v, size_t i) {
+Z2_HD inline void adamw_update(const AdamWConstants& c, bool decay, float* param, const Grad* grad, float* m, float* v,
+                               size_t i) {
   float g = to_float(grad[i]);
   if (c.grad_scale != 1.0f) g = g * c.grad_scale;
   float p = param[i];
@@ -728,12 +723,12 @@ struct OutOfMemory : Error {
 struct MemoryCounters {
   size_t current[(int)MemoryKind::count] = {};
   size_t peak[(int)MemoryKind::count] = {};
-  size_t total_current = 0, total_peak = 0;                // live bytes (what buffers asked for)
-  size_t reserved_current = 0, reserved_peak = 0;          // bytes of the block in use (zero2.cu section 2: "reserved =")
-  size_t host_pinned_current = 0, host_pinned_peak = 0;    // staging for --comm mpi on cuda
+  size_t total_current = 0, total_peak = 0;              // live bytes (what buffers asked for)
+  size_t reserved_current = 0, reserved_peak = 0;        // bytes of the block in use (zero2.cu section 2: "reserved =")
+  size_t host_pinned_current = 0, host_pinned_peak = 0;  // staging for --comm mpi on cuda
   size_t host_offload_current = 0, host_offload_peak = 0;  // activation checkpoints moved to the host
-  long allocations = 0;   // allocator calls that find memory (cudaMalloc, a free-list search, a bump at start-up)
-  long pushes = 0;        // arena stack pushes (pointer arithmetic inside the reserved block)
+  long allocations = 0;     // allocator calls that find memory (cudaMalloc, a free-list search, a bump at start-up)
+  long pushes = 0;          // arena stack pushes (pointer arithmetic inside the reserved block)
   long device_mallocs = 0;  // cudaMalloc (or host allocations on cpu) of device memory
 };
 
@@ -807,14 +802,14 @@ class Compute {
   Event create_event();
   void destroy_event(Event event);
   void record(Event event, Stream stream);
-  bool query(Event event);                 // true once the recorded work has finished
-  void wait(Stream waiter, Event event);   // GPU-side: `waiter` waits, the host does not
+  bool query(Event event);                // true once the recorded work has finished
+  void wait(Stream waiter, Event event);  // GPU-side: `waiter` waits, the host does not
 
   // Row-major C[M x N] = alpha * op(A) op(B) + beta * C, with op(X) = X or X^T:
   // OpenBLAS sgemm on cpu, cuBLAS sgemm on the compute stream on cuda; in
   // portable mode (set_portable, below) zero2's own kernels on both.
-  void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
-            int lda, const float* B, int ldb, float beta, float* C, int ldc);
+  void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
+            const float* B, int ldb, float beta, float* C, int ldc);
 
   // `batch` independent products of the same shape, C_k = alpha op(A_k)
   // op(B_k) + beta C_k with X_k = X + k * stride_x (elements): one cuBLAS
@@ -822,8 +817,8 @@ class Compute {
   // gemm on cpu (so on cpu each product has exactly gemm's bits; cuBLAS may
   // pick another kernel for the batched call, deterministic all the same).
   void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
-                    long stride_a, const float* B, int ldb, long stride_b, float beta, float* C, int ldc,
-                    long stride_c, int batch);
+                    long stride_a, const float* B, int ldb, long stride_b, float beta, float* C, int ldc, long stride_c,
+                    int batch);
 
   // The same with 16-bit A, B and C (mixed precision, notes/08): exact
   // products summed in fp32, alpha and beta in fp32, C rounded once. On cuda
@@ -867,7 +862,9 @@ class Compute {
   template <class Body>
   void for_each(size_t n, Body body, Stream stream);
   template <class Body>
-  void for_each(size_t n, Body body) { for_each(n, body, compute_stream_); }
+  void for_each(size_t n, Body body) {
+    for_each(n, body, compute_stream_);
+  }
   // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
   // cpu rows outer and columns inner; on cuda one thread per cell. As for
   // any kernel, no cell may read what another cell writes (the CPU loop tells
@@ -884,8 +881,8 @@ class Compute {
   void column_sums(size_t rows, size_t columns, Element element, T* sums);
 
  private:
-  void* device_malloc(size_t bytes);             // cudaMalloc / aligned host allocation, zeroed
-  void device_free(void* pointer);               // cudaFree / free
+  void* device_malloc(size_t bytes);  // cudaMalloc / aligned host allocation, zeroed
+  void device_free(void* pointer);    // cudaFree / free
   void* caching_take(size_t bytes, MemoryKind kind);
   void caching_give_back(char* start);
   void* take(size_t bytes, MemoryKind kind, bool from_stack);
@@ -900,16 +897,16 @@ class Compute {
   Device device_;
   int device_index_;
   Stream compute_stream_, comm_stream_, copy_stream_;
-  void* cublas_ = nullptr;       // cublasHandle_t for fp32: pedantic math (no TF32)
-  void* cublas_16bit_ = nullptr; // cublasHandle_t for 16-bit inputs: tensor cores, fp32 accumulation
+  void* cublas_ = nullptr;        // cublasHandle_t for fp32: pedantic math (no TF32)
+  void* cublas_16bit_ = nullptr;  // cublasHandle_t for 16-bit inputs: tensor cores, fp32 accumulation
   Allocator allocator_ = Allocator::direct;
   MemoryCounters counters_;
   bool tracing_ = false;
   PushFill activation_fill_ = PushFill::zero;
   std::vector<MemorySample> trace_;
-  double gemm_seconds_ = 0;  // see gemm_seconds()
-  bool portable_ = false;    // see set_portable()
-  int portable_lanes_ = 1;   // the CPU schedule's vector width in portable mode
+  double gemm_seconds_ = 0;            // see gemm_seconds()
+  bool portable_ = false;              // see set_portable()
+  int portable_lanes_ = 1;             // the CPU schedule's vector width in portable mode
   std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)
   struct Live;
   std::unique_ptr<Live> live_;  // pointer -> (bytes, kind), and the block's bookkeeping
@@ -932,7 +929,8 @@ class DeviceArray {
  public:
   DeviceArray() = default;
   DeviceArray(Compute& compute, size_t count, MemoryKind kind)
-      : compute_(&compute), count_(count),
+      : compute_(&compute),
+        count_(count),
         data_(count ? static_cast<T*>(compute.allocate(count * sizeof(T), kind)) : nullptr) {}
   ~DeviceArray() { reset(); }
   DeviceArray(DeviceArray&& other) noexcept { *this = std::move(other); }
@@ -973,13 +971,21 @@ void launch_check(const char* file, int line);  // cudaGetLastError after a laun
 // The host half of a Z2_LOOP / Z2_LOOP2 (or the plain lambda of the g++
 // build), and the device half (which only the nvcc build has).
 template <class Body>
-const Body& host_body(const Body& body) { return body; }
+const Body& host_body(const Body& body) {
+  return body;
+}
 template <class HostBody, class DeviceBody>
-const HostBody& host_body(const Loop<HostBody, DeviceBody>& loop) { return loop.host; }
+const HostBody& host_body(const Loop<HostBody, DeviceBody>& loop) {
+  return loop.host;
+}
 template <class Body>
-const Body& device_body(const Body& body) { return body; }
+const Body& device_body(const Body& body) {
+  return body;
+}
 template <class HostBody, class DeviceBody>
-const DeviceBody& device_body(const Loop<HostBody, DeviceBody>& loop) { return loop.device; }
+const DeviceBody& device_body(const Loop<HostBody, DeviceBody>& loop) {
+  return loop.device;
+}
 
 template <class Body>
 void Compute::for_each(size_t n, Body body, Stream stream) {
@@ -1022,8 +1028,8 @@ void Compute::for_each(size_t rows, size_t columns, Body body) {
   if (device_ == Device::cpu) {
     const auto& host = host_body(body);
     for (size_t row = 0; row < rows; ++row)
-      // Cells are independent (on cuda each is its own thread), which is what
-      // ivdep tells the compiler: no alias check stands between it and vectors.
+    // Cells are independent (on cuda each is its own thread), which is what
+    // ivdep tells the compiler: no alias check stands between it and vectors.
 #pragma GCC ivdep
       for (size_t column = 0; column < columns; ++column) host(row, column);
     return;
@@ -1032,7 +1038,7 @@ void Compute::for_each(size_t rows, size_t columns, Body body) {
   const unsigned threads = 256;
   const size_t blocks = (rows * columns + threads - 1) / threads;
   for_each_2d_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)compute_stream_.handle>>>(rows, columns,
-                                                                                              device_body(body));
+                                                                                             device_body(body));
   launch_check(__FILE__, __LINE__);
 #else
   usage_error("for_each on cuda called from a file not compiled by nvcc");
@@ -1055,8 +1061,8 @@ void Compute::column_sums(size_t rows, size_t columns, Element element, T* sums)
 #if defined(__CUDACC__)
   const unsigned threads = 256;
   const size_t blocks = (columns + threads - 1) / threads;
-  column_sums_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)compute_stream_.handle>>>(rows, columns,
-                                                                                              device_body(element), sums);
+  column_sums_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)compute_stream_.handle>>>(
+      rows, columns, device_body(element), sums);
   launch_check(__FILE__, __LINE__);
 #else
   usage_error("column_sums on cuda called from a file not compiled by nvcc");
@@ -1199,12 +1205,12 @@ CommBackend choose_comm(const std::string& requested, Device device, MPI_Comm co
 // overflows 65504. An overflow anywhere skips the step and, after
 // `hysteresis` of them, halves the scale; `window` clean steps double it.
 struct LossScaling {
-  double static_scale = 0;       // "loss_scale": > 0 a fixed scale (no halving or doubling), 0 dynamic
-  int initial_scale_power = 16;  // "initial_scale_power": the dynamic scale starts at 2^this
-  long window = 1000;            // "loss_scale_window": clean steps before the scale doubles
-  int hysteresis = 2;            // "hysteresis": overflows before the scale halves (DeepSpeed's delayed_shift)
+  double static_scale = 0;              // "loss_scale": > 0 a fixed scale (no halving or doubling), 0 dynamic
+  int initial_scale_power = 16;         // "initial_scale_power": the dynamic scale starts at 2^this
+  long window = 1000;                   // "loss_scale_window": clean steps before the scale doubles
+  int hysteresis = 2;                   // "hysteresis": overflows before the scale halves (DeepSpeed's delayed_shift)
   bool consecutive_hysteresis = false;  // "consecutive_hysteresis": a clean step restores the hysteresis
-  double min_scale = 1;          // "min_loss_scale": an overflow at this scale stops the run
+  double min_scale = 1;                 // "min_loss_scale": an overflow at this scale stops the run
 };
 
 // What a loss scaler carries from step to step: a checkpoint holds it, and
@@ -1284,12 +1290,12 @@ struct ParameterInfo {
 
 struct BucketInfo {
   int first_parameter = 0, end_parameter = 0;  // [first, end) in registration order
-  size_t offset = 0;          // start in the padded flat buffer
-  size_t length = 0;          // elements the parameters span (a multiple of norm_chunk)
-  size_t padded_length = 0;   // length rounded up to a multiple of N * norm_chunk
-  size_t shard_length = 0;    // padded_length / N
-  size_t shard_offset = 0;    // start of this bucket's shard in shard space
-  size_t canonical_chunk = 0; // index of its first norm chunk in the canonical layout
+  size_t offset = 0;                           // start in the padded flat buffer
+  size_t length = 0;                           // elements the parameters span (a multiple of norm_chunk)
+  size_t padded_length = 0;                    // length rounded up to a multiple of N * norm_chunk
+  size_t shard_length = 0;                     // padded_length / N
+  size_t shard_offset = 0;                     // start of this bucket's shard in shard space
+  size_t canonical_chunk = 0;                  // index of its first norm chunk in the canonical layout
 };
 
 // A piece of the canonical order (real elements only, registration order:
@@ -1365,10 +1371,10 @@ struct TrainingProgress {
 };
 
 struct StepReport {
-  long step = 0;          // 1-based: step() calls so far, skipped ones included (DeepSpeed's global_steps)
-  long applied = 0;       // optimizer updates made so far (AdamW's t; the lr schedule's position)
-  float loss = 0;         // canonical-tree sum of the micro-batch loss contributions
-  float grad_norm = 0;    // global L2 norm before clipping (unscaled; inf or NaN on an fp16 overflow)
+  long step = 0;        // 1-based: step() calls so far, skipped ones included (DeepSpeed's global_steps)
+  long applied = 0;     // optimizer updates made so far (AdamW's t; the lr schedule's position)
+  float loss = 0;       // canonical-tree sum of the micro-batch loss contributions
+  float grad_norm = 0;  // global L2 norm before clipping (unscaled; inf or NaN on an fp16 overflow)
   float clip_coefficient = 1;
   double lr = 0;          // the learning rate of the update (of the update it would have been, when skipped)
   double loss_scale = 1;  // the scale this step's gradients carry (fp16; 1 otherwise)
@@ -1379,9 +1385,9 @@ struct MemoryLedger {
   Precision precision = Precision::fp32;
   size_t params = 0, grads = 0, optimizer = 0, master = 0;  // model states (measured)
   size_t accumulation = 0, staging = 0, activations = 0, bookkeeping = 0;
-  size_t model_states = 0;           // params + grads + optimizer + master
-  size_t model_states_formula = 0;   // the paper's formula for this stage, from Psi_padded
-  size_t accumulation_formula = 0;   // floor(log2 A) blocks of Psi_padded / N (fp32 or 16-bit elements)
+  size_t model_states = 0;          // params + grads + optimizer + master
+  size_t model_states_formula = 0;  // the paper's formula for this stage, from Psi_padded
+  size_t accumulation_formula = 0;  // floor(log2 A) blocks of Psi_padded / N (fp32 or 16-bit elements)
   size_t staging_formula = 0;
   size_t device_current = 0, device_peak = 0, host_pinned = 0;
   // reserved: the peak of the device memory held for the buffers. With
@@ -1397,8 +1403,8 @@ struct MemoryLedger {
 };
 
 struct CommLedger {
-  CommCounters per_step;       // measured in the last step
-  size_t formula_per_step = 0; // reduce_scatter + all_gather + all_reduce, from the formula
+  CommCounters per_step;        // measured in the last step
+  size_t formula_per_step = 0;  // reduce_scatter + all_gather + all_reduce, from the formula
 };
 
 class Engine {
@@ -1455,8 +1461,8 @@ class Engine {
   // Layout and shards (for tests, ledgers, notes).
   const std::vector<ParameterInfo>& parameters() const { return parameters_; }
   const std::vector<BucketInfo>& buckets() const { return buckets_; }
-  size_t psi() const;              // real parameter elements
-  size_t psi_padded() const;       // elements of the padded flat buffer
+  size_t psi() const;         // real parameter elements
+  size_t psi_padded() const;  // elements of the padded flat buffer
   size_t canonical_elements() const { return canonical_elements_; }
   // [begin, end) of bucket `bucket`'s shard owned by `rank` in the padded buffer.
   std::pair<size_t, size_t> shard_range(int bucket, int rank) const;
@@ -1528,15 +1534,15 @@ class Engine {
 // no engine and no allocation: the planner and build() call these, so the
 // plan and the measured ledger cannot drift apart.
 std::vector<BucketInfo> lay_out_buckets(const std::vector<size_t>& numels, int world_size, long bucket_elements);
-struct EngineBuffers {  // bytes of each buffer build() allocates
+struct EngineBuffers {                           // bytes of each buffer build() allocates
   size_t psi_padded = 0, max_padded_bucket = 0;  // elements
   size_t params = 0, grads = 0, master = 0;
-  size_t moment = 0;                  // each of AdamW's m and v
+  size_t moment = 0;  // each of AdamW's m and v
   size_t accumulation_blocks = 0, accumulation_block = 0;
   size_t staging = 0, chunk_sums = 0, decay_flags = 0;
-  size_t model_states() const;        // params + grads + master + m + v
-  size_t live() const;                // every buffer
-  size_t reserved() const;            // every buffer rounded up to 256 bytes, as a block serves it
+  size_t model_states() const;  // params + grads + master + m + v
+  size_t live() const;          // every buffer
+  size_t reserved() const;      // every buffer rounded up to 256 bytes, as a block serves it
 };
 EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const EngineOptions& options, int world_size);
 // Staging elements of the bucket exchange (of the wire type).

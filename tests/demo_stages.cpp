@@ -58,7 +58,8 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--overlap") arguments.overlap = parse_number("--overlap", value, 0, 1) != 0;
     else if (flag == "--hidden") arguments.model.hidden = (int)parse_number("--hidden", value, 1, 1 << 16);
     else if (flag == "--layers") arguments.model.layers = (int)parse_number("--layers", value, 1, 1024);
-    else if (flag == "--micro-batch") arguments.model.micro_batch = (int)parse_number("--micro-batch", value, 1, 1 << 16);
+    else if (flag == "--micro-batch")
+      arguments.model.micro_batch = (int)parse_number("--micro-batch", value, 1, 1 << 16);
     else z2::usage_error("unknown flag '%s' (see the comment at the top of tests/demo_stages.cpp)", flag.c_str());
   }
   if (!arguments.markdown.empty() && arguments.markdown != "ledger" && arguments.markdown != "hashes")
@@ -83,11 +84,12 @@ int demo(int argc, char** argv) {
 
   const mlp::Config& model_config = arguments.model;
   if (talk)
-    printf("zero2 demo: the test MLP (%d -> %d x %d -> %d), %d rank(s), device %s, comm %s, %s collectives,\n"
-           "micro-batch %d x accumulation %d x %d ranks, bucket %ld elements, overlap %s, %d steps, AdamW + clipping\n\n",
-           model_config.input, model_config.hidden, model_config.layers - 1, model_config.classes, N,
-           z2::to_string(device), z2::to_string(backend), z2::to_string(collectives), model_config.micro_batch,
-           arguments.accumulation, N, arguments.bucket, arguments.overlap ? "on" : "off", arguments.steps);
+    printf(
+        "zero2 demo: the test MLP (%d -> %d x %d -> %d), %d rank(s), device %s, comm %s, %s collectives,\n"
+        "micro-batch %d x accumulation %d x %d ranks, bucket %ld elements, overlap %s, %d steps, AdamW + clipping\n\n",
+        model_config.input, model_config.hidden, model_config.layers - 1, model_config.classes, N,
+        z2::to_string(device), z2::to_string(backend), z2::to_string(collectives), model_config.micro_batch,
+        arguments.accumulation, N, arguments.bucket, arguments.overlap ? "on" : "off", arguments.steps);
 
   uint64_t hashes[3] = {};
   double median_ms[3] = {};
@@ -144,13 +146,12 @@ int demo(int argc, char** argv) {
   if (talk) {
     printf("median step: stage 0 %.2f ms, stage 1 %.2f ms, stage 2 %.2f ms\n", median_ms[0], median_ms[1],
            median_ms[2]);
-    if (same)
-      printf("stages 0, 1, 2: identical final parameters, bit for bit\n");
+    if (same) printf("stages 0, 1, 2: identical final parameters, bit for bit\n");
     else if (collectives == z2::Collectives::native)
-      printf("stages 0, 1, 2: final parameters differ in the low bits, as expected with native collectives\n"
-             "(the library chooses the summation order; use --collectives deterministic for equal bits)\n");
-    else
-      printf("stages 0, 1, 2: DIFFERENT final parameters (a bug: please report it)\n");
+      printf(
+          "stages 0, 1, 2: final parameters differ in the low bits, as expected with native collectives\n"
+          "(the library chooses the summation order; use --collectives deterministic for equal bits)\n");
+    else printf("stages 0, 1, 2: DIFFERENT final parameters (a bug: please report it)\n");
   }
   return same || collectives == z2::Collectives::native ? 0 : 1;
 }

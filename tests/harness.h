@@ -21,7 +21,7 @@
 namespace harness {
 
 struct Backend {
-  std::string name;                         // e.g. "cpu/mpi", "cuda/nccl"
+  std::string name;  // e.g. "cpu/mpi", "cuda/nccl"
   z2::Compute* compute = nullptr;
   z2::Communicator* deterministic = nullptr;  // --collectives deterministic
   z2::Communicator* native = nullptr;         // --collectives native

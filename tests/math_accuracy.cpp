@@ -25,8 +25,9 @@ int main(int argc, char** argv) {
     fprintf(stderr, "math_accuracy: --stride and --threads must be at least 1\n");
     return 2;
   }
-  printf("| function | float inputs (finite results) | max error (ulps) | at x = | not correctly rounded | "
-         "wrong inf / NaN / sign of zero |\n");
+  printf(
+      "| function | float inputs (finite results) | max error (ulps) | at x = | not correctly rounded | "
+      "wrong inf / NaN / sign of zero |\n");
   printf("|---|---|---|---|---|---|\n");
   int status = 0;
   for (auto function : {math_accuracy::Function::exp, math_accuracy::Function::log, math_accuracy::Function::erf}) {

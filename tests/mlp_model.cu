@@ -34,7 +34,8 @@ Model::Model(z2::Compute& compute, z2::Engine& engine, const Config& config)
     buffers_->activations.emplace_back(compute, B * widths_[l], z2::MemoryKind::activations);
     buffers_->gradients.emplace_back(compute, B * widths_[l], z2::MemoryKind::activations);
   }
-  buffers_->teacher = z2::DeviceArray<float>(compute, (size_t)config.classes * config.input, z2::MemoryKind::activations);
+  buffers_->teacher =
+      z2::DeviceArray<float>(compute, (size_t)config.classes * config.input, z2::MemoryKind::activations);
   buffers_->labels = z2::DeviceArray<int>(compute, B, z2::MemoryKind::activations);
   buffers_->sample_loss = z2::DeviceArray<float>(compute, B, z2::MemoryKind::activations);
 }
@@ -57,14 +58,14 @@ void Model::initialize() {
       float* values = engine_.parameter(id);
       const size_t n = engine_.parameters()[id].numel;
       compute_.for_each(n, Z2_LOOP(i, {
-        values[i] = (2.0f * z2::uniform_from_hash(z2::hash_keys(seed, 1, (uint64_t)id, i)) - 1.0f) * bound;
-      }));
+                          values[i] =
+                              (2.0f * z2::uniform_from_hash(z2::hash_keys(seed, 1, (uint64_t)id, i)) - 1.0f) * bound;
+                        }));
     }
   }
   float* teacher = buffers_->teacher.data();
-  compute_.for_each(buffers_->teacher.size(), Z2_LOOP(i, {
-    teacher[i] = 2.0f * z2::uniform_from_hash(z2::hash_keys(seed, 2, i)) - 1.0f;
-  }));
+  compute_.for_each(buffers_->teacher.size(),
+                    Z2_LOOP(i, { teacher[i] = 2.0f * z2::uniform_from_hash(z2::hash_keys(seed, 2, i)) - 1.0f; }));
   compute_.synchronize(compute_.compute_stream());
 }
 
@@ -77,22 +78,23 @@ float Model::micro_step(long step, int a) {
   // --- data: x [B, in] keyed by (seed, step, global sample, feature) --------
   float* x = buffers.activations[0].data();
   compute_.for_each((size_t)B * in, Z2_LOOP(i, {
-    const uint64_t sample = (uint64_t)m * B + i / in;
-    x[i] = 2.0f * z2::uniform_from_hash(z2::hash_keys(seed, 3, (uint64_t)step, sample, i % in)) - 1.0f;
-  }));
+                      const uint64_t sample = (uint64_t)m * B + i / in;
+                      x[i] =
+                          2.0f * z2::uniform_from_hash(z2::hash_keys(seed, 3, (uint64_t)step, sample, i % in)) - 1.0f;
+                    }));
   // Label = argmax of the teacher's scores, a row per thread.
   const float* teacher = buffers.teacher.data();
   int* labels = buffers.labels.data();
   compute_.for_each((size_t)B, Z2_LOOP(b, {
-    int best = 0;
-    float best_score = -1e30f;
-    for (int c = 0; c < classes; ++c) {
-      float score = 0.0f;
-      for (int k = 0; k < in; ++k) score += teacher[c * in + k] * x[b * in + k];
-      if (score > best_score) best_score = score, best = c;
-    }
-    labels[b] = best;
-  }));
+                      int best = 0;
+                      float best_score = -1e30f;
+                      for (int c = 0; c < classes; ++c) {
+                        float score = 0.0f;
+                        for (int k = 0; k < in; ++k) score += teacher[c * in + k] * x[b * in + k];
+                        if (score > best_score) best_score = score, best = c;
+                      }
+                      labels[b] = best;
+                    }));
 
   // --- forward: a[l+1] = act(a[l] W^T + b) ---------------------------------
   for (int l = 0; l < L; ++l) {
@@ -105,9 +107,9 @@ float Model::micro_step(long step, int a) {
                   output, fan_out);
     const bool hidden = l + 1 < L;
     compute_.for_each((size_t)B * fan_out, Z2_LOOP(i, {
-      float z = output[i] + bias[i % fan_out];
-      output[i] = hidden ? tanhf(z) : z;
-    }));
+                        float z = output[i] + bias[i % fan_out];
+                        output[i] = hidden ? tanhf(z) : z;
+                      }));
   }
 
   // --- loss and its gradient: softmax cross-entropy, a row per thread -------
@@ -119,18 +121,18 @@ float Model::micro_step(long step, int a) {
   float* dlogits = buffers.gradients[L].data();
   float* sample_loss = buffers.sample_loss.data();
   compute_.for_each((size_t)B, Z2_LOOP(b, {
-    const float* row = logits + b * classes;
-    float max_logit = row[0];
-    for (int c = 1; c < classes; ++c) max_logit = fmaxf(max_logit, row[c]);
-    float sum = 0.0f;
-    for (int c = 0; c < classes; ++c) sum += expf(row[c] - max_logit);
-    const float log_sum = logf(sum);
-    sample_loss[b] = log_sum + max_logit - row[labels[b]];
-    for (int c = 0; c < classes; ++c) {
-      float probability = expf(row[c] - max_logit - log_sum);
-      dlogits[b * classes + c] = (probability - (c == labels[b] ? 1.0f : 0.0f)) * scale;
-    }
-  }));
+                      const float* row = logits + b * classes;
+                      float max_logit = row[0];
+                      for (int c = 1; c < classes; ++c) max_logit = fmaxf(max_logit, row[c]);
+                      float sum = 0.0f;
+                      for (int c = 0; c < classes; ++c) sum += expf(row[c] - max_logit);
+                      const float log_sum = logf(sum);
+                      sample_loss[b] = log_sum + max_logit - row[labels[b]];
+                      for (int c = 0; c < classes; ++c) {
+                        float probability = expf(row[c] - max_logit - log_sum);
+                        dlogits[b * classes + c] = (probability - (c == labels[b] ? 1.0f : 0.0f)) * scale;
+                      }
+                    }));
 
   // --- backward, last layer first, handing each gradient over at once -------
   for (int l = L - 1; l >= 0; --l) {
@@ -138,7 +140,8 @@ float Model::micro_step(long step, int a) {
     float* upstream = buffers.gradients[l + 1].data();  // dL/d output (after the activation)
     const float* output = buffers.activations[l + 1].data();
     if (l + 1 < L)  // through tanh: dz = da (1 - a^2)
-      compute_.for_each((size_t)B * fan_out, Z2_LOOP(i, { upstream[i] = upstream[i] * (1.0f - output[i] * output[i]); }));
+      compute_.for_each((size_t)B * fan_out,
+                        Z2_LOOP(i, { upstream[i] = upstream[i] * (1.0f - output[i] * output[i]); }));
     // dW [fan_out, fan_in] = dz^T [fan_out, B] x input [B, fan_in]
     float* weight_gradient = engine_.gradient_output(weights_[l]);
     compute_.gemm(true, false, fan_out, fan_in, B, 1.0f, upstream, fan_out, buffers.activations[l].data(), fan_in, 0.0f,
@@ -147,10 +150,10 @@ float Model::micro_step(long step, int a) {
     // db [fan_out] = sum over the batch, in order, one thread per column.
     float* bias_gradient = engine_.gradient_output(biases_[l]);
     compute_.for_each((size_t)fan_out, Z2_LOOP(j, {
-      float sum = 0.0f;
-      for (int b = 0; b < B; ++b) sum += upstream[(size_t)b * fan_out + j];
-      bias_gradient[j] = sum;
-    }));
+                        float sum = 0.0f;
+                        for (int b = 0; b < B; ++b) sum += upstream[(size_t)b * fan_out + j];
+                        bias_gradient[j] = sum;
+                      }));
     engine_.gradient_ready(biases_[l]);
     // d input [B, fan_in] = dz [B, fan_out] x W [fan_out, fan_in]
     if (l > 0)

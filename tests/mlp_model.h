@@ -17,7 +17,7 @@ namespace mlp {
 
 struct Config {
   int input = 24, hidden = 40, layers = 3, classes = 10;
-  int micro_batch = 8;   // samples per micro-batch
+  int micro_batch = 8;  // samples per micro-batch
   uint64_t seed = 1234;
 };
 

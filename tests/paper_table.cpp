@@ -48,7 +48,8 @@ bool table1_checked() {
                                {"120", "41.3", "21.6", "16.6", "15.4", "15.1"},
                                {"120", "30", "7.5", "1.88", "0.47", "0.12"}};
   printf("Table 1, 7.5B parameters (GB per device):\n\n");
-  printf("| N | DP (stage 0) | P_os (stage 1) | paper | P_os+g (stage 2) | paper | P_os+g+p (formula only) | paper |\n");
+  printf(
+      "| N | DP (stage 0) | P_os (stage 1) | paper | P_os+g (stage 2) | paper | P_os+g+p (formula only) | paper |\n");
   printf("|---|---|---|---|---|---|---|---|\n");
   bool all_equal = true;
   for (int k = 0; k < 6; ++k) {
@@ -70,7 +71,9 @@ bool table1_checked() {
 // Table 1's 128B and 1T columns, from the formula alone.
 void table1_formula() {
   printf("\nTable 1, 128B and 1T parameters (GB per device, from the formula):\n\n");
-  printf("| N | 128B: DP | P_os | P_os+g | P_os+g+p (formula only) | 1T: DP | P_os | P_os+g | P_os+g+p (formula only) |\n");
+  printf(
+      "| N | 128B: DP | P_os | P_os+g | P_os+g+p (formula only) | 1T: DP | P_os | P_os+g | P_os+g+p (formula only) "
+      "|\n");
   printf("|---|---|---|---|---|---|---|---|---|\n");
   for (int n : ranks) {
     printf("| %d |", n);

@@ -38,20 +38,22 @@ std::vector<uint16_t> micro_batch_gradient(int rank, int ranks, float* scale) {
   z2::EngineOptions options;
   options.stage = 0, options.precision = z2::precision_of<T>();
   z2::Engine engine(compute, self, options);
-  bert::ModelShape shape{settings.layers, settings.hidden, settings.heads, settings.intermediate, settings.seq,
-                         settings.max_positions, settings.micro_batch, settings.dropout, settings.seed,
-                         options.precision};
+  bert::ModelShape shape{settings.layers, settings.hidden,        settings.heads,       settings.intermediate,
+                         settings.seq,    settings.max_positions, settings.micro_batch, settings.dropout,
+                         settings.seed,   options.precision};
   bert::Model<T> model(compute, engine, shape);
   engine.build();
   model.initialize();
   const std::string& corpus = bert::default_corpus();
-  const long step = 0, selected = bert::global_selected_count(corpus, settings.seed, step, ranks, shape.micro_batch, shape.seq);
+  const long step = 0,
+             selected = bert::global_selected_count(corpus, settings.seed, step, ranks, shape.micro_batch, shape.seq);
   bert::Batch batch = bert::make_batch(corpus, settings.seed, step, rank, shape.micro_batch, shape.seq);
   model.run(batch, step, rank, 1.0f / (float)selected, true);
   *scale = engine.loss_scale();
   std::vector<float> gradient = engine.gradients_to_host();  // unscaled
   std::vector<uint16_t> bits(gradient.size());
-  for (size_t i = 0; i < bits.size(); ++i) bits[i] = z2::from_float<T>(gradient[i] * *scale).bits;  // exact: a power of two
+  for (size_t i = 0; i < bits.size(); ++i)
+    bits[i] = z2::from_float<T>(gradient[i] * *scale).bits;  // exact: a power of two
   return bits;
 }
 
@@ -65,15 +67,16 @@ uint16_t narrow(float value) {
 }
 
 struct Errors {
-  double relative = 0;       // ||approx - exact|| / ||exact||
+  double relative = 0;           // ||approx - exact|| / ||exact||
   double correctly_rounded = 0;  // share of elements within half an ulp of the exact sum
-  double worst_ulps = 0;     // max |approx - exact| / ulp16(exact)
+  double worst_ulps = 0;         // max |approx - exact| / ulp16(exact)
 };
 
 // ulp of the 16-bit format at `value` (its spacing there).
 template <class T>
 double ulp16(double value) {
-  const int mantissa = std::is_same<T, z2::bfloat16>::value ? 7 : 10, min_exponent = std::is_same<T, z2::bfloat16>::value ? -126 : -14;
+  const int mantissa = std::is_same<T, z2::bfloat16>::value ? 7 : 10,
+            min_exponent = std::is_same<T, z2::bfloat16>::value ? -126 : -14;
   int exponent = 0;
   std::frexp(value, &exponent);
   return std::ldexp(1.0, std::max(exponent - 1, min_exponent) - mantissa);
@@ -154,8 +157,9 @@ int main(int argc, char** argv) {
   try {
     if (ranks & (ranks - 1)) z2::usage_error("run it on a power-of-two number of ranks (got %d)", ranks);
     if (rank == 0 && argc > 1 && std::string(argv[1]) == "--header") {
-      printf("| precision | N | zero2: relative error | DeepSpeed: relative error | zero2: correctly rounded | "
-             "DeepSpeed: correctly rounded | zero2: worst ulps | DeepSpeed: worst ulps |\n");
+      printf(
+          "| precision | N | zero2: relative error | DeepSpeed: relative error | zero2: correctly rounded | "
+          "DeepSpeed: correctly rounded | zero2: worst ulps | DeepSpeed: worst ulps |\n");
       printf("|---|---|---|---|---|---|---|---|\n");
     }
     measure<z2::bfloat16>("bf16", rank, ranks);

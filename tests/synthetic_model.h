@@ -173,5 +173,4 @@ inline bool same_mixed_run(const MixedRun& a, const MixedRun& b) {
          a.scales == b.scales && a.skipped == b.skipped;
 }
 
-
 }  // namespace synthetic

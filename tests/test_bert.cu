@@ -215,7 +215,7 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   CHECK(s.weight_decay == 0.1);
   CHECK(s.warmup == 5);
   CHECK(s.schedule_steps == 50);  // the schedule's length; the run's follows from it in check_consistency
-  CHECK(s.lr == 0.0003);  // the scheduler's peak, read after the optimizer's lr
+  CHECK(s.lr == 0.0003);          // the scheduler's peak, read after the optimizer's lr
   // Flags win over the file wherever they appear on the line.
   s = parse({"--stage", "2", "--config", path, "--micro-batch", "2"});
   CHECK(s.stage == 2);
@@ -227,16 +227,15 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
     write(text);
     try {
       parse({"--config", path});
-    } catch (const z2::Error& e) {
-      return e.what();
-    }
+    } catch (const z2::Error& e) { return e.what(); }
     return "";
   };
   CHECK(error_of(R"({"train_micro_batch_size": 4})").find("\n  train_micro_batch_size: not a DeepSpeed key") !=
         std::string::npos);
   CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})")
             .find("zero_optimization.offload_optimizer.device: \"nvme\" is not supported") != std::string::npos);
-  const std::string two = error_of(R"({"optimizer": {"params": {"momentum": 0.9}}, "zero_optimization": {"stage": 4}})");
+  const std::string two =
+      error_of(R"({"optimizer": {"params": {"momentum": 0.9}}, "zero_optimization": {"stage": 4}})");
   CHECK(two.find("has 2 settings") != std::string::npos);
   CHECK(two.find("optimizer.params.momentum: not a DeepSpeed key") != std::string::npos);
   // A bad value names the config key the user wrote, not the flag it maps to.
@@ -283,16 +282,15 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   CHECK(error_of(R"({"fp16": {"min_loss_scale": 0}})").find("fp16.min_loss_scale: wants") != std::string::npos);
   CHECK(error_of(R"({"fp16": {"hysteresis": 0}})").find("fp16.hysteresis: wants") != std::string::npos);
   CHECK(error_of(R"({"fp16": {"loss_scale_window": 0}})").find("fp16.loss_scale_window: wants") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"fp16_master_weights_and_grads": true}})").find("fp16.fp16_master_weights_and_grads: true is not supported") !=
-        std::string::npos);
-  CHECK(error_of(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp16"}})")
-            .find("grad_accum_dtype") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"fp16_master_weights_and_grads": true}})")
+            .find("fp16.fp16_master_weights_and_grads: true is not supported") != std::string::npos);
+  CHECK(
+      error_of(R"({"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp16"}})").find("grad_accum_dtype") !=
+      std::string::npos);
   auto flag_error = [&](std::vector<std::string> arguments) -> std::string {
     try {
       parse(arguments);
-    } catch (const z2::Error& e) {
-      return e.what();
-    }
+    } catch (const z2::Error& e) { return e.what(); }
     return "";
   };
   write(R"({"fp16": {"enabled": false}})");
@@ -312,9 +310,7 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   bool refused = false;
   try {
     bert::check_consistency(s, 2);
-  } catch (const z2::Error&) {
-    refused = true;
-  }
+  } catch (const z2::Error&) { refused = true; }
   CHECK(refused);
   std::remove(path.c_str());
 }
@@ -331,7 +327,8 @@ TEST_CASE("SHA-256 of checkpoint files: FIPS 180-4's test vectors, streamed in a
   // Streamed in pieces of 1, 63, 64, 65 and 1000 bytes: the same digest.
   for (size_t piece : {1, 63, 64, 65, 1000}) {
     bert::Sha256 sha;
-    for (size_t at = 0; at < million.size(); at += piece) sha.update(million.data() + at, std::min(piece, million.size() - at));
+    for (size_t at = 0; at < million.size(); at += piece)
+      sha.update(million.data() + at, std::min(piece, million.size() - at));
     CHECK_MESSAGE(sha.hex() == bert::sha256_hex(million), "pieces of ", piece);
   }
 }
@@ -396,7 +393,9 @@ ZeroRRun run_trainer(bert::Settings settings, const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("ZeRO-R: keep/recompute/offload x arena/naive give the caching allocator's bits in every stage and precision; ledgers hold") {
+TEST_CASE(
+    "ZeRO-R: keep/recompute/offload x arena/naive give the caching allocator's bits in every stage and precision; "
+    "ledgers hold") {
   const int N = harness::world_size();
   // Only rank 0 writes the summary, to its own file.
   const std::string path = "/tmp/z2_test_zero_r_" + std::to_string((long)getpid()) + ".json";
@@ -406,52 +405,53 @@ TEST_CASE("ZeRO-R: keep/recompute/offload x arena/naive give the caching allocat
   bool all_ok = true;
   std::map<std::string, std::string> bits_by_precision;  // one hash per precision, whatever the stage
   for (const std::string& device : devices)
-  for (const std::string precision : {"fp32", "bf16", "fp16"}) {
-    const size_t element = precision == "fp32" ? 4 : 2;
-    for (int stage = 0; stage <= 2; ++stage) {
-      bert::Settings settings = tiny_settings();
-      settings.layers = 3, settings.steps = 2, settings.warmup = 1, settings.accum = 4 / N;
-      settings.device = device, settings.comm = "mpi", settings.stage = stage, settings.bucket = 600;
-      // The reference: keep, and --alloc caching (the model of PyTorch's caching allocator), which
-      // shares no code with the arena or the naive free list it is compared with.
-      settings.activations = "keep", settings.alloc = "caching", settings.precision = precision;
-      const ZeroRRun reference = run_trainer(settings, path);
-      all_ok &= reference.ok;
-      if (harness::rank() == 0 && reference.ok) {
-        const std::string key = device + " " + precision;
-        if (!bits_by_precision.count(key)) bits_by_precision[key] = reference.bits;
-        all_ok &= bits_by_precision[key] == reference.bits;  // the same bits in every stage
-        all_ok &= reference.summary["precision"] == precision;
-      }
-      for (std::string activations : {"keep", "recompute", "offload"})
-        for (std::string alloc : {"arena", "naive"}) {
-          settings.activations = activations, settings.alloc = alloc;
-          const ZeroRRun run = run_trainer(settings, path);
-          all_ok &= run.ok;
-          if (harness::rank() != 0 || !run.ok || !reference.ok) continue;
-          const auto& memory = run.summary["memory"];
-          const size_t peak = memory["activation_peak_bytes"], formula = run.summary["activation_peak_formula_bytes"];
-          const size_t bound = run.summary["offload_activation_bound_bytes"];
-          const long after_step1 = memory["device_allocations_after_step1"];
-          const long per_step = memory["device_allocations_per_step"];
-          bool ok = run.bits == reference.bits && !run.bits.empty();
-          ok &= peak == formula;  // the ledger's activation peak is the formula's, to the byte
-          if (activations == "offload") ok &= peak <= bound;
-          // The arena allocates nothing once step 1 is over; naive allocates every step.
-          ok &= alloc == "arena" ? after_step1 == 0 && per_step == 0 : per_step > 0;
-          ok &= memory["host_offload_peak_bytes"].get<size_t>() ==
-                (activations == "offload" ? (size_t)(settings.layers - 1) * settings.micro_batch * settings.seq *
-                                                settings.hidden * element
-                                          : 0);
-          if (!ok)
-            fprintf(stderr, "%s %s stage %d %s/%s: bits %s vs %s; activation peak %zu formula %zu bound %zu; "
-                    "allocations after step 1 %ld, per step %ld\n", device.c_str(), precision.c_str(), stage,
-                    activations.c_str(), alloc.c_str(), run.bits.c_str(), reference.bits.c_str(), peak, formula,
-                    bound, after_step1, per_step);
-          all_ok &= ok;
+    for (const std::string precision : {"fp32", "bf16", "fp16"}) {
+      const size_t element = precision == "fp32" ? 4 : 2;
+      for (int stage = 0; stage <= 2; ++stage) {
+        bert::Settings settings = tiny_settings();
+        settings.layers = 3, settings.steps = 2, settings.warmup = 1, settings.accum = 4 / N;
+        settings.device = device, settings.comm = "mpi", settings.stage = stage, settings.bucket = 600;
+        // The reference: keep, and --alloc caching (the model of PyTorch's caching allocator), which
+        // shares no code with the arena or the naive free list it is compared with.
+        settings.activations = "keep", settings.alloc = "caching", settings.precision = precision;
+        const ZeroRRun reference = run_trainer(settings, path);
+        all_ok &= reference.ok;
+        if (harness::rank() == 0 && reference.ok) {
+          const std::string key = device + " " + precision;
+          if (!bits_by_precision.count(key)) bits_by_precision[key] = reference.bits;
+          all_ok &= bits_by_precision[key] == reference.bits;  // the same bits in every stage
+          all_ok &= reference.summary["precision"] == precision;
         }
+        for (std::string activations : {"keep", "recompute", "offload"})
+          for (std::string alloc : {"arena", "naive"}) {
+            settings.activations = activations, settings.alloc = alloc;
+            const ZeroRRun run = run_trainer(settings, path);
+            all_ok &= run.ok;
+            if (harness::rank() != 0 || !run.ok || !reference.ok) continue;
+            const auto& memory = run.summary["memory"];
+            const size_t peak = memory["activation_peak_bytes"], formula = run.summary["activation_peak_formula_bytes"];
+            const size_t bound = run.summary["offload_activation_bound_bytes"];
+            const long after_step1 = memory["device_allocations_after_step1"];
+            const long per_step = memory["device_allocations_per_step"];
+            bool ok = run.bits == reference.bits && !run.bits.empty();
+            ok &= peak == formula;  // the ledger's activation peak is the formula's, to the byte
+            if (activations == "offload") ok &= peak <= bound;
+            // The arena allocates nothing once step 1 is over; naive allocates every step.
+            ok &= alloc == "arena" ? after_step1 == 0 && per_step == 0 : per_step > 0;
+            ok &= memory["host_offload_peak_bytes"].get<size_t>() ==
+                  (activations == "offload"
+                       ? (size_t)(settings.layers - 1) * settings.micro_batch * settings.seq * settings.hidden * element
+                       : 0);
+            if (!ok)
+              fprintf(stderr,
+                      "%s %s stage %d %s/%s: bits %s vs %s; activation peak %zu formula %zu bound %zu; "
+                      "allocations after step 1 %ld, per step %ld\n",
+                      device.c_str(), precision.c_str(), stage, activations.c_str(), alloc.c_str(), run.bits.c_str(),
+                      reference.bits.c_str(), peak, formula, bound, after_step1, per_step);
+            all_ok &= ok;
+          }
+      }
     }
-  }
   // Three precisions, three different results (16-bit rounding shows).
   if (harness::rank() == 0)
     all_ok &= bits_by_precision["cpu fp32"] != bits_by_precision["cpu bf16"] &&
@@ -541,7 +541,8 @@ bool buffers_come_back() {
         const std::vector<float> gradient = engine.gradients_to_host();
         all_ok &= std::memcmp(&loss_only, &loss, sizeof loss) == 0;
         if (reference_gradient.empty()) reference_loss = loss, reference_gradient = gradient;
-        all_ok &= std::memcmp(&loss, &reference_loss, sizeof loss) == 0 && harness::same_bits(gradient, reference_gradient);
+        all_ok &=
+            std::memcmp(&loss, &reference_loss, sizeof loss) == 0 && harness::same_bits(gradient, reference_gradient);
       } catch (const std::exception& error) {
         fprintf(stderr, "%s mode %d, %s: %s\n", z2::to_string(shape.precision), (int)mode, z2::to_string(allocator),
                 error.what());
@@ -553,11 +554,14 @@ bool buffers_come_back() {
 
 }  // namespace
 
-TEST_CASE("ZeRO-R: loss-only and full micro-steps give every buffer back, stack in order, in every mode and precision") {
+TEST_CASE(
+    "ZeRO-R: loss-only and full micro-steps give every buffer back, stack in order, in every mode and precision") {
   // What the finite-difference test does (run with backward = false), but
   // with the arena, naive and caching allocators: a pop out of order throws, a buffer
   // left open shows in the live bytes or the free pieces. Rank-local (its own
   // communicator over MPI_COMM_SELF), so every rank checks it on its own.
-  const bool all_ok = buffers_come_back<float>() && buffers_come_back<z2::bfloat16>() && buffers_come_back<z2::float16>();
-  CHECK(harness::agree(all_ok, "a micro-step left a buffer open, popped out of order, or changed the loss or gradient"));
+  const bool all_ok =
+      buffers_come_back<float>() && buffers_come_back<z2::bfloat16>() && buffers_come_back<z2::float16>();
+  CHECK(
+      harness::agree(all_ok, "a micro-step left a buffer open, popped out of order, or changed the loss or gradient"));
 }

@@ -21,8 +21,8 @@ using harness::agree;
 using harness::same_bits;
 using synthetic::Checkpoint;
 using synthetic::CheckpointHooks;
-using synthetic::MixedRun;
 using synthetic::mixed_options;
+using synthetic::MixedRun;
 using synthetic::synthetic_sizes;
 using synthetic::train_synthetic;
 
@@ -46,7 +46,8 @@ size_t synthetic_psi() {
 
 // An engine with the synthetic model's parameters, built, nothing trained.
 std::unique_ptr<z2::Engine> built_engine(const harness::Backend& backend, int stage, long bucket) {
-  auto engine = std::make_unique<z2::Engine>(*backend.compute, *backend.deterministic, mixed_options(stage, true, bucket));
+  auto engine =
+      std::make_unique<z2::Engine>(*backend.compute, *backend.deterministic, mixed_options(stage, true, bucket));
   for (int p = 0; p < 3; ++p) engine->add_parameter("p" + std::to_string(p), synthetic_sizes[p], true);
   engine->build();
   return engine;
@@ -116,7 +117,8 @@ bool ranges_match_stage0(const harness::Backend& backend, std::string* note) {
     // The gathered state (every rank's contiguous range, then all of them).
     train_synthetic<T>(*backend.compute, *backend.deterministic, resume_options(stage, 1, 64), 4, nullptr,
                        synthetic::synthetic_gradient, CheckpointHooks{4, &saved, nullptr});
-    ok &= same_bits(saved.state.master, reference.state.master) && same_bits(saved.state.exp_avg, reference.state.exp_avg) &&
+    ok &= same_bits(saved.state.master, reference.state.master) &&
+          same_bits(saved.state.exp_avg, reference.state.exp_avg) &&
           same_bits(saved.state.exp_avg_sq, reference.state.exp_avg_sq);
     if (!ok) *note = "stage " + std::to_string(stage) + ": the gathered state differs from stage 0's";
   }
@@ -135,7 +137,8 @@ bool ranges_match_stage0(const harness::Backend& backend, std::string* note) {
   auto slice = [&](const std::vector<float>& whole) {
     return std::vector<float>(whole.begin() + begin, whole.begin() + end);
   };
-  if (!same_bits(range.master, slice(reference.state.master)) || !same_bits(range.exp_avg, slice(reference.state.exp_avg)) ||
+  if (!same_bits(range.master, slice(reference.state.master)) ||
+      !same_bits(range.exp_avg, slice(reference.state.exp_avg)) ||
       !same_bits(range.exp_avg_sq, slice(reference.state.exp_avg_sq))) {
     ok = false;
     *note = "the range [" + std::to_string(begin) + ", " + std::to_string(end) + ") differs";
@@ -164,12 +167,12 @@ namespace {
 
 constexpr int resume_steps = 10, save_after = 5;
 
-
 // The checkpoint from world rank 0 (in every sub-world) to every rank of
 // the job: the saving and the loading world need not be the same ranks.
 void broadcast_checkpoint(Checkpoint& checkpoint) {
   const size_t psi = synthetic_psi();
-  for (std::vector<float>* tensor : {&checkpoint.state.master, &checkpoint.state.exp_avg, &checkpoint.state.exp_avg_sq}) {
+  for (std::vector<float>* tensor :
+       {&checkpoint.state.master, &checkpoint.state.exp_avg, &checkpoint.state.exp_avg_sq}) {
     tensor->resize(psi);
     MPI_Bcast(tensor->data(), (int)psi, MPI_FLOAT, 0, MPI_COMM_WORLD);
   }
@@ -226,8 +229,9 @@ bool resumes_match(size_t backend_index, std::string* note) {
       return std::decay_t<decltype(values)>(values.end() - (resume_steps - save_after), values.end());
     };
     const bool same = same_bits(resumed.master, straight.master) && same_bits(resumed.working, straight.working) &&
-                      same_bits(resumed.grad_norms, tail(straight.grad_norms)) && resumed.scales == tail(straight.scales) &&
-                      resumed.skipped == tail(straight.skipped) && resumed.applied == tail(straight.applied);
+                      same_bits(resumed.grad_norms, tail(straight.grad_norms)) &&
+                      resumed.scales == tail(straight.scales) && resumed.skipped == tail(straight.skipped) &&
+                      resumed.applied == tail(straight.applied);
     if (!same) {
       ok = false;
       *note += " saved at " + save.text() + ", loaded at " + load.text() + ": differs;";

@@ -72,7 +72,8 @@ TEST_CASE("accumulate_micro_step over A micro-steps equals the canonical tree ov
     for (int d = 0; d < 32; ++d) stack.entries[d] = blocks[d].data();
     std::vector<float> result(elements, 0.0f);
     for (long a = 0; a < A; ++a)
-      for (size_t i = 0; i < elements; ++i) z2::accumulate_micro_step(stack, a, A, test_value(A, a, i), result.data(), i);
+      for (size_t i = 0; i < elements; ++i)
+        z2::accumulate_micro_step(stack, a, A, test_value(A, a, i), result.data(), i);
     for (size_t i = 0; i < elements; ++i) {
       std::vector<float> leaves(A);
       for (long a = 0; a < A; ++a) leaves[a] = test_value(A, a, i);
@@ -145,8 +146,9 @@ TEST_CASE("deterministic reduce-scatter equals the serial canonical-tree sum and
       }
       CHECK_MESSAGE(agree(equal, backend.name + ": reduce-scatter differs"), backend.name, " slots ", slots);
       // The non-blocking exchange computes what the plain blocking version does.
-      CHECK_MESSAGE(agree(same_as_reference, backend.name + ": the bucket exchange differs from reduce_scatter_blocking"),
-                    backend.name, " slots ", slots);
+      CHECK_MESSAGE(
+          agree(same_as_reference, backend.name + ": the bucket exchange differs from reduce_scatter_blocking"),
+          backend.name, " slots ", slots);
     }
   }
 }

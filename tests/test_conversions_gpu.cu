@@ -30,52 +30,56 @@ Z2_HD inline unsigned nan_bits_differ(uint16_t ours, uint16_t theirs, uint16_t e
 }
 void count_mismatches(z2::Compute& compute, uint64_t first, size_t threads, unsigned* bf16_slots, unsigned* fp16_slots,
                       unsigned* nan_slots) {
-  compute.for_each(threads, Z2_LOOP(t, {
-    unsigned bf16_bad = 0, fp16_bad = 0, nan_differ = 0;
-    for (uint64_t k = 0; k < 64; ++k) {
-      const float x = z2::float_of((uint32_t)(first + t * 64 + k));
+  compute.for_each(
+      threads, Z2_LOOP(t, {
+        unsigned bf16_bad = 0, fp16_bad = 0, nan_differ = 0;
+        for (uint64_t k = 0; k < 64; ++k) {
+          const float x = z2::float_of((uint32_t)(first + t * 64 + k));
 #if defined(__CUDA_ARCH__)
-      const uint16_t bf16 = z2::bf16_bits_from_float(x), bf16_theirs = __bfloat16_as_ushort(__float2bfloat16_rn(x));
-      const uint16_t fp16 = z2::fp16_bits_from_float(x), fp16_theirs = __half_as_ushort(__float2half_rn(x));
-      const unsigned bf16_nan = nan_bits_differ(bf16, bf16_theirs, 0x7f80), fp16_nan = nan_bits_differ(fp16, fp16_theirs, 0x7c00);
-      bf16_bad += bf16 != bf16_theirs && !bf16_nan;
-      fp16_bad += fp16 != fp16_theirs && !fp16_nan;
-      nan_differ += bf16_nan + fp16_nan;
+          const uint16_t bf16 = z2::bf16_bits_from_float(x), bf16_theirs = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+          const uint16_t fp16 = z2::fp16_bits_from_float(x), fp16_theirs = __half_as_ushort(__float2half_rn(x));
+          const unsigned bf16_nan = nan_bits_differ(bf16, bf16_theirs, 0x7f80),
+                         fp16_nan = nan_bits_differ(fp16, fp16_theirs, 0x7c00);
+          bf16_bad += bf16 != bf16_theirs && !bf16_nan;
+          fp16_bad += fp16 != fp16_theirs && !fp16_nan;
+          nan_differ += bf16_nan + fp16_nan;
 #else
       (void)x;  // the host never runs this body: it is launched on the GPU only
 #endif
-    }
-    bf16_slots[t] = bf16_bad;
-    fp16_slots[t] = fp16_bad;
-    nan_slots[t] = nan_differ;
-  }));
+        }
+        bf16_slots[t] = bf16_bad;
+        fp16_slots[t] = fp16_bad;
+        nan_slots[t] = nan_differ;
+      }));
 }
 
 void count_widening_mismatches(z2::Compute& compute, unsigned* slots) {
   compute.for_each(65536, Z2_LOOP(b, {
-    unsigned bad = 0;
+                     unsigned bad = 0;
 #if defined(__CUDA_ARCH__)
-    const uint16_t bits = (uint16_t)b;
-    const float ours_bf16 = z2::float_from_bf16_bits(bits), theirs_bf16 = __bfloat162float(__ushort_as_bfloat16(bits));
-    const float ours_fp16 = z2::float_from_fp16_bits(bits), theirs_fp16 = __half2float(__ushort_as_half(bits));
-    // NaN inputs: NaN out on both sides (payloads may differ, as above).
-    bad += isnan(ours_bf16) ? !isnan(theirs_bf16) : z2::bits_of(ours_bf16) != z2::bits_of(theirs_bf16);
-    bad += isnan(ours_fp16) ? !isnan(theirs_fp16) : z2::bits_of(ours_fp16) != z2::bits_of(theirs_fp16);
+                     const uint16_t bits = (uint16_t)b;
+                     const float ours_bf16 = z2::float_from_bf16_bits(bits),
+                                 theirs_bf16 = __bfloat162float(__ushort_as_bfloat16(bits));
+                     const float ours_fp16 = z2::float_from_fp16_bits(bits),
+                                 theirs_fp16 = __half2float(__ushort_as_half(bits));
+                     // NaN inputs: NaN out on both sides (payloads may differ, as above).
+                     bad += isnan(ours_bf16) ? !isnan(theirs_bf16) : z2::bits_of(ours_bf16) != z2::bits_of(theirs_bf16);
+                     bad += isnan(ours_fp16) ? !isnan(theirs_fp16) : z2::bits_of(ours_fp16) != z2::bits_of(theirs_fp16);
 #endif
-    slots[b] = bad;
-  }));
+                     slots[b] = bad;
+                   }));
 }
 
 // exp_fp32 / log_fp32 / erf_fp32 (zero2.h) of the inputs first + k stride,
 // k < count, on whichever backend `compute` is: one element per thread.
-void math_functions(z2::Compute& compute, uint64_t first, uint64_t stride, size_t count, float* exp_out,
-                    float* log_out, float* erf_out) {
+void math_functions(z2::Compute& compute, uint64_t first, uint64_t stride, size_t count, float* exp_out, float* log_out,
+                    float* erf_out) {
   compute.for_each(count, Z2_LOOP(k, {
-    const float x = z2::float_of((uint32_t)(first + k * stride));
-    exp_out[k] = z2::exp_fp32(x);
-    log_out[k] = z2::log_fp32(x);
-    erf_out[k] = z2::erf_fp32(x);
-  }));
+                     const float x = z2::float_of((uint32_t)(first + k * stride));
+                     exp_out[k] = z2::exp_fp32(x);
+                     log_out[k] = z2::log_fp32(x);
+                     erf_out[k] = z2::erf_fp32(x);
+                   }));
 }
 
 // Runs check(gpu), which returns whether it passed, once on rank 0's GPU,
@@ -89,7 +93,8 @@ void on_rank0_gpu(const char* failure, Check check) {
     ran = true;
     ok = check(*backend.compute);
   }
-  if (!harness::from_rank0(ran)) MESSAGE("SKIP: no GPU (" << (z2::cuda_available() ? "" : "cudaGetDeviceCount failed") << ")");
+  if (!harness::from_rank0(ran))
+    MESSAGE("SKIP: no GPU (" << (z2::cuda_available() ? "" : "cudaGetDeviceCount failed") << ")");
   CHECK(harness::agree(ok, failure));
 }
 
@@ -101,8 +106,8 @@ TEST_CASE("GPU: bf16 and fp16 conversions equal __float2bfloat16_rn / __float2ha
   on_rank0_gpu("a 16-bit conversion differs from the CUDA intrinsic", [&](z2::Compute& compute) {
     const size_t chunk = 1ull << 28, threads = chunk / 64;
     z2::DeviceArray<unsigned> bf16_slots(compute, threads, z2::MemoryKind::activations),
-        fp16_slots(compute, threads, z2::MemoryKind::activations), nan_slots(compute, threads, z2::MemoryKind::activations),
-        widening(compute, 65536, z2::MemoryKind::activations);
+        fp16_slots(compute, threads, z2::MemoryKind::activations),
+        nan_slots(compute, threads, z2::MemoryKind::activations), widening(compute, 65536, z2::MemoryKind::activations);
     std::vector<unsigned> host(threads);
     uint64_t bf16_total = 0, fp16_total = 0, nan_total = 0, widening_total = 0;
     auto add_up = [&](const unsigned* slots, uint64_t* total) {
@@ -120,9 +125,10 @@ TEST_CASE("GPU: bf16 and fp16 conversions equal __float2bfloat16_rn / __float2ha
     compute.copy(host.data(), widening.data(), 65536 * sizeof(unsigned), compute.compute_stream());
     compute.synchronize(compute.compute_stream());
     for (size_t b = 0; b < 65536; ++b) widening_total += host[b];
-    MESSAGE("all 2^32 floats on the GPU: " << bf16_total << " bf16 and " << fp16_total
-                                           << " fp16 results differ from the intrinsics (NaN inputs whose NaN bits differ: "
-                                           << nan_total << "); widening: " << widening_total);
+    MESSAGE("all 2^32 floats on the GPU: "
+            << bf16_total << " bf16 and " << fp16_total
+            << " fp16 results differ from the intrinsics (NaN inputs whose NaN bits differ: " << nan_total
+            << "); widening: " << widening_total);
     return bf16_total == 0 && fp16_total == 0 && widening_total == 0;
   });
 #else
@@ -136,9 +142,10 @@ TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits 
     z2::Compute cpu(z2::Device::cpu, 0);
     const uint64_t stride = 13;
     const size_t chunk = 1ull << 26;
-    z2::DeviceArray<float> gpu_exp(gpu, chunk, z2::MemoryKind::activations), gpu_log(gpu, chunk, z2::MemoryKind::activations),
-        gpu_erf(gpu, chunk, z2::MemoryKind::activations);
-    std::vector<float> got_exp(chunk), got_log(chunk), got_erf(chunk), want_exp(chunk), want_log(chunk), want_erf(chunk);
+    z2::DeviceArray<float> gpu_exp(gpu, chunk, z2::MemoryKind::activations),
+        gpu_log(gpu, chunk, z2::MemoryKind::activations), gpu_erf(gpu, chunk, z2::MemoryKind::activations);
+    std::vector<float> got_exp(chunk), got_log(chunk), got_erf(chunk), want_exp(chunk), want_log(chunk),
+        want_erf(chunk);
     uint64_t differ = 0, nan_payloads = 0;
     for (uint64_t first = 0; first < (1ull << 32); first += chunk * stride) {
       const size_t count = (size_t)std::min<uint64_t>(chunk, ((1ull << 32) - first + stride - 1) / stride);
@@ -165,9 +172,8 @@ TEST_CASE("GPU: exp_fp32, log_fp32 and erf_fp32 in a kernel give the CPU's bits 
         compare(got_erf[k], want_erf[k]);
       }
     }
-    MESSAGE("exp / log / erf on the GPU vs the CPU, every 13th float: " << differ
-                                                                       << " results differ (NaNs whose bits differ: "
-                                                                       << nan_payloads << ")");
+    MESSAGE("exp / log / erf on the GPU vs the CPU, every 13th float: "
+            << differ << " results differ (NaNs whose bits differ: " << nan_payloads << ")");
     return differ == 0;
   });
 #else
@@ -234,13 +240,15 @@ TEST_CASE("GPU: the portable gemm kernel gives the CPU schedule's bits (fp32, bf
         for (float beta : {0.0f, 1.0f, 0.3f}) {
           const bool ta = transposes & 1, tb = transposes & 2;
           differ += portable_gemm_differences<float>(gpu, cpu, ta, tb, shape[0], shape[1], shape[2], shape[3], beta);
-          differ += portable_gemm_differences<z2::bfloat16>(gpu, cpu, ta, tb, shape[0], shape[1], shape[2], shape[3], beta);
-          differ += portable_gemm_differences<z2::float16>(gpu, cpu, ta, tb, shape[0], shape[1], shape[2], shape[3], beta);
+          differ +=
+              portable_gemm_differences<z2::bfloat16>(gpu, cpu, ta, tb, shape[0], shape[1], shape[2], shape[3], beta);
+          differ +=
+              portable_gemm_differences<z2::float16>(gpu, cpu, ta, tb, shape[0], shape[1], shape[2], shape[3], beta);
           elements += 3 * (size_t)shape[0] * shape[1] * shape[3];
         }
     gpu.set_portable(was_portable);
     MESSAGE("the portable gemm kernel on the GPU vs the CPU schedule: " << differ << " of " << elements
-                                                                       << " elements differ");
+                                                                        << " elements differ");
     return differ == 0;
   });
 #else

@@ -159,7 +159,8 @@ TEST_CASE("world-size invariance: (N, A) = (1,4), (2,2), (4,1) give identical bi
         const harness::Backend& backend = world[k];
         if (backend.deterministic) {
           // Same global batch: micro-batch 8, N * A = 4 micro-batches.
-          runs.push_back(train(*backend.compute, *backend.deterministic, options_for(stage, true, mid_bucket, pair[1])));
+          runs.push_back(
+              train(*backend.compute, *backend.deterministic, options_for(stage, true, mid_bucket, pair[1])));
           labels.push_back(backend.name + " stage " + std::to_string(stage) + " N=" + std::to_string(pair[0]) +
                            " A=" + std::to_string(pair[1]));
         }
@@ -190,8 +191,7 @@ TEST_CASE("memory ledger: model-state bytes equal the paper's formula for every 
         const size_t formula = stage == 0 ? 16 * psi : stage == 1 ? 8 * psi + 8 * psi / N : 4 * psi + 12 * psi / N;
         const size_t blocks = A == 4 ? 2 : 0;  // floor(log2 A)
         bool ok = run.memory.model_states == formula && run.memory.model_states_formula == formula &&
-                  run.memory.accumulation == blocks * (psi / N) * 4 &&
-                  run.memory.device_allocations_after_step1 == 0 &&
+                  run.memory.accumulation == blocks * (psi / N) * 4 && run.memory.device_allocations_after_step1 == 0 &&
                   run.memory.accumulation == run.memory.accumulation_formula &&
                   run.memory.staging == run.memory.staging_formula && run.memory.master == 0 &&
                   run.memory.params == 4 * psi && run.memory.grads == (stage == 2 ? 4 * psi / N : 4 * psi);
@@ -228,8 +228,8 @@ TEST_CASE("communication ledger: stages 0, 1 and 2 send the same bytes, 2 (N-1)/
         // all-reduce; stages 1, 2 all-gather parameters instead.
         if (stage == 0) ok &= c.reduce_scatter == (A - 1) * one_way && c.all_gather == 0 && c.all_reduce == 2 * one_way;
         if (stage > 0) ok &= c.all_reduce == 0 && c.reduce_scatter == A * one_way && c.all_gather == one_way;
-        CHECK_MESSAGE(agree(ok, backend.name + ": communication ledger differs"), backend.name, " stage ", stage,
-                      " A ", A, " moved ", moved, " formula ", run.comm.formula_per_step);
+        CHECK_MESSAGE(agree(ok, backend.name + ": communication ledger differs"), backend.name, " stage ", stage, " A ",
+                      A, " moved ", moved, " formula ", run.comm.formula_per_step);
       }
   }
 }
@@ -342,8 +342,7 @@ TEST_CASE("bad input: a clear error on every rank, no crash, no hang") {
                          z2::Error);
     z2::EngineOptions bad_stage;
     bad_stage.stage = 3;
-    CHECK_THROWS_WITH_AS(z2::Engine(compute, comm, bad_stage), doctest::Contains("stage must be 0, 1 or 2"),
-                         z2::Error);
+    CHECK_THROWS_WITH_AS(z2::Engine(compute, comm, bad_stage), doctest::Contains("stage must be 0, 1 or 2"), z2::Error);
 
     z2::EngineOptions options;
     options.bucket_elements = 64;
@@ -400,7 +399,6 @@ TEST_CASE("bad input: a clear error on every rank, no crash, no hang") {
     mismatched.add_parameter("w", comm.rank() == N - 1 ? 100 : 101, true);
     if (N > 1)
       CHECK_THROWS_WITH_AS(mismatched.build(), doctest::Contains("registered different parameters"), z2::Error);
-    else
-      CHECK_NOTHROW(mismatched.build());
+    else CHECK_NOTHROW(mismatched.build());
   }
 }

@@ -47,8 +47,7 @@ int MPI_Reduce(const void* send, void* receive, int count, MPI_Datatype type, MP
   watched("MPI_Reduce");
   return PMPI_Reduce(send, receive, count, type, op, root, comm);
 }
-int MPI_Reduce_scatter_block(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op,
-                             MPI_Comm comm) {
+int MPI_Reduce_scatter_block(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm) {
   watched("MPI_Reduce_scatter_block");
   return PMPI_Reduce_scatter_block(send, receive, count, type, op, comm);
 }
@@ -62,8 +61,8 @@ int MPI_Iallreduce(const void* send, void* receive, int count, MPI_Datatype type
   watched("MPI_Iallreduce");
   return PMPI_Iallreduce(send, receive, count, type, op, comm, request);
 }
-int MPI_Ireduce_scatter_block(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op,
-                              MPI_Comm comm, MPI_Request* request) {
+int MPI_Ireduce_scatter_block(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                              MPI_Request* request) {
   watched("MPI_Ireduce_scatter_block");
   return PMPI_Ireduce_scatter_block(send, receive, count, type, op, comm, request);
 }
@@ -219,10 +218,8 @@ TEST_CASE("lab reduce-scatter: reduce_scatter_blocking leaves rank r the tree ov
         out << "you kept slice 0 of the sum: rank r keeps slice r, at r x shard_elements (the shard offset)";
       else if (same_float_bits(got[i], value(me, me * shard + i)))
         out << "you kept your own slice, unsummed: the other ranks' slices never arrived or were not added";
-      else if (same_float_bits(got[i], -7.0f))
-        out << "the shard was never written";
-      else
-        out << which_wrong_sum(leaves.data(), N, got[i]) << " (the ranks' slices in rank order, j = 0 .. N-1)";
+      else if (same_float_bits(got[i], -7.0f)) out << "the shard was never written";
+      else out << which_wrong_sum(leaves.data(), N, got[i]) << " (the ranks' slices in rank order, j = 0 .. N-1)";
       message = out.str();
     }
   }
@@ -275,8 +272,9 @@ TEST_CASE("lab shards: shard_begin tiles each bucket with N shards in rank order
       if (first != bucket.offset) {
         out << "rank 0's shard begins at " << first << ", not at the bucket's offset " << bucket.offset;
         if (first == 0) out << " — the bucket's offset is missing";
-        if (first == bucket.shard_offset) out << " — shard_offset is where the shard is stored in shard space, not "
-                                                 "where it lies in the flat buffer";
+        if (first == bucket.shard_offset)
+          out << " — shard_offset is where the shard is stored in shard space, not "
+                 "where it lies in the flat buffer";
         ok = false, message = out.str();
         break;
       }
@@ -285,7 +283,8 @@ TEST_CASE("lab shards: shard_begin tiles each bucket with N shards in rank order
         if (begin == previous + bucket.shard_length) continue;
         out << "rank " << r << "'s shard begins at " << begin << ", rank " << r - 1 << "'s at " << previous
             << ": consecutive shards are shard_length = " << bucket.shard_length << " apart";
-        if (begin == previous) out << " — every rank got the same shard: the rank's offset r x shard_length is missing";
+        if (begin == previous)
+          out << " — every rank got the same shard: the rank's offset r x shard_length is missing";
         ok = false, message = out.str();
       }
       if (ok && z2::shard_begin(bucket, N - 1) + bucket.shard_length != bucket.offset + bucket.padded_length) {
@@ -318,19 +317,55 @@ struct ScalerCase {
 
 TEST_CASE("lab loss-scale: LossScaler::update follows DeepSpeed's DynamicLossScaler step by step") {
   const std::vector<ScalerCase> cases = {
-      {"window 4, four clean steps", 8, 4, 1, false, "cccccccc", {256, 256, 256, 512, 512, 512, 512, 1024},
+      {"window 4, four clean steps",
+       8,
+       4,
+       1,
+       false,
+       "cccccccc",
+       {256, 256, 256, 512, 512, 512, 512, 1024},
        "a scale that never grows (or grows at the wrong step): after every `window` clean steps since the last "
        "overflow (counting from iteration 0 when there was none) the scale doubles"},
-      {"hysteresis 1: an overflow halves at once", 8, 100, 1, false, "OOc", {128, 64, 64},
+      {"hysteresis 1: an overflow halves at once",
+       8,
+       100,
+       1,
+       false,
+       "OOc",
+       {128, 64, 64},
        "an overflow with no hysteresis left halves the scale"},
-      {"hysteresis 2: the first overflow only spends hysteresis", 8, 100, 2, false, "OO", {256, 128},
+      {"hysteresis 2: the first overflow only spends hysteresis",
+       8,
+       100,
+       2,
+       false,
+       "OO",
+       {256, 128},
        "with hysteresis h the scale halves at the h-th overflow; the ones before only count down"},
-      {"the window restarts at an overflow", 4, 3, 1, false, "ccOccc", {16, 16, 8, 8, 8, 16},
+      {"the window restarts at an overflow",
+       4,
+       3,
+       1,
+       false,
+       "ccOccc",
+       {16, 16, 8, 8, 8, 16},
        "the clean steps are counted from the last overflow ((iteration - last_overflow) % window == 0), not "
        "from the start"},
-      {"without consecutive_hysteresis a clean step does not restore it", 4, 100, 2, false, "OcOcO", {16, 16, 8, 8, 4},
+      {"without consecutive_hysteresis a clean step does not restore it",
+       4,
+       100,
+       2,
+       false,
+       "OcOcO",
+       {16, 16, 8, 8, 4},
        "hysteresis comes back only when the scale doubles (unless consecutive_hysteresis)"},
-      {"consecutive_hysteresis restores it on every clean step", 4, 100, 2, true, "OcOcO", {16, 16, 16, 16, 16},
+      {"consecutive_hysteresis restores it on every clean step",
+       4,
+       100,
+       2,
+       true,
+       "OcOcO",
+       {16, 16, 16, 16, 16},
        "with consecutive_hysteresis every clean step resets the hysteresis"},
   };
   bool ok = true;
@@ -344,9 +379,9 @@ TEST_CASE("lab loss-scale: LossScaler::update follows DeepSpeed's DynamicLossSca
       scaler.update(c.updates[k] == 'O');
       if (scaler.scale() == c.scales[k]) continue;
       std::ostringstream out;
-      out << "loss-scale: " << c.what << " (initial 2^" << c.initial_power << ", window " << c.window
-          << ", hysteresis " << c.hysteresis << "), updates \"" << std::string(c.updates, k + 1) << "\": scale "
-          << scaler.scale() << ", expected " << c.scales[k] << " — " << c.mistake;
+      out << "loss-scale: " << c.what << " (initial 2^" << c.initial_power << ", window " << c.window << ", hysteresis "
+          << c.hysteresis << "), updates \"" << std::string(c.updates, k + 1) << "\": scale " << scaler.scale()
+          << ", expected " << c.scales[k] << " — " << c.mistake;
       ok = false, message = out.str();
     }
     if (!ok) break;
@@ -360,14 +395,13 @@ TEST_CASE("lab loss-scale: LossScaler::update follows DeepSpeed's DynamicLossSca
     try {
       scaler.update(true);  // 2 -> 1
       scaler.update(true);  // at the minimum: an error
-    } catch (const z2::Error&) {
-      threw = true;
-    }
+    } catch (const z2::Error&) { threw = true; }
     if (!threw || scaler.scale() != 1) {
       ok = false;
-      message = "loss-scale: an overflow at min_loss_scale with no hysteresis left must throw z2::Error (the run "
-                "cannot go on: DeepSpeed raises \"Current loss scale already at minimum\"); the scale never goes "
-                "below the minimum";
+      message =
+          "loss-scale: an overflow at min_loss_scale with no hysteresis left must throw z2::Error (the run "
+          "cannot go on: DeepSpeed raises \"Current loss scale already at minimum\"); the scale never goes "
+          "below the minimum";
     }
   }
   CHECK_MESSAGE(lab_verdict(ok, message), message);
@@ -384,21 +418,25 @@ TEST_CASE("lab arena: the bump region and the LIFO stack on a hand-worked sequen
   auto expect = [&](bool holds, const std::string& what) {
     if (!holds && message.empty()) message = "arena: " + what;
   };
-  auto text = [](size_t offset) { return offset == z2::arena_full ? std::string("arena_full") : std::to_string(offset); };
+  auto text = [](size_t offset) {
+    return offset == z2::arena_full ? std::string("arena_full") : std::to_string(offset);
+  };
   auto books_are = [&](size_t bottom, size_t top, size_t depth) {
     return books.bottom == bottom && books.top == top && books.stack.size() == depth;
   };
   const size_t first = z2::arena_allocate(books, 100), second = z2::arena_allocate(books, 200);
-  expect(first == 0 && second == 100,
-         "long-lived buffers of 100 and 200 bytes begin at " + text(first) + " and " +
-             text(second) + "; the bump pointer gives 0 and 100 (from the bottom, one after another)");
+  expect(first == 0 && second == 100, "long-lived buffers of 100 and 200 bytes begin at " + text(first) + " and " +
+                                          text(second) +
+                                          "; the bump pointer gives 0 and 100 (from the bottom, one after another)");
   const size_t pushed = z2::arena_push(books, 300), pushed_again = z2::arena_push(books, 100);
-  expect(pushed == 700 && pushed_again == 600,
-         "pushes of 300 and 100 bytes begin at " + text(pushed) + " and " + text(pushed_again) +
-             "; the stack grows down from the top: 700 and 600");
-  expect(books_are(300, 600, 2), "after two allocations and two pushes the books should read bottom 300, top 600, "
-                                 "2 on the stack; they read bottom " + std::to_string(books.bottom) + ", top " +
-                                     std::to_string(books.top) + ", " + std::to_string(books.stack.size()));
+  expect(pushed == 700 && pushed_again == 600, "pushes of 300 and 100 bytes begin at " + text(pushed) + " and " +
+                                                   text(pushed_again) +
+                                                   "; the stack grows down from the top: 700 and 600");
+  expect(books_are(300, 600, 2),
+         "after two allocations and two pushes the books should read bottom 300, top 600, "
+         "2 on the stack; they read bottom " +
+             std::to_string(books.bottom) + ", top " + std::to_string(books.top) + ", " +
+             std::to_string(books.stack.size()));
   // 300 bytes are free: 301 does not fit either way, 300 does, and nothing moves when it does not.
   expect(z2::arena_allocate(books, 301) == z2::arena_full && z2::arena_push(books, 301) == z2::arena_full &&
              books_are(300, 600, 2),
@@ -411,27 +449,30 @@ TEST_CASE("lab arena: the bump region and the LIFO stack on a hand-worked sequen
   bool refused = false;
   try {
     z2::arena_pop(books, 700, 300);
-  } catch (const z2::Error&) {
-    refused = true;
-  }
-  expect(refused, "a pop out of order was accepted: the buffer at 700 is not the last one pushed (the one at 600 "
-                  "is); the top would step over a live buffer and the next push would overwrite it. Refuse it "
-                  "with usage_error");
+  } catch (const z2::Error&) { refused = true; }
+  expect(refused,
+         "a pop out of order was accepted: the buffer at 700 is not the last one pushed (the one at 600 "
+         "is); the top would step over a live buffer and the next push would overwrite it. Refuse it "
+         "with usage_error");
   if (!refused) books = z2::ArenaBooks{1000, 300, 600, {700, 600}};  // go on from where the books should be
   expect(books_are(300, 600, 2), "a refused pop must leave the books as they were");
   z2::arena_pop(books, 600, 100);
   z2::arena_pop(books, 700, 300);
-  expect(books_are(300, 1000, 0), "after popping both pushes the top is back at 1000 and the stack is empty; "
-                                  "the books read top " + std::to_string(books.top) + ", " +
-                                      std::to_string(books.stack.size()) + " on the stack");
+  expect(books_are(300, 1000, 0),
+         "after popping both pushes the top is back at 1000 and the stack is empty; "
+         "the books read top " +
+             std::to_string(books.top) + ", " + std::to_string(books.stack.size()) + " on the stack");
   // Releasing the first long-lived buffer leaves a hole the arena never fills; the last one steps back.
   z2::arena_release(books, 0, 100);
-  expect(books.bottom == 300, "releasing the long-lived buffer at 0 (not the last one) must leave the bump pointer "
-                              "at 300: the arena never searches for holes; it moved to " +
-                                  std::to_string(books.bottom));
+  expect(books.bottom == 300,
+         "releasing the long-lived buffer at 0 (not the last one) must leave the bump pointer "
+         "at 300: the arena never searches for holes; it moved to " +
+             std::to_string(books.bottom));
   z2::arena_release(books, 100, 200);
-  expect(books.bottom == 100, "releasing the last long-lived buffer (200 bytes at 100) steps the bump pointer back "
-                              "to 100; it is at " + std::to_string(books.bottom));
+  expect(books.bottom == 100,
+         "releasing the last long-lived buffer (200 bytes at 100) steps the bump pointer back "
+         "to 100; it is at " +
+             std::to_string(books.bottom));
   CHECK_MESSAGE(lab_verdict(message.empty(), message), message);
 }
 
@@ -455,10 +496,12 @@ TEST_CASE("lab offload: checkpoint_to_prefetch brings every checkpoint back one 
         message = where + at + "it fetches checkpoint " + std::to_string(c) + " again (first before block " +
                   std::to_string(fetched_at[c]) + ")";
       } else if (c > block) {
-        message = where + at + "it fetches checkpoint " + std::to_string(c) + ", whose block already ran: a prefetch "
+        message = where + at + "it fetches checkpoint " + std::to_string(c) +
+                  ", whose block already ran: a prefetch "
                   "after use (the block it feeds has already read its slot)";
       } else if (c == block) {
-        message = where + at + "it fetches checkpoint " + std::to_string(c) + ", the one this block reads now: the "
+        message = where + at + "it fetches checkpoint " + std::to_string(c) +
+                  ", the one this block reads now: the "
                   "copy waits in front of the compute instead of overlapping the block before it; fetch one block "
                   "ahead";
       } else if (c >= 0 && c < block - 1) {
@@ -468,8 +511,8 @@ TEST_CASE("lab offload: checkpoint_to_prefetch brings every checkpoint back one 
       } else {
         if (c >= 0) fetched_at[c] = block;
         if (block <= layers - 2 && fetched_at[block] < 0) {
-          message = where + "block " + std::to_string(block) + "'s backward needs checkpoint " +
-                    std::to_string(block) + ", which nothing fetched before it: it is still on the host";
+          message = where + "block " + std::to_string(block) + "'s backward needs checkpoint " + std::to_string(block) +
+                    ", which nothing fetched before it: it is still on the host";
           for (int later = block - 1; later >= 0; --later)
             if (z2::checkpoint_to_prefetch(later, layers) == block)
               message += "; it is fetched before block " + std::to_string(later) + "'s backward, after block " +
@@ -494,8 +537,9 @@ std::string check_reads(const std::vector<z2::StateRun>& owned, const std::vecto
   const size_t unfilled = SIZE_MAX;
   std::vector<size_t> filled_from(total, unfilled);
   const std::vector<z2::ReshardRead> reads = z2::reshard_reads(owned, files);
-  if (reads.empty() && total > 0) return where + "reshard_reads returned no reads for " + std::to_string(total) +
-                                         " owned elements: is it written yet?";
+  if (reads.empty() && total > 0)
+    return where + "reshard_reads returned no reads for " + std::to_string(total) +
+           " owned elements: is it written yet?";
   for (const z2::ReshardRead& read : reads) {
     const std::string text = "a read of [" + std::to_string(read.canonical) + ", " +
                              std::to_string(read.canonical + read.length) + ") from file " + std::to_string(read.file);
@@ -557,10 +601,10 @@ TEST_CASE("lab reshard: reshard_reads fills the owned state from files saved at 
     for (size_t numel : {70, 33, 300, 5, 128}) engine.add_parameter("p" + std::to_string(numel), numel, true);
     engine.build();
     for (int saved = 1; saved <= 5 && message.empty(); ++saved)
-      message = check_reads(engine.owned_state_runs(engine.rank()), saved_files(engine.psi(), saved),
-                            "reshard: stage " + std::to_string(stage) + ", rank " + std::to_string(engine.rank()) +
-                                " of " + std::to_string(engine.world_size()) + ", saved by " + std::to_string(saved) +
-                                " rank(s): ");
+      message =
+          check_reads(engine.owned_state_runs(engine.rank()), saved_files(engine.psi(), saved),
+                      "reshard: stage " + std::to_string(stage) + ", rank " + std::to_string(engine.rank()) + " of " +
+                          std::to_string(engine.world_size()) + ", saved by " + std::to_string(saved) + " rank(s): ");
   }
   CHECK_MESSAGE(lab_verdict(message.empty(), message), message);
 }

@@ -31,9 +31,9 @@ TEST_CASE("exp, log, erf: within 0.501 ulp of the exact value, and correctly rou
     const math_accuracy::Result r = math_accuracy::measure(function, 257, 1);
     const double rounded_share = (double)r.correctly_rounded / (double)r.inputs;
     if (harness::rank() == 0)
-      MESSAGE(std::string(math_accuracy::name(function)) << ": " << r.inputs << " inputs, max " << r.max_ulps << " ulp at x = "
-                                            << r.worst_input << ", correctly rounded " << r.correctly_rounded
-                                            << ", wrong inf/NaN/zero sign " << r.wrong_special);
+      MESSAGE(std::string(math_accuracy::name(function))
+              << ": " << r.inputs << " inputs, max " << r.max_ulps << " ulp at x = " << r.worst_input
+              << ", correctly rounded " << r.correctly_rounded << ", wrong inf/NaN/zero sign " << r.wrong_special);
     // Not 0.5: the double evaluation is within ~4e-13 of the exact value, so
     // a result whose exact value lies that close to a midpoint between two
     // floats can round to the other one (0.5 + 4e-13 / 2^-24 ulp at most).
@@ -55,10 +55,10 @@ TEST_CASE("exp, log, erf: IEEE's answers at zeros, infinities, NaN and the overf
       {z2::exp_fp32, "exp", -0.0f, 1.0f},
       {z2::exp_fp32, "exp", inf, inf},
       {z2::exp_fp32, "exp", -inf, 0.0f},
-      {z2::exp_fp32, "exp", 88.72283f, 3.40279851e38f},   // the largest x with a finite e^x
-      {z2::exp_fp32, "exp", 88.7228394f, inf},            // the next float up overflows
-      {z2::exp_fp32, "exp", -103.278931f, smallest},       // e^x rounds to the smallest subnormal
-      {z2::exp_fp32, "exp", -103.972084f, 0.0f},           // below half of it: 0
+      {z2::exp_fp32, "exp", 88.72283f, 3.40279851e38f},  // the largest x with a finite e^x
+      {z2::exp_fp32, "exp", 88.7228394f, inf},           // the next float up overflows
+      {z2::exp_fp32, "exp", -103.278931f, smallest},     // e^x rounds to the smallest subnormal
+      {z2::exp_fp32, "exp", -103.972084f, 0.0f},         // below half of it: 0
       {z2::exp_fp32, "exp", 1.0f, 2.71828175f},
       {z2::log_fp32, "log", 1.0f, 0.0f},
       {z2::log_fp32, "log", 0.0f, -inf},
@@ -73,7 +73,7 @@ TEST_CASE("exp, log, erf: IEEE's answers at zeros, infinities, NaN and the overf
       {z2::erf_fp32, "erf", -inf, -1.0f},
       {z2::erf_fp32, "erf", 4.0f, 1.0f},
       {z2::erf_fp32, "erf", 3.95f, 1.0f},         // 1 - erf(3.95) = 2.3e-8: less than half an ulp below 1
-      {z2::erf_fp32, "erf", 3.9f, 0.99999994f},  // 1 - erf(3.9) = 3.5e-8: more, so the float below 1
+      {z2::erf_fp32, "erf", 3.9f, 0.99999994f},   // 1 - erf(3.9) = 3.5e-8: more, so the float below 1
       {z2::erf_fp32, "erf", smallest, smallest},  // 2/sqrt(pi) x rounds back to the smallest subnormal
       {z2::erf_fp32, "erf", 1.0f, 0.842700793f},
   };

@@ -84,8 +84,9 @@ TEST_CASE("portable gemm: worked by hand, the order over k and the fused multipl
                   std::memcmp(&c5, &want5, 4) == 0 && std::memcmp(&c6, &want6, 4) == 0;
   if (!ok && harness::rank() == 0) {
     char text[320];
-    snprintf(text, sizeof text, "got %a (want 0), %a (want %a), %a (want 4), %a (want %a%s), %a (want -0), %a (want +0)",
-             c1, c2, want2, c3, c4, want4, finish_matters ? "" : "; the case no longer tells a fused finish", c5, c6);
+    snprintf(text, sizeof text,
+             "got %a (want 0), %a (want %a), %a (want 4), %a (want %a%s), %a (want -0), %a (want +0)", c1, c2, want2,
+             c3, c4, want4, finish_matters ? "" : "; the case no longer tells a fused finish", c5, c6);
     MESSAGE(text);
   }
   CHECK(harness::agree(ok, "the portable gemm does not sum over k in index order with fused multiply-adds"));
@@ -94,9 +95,9 @@ TEST_CASE("portable gemm: worked by hand, the order over k and the fused multipl
 TEST_CASE("portable gemm: every CPU schedule equals the definition, element by element (memcmp)") {
   // Shapes across every schedule's tile edges (4 x 4, 6 x 16, 12 x 32: one
   // less, equal, one more), the 256-column block, K = 0 and 1, then random ones.
-  std::vector<Shape> shapes = {{1, 1, 1},    {3, 3, 2},    {4, 4, 1},    {5, 5, 3},    {6, 16, 7},   {7, 17, 2},
-                               {11, 31, 17}, {12, 32, 1},  {13, 33, 64}, {25, 65, 9},  {17, 257, 3}, {33, 300, 5},
-                               {3, 520, 40}, {64, 64, 300}, {5, 2, 0}};
+  std::vector<Shape> shapes = {{1, 1, 1},    {3, 3, 2},    {4, 4, 1},    {5, 5, 3},     {6, 16, 7},
+                               {7, 17, 2},   {11, 31, 17}, {12, 32, 1},  {13, 33, 64},  {25, 65, 9},
+                               {17, 257, 3}, {33, 300, 5}, {3, 520, 40}, {64, 64, 300}, {5, 2, 0}};
   for (uint64_t r = 0; r < 12; ++r) {
     const uint64_t h = z2::hash_keys(0x5a9e, r);
     shapes.push_back({1 + (int)(h % 40), 1 + (int)((h >> 8) % 300), (int)((h >> 20) % 70)});
@@ -175,14 +176,14 @@ std::string check_compute_batched(z2::Compute& compute, bool transpose_a, bool t
     for (int m = 0; m < M; ++m)
       for (int n = 0; n < N; ++n) {
         const size_t at = (size_t)k * stride_c + (size_t)m * ldc + n;
-        const T want = z2::from_float<T>(expected_element(transpose_a, transpose_b, m, n, K, alpha,
-                                                          A.data() + k * stride_a, lda, B.data() + k * stride_b, ldb,
-                                                          beta, before[at]));
+        const T want =
+            z2::from_float<T>(expected_element(transpose_a, transpose_b, m, n, K, alpha, A.data() + k * stride_a, lda,
+                                               B.data() + k * stride_b, ldb, beta, before[at]));
         if (std::memcmp(&want, &C[at], sizeof(T)) != 0)
           return std::string(z2::to_string(z2::precision_of<T>())) + " batch " + std::to_string(k) + " C[" +
                  std::to_string(m) + "][" + std::to_string(n) + "] differs from the definition (transpose a " +
-                 std::to_string(transpose_a) + ", b " + std::to_string(transpose_b) + ", beta " +
-                 std::to_string(beta) + ")";
+                 std::to_string(transpose_a) + ", b " + std::to_string(transpose_b) + ", beta " + std::to_string(beta) +
+                 ")";
       }
   return "";
 }

@@ -32,11 +32,11 @@ using harness::recursive_tree_sum;
 using harness::same_bits;
 using harness::same_float_bits;
 using harness::test_value;
+using synthetic::mixed_options;
 using synthetic::MixedRun;
+using synthetic::same_mixed_run;
 using synthetic::synthetic_gradient;
 using synthetic::synthetic_sizes;
-using synthetic::mixed_options;
-using synthetic::same_mixed_run;
 using synthetic::train_synthetic;
 
 namespace {
@@ -60,7 +60,6 @@ float reference_round(float x, int mantissa_bits, int min_exponent, double overf
 }
 float reference_bf16(float x) { return reference_round(x, 7, -126, std::ldexp(1.0, 128)); }
 float reference_fp16(float x) { return reference_round(x, 10, -14, 65536.0); }
-
 
 // Inputs that reach every rounding case of both formats: every sign and
 // exponent, with mantissas at and around every bit position (ties with an
@@ -139,7 +138,8 @@ TEST_CASE("bf16 and fp16 rounding: nearest even, as arithmetic in double compute
     if ((bits & 0x7f80) != 0x7f80) round_trips &= z2::bf16_bits_from_float(z2::float_from_bf16_bits(bits)) == bits;
     if ((bits & 0x7c00) != 0x7c00) round_trips &= z2::fp16_bits_from_float(z2::float_from_fp16_bits(bits)) == bits;
   }
-  MESSAGE(inputs.size() << " inputs: " << bf16_bad << " bf16 and " << fp16_bad << " fp16 results differ from the reference");
+  MESSAGE(inputs.size() << " inputs: " << bf16_bad << " bf16 and " << fp16_bad
+                        << " fp16 results differ from the reference");
   CHECK(agree(bf16_bad == 0 && fp16_bad == 0, "a 16-bit rounding differs from the double reference"));
   CHECK(agree(specials, "a special value converts wrongly"));
   CHECK(agree(round_trips, "widening then narrowing does not give the 16-bit value back"));
@@ -195,8 +195,8 @@ bool gemm_16bit_exact(z2::Compute& compute, std::string* where) {
           return out;
         };
         std::vector<T> a16 = narrow(a), b16 = narrow(b), c16 = narrow(c);
-        z2::DeviceArray<T> da(compute, a_count, z2::MemoryKind::activations), db(compute, b_count, z2::MemoryKind::activations),
-            dc(compute, c_count, z2::MemoryKind::activations);
+        z2::DeviceArray<T> da(compute, a_count, z2::MemoryKind::activations),
+            db(compute, b_count, z2::MemoryKind::activations), dc(compute, c_count, z2::MemoryKind::activations);
         z2::Stream stream = compute.compute_stream();
         compute.copy(da.data(), a16.data(), a_count * sizeof(T), stream);
         compute.copy(db.data(), b16.data(), b_count * sizeof(T), stream);
@@ -276,7 +276,8 @@ std::vector<float> reduce_micro_steps(z2::Compute& compute, z2::Communicator& co
   const int N = comm.world_size(), me = comm.rank();
   const size_t padded = padded_for(length, N), shard = padded / N;
   z2::BucketExchange exchange(compute, comm, padded, 2, false, z2::precision_of<T>(), fp32_blocks);
-  z2::DeviceArray<T> bucket(compute, padded, z2::MemoryKind::activations), result(compute, shard, z2::MemoryKind::activations);
+  z2::DeviceArray<T> bucket(compute, padded, z2::MemoryKind::activations),
+      result(compute, shard, z2::MemoryKind::activations);
   std::vector<z2::DeviceArray<char>> blocks;
   z2::AccumulateInto into;
   into.result = result.data();
@@ -380,7 +381,8 @@ TEST_CASE("16-bit all-gather moves the bits unchanged; native 16-bit reduce-scat
       for (size_t i = 0; i < padded; ++i) {
         const size_t owner = i / shard;  // rank owner's shard holds its own values
         const float value = test_value(4000 + (int)owner, 1, i);
-        expected[i] = precision == z2::Precision::bf16 ? z2::bf16_bits_from_float(value) : z2::fp16_bits_from_float(value);
+        expected[i] =
+            precision == z2::Precision::bf16 ? z2::bf16_bits_from_float(value) : z2::fp16_bits_from_float(value);
         mine[i] = owner == (size_t)me ? expected[i] : 0x7fc1;  // the others' slices start as NaN (in both formats)
       }
       z2::BucketExchange exchange(compute, *backend.deterministic, padded, 1, false, precision);
@@ -407,9 +409,11 @@ TEST_CASE("16-bit all-gather moves the bits unchanged; native 16-bit reduce-scat
         std::vector<uint16_t> values(padded);
         for (size_t i = 0; i < padded; ++i) {
           const float value = i < length ? test_value(5000 + me, 2, i) : 0.0f;
-          values[i] = precision == z2::Precision::bf16 ? z2::bf16_bits_from_float(value) : z2::fp16_bits_from_float(value);
+          values[i] =
+              precision == z2::Precision::bf16 ? z2::bf16_bits_from_float(value) : z2::fp16_bits_from_float(value);
         }
-        z2::DeviceArray<uint16_t> input(compute, padded, z2::MemoryKind::activations), result(compute, shard, z2::MemoryKind::activations);
+        z2::DeviceArray<uint16_t> input(compute, padded, z2::MemoryKind::activations),
+            result(compute, shard, z2::MemoryKind::activations);
         compute.copy(input.data(), values.data(), padded * 2, compute.compute_stream());
         z2::AccumulateInto into;
         into.result = result.data();
@@ -421,7 +425,8 @@ TEST_CASE("16-bit all-gather moves the bits unchanged; native 16-bit reduce-scat
         compute.synchronize(compute.compute_stream());
         outputs.emplace_back(shard);
         for (size_t i = 0; i < shard; ++i)
-          outputs.back()[i] = precision == z2::Precision::bf16 ? z2::float_from_bf16_bits(bits[i]) : z2::float_from_fp16_bits(bits[i]);
+          outputs.back()[i] =
+              precision == z2::Precision::bf16 ? z2::float_from_bf16_bits(bits[i]) : z2::float_from_fp16_bits(bits[i]);
       }
       for (size_t i = 0; i < shard; ++i) {
         double absolute = 0;
@@ -450,7 +455,8 @@ bool check_stage_matrix(const harness::Backend& backend, std::string* note) {
   for (int stage : {0, 1, 2})
     for (bool overlap : {false, true})
       for (long bucket : {64l, 500l, 1l << 20}) {
-        MixedRun run = train_synthetic<T>(*backend.compute, *backend.deterministic, mixed_options(stage, overlap, bucket), 8);
+        MixedRun run =
+            train_synthetic<T>(*backend.compute, *backend.deterministic, mixed_options(stage, overlap, bucket), 8);
         ok &= run.reduced_ok;
         if (first) reference = run, first = false;
         if (!same_mixed_run(run, reference)) {
@@ -517,7 +523,9 @@ TEST_CASE("mixed precision world-size invariance: (N, A) = (1,4), (2,2), (4,1) g
   CHECK(harness::from_rank0(equal));
 }
 
-TEST_CASE("mixed precision ledgers: model states 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N; 2 bytes an element on the wire") {
+TEST_CASE(
+    "mixed precision ledgers: model states 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N; 2 bytes an element on the "
+    "wire") {
   for (const auto& backend : harness::backends()) {
     const size_t N = backend.deterministic->world_size();
     for (int stage : {0, 1, 2})
@@ -555,8 +563,8 @@ TEST_CASE("mixed precision ledgers: model states 16 Psi, 4 Psi + 12 Psi/N, 2 Psi
           ok &= c.reduce_scatter + c.all_gather + c.all_reduce == (A + 1) * one_way &&
                 run.comm.formula_per_step == (A + 1) * one_way;
           CHECK_MESSAGE(agree(ok, backend.name + ": mixed-precision ledger differs"), backend.name, " stage ", stage,
-                        " A ", A, " measured ", m.model_states, " formula ", formula, " grads ", m.grads,
-                        " master ", m.master);
+                        " A ", A, " measured ", m.model_states, " formula ", formula, " grads ", m.grads, " master ",
+                        m.master);
         }
   }
 }
@@ -596,7 +604,8 @@ TEST_CASE("fp16 loss scaler: DeepSpeed's DynamicLossScaler on hand-worked sequen
   }
   // At the minimum with no hysteresis left an overflow stops the run, as
   // DeepSpeed raises; above it the scale halves down to the minimum.
-  settings.initial_scale_power = 1, settings.hysteresis = 1, settings.min_scale = 0.5, settings.consecutive_hysteresis = false;
+  settings.initial_scale_power = 1, settings.hysteresis = 1, settings.min_scale = 0.5,
+  settings.consecutive_hysteresis = false;
   z2::LossScaler low(settings, true);
   low.update(true);
   low.update(true);
@@ -631,8 +640,8 @@ bool check_huge_gradient_norm(const harness::Backend& backend) {
     if (step == 1 && k == 900) return -3e29f;
     return synthetic_gradient(w, step, m, k);
   };
-  const MixedRun run = train_synthetic<T>(*backend.compute, *backend.deterministic, mixed_options(0, true, 500), 3,
-                                          nullptr, gradient);
+  const MixedRun run =
+      train_synthetic<T>(*backend.compute, *backend.deterministic, mixed_options(0, true, 500), 3, nullptr, gradient);
   // The norm of the reduced gradient (which run.reduced holds: stage 0), in double.
   double squared = 0;
   for (float g : run.reduced) squared += (double)g * g;
@@ -652,9 +661,9 @@ TEST_CASE("global norm: squares beyond fp32's range are taken again scaled; a no
     const int N = backend.deterministic->world_size();
     auto plant = [N](long step, long m) { return step == 2 && m == N - 1 ? 5l : -1l; };
     for (int stage : {0, 2}) {
-      CHECK_THROWS_WITH_AS(train_synthetic<float>(*backend.compute, *backend.deterministic, mixed_options(stage, true, 500),
-                                                  4, plant),
-                           doctest::Contains("a gradient is not finite (inf or NaN) in optimizer step 2"), z2::Error);
+      CHECK_THROWS_WITH_AS(
+          train_synthetic<float>(*backend.compute, *backend.deterministic, mixed_options(stage, true, 500), 4, plant),
+          doctest::Contains("a gradient is not finite (inf or NaN) in optimizer step 2"), z2::Error);
       CHECK_THROWS_WITH_AS(train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic,
                                                          mixed_options(stage, true, 500), 4, plant),
                            doctest::Contains("not finite"), z2::Error);
@@ -677,8 +686,8 @@ TEST_CASE("fp16 loss scale is divided out exactly: static scales 1 and 2^8 train
       for (int stage : {0, 2}) {
         z2::EngineOptions options = mixed_options(stage, true, 500);
         options.loss_scaling.static_scale = scale;
-        runs.push_back(train_synthetic<z2::float16>(*backend.compute, *backend.deterministic, options, 6, nullptr,
-                                                    gradient));
+        runs.push_back(
+            train_synthetic<z2::float16>(*backend.compute, *backend.deterministic, options, 6, nullptr, gradient));
       }
     bool ok = runs[1].scales == std::vector<double>(6, 1.0) && runs[3].scales == std::vector<double>(6, 256.0);
     for (const MixedRun& run : runs)
