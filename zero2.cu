@@ -2722,13 +2722,21 @@ struct Engine::Impl {
     }
   }
 
+  void allocate(const EngineBuffers& sizes);  // build()'s buffers
+
   // --- the optimizer step, step by step (Engine::step calls them in order) ---
+  StepReport open_step();
   float global_loss();
   std::vector<float> local_chunk_sums(float scale = 1.0f);
+  bool overflow_skips_step(const std::vector<float>& local, StepReport& report);
+  float global_norm(const std::vector<float>& local, const StepReport& report);
   float global_largest_magnitude(bool* finite);
   float global_squared_norm(const std::vector<float>& local);
+  float clip_coefficient(float grad_norm) const;
+  void update_own_shards(StepReport& report);
   AdamWConstants adamw_constants(double lr, long t, float grad_scale) const;
   void all_gather_parameters();
+  StepReport close_step(const StepReport& report);
   void account_step();
 };
 
@@ -2922,99 +2930,118 @@ size_t accumulation_blocks(int accumulation_steps) {  // floor(log2 A)
   return blocks;
 }
 
-void Engine::build() {
-  if (built_) usage_error("build() called twice");
-  if (parameters_.empty()) usage_error("build(): no parameters registered");
-  // Every rank must register the same parameters, or the buckets would not
-  // match and the first collective would fail with an opaque MPI error. Agree
-  // on a hash of the names, sizes and decay flags.
+// Every rank must register the same parameters, or the buckets would not
+// match and the first collective would fail with an opaque MPI error. Agree
+// on a hash of the names, sizes and decay flags.
+static void check_same_parameters(const std::vector<ParameterInfo>& parameters, Communicator& comm) {
   uint64_t layout = 0xcbf29ce484222325ull;
-  for (auto& p : parameters_) layout = hash_keys(layout, std::hash<std::string>()(p.name), p.numel, p.decay);
+  for (auto& p : parameters) layout = hash_keys(layout, std::hash<std::string>()(p.name), p.numel, p.decay);
   unsigned long long mine = layout, lowest = 0, highest = 0;
-  watched_allreduce(&mine, &lowest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm_.mpi(), "the layout check's all-reduce");
-  watched_allreduce(&mine, &highest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm_.mpi(), "the layout check's all-reduce");
+  watched_allreduce(&mine, &lowest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm.mpi(), "the layout check's all-reduce");
+  watched_allreduce(&mine, &highest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm.mpi(), "the layout check's all-reduce");
   if (lowest != highest)
     usage_error(
         "build(): the ranks registered different parameters (names, sizes or decay flags differ); every "
         "rank must register the same model");
-  std::vector<size_t> numels;
-  for (auto& p : parameters_) numels.push_back(p.numel);
-  buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
+}
+
 #if defined(Z2_LAB_BUILD)
-  // A student's shard_begin (the shards lab) is checked here, on every rank
-  // for every rank, so that a wrong one stops all ranks with this message
-  // instead of one rank tripping over its shard inside a collective.
-  for (const BucketInfo& b : buckets_)
-    for (int r = 0; r < comm_.world_size(); ++r)
+// A student's shard_begin (the shards lab) is checked here, on every rank
+// for every rank, so that a wrong one stops all ranks with this message
+// instead of one rank tripping over its shard inside a collective.
+static void check_lab_shards(const std::vector<BucketInfo>& buckets, int world_size) {
+  for (const BucketInfo& b : buckets)
+    for (int r = 0; r < world_size; ++r)
       if (shard_begin(b, r) != b.offset + (size_t)r * b.shard_length)
         usage_error(
             "lab build: shard_begin(bucket at %zu, rank %d) = %zu, but the bucket exchange gives rank %d the "
             "bucket's slice %d, which begins at %zu",
             b.offset, r, shard_begin(b, r), r, r, b.offset + (size_t)r * b.shard_length);
+}
 #endif
-  for (size_t b = 0; b < buckets_.size(); ++b)
-    for (int p = buckets_[b].first_parameter; p < buckets_[b].end_parameter; ++p) {
-      parameters_[p].bucket = (int)b;
-      parameters_[p].offset = buckets_[b].offset + (parameters_[p].canonical_offset -
-                                                    parameters_[buckets_[b].first_parameter].canonical_offset);
-    }
 
+// Each parameter's bucket and its offset in the padded flat buffer.
+static void place_parameters(std::vector<ParameterInfo>& parameters, const std::vector<BucketInfo>& buckets) {
+  for (size_t b = 0; b < buckets.size(); ++b)
+    for (int p = buckets[b].first_parameter; p < buckets[b].end_parameter; ++p) {
+      parameters[p].bucket = (int)b;
+      parameters[p].offset = buckets[b].offset +
+                             (parameters[p].canonical_offset - parameters[buckets[b].first_parameter].canonical_offset);
+    }
+}
+
+// Build: agree on the model, lay it out in buckets, allocate every buffer
+// once (after this no allocation is made: the ledger counts them).
+void Engine::build() {
+  if (built_) usage_error("build() called twice");
+  if (parameters_.empty()) usage_error("build(): no parameters registered");
+  check_same_parameters(parameters_, comm_);
+  std::vector<size_t> numels;
+  for (auto& p : parameters_) numels.push_back(p.numel);
+  buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
+#if defined(Z2_LAB_BUILD)
+  check_lab_shards(buckets_, comm_.world_size());
+#endif
+  place_parameters(parameters_, buckets_);
   impl_.reset(new Impl(*this, compute_));
-  Impl& impl = *impl_;
   // The ledger's peaks are this engine's: start them from what exists now.
   compute_.reset_peaks();
-  const size_t N = (size_t)comm_.world_size(), padded = psi_padded();
-  const int stage = options_.stage;
   // Every size comes from engine_buffers(), the function --plan calls: what
   // the planner promises is what is allocated here (section 8).
-  const EngineBuffers sizes = engine_buffers(buckets_, options_, (int)N);
+  impl_->allocate(engine_buffers(buckets_, options_, comm_.world_size()));
+  built_ = true;
+  set_watchdog_context("optimizer step 1");  // what the watchdog's message names, from here on
+}
+
+// The buffers of build(), in the order the memory ledger lists them.
+void Engine::Impl::allocate(const EngineBuffers& sizes) {
+  const EngineOptions& options = engine.options_;
+  const size_t padded = engine.psi_padded();
 
   // Model states, the memory the paper's formulas count. Element bytes e =
   // 4 (fp32) or 2 (bf16, fp16); in fp32 the parameters are their own master.
   //   working params  [Psi_padded] x e                  every stage
   //   gradients       [Psi_padded] x e stages 0/1,      [Psi_padded / N] x e stage 2 (P_g, section 5.2)
   //   master, m, v    [Psi_padded] x 4 each stage 0,    [Psi_padded / N] x 4 stages 1/2 (P_os, section 5.1)
-  impl.params = DeviceArray<char>(compute_, sizes.params, MemoryKind::params);
-  impl.grads = DeviceArray<char>(compute_, sizes.grads, MemoryKind::grads);
-  if (impl.mixed) impl.master = DeviceArray<float>(compute_, sizes.master / sizeof(float), MemoryKind::master);
-  impl.adam_m = DeviceArray<float>(compute_, sizes.moment / sizeof(float), MemoryKind::optimizer);
-  impl.adam_v = DeviceArray<float>(compute_, sizes.moment / sizeof(float), MemoryKind::optimizer);
+  params = DeviceArray<char>(compute, sizes.params, MemoryKind::params);
+  grads = DeviceArray<char>(compute, sizes.grads, MemoryKind::grads);
+  if (mixed) master = DeviceArray<float>(compute, sizes.master / sizeof(float), MemoryKind::master);
+  adam_m = DeviceArray<float>(compute, sizes.moment / sizeof(float), MemoryKind::optimizer);
+  adam_v = DeviceArray<float>(compute, sizes.moment / sizeof(float), MemoryKind::optimizer);
   // The accumulation tree's open blocks, each the size of this rank's shard
   // (fp32, or 16-bit with accumulate_fp32 off).
   for (size_t d = 0; d < sizes.accumulation_blocks; ++d)
-    impl.accumulation.emplace_back(compute_, sizes.accumulation_block, MemoryKind::accumulation);
+    accumulation.emplace_back(compute, sizes.accumulation_block, MemoryKind::accumulation);
 
   // Staging: two slots with overlap (one reduces while backward fills the
   // other), one without. Stage 2 slots also hold a bucket's gradient, and
   // stage 2 needs two even without overlap: a bucket that starts with a layer's
   // bias and ends with the next layer's weight is still open when backward
   // reaches the previous bucket.
-  impl.exchange.reset(new BucketExchange(compute_, comm_, sizes.max_padded_bucket, staging_slots(options_), stage == 2,
-                                         options_.precision, options_.accumulate_fp32));
-  impl.comm_done = compute_.create_event();
+  exchange.reset(new BucketExchange(compute, engine.comm_, sizes.max_padded_bucket, staging_slots(options), stage == 2,
+                                    options.precision, options.accumulate_fp32));
+  comm_done = compute.create_event();
 
   // Bookkeeping: a norm chunk sum per chunk of the update region, and a
   // weight-decay flag per chunk of the padded buffer (a chunk never straddles
   // two parameters, so one flag per chunk is exact).
-  impl.chunk_sums = DeviceArray<float>(compute_, sizes.chunk_sums / sizeof(float), MemoryKind::bookkeeping);
-  impl.decay = DeviceArray<unsigned char>(compute_, sizes.decay_flags, MemoryKind::bookkeeping);
-  std::vector<unsigned char> decay(padded / norm_chunk, 0);
-  for (auto& p : parameters_)
+  chunk_sums = DeviceArray<float>(compute, sizes.chunk_sums / sizeof(float), MemoryKind::bookkeeping);
+  decay = DeviceArray<unsigned char>(compute, sizes.decay_flags, MemoryKind::bookkeeping);
+  std::vector<unsigned char> decay_flags(padded / norm_chunk, 0);
+  for (auto& p : engine.parameters_)
     for (size_t c = p.offset / norm_chunk; c < (p.offset + p.numel + norm_chunk - 1) / norm_chunk; ++c)
-      decay[c] = p.decay ? 1 : 0;
-  compute_.copy(impl.decay.data(), decay.data(), decay.size(), compute_.compute_stream());
-  compute_.synchronize(compute_.compute_stream());
+      decay_flags[c] = p.decay ? 1 : 0;
+  compute.copy(decay.data(), decay_flags.data(), decay_flags.size(), compute.compute_stream());
+  compute.synchronize(compute.compute_stream());
 
-  impl.parameter_ready.assign(parameters_.size(), 0);
-  impl.bucket_ready_count.assign(buckets_.size(), 0);
-  impl.bucket_reduced.assign(buckets_.size(), 0);
-  impl.staged_bucket.assign(buckets_.size(), nullptr);
-  impl.micro_losses.assign(options_.accumulation_steps, 0.0f);
-  impl.step_start_counters = comm_.counters();
-  impl.allocations_at_step_start = compute_.memory().allocations;
-  impl.pushes_at_step_start = compute_.memory().pushes;
-  built_ = true;
-  set_watchdog_context("optimizer step 1");  // what the watchdog's message names, from here on
+  parameter_ready.assign(engine.parameters_.size(), 0);
+  bucket_ready_count.assign(engine.buckets_.size(), 0);
+  bucket_reduced.assign(engine.buckets_.size(), 0);
+  staged_bucket.assign(engine.buckets_.size(), nullptr);
+  micro_losses.assign(options.accumulation_steps, 0.0f);
+  step_start_counters = engine.comm_.counters();
+  allocations_at_step_start = compute.memory().allocations;
+  pushes_at_step_start = compute.memory().pushes;
 }
 
 // ----------------------------------------------------------------------------
@@ -3150,53 +3177,70 @@ void Engine::Impl::account_step() {
   pushes_at_step_start = memory.pushes;
 }
 
+// The step as the paper's optimizer sees it; each call below is one idea,
+// defined after it in the same order.
 StepReport Engine::step() {
   require_built("step");
   Impl& impl = *impl_;
-  const int A = options_.accumulation_steps;
-  if (micro_step_ != A) usage_error("step() after %d micro-step(s); accumulation_steps is %d", micro_step_, A);
+  StepReport report = impl.open_step();                      // the global loss, the step's number and learning rate
+  const std::vector<float> local = impl.local_chunk_sums();  // the squares of this rank's reduced gradients
+  if (impl.overflow_skips_step(local, report)) return impl.close_step(report);  // fp16 only
+  report.grad_norm = impl.global_norm(local, report);
+  report.clip_coefficient = impl.clip_coefficient(report.grad_norm);
+  impl.update_own_shards(report);  // AdamW on this rank's update region: every bucket (DP) or its shards (P_os)
+  impl.all_gather_parameters();    // P_os, P_os+g: everyone's updated shards to everyone
+  return impl.close_step(report);
+}
+
+StepReport Engine::Impl::open_step() {
+  const int A = engine.options_.accumulation_steps;
+  if (engine.micro_step_ != A)
+    usage_error("step() after %d micro-step(s); accumulation_steps is %d", engine.micro_step_, A);
   StepReport report;
-  report.loss = impl.global_loss();
-  report.step = ++steps_taken_;
+  report.loss = global_loss();
+  report.step = ++engine.steps_taken_;
   set_watchdog_context("optimizer step " + std::to_string(report.step) + " (its update)");
-  report.loss_scale = scaler_.scale();
-  const long t = optimizer_step_ + 1;  // the update this step makes, unless it is skipped
-  report.lr = options_.lr_schedule ? options_.lr_schedule(t) : options_.lr;
+  report.loss_scale = engine.scaler_.scale();
+  const long t = engine.optimizer_step_ + 1;  // the update this step makes, unless it is skipped
+  report.lr = engine.options_.lr_schedule ? engine.options_.lr_schedule(t) : engine.options_.lr;
   if (!std::isfinite(report.lr) || report.lr < 0)
     usage_error("the learning-rate schedule gave %g for step %ld: it must be finite and >= 0", report.lr, t);
-  const std::vector<float> local = impl.local_chunk_sums();
+  return report;
+}
 
-  // fp16: overflow anywhere? (A chunk sum of finite fp16 values is finite:
-  // 32 x 65504^2 < 2^37, so a non-finite chunk is a non-finite element.)
-  if (options_.precision == Precision::fp16) {
+// fp16: overflow anywhere? (A chunk sum of finite fp16 values is finite:
+// 32 x 65504^2 < 2^37, so a non-finite chunk is a non-finite element.) Every
+// rank takes the same verdict and the scaler moves on it; a skipped step
+// updates nothing.
+bool Engine::Impl::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
+  if (engine.options_.precision == Precision::fp16) {
     bool overflow = false;
     for (float sum : local) overflow |= !std::isfinite(sum);
-    report.skipped = comm_.any_rank(overflow);
-    scaler_.update(report.skipped);  // throws, on every rank, at the minimum scale
+    report.skipped = engine.comm_.any_rank(overflow);
+    engine.scaler_.update(report.skipped);  // throws, on every rank, at the minimum scale
   }
-  micro_step_ = 0;
-  if (report.skipped) {
-    ++skipped_steps_;
-    report.applied = optimizer_step_;
-    report.grad_norm = NAN;
-    impl.account_step();
-    set_watchdog_context("optimizer step " + std::to_string(report.step + 1));
-    return report;
-  }
+  engine.micro_step_ = 0;
+  if (!report.skipped) return false;
+  ++engine.skipped_steps_;
+  report.applied = engine.optimizer_step_;
+  report.grad_norm = NAN;
+  return true;
+}
 
-  // The global norm. Its fp32 sum of squares overflows where gradients are
-  // finite but above ~1.8e19 (bf16 reaches 3.4e38; so does fp32 under very
-  // high dropout): then the squares are taken again of g / 2^e, with 2^e the
-  // power of two just above the largest |g| (an all-reduce of the maxima,
-  // exact and N-independent), in the same chunks and tree, and the norm is
-  // scaled back. Runs that do not overflow keep their bits; a gradient that
-  // is itself inf or NaN ends the run (fp16 skipped the step above instead).
-  float squared = impl.global_squared_norm(local), scale_back = 1.0f;
+// The global norm. Its fp32 sum of squares overflows where gradients are
+// finite but above ~1.8e19 (bf16 reaches 3.4e38; so does fp32 under very
+// high dropout): then the squares are taken again of g / 2^e, with 2^e the
+// power of two just above the largest |g| (an all-reduce of the maxima,
+// exact and N-independent), in the same chunks and tree, and the norm is
+// scaled back. Runs that do not overflow keep their bits; a gradient that
+// is itself inf or NaN ends the run (fp16 skipped the step before this).
+float Engine::Impl::global_norm(const std::vector<float>& local, const StepReport& report) {
+  float squared = global_squared_norm(local), scale_back = 1.0f;
   if (!std::isfinite(squared)) {
     bool finite = true;
-    const float largest = impl.global_largest_magnitude(&finite);
+    const float largest = global_largest_magnitude(&finite);
     if (!finite)
-      usage_error(optimizer_step_ == 0
+      usage_error(engine.optimizer_step_ == 0
                       ? "a gradient is not finite (inf or NaN) in optimizer step %ld, before any update: the model "
                         "as initialized overflows on this data (the learning rate has not acted yet): look at "
                         "--dropout and the model sizes"
@@ -3205,30 +3249,42 @@ StepReport Engine::step() {
                   report.step);
     int exponent = 0;
     std::frexp(largest, &exponent);  // largest < 2^exponent
-    squared = impl.global_squared_norm(impl.local_chunk_sums(std::ldexp(1.0f, -exponent)));
+    squared = global_squared_norm(local_chunk_sums(std::ldexp(1.0f, -exponent)));
     scale_back = std::ldexp(1.0f, exponent);
   }
-  report.grad_norm = std::sqrt(squared) * scale_back / (float)report.loss_scale;
-  if (!std::isfinite(report.grad_norm))
+  const float norm = std::sqrt(squared) * scale_back / (float)report.loss_scale;
+  if (!std::isfinite(norm))
     usage_error(
         "the gradient norm is beyond float's range in optimizer step %ld (every element finite, their "
         "norm not): training diverged. Lower --lr or lengthen --warmup",
         report.step);
-  // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
-  // 1e-6), capped at 1, in float.
-  if (options_.clip > 0) {
-    float coefficient = (float)options_.clip / (report.grad_norm + 1e-6f);
-    report.clip_coefficient = std::min(coefficient, 1.0f);
-  }
-  // One multiply per element: the clipping coefficient and fp16's 1/S.
+  return norm;
+}
+
+// Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
+// 1e-6), capped at 1, in float; 1 when not clipping.
+float Engine::Impl::clip_coefficient(float grad_norm) const {
+  if (engine.options_.clip <= 0) return 1.0f;
+  const float coefficient = (float)engine.options_.clip / (grad_norm + 1e-6f);
+  return std::min(coefficient, 1.0f);
+}
+
+// AdamW on the update region of every bucket: the whole bucket in stage 0,
+// the own shard in stages 1 and 2 (region_start). One multiply per element
+// folds the clipping coefficient and fp16's 1/S into the gradient.
+void Engine::Impl::update_own_shards(StepReport& report) {
+  const long t = engine.optimizer_step_ + 1;
   const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
-  const AdamWConstants constants = impl.adamw_constants(report.lr, t, grad_scale);
-  for (int b = 0; b < (int)buckets_.size(); ++b)
-    impl.for_working_type([&](auto zero) { impl.adamw_as<decltype(zero)>(b, constants); });
-  impl.all_gather_parameters();
-  optimizer_step_ = t;
+  const AdamWConstants constants = adamw_constants(report.lr, t, grad_scale);
+  for (int b = 0; b < (int)engine.buckets_.size(); ++b)
+    for_working_type([&](auto zero) { adamw_as<decltype(zero)>(b, constants); });
+  engine.optimizer_step_ = t;
   report.applied = t;
-  impl.account_step();
+}
+
+// Account the step in the ledgers and name the next one for the watchdog.
+StepReport Engine::Impl::close_step(const StepReport& report) {
+  account_step();
   set_watchdog_context("optimizer step " + std::to_string(report.step + 1));
   return report;
 }

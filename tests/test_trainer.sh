@@ -88,8 +88,10 @@ same_bits_run() {
   fi
   bits=$(json_get "$out" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
   if [ -z "$bits" ]; then fail "$label: no hash in $out"; return; fi
-  [ -z "$reference" ] && reference=$bits && echo "    reference ($label): $bits"
-  if [ "$bits" = "$reference" ]; then pass "$label: same bits"; else fail "$label: $bits != $reference"; fi
+  [ -z "$reference" ] && reference=$bits && reference_label=$label && echo "    reference ($label): $bits"
+  # The claim each line proves: this run computes the reference run's bits (hash and every step's loss).
+  if [ "$bits" = "$reference" ]; then pass "$label: the same bits as $reference_label"
+  else fail "$label: $bits != $reference ($reference_label)"; fi
 }
 
 # --- 1. the stage matrix ---------------------------------------------------------
