@@ -1282,7 +1282,7 @@ struct Batch {
   std::vector<long> labels;        // [B, T] original byte where selected, -100 elsewhere (Hugging Face's convention)
   std::vector<int> selected;       // [S] flat positions b * T + t whose label counts, in order
   std::vector<int> targets;        // [S] their labels
-  std::vector<int> token_offsets;  // [V + 1] CSR over token ids: positions with token v are
+  std::vector<int> token_offsets;  // [V + 1] compressed sparse rows (CSR) by token id: positions with token v are
   std::vector<int> token_rows;     //   token_rows[token_offsets[v] .. token_offsets[v + 1]), in order
 };
 
@@ -1594,24 +1594,25 @@ using BufferRound = size_t (*)(size_t);
 inline size_t live_bytes(size_t bytes) { return bytes; }
 inline ActivationSizes activation_sizes(const ModelShape& s, BufferRound round = live_bytes) {
   const size_t B = s.micro_batch, T = s.seq, R = B * T, S = B * (T - 2), H = s.hidden, F = s.intermediate,
-               V = vocab_size, A = B * s.heads * T * T, dropped = s.dropout > 0.0f ? A : 0, f = sizeof(float),
+               V = vocab_size, scores = B * s.heads * T * T, dropped = s.dropout > 0.0f ? scores : 0, f = sizeof(float),
                i = sizeof(int), e = z2::element_bytes(s.precision);
-  ActivationSizes z;
+  ActivationSizes sizes;
   // tokens, selected, targets, token offsets, token rows; per-row losses
-  z.always = round(R * i) + round(S * i) + round(S * i) + round((V + 1) * i) + round(R * i) + round(S * f);
+  sizes.always = round(R * i) + round(S * i) + round(S * i) + round((V + 1) * i) + round(R * i) + round(S * f);
   // query, key, value, context, attention_sum, attention_out, output_sum; probs; ffn_gelu_saved, ffn_act; two stats
-  z.working_set = 7 * round(R * H * e) + round(A * e) + 2 * round(R * F * e) + 2 * round(2 * R * f);
-  z.checkpoint = round(R * H * e);
-  z.embedding_sum = round(R * H * e) + round(2 * R * f);
-  z.backward_long = round(V * H * e) + round(R * H * e);  // decoder gradient, gradient flow
-  // dsum, dattention, dwide, dprobs, dropped
-  z.block_scratch = 2 * round(R * H * e) + round(R * std::max(2 * H, F) * e) + round(A * e) + round(dropped * e);
+  sizes.working_set = 7 * round(R * H * e) + round(scores * e) + 2 * round(R * F * e) + 2 * round(2 * R * f);
+  sizes.checkpoint = round(R * H * e);
+  sizes.embedding_sum = round(R * H * e) + round(2 * R * f);
+  sizes.backward_long = round(V * H * e) + round(R * H * e);  // decoder gradient, gradient flow
+  // dsum, dattention, wide_scratch, dprobs, dropped
+  sizes.block_scratch =
+      2 * round(R * H * e) + round(R * std::max(2 * H, F) * e) + round(scores * e) + round(dropped * e);
   // The recomputed forward pushes dropped probabilities, pops them, then the
   // output it does not need: never both at once.
-  z.recompute_scratch = std::max(round(dropped * e), round(R * H * e));
-  z.head = 7 * round(S * H * e) + round(S * V * e) + round(2 * S * f);  // 7 [S, H], logits, stats
-  z.dropped = round(dropped * e);
-  return z;
+  sizes.recompute_scratch = std::max(round(dropped * e), round(R * H * e));
+  sizes.head = 7 * round(S * H * e) + round(S * V * e) + round(2 * S * f);  // 7 [S, H], logits, stats
+  sizes.dropped = round(dropped * e);
+  return sizes;
 }
 
 // The most temporaries open at once when a block's working set is itself a
@@ -1901,7 +1902,7 @@ class Model {
   BufferOf<Act> decoder_gradient_, gradient_flow_;
   // Backward scratch of one block (temporaries).
   BufferOf<Act> dsum_, dattention_;  // [R, H]
-  BufferOf<Act> dwide_;              // [R, max(2H, F)]: d ffn, later dq and dk side by side
+  BufferOf<Act> wide_scratch_;       // [R, max(2H, F)]: d ffn, later dq and dk side by side
   BufferOf<Act> dropped_, dprobs_;   // [B, NH, T, T] dropped probabilities (dropout only), d probabilities
   BufferOf<Act> recomputed_output_;  // [R, H] the output a recomputed forward writes and nobody reads
   // The arena's carved memory (freed when the model goes), and for offload
@@ -1967,7 +1968,7 @@ inline Model<Act>::Model(z2::Compute& compute, z2::Engine& engine, const ModelSh
     sized(*b, S * H, false);
   sized(head_stats_, S * 2, false), sized(logits_, S * V, false);
   sized(decoder_gradient_, V * H, true), sized(gradient_flow_, R * H, true);
-  sized(dsum_, R * H, false), sized(dattention_, R * H, false), sized(dwide_, R * std::max(2 * H, F), false);
+  sized(dsum_, R * H, false), sized(dattention_, R * H, false), sized(wide_scratch_, R * std::max(2 * H, F), false);
   sized(dropped_, attention, false), sized(dprobs_, attention, false), sized(recomputed_output_, R * H, false);
 
   if (compute.allocator() == z2::Allocator::arena) {
@@ -2335,11 +2336,11 @@ inline void Model<Act>::block_forward(int l, long step, long first_sample, Buffe
   // row per thread. Q of head h is the D columns at h*D of a [T, H] slab.
   // One batched product per sample, the heads being the batch (stride D in
   // Q, K, V; stride T x T in the scores).
-  const size_t TT = (size_t)T * T;
+  const size_t scores_per_head = (size_t)T * T;
   for (int b = 0; b < B; ++b) {
-    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * scores_per_head;
     compute_.gemm_batched(false, true, T, T, D, 1.0f, a.query.data() + rows, H, D, a.key.data() + rows, H, D, 0.0f,
-                          a.probs.data() + square, T, (long)TT, NH);
+                          a.probs.data() + square, T, (long)scores_per_head, NH);
   }
   Act* probs = a.probs.data();  // [B, NH, T, T]: scores now, probabilities after the softmax
   // torch divides the scores by sqrt(D) after the product; so do we (a
@@ -2361,9 +2362,9 @@ inline void Model<Act>::block_forward(int l, long step, long first_sample, Buffe
   const Act* source = dropped ? dropped : probs;  // what multiplies V: probs, or their dropped copy
   // Context [T, D] per (sample, head) = probs x V, into the head's columns.
   for (int b = 0; b < B; ++b) {
-    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(false, false, T, D, T, 1.0f, source + square, T, (long)TT, a.value.data() + rows, H, D, 0.0f,
-                          a.context.data() + rows, H, D, NH);
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * scores_per_head;
+    compute_.gemm_batched(false, false, T, D, T, 1.0f, source + square, T, (long)scores_per_head, a.value.data() + rows,
+                          H, D, 0.0f, a.context.data() + rows, H, D, NH);
   }
   if (dropped) close(dropped_);
   // Attention output: dense, dropout, residual, LayerNorm.
@@ -2471,8 +2472,9 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   // they happen):
   Act* dy = gradient_flow_.data();  // [R, H] dL/d block output in; dL/d block input out
   Act* dsum = open(dsum_);          // [R, H] dL/d output_sum, then dL/d attention_out
-  Act* dwide = open(dwide_);        // [R, F] dL/d ffn_act, then dL/d the FFN's pre-activation; later dq, dk [R, H] each
-  Act* dattn = open(dattention_);   // [R, H] dL/d attention_sum (the residual into x)
+  Act* wide_scratch =
+      open(wide_scratch_);         // [R, F] dL/d ffn_act, then dL/d the FFN's pre-activation; later dq, dk [R, H] each
+  Act* dattn = open(dattention_);  // [R, H] dL/d attention_sum (the residual into x)
 
   // Output LayerNorm: dsum = dL/d(attention_out + dropout(ffn)).
   layer_norm_backward(a.output_sum.data(), a.output_stats.data(), dy, p.output_norm_weight, p.output_norm_bias, R,
@@ -2480,10 +2482,11 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   // The FFN branch sees dsum through the dropout; the residual gets dsum itself.
   Act* dffn = dy;  // dy is no longer needed: reuse it
   dropout(dsum, dffn, (size_t)R * H, (size_t)T * H, step, first_sample, dropout_key(l, dropout_ffn_output));
-  linear_backward(a.ffn_act.data(), dffn, p.output_weight, p.output_bias, R, F, H, dwide, 0.0f);
-  gelu_backward(a.ffn_gelu_saved.data(), (size_t)R * F, dwide);
-  // d attention_out = dsum (residual) + dwide x Wi: gemm with beta = 1 adds onto dsum.
-  linear_backward(a.attention_out.data(), dwide, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum, 1.0f);
+  linear_backward(a.ffn_act.data(), dffn, p.output_weight, p.output_bias, R, F, H, wide_scratch, 0.0f);
+  gelu_backward(a.ffn_gelu_saved.data(), (size_t)R * F, wide_scratch);
+  // d attention_out = dsum (residual) + wide_scratch x Wi: gemm with beta = 1 adds onto dsum.
+  linear_backward(a.attention_out.data(), wide_scratch, p.intermediate_weight, p.intermediate_bias, R, H, F, dsum,
+                  1.0f);
   // Attention LayerNorm: dattn = dL/d(x + dropout(dense(context))).
   layer_norm_backward(a.attention_sum.data(), a.attention_stats.data(), dsum, p.attention_norm_weight,
                       p.attention_norm_bias, R, dattn);
@@ -2495,18 +2498,18 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
 
   // Attention, per (sample, head): with P the probabilities and Pd = dropout(P),
   // dV = Pd^T dC, dPd = dC V^T, dP = dropout(dPd), dS = P (dP - rowsum(dP P)) / sqrt(D),
-  // dQ = dS K, dK = dS^T Q. dq and dk go to dwide (R x max(2H, F)), dv to
+  // dQ = dS K, dK = dS^T Q. dq and dk go to wide_scratch (R x max(2H, F)), dv to
   // dsum (free once the attention output's backward is done).
-  const size_t TT = (size_t)T * T;
+  const size_t scores_per_head = (size_t)T * T;
   const Act* probs = a.probs.data();  // [B, NH, T, T] saved softmax output
   const float rate = shape_.dropout;
   Act* dropped = rate > 0.0f ? open(dropped_) : nullptr;  // [B, NH, T, T] probs after dropout, recomputed from its keys
-  Act *dq = dwide, *dk = dwide + (size_t)R * H, *dv = dsum;  // dsum is free again
-  Act* dprobs = open(dprobs_);                               // [B, NH, T, T] dL/d dropped probs, then d scores
+  Act *dq = wide_scratch, *dk = wide_scratch + (size_t)R * H, *dv = dsum;  // dsum is free again
+  Act* dprobs = open(dprobs_);  // [B, NH, T, T] dL/d dropped probs, then d scores
   for (int b = 0; b < B; ++b) {
-    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * scores_per_head;
     compute_.gemm_batched(false, true, T, T, D, 1.0f, dcontext + rows, H, D, a.value.data() + rows, H, D, 0.0f,
-                          dprobs + square, T, (long)TT, NH);
+                          dprobs + square, T, (long)scores_per_head, NH);
   }
   // One pass over each row: the dropped probabilities (for dV), dP =
   // dropout(dPd) with the same mask, and softmax's backward.
@@ -2527,16 +2530,16 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
                     }));
   const Act* source = dropped ? dropped : probs;  // what multiplied V in forward
   for (int b = 0; b < B; ++b) {
-    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(true, false, T, D, T, 1.0f, source + square, T, (long)TT, dcontext + rows, H, D, 0.0f,
-                          dv + rows, H, D, NH);
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * scores_per_head;
+    compute_.gemm_batched(true, false, T, D, T, 1.0f, source + square, T, (long)scores_per_head, dcontext + rows, H, D,
+                          0.0f, dv + rows, H, D, NH);
   }
   for (int b = 0; b < B; ++b) {
-    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * TT;
-    compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.key.data() + rows, H, D, 0.0f,
-                          dq + rows, H, D, NH);
-    compute_.gemm_batched(true, false, T, D, T, 1.0f, dprobs + square, T, (long)TT, a.query.data() + rows, H, D, 0.0f,
-                          dk + rows, H, D, NH);
+    const size_t rows = (size_t)b * T * H, square = (size_t)b * NH * scores_per_head;
+    compute_.gemm_batched(false, false, T, D, T, 1.0f, dprobs + square, T, (long)scores_per_head, a.key.data() + rows,
+                          H, D, 0.0f, dq + rows, H, D, NH);
+    compute_.gemm_batched(true, false, T, D, T, 1.0f, dprobs + square, T, (long)scores_per_head, a.query.data() + rows,
+                          H, D, 0.0f, dk + rows, H, D, NH);
   }
   close(dprobs_);
   if (dropped) close(dropped_);
@@ -2549,7 +2552,7 @@ inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   linear_backward(x, dv, p.value_weight, p.value_bias, R, H, H, dx, 1.0f);
   linear_backward(x, dk, p.key_weight, p.key_bias, R, H, H, dx, 1.0f);
   linear_backward(x, dq, p.query_weight, p.query_bias, R, H, H, dx, 1.0f);
-  close(dwide_), close(dsum_);
+  close(wide_scratch_), close(dsum_);
 }
 
 // Embeddings' backward, last: dL/d x0 in gradient_flow_, the embedding sum
@@ -4075,7 +4078,7 @@ class Training {
   Settings settings_;
   MPI_Comm world_;
   int rank_ = 0, world_size_ = 1;
-  bool speak_ = false;
+  bool prints_progress_ = false;
   std::string corpus_;
   z2::Device device_;
   z2::CommBackend comm_backend_;
@@ -4110,7 +4113,7 @@ template <class Act>
 Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move(settings)), world_(world) {
   MPI_Comm_rank(world_, &rank_);
   MPI_Comm_size(world_, &world_size_);
-  speak_ = rank_ == 0 && !settings_.quiet;
+  prints_progress_ = rank_ == 0 && !settings_.quiet;
   z2::set_watchdog_timeout(settings_.timeout);  // from here every wait has a deadline
   check_consistency(settings_, world_size_);
   corpus_ = read_inputs(settings_, rank_, world_);
@@ -4567,7 +4570,7 @@ void Training<Act>::log_evaluation(long step) {
           if (metrics_) metrics_->append({{"step", step}, {"eval_loss", loss}, {"elapsed_s", elapsed}});
         },
         "the --metrics line was written");
-  if (speak_) {
+  if (prints_progress_) {
     printf("  eval      step %ld: loss %.4f on %d held-out micro-batch(es) of %d\n", step, loss, settings_.eval_batches,
            settings_.micro_batch);
     fflush(stdout);
@@ -4579,7 +4582,7 @@ void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
   if (!report.skipped) loss_since_log_ += report.loss, ++losses_since_log_;
   // An overflow gets its own line, every time (DeepSpeed logs each one too).
   if (report.skipped) {
-    if (speak_)
+    if (prints_progress_)
       printf("step %5ld/%ld | fp16 gradients overflowed at loss scale %s: step skipped (%ld so far); scale now %s%s\n",
              report.step, settings_.steps, scale_text(report.loss_scale).c_str(), engine_->skipped_steps(),
              scale_text(engine_->loss_scaler().scale()).c_str(),
@@ -4619,7 +4622,7 @@ void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
         },
         "the --metrics line was written");
   loss_since_log_ = 0, losses_since_log_ = 0;
-  if (!speak_) return;
+  if (!prints_progress_) return;
   char scale[48] = "";
   if (precision_ == z2::Precision::fp16)
     snprintf(scale, sizeof scale, " | scale %s", scale_text(report.loss_scale).c_str());
@@ -4641,7 +4644,7 @@ void Training<Act>::log_progress(const z2::StepReport& report, double ms) {
 
 template <class Act>
 int Training<Act>::run() {
-  if (speak_) print_header();
+  if (prints_progress_) print_header();
   // Rank 0 writes; every rank learns whether it could (or it would wait in
   // the first step's collectives for a rank that left).
   if (!settings_.metrics.empty())
@@ -4688,7 +4691,7 @@ int Training<Act>::run() {
           export_hf(settings_.export_dir, *model_, *engine_, final_parameters);
       },
       "the export was written");
-  if (speak_) print_summary(final_parameters, hash);
+  if (prints_progress_) print_summary(final_parameters, hash);
   agree_on_errors(
       world_, [&] { write_json(hash); }, "the JSON summary was written");
   // Every rank reaches here before any finalizes: a rank stopped now would

@@ -478,7 +478,7 @@ bool cuda_available(std::string* why) {
 // Every live allocation with its size and kind: release() needs both to keep
 // the per-kind counters exact, and ~Compute frees what is left. With arena
 // or naive, also the block and where its free memory is.
-struct Compute::Live {
+struct Compute::Resources {
   std::unordered_map<void*, std::pair<size_t, MemoryKind>> allocations;
   std::unordered_map<void*, std::pair<size_t, bool>> pinned;  // bytes, offload space
   char* block = nullptr;                                      // the one reserved block (arena, naive)
@@ -519,7 +519,8 @@ struct Compute::Live {
 // allocator mode.
 size_t block_round(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-Compute::Compute(Device device, int device_index) : device_(device), device_index_(device_index), live_(new Live) {
+Compute::Compute(Device device, int device_index)
+    : device_(device), device_index_(device_index), resources_(new Resources) {
   if (device_ == Device::cpu) return;
 #if defined(__CUDACC__)
   std::string why;
@@ -563,14 +564,14 @@ Compute::~Compute() {
     // No checks here: a destructor may run while an error unwinds, and a
     // failing cleanup call must not hide the first error.
     cudaDeviceSynchronize();
-    if (live_->block) {
-      cudaFree(live_->block);
+    if (resources_->block) {
+      cudaFree(resources_->block);
     } else if (allocator_ == Allocator::caching) {
-      for (auto& segment : live_->segments) cudaFree(segment.second.base);
+      for (auto& segment : resources_->segments) cudaFree(segment.second.base);
     } else {
-      for (auto& entry : live_->allocations) cudaFree(entry.first);
+      for (auto& entry : resources_->allocations) cudaFree(entry.first);
     }
-    for (auto& entry : live_->pinned) cudaFreeHost(entry.first);
+    for (auto& entry : resources_->pinned) cudaFreeHost(entry.first);
     cublasDestroy((cublasHandle_t)cublas_);
     cublasDestroy((cublasHandle_t)cublas_16bit_);
     cudaStreamDestroy((cudaStream_t)compute_stream_.handle);
@@ -579,14 +580,14 @@ Compute::~Compute() {
     return;
   }
 #endif
-  if (live_->block) {
-    munmap(live_->block, live_->capacity);
+  if (resources_->block) {
+    munmap(resources_->block, resources_->capacity);
   } else if (allocator_ == Allocator::caching) {
-    for (auto& segment : live_->segments) std::free(segment.second.base);
+    for (auto& segment : resources_->segments) std::free(segment.second.base);
   } else {
-    for (auto& entry : live_->allocations) std::free(entry.first);
+    for (auto& entry : resources_->allocations) std::free(entry.first);
   }
-  for (auto& entry : live_->pinned) std::free(entry.first);
+  for (auto& entry : resources_->pinned) std::free(entry.first);
 }
 
 // --- where device memory comes from (ZeRO-R, M_D) ---------------------------
@@ -611,12 +612,12 @@ void Compute::use_allocator(Allocator allocator, size_t capacity) {
     usage_error("use_allocator() must come before the first allocation, once");
   allocator_ = allocator;
   if (allocator == Allocator::direct) {  // the limit only counts: every buffer is its own cudaMalloc
-    live_->capacity = capacity;
+    resources_->capacity = capacity;
     return;
   }
   if (capacity < 256) usage_error("--device-memory-limit %zu: the block needs at least 256 bytes", capacity);
   capacity = capacity / 256 * 256;
-  live_->capacity = capacity;
+  resources_->capacity = capacity;
   // caching reserves nothing up front: it asks the device for segments as it
   // goes (cudaMalloc), and `capacity` is how much the device lets it have.
   if (allocator == Allocator::caching) return;
@@ -626,7 +627,7 @@ void Compute::use_allocator(Allocator allocator, size_t capacity) {
     void* block = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (block == MAP_FAILED)
       usage_error("cannot reserve %s bytes of address space for the memory block", with_commas(capacity).c_str());
-    live_->block = (char*)block;
+    resources_->block = (char*)block;
   } else {
 #if defined(__CUDACC__)
     void* block = nullptr;
@@ -636,26 +637,26 @@ void Compute::use_allocator(Allocator allocator, size_t capacity) {
       usage_error("cannot reserve a block of %s bytes on GPU %d (%s): lower --device-memory-limit",
                   with_commas(capacity).c_str(), device_index_, cudaGetErrorString(status));
     }
-    live_->block = (char*)block;
+    resources_->block = (char*)block;
 #endif
   }
   counters_.device_mallocs += 1;
-  live_->free_pieces[0] = capacity;
-  live_->arena = ArenaBooks{capacity, 0, capacity, {}};
+  resources_->free_pieces[0] = capacity;
+  resources_->arena = ArenaBooks{capacity, 0, capacity, {}};
 }
 
-size_t Compute::capacity() const { return live_->capacity; }
+size_t Compute::capacity() const { return resources_->capacity; }
 
 void Compute::free_space(size_t* total, size_t* pieces, size_t* largest) const {
   *total = *pieces = *largest = 0;
-  if (allocator_ == Allocator::direct && live_->capacity > 0) {  // what the limit leaves: the driver's to place
-    *total = *largest = live_->capacity - counters_.total_current;
+  if (allocator_ == Allocator::direct && resources_->capacity > 0) {  // what the limit leaves: the driver's to place
+    *total = *largest = resources_->capacity - counters_.total_current;
     *pieces = *total > 0 ? 1 : 0;
   } else if (allocator_ == Allocator::arena) {
-    *total = *largest = live_->arena.top - live_->arena.bottom;
+    *total = *largest = resources_->arena.top - resources_->arena.bottom;
     *pieces = *total > 0 ? 1 : 0;
   } else if (allocator_ == Allocator::naive) {
-    for (auto& piece : live_->free_pieces) {
+    for (auto& piece : resources_->free_pieces) {
       *total += piece.second;
       *pieces += 1;
       *largest = std::max(*largest, piece.second);
@@ -663,10 +664,10 @@ void Compute::free_space(size_t* total, size_t* pieces, size_t* largest) const {
   } else if (allocator_ == Allocator::caching) {
     // What the device has not given out yet is one piece (the driver pages
     // it); the rest is free blocks cached inside segments.
-    const size_t unreserved = live_->capacity - live_->segment_bytes;
+    const size_t unreserved = resources_->capacity - resources_->segment_bytes;
     *total = *largest = unreserved;
     *pieces = unreserved > 0 ? 1 : 0;
-    for (auto* pool : {&live_->small_pool, &live_->large_pool})
+    for (auto* pool : {&resources_->small_pool, &resources_->large_pool})
       for (auto& block : *pool) {
         *total += block.first;
         *pieces += 1;
@@ -685,15 +686,15 @@ void Compute::out_of_memory(size_t bytes, MemoryKind kind, size_t segment) const
           std::string(caching_round_size(bytes) <= (1 << 20) ? "small" : "large") +
           " pool holds the request rounded to " + with_commas(caching_round_size(bytes)) + " bytes, and a new " +
           with_commas(segment) + "-byte segment does not fit in the " +
-          with_commas(live_->capacity - live_->segment_bytes) + " bytes of the limit not yet in segments (" +
-          with_commas(live_->segment_bytes) + " bytes in " + std::to_string(live_->segments.size()) +
+          with_commas(resources_->capacity - resources_->segment_bytes) + " bytes of the limit not yet in segments (" +
+          with_commas(resources_->segment_bytes) + " bytes in " + std::to_string(resources_->segments.size()) +
           " segment(s); the wholly free cached segments were released and the request retried once)";
   char message[1024];
   snprintf(message, sizeof message,
            "out of device memory in the %s-byte %s (--alloc %s): %s bytes of %s asked for; %s bytes free in "
            "%zu piece(s), the largest %s bytes%s; %s bytes live. Raise --device-memory-limit (train_bert_mini --plan "
            "gives what the arena needs)%s",
-           with_commas(live_->capacity).c_str(),
+           with_commas(resources_->capacity).c_str(),
            allocator_ == Allocator::arena || allocator_ == Allocator::naive ? "block" : "device limit",
            to_string(allocator_), with_commas(bytes).c_str(), to_string(kind), with_commas(total).c_str(), pieces,
            with_commas(largest).c_str(), why.c_str(), with_commas(counters_.total_current).c_str(),
@@ -765,7 +766,7 @@ size_t caching_segment_size(size_t rounded) {
 }
 
 void* Compute::caching_take(size_t bytes, MemoryKind kind) {
-  Live& live = *live_;
+  Resources& live = *resources_;
   const size_t size = caching_round_size(bytes);
   const bool small = size <= kSmallSize;
   auto& pool = small ? live.small_pool : live.large_pool;
@@ -798,7 +799,7 @@ void* Compute::caching_take(size_t bytes, MemoryKind kind) {
   }
   char* start = found->second;
   pool.erase(found);
-  Live::CachedBlock& block = live.cached_blocks[start];
+  Resources::CachedBlock& block = live.cached_blocks[start];
   const size_t remaining = block.bytes - size;
   if (small ? remaining >= kMinBlockSize : remaining > kSmallSize) {
     live.cached_blocks[start + size] = {remaining, block.segment, true};
@@ -810,7 +811,7 @@ void* Compute::caching_take(size_t bytes, MemoryKind kind) {
 }
 
 void Compute::caching_give_back(char* start) {
-  Live& live = *live_;
+  Resources& live = *resources_;
   auto block = live.cached_blocks.find(start);
   auto& pool = live.pool_of(block->second.segment);  // a block goes back to its segment's pool
   block->second.free = true;
@@ -876,7 +877,7 @@ Z2_LAB_SEAM int checkpoint_to_prefetch(int block, int layers) {
 void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
   if (bytes == 0) return nullptr;
   void* pointer = nullptr;
-  Live& live = *live_;
+  Resources& live = *resources_;
   const size_t rounded = block_round(bytes);
   if (allocator_ == Allocator::direct) {
     if (live.capacity > 0 && counters_.total_current + bytes > live.capacity) out_of_memory(bytes, kind);
@@ -917,7 +918,7 @@ void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
 
 void Compute::give_back(void* pointer, bool from_stack) {
   if (!pointer) return;
-  Live& live = *live_;
+  Resources& live = *resources_;
   auto found = live.allocations.find(pointer);
   if (found == live.allocations.end()) usage_error("release of a pointer this Compute did not allocate");
   const size_t bytes = found->second.first;
@@ -965,9 +966,9 @@ void Compute::give_back(void* pointer, bool from_stack) {
 // The block's used part now (see "reserved =" above).
 size_t Compute::reserved_now() const {
   switch (allocator_) {
-    case Allocator::arena: return live_->arena.bottom + (live_->capacity - live_->arena.top);
-    case Allocator::naive: return live_->end;
-    case Allocator::caching: return live_->segment_bytes;
+    case Allocator::arena: return resources_->arena.bottom + (resources_->capacity - resources_->arena.top);
+    case Allocator::naive: return resources_->end;
+    case Allocator::caching: return resources_->segment_bytes;
     default: return counters_.total_current;
   }
 }
@@ -975,7 +976,7 @@ size_t Compute::reserved_now() const {
 // The memory ledger is these counters: the bytes actually handed out, by kind,
 // now and at their peak.
 void Compute::count(void* pointer, size_t bytes, MemoryKind kind) {
-  live_->allocations[pointer] = {bytes, kind};
+  resources_->allocations[pointer] = {bytes, kind};
   counters_.current[(int)kind] += bytes;
   counters_.peak[(int)kind] = std::max(counters_.peak[(int)kind], counters_.current[(int)kind]);
   counters_.total_current += bytes;
@@ -1026,7 +1027,7 @@ void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
 #endif
   }
   std::memset(pointer, 0, bytes);
-  live_->pinned[pointer] = {bytes, offload};
+  resources_->pinned[pointer] = {bytes, offload};
   size_t& current = offload ? counters_.host_offload_current : counters_.host_pinned_current;
   size_t& peak = offload ? counters_.host_offload_peak : counters_.host_pinned_peak;
   current += bytes;
@@ -1036,9 +1037,9 @@ void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
 
 void Compute::release_host_pinned(void* pointer) {
   if (!pointer) return;
-  const std::pair<size_t, bool> recorded = live_->pinned.at(pointer);
+  const std::pair<size_t, bool> recorded = resources_->pinned.at(pointer);
   (recorded.second ? counters_.host_offload_current : counters_.host_pinned_current) -= recorded.first;
-  live_->pinned.erase(pointer);
+  resources_->pinned.erase(pointer);
   if (device_ == Device::cpu) {
     std::free(pointer);
     return;
@@ -1551,16 +1552,16 @@ void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b
     return;
   }
   if (device_ == Device::cpu) {
-    Live& l = *live_;
+    Resources& scratch = *resources_;
     const int lanes = portable_ ? portable_lanes_ : 0;  // 0: OpenBLAS
     if (bf16)
-      cpu_gemm_16bit(gemm_seconds_, lanes, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
-                     (const bfloat16*)A, lda, stride_a, (const bfloat16*)B, ldb, stride_b, beta, (bfloat16*)C, ldc,
-                     stride_c, batch);
+      cpu_gemm_16bit(gemm_seconds_, lanes, scratch.gemm_a, scratch.gemm_b, scratch.gemm_c, transpose_a, transpose_b, M,
+                     N, K, alpha, (const bfloat16*)A, lda, stride_a, (const bfloat16*)B, ldb, stride_b, beta,
+                     (bfloat16*)C, ldc, stride_c, batch);
     else
-      cpu_gemm_16bit(gemm_seconds_, lanes, l.gemm_a, l.gemm_b, l.gemm_c, transpose_a, transpose_b, M, N, K, alpha,
-                     (const float16*)A, lda, stride_a, (const float16*)B, ldb, stride_b, beta, (float16*)C, ldc,
-                     stride_c, batch);
+      cpu_gemm_16bit(gemm_seconds_, lanes, scratch.gemm_a, scratch.gemm_b, scratch.gemm_c, transpose_a, transpose_b, M,
+                     N, K, alpha, (const float16*)A, lda, stride_a, (const float16*)B, ldb, stride_b, beta, (float16*)C,
+                     ldc, stride_c, batch);
     return;
   }
 #if defined(__CUDACC__)

@@ -908,8 +908,8 @@ class Compute {
   bool portable_ = false;              // see set_portable()
   int portable_lanes_ = 1;             // the CPU schedule's vector width in portable mode
   std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)
-  struct Live;
-  std::unique_ptr<Live> live_;  // pointer -> (bytes, kind), and the block's bookkeeping
+  struct Resources;
+  std::unique_ptr<Resources> resources_;  // pointer -> (bytes, kind), and the block's bookkeeping
 };
 
 // The portable product's CPU kernel (zero2.cu, section 2), callable on host
