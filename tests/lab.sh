@@ -23,34 +23,28 @@ MPICXX=${MPICXX:-mpicxx}
 CXXFLAGS=${CXXFLAGS:--std=c++17 -O2 -ffp-contract=off}
 LAB_OBJECTS=${LAB_OBJECTS:-}
 
-# --- the labs: seam, test cases (doctest filters), rank counts -----------------------
-labs="tree-sum reduce-scatter shards loss-scale arena offload reshard"
-seam_of() {
-  case $1 in
-    tree-sum) echo "z2::tree_sum" ;;
-    reduce-scatter) echo "z2::reduce_scatter_blocking, z2::all_gather_blocking" ;;
-    shards) echo "z2::shard_begin" ;;
-    loss-scale) echo "z2::LossScaler::update" ;;
-    arena) echo "z2::arena_allocate, z2::arena_push, z2::arena_pop, z2::arena_release" ;;
-    offload) echo "z2::checkpoint_to_prefetch" ;;
-    reshard) echo "z2::reshard_reads" ;;
-  esac
-}
-tests_of() {  # the graders first, then the engine's own tests the seam takes part in
-  case $1 in
-    tree-sum) echo "lab tree-sum*,accumulating A reduce-scatters*,world-size invariance:*" ;;
-    reduce-scatter) echo "lab reduce-scatter*,deterministic reduce-scatter*" ;;
-    shards) echo "lab shards*,stage matrix*,mixed precision stage matrix*" ;;
-    loss-scale) echo "lab loss-scale*,fp16 loss scaler*,fp16 overflow on one rank*" ;;
-    arena) echo "lab arena*,ZeRO-R:*" ;;
-    offload) echo "lab offload*,ZeRO-R:*" ;;
-    reshard) echo "lab reshard*" ;;
-  esac
-}
+# --- the labs: name | the seam a student writes | the tests that grade it ----------
+# The tests: the lab's grader first, then the engine's own tests the seam takes part in
+# (doctest filters, comma-separated). Every lab runs at mpirun -n 1, 2 and 4.
+lab_table='
+tree-sum|z2::tree_sum|lab tree-sum*,accumulating A reduce-scatters*,world-size invariance:*
+reduce-scatter|z2::reduce_scatter_blocking, z2::all_gather_blocking|lab reduce-scatter*,deterministic reduce-scatter*
+shards|z2::shard_begin|lab shards*,stage matrix*,mixed precision stage matrix*
+loss-scale|z2::LossScaler::update|lab loss-scale*,fp16 loss scaler*,fp16 overflow on one rank*
+arena|z2::arena_allocate, z2::arena_push, z2::arena_pop, z2::arena_release|lab arena*,ZeRO-R:*
+offload|z2::checkpoint_to_prefetch|lab offload*,ZeRO-R:*
+reshard|z2::reshard_reads|lab reshard*
+'
+labs=$(echo "$lab_table" | awk -F'|' 'NF == 3 {print $1}' | tr '\n' ' ')
+lab_field() { echo "$lab_table" | awk -F'|' -v name="$1" -v field="$2" '$1 == name {print $field}'; }
+seam_of() { lab_field "$1" 2; }
+tests_of() { lab_field "$1" 3; }
 
 die() { echo "lab: $*" >&2; echo "0 passed, 1 failed"; exit 1; }
-[ -f build-lab/zero2.o ] || die "no build-lab/zero2.o: run it through make (make lab LAB=...)"
-[ -n "$LAB_OBJECTS" ] || die "LAB_OBJECTS is empty: run it through make (make lab LAB=...)"
+need_build() {
+  [ -f build-lab/zero2.o ] || die "no build-lab/zero2.o: run it through make (make lab LAB=...)"
+  [ -n "$LAB_OBJECTS" ] || die "LAB_OBJECTS is empty: run it through make (make lab LAB=...)"
+}
 
 # build LAB SOLUTION BINARY: link the engine, the test objects and the solution.
 build() {
@@ -104,6 +98,7 @@ case ${1:-} in
     for lab in $labs; do printf '%-15s %s   (notes/labs/%s/)\n' "$lab" "$(seam_of "$lab")" "$lab"; done
     exit 0 ;;
   --all)
+    need_build
     checks_passed=0 checks_failed=0
     verdict() {  # verdict OK TEXT
       if [ "$1" = yes ]; then echo "PASS: $2"; checks_passed=$((checks_passed + 1));
@@ -136,6 +131,7 @@ case ${1:-} in
   *)
     lab=$1
     echo " $labs " | grep -q " $lab " || die "no lab \"$lab\"; the labs: $labs (tests/lab.sh --list)"
+    need_build
     solution=${2:-notes/labs/$lab/skeleton.cpp}
     echo "=== lab $lab: grading $solution in place of $(seam_of "$lab")"
     grade "$lab" "$solution" ;;
