@@ -278,10 +278,10 @@ test-cpu: deps test-deps hf-venv cpu
 sanitize: deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini
 	$(RUN_ENV) tests/sanitize.sh build-sanitize
 
-lab: deps found build-lab/zero2.o $(LAB_OBJECTS)
+lab: deps build-lab/zero2.o $(LAB_OBJECTS)
 	@$(LAB_ENV) tests/lab.sh $(if $(LAB),$(LAB),--list) $(SOLUTION)
 
-labs: deps found build-lab/zero2.o $(LAB_OBJECTS)
+labs: deps build-lab/zero2.o $(LAB_OBJECTS)
 	$(LAB_ENV) tests/lab.sh --all
 
 notes: deps test-deps all cpu build-lab/zero2.o $(LAB_OBJECTS) build/reduce_precision build/paper_table build/math_accuracy
