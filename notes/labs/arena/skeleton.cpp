@@ -12,25 +12,25 @@ namespace z2 {
 
 // A long-lived buffer of `bytes` from the bottom: its offset, or arena_full.
 size_t arena_allocate(ArenaBooks& books, size_t bytes) {
-  // TODO
+  // Yours here.
   return arena_full;
 }
 
 // A temporary of `bytes` from the top: its offset, or arena_full.
 size_t arena_push(ArenaBooks& books, size_t bytes) {
-  // TODO
+  // Yours here.
   return arena_full;
 }
 
 // The temporary at `offset` back; it must be the last one pushed, else
 // usage_error("...") (zero2.h) with a message that says so.
 void arena_pop(ArenaBooks& books, size_t offset, size_t bytes) {
-  // TODO
+  // Yours here.
 }
 
 // The long-lived buffer at `offset` back.
 void arena_release(ArenaBooks& books, size_t offset, size_t bytes) {
-  // TODO
+  // Yours here.
 }
 
 }  // namespace z2

@@ -12,7 +12,7 @@ namespace z2 {
 // min_scale), dynamic_, scale_, hysteresis_left_, iteration_, last_overflow_.
 void LossScaler::update(bool overflow) {
   if (!dynamic_) return;  // a static scale never changes
-  // TODO: halve on overflow (after `hysteresis` of them), double after
+  // Yours here: halve on overflow (after `hysteresis` of them), double after
   // `window` clean steps, count the iteration.
 }
 

@@ -13,13 +13,13 @@ namespace z2 {
 // ends with shard [shard_elements]: element i is the sum over ranks j of
 // bucket_j[r x shard_elements + i], added with z2::tree_sum in rank order.
 void reduce_scatter_blocking(const float* bucket, float* shard, size_t shard_elements, MPI_Comm comm) {
-  // TODO
+  // Yours here.
 }
 
 // shard [shard_elements] of every rank -> bucket [N x shard_elements], rank
 // r's shard at r x shard_elements.
 void all_gather_blocking(const float* shard, float* bucket, size_t shard_elements, MPI_Comm comm) {
-  // TODO
+  // Yours here.
 }
 
 }  // namespace z2

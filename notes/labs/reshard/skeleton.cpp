@@ -13,7 +13,7 @@ namespace z2 {
 // state, the owned runs laid end to end.
 std::vector<ReshardRead> reshard_reads(const std::vector<StateRun>& owned, const std::vector<StateRun>& files) {
   std::vector<ReshardRead> reads;
-  // TODO
+  // Yours here.
   return reads;
 }
 

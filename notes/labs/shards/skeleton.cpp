@@ -10,7 +10,7 @@ namespace z2 {
 // The first element of rank `rank`'s shard of `bucket` in the padded flat
 // buffer that holds every bucket one after another (zero2.h, BucketInfo).
 size_t shard_begin(const BucketInfo& bucket, int rank) {
-  // TODO
+  // Yours here.
   return 0;
 }
 

@@ -10,7 +10,7 @@ namespace z2 {
 // splits after its first p leaves, p the largest power of two below n, and
 // each side is summed the same way. The sum of no leaves is +0.
 float tree_sum(long n, const float* leaves) {
-  // TODO: your tree. (0 is right for n = 0 only.)
+  // Your tree here. (0 is right for n = 0 only.)
   return 0.0f;
 }
 
