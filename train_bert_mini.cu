@@ -2459,7 +2459,9 @@ inline float Model<Act>::loss_contribution(float loss_scale) {
 
 // Backward of block l: dL/d output in gradient_flow_ in, dL/d input in
 // gradient_flow_ out. The block's activations are open (kept, or just
-// recomputed); its scratch is pushed here and popped in reverse.
+// recomputed); its scratch is pushed here and popped in reverse. (Over 80
+// lines on purpose: it is block_forward's operations undone in reverse order,
+// and the pushes and pops of its scratch must pair up LIFO within one body.)
 template <class Act>
 inline void Model<Act>::block_backward(int l, long step, long first_sample) {
   const int B = shape_.micro_batch, T = shape_.seq, H = shape_.hidden, NH = shape_.heads, D = shape_.head_dim(),
@@ -4200,6 +4202,9 @@ void Training<Act>::load_checkpoint() {
 // agree, then rank 0 writes the index (with every file's SHA-256) there,
 // puts the directory in place (publish_step) and only then moves
 // DIR/latest. A crash at any point leaves latest naming a complete step.
+// (Over 80 lines on purpose: it reads as the protocol, every collective and
+// every agree_on_errors in the order all ranks reach them; most of its length
+// is the index's fields, one per line.)
 template <class Act>
 void Training<Act>::save_checkpoint() {
   const auto start = std::chrono::steady_clock::now();
