@@ -2098,41 +2098,58 @@ struct BucketExchange::State {
   // NCCL, so the ledger counts traffic that happened, by the collective that
   // sent it (a reduce-scatter that quietly became an all-reduce would show),
   // in bytes of the wire type (16-bit slices count half of fp32's).
+  // The reduce-scatter of one bucket: a builder per backend, after the case of one rank.
   void add_reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into, size_t* sent) {
-    Slot& slot = slots[transfer->slot];
     const size_t shard = padded / world;
     char* own = at(bucket, (size_t)rank * shard);
     if (world == 1) {  // one rank: the tree over one leaf is the leaf
       transfer->steps.push_back(now([=] { accumulate(own, shard, into); }));
       return;
     }
-    if (comm.backend() == CommBackend::nccl) {
+    if (comm.backend() == CommBackend::nccl) return add_reduce_scatter_nccl(transfer, bucket, shard, into, sent);
+    add_reduce_scatter_mpi(transfer, bucket, padded, into, sent);
+  }
+
+  // NCCL: one step on the comm stream, a group of the N-1 slice sends and
+  // receives then the tree (or ncclReduceScatter, native).
+  void add_reduce_scatter_nccl(Transfer* transfer, void* bucket, size_t shard, const AccumulateInto& into,
+                               size_t* sent) {
 #if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
-      ncclComm_t nccl = (ncclComm_t)comm.nccl();
-      cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
-      char* received = slot.receive;
-      const ncclDataType_t type = nccl_type();
-      transfer->steps.push_back(now([=] {
-        if (native) {
-          Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard, type, ncclSum, nccl, stream));
-          *sent += (size_t)(world - 1) * bytes(shard);  // what a ring sends
-          accumulate(received, shard, into);
-          return;
-        }
-        Z2_NCCL_CHECK(ncclGroupStart());
-        for (int j = 0; j < world; ++j) {
-          if (j == rank) continue;
-          // Counts are elements, not bytes.
-          Z2_NCCL_CHECK(ncclSend(at(bucket, (size_t)j * shard), shard, type, j, nccl, stream));
-          Z2_NCCL_CHECK(ncclRecv(at(received, (size_t)(j - (j > rank)) * shard), shard, type, j, nccl, stream));
-          *sent += bytes(shard);
-        }
-        Z2_NCCL_CHECK(ncclGroupEnd());
-        sum_and_accumulate(shard, own, received, into);
-      }));
+    Slot& slot = slots[transfer->slot];
+    char* own = at(bucket, (size_t)rank * shard);
+    ncclComm_t nccl = (ncclComm_t)comm.nccl();
+    cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+    char* received = slot.receive;
+    const ncclDataType_t type = nccl_type();
+    transfer->steps.push_back(now([=] {
+      if (native) {
+        Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard, type, ncclSum, nccl, stream));
+        *sent += (size_t)(world - 1) * bytes(shard);  // what a ring sends
+        accumulate(received, shard, into);
+        return;
+      }
+      Z2_NCCL_CHECK(ncclGroupStart());
+      for (int j = 0; j < world; ++j) {
+        if (j == rank) continue;
+        // Counts are elements, not bytes.
+        Z2_NCCL_CHECK(ncclSend(at(bucket, (size_t)j * shard), shard, type, j, nccl, stream));
+        Z2_NCCL_CHECK(ncclRecv(at(received, (size_t)(j - (j > rank)) * shard), shard, type, j, nccl, stream));
+        *sent += bytes(shard);
+      }
+      Z2_NCCL_CHECK(ncclGroupEnd());
+      sum_and_accumulate(shard, own, received, into);
+    }));
 #endif
-      return;
-    }
+  }
+
+  // MPI: the slices point to point (or MPI_Ireduce_scatter_block in ticket
+  // order, native), through pinned host memory when the bucket is on the
+  // GPU; then the tree over the received slices.
+  void add_reduce_scatter_mpi(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into,
+                              size_t* sent) {
+    Slot& slot = slots[transfer->slot];
+    const size_t shard = padded / world;
+    char* own = at(bucket, (size_t)rank * shard);
     char* send = (char*)bucket;
     char* receive = slot.receive;
     if (staged_through_host) {
