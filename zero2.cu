@@ -3021,11 +3021,8 @@ void Engine::Impl::allocate(const EngineBuffers& sizes) {
   const EngineOptions& options = engine.options_;
   const size_t padded = engine.psi_padded();
 
-  // Model states, the memory the paper's formulas count. Element bytes e =
-  // 4 (fp32) or 2 (bf16, fp16); in fp32 the parameters are their own master.
-  //   working params  [Psi_padded] x e                  every stage
-  //   gradients       [Psi_padded] x e stages 0/1,      [Psi_padded / N] x e stage 2 (P_g, section 5.2)
-  //   master, m, v    [Psi_padded] x 4 each stage 0,    [Psi_padded / N] x 4 stages 1/2 (P_os, section 5.1)
+  // Model states, the memory the paper's formulas count; their bytes in each
+  // stage, and what each stage saves, are engine_buffers()' table.
   params = DeviceArray<char>(compute, sizes.params, MemoryKind::params);
   grads = DeviceArray<char>(compute, sizes.grads, MemoryKind::grads);
   if (mixed) master = DeviceArray<float>(compute, sizes.master / sizeof(float), MemoryKind::master);
