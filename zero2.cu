@@ -2528,6 +2528,26 @@ Z2_LAB_SEAM size_t shard_begin(const BucketInfo& bucket, int rank) {
   return bucket.offset + (size_t)rank * bucket.shard_length;
 }
 
+// The elements of a bucket whose update this rank makes, in each buffer's
+// index space (the own-shards lab's first seam; zero2.h, UpdateRegion). The
+// norm's chunk sums, AdamW and the checkpoints all take it from here.
+Z2_LAB_SEAM UpdateRegion update_region(const BucketInfo& bucket, int stage, int rank) {
+  UpdateRegion region;
+  if (stage == 0) {  // DP (paper 2.1): every rank updates the whole bucket, and every buffer is full-size
+    region.parameter = region.gradient = region.state = bucket.offset;
+    region.length = bucket.padded_length;
+    return region;
+  }
+  // P_os (5.1): the own slice only. Its optimizer state lies in shard space, each
+  // bucket's shard after the last one's: Psi_padded / N elements of m, v (and master) in all.
+  region.parameter = shard_begin(bucket, rank);
+  region.state = bucket.shard_offset;
+  // P_os+g (5.2): the reduced gradient is kept in shard space too (stage 1 keeps it in the full buffer).
+  region.gradient = stage == 2 ? bucket.shard_offset : region.parameter;
+  region.length = bucket.shard_length;
+  return region;
+}
+
 long Engine::micro_batch_index(int a) const {
   if (a < 0 || a >= options_.accumulation_steps)
     usage_error("micro_batch_index: micro-step %d out of range (accumulation_steps %d)", a,
@@ -2630,52 +2650,42 @@ struct Engine::Impl {
   const BucketInfo& bucket(int b) const { return engine.buckets_[b]; }
   // Element `index` of a buffer of the working type, as a byte address.
   char* at(DeviceArray<char>& buffer, size_t index) { return buffer.data() + index * element; }
-  // The update region of bucket b: the whole bucket in stage 0, the own shard
-  // in stages 1 and 2 (P_os, paper 5.1: AdamW's state for Psi/N, not Psi);
-  // its offset in the buffers that hold only that region
-  // (m, v, the master, the chunk sums), and where it starts in the padded buffer.
-  size_t region_offset(int b) const { return stage == 0 ? bucket(b).offset : bucket(b).shard_offset; }
-  size_t region_length(int b) const { return stage == 0 ? bucket(b).padded_length : bucket(b).shard_length; }
-  size_t region_start(int b) const { return stage == 0 ? bucket(b).offset : shard_begin(bucket(b), rank); }
-  void* region_param(int b) { return at(params, region_start(b)); }
+  // The update region of bucket b (update_region, section 5): the whole
+  // bucket in stage 0, the own shard in stages 1 and 2, in the index space of
+  // each buffer. The chunk sums are indexed like the optimizer state.
+  UpdateRegion region(int b) const { return update_region(bucket(b), stage, rank); }
+  void* region_param(int b) { return at(params, region(b).parameter); }
+  void* region_gradient(int b) { return at(grads, region(b).gradient); }  // reduced (stage 0: all-gathered)
   // The fp32 values AdamW updates: the parameters themselves in fp32.
   float* region_master(int b) {
-    return mixed ? master.data() + region_offset(b) : (float*)params.data() + region_start(b);
+    return mixed ? master.data() + region(b).state : (float*)params.data() + region(b).parameter;
   }
-  // Where the reduce-scatter of bucket b leaves this rank's shard of the sum:
-  // the own slice of the full gradient (stages 0, 1), the gradient shard
-  // (stage 2).
-  void* shard_gradient(int b) {
-    if (stage == 2) return at(grads, bucket(b).shard_offset);
-    return at(grads, shard_begin(bucket(b), rank));
-  }
-  // The reduced gradient of the update region (stage 0: after the all-gather).
-  void* region_gradient(int b) { return stage == 0 ? at(grads, bucket(b).offset) : shard_gradient(b); }
-  // The accumulation tree's open blocks are shard-sized in every stage.
-  AccumulateInto accumulate_into(int b) {
+  // Where a reduce-scatter leaves this rank's shard of the sum: element
+  // `result` of the gradient buffer, by way of the accumulation tree's open
+  // blocks, which are shard-sized in every stage (element `shard` of them).
+  AccumulateInto accumulate_into(size_t result, size_t shard) {
     AccumulateInto into;
-    into.result = shard_gradient(b);
+    into.result = at(grads, result);
     for (size_t d = 0; d < accumulation.size(); ++d)
-      into.stack.entries[d] = accumulation[d].data() + bucket(b).shard_offset * accumulation_element;
+      into.stack.entries[d] = accumulation[d].data() + shard * accumulation_element;
     into.step = engine.micro_step_;
     into.steps = engine.options_.accumulation_steps;
     return into;
   }
 
+  // Stages 0 and 1 reduce from the full gradient buffer. (Stage 2 has none:
+  // its buckets are reduced from their slots by stage2_gradient_ready, below.)
   void reduce_bucket(int b) {
     const BucketInfo& info = bucket(b);
     const bool last_micro_step = engine.micro_step_ == engine.options_.accumulation_steps - 1;
+    // The own slice of the full buffer receives this rank's shard of the sum.
+    const AccumulateInto into = accumulate_into(shard_begin(info, rank), info.shard_offset);
     if (stage == 0 && last_micro_step) {
       // DP (paper 2.1): an all-reduce; every rank keeps the whole sum, 4 Psi (2 Psi mixed) of gradients.
-      exchange->all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, accumulate_into(b));
-    } else if (stage < 2) {
-      // P_os (5.1), and DP's earlier micro-steps: reduce-scatter in place; the full gradient buffer stays.
-      exchange->reduce_scatter(exchange->acquire(b), at(grads, info.offset), info.padded_length, accumulate_into(b));
+      exchange->all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
     } else {
-      // P_os+g (5.2): from the bucket's constant-size slot, keeping only the own shard of the sum: the
-      // gradient buffer is Psi/N, saving 4 Psi (N-1)/N bytes (2 Psi (N-1)/N mixed).
-      int slot = exchange->slot_of(b);
-      exchange->reduce_scatter(slot, staged_bucket[b], info.padded_length, accumulate_into(b));
+      // P_os (5.1), and DP's earlier micro-steps: reduce-scatter in place; the full gradient buffer stays.
+      exchange->reduce_scatter(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
     }
     bucket_reduced[b] = 1;
     if (!engine.options_.overlap) exchange->finish_all();
@@ -2688,8 +2698,8 @@ struct Engine::Impl {
   template <class Working>
   void chunk_squares_as(int b, float scale) {
     const Working* gradient = (const Working*)region_gradient(b);
-    float* sums = chunk_sums.data() + region_offset(b) / norm_chunk;
-    compute.for_each(region_length(b) / norm_chunk, Z2_LOOP(c, {
+    float* sums = chunk_sums.data() + region(b).state / norm_chunk;
+    compute.for_each(region(b).length / norm_chunk, Z2_LOOP(c, {
                        const Working* chunk = gradient + c * norm_chunk;
                        float squares[norm_chunk];  // the tree's leaves
                        for (long k = 0; k < norm_chunk; ++k) {
@@ -2705,8 +2715,8 @@ struct Engine::Impl {
   template <class Working>
   void chunk_largest_as(int b) {
     const Working* gradient = (const Working*)region_gradient(b);
-    float* largest = chunk_sums.data() + region_offset(b) / norm_chunk;
-    compute.for_each(region_length(b) / norm_chunk, Z2_LOOP(c, {
+    float* largest = chunk_sums.data() + region(b).state / norm_chunk;
+    compute.for_each(region(b).length / norm_chunk, Z2_LOOP(c, {
                        float value = 0.0f;
                        for (long k = 0; k < norm_chunk; ++k) {
                          const float magnitude = fabsf(to_float(gradient[c * norm_chunk + k]));
@@ -2722,15 +2732,16 @@ struct Engine::Impl {
   template <class Working>
   void adamw_as(int b, const AdamWConstants& constants) {
     const unsigned char* decay_flags = decay.data();
-    const size_t first_chunk = region_start(b) / norm_chunk;
+    const UpdateRegion own = region(b);
+    const size_t first_chunk = own.parameter / norm_chunk;
     const Working* gradient = (const Working*)region_gradient(b);
     float* param = region_master(b);
-    float* m = adam_m.data() + region_offset(b);
-    float* v = adam_v.data() + region_offset(b);
+    float* m = adam_m.data() + own.state;
+    float* v = adam_v.data() + own.state;
     Working* working = mixed ? (Working*)region_param(b) : nullptr;
     // A row per norm chunk (the decay flag is per chunk): the CPU loop reads
     // the flag once a chunk and vectorises the 32 updates of each.
-    compute.for_each(region_length(b) / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
+    compute.for_each(own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
                        const size_t i = chunk * norm_chunk + k;
                        adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, m, v, i);
                        if (working) working[i] = from_float<Working>(param[i]);
@@ -2747,6 +2758,24 @@ struct Engine::Impl {
 
   void allocate(const EngineBuffers& sizes);  // build()'s buffers
 
+  // --- what the lab seams are lent (zero2.h, "the lab seams") ---------------
+  struct SlotGradients;  // stage 2's slots and gradient shard
+  void check_bucket(int b, const char* what) const {
+    if (b < 0 || b >= (int)engine.buckets_.size())
+      usage_error("%s: bucket %d out of range (the layout has %zu buckets)", what, b, engine.buckets_.size());
+  }
+  char* at_bytes(void* buffer, size_t index) const { return (char*)buffer + index * element; }
+  // A check of a value a seam computed. In a lab build a student's value may
+  // be wrong on some ranks only, so the ranks agree before any stops: one
+  // rank stopping alone would leave the others waiting in a collective.
+  bool fails_on_any_rank(bool fails) {
+#if defined(Z2_LAB_BUILD)
+    return engine.comm_.any_rank(fails);
+#else
+    return fails;
+#endif
+  }
+
   // --- the optimizer step, step by step (Engine::step calls them in order) ---
   StepReport open_step();
   float global_loss();
@@ -2756,12 +2785,90 @@ struct Engine::Impl {
   float global_largest_magnitude(bool* finite);
   float global_squared_norm(const std::vector<float>& local);
   float clip_coefficient(float grad_norm) const;
-  void update_own_shards(StepReport& report);
+  struct StepOverShards;
+  void update_and_gather(StepReport& report);
+  void start_all_gather(int b);
+  void wait_for_all_gathers();
   AdamWConstants adamw_constants(double lr, long t, float grad_scale) const;
-  void all_gather_parameters();
   StepReport close_step(const StepReport& report);
   void account_step();
 };
+
+// --- stage 2's backward (the gradient-shards lab's seams) ----------------------
+
+// What the two hooks are lent: the exchange's slots and this rank's gradient
+// shard. Each call refuses what would break a later one, with a message.
+struct Engine::Impl::SlotGradients : GradientShards {
+  Impl& impl;
+  explicit SlotGradients(Impl& i) : impl(i) {}
+  bool holds_slot(int b) const override {
+    impl.check_bucket(b, "holds_slot");
+    return impl.exchange->slot_of(b) >= 0;
+  }
+  void take_slot(int b) override {
+    if (holds_slot(b))
+      usage_error(
+          "take_slot: bucket %d already holds a staging slot: a bucket takes one slot, at its first gradient, and "
+          "keeps it until its reduce-scatter has finished",
+          b);
+    const int slot = impl.exchange->acquire(b);
+    impl.staged_bucket[b] = impl.exchange->open_bucket_buffer(slot, impl.bucket(b).padded_length);
+  }
+  void* slot_element(int b, size_t index) override {
+    if (!holds_slot(b)) usage_error("slot_element: bucket %d holds no slot (take_slot first)", b);
+    if (index >= impl.bucket(b).padded_length)
+      usage_error("slot_element: element %zu of bucket %d, which has %zu", index, b, impl.bucket(b).padded_length);
+    return impl.at_bytes(impl.staged_bucket[b], index);
+  }
+  int handed_over(int b) const override {
+    impl.check_bucket(b, "handed_over");
+    return impl.bucket_ready_count[b];
+  }
+  void reduce_scatter(int b, size_t keep) override;
+};
+
+void Engine::Impl::SlotGradients::reduce_scatter(int b, size_t keep) {
+  const BucketInfo& info = impl.bucket(b);
+  const int parameters = info.end_parameter - info.first_parameter;
+  if (!holds_slot(b)) usage_error("reduce_scatter: bucket %d holds no slot: nothing was written for it", b);
+  if (impl.bucket_reduced[b])
+    usage_error("reduce_scatter: bucket %d was reduce-scattered already in this micro-step", b);
+  if (impl.bucket_ready_count[b] < parameters)
+    usage_error(
+        "reduce_scatter: bucket %d with %d of its %d gradients handed over: the others would be written after the "
+        "sum was taken. Backward hands a bucket's parameters over last first (in any order, in general): count them",
+        b, impl.bucket_ready_count[b], parameters);
+  // A student's `keep` may differ between ranks: agreed, so that no rank stops alone.
+  const size_t shard_elements = impl.engine.psi_padded() / impl.engine.comm_.world_size();
+  if (impl.fails_on_any_rank(keep + info.shard_length > shard_elements))
+    usage_error(
+        "reduce_scatter: bucket %d's shard of %zu elements kept from element %zu of a gradient shard of %zu on some "
+        "rank: stage 2 has no full gradient buffer (shard_begin places a shard in the full buffer)",
+        b, info.shard_length, keep, shard_elements);
+  impl.exchange->reduce_scatter(impl.exchange->slot_of(b), impl.staged_bucket[b], info.padded_length,
+                                impl.accumulate_into(keep, keep));
+  impl.bucket_reduced[b] = 1;
+  if (!impl.engine.options_.overlap) impl.exchange->finish_all();
+}
+
+// P_os+g (5.2): backward writes a slot of the bucket's size, taken when the
+// bucket's first gradient arrives; no full gradient buffer exists, which saves
+// 4 Psi (N-1)/N bytes (2 Psi (N-1)/N in mixed precision).
+Z2_LAB_SEAM void* stage2_gradient_output(GradientShards& shards, int bucket_index, const BucketInfo& bucket,
+                                         size_t offset_in_bucket) {
+  if (!shards.holds_slot(bucket_index)) shards.take_slot(bucket_index);
+  return shards.slot_element(bucket_index, offset_in_bucket);
+}
+
+// Complete once every parameter is in (backward hands them over in reverse
+// order of registration, so count): reduce-scatter now, while backward goes
+// on with the next bucket, and keep only this rank's shard of the sum, each
+// bucket's after the last one's in the Psi_padded / N gradient shard.
+Z2_LAB_SEAM void stage2_gradient_ready(GradientShards& shards, int bucket_index, const BucketInfo& bucket,
+                                       int parameter) {
+  if (shards.handed_over(bucket_index) < bucket.end_parameter - bucket.first_parameter) return;
+  shards.reduce_scatter(bucket_index, bucket.shard_offset);
+}
 
 // The public entry points of a micro-step, in the order a model calls them.
 
@@ -2789,14 +2896,16 @@ void* Engine::gradient_storage(ParameterId id, Precision expected) {
     usage_error("gradient_output: '%s' was already handed over this micro-step", p.name.c_str());
   // DP and P_os: backward writes the full gradient buffer [Psi_padded].
   if (impl.stage < 2) return impl.at(impl.grads, p.offset);
-  // P_os+g (paper 5.2): backward writes a slot of the bucket's size instead,
-  // taken when the bucket's first parameter asks; no full gradient exists.
+  // P_os+g (paper 5.2): no full gradient exists; backward writes the bucket's slot (the hook below).
   const BucketInfo& b = buckets_[p.bucket];
-  if (impl.exchange->slot_of(p.bucket) < 0) {
-    int slot = impl.exchange->acquire(p.bucket);
-    impl.staged_bucket[p.bucket] = impl.exchange->open_bucket_buffer(slot, b.padded_length);
-  }
-  return (char*)impl.staged_bucket[p.bucket] + (p.offset - b.offset) * impl.element;
+  Impl::SlotGradients slots(impl);
+  void* storage = stage2_gradient_output(slots, p.bucket, b, p.offset - b.offset);
+  const char* slot = (const char*)impl.staged_bucket[p.bucket];
+  if (!slots.holds_slot(p.bucket) || (const char*)storage < slot ||
+      (const char*)storage + p.numel * impl.element > slot + b.padded_length * impl.element)
+    usage_error("stage2_gradient_output: the gradient of '%s' (%zu elements) must lie in bucket %d's slot",
+                p.name.c_str(), p.numel, p.bucket);
+  return storage;
 }
 
 void Engine::gradient_ready(ParameterId id) {
@@ -2809,11 +2918,16 @@ void Engine::gradient_ready(ParameterId id) {
     usage_error("gradient_ready: '%s' handed over without gradient_output()", p.name.c_str());
   impl.parameter_ready[id] = 1;
   const BucketInfo& b = buckets_[p.bucket];
-  if (++impl.bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
+  ++impl.bucket_ready_count[p.bucket];
+  if (impl.stage == 2) {
+    // P_os+g cannot wait for the end of backward: its slots must come back
+    // for the next buckets, so without overlap it reduces now and blocks.
+    Impl::SlotGradients slots(impl);
+    stage2_gradient_ready(slots, p.bucket, b, id);
+  } else if (options_.overlap && impl.bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
     // Stages 0/1 without overlap wait for the end of backward, as a framework
-    // without gradient hooks would; stage 2 cannot wait: its staging buffer
-    // must be freed, so without overlap it reduces now and blocks.
-    if (options_.overlap || impl.stage == 2) impl.reduce_bucket(p.bucket);
+    // without gradient hooks would.
+    impl.reduce_bucket(p.bucket);
   }
   impl.exchange->progress();
 }
@@ -2836,11 +2950,19 @@ void Engine::end_micro_step(float loss) {
     if (!impl.parameter_ready[id])
       usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
   // Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
-  // the order backward completes them.
+  // the order backward completes them. Stage 2 reduces every bucket during
+  // backward, from its slot: one left means the hook never started it.
   impl.reduced_during_backward = 0;
   for (char reduced : impl.bucket_reduced) impl.reduced_during_backward += reduced;
-  for (int b = (int)buckets_.size() - 1; b >= 0; --b)
-    if (!impl.bucket_reduced[b]) impl.reduce_bucket(b);
+  for (int b = (int)buckets_.size() - 1; b >= 0; --b) {
+    if (impl.bucket_reduced[b]) continue;
+    if (impl.stage == 2)
+      usage_error(
+          "end_micro_step: bucket %d ('%s' ...) was never reduce-scattered: in stage 2 each bucket is "
+          "reduce-scattered from its slot as soon as its last gradient is handed over (stage2_gradient_ready)",
+          b, parameters_[buckets_[b].first_parameter].name.c_str());
+    impl.reduce_bucket(b);
+  }
   impl.exchange->finish_all();
   // The next micro-step's backward overwrites the gradients: it must come
   // after everything the comm stream still does with them.
@@ -2981,6 +3103,39 @@ static void check_lab_shards(const std::vector<BucketInfo>& buckets, int world_s
             "bucket's slice %d, which begins at %zu",
             b.offset, r, shard_begin(b, r), r, r, b.offset + (size_t)r * b.shard_length);
 }
+
+// A student's update_region (the own-shards lab), likewise for every rank:
+// each run must lie inside the buffer it indexes, at this stage's sizes
+// (engine_buffers), or AdamW would write past it.
+static void check_lab_regions(const std::vector<BucketInfo>& buckets, const EngineBuffers& sizes, int stage,
+                              int world_size) {
+  const size_t padded = sizes.psi_padded, shard = padded / (size_t)world_size;
+  const size_t gradients = stage == 2 ? shard : padded, state = stage == 0 ? padded : shard;
+  for (size_t b = 0; b < buckets.size(); ++b)
+    for (int r = 0; r < world_size; ++r) {
+      const UpdateRegion region = update_region(buckets[b], stage, r);
+      const struct {
+        const char* buffer;
+        size_t begin, size;
+      } runs[] = {{"parameter", region.parameter, padded},
+                  {"gradient", region.gradient, gradients},
+                  {"state", region.state, state}};
+      for (const auto& run : runs) {
+        if (run.begin + region.length <= run.size) continue;
+        std::string why;
+        if (stage > 0 && region.length == buckets[b].padded_length)
+          why = ": in this stage a rank updates its own shard only (shard_length elements), not the whole bucket";
+        else if (stage > 0 && run.begin == shard_begin(buckets[b], r))
+          why = std::string(": the ") + run.buffer +
+                " buffer holds the own shards one after another, each bucket's at its shard_offset; shard_begin is "
+                "where a shard lies in the full parameter buffer";
+        usage_error(
+            "lab build: update_region(bucket %zu, stage %d, rank %d) puts %zu elements at %s %zu, past the "
+            "%s buffer's %zu%s",
+            b, stage, r, region.length, run.buffer, run.begin, run.buffer, run.size, why.c_str());
+      }
+    }
+}
 #endif
 
 // Each parameter's bucket and its offset in the padded flat buffer.
@@ -3004,6 +3159,8 @@ void Engine::build() {
   buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
 #if defined(Z2_LAB_BUILD)
   check_lab_shards(buckets_, comm_.world_size());
+  check_lab_regions(buckets_, engine_buffers(buckets_, options_, comm_.world_size()), options_.stage,
+                    comm_.world_size());
 #endif
   place_parameters(parameters_, buckets_);
   impl_.reset(new Impl(*this, compute_));
@@ -3167,19 +3324,6 @@ AdamWConstants Engine::Impl::adamw_constants(double lr, long t, float grad_scale
   return constants;
 }
 
-// Stages 1 and 2: every rank updated only its own shards; all-gather them
-// (16-bit working parameters in mixed precision: half the bytes).
-void Engine::Impl::all_gather_parameters() {
-  if (stage == 0) return;  // DP: every rank updated every parameter
-  // P_os (5.1) and P_os+g (5.2): the all-gather sends (N-1)/N Psi elements, the
-  // second half of the all-reduce that DP sends, so the volume is DP's (7.2.1).
-  for (int b = 0; b < (int)engine.buckets_.size(); ++b)
-    exchange->all_gather(exchange->acquire(b), at(params, bucket(b).offset), bucket(b).padded_length);
-  exchange->finish_all();
-  compute.record(comm_done, compute.comm_stream());
-  compute.wait(compute.compute_stream(), comm_done);
-}
-
 // This step's communication and allocations, for the ledger.
 void Engine::Impl::account_step() {
   const CommCounters& now = engine.comm_.counters();
@@ -3207,8 +3351,9 @@ StepReport Engine::step() {
   if (impl.overflow_skips_step(local, report)) return impl.close_step(report);  // fp16 only
   report.grad_norm = impl.global_norm(local, report);
   report.clip_coefficient = impl.clip_coefficient(report.grad_norm);
-  impl.update_own_shards(report);  // AdamW on this rank's update region: every bucket (DP) or its shards (P_os)
-  impl.all_gather_parameters();    // P_os, P_os+g: everyone's updated shards to everyone
+  // AdamW on this rank's update regions (every bucket in DP, its shards in P_os and P_os+g),
+  // then, in P_os and P_os+g, everyone's updated shards to everyone.
+  impl.update_and_gather(report);
   return impl.close_step(report);
 }
 
@@ -3289,15 +3434,53 @@ float Engine::Impl::clip_coefficient(float grad_norm) const {
   return std::min(coefficient, 1.0f);
 }
 
-// AdamW on the update region of every bucket: the whole bucket in stage 0,
-// the own shard in stages 1 and 2 (region_start). One multiply per element
-// folds the clipping coefficient and fp16's 1/S into the gradient.
-void Engine::Impl::update_own_shards(StepReport& report) {
+// What update_and_gather (below) is lent: AdamW with this step's constants
+// on a bucket's update region, and the all-gather of a bucket's parameters
+// (16-bit working parameters in mixed precision: half the bytes).
+struct Engine::Impl::StepOverShards : OwnShards {
+  Impl& impl;
+  const AdamWConstants constants;
+  StepOverShards(Impl& i, const AdamWConstants& c) : impl(i), constants(c) {}
+  void adamw(int b) override {
+    impl.check_bucket(b, "adamw");
+    impl.for_working_type([&](auto zero) { impl.adamw_as<decltype(zero)>(b, constants); });
+  }
+  void all_gather(int b) override {
+    impl.check_bucket(b, "all_gather");
+    impl.start_all_gather(b);
+  }
+};
+
+// Bucket b's parameters, in place, rank r's shard to every rank; and the
+// wait for every all-gather started, after which forward (on the compute
+// stream) may read them.
+void Engine::Impl::start_all_gather(int b) {
+  exchange->all_gather(exchange->acquire(b), at(params, bucket(b).offset), bucket(b).padded_length);
+}
+void Engine::Impl::wait_for_all_gathers() {
+  exchange->finish_all();
+  compute.record(comm_done, compute.comm_stream());
+  compute.wait(compute.compute_stream(), comm_done);
+}
+
+// The optimizer step of each stage (the own-shards lab's second seam).
+Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketInfo>& buckets, int stage) {
+  for (int b = 0; b < (int)buckets.size(); ++b) shards.adamw(b);  // this rank's update region of each bucket
+  if (stage == 0) return;                                         // DP (2.1): every rank updated every parameter
+  // P_os (5.1), P_os+g (5.2): each rank updated only its shards. The all-gather sends (N-1)/N Psi
+  // elements, the second half of the all-reduce DP sends, so the volume is DP's (7.2.1).
+  for (int b = 0; b < (int)buckets.size(); ++b) shards.all_gather(b);
+}
+
+// AdamW's constants for update t, the stage's step through the seam above,
+// and the wait for its all-gathers. One multiply per element folds the
+// clipping coefficient and fp16's 1/S into the gradient.
+void Engine::Impl::update_and_gather(StepReport& report) {
   const long t = engine.optimizer_step_ + 1;
   const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
-  const AdamWConstants constants = adamw_constants(report.lr, t, grad_scale);
-  for (int b = 0; b < (int)engine.buckets_.size(); ++b)
-    for_working_type([&](auto zero) { adamw_as<decltype(zero)>(b, constants); });
+  StepOverShards shards(*this, adamw_constants(report.lr, t, grad_scale));
+  z2::update_and_gather(shards, engine.buckets_, stage);
+  wait_for_all_gathers();
   engine.optimizer_step_ = t;
   report.applied = t;
 }
@@ -3399,8 +3582,8 @@ void Engine::parameters_from_host(const std::vector<float>& canonical) {
     const std::vector<uint16_t> working = narrow_bits(padded, options_.precision);
     compute_.copy(impl.params.data(), working.data(), working.size() * sizeof(uint16_t), stream);
     for (int b = 0; b < (int)buckets_.size(); ++b)
-      compute_.copy(impl.master.data() + impl.region_offset(b), padded.data() + impl.region_start(b),
-                    impl.region_length(b) * sizeof(float), stream);
+      compute_.copy(impl.master.data() + impl.region(b).state, padded.data() + impl.region(b).parameter,
+                    impl.region(b).length * sizeof(float), stream);
   }
   compute_.synchronize(stream);
 }
@@ -3425,6 +3608,15 @@ std::vector<float> Engine::gradients_to_host() {
   if (unscale != 1.0f)
     for (float& value : padded) value *= unscale;
   return canonical_from_padded(padded);
+}
+
+std::vector<float> Engine::gradient_buffer_to_host() {
+  require_built("gradient_buffer_to_host");
+  if (micro_step_ != options_.accumulation_steps)
+    usage_error("gradient_buffer_to_host: only after all %d micro-steps and before step()",
+                options_.accumulation_steps);
+  compute_.synchronize_all();
+  return working_to_host(compute_, impl_->grads.data(), impl_->grads.size() / impl_->element, options_.precision);
 }
 
 uint64_t Engine::parameters_hash() {
@@ -3455,9 +3647,8 @@ std::vector<LocatedRun> located_runs(const Engine& engine, int rank) {
   for (size_t p = 0; p < parameters.size(); ++p) canonical[p + 1] = canonical[p] + parameters[p].numel;
   std::vector<LocatedRun> runs;
   for (const BucketInfo& bucket : engine.buckets()) {
-    const size_t start = stage == 0 ? bucket.offset : shard_begin(bucket, rank);
-    const size_t length = stage == 0 ? bucket.padded_length : bucket.shard_length;
-    const size_t stored = stage == 0 ? bucket.offset : bucket.shard_offset;
+    const UpdateRegion region = update_region(bucket, stage, rank);
+    const size_t start = region.parameter, length = region.length, stored = region.state;
     for (int p = bucket.first_parameter; p < bucket.end_parameter; ++p) {
       const size_t low = std::max(start, parameters[p].offset);
       const size_t high = std::min(start + length, parameters[p].offset + parameters[p].numel);
@@ -3572,8 +3763,8 @@ void Engine::owned_state_from_host(const OptimizerState& state) {
     compute_.copy(impl.master.data(), master.data(), master.size() * sizeof(float), stream);
     // The working copy of the own region is the master rounded, as an update leaves it.
     for (int b = 0; b < (int)buckets_.size(); ++b) {
-      const std::vector<float> region(master.begin() + impl.region_offset(b),
-                                      master.begin() + impl.region_offset(b) + impl.region_length(b));
+      const UpdateRegion own = impl.region(b);
+      const std::vector<float> region(master.begin() + own.state, master.begin() + own.state + own.length);
       const std::vector<uint16_t> working = narrow_bits(region, options_.precision);
       compute_.copy(impl.region_param(b), working.data(), working.size() * sizeof(uint16_t), stream);
       compute_.synchronize(stream);  // `working` leaves scope
@@ -3582,7 +3773,9 @@ void Engine::owned_state_from_host(const OptimizerState& state) {
   compute_.synchronize(stream);
   // Every rank's regions to every rank, as at the end of a step; not
   // training traffic, so the next step's ledger does not count it.
-  impl.all_gather_parameters();
+  if (options_.stage > 0)
+    for (int b = 0; b < (int)buckets_.size(); ++b) impl.start_all_gather(b);
+  impl.wait_for_all_gathers();
   compute_.synchronize_all();
   impl.step_start_counters = comm_.counters();
 }

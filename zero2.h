@@ -1327,6 +1327,13 @@ struct StateRun {
 //                   fill the optimizer state a rank owns.
 //   offload         checkpoint_to_prefetch (section 3 of this header): which activation
 //                   checkpoint comes back from the host, one block ahead.
+//   own-shards      update_region, update_and_gather: stage 1's optimizer step
+//                   (P_os, paper 5.1), AdamW on the own shard of every bucket,
+//                   then the all-gather of the updated shards.
+//   gradient-shards stage2_gradient_output, stage2_gradient_ready: stage 2's
+//                   backward (P_os+g, paper 5.2), a staging slot per bucket,
+//                   reduce-scattered as soon as the bucket is complete, only
+//                   the own shard of the sum kept.
 
 // The canonical tree (canonical_tree_sum, section 2) over leaves [n].
 float tree_sum(long n, const float* leaves);
@@ -1341,6 +1348,67 @@ void all_gather_blocking(const float* shard, float* bucket, size_t shard_element
 // The first element of rank `rank`'s shard of `bucket` in the padded flat
 // buffer (parameters, full gradients): the bucket's offset plus `rank` shards.
 size_t shard_begin(const BucketInfo& bucket, int rank);
+
+// The own-shards lab. A rank's update region of a bucket: the elements whose
+// AdamW update it makes, in the three index spaces the engine's buffers use
+// (all in elements):
+//   parameter  in the padded flat buffer of parameters [Psi_padded];
+//   gradient   in the gradient buffer: [Psi_padded] in stages 0 and 1 (the
+//              full gradient), [Psi_padded / N] in stage 2 (the own shards,
+//              one bucket's after another);
+//   state      in the optimizer-state buffers (AdamW's m and v, and the fp32
+//              master in mixed precision): [Psi_padded] in stage 0, [Psi_padded
+//              / N] in stages 1 and 2;
+//   length     how many elements, the same run in each.
+struct UpdateRegion {
+  size_t parameter = 0, gradient = 0, state = 0, length = 0;
+};
+UpdateRegion update_region(const BucketInfo& bucket, int stage, int rank);
+// What the engine lends update_and_gather (the calls are the engine's own):
+class OwnShards {
+ public:
+  virtual ~OwnShards() = default;
+  // AdamW, with this step's constants, on update_region(bucket, stage, rank).
+  virtual void adamw(int bucket) = 0;
+  // Start the all-gather of bucket `bucket`'s parameters, in place: rank r's
+  // shard, from shard_begin(bucket, r), to every rank. The engine waits for
+  // every all-gather after update_and_gather returns.
+  virtual void all_gather(int bucket) = 0;
+};
+// The stage's optimizer step over `buckets` (the engine's layout): the AdamW
+// updates this rank makes and the all-gathers that follow them.
+void update_and_gather(OwnShards& shards, const std::vector<BucketInfo>& buckets, int stage);
+
+// The gradient-shards lab. Stage 2's backward has no full gradient buffer:
+// a bucket's gradients are written into one of a few staging slots (two),
+// and the slot comes back once the bucket's reduce-scatter has finished.
+// What the engine lends the two hooks below (the calls are the engine's own;
+// each refuses a call out of order with a message):
+class GradientShards {
+ public:
+  virtual ~GradientShards() = default;
+  // Does bucket `bucket` hold a slot now (from its take_slot to the end of its reduce-scatter)?
+  virtual bool holds_slot(int bucket) const = 0;
+  // Take a free slot for the bucket and zero its buffer [padded_length],
+  // waiting for the oldest reduce-scatter when no slot is free.
+  virtual void take_slot(int bucket) = 0;
+  // Element `index` of the bucket's slot buffer, where backward writes.
+  virtual void* slot_element(int bucket, size_t index) = 0;
+  // How many of the bucket's parameters have been handed over in this
+  // micro-step, the one being handed over included.
+  virtual int handed_over(int bucket) const = 0;
+  // Start the reduce-scatter of the bucket's slot (non-blocking): this rank's
+  // shard of the sum over ranks is kept from element `keep` of the gradient
+  // shard [Psi_padded / N] (through the accumulation tree when A > 1).
+  virtual void reduce_scatter(int bucket, size_t keep) = 0;
+};
+// Where backward writes the gradient of a parameter of bucket `bucket` that
+// begins `offset_in_bucket` elements into it (the engine's gradient_output in stage 2).
+void* stage2_gradient_output(GradientShards& shards, int bucket_index, const BucketInfo& bucket,
+                             size_t offset_in_bucket);
+// Parameter `parameter` of bucket `bucket` has been handed over (the
+// engine's gradient_ready in stage 2).
+void stage2_gradient_ready(GradientShards& shards, int bucket_index, const BucketInfo& bucket, int parameter);
 
 // Resharding a checkpoint (notes/09; the reshard lab's seam). A checkpoint
 // is files that each hold one range of the canonical order, together
@@ -1482,6 +1550,11 @@ class Engine {
   // Valid after the last end_micro_step() and before step(), where one rank
   // holds all of it: stage 0, or N = 1 (for --dump-batch and the reference checks).
   std::vector<float> gradients_to_host();
+  // The gradient buffer as it is, widened to float: [Psi_padded] in stages 0
+  // and 1, this rank's shards [Psi_padded / N] in stage 2 (fp16's loss scale
+  // still in). After the last end_micro_step() and before step(); the labs'
+  // graders read it.
+  std::vector<float> gradient_buffer_to_host();
 
   // --- checkpoints (notes/09) ---
   // The runs of the canonical order whose optimizer state `rank` updates:

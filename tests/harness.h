@@ -12,6 +12,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -42,6 +43,22 @@ int world_size();
 bool agree(bool local, const std::string& what = "");
 // Rank 0's value, on every rank.
 bool from_rank0(bool value);
+
+// Runs `body` and says whether it finished: an exception becomes `false`
+// (and a line on stderr). For code that only some ranks run (a sub-world):
+// an exception must not take those ranks out of the test case while the
+// others wait at its next collective. (A lab's wrong answer makes the engine
+// refuse a call on every rank that runs it.)
+template <class Body>
+bool completes(Body&& body, const std::string& what) {
+  try {
+    body();
+    return true;
+  } catch (const std::exception& error) {
+    fprintf(stderr, "[test] rank %d: %s: %s\n", rank(), what.c_str(), error.what());
+    return false;
+  }
+}
 
 // Bitwise equality of two float arrays (memcmp, not "close").
 inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {

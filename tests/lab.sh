@@ -34,6 +34,8 @@ loss-scale|z2::LossScaler::update|lab loss-scale*,fp16 loss scaler*,fp16 overflo
 arena|z2::arena_allocate, z2::arena_push, z2::arena_pop, z2::arena_release|lab arena*,ZeRO-R:*
 offload|z2::checkpoint_to_prefetch|lab offload*,ZeRO-R:*
 reshard|z2::reshard_reads|lab reshard*
+own-shards|z2::update_region, z2::update_and_gather|lab own-shards*,stage matrix*,mixed precision stage matrix*,checkpoint runs*
+gradient-shards|z2::stage2_gradient_output, z2::stage2_gradient_ready|lab gradient-shards*,stage matrix*,world-size invariance:*,mixed precision stage matrix*
 '
 labs=$(echo "$lab_table" | awk -F'|' 'NF == 3 {print $1}' | tr '\n' ' ')
 lab_field() { echo "$lab_table" | awk -F'|' -v name="$1" -v field="$2" '$1 == name {print $field}'; }

@@ -150,6 +150,7 @@ TEST_CASE("world-size invariance: (N, A) = (1,4), (2,2), (4,1) give identical bi
   const int pairs[][2] = {{1, 4}, {2, 2}, {4, 1}};
   std::vector<Run> runs;
   std::vector<std::string> labels;
+  bool finished = true;  // every run on this rank ran to its end
   size_t backend_count = harness::sub_world(1).size();
   for (size_t k = 0; k < backend_count; ++k)
     for (int stage : {0, 1, 2})
@@ -158,16 +159,21 @@ TEST_CASE("world-size invariance: (N, A) = (1,4), (2,2), (4,1) give identical bi
         if (world.empty()) continue;
         const harness::Backend& backend = world[k];
         if (backend.deterministic) {
+          const std::string label = backend.name + " stage " + std::to_string(stage) + " N=" + std::to_string(pair[0]) +
+                                    " A=" + std::to_string(pair[1]);
           // Same global batch: micro-batch 8, N * A = 4 micro-batches.
-          runs.push_back(
-              train(*backend.compute, *backend.deterministic, options_for(stage, true, mid_bucket, pair[1])));
-          labels.push_back(backend.name + " stage " + std::to_string(stage) + " N=" + std::to_string(pair[0]) +
-                           " A=" + std::to_string(pair[1]));
+          finished &= harness::completes(
+              [&] {
+                runs.push_back(
+                    train(*backend.compute, *backend.deterministic, options_for(stage, true, mid_bucket, pair[1])));
+                labels.push_back(label);
+              },
+              label);
         }
         MPI_Barrier(MPI_COMM_WORLD);
       }
-  bool equal = true;
-  if (harness::rank() == 0) {
+  bool equal = harness::agree(finished, "a world-size run did not finish");
+  if (equal && harness::rank() == 0) {
     const size_t per_backend = runs.size() / backend_count;
     for (size_t i = 0; i < runs.size(); ++i) {
       const Run& reference = runs[(i / per_backend) * per_backend];

@@ -296,8 +296,7 @@ TEST_CASE("lab shards: shard_begin tiles each bucket with N shards in rank order
         if (begin == previous + bucket.shard_length) continue;
         out << "rank " << r << "'s shard begins at " << begin << ", rank " << r - 1 << "'s at " << previous
             << ": consecutive shards are shard_length = " << bucket.shard_length << " apart";
-        if (begin == previous)
-          out << " — every rank got the same shard: the rank's offset r x shard_length is missing";
+        if (begin == previous) out << " — every rank got the same shard: the rank's offset r x shard_length is missing";
         ok = false, message = out.str();
       }
       if (ok && z2::shard_begin(bucket, N - 1) + bucket.shard_length != bucket.offset + bucket.padded_length) {
@@ -620,4 +619,284 @@ TEST_CASE("lab reshard: reshard_reads fills the owned state from files saved at 
                           std::to_string(engine.world_size()) + ", saved by " + std::to_string(saved) + " rank(s): ");
   }
   CHECK_MESSAGE(lab_verdict(message.empty(), message), message);
+}
+
+// --- own-shards -------------------------------------------------------------------------
+
+namespace {
+// The update region worked out from the paper's description, field by
+// field, for a bucket laid out by hand: DP updates every bucket whole; P_os
+// and P_os+g update the own slice, whose state (and, in P_os+g, gradient) is
+// stored in shard space, each bucket's shard after the last one's.
+z2::UpdateRegion expected_region(const z2::BucketInfo& bucket, int stage, int rank) {
+  if (stage == 0) return {bucket.offset, bucket.offset, bucket.offset, bucket.padded_length};
+  const size_t slice = bucket.offset + (size_t)rank * bucket.shard_length;
+  return {slice, stage == 2 ? bucket.shard_offset : slice, bucket.shard_offset, bucket.shard_length};
+}
+
+std::string region_text(const z2::UpdateRegion& region) {
+  return "{parameter " + std::to_string(region.parameter) + ", gradient " + std::to_string(region.gradient) +
+         ", state " + std::to_string(region.state) + ", length " + std::to_string(region.length) + "}";
+}
+
+// What a student who returned `got` most likely wrote.
+std::string region_mistake(const z2::BucketInfo& bucket, int stage, int rank, const z2::UpdateRegion& got) {
+  const z2::UpdateRegion want = expected_region(bucket, stage, rank);
+  const size_t slice = bucket.offset + (size_t)rank * bucket.shard_length;
+  if (stage == 0 && got.length != want.length)
+    return "stage 0 (DP) keeps every buffer full-size and every rank updates every bucket whole";
+  if (stage > 0 && got.length == bucket.padded_length && bucket.padded_length != bucket.shard_length)
+    return "in this stage a rank updates its own shard only (shard_length elements), not the whole bucket";
+  if (stage > 0 && got.state == slice && got.state != want.state)
+    return "the state buffer holds the own shards one after another, each bucket's at its shard_offset; "
+           "shard_begin is where a shard lies in the full parameter buffer";
+  if (stage == 2 && got.gradient == slice && got.gradient != want.gradient)
+    return "stage 2 keeps only the gradient shard [Psi_padded / N] (P_os+g): the reduced gradient is at the "
+           "bucket's shard_offset there";
+  if (stage == 1 && got.gradient == bucket.shard_offset && got.gradient != want.gradient)
+    return "stage 1 still has the full gradient buffer (P_os shards the optimizer state only): the reduced shard "
+           "lies where the parameters' shard lies";
+  if (got.parameter != want.parameter) return "the parameter run is not this rank's slice of the bucket (lab shards)";
+  return "compare each field with the index space of its buffer (zero2.h, UpdateRegion)";
+}
+}  // namespace
+
+TEST_CASE("lab own-shards: update_region places the own shard in each buffer's index space") {
+  bool ok = true;
+  std::string message;
+  for (int stage : {0, 1, 2})
+    for (int N : {1, 2, 3, 4, 8}) {
+      size_t offset = 0, shard_offset = 0;
+      for (size_t length : {32ul, 96ul, 4096ul}) {
+        z2::BucketInfo bucket;
+        bucket.offset = offset, bucket.length = length;
+        bucket.padded_length = (length + N * z2::norm_chunk - 1) / (N * z2::norm_chunk) * (N * z2::norm_chunk);
+        bucket.shard_length = bucket.padded_length / N;
+        bucket.shard_offset = shard_offset;
+        offset += bucket.padded_length, shard_offset += bucket.shard_length;
+        for (int r = 0; r < N && ok; ++r) {
+          const z2::UpdateRegion got = z2::update_region(bucket, stage, r), want = expected_region(bucket, stage, r);
+          if (std::memcmp(&got, &want, sizeof got) == 0) continue;
+          ok = false;
+          message = "own-shards: stage " + std::to_string(stage) + ", N = " + std::to_string(N) + ", rank " +
+                    std::to_string(r) + ", a bucket at offset " + std::to_string(bucket.offset) + " (shard_offset " +
+                    std::to_string(bucket.shard_offset) + ", shards of " + std::to_string(bucket.shard_length) +
+                    "): update_region gave " + region_text(got) + ", expected " + region_text(want) + " — " +
+                    region_mistake(bucket, stage, r, got);
+        }
+      }
+    }
+  CHECK_MESSAGE(lab_verdict(ok, message), message);
+}
+
+namespace {
+// AdamW's scalars as torch.optim.AdamW defines them, for update t = 1 or 2
+// (beta^t by one multiply, correctly rounded like any power for t <= 2).
+z2::AdamWConstants torch_adamw(const z2::EngineOptions& o, long t) {
+  const double beta1_t = t == 1 ? o.beta1 : o.beta1 * o.beta1, beta2_t = t == 1 ? o.beta2 : o.beta2 * o.beta2;
+  z2::AdamWConstants c;
+  c.decay_factor = (float)(1.0 - o.lr * o.weight_decay);
+  c.one_minus_beta1 = (float)(1.0 - o.beta1);
+  c.beta2 = (float)o.beta2;
+  c.one_minus_beta2 = (float)(1.0 - o.beta2);
+  c.eps = (float)o.eps;
+  c.negative_step_size = (float)(-o.lr / (1.0 - beta1_t));
+  c.bias_correction2_sqrt = (float)std::sqrt(1.0 - beta2_t);
+  c.grad_scale = 1.0f;
+  return c;
+}
+
+// A small model of five parameters (mixed decay) in buckets of at most 200
+// elements, so that shards cut through parameters.
+struct SmallModel {
+  std::vector<size_t> numels{70, 33, 300, 5, 128};
+  std::vector<bool> decays{true, false, true, false, true};
+  std::vector<z2::ParameterId> ids;
+  size_t psi() const {
+    size_t total = 0;
+    for (size_t n : numels) total += n;
+    return total;
+  }
+  void add_to(z2::Engine& engine) {
+    for (size_t p = 0; p < numels.size(); ++p)
+      ids.push_back(engine.add_parameter("p" + std::to_string(p), numels[p], decays[p]));
+  }
+  // The parameter and its element for canonical element k (real elements only).
+  std::pair<size_t, size_t> locate(size_t k) const {
+    size_t p = 0;
+    while (k >= numels[p]) k -= numels[p++];
+    return {p, k};
+  }
+};
+}  // namespace
+
+TEST_CASE("lab own-shards: after each step every rank holds every parameter as AdamW over the summed gradient") {
+  // Two steps of each stage with gradients known on every rank; the expected
+  // parameters are AdamW (zero2.h's element update, not what this lab
+  // grades) over the tree-summed gradient, element by element on the host.
+  const auto& backend = harness::backends()[0];
+  const int N = harness::world_size(), me = harness::rank();
+  bool ok = true;
+  std::string message;
+  for (int stage : {0, 1, 2}) {
+    z2::EngineOptions options;
+    options.stage = stage, options.bucket_elements = 200, options.lr = 0.01, options.weight_decay = 0.1;
+    SmallModel model;
+    z2::Engine engine(*backend.compute, *backend.deterministic, options);
+    model.add_to(engine);
+    engine.build();
+    const size_t psi = model.psi();
+    std::vector<float> param(psi), m(psi, 0.0f), v(psi, 0.0f);
+    for (size_t k = 0; k < psi; ++k) param[k] = wide_value(k + 5000, 3);
+    engine.parameters_from_host(param);
+    for (long t = 1; t <= 2; ++t) {
+      auto gradient = [&](int rank, size_t k) {
+        return wide_value((uint64_t)t * 7919 + (uint64_t)rank * 104729 + k, 3);
+      };
+      size_t first = psi;
+      for (int p = (int)model.numels.size() - 1; p >= 0; --p) {  // backward's order
+        first -= model.numels[p];
+        float* out = engine.gradient_output(model.ids[p]);
+        std::vector<float> values(model.numels[p]);
+        for (size_t i = 0; i < values.size(); ++i) values[i] = gradient(me, first + i);
+        backend.compute->copy(out, values.data(), values.size() * sizeof(float), backend.compute->compute_stream());
+        engine.gradient_ready(model.ids[p]);
+      }
+      engine.end_micro_step(0.0f);
+      engine.step();
+      const std::vector<float> before = param;
+      const z2::AdamWConstants constants = torch_adamw(options, t);
+      std::vector<float> leaves(N);
+      for (size_t k = 0; k < psi; ++k) {
+        for (int r = 0; r < N; ++r) leaves[r] = gradient(r, k);
+        const float summed = recursive_tree_sum(leaves.data(), N);
+        z2::adamw_update(constants, model.decays[model.locate(k).first], &param[k], &summed, &m[k], &v[k], 0);
+      }
+      const std::vector<float> got = engine.working_parameters_to_host();
+      for (size_t k = 0; k < psi && ok; ++k) {
+        if (same_float_bits(got[k], param[k])) continue;
+        ok = false;
+        const auto where = model.locate(k);
+        const z2::ParameterInfo& info = engine.parameters()[where.first];
+        const size_t padded = info.offset + where.second;
+        int owner = 0;
+        for (int r = 0; r < N; ++r) {
+          const auto range = engine.shard_range(info.bucket, r);
+          if (range.first <= padded && padded < range.second) owner = r;
+        }
+        std::ostringstream out;
+        out << "own-shards: stage " << stage << ", N = " << N << ", step " << t << ", rank " << me << ": element "
+            << where.second << " of " << info.name << " (in rank " << owner << "'s shard) is " << hex_bits(got[k])
+            << ", AdamW over the summed gradient gives " << hex_bits(param[k]) << " — ";
+        if (stage > 0 && owner != me && same_float_bits(got[k], before[k]))
+          out << "this rank's copy was not updated: the all-gather of the updated shards is missing (P_os: each "
+                 "rank updates its own shard, then every bucket is all-gathered)";
+        else if (owner == me || stage == 0)
+          out << "this rank's own update went wrong: is AdamW applied once to every bucket, and is update_region "
+                 "right (the first own-shards test)?";
+        else out << "the gathered value is not the owner's update";
+        message = out.str();
+      }
+      // Only P_os and P_os+g gather the parameters; each bucket once.
+      const size_t gathered = engine.comm_ledger().per_step.all_gather;
+      const size_t expected_gather = stage == 0 ? 0 : (size_t)(N - 1) * (engine.psi_padded() / N) * sizeof(float);
+      if (ok && gathered != expected_gather) {
+        ok = false;
+        message = "own-shards: stage " + std::to_string(stage) + ", N = " + std::to_string(N) + ": the step " +
+                  "all-gathered " + std::to_string(gathered) + " bytes, expected " + std::to_string(expected_gather) +
+                  (stage == 0 ? " — stage 0 (DP) all-gathered parameters that every rank had already updated: the "
+                                "all-gather belongs to P_os and P_os+g only"
+                              : " — each bucket is all-gathered once per step: (N-1)/N of Psi_padded elements");
+      }
+      if (!harness::agree(ok)) break;  // every rank leaves together, before the next collective
+    }
+    if (!harness::agree(ok)) break;
+  }
+  CHECK_MESSAGE(lab_verdict(ok, message), message);
+}
+
+// --- gradient-shards ---------------------------------------------------------------------
+
+TEST_CASE("lab gradient-shards: stage 2 keeps each bucket's shard of the sum at its shard_offset") {
+  // Seven parameters in four buckets (three of them with two parameters),
+  // more buckets than the two slots, handed over last first as backward does;
+  // A = 1 and A = 2. Rank r's gradient at micro-step a is micro-batch
+  // m = a N + r's; the kept shard must be the canonical tree over the N A
+  // micro-batches (N a power of two), padding zero.
+  const auto& backend = harness::backends()[0];
+  const int N = harness::world_size(), me = harness::rank();
+  const std::vector<size_t> numels{70, 33, 300, 5, 128, 64, 40};
+  size_t psi = 0;
+  for (size_t n : numels) psi += n;
+  bool ok = true;
+  std::string message;
+  for (int A : {1, 2}) {
+    z2::EngineOptions options;
+    options.stage = 2, options.bucket_elements = 200, options.accumulation_steps = A;
+    z2::Engine engine(*backend.compute, *backend.deterministic, options);
+    for (size_t p = 0; p < numels.size(); ++p) engine.add_parameter("p" + std::to_string(p), numels[p], true);
+    engine.build();
+    auto gradient = [](long micro_batch, size_t k) { return wide_value((uint64_t)micro_batch * 100003 + k + 11, 4); };
+    std::vector<float> shard;
+    try {
+      for (int a = 0; a < A; ++a) {
+        const long micro_batch = engine.micro_batch_index(a);
+        size_t first = psi;
+        for (int p = (int)numels.size() - 1; p >= 0; --p) {
+          first -= numels[p];
+          float* out = engine.gradient_output(p);
+          std::vector<float> values(numels[p]);
+          for (size_t i = 0; i < values.size(); ++i) values[i] = gradient(micro_batch, first + i);
+          backend.compute->copy(out, values.data(), values.size() * sizeof(float), backend.compute->compute_stream());
+          engine.gradient_ready(p);
+        }
+        engine.end_micro_step(0.0f);
+      }
+      shard = engine.gradient_buffer_to_host();
+    } catch (const z2::Error& error) {  // the engine refused a call of the hooks, on every rank alike
+      ok = false, message = std::string("gradient-shards: A = ") + std::to_string(A) + ": " + error.what();
+    }
+    // The expected shard, worked out from the layout: padded element -> canonical element -> the tree.
+    std::vector<float> expected(engine.psi_padded() / N, 0.0f), leaves((size_t)N * A);
+    size_t canonical = 0;
+    for (const z2::ParameterInfo& p : engine.parameters()) {
+      for (size_t i = 0; i < p.numel; ++i) {
+        const z2::BucketInfo& bucket = engine.buckets()[p.bucket];
+        const size_t padded = p.offset + i, own_begin = bucket.offset + (size_t)me * bucket.shard_length;
+        if (padded >= own_begin && padded < own_begin + bucket.shard_length) {
+          for (long m = 0; m < (long)leaves.size(); ++m) leaves[m] = gradient(m, canonical + i);
+          expected[bucket.shard_offset + (padded - own_begin)] = recursive_tree_sum(leaves.data(), (long)leaves.size());
+        }
+      }
+      canonical += p.numel;
+    }
+    for (size_t b = 0; b < engine.buckets().size() && ok; ++b) {
+      const z2::BucketInfo& bucket = engine.buckets()[b];
+      for (size_t i = 0; i < bucket.shard_length && ok; ++i) {
+        const size_t at = bucket.shard_offset + i;
+        if (same_float_bits(shard[at], expected[at])) continue;
+        ok = false;
+        std::ostringstream out;
+        out << "gradient-shards: A = " << A << ", N = " << N << ", rank " << me << ": bucket " << b << " (shard_offset "
+            << bucket.shard_offset << "), shard element " << i << " is " << hex_bits(shard[at])
+            << ", the tree over the " << N * A << " micro-batches gives " << hex_bits(expected[at]) << " — ";
+        // Kept at element 0 (and partly overwritten there by the buckets reduced after it)?
+        bool at_zero = false;
+        for (size_t j = 0; j < bucket.shard_length && bucket.shard_offset > 0 && !at_zero; ++j)
+          at_zero =
+              expected[bucket.shard_offset + j] != 0.0f && same_float_bits(shard[j], expected[bucket.shard_offset + j]);
+        bool empty = true;
+        for (size_t j = 0; j < bucket.shard_length && empty; ++j) empty = shard[at - i + j] == 0.0f;
+        if (at_zero)
+          out << "the bucket's shard was kept at element 0: each bucket's shard goes after the last one's, at its "
+                 "shard_offset, in the Psi_padded / N gradient shard";
+        else if (empty)
+          out << "nothing was kept there: was the bucket reduce-scattered, with its shard kept at shard_offset?";
+        else out << "a wrong sum: were all the bucket's gradients in its slot when it was reduce-scattered?";
+        message = out.str();
+      }
+    }
+    if (!harness::agree(ok)) break;
+  }
+  CHECK_MESSAGE(lab_verdict(ok, message), message);
 }

@@ -507,14 +507,23 @@ TEST_CASE("mixed precision world-size invariance: (N, A) = (1,4), (2,2), (4,1) g
           const harness::Backend& backend = world[b];
           if (backend.deterministic) {
             z2::EngineOptions options = mixed_options(stage, true, 500, pair[1]);
-            runs.push_back(precision == z2::Precision::bf16
-                               ? train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic, options, 6)
-                               : train_synthetic<z2::float16>(*backend.compute, *backend.deterministic, options, 6));
-            equal &= runs.back().reduced_ok;
+            bool reduced_ok = false;
+            equal &=
+                harness::completes(
+                    [&] {
+                      runs.push_back(
+                          precision == z2::Precision::bf16
+                              ? train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic, options, 6)
+                              : train_synthetic<z2::float16>(*backend.compute, *backend.deterministic, options, 6));
+                      reduced_ok = runs.back().reduced_ok;
+                    },
+                    "mixed precision world-size run") &&
+                reduced_ok;
           }
           MPI_Barrier(MPI_COMM_WORLD);
         }
-        if (harness::rank() == 0)
+        equal = harness::agree(equal);
+        if (equal && harness::rank() == 0)
           for (const MixedRun& run : runs) equal &= same_mixed_run(run, runs[0]);
         if (b == 0 && stage == 0 && precision == z2::Precision::bf16)
           MESSAGE(runs.size() << " of the 3 (N, A) splits fit in this world (-n 4 runs all; at -n 1 only (1, 4),"
