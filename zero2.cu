@@ -1024,7 +1024,7 @@ void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
   void* pointer = nullptr;
   if (device_ == Device::cpu) {
     pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!pointer) abort_all_ranks("memory", "out of host memory", "pinned staging", __FILE__, __LINE__);
+    if (!pointer) abort_all_ranks("memory", "out of host memory", "pinned host buffer", __FILE__, __LINE__);
   } else {
 #if defined(__CUDACC__)
     // Page-locked: cudaMemcpyAsync from pageable memory silently serializes.
@@ -1920,9 +1920,14 @@ Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {
 // MPI_Iallreduce / ncclAllReduce instead: faster, but the summation order is
 // the library's, so results match ours only within a tolerance.
 //
-// A slot is one set of constant-size buffers for one bucket in flight. With
-// --comm mpi on cuda the bucket is copied to pinned host memory, sent by MPI,
-// and the received slices are copied back before the device sums them.
+// A slot is one set of constant-size buffers for one bucket in flight (the
+// "staging" of the memory ledger). With --comm mpi on cuda the bucket is
+// copied to pinned host memory, sent by MPI, and the received slices are
+// copied back before the device sums them.
+//
+// Below, in order: the slot and the wire type; the transfer queue (steps,
+// tickets, progress, what the watchdog is told); the receiver's sums; one
+// builder of transfers per backend (MPI, NCCL); the exchange that holds them.
 
 struct Slot {
   char* bucket_gradients = nullptr;  // [max padded bucket]   stage 2: backward writes here
@@ -1930,13 +1935,34 @@ struct Slot {
   char* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda
   char* host_receive = nullptr;      // [(N-1) x max shard]  pinned, --comm mpi on cuda
   Event done;                        // recorded on the comm stream when its transfer ends
-  Event copied;                      // its transfer's device-to-host staging copy has finished
+  Event copied;                      // its transfer's device-to-host copy has finished
   int bucket = -1;                   // the bucket holding the slot, -1 when free
   bool running = false;              // a transfer is using it
 };
-// (Buffers are in elements of the exchange's wire type: 4 bytes for fp32, 2
-// for bf16 and fp16. State::at() does the byte arithmetic.)
 
+// The element type on the wire (of buckets, gradients and parameters alike):
+// 4 bytes for fp32, 2 for bf16 and fp16. Every buffer of the exchange counts
+// in these elements; at() and bytes() do the byte arithmetic.
+struct WireType {
+  Precision precision;
+  size_t element;         // bytes
+  MPI_Datatype mpi_type;  // MPI moves 16-bit elements as MPI_UINT16_T (it only copies them)
+  explicit WireType(Precision p)
+      : precision(p), element(element_bytes(p)), mpi_type(p == Precision::fp32 ? MPI_FLOAT : MPI_UINT16_T) {}
+  char* at(const void* base, size_t index) const { return (char*)base + index * element; }
+  size_t bytes(size_t count) const { return count * element; }
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+  ncclDataType_t nccl_type() const {
+    return precision == Precision::bf16 ? ncclBfloat16 : precision == Precision::fp16 ? ncclHalf : ncclFloat;
+  }
+#endif
+};
+
+// The slices from the other ranks: rank j's slice of this rank's shard is
+// the (j - (j > rank))-th of the N - 1 received (this rank's own is never sent).
+Z2_HD inline size_t received_index(int j, int rank) { return (size_t)(j - (j > rank ? 1 : 0)); }
+
+// --- the transfer queue ------------------------------------------------------------
 // A transfer is a small program: its steps run in order, and a step that must
 // wait returns false and is asked again on the next progress().
 struct Transfer {
@@ -1949,52 +1975,55 @@ struct Transfer {
   bool finished() const { return next == steps.size(); }
 };
 
-struct BucketExchange::State {
+// A step that acts and is done at once.
+static std::function<bool()> step_now(std::function<void()> action) {
+  return [action] {
+    action();
+    return true;
+  };
+}
+// A step that is done when the transfer's MPI requests are.
+static std::function<bool()> step_wait_requests(Transfer* transfer) {
+  return [transfer] {
+    if (transfer->requests.empty()) return true;
+    int done = 0;
+    Z2_MPI_CHECK(MPI_Testall((int)transfer->requests.size(), transfer->requests.data(), &done, MPI_STATUSES_IGNORE));
+    if (done) transfer->requests.clear(), transfer->peers.clear();
+    return done != 0;
+  };
+}
+
+// The transfers in flight, oldest first, each in its slot.
+struct TransferQueue {
   Compute& compute;
-  Communicator& comm;
   const int rank, world;
-  const bool staged_through_host;  // --comm mpi with --device cuda
-  const bool native;
-  const Precision wire;         // element type of buckets, gradients and parameters
-  const size_t element;         // its bytes
-  const bool accumulate_fp32;   // the accumulation tree's blocks in fp32 (else the wire type)
-  const MPI_Datatype mpi_type;  // MPI moves 16-bit elements as MPI_UINT16_T (it only copies them)
-  size_t max_padded, max_shard;
-  DeviceArray<char> staging;  // slots x (bucket gradients + receive)
   std::vector<Slot> slots;
-  std::deque<std::unique_ptr<Transfer>> transfers;  // in flight, oldest first
-  Event ready;                                      // "the compute stream got this far"
-  int sequence = 0;                                 // MPI tag: transfers start in the same order everywhere
+  std::deque<std::unique_ptr<Transfer>> transfers;
+  Event ready;       // "the compute stream got this far"
+  int sequence = 0;  // MPI tags: transfers start in the same order everywhere
   // MPI requires every rank to start its collectives on a communicator in the
   // same order. Transfers advance independently (one may wait on its
-  // point-to-point slices or a staging copy while a younger one is ready), so
+  // point-to-point slices or a host copy while a younger one is ready), so
   // each collective start takes a ticket when its transfer is built, in the
   // same order on every rank, and may only run when its ticket is next.
   long next_ticket = 0, next_to_post = 0;
 
-  State(Compute& c, Communicator& m, Precision w, bool fp32_blocks)
-      : compute(c),
-        comm(m),
-        rank(m.rank()),
-        world(m.world_size()),
-        staged_through_host(m.backend() == CommBackend::mpi && c.on_cuda()),
-        native(m.collectives() == Collectives::native),
-        wire(w),
-        element(element_bytes(w)),
-        accumulate_fp32(fp32_blocks),
-        mpi_type(w == Precision::fp32 ? MPI_FLOAT : MPI_UINT16_T) {}
+  TransferQueue(Compute& c, int rank_, int world_) : compute(c), rank(rank_), world(world_) {}
 
-  // Element `index` of a wire-typed buffer, as a byte address.
-  char* at(void* base, size_t index) const { return (char*)base + index * element; }
-  size_t bytes(size_t count) const { return count * element; }
-
-  // --- steps -----------------------------------------------------------------
-  static std::function<bool()> now(std::function<void()> action) {
-    return [action] {
-      action();
-      return true;
-    };
+  // A new transfer in `slot`, after everything the compute stream wrote so far.
+  Transfer* start(int slot, const std::string& what) {
+    if (slot < 0 || slot >= (int)slots.size()) usage_error("bucket collective: slot %d out of range", slot);
+    if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
+    transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
+    Transfer* transfer = transfers.back().get();
+    transfer->slot = slot;
+    transfer->what = what;
+    slots[slot].running = true;
+    compute.record(ready, compute.compute_stream());
+    compute.wait(compute.comm_stream(), ready);
+    return transfer;
   }
+  // A step that posts an MPI collective when its ticket is next.
   std::function<bool()> post_in_order(std::function<void()> post) {
     const long ticket = next_ticket++;
     return [this, ticket, post] {
@@ -2004,278 +2033,10 @@ struct BucketExchange::State {
       return true;
     };
   }
-  static std::function<bool()> wait_requests(Transfer* transfer) {
-    return [transfer] {
-      if (transfer->requests.empty()) return true;
-      int done = 0;
-      Z2_MPI_CHECK(MPI_Testall((int)transfer->requests.size(), transfer->requests.data(), &done, MPI_STATUSES_IGNORE));
-      if (done) transfer->requests.clear(), transfer->peers.clear();
-      return done != 0;
-    };
-  }
-  // Copy `count` elements at `device` to pinned `host` on the comm stream and
-  // wait (without blocking) until they are there.
-  void add_copy_to_host(Transfer* transfer, void* host, const void* device, size_t count) {
-    // A slot has one transfer at a time, so the slot's event is this transfer's.
-    Event copied = slots[transfer->slot].copied;
-    transfer->steps.push_back(now([=] {
-      compute.copy(host, device, bytes(count), compute.comm_stream());
-      compute.record(copied, compute.comm_stream());
-    }));
-    transfer->steps.push_back([this, copied] { return compute.query(copied); });
-  }
+  // MPI tags need only tell apart transfers in flight (at most a few); the
+  // standard promises tags up to 32767 on every implementation.
+  int next_tag() { return sequence++ % 32768; }
 
-  // The kernels that follow a reduce-scatter, on the comm stream.
-  // Sum the N slices of this rank's shard in canonical order, in fp32, and
-  // hand the sum to the accumulation tree (which rounds the finished sum to
-  // the wire type once). `own` is this rank's own slice (never sent),
-  // `received` the N-1 others, rank j's at (j - (j > rank)) * shard.
-  template <class Wire, class Accum>
-  void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                             const AccumulateInto& into) {
-    const int ranks = world, me = rank;
-    const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
-    Wire* result = (Wire*)into.result;
-    AccumulationStackOf<Accum> stack;
-    for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
-    const long step = into.step, steps = into.steps;
-#if defined(Z2_LAB_BUILD)
-    if (ranks > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", ranks);
-#endif
-    compute.for_each(shard,
-                     Z2_LOOP(i,
-                             {
-                               float value = sum_over_ranks(ranks, [&](long j) {
-                                 return to_float(j == me ? own[i] : received[(size_t)(j - (j > me)) * shard + i]);
-                               });
-                               accumulate_micro_step(stack, step, steps, value, result, i);
-                             }),
-                     compute.comm_stream());
-  }
-  // One reduced value per element already (one rank, or a native reduce-scatter): into the tree.
-  template <class Wire, class Accum>
-  void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
-    const Wire* values = (const Wire*)reduced;
-    Wire* result = (Wire*)into.result;
-    AccumulationStackOf<Accum> stack;
-    for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
-    const long step = into.step, steps = into.steps;
-    compute.for_each(n, Z2_LOOP(i, { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); }),
-                     compute.comm_stream());
-  }
-  // The two kernels for the exchange's types.
-  void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
-    switch (wire) {
-      case Precision::fp32: return sum_and_accumulate_as<float, float>(shard, own, received, into);
-      case Precision::bf16:
-        if (accumulate_fp32) return sum_and_accumulate_as<bfloat16, float>(shard, own, received, into);
-        return sum_and_accumulate_as<bfloat16, bfloat16>(shard, own, received, into);
-      case Precision::fp16:
-        if (accumulate_fp32) return sum_and_accumulate_as<float16, float>(shard, own, received, into);
-        return sum_and_accumulate_as<float16, float16>(shard, own, received, into);
-    }
-  }
-  void accumulate(const void* values, size_t n, const AccumulateInto& into) {
-    switch (wire) {
-      case Precision::fp32: return accumulate_as<float, float>(values, n, into);
-      case Precision::bf16:
-        if (accumulate_fp32) return accumulate_as<bfloat16, float>(values, n, into);
-        return accumulate_as<bfloat16, bfloat16>(values, n, into);
-      case Precision::fp16:
-        if (accumulate_fp32) return accumulate_as<float16, float>(values, n, into);
-        return accumulate_as<float16, float16>(values, n, into);
-    }
-  }
-
-#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
-  ncclDataType_t nccl_type() const {
-    return wire == Precision::bf16 ? ncclBfloat16 : wire == Precision::fp16 ? ncclHalf : ncclFloat;
-  }
-#endif
-
-  // --- the three collectives as lists of steps -------------------------------
-  // Each adds the bytes it sends to `sent` at the moment it calls MPI or
-  // NCCL, so the ledger counts traffic that happened, by the collective that
-  // sent it (a reduce-scatter that quietly became an all-reduce would show),
-  // in bytes of the wire type (16-bit slices count half of fp32's).
-  // The reduce-scatter of one bucket: a builder per backend, after the case of one rank.
-  void add_reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into, size_t* sent) {
-    const size_t shard = padded / world;
-    char* own = at(bucket, (size_t)rank * shard);
-    if (world == 1) {  // one rank: the tree over one leaf is the leaf
-      transfer->steps.push_back(now([=] { accumulate(own, shard, into); }));
-      return;
-    }
-    if (comm.backend() == CommBackend::nccl) return add_reduce_scatter_nccl(transfer, bucket, shard, into, sent);
-    add_reduce_scatter_mpi(transfer, bucket, padded, into, sent);
-  }
-
-  // NCCL: one step on the comm stream, a group of the N-1 slice sends and
-  // receives then the tree (or ncclReduceScatter, native).
-  void add_reduce_scatter_nccl(Transfer* transfer, void* bucket, size_t shard, const AccumulateInto& into,
-                               size_t* sent) {
-#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
-    Slot& slot = slots[transfer->slot];
-    char* own = at(bucket, (size_t)rank * shard);
-    ncclComm_t nccl = (ncclComm_t)comm.nccl();
-    cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
-    char* received = slot.receive;
-    const ncclDataType_t type = nccl_type();
-    transfer->steps.push_back(now([=] {
-      if (native) {
-        Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard, type, ncclSum, nccl, stream));
-        *sent += (size_t)(world - 1) * bytes(shard);  // what a ring sends
-        accumulate(received, shard, into);
-        return;
-      }
-      Z2_NCCL_CHECK(ncclGroupStart());
-      for (int j = 0; j < world; ++j) {
-        if (j == rank) continue;
-        // Counts are elements, not bytes.
-        Z2_NCCL_CHECK(ncclSend(at(bucket, (size_t)j * shard), shard, type, j, nccl, stream));
-        Z2_NCCL_CHECK(ncclRecv(at(received, (size_t)(j - (j > rank)) * shard), shard, type, j, nccl, stream));
-        *sent += bytes(shard);
-      }
-      Z2_NCCL_CHECK(ncclGroupEnd());
-      sum_and_accumulate(shard, own, received, into);
-    }));
-#endif
-  }
-
-  // MPI: the slices point to point (or MPI_Ireduce_scatter_block in ticket
-  // order, native), through pinned host memory when the bucket is on the
-  // GPU; then the tree over the received slices.
-  void add_reduce_scatter_mpi(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into,
-                              size_t* sent) {
-    Slot& slot = slots[transfer->slot];
-    const size_t shard = padded / world;
-    char* own = at(bucket, (size_t)rank * shard);
-    char* send = (char*)bucket;
-    char* receive = slot.receive;
-    if (staged_through_host) {
-      send = slot.host_send;
-      receive = slot.host_receive;
-      add_copy_to_host(transfer, send, bucket, padded);
-    }
-    MPI_Comm mpi = comm.mpi();
-    const MPI_Datatype type = mpi_type;
-    // MPI tags need only tell apart transfers in flight (at most a few); the
-    // standard promises tags up to 32767 on every implementation.
-    const int tag = sequence++ % 32768;
-    if (native) {
-      const MPI_Op sum = comm.sum_op(wire);
-      transfer->steps.push_back(post_in_order([=] {
-        transfer->requests.resize(1);
-        transfer->peers.assign(1, -1);
-        Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, type, sum, mpi, &transfer->requests[0]));
-        *sent += (size_t)(world - 1) * bytes(shard);  // what a ring sends
-      }));
-    } else {
-      // Point-to-point slices match by (source, tag), not by order: no ticket.
-      transfer->steps.push_back(now([=] {
-        for (int j = 0; j < world; ++j) {
-          if (j == rank) continue;
-          transfer->requests.emplace_back();
-          Z2_MPI_CHECK(MPI_Irecv(at(receive, (size_t)(j - (j > rank)) * shard), (int)shard, type, j, tag, mpi,
-                                 &transfer->requests.back()));
-          transfer->requests.emplace_back();
-          Z2_MPI_CHECK(
-              MPI_Isend(at(send, (size_t)j * shard), (int)shard, type, j, tag, mpi, &transfer->requests.back()));
-          transfer->peers.insert(transfer->peers.end(), {j, j});
-          *sent += bytes(shard);
-        }
-      }));
-    }
-    transfer->steps.push_back(wait_requests(transfer));
-    char* received = slot.receive;
-    const size_t received_count = native ? shard : (size_t)(world - 1) * shard;
-    transfer->steps.push_back(now([=] {
-      if (staged_through_host) compute.copy(received, receive, bytes(received_count), compute.comm_stream());
-      if (native) accumulate(received, shard, into);
-      else sum_and_accumulate(shard, own, received, into);
-    }));
-  }
-
-  void add_all_gather(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
-    Slot& slot = slots[transfer->slot];
-    const size_t shard = padded / world;
-    if (world == 1) return;
-    if (comm.backend() == CommBackend::nccl) {
-#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
-      ncclComm_t nccl = (ncclComm_t)comm.nccl();
-      cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
-      const ncclDataType_t type = nccl_type();
-      transfer->steps.push_back(now([=] {
-        Z2_NCCL_CHECK(ncclAllGather(at(bucket, (size_t)rank * shard), bucket, shard, type, nccl, stream));
-        *sent += (size_t)(world - 1) * bytes(shard);
-      }));
-#endif
-      return;
-    }
-    char* host = staged_through_host ? slot.host_send : (char*)bucket;
-    if (staged_through_host)
-      add_copy_to_host(transfer, at(host, (size_t)rank * shard), at(bucket, (size_t)rank * shard), shard);
-    MPI_Comm mpi = comm.mpi();
-    const MPI_Datatype type = mpi_type;
-    transfer->steps.push_back(post_in_order([=] {
-      transfer->requests.resize(1);
-      transfer->peers.assign(1, -1);
-      Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, mpi, &transfer->requests[0]));
-      *sent += (size_t)(world - 1) * bytes(shard);
-    }));
-    transfer->steps.push_back(wait_requests(transfer));
-    if (staged_through_host)
-      transfer->steps.push_back(now([=] { compute.copy(bucket, host, bytes(padded), compute.comm_stream()); }));
-  }
-
-  void add_native_all_reduce(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
-    const size_t ring_bytes = 2 * (size_t)(world - 1) * bytes(padded / world);
-    Slot& slot = slots[transfer->slot];
-    if (comm.backend() == CommBackend::nccl) {
-#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
-      ncclComm_t nccl = (ncclComm_t)comm.nccl();
-      cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
-      const ncclDataType_t type = nccl_type();
-      transfer->steps.push_back(now([=] {
-        Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, type, ncclSum, nccl, stream));
-        *sent += ring_bytes;
-      }));
-#endif
-      return;
-    }
-    char* host = staged_through_host ? slot.host_send : (char*)bucket;
-    if (staged_through_host) add_copy_to_host(transfer, host, bucket, padded);
-    MPI_Comm mpi = comm.mpi();
-    const MPI_Datatype type = mpi_type;
-    const MPI_Op sum = comm.sum_op(wire);
-    transfer->steps.push_back(post_in_order([=] {
-      transfer->requests.resize(1);
-      transfer->peers.assign(1, -1);
-      Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, type, sum, mpi, &transfer->requests[0]));
-      *sent += ring_bytes;
-    }));
-    transfer->steps.push_back(wait_requests(transfer));
-    if (staged_through_host)
-      transfer->steps.push_back(now([=] { compute.copy(bucket, host, bytes(padded), compute.comm_stream()); }));
-  }
-
-  // --- the queue -------------------------------------------------------------
-  Transfer* start(int slot, size_t padded) {
-    if (slot < 0 || slot >= (int)slots.size()) usage_error("bucket collective: slot %d out of range", slot);
-    if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
-    if (padded > max_padded || padded % world != 0)
-      usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
-    if (padded > (size_t)INT_MAX)  // MPI counts are int
-      usage_error("a bucket of %zu elements is more than MPI can count (2^31 - 1): split the parameter", padded);
-    transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
-    Transfer* transfer = transfers.back().get();
-    transfer->slot = slot;
-    slots[slot].running = true;
-    // The comm stream must see everything the compute stream wrote so far.
-    compute.record(ready, compute.compute_stream());
-    compute.wait(compute.comm_stream(), ready);
-    return transfer;
-  }
   static bool advance(Transfer& transfer) {
     while (!transfer.finished() && transfer.steps[transfer.next]()) ++transfer.next;
     return transfer.finished();
@@ -2315,8 +2076,7 @@ struct BucketExchange::State {
   // transfer is always the one to finish when a slot is needed.
   void retire_finished() {
     while (!transfers.empty() && transfers.front()->finished()) {
-      Transfer& transfer = *transfers.front();
-      Slot& slot = slots[transfer.slot];
+      Slot& slot = slots[transfers.front()->slot];
       // Everything the transfer queued is on the comm stream before this
       // event: whoever reuses the slot's buffers on the compute stream waits
       // for it on the GPU, not on the host.
@@ -2326,10 +2086,324 @@ struct BucketExchange::State {
       transfers.pop_front();
     }
   }
+  void progress() {
+    for (auto& transfer : transfers) advance(*transfer);
+    retire_finished();
+  }
+  void finish_all() {
+    for (auto& transfer : transfers) finish(*transfer);
+    retire_finished();
+  }
   int free_slot() const {
     for (size_t s = 0; s < slots.size(); ++s)
       if (slots[s].bucket < 0 && !slots[s].running) return (int)s;
     return -1;
+  }
+};
+
+// --- the receiver's sums (kernels on the comm stream) -------------------------------
+// Sum the N slices of this rank's shard in canonical order, in fp32, and
+// hand the sum to the accumulation tree (which rounds the finished sum to the
+// wire type once); or hand it one value per element already reduced (one
+// rank, or a native reduce-scatter).
+struct ShardSums {
+  Compute& compute;
+  const int rank, world;
+  const WireType wire;
+  const bool accumulate_fp32;  // the accumulation tree's blocks in fp32 (else the wire type)
+
+  // `own` is this rank's own slice (never sent), `received` the N-1 others.
+  template <class Wire, class Accum>
+  void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
+                             const AccumulateInto& into) {
+    const int ranks = world, me = rank;
+    const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
+    Wire* result = (Wire*)into.result;
+    AccumulationStackOf<Accum> stack;
+    for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
+    const long step = into.step, steps = into.steps;
+#if defined(Z2_LAB_BUILD)
+    if (ranks > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", ranks);
+#endif
+    compute.for_each(shard,
+                     Z2_LOOP(i,
+                             {
+                               float value = sum_over_ranks(ranks, [&](long j) {
+                                 return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
+                               });
+                               accumulate_micro_step(stack, step, steps, value, result, i);
+                             }),
+                     compute.comm_stream());
+  }
+  template <class Wire, class Accum>
+  void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
+    const Wire* values = (const Wire*)reduced;
+    Wire* result = (Wire*)into.result;
+    AccumulationStackOf<Accum> stack;
+    for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
+    const long step = into.step, steps = into.steps;
+    compute.for_each(n, Z2_LOOP(i, { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); }),
+                     compute.comm_stream());
+  }
+  // The kernel for the exchange's types: call(Wire{}, Accum{}).
+  template <class Call>
+  void for_types(Call call) {
+    switch (wire.precision) {
+      case Precision::fp32: return call(float{}, float{});
+      case Precision::bf16:
+        if (accumulate_fp32) return call(bfloat16{}, float{});
+        return call(bfloat16{}, bfloat16{});
+      case Precision::fp16:
+        if (accumulate_fp32) return call(float16{}, float{});
+        return call(float16{}, float16{});
+    }
+  }
+  void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
+    for_types([&](auto wire_zero, auto accum_zero) {
+      sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
+    });
+  }
+  void accumulate(const void* values, size_t n, const AccumulateInto& into) {
+    for_types([&](auto wire_zero, auto accum_zero) {
+      accumulate_as<decltype(wire_zero), decltype(accum_zero)>(values, n, into);
+    });
+  }
+};
+
+// --- the builders: the three collectives as steps, one builder per backend -------
+// Each adds the bytes it sends to `sent` at the moment it calls MPI or NCCL,
+// so the ledger counts traffic that happened, by the collective that sent it
+// (a reduce-scatter that quietly became an all-reduce would show), in bytes
+// of the wire type (16-bit slices count half of fp32's). Each is called with
+// N > 1 (one rank has nothing to send).
+
+// MPI: the slices point to point (or MPI's own collectives in ticket order,
+// native), through pinned host memory when the bucket is on the GPU.
+struct MpiTransfers {
+  Compute& compute;
+  Communicator& comm;
+  TransferQueue& queue;
+  ShardSums& sums;
+  const WireType wire;
+  const bool native;
+  const bool through_pinned_host;  // --comm mpi with --device cuda
+
+  // Copy `count` elements at `device` to pinned `host` on the comm stream and
+  // wait (without blocking) until they are there.
+  void add_copy_to_host(Transfer* transfer, void* host, const void* device, size_t count) {
+    // A slot has one transfer at a time, so the slot's event is this transfer's.
+    Event copied = queue.slots[transfer->slot].copied;
+    transfer->steps.push_back(step_now([=] {
+      compute.copy(host, device, wire.bytes(count), compute.comm_stream());
+      compute.record(copied, compute.comm_stream());
+    }));
+    transfer->steps.push_back([this, copied] { return compute.query(copied); });
+  }
+  // Copy `count` elements back from the pinned `host` copy, when there is one.
+  void add_copy_back(Transfer* transfer, void* device, const void* host, size_t count) {
+    if (!through_pinned_host) return;
+    transfer->steps.push_back(step_now([=] { compute.copy(device, host, wire.bytes(count), compute.comm_stream()); }));
+  }
+  // One MPI call of all ranks, posted in ticket order; the transfer waits for it.
+  void add_collective(Transfer* transfer, std::function<void(MPI_Request*)> post) {
+    transfer->steps.push_back(queue.post_in_order([=] {
+      transfer->requests.resize(1);
+      transfer->peers.assign(1, -1);
+      post(&transfer->requests[0]);
+    }));
+    transfer->steps.push_back(step_wait_requests(transfer));
+  }
+
+  void reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into, size_t* sent) {
+    Slot& slot = queue.slots[transfer->slot];
+    const int world = queue.world, rank = queue.rank;
+    const size_t shard = padded / world;
+    char* own = wire.at(bucket, (size_t)rank * shard);
+    char* send = through_pinned_host ? slot.host_send : (char*)bucket;
+    char* receive = through_pinned_host ? slot.host_receive : slot.receive;
+    if (through_pinned_host) add_copy_to_host(transfer, send, bucket, padded);
+    MPI_Comm mpi = comm.mpi();
+    const MPI_Datatype type = wire.mpi_type;
+    if (native) {
+      const MPI_Op sum = comm.sum_op(wire.precision);
+      add_collective(transfer, [=](MPI_Request* request) {
+        Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, type, sum, mpi, request));
+        *sent += (size_t)(world - 1) * wire.bytes(shard);  // what a ring sends
+      });
+    } else {
+      // Point-to-point slices match by (source, tag), not by order: no ticket.
+      const int tag = queue.next_tag();
+      transfer->steps.push_back(step_now([=] {
+        for (int j = 0; j < world; ++j) {
+          if (j == rank) continue;
+          transfer->requests.emplace_back();
+          Z2_MPI_CHECK(MPI_Irecv(wire.at(receive, received_index(j, rank) * shard), (int)shard, type, j, tag, mpi,
+                                 &transfer->requests.back()));
+          transfer->requests.emplace_back();
+          Z2_MPI_CHECK(
+              MPI_Isend(wire.at(send, (size_t)j * shard), (int)shard, type, j, tag, mpi, &transfer->requests.back()));
+          transfer->peers.insert(transfer->peers.end(), {j, j});
+          *sent += wire.bytes(shard);
+        }
+      }));
+      transfer->steps.push_back(step_wait_requests(transfer));
+    }
+    char* received = slot.receive;
+    add_copy_back(transfer, received, receive, native ? shard : (size_t)(world - 1) * shard);
+    transfer->steps.push_back(step_now([=] {
+      if (native) sums.accumulate(received, shard, into);
+      else sums.sum_and_accumulate(shard, own, received, into);
+    }));
+  }
+
+  void all_gather(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
+    const int world = queue.world, rank = queue.rank;
+    const size_t shard = padded / world;
+    char* host = through_pinned_host ? queue.slots[transfer->slot].host_send : (char*)bucket;
+    if (through_pinned_host)
+      add_copy_to_host(transfer, wire.at(host, (size_t)rank * shard), wire.at(bucket, (size_t)rank * shard), shard);
+    MPI_Comm mpi = comm.mpi();
+    const MPI_Datatype type = wire.mpi_type;
+    add_collective(transfer, [=](MPI_Request* request) {
+      Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, mpi, request));
+      *sent += (size_t)(world - 1) * wire.bytes(shard);
+    });
+    add_copy_back(transfer, bucket, host, padded);
+  }
+
+  void native_all_reduce(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
+    const size_t ring_bytes = 2 * (size_t)(queue.world - 1) * wire.bytes(padded / queue.world);
+    char* host = through_pinned_host ? queue.slots[transfer->slot].host_send : (char*)bucket;
+    if (through_pinned_host) add_copy_to_host(transfer, host, bucket, padded);
+    MPI_Comm mpi = comm.mpi();
+    const MPI_Datatype type = wire.mpi_type;
+    const MPI_Op sum = comm.sum_op(wire.precision);
+    add_collective(transfer, [=](MPI_Request* request) {
+      Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, type, sum, mpi, request));
+      *sent += ring_bytes;
+    });
+    add_copy_back(transfer, bucket, host, padded);
+  }
+};
+
+// NCCL: each collective is one step that enqueues on the comm stream (NCCL
+// orders its work by the stream; nothing to poll but the slot's event). The
+// reduce-scatter is a group of the N-1 slice sends and receives, then the
+// tree (or ncclReduceScatter, native). Counts are elements, not bytes.
+struct NcclTransfers {
+  Compute& compute;
+  Communicator& comm;
+  TransferQueue& queue;
+  ShardSums& sums;
+  const WireType wire;
+  const bool native;
+
+#if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
+  void reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into, size_t* sent) {
+    const int world = queue.world, rank = queue.rank;
+    const size_t shard = padded / world;
+    char* own = wire.at(bucket, (size_t)rank * shard);
+    char* received = queue.slots[transfer->slot].receive;
+    ncclComm_t nccl = (ncclComm_t)comm.nccl();
+    cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+    const ncclDataType_t type = wire.nccl_type();
+    transfer->steps.push_back(step_now([=] {
+      if (native) {
+        Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard, type, ncclSum, nccl, stream));
+        *sent += (size_t)(world - 1) * wire.bytes(shard);  // what a ring sends
+        sums.accumulate(received, shard, into);
+        return;
+      }
+      Z2_NCCL_CHECK(ncclGroupStart());
+      for (int j = 0; j < world; ++j) {
+        if (j == rank) continue;
+        Z2_NCCL_CHECK(ncclSend(wire.at(bucket, (size_t)j * shard), shard, type, j, nccl, stream));
+        Z2_NCCL_CHECK(ncclRecv(wire.at(received, received_index(j, rank) * shard), shard, type, j, nccl, stream));
+        *sent += wire.bytes(shard);
+      }
+      Z2_NCCL_CHECK(ncclGroupEnd());
+      sums.sum_and_accumulate(shard, own, received, into);
+    }));
+  }
+  void all_gather(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
+    const int world = queue.world, rank = queue.rank;
+    const size_t shard = padded / world;
+    ncclComm_t nccl = (ncclComm_t)comm.nccl();
+    cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+    const ncclDataType_t type = wire.nccl_type();
+    transfer->steps.push_back(step_now([=] {
+      Z2_NCCL_CHECK(ncclAllGather(wire.at(bucket, (size_t)rank * shard), bucket, shard, type, nccl, stream));
+      *sent += (size_t)(world - 1) * wire.bytes(shard);
+    }));
+  }
+  void native_all_reduce(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
+    const size_t ring_bytes = 2 * (size_t)(queue.world - 1) * wire.bytes(padded / queue.world);
+    ncclComm_t nccl = (ncclComm_t)comm.nccl();
+    cudaStream_t stream = (cudaStream_t)compute.comm_stream().handle;
+    const ncclDataType_t type = wire.nccl_type();
+    transfer->steps.push_back(step_now([=] {
+      Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, type, ncclSum, nccl, stream));
+      *sent += ring_bytes;
+    }));
+  }
+#else  // no NCCL in this build: Communicator refuses --comm nccl before any bucket moves
+  void reduce_scatter(Transfer*, void*, size_t, const AccumulateInto&, size_t*) {}
+  void all_gather(Transfer*, void*, size_t, size_t*) {}
+  void native_all_reduce(Transfer*, void*, size_t, size_t*) {}
+#endif
+};
+
+// --- the exchange: slots, the queue, the sums and the builders -------------------
+struct BucketExchange::Parts {
+  Compute& compute;
+  Communicator& comm;
+  const WireType wire;
+  const bool native;
+  const bool use_nccl;
+  size_t max_padded = 0;
+  DeviceArray<char> staging;  // slots x (bucket gradients + receive)
+  TransferQueue queue;
+  ShardSums sums;
+  MpiTransfers mpi;
+  NcclTransfers nccl;
+
+  Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks)
+      : compute(c),
+        comm(communicator),
+        wire(w),
+        native(communicator.collectives() == Collectives::native),
+        use_nccl(communicator.backend() == CommBackend::nccl),
+        queue(c, communicator.rank(), communicator.world_size()),
+        sums{c, communicator.rank(), communicator.world_size(), wire, fp32_blocks},
+        mpi{c, communicator, queue, sums, wire, native, communicator.backend() == CommBackend::mpi && c.on_cuda()},
+        nccl{c, communicator, queue, sums, wire, native} {}
+
+  // The transfer of one collective on bucket `bucket` [padded] in `slot`.
+  Transfer* start(int slot, size_t padded, const char* collective) {
+    const int world = queue.world;
+    if (padded > max_padded || padded % world != 0)
+      usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
+    if (padded > (size_t)INT_MAX)  // MPI counts are int
+      usage_error("a bucket of %zu elements is more than MPI can count (2^31 - 1): split the parameter", padded);
+    const int bucket = slot >= 0 && slot < (int)queue.slots.size() ? queue.slots[slot].bucket : -1;
+    return queue.start(slot, std::string("the ") + collective + " of bucket " + std::to_string(bucket));
+  }
+  void add_reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into, size_t* sent) {
+    if (queue.world == 1) {  // one rank: the tree over one leaf is the leaf
+      transfer->steps.push_back(step_now([=] { sums.accumulate(bucket, padded, into); }));
+      return;
+    }
+    if (use_nccl) return nccl.reduce_scatter(transfer, bucket, padded, into, sent);
+    mpi.reduce_scatter(transfer, bucket, padded, into, sent);
+  }
+  void add_all_gather(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
+    if (queue.world == 1) return;  // nothing to send
+    if (use_nccl) return nccl.all_gather(transfer, bucket, padded, sent);
+    mpi.all_gather(transfer, bucket, padded, sent);
+  }
+  void add_native_all_reduce(Transfer* transfer, void* bucket, size_t padded, size_t* sent) {
+    if (use_nccl) return nccl.native_all_reduce(transfer, bucket, padded, sent);
+    mpi.native_all_reduce(transfer, bucket, padded, sent);
   }
 };
 
@@ -2342,131 +2416,119 @@ size_t staging_elements(size_t max_padded_bucket, int world_size, int slot_count
 
 BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_padded, int slot_count,
                                bool bucket_buffers, Precision wire, bool accumulate_fp32)
-    : state_(new State(compute, comm, wire, accumulate_fp32)) {
-  State& s = *state_;
+    : parts_(new Parts(compute, comm, wire, accumulate_fp32)) {
+  Parts& p = *parts_;
   const size_t N = (size_t)comm.world_size();
   if (slot_count < 1) usage_error("bucket exchange: at least one slot (got %d)", slot_count);
-  s.max_padded = max_padded;
-  s.max_shard = max_padded / N;
+  p.max_padded = max_padded;
   // In elements of the wire type: 16-bit buckets take half the bytes.
-  const size_t bucket_part = bucket_buffers ? max_padded : 0, receive_part = (N - 1) * s.max_shard;
-  s.staging = DeviceArray<char>(compute, s.bytes(staging_elements(max_padded, (int)N, slot_count, bucket_buffers)),
+  const size_t bucket_part = bucket_buffers ? max_padded : 0, receive_part = (N - 1) * (max_padded / N);
+  p.staging = DeviceArray<char>(compute, p.wire.bytes(staging_elements(max_padded, (int)N, slot_count, bucket_buffers)),
                                 MemoryKind::staging);
   for (int k = 0; k < slot_count; ++k) {
     Slot slot;
-    char* base = s.at(s.staging.data(), k * (bucket_part + receive_part));
+    char* base = p.wire.at(p.staging.data(), k * (bucket_part + receive_part));
     slot.bucket_gradients = bucket_part ? base : nullptr;
-    slot.receive = receive_part ? s.at(base, bucket_part) : nullptr;
-    if (s.staged_through_host && N > 1) {
-      slot.host_send = (char*)compute.allocate_host_pinned(s.bytes(max_padded));
-      slot.host_receive = (char*)compute.allocate_host_pinned(s.bytes(receive_part));
+    slot.receive = receive_part ? p.wire.at(base, bucket_part) : nullptr;
+    if (p.mpi.through_pinned_host && N > 1) {
+      slot.host_send = (char*)compute.allocate_host_pinned(p.wire.bytes(max_padded));
+      slot.host_receive = (char*)compute.allocate_host_pinned(p.wire.bytes(receive_part));
     }
     slot.done = compute.create_event();
     slot.copied = compute.create_event();
     compute.record(slot.done, compute.comm_stream());
-    s.slots.push_back(slot);
+    p.queue.slots.push_back(slot);
   }
-  s.ready = compute.create_event();
+  p.queue.ready = compute.create_event();
 }
 
 BucketExchange::~BucketExchange() {
-  State& s = *state_;
+  Parts& p = *parts_;
   // MPI may still write into the pinned buffers: let every transfer end. Usage
   // errors stop every rank at the same place, so the others finish too.
   finish_all();
-  s.compute.synchronize_all();
-  for (auto& slot : s.slots) {
-    s.compute.destroy_event(slot.done);
-    s.compute.destroy_event(slot.copied);
-    s.compute.release_host_pinned(slot.host_send);
-    s.compute.release_host_pinned(slot.host_receive);
+  p.compute.synchronize_all();
+  for (auto& slot : p.queue.slots) {
+    p.compute.destroy_event(slot.done);
+    p.compute.destroy_event(slot.copied);
+    p.compute.release_host_pinned(slot.host_send);
+    p.compute.release_host_pinned(slot.host_receive);
   }
-  s.compute.destroy_event(s.ready);
+  p.compute.destroy_event(p.queue.ready);
 }
 
 int BucketExchange::slot_of(int bucket) const {
-  for (size_t k = 0; k < state_->slots.size(); ++k)
-    if (state_->slots[k].bucket == bucket) return (int)k;
+  const std::vector<Slot>& slots = parts_->queue.slots;
+  for (size_t k = 0; k < slots.size(); ++k)
+    if (slots[k].bucket == bucket) return (int)k;
   return -1;
 }
 
 // Constant memory is the point of stage 2: at most slot_count buckets are in
 // flight, and a bucket that needs a slot waits for the oldest transfer.
 int BucketExchange::acquire(int bucket) {
-  State& s = *state_;
-  int slot = s.free_slot();
-  while (slot < 0 && !s.transfers.empty()) {
-    s.finish(*s.transfers.front());
-    s.retire_finished();
-    slot = s.free_slot();
+  TransferQueue& queue = parts_->queue;
+  int slot = queue.free_slot();
+  while (slot < 0 && !queue.transfers.empty()) {
+    queue.finish(*queue.transfers.front());
+    queue.retire_finished();
+    slot = queue.free_slot();
   }
   if (slot < 0)
     usage_error(
         "all %zu staging slot(s) are held by buckets not yet handed over (bucket %d is open) when bucket %d "
         "needs one: hand over every gradient of a bucket before starting the next",
-        s.slots.size(), s.slots[0].bucket, bucket);
-  s.slots[slot].bucket = bucket;
+        queue.slots.size(), queue.slots[0].bucket, bucket);
+  queue.slots[slot].bucket = bucket;
   return slot;
 }
 
 void* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
-  State& s = *state_;
-  char* buffer = s.slots.at(slot).bucket_gradients;
+  Parts& p = *parts_;
+  char* buffer = p.queue.slots.at(slot).bucket_gradients;
   if (!buffer) usage_error("open_bucket_buffer: this exchange was made without bucket buffers");
   // The slot's previous transfer may still read the buffer on the comm stream.
-  s.compute.wait(s.compute.compute_stream(), s.slots[slot].done);
-  s.compute.fill_zero(buffer, s.bytes(padded), s.compute.compute_stream());
+  p.compute.wait(p.compute.compute_stream(), p.queue.slots[slot].done);
+  p.compute.fill_zero(buffer, p.wire.bytes(padded), p.compute.compute_stream());
   return buffer;
 }
 
 // The three public collectives: build the transfer's steps and take the first
 // ones at once.
 void BucketExchange::reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
-  State& s = *state_;
-  Transfer* transfer = s.start(slot, padded);
-  transfer->what = "the reduce-scatter of bucket " + std::to_string(s.slots[slot].bucket);
-  s.add_reduce_scatter(transfer, bucket, padded, into, &s.comm.counters().reduce_scatter);
+  Parts& p = *parts_;
+  Transfer* transfer = p.start(slot, padded, "reduce-scatter");
+  p.add_reduce_scatter(transfer, bucket, padded, into, &p.comm.counters().reduce_scatter);
   progress();
 }
 
 void BucketExchange::all_gather(int slot, void* bucket, size_t padded) {
-  State& s = *state_;
-  Transfer* transfer = s.start(slot, padded);
-  transfer->what = "the all-gather of bucket " + std::to_string(s.slots[slot].bucket);
-  s.add_all_gather(transfer, bucket, padded, &s.comm.counters().all_gather);
+  Parts& p = *parts_;
+  Transfer* transfer = p.start(slot, padded, "all-gather");
+  p.add_all_gather(transfer, bucket, padded, &p.comm.counters().all_gather);
   progress();
 }
 
 void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
-  State& s = *state_;
-  Transfer* transfer = s.start(slot, padded);
-  transfer->what = "the all-reduce of bucket " + std::to_string(s.slots[slot].bucket);
-  void* own = s.at(bucket, (size_t)s.rank * (padded / s.world));
-  size_t* sent = &s.comm.counters().all_reduce;
+  Parts& p = *parts_;
+  void* own = p.wire.at(bucket, (size_t)p.queue.rank * (padded / p.queue.world));
   AccumulateInto target = into;
   if (!target.result) target.result = own;
   if (target.result != own)
     usage_error("all_reduce: the reduced shard must land in the bucket's own slice, to be all-gathered from there");
-  if (s.native && s.world > 1 && target.steps == 1) {
-    s.add_native_all_reduce(transfer, bucket, padded, sent);
+  Transfer* transfer = p.start(slot, padded, "all-reduce");
+  size_t* sent = &p.comm.counters().all_reduce;
+  if (p.native && p.queue.world > 1 && target.steps == 1) {
+    p.add_native_all_reduce(transfer, bucket, padded, sent);
   } else {  // reduce-scatter into the own slice (through `target`), then all-gather the slices
-    s.add_reduce_scatter(transfer, bucket, padded, target, sent);
-    s.add_all_gather(transfer, bucket, padded, sent);
+    p.add_reduce_scatter(transfer, bucket, padded, target, sent);
+    p.add_all_gather(transfer, bucket, padded, sent);
   }
   progress();
 }
 
-void BucketExchange::progress() {
-  State& s = *state_;
-  for (auto& transfer : s.transfers) s.advance(*transfer);
-  s.retire_finished();
-}
-
-void BucketExchange::finish_all() {
-  State& s = *state_;
-  for (auto& transfer : s.transfers) s.finish(*transfer);
-  s.retire_finished();
-}
+void BucketExchange::progress() { parts_->queue.progress(); }
+void BucketExchange::finish_all() { parts_->queue.finish_all(); }
 
 // ----------------------------------------------------------------------------
 // 5. Layout: parameters, norm chunks, buckets, shards
@@ -2604,7 +2666,10 @@ void Engine::require_built(const char* what) const {
 // A results go through accumulate_micro_step(). The whole is the canonical
 // tree over the M = N A micro-batches: 1 x 4 = 2 x 2 = 4 x 1.
 
-struct Engine::Impl {
+// What this rank holds for the engine: the model-state buffers above, full
+// or sharded by stage, the bucket exchange, the micro-step's bookkeeping, and
+// the kernels and steps over them.
+struct Engine::RankState {
   Engine& engine;
   Compute& compute;
   int stage, rank;
@@ -2624,7 +2689,7 @@ struct Engine::Impl {
   Event comm_done;
 
   // Per micro-step state.
-  std::vector<void*> staged_bucket;  // stage 2: where bucket b is being written this micro-step
+  std::vector<void*> slot_buffer;  // stage 2: the slot buffer bucket b is written into this micro-step
   std::vector<char> parameter_ready, bucket_reduced;
   std::vector<int> bucket_ready_count;
   std::vector<float> micro_losses;  // this rank's A loss contributions
@@ -2636,7 +2701,7 @@ struct Engine::Impl {
   long allocations_last_step = 0, pushes_last_step = 0;
   CommCounters step_start_counters, last_step_counters;
 
-  Impl(Engine& e, Compute& c)
+  RankState(Engine& e, Compute& c)
       : engine(e),
         compute(c),
         stage(e.options_.stage),
@@ -2645,7 +2710,7 @@ struct Engine::Impl {
         element(element_bytes(precision)),
         mixed(precision != Precision::fp32),
         accumulation_element(e.options_.accumulate_fp32 ? sizeof(float) : element) {}
-  ~Impl() { compute.destroy_event(comm_done); }
+  ~RankState() { compute.destroy_event(comm_done); }
 
   const BucketInfo& bucket(int b) const { return engine.buckets_[b]; }
   // Element `index` of a buffer of the working type, as a byte address.
@@ -2699,15 +2764,15 @@ struct Engine::Impl {
   void chunk_squares_as(int b, float scale) {
     const Working* gradient = (const Working*)region_gradient(b);
     float* sums = chunk_sums.data() + region(b).state / norm_chunk;
-    compute.for_each(region(b).length / norm_chunk, Z2_LOOP(c, {
-                       const Working* chunk = gradient + c * norm_chunk;
+    compute.for_each(region(b).length / norm_chunk, Z2_LOOP(chunk, {
+                       const Working* values = gradient + chunk * norm_chunk;
                        float squares[norm_chunk];  // the tree's leaves
                        for (long k = 0; k < norm_chunk; ++k) {
                          const float value =
-                             to_float(chunk[k]) * scale;  // exact: scale is a power of two (1 as a rule)
+                             to_float(values[k]) * scale;  // exact: scale is a power of two (1 as a rule)
                          squares[k] = value * value;
                        }
-                       sums[c] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
+                       sums[chunk] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
                      }));
   }
   // The largest |g| of each norm chunk (NaN if the chunk holds one), into
@@ -2716,14 +2781,14 @@ struct Engine::Impl {
   void chunk_largest_as(int b) {
     const Working* gradient = (const Working*)region_gradient(b);
     float* largest = chunk_sums.data() + region(b).state / norm_chunk;
-    compute.for_each(region(b).length / norm_chunk, Z2_LOOP(c, {
+    compute.for_each(region(b).length / norm_chunk, Z2_LOOP(chunk, {
                        float value = 0.0f;
                        for (long k = 0; k < norm_chunk; ++k) {
-                         const float magnitude = fabsf(to_float(gradient[c * norm_chunk + k]));
+                         const float magnitude = fabsf(to_float(gradient[chunk * norm_chunk + k]));
                          if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
                          if (value != value) break;
                        }
-                       largest[c] = value;
+                       largest[chunk] = value;
                      }));
   }
   // AdamW on bucket b's update region. fp32: the parameters are the master.
@@ -2736,14 +2801,15 @@ struct Engine::Impl {
     const size_t first_chunk = own.parameter / norm_chunk;
     const Working* gradient = (const Working*)region_gradient(b);
     float* param = region_master(b);
-    float* m = adam_m.data() + own.state;
-    float* v = adam_v.data() + own.state;
+    float* exp_avg = adam_m.data() + own.state;  // torch's names for m and v
+    float* exp_avg_sq = adam_v.data() + own.state;
     Working* working = mixed ? (Working*)region_param(b) : nullptr;
     // A row per norm chunk (the decay flag is per chunk): the CPU loop reads
     // the flag once a chunk and vectorises the 32 updates of each.
     compute.for_each(own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
                        const size_t i = chunk * norm_chunk + k;
-                       adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, m, v, i);
+                       adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg,
+                                    exp_avg_sq, i);
                        if (working) working[i] = from_float<Working>(param[i]);
                      }));
   }
@@ -2798,12 +2864,12 @@ struct Engine::Impl {
 
 // What the two hooks are lent: the exchange's slots and this rank's gradient
 // shard. Each call refuses what would break a later one, with a message.
-struct Engine::Impl::SlotGradients : GradientShards {
-  Impl& impl;
-  explicit SlotGradients(Impl& i) : impl(i) {}
+struct Engine::RankState::SlotGradients : GradientShards {
+  RankState& rank_state;
+  explicit SlotGradients(RankState& i) : rank_state(i) {}
   bool holds_slot(int b) const override {
-    impl.check_bucket(b, "holds_slot");
-    return impl.exchange->slot_of(b) >= 0;
+    rank_state.check_bucket(b, "holds_slot");
+    return rank_state.exchange->slot_of(b) >= 0;
   }
   void take_slot(int b) override {
     if (holds_slot(b))
@@ -2811,44 +2877,45 @@ struct Engine::Impl::SlotGradients : GradientShards {
           "take_slot: bucket %d already holds a staging slot: a bucket takes one slot, at its first gradient, and "
           "keeps it until its reduce-scatter has finished",
           b);
-    const int slot = impl.exchange->acquire(b);
-    impl.staged_bucket[b] = impl.exchange->open_bucket_buffer(slot, impl.bucket(b).padded_length);
+    const int slot = rank_state.exchange->acquire(b);
+    rank_state.slot_buffer[b] = rank_state.exchange->open_bucket_buffer(slot, rank_state.bucket(b).padded_length);
   }
   void* slot_element(int b, size_t index) override {
     if (!holds_slot(b)) usage_error("slot_element: bucket %d holds no slot (take_slot first)", b);
-    if (index >= impl.bucket(b).padded_length)
-      usage_error("slot_element: element %zu of bucket %d, which has %zu", index, b, impl.bucket(b).padded_length);
-    return impl.at_bytes(impl.staged_bucket[b], index);
+    if (index >= rank_state.bucket(b).padded_length)
+      usage_error("slot_element: element %zu of bucket %d, which has %zu", index, b,
+                  rank_state.bucket(b).padded_length);
+    return rank_state.at_bytes(rank_state.slot_buffer[b], index);
   }
   int handed_over(int b) const override {
-    impl.check_bucket(b, "handed_over");
-    return impl.bucket_ready_count[b];
+    rank_state.check_bucket(b, "handed_over");
+    return rank_state.bucket_ready_count[b];
   }
   void reduce_scatter(int b, size_t keep) override;
 };
 
-void Engine::Impl::SlotGradients::reduce_scatter(int b, size_t keep) {
-  const BucketInfo& info = impl.bucket(b);
+void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
+  const BucketInfo& info = rank_state.bucket(b);
   const int parameters = info.end_parameter - info.first_parameter;
   if (!holds_slot(b)) usage_error("reduce_scatter: bucket %d holds no slot: nothing was written for it", b);
-  if (impl.bucket_reduced[b])
+  if (rank_state.bucket_reduced[b])
     usage_error("reduce_scatter: bucket %d was reduce-scattered already in this micro-step", b);
-  if (impl.bucket_ready_count[b] < parameters)
+  if (rank_state.bucket_ready_count[b] < parameters)
     usage_error(
         "reduce_scatter: bucket %d with %d of its %d gradients handed over: the others would be written after the "
         "sum was taken. Backward hands a bucket's parameters over last first (in any order, in general): count them",
-        b, impl.bucket_ready_count[b], parameters);
+        b, rank_state.bucket_ready_count[b], parameters);
   // A student's `keep` may differ between ranks: agreed, so that no rank stops alone.
-  const size_t shard_elements = impl.engine.psi_padded() / impl.engine.comm_.world_size();
-  if (impl.fails_on_any_rank(keep + info.shard_length > shard_elements))
+  const size_t shard_elements = rank_state.engine.psi_padded() / rank_state.engine.comm_.world_size();
+  if (rank_state.fails_on_any_rank(keep + info.shard_length > shard_elements))
     usage_error(
         "reduce_scatter: bucket %d's shard of %zu elements kept from element %zu of a gradient shard of %zu on some "
         "rank: stage 2 has no full gradient buffer (shard_begin places a shard in the full buffer)",
         b, info.shard_length, keep, shard_elements);
-  impl.exchange->reduce_scatter(impl.exchange->slot_of(b), impl.staged_bucket[b], info.padded_length,
-                                impl.accumulate_into(keep, keep));
-  impl.bucket_reduced[b] = 1;
-  if (!impl.engine.options_.overlap) impl.exchange->finish_all();
+  rank_state.exchange->reduce_scatter(rank_state.exchange->slot_of(b), rank_state.slot_buffer[b], info.padded_length,
+                                      rank_state.accumulate_into(keep, keep));
+  rank_state.bucket_reduced[b] = 1;
+  if (!rank_state.engine.options_.overlap) rank_state.exchange->finish_all();
 }
 
 // P_os+g (5.2): backward writes a slot of the bucket's size, taken when the
@@ -2878,7 +2945,7 @@ void* Engine::parameter_storage(ParameterId id, Precision expected) {
   if (expected != options_.precision)
     usage_error("parameter '%s' asked for as %s, but the engine trains in %s", parameters_[id].name.c_str(),
                 to_string(expected), to_string(options_.precision));
-  return impl_->at(impl_->params, parameters_[id].offset);
+  return rank_state_->at(rank_state_->params, parameters_[id].offset);
 }
 
 void* Engine::gradient_storage(ParameterId id, Precision expected) {
@@ -2890,19 +2957,19 @@ void* Engine::gradient_storage(ParameterId id, Precision expected) {
   if (micro_step_ >= options_.accumulation_steps)
     usage_error("gradient_output: all %d micro-steps of this optimizer step are done; call step() first",
                 options_.accumulation_steps);
-  Impl& impl = *impl_;
+  RankState& rank_state = *rank_state_;
   const ParameterInfo& p = parameters_[id];
-  if (impl.parameter_ready[id])
+  if (rank_state.parameter_ready[id])
     usage_error("gradient_output: '%s' was already handed over this micro-step", p.name.c_str());
   // DP and P_os: backward writes the full gradient buffer [Psi_padded].
-  if (impl.stage < 2) return impl.at(impl.grads, p.offset);
+  if (rank_state.stage < 2) return rank_state.at(rank_state.grads, p.offset);
   // P_os+g (paper 5.2): no full gradient exists; backward writes the bucket's slot (the hook below).
   const BucketInfo& b = buckets_[p.bucket];
-  Impl::SlotGradients slots(impl);
+  RankState::SlotGradients slots(rank_state);
   void* storage = stage2_gradient_output(slots, p.bucket, b, p.offset - b.offset);
-  const char* slot = (const char*)impl.staged_bucket[p.bucket];
+  const char* slot = (const char*)rank_state.slot_buffer[p.bucket];
   if (!slots.holds_slot(p.bucket) || (const char*)storage < slot ||
-      (const char*)storage + p.numel * impl.element > slot + b.padded_length * impl.element)
+      (const char*)storage + p.numel * rank_state.element > slot + b.padded_length * rank_state.element)
     usage_error("stage2_gradient_output: the gradient of '%s' (%zu elements) must lie in bucket %d's slot",
                 p.name.c_str(), p.numel, p.bucket);
   return storage;
@@ -2911,67 +2978,68 @@ void* Engine::gradient_storage(ParameterId id, Precision expected) {
 void Engine::gradient_ready(ParameterId id) {
   require_built("gradient_ready");
   if (id < 0 || id >= (int)parameters_.size()) usage_error("gradient_ready: id %d out of range", id);
-  Impl& impl = *impl_;
+  RankState& rank_state = *rank_state_;
   const ParameterInfo& p = parameters_[id];
-  if (impl.parameter_ready[id]) usage_error("gradient_ready: '%s' handed over twice in one micro-step", p.name.c_str());
-  if (impl.stage == 2 && impl.exchange->slot_of(p.bucket) < 0)
+  if (rank_state.parameter_ready[id])
+    usage_error("gradient_ready: '%s' handed over twice in one micro-step", p.name.c_str());
+  if (rank_state.stage == 2 && rank_state.exchange->slot_of(p.bucket) < 0)
     usage_error("gradient_ready: '%s' handed over without gradient_output()", p.name.c_str());
-  impl.parameter_ready[id] = 1;
+  rank_state.parameter_ready[id] = 1;
   const BucketInfo& b = buckets_[p.bucket];
-  ++impl.bucket_ready_count[p.bucket];
-  if (impl.stage == 2) {
+  ++rank_state.bucket_ready_count[p.bucket];
+  if (rank_state.stage == 2) {
     // P_os+g cannot wait for the end of backward: its slots must come back
     // for the next buckets, so without overlap it reduces now and blocks.
-    Impl::SlotGradients slots(impl);
+    RankState::SlotGradients slots(rank_state);
     stage2_gradient_ready(slots, p.bucket, b, id);
-  } else if (options_.overlap && impl.bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
+  } else if (options_.overlap && rank_state.bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
     // Stages 0/1 without overlap wait for the end of backward, as a framework
     // without gradient hooks would.
-    impl.reduce_bucket(p.bucket);
+    rank_state.reduce_bucket(p.bucket);
   }
-  impl.exchange->progress();
+  rank_state.exchange->progress();
 }
 
 int Engine::buckets_reduced_during_backward() const {
   require_built("buckets_reduced_during_backward");
-  return impl_->reduced_during_backward;
+  return rank_state_->reduced_during_backward;
 }
 
 void Engine::progress() {
-  if (built_) impl_->exchange->progress();
+  if (built_) rank_state_->exchange->progress();
 }
 
 void Engine::end_micro_step(float loss) {
   require_built("end_micro_step");
-  Impl& impl = *impl_;
+  RankState& rank_state = *rank_state_;
   if (micro_step_ >= options_.accumulation_steps)
     usage_error("end_micro_step: already %d micro-steps; call step()", options_.accumulation_steps);
   for (size_t id = 0; id < parameters_.size(); ++id)
-    if (!impl.parameter_ready[id])
+    if (!rank_state.parameter_ready[id])
       usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
   // Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
   // the order backward completes them. Stage 2 reduces every bucket during
   // backward, from its slot: one left means the hook never started it.
-  impl.reduced_during_backward = 0;
-  for (char reduced : impl.bucket_reduced) impl.reduced_during_backward += reduced;
+  rank_state.reduced_during_backward = 0;
+  for (char reduced : rank_state.bucket_reduced) rank_state.reduced_during_backward += reduced;
   for (int b = (int)buckets_.size() - 1; b >= 0; --b) {
-    if (impl.bucket_reduced[b]) continue;
-    if (impl.stage == 2)
+    if (rank_state.bucket_reduced[b]) continue;
+    if (rank_state.stage == 2)
       usage_error(
           "end_micro_step: bucket %d ('%s' ...) was never reduce-scattered: in stage 2 each bucket is "
           "reduce-scattered from its slot as soon as its last gradient is handed over (stage2_gradient_ready)",
           b, parameters_[buckets_[b].first_parameter].name.c_str());
-    impl.reduce_bucket(b);
+    rank_state.reduce_bucket(b);
   }
-  impl.exchange->finish_all();
+  rank_state.exchange->finish_all();
   // The next micro-step's backward overwrites the gradients: it must come
   // after everything the comm stream still does with them.
-  compute_.record(impl.comm_done, compute_.comm_stream());
-  compute_.wait(compute_.compute_stream(), impl.comm_done);
-  impl.micro_losses[micro_step_] = loss;
-  std::fill(impl.parameter_ready.begin(), impl.parameter_ready.end(), 0);
-  std::fill(impl.bucket_ready_count.begin(), impl.bucket_ready_count.end(), 0);
-  std::fill(impl.bucket_reduced.begin(), impl.bucket_reduced.end(), 0);
+  compute_.record(rank_state.comm_done, compute_.comm_stream());
+  compute_.wait(compute_.compute_stream(), rank_state.comm_done);
+  rank_state.micro_losses[micro_step_] = loss;
+  std::fill(rank_state.parameter_ready.begin(), rank_state.parameter_ready.end(), 0);
+  std::fill(rank_state.bucket_ready_count.begin(), rank_state.bucket_ready_count.end(), 0);
+  std::fill(rank_state.bucket_reduced.begin(), rank_state.bucket_reduced.end(), 0);
   ++micro_step_;
 }
 
@@ -3163,18 +3231,18 @@ void Engine::build() {
                     comm_.world_size());
 #endif
   place_parameters(parameters_, buckets_);
-  impl_.reset(new Impl(*this, compute_));
+  rank_state_.reset(new RankState(*this, compute_));
   // The ledger's peaks are this engine's: start them from what exists now.
   compute_.reset_peaks();
   // Every size comes from engine_buffers(), the function --plan calls: what
   // the planner promises is what is allocated here (section 8).
-  impl_->allocate(engine_buffers(buckets_, options_, comm_.world_size()));
+  rank_state_->allocate(engine_buffers(buckets_, options_, comm_.world_size()));
   built_ = true;
   set_watchdog_context("optimizer step 1");  // what the watchdog's message names, from here on
 }
 
 // The buffers of build(), in the order the memory ledger lists them.
-void Engine::Impl::allocate(const EngineBuffers& sizes) {
+void Engine::RankState::allocate(const EngineBuffers& sizes) {
   const EngineOptions& options = engine.options_;
   const size_t padded = engine.psi_padded();
 
@@ -3214,7 +3282,7 @@ void Engine::Impl::allocate(const EngineBuffers& sizes) {
   parameter_ready.assign(engine.parameters_.size(), 0);
   bucket_ready_count.assign(engine.buckets_.size(), 0);
   bucket_reduced.assign(engine.buckets_.size(), 0);
-  staged_bucket.assign(engine.buckets_.size(), nullptr);
+  slot_buffer.assign(engine.buckets_.size(), nullptr);
   micro_losses.assign(options.accumulation_steps, 0.0f);
   step_start_counters = engine.comm_.counters();
   allocations_at_step_start = compute.memory().allocations;
@@ -3240,7 +3308,7 @@ void Engine::Impl::allocate(const EngineBuffers& sizes) {
 // exact) is folded into the clipping coefficient, one multiply per element.
 
 // Loss: rank r's micro-step a is global micro-batch m = a N + r.
-float Engine::Impl::global_loss() {
+float Engine::RankState::global_loss() {
   const int A = engine.options_.accumulation_steps, N = engine.comm_.world_size();
   std::vector<float> gathered((size_t)N * A), by_micro_batch((size_t)N * A);
   engine.comm_.all_gather_host(micro_losses.data(), A, gathered.data(), "the micro-batch losses");
@@ -3250,7 +3318,7 @@ float Engine::Impl::global_loss() {
 }
 
 // The sum of squares of every norm chunk of this rank's update region, on the host.
-std::vector<float> Engine::Impl::local_chunk_sums(float scale) {
+std::vector<float> Engine::RankState::local_chunk_sums(float scale) {
   for (int b = 0; b < (int)engine.buckets_.size(); ++b)
     for_working_type([&](auto zero) { chunk_squares_as<decltype(zero)>(b, scale); });
   std::vector<float> local(chunk_sums.size());
@@ -3261,7 +3329,7 @@ std::vector<float> Engine::Impl::local_chunk_sums(float scale) {
 
 // The largest |g| over every rank's update region (collective); `finite`
 // says whether every element of the gradient is finite.
-float Engine::Impl::global_largest_magnitude(bool* finite) {
+float Engine::RankState::global_largest_magnitude(bool* finite) {
   for (int b = 0; b < (int)engine.buckets_.size(); ++b)
     for_working_type([&](auto zero) { chunk_largest_as<decltype(zero)>(b); });
   std::vector<float> local(chunk_sums.size());
@@ -3282,7 +3350,7 @@ float Engine::Impl::global_largest_magnitude(bool* finite) {
 
 // The global squared norm: the chunk sums of all ranks in canonical order,
 // then the canonical tree over them. Padding chunks take no part.
-float Engine::Impl::global_squared_norm(const std::vector<float>& local) {
+float Engine::RankState::global_squared_norm(const std::vector<float>& local) {
   const int N = engine.comm_.world_size();
   const auto& buckets = engine.buckets_;
   std::vector<float> all_chunks;  // indexed by chunk of the padded buffer
@@ -3307,7 +3375,7 @@ float Engine::Impl::global_squared_norm(const std::vector<float>& local) {
 }
 
 // torch.optim.AdamW's scalars, computed in double, for update t (1-based).
-AdamWConstants Engine::Impl::adamw_constants(double lr, long t, float grad_scale) const {
+AdamWConstants Engine::RankState::adamw_constants(double lr, long t, float grad_scale) const {
   const EngineOptions& o = engine.options_;
   AdamWConstants constants;
   constants.decay_factor = (float)(1.0 - lr * o.weight_decay);
@@ -3325,7 +3393,7 @@ AdamWConstants Engine::Impl::adamw_constants(double lr, long t, float grad_scale
 }
 
 // This step's communication and allocations, for the ledger.
-void Engine::Impl::account_step() {
+void Engine::RankState::account_step() {
   const CommCounters& now = engine.comm_.counters();
   last_step_counters.reduce_scatter = now.reduce_scatter - step_start_counters.reduce_scatter;
   last_step_counters.all_gather = now.all_gather - step_start_counters.all_gather;
@@ -3345,19 +3413,19 @@ void Engine::Impl::account_step() {
 // defined after it in the same order.
 StepReport Engine::step() {
   require_built("step");
-  Impl& impl = *impl_;
-  StepReport report = impl.open_step();                      // the global loss, the step's number and learning rate
-  const std::vector<float> local = impl.local_chunk_sums();  // the squares of this rank's reduced gradients
-  if (impl.overflow_skips_step(local, report)) return impl.close_step(report);  // fp16 only
-  report.grad_norm = impl.global_norm(local, report);
-  report.clip_coefficient = impl.clip_coefficient(report.grad_norm);
+  RankState& rank_state = *rank_state_;
+  StepReport report = rank_state.open_step();  // the global loss, the step's number and learning rate
+  const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank's reduced gradients
+  if (rank_state.overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16 only
+  report.grad_norm = rank_state.global_norm(local, report);
+  report.clip_coefficient = rank_state.clip_coefficient(report.grad_norm);
   // AdamW on this rank's update regions (every bucket in DP, its shards in P_os and P_os+g),
   // then, in P_os and P_os+g, everyone's updated shards to everyone.
-  impl.update_and_gather(report);
-  return impl.close_step(report);
+  rank_state.update_and_gather(report);
+  return rank_state.close_step(report);
 }
 
-StepReport Engine::Impl::open_step() {
+StepReport Engine::RankState::open_step() {
   const int A = engine.options_.accumulation_steps;
   if (engine.micro_step_ != A)
     usage_error("step() after %d micro-step(s); accumulation_steps is %d", engine.micro_step_, A);
@@ -3377,7 +3445,7 @@ StepReport Engine::Impl::open_step() {
 // 32 x 65504^2 < 2^37, so a non-finite chunk is a non-finite element.) Every
 // rank takes the same verdict and the scaler moves on it; a skipped step
 // updates nothing.
-bool Engine::Impl::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
+bool Engine::RankState::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
   if (engine.options_.precision == Precision::fp16) {
     bool overflow = false;
     for (float sum : local) overflow |= !std::isfinite(sum);
@@ -3399,7 +3467,7 @@ bool Engine::Impl::overflow_skips_step(const std::vector<float>& local, StepRepo
 // exact and N-independent), in the same chunks and tree, and the norm is
 // scaled back. Runs that do not overflow keep their bits; a gradient that
 // is itself inf or NaN ends the run (fp16 skipped the step before this).
-float Engine::Impl::global_norm(const std::vector<float>& local, const StepReport& report) {
+float Engine::RankState::global_norm(const std::vector<float>& local, const StepReport& report) {
   float squared = global_squared_norm(local), scale_back = 1.0f;
   if (!std::isfinite(squared)) {
     bool finite = true;
@@ -3428,7 +3496,7 @@ float Engine::Impl::global_norm(const std::vector<float>& local, const StepRepor
 
 // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
 // 1e-6), capped at 1, in float; 1 when not clipping.
-float Engine::Impl::clip_coefficient(float grad_norm) const {
+float Engine::RankState::clip_coefficient(float grad_norm) const {
   if (engine.options_.clip <= 0) return 1.0f;
   const float coefficient = (float)engine.options_.clip / (grad_norm + 1e-6f);
   return std::min(coefficient, 1.0f);
@@ -3437,27 +3505,27 @@ float Engine::Impl::clip_coefficient(float grad_norm) const {
 // What update_and_gather (below) is lent: AdamW with this step's constants
 // on a bucket's update region, and the all-gather of a bucket's parameters
 // (16-bit working parameters in mixed precision: half the bytes).
-struct Engine::Impl::StepOverShards : OwnShards {
-  Impl& impl;
+struct Engine::RankState::StepOverShards : OwnShards {
+  RankState& rank_state;
   const AdamWConstants constants;
-  StepOverShards(Impl& i, const AdamWConstants& c) : impl(i), constants(c) {}
+  StepOverShards(RankState& i, const AdamWConstants& c) : rank_state(i), constants(c) {}
   void adamw(int b) override {
-    impl.check_bucket(b, "adamw");
-    impl.for_working_type([&](auto zero) { impl.adamw_as<decltype(zero)>(b, constants); });
+    rank_state.check_bucket(b, "adamw");
+    rank_state.for_working_type([&](auto zero) { rank_state.adamw_as<decltype(zero)>(b, constants); });
   }
   void all_gather(int b) override {
-    impl.check_bucket(b, "all_gather");
-    impl.start_all_gather(b);
+    rank_state.check_bucket(b, "all_gather");
+    rank_state.start_all_gather(b);
   }
 };
 
 // Bucket b's parameters, in place, rank r's shard to every rank; and the
 // wait for every all-gather started, after which forward (on the compute
 // stream) may read them.
-void Engine::Impl::start_all_gather(int b) {
+void Engine::RankState::start_all_gather(int b) {
   exchange->all_gather(exchange->acquire(b), at(params, bucket(b).offset), bucket(b).padded_length);
 }
-void Engine::Impl::wait_for_all_gathers() {
+void Engine::RankState::wait_for_all_gathers() {
   exchange->finish_all();
   compute.record(comm_done, compute.comm_stream());
   compute.wait(compute.compute_stream(), comm_done);
@@ -3475,7 +3543,7 @@ Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketIn
 // AdamW's constants for update t, the stage's step through the seam above,
 // and the wait for its all-gathers. One multiply per element folds the
 // clipping coefficient and fp16's 1/S into the gradient.
-void Engine::Impl::update_and_gather(StepReport& report) {
+void Engine::RankState::update_and_gather(StepReport& report) {
   const long t = engine.optimizer_step_ + 1;
   const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
   StepOverShards shards(*this, adamw_constants(report.lr, t, grad_scale));
@@ -3486,7 +3554,7 @@ void Engine::Impl::update_and_gather(StepReport& report) {
 }
 
 // Account the step in the ledgers and name the next one for the watchdog.
-StepReport Engine::Impl::close_step(const StepReport& report) {
+StepReport Engine::RankState::close_step(const StepReport& report) {
   account_step();
   set_watchdog_context("optimizer step " + std::to_string(report.step + 1));
   return report;
@@ -3534,11 +3602,11 @@ std::vector<float> Engine::canonical_from_padded(const std::vector<float>& padde
 std::vector<float> Engine::parameters_to_host() {
   require_built("parameters_to_host");
   compute_.synchronize_all();
-  Impl& impl = *impl_;
-  if (!impl.mixed)
-    return canonical_from_padded(working_to_host(compute_, impl.params.data(), psi_padded(), Precision::fp32));
-  std::vector<float> master(impl.master.size());
-  compute_.copy(master.data(), impl.master.data(), master.size() * sizeof(float), compute_.compute_stream());
+  RankState& rank_state = *rank_state_;
+  if (!rank_state.mixed)
+    return canonical_from_padded(working_to_host(compute_, rank_state.params.data(), psi_padded(), Precision::fp32));
+  std::vector<float> master(rank_state.master.size());
+  compute_.copy(master.data(), rank_state.master.data(), master.size() * sizeof(float), compute_.compute_stream());
   compute_.synchronize(compute_.compute_stream());
   if (options_.stage == 0) return canonical_from_padded(master);
   // Stages 1 and 2 hold the master sharded: gather every rank's shards (not
@@ -3560,14 +3628,14 @@ std::vector<float> Engine::parameters_to_host() {
 std::vector<float> Engine::working_parameters_to_host() {
   require_built("working_parameters_to_host");
   compute_.synchronize_all();
-  return canonical_from_padded(working_to_host(compute_, impl_->params.data(), psi_padded(), options_.precision));
+  return canonical_from_padded(working_to_host(compute_, rank_state_->params.data(), psi_padded(), options_.precision));
 }
 
 void Engine::parameters_from_host(const std::vector<float>& canonical) {
   require_built("parameters_from_host");
   if (canonical.size() != psi())
     usage_error("parameters_from_host: %zu values for %zu parameters", canonical.size(), psi());
-  Impl& impl = *impl_;
+  RankState& rank_state = *rank_state_;
   std::vector<float> padded(psi_padded(), 0.0f);  // padding stays zero
   size_t position = 0;
   for (auto& p : parameters_) {
@@ -3575,15 +3643,16 @@ void Engine::parameters_from_host(const std::vector<float>& canonical) {
     position += p.numel;
   }
   Stream stream = compute_.compute_stream();
-  if (!impl.mixed) {
-    compute_.copy(impl.params.data(), padded.data(), padded.size() * sizeof(float), stream);
+  if (!rank_state.mixed) {
+    compute_.copy(rank_state.params.data(), padded.data(), padded.size() * sizeof(float), stream);
   } else {
     // The working copy is the master rounded; the master holds this rank's region.
     const std::vector<uint16_t> working = narrow_bits(padded, options_.precision);
-    compute_.copy(impl.params.data(), working.data(), working.size() * sizeof(uint16_t), stream);
+    compute_.copy(rank_state.params.data(), working.data(), working.size() * sizeof(uint16_t), stream);
     for (int b = 0; b < (int)buckets_.size(); ++b)
-      compute_.copy(impl.master.data() + impl.region(b).state, padded.data() + impl.region(b).parameter,
-                    impl.region(b).length * sizeof(float), stream);
+      compute_.copy(rank_state.master.data() + rank_state.region(b).state,
+                    padded.data() + rank_state.region(b).parameter, rank_state.region(b).length * sizeof(float),
+                    stream);
   }
   compute_.synchronize(stream);
 }
@@ -3600,7 +3669,7 @@ std::vector<float> Engine::gradients_to_host() {
   std::vector<float> padded(psi_padded());
   for (int b = 0; b < (int)buckets_.size(); ++b) {
     std::vector<float> values =
-        working_to_host(compute_, impl_->region_gradient(b), buckets_[b].padded_length, options_.precision);
+        working_to_host(compute_, rank_state_->region_gradient(b), buckets_[b].padded_length, options_.precision);
     std::copy(values.begin(), values.end(), padded.begin() + buckets_[b].offset);
   }
   // fp16: divide the loss scale out (a power of two: exact).
@@ -3616,7 +3685,8 @@ std::vector<float> Engine::gradient_buffer_to_host() {
     usage_error("gradient_buffer_to_host: only after all %d micro-steps and before step()",
                 options_.accumulation_steps);
   compute_.synchronize_all();
-  return working_to_host(compute_, impl_->grads.data(), impl_->grads.size() / impl_->element, options_.precision);
+  return working_to_host(compute_, rank_state_->grads.data(), rank_state_->grads.size() / rank_state_->element,
+                         options_.precision);
 }
 
 uint64_t Engine::parameters_hash() {
@@ -3704,33 +3774,33 @@ std::vector<StateRun> Engine::owned_state_runs(int rank) const {
 OptimizerState Engine::owned_state_to_host() {
   require_built("owned_state_to_host");
   compute_.synchronize_all();
-  Impl& impl = *impl_;
+  RankState& rank_state = *rank_state_;
   const std::vector<LocatedRun> runs = located_runs(*this, rank());
   auto to_host = [&](const float* device, size_t count) {
     std::vector<float> values(count);
     compute_.copy(values.data(), device, count * sizeof(float), compute_.compute_stream());
     return values;
   };
-  const std::vector<float> m = to_host(impl.adam_m.data(), impl.adam_m.size());
-  const std::vector<float> v = to_host(impl.adam_v.data(), impl.adam_v.size());
-  const std::vector<float> master = impl.mixed ? to_host(impl.master.data(), impl.master.size())
-                                               : to_host((const float*)impl.params.data(), psi_padded());
+  const std::vector<float> exp_avg = to_host(rank_state.adam_m.data(), rank_state.adam_m.size());
+  const std::vector<float> exp_avg_sq = to_host(rank_state.adam_v.data(), rank_state.adam_v.size());
+  const std::vector<float> master = rank_state.mixed ? to_host(rank_state.master.data(), rank_state.master.size())
+                                                     : to_host((const float*)rank_state.params.data(), psi_padded());
   compute_.synchronize(compute_.compute_stream());
   OptimizerState state;
   for (const LocatedRun& located : runs) {
-    const size_t at = impl.mixed ? located.stored : located.padded;
+    const size_t at = rank_state.mixed ? located.stored : located.padded;
     state.master.insert(state.master.end(), master.begin() + at, master.begin() + at + located.run.length);
-    state.exp_avg.insert(state.exp_avg.end(), m.begin() + located.stored,
-                         m.begin() + located.stored + located.run.length);
-    state.exp_avg_sq.insert(state.exp_avg_sq.end(), v.begin() + located.stored,
-                            v.begin() + located.stored + located.run.length);
+    state.exp_avg.insert(state.exp_avg.end(), exp_avg.begin() + located.stored,
+                         exp_avg.begin() + located.stored + located.run.length);
+    state.exp_avg_sq.insert(state.exp_avg_sq.end(), exp_avg_sq.begin() + located.stored,
+                            exp_avg_sq.begin() + located.stored + located.run.length);
   }
   return state;
 }
 
 void Engine::owned_state_from_host(const OptimizerState& state) {
   require_built("owned_state_from_host");
-  Impl& impl = *impl_;
+  RankState& rank_state = *rank_state_;
   const std::vector<LocatedRun> runs = located_runs(*this, rank());
   size_t total = 0;
   for (const LocatedRun& located : runs) total += located.run.length;
@@ -3740,33 +3810,35 @@ void Engine::owned_state_from_host(const OptimizerState& state) {
   compute_.synchronize_all();
   const Stream stream = compute_.compute_stream();
   // Into host copies of the whole buffers (padding keeps its zeros), then back.
-  std::vector<float> m(impl.adam_m.size()), v(impl.adam_v.size());
-  std::vector<float> master(impl.mixed ? impl.master.size() : psi_padded());
-  compute_.copy(m.data(), impl.adam_m.data(), m.size() * sizeof(float), stream);
-  compute_.copy(v.data(), impl.adam_v.data(), v.size() * sizeof(float), stream);
-  compute_.copy(master.data(), impl.mixed ? (const void*)impl.master.data() : (const void*)impl.params.data(),
+  std::vector<float> exp_avg(rank_state.adam_m.size()), exp_avg_sq(rank_state.adam_v.size());
+  std::vector<float> master(rank_state.mixed ? rank_state.master.size() : psi_padded());
+  compute_.copy(exp_avg.data(), rank_state.adam_m.data(), exp_avg.size() * sizeof(float), stream);
+  compute_.copy(exp_avg_sq.data(), rank_state.adam_v.data(), exp_avg_sq.size() * sizeof(float), stream);
+  compute_.copy(master.data(),
+                rank_state.mixed ? (const void*)rank_state.master.data() : (const void*)rank_state.params.data(),
                 master.size() * sizeof(float), stream);
   compute_.synchronize(stream);
   size_t from = 0;
   for (const LocatedRun& located : runs) {
     const size_t length = located.run.length;
-    std::copy_n(state.master.begin() + from, length, master.begin() + (impl.mixed ? located.stored : located.padded));
-    std::copy_n(state.exp_avg.begin() + from, length, m.begin() + located.stored);
-    std::copy_n(state.exp_avg_sq.begin() + from, length, v.begin() + located.stored);
+    std::copy_n(state.master.begin() + from, length,
+                master.begin() + (rank_state.mixed ? located.stored : located.padded));
+    std::copy_n(state.exp_avg.begin() + from, length, exp_avg.begin() + located.stored);
+    std::copy_n(state.exp_avg_sq.begin() + from, length, exp_avg_sq.begin() + located.stored);
     from += length;
   }
-  compute_.copy(impl.adam_m.data(), m.data(), m.size() * sizeof(float), stream);
-  compute_.copy(impl.adam_v.data(), v.data(), v.size() * sizeof(float), stream);
-  if (!impl.mixed) {
-    compute_.copy(impl.params.data(), master.data(), master.size() * sizeof(float), stream);
+  compute_.copy(rank_state.adam_m.data(), exp_avg.data(), exp_avg.size() * sizeof(float), stream);
+  compute_.copy(rank_state.adam_v.data(), exp_avg_sq.data(), exp_avg_sq.size() * sizeof(float), stream);
+  if (!rank_state.mixed) {
+    compute_.copy(rank_state.params.data(), master.data(), master.size() * sizeof(float), stream);
   } else {
-    compute_.copy(impl.master.data(), master.data(), master.size() * sizeof(float), stream);
+    compute_.copy(rank_state.master.data(), master.data(), master.size() * sizeof(float), stream);
     // The working copy of the own region is the master rounded, as an update leaves it.
     for (int b = 0; b < (int)buckets_.size(); ++b) {
-      const UpdateRegion own = impl.region(b);
+      const UpdateRegion own = rank_state.region(b);
       const std::vector<float> region(master.begin() + own.state, master.begin() + own.state + own.length);
       const std::vector<uint16_t> working = narrow_bits(region, options_.precision);
-      compute_.copy(impl.region_param(b), working.data(), working.size() * sizeof(uint16_t), stream);
+      compute_.copy(rank_state.region_param(b), working.data(), working.size() * sizeof(uint16_t), stream);
       compute_.synchronize(stream);  // `working` leaves scope
     }
   }
@@ -3774,10 +3846,10 @@ void Engine::owned_state_from_host(const OptimizerState& state) {
   // Every rank's regions to every rank, as at the end of a step; not
   // training traffic, so the next step's ledger does not count it.
   if (options_.stage > 0)
-    for (int b = 0; b < (int)buckets_.size(); ++b) impl.start_all_gather(b);
-  impl.wait_for_all_gathers();
+    for (int b = 0; b < (int)buckets_.size(); ++b) rank_state.start_all_gather(b);
+  rank_state.wait_for_all_gathers();
   compute_.synchronize_all();
-  impl.step_start_counters = comm_.counters();
+  rank_state.step_start_counters = comm_.counters();
 }
 
 OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
@@ -3959,7 +4031,7 @@ const char* model_states_formula_text(int stage, Precision precision) {
 MemoryLedger Engine::memory_ledger() const {
   require_built("memory_ledger");
   const MemoryCounters& c = compute_.memory();
-  const size_t psi = psi_padded(), N = comm_.world_size(), e = impl_->element;
+  const size_t psi = psi_padded(), N = comm_.world_size(), e = rank_state_->element;
   MemoryLedger ledger;
   ledger.precision = options_.precision;
   ledger.params = c.current[(int)MemoryKind::params];
@@ -3975,7 +4047,7 @@ MemoryLedger Engine::memory_ledger() const {
   ledger.model_states_formula =
       (size_t)model_states_formula(options_.stage, options_.precision, (double)psi, (double)N);
   ledger.accumulation_formula =
-      accumulation_blocks(options_.accumulation_steps) * (psi / N) * impl_->accumulation_element;
+      accumulation_blocks(options_.accumulation_steps) * (psi / N) * rank_state_->accumulation_element;
   size_t max_padded_bucket = 0;
   for (auto& b : buckets_) max_padded_bucket = std::max(max_padded_bucket, b.padded_length);
   ledger.staging_formula =
@@ -3987,10 +4059,10 @@ MemoryLedger Engine::memory_ledger() const {
   ledger.capacity = compute_.capacity();
   ledger.fragmentation = c.reserved_peak > 0 ? 1.0 - (double)c.total_peak / (double)c.reserved_peak : 0.0;
   ledger.host_offload_peak = c.host_offload_peak;
-  if (impl_->allocations_at_step1 >= 0)
-    ledger.device_allocations_after_step1 = c.allocations - impl_->allocations_at_step1;
-  ledger.device_allocations_per_step = impl_->allocations_last_step;
-  ledger.stack_pushes_per_step = impl_->pushes_last_step;
+  if (rank_state_->allocations_at_step1 >= 0)
+    ledger.device_allocations_after_step1 = c.allocations - rank_state_->allocations_at_step1;
+  ledger.device_allocations_per_step = rank_state_->allocations_last_step;
+  ledger.stack_pushes_per_step = rank_state_->pushes_last_step;
   ledger.device_mallocs = c.device_mallocs;
   return ledger;
 }
@@ -3998,9 +4070,9 @@ MemoryLedger Engine::memory_ledger() const {
 CommLedger Engine::comm_ledger() const {
   require_built("comm_ledger");
   const size_t psi = psi_padded(), N = comm_.world_size(), A = options_.accumulation_steps;
-  const size_t one_way = (N - 1) * (psi / N) * impl_->element;  // (N-1)/N Psi elements of 4 or 2 bytes
+  const size_t one_way = (N - 1) * (psi / N) * rank_state_->element;  // (N-1)/N Psi elements of 4 or 2 bytes
   CommLedger ledger;
-  ledger.per_step = impl_->last_step_counters;
+  ledger.per_step = rank_state_->last_step_counters;
   ledger.formula_per_step = A * one_way + one_way;  // A reduce-scatters + 1 all-gather, in every stage
   return ledger;
 }
@@ -4015,50 +4087,52 @@ std::string with_commas(size_t value) {
 }
 
 void Engine::print_ledgers(FILE* out) const {
-  MemoryLedger m = memory_ledger();
+  MemoryLedger ledger = memory_ledger();
   CommLedger c = comm_ledger();
   const int N = comm_.world_size();
   const Precision precision = options_.precision;
   const bool mixed = precision != Precision::fp32;
   const char* type = to_string(precision);
-  const int e = (int)element_bytes(precision), accumulation_e = (int)impl_->accumulation_element;
+  const int e = (int)element_bytes(precision), accumulation_e = (int)rank_state_->accumulation_element;
   fprintf(out, "memory per rank: stage %d, N = %d, %s, Psi = %s, Psi_padded = %s, %zu bucket(s), device %s\n",
           options_.stage, N, type, with_commas(psi()).c_str(), with_commas(psi_padded()).c_str(), buckets_.size(),
           to_string(compute_.device()));
-  fprintf(out, "  %-22s %14s   (%s, %d bytes an element)\n", "params", with_commas(m.params).c_str(), type, e);
-  fprintf(out, "  %-22s %14s   (%s)\n", "grads", with_commas(m.grads).c_str(), type);
-  fprintf(out, "  %-22s %14s   (fp32)\n", "optimizer (m, v)", with_commas(m.optimizer).c_str());
-  fprintf(out, "  %-22s %14s   %s\n", "master", with_commas(m.master).c_str(),
+  fprintf(out, "  %-22s %14s   (%s, %d bytes an element)\n", "params", with_commas(ledger.params).c_str(), type, e);
+  fprintf(out, "  %-22s %14s   (%s)\n", "grads", with_commas(ledger.grads).c_str(), type);
+  fprintf(out, "  %-22s %14s   (fp32)\n", "optimizer (m, v)", with_commas(ledger.optimizer).c_str());
+  fprintf(out, "  %-22s %14s   %s\n", "master", with_commas(ledger.master).c_str(),
           mixed ? "(fp32 weights AdamW updates; the params are them rounded)"
                 : "(fp32: the parameters are the master copy)");
-  fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(m.model_states).c_str(),
-          model_states_formula_text(options_.stage, precision), with_commas(m.model_states_formula).c_str(),
-          m.model_states == m.model_states_formula ? "(equal)" : "(DIFFERS)");
+  fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(ledger.model_states).c_str(),
+          model_states_formula_text(options_.stage, precision), with_commas(ledger.model_states_formula).c_str(),
+          ledger.model_states == ledger.model_states_formula ? "(equal)" : "(DIFFERS)");
   fprintf(out, "  %-22s %14s   floor(log2 A) x %d Psi/N = %s%s\n", "accumulation tree",
-          with_commas(m.accumulation).c_str(), accumulation_e, with_commas(m.accumulation_formula).c_str(),
+          with_commas(ledger.accumulation).c_str(), accumulation_e, with_commas(ledger.accumulation_formula).c_str(),
           mixed && accumulation_e == 4 ? " (fp32 blocks: not in the paper's K = 12)" : "");
-  fprintf(out, "  %-22s %14s   slots x (bucket + (N-1) shards) = %s\n", "staging", with_commas(m.staging).c_str(),
-          with_commas(m.staging_formula).c_str());
-  fprintf(out, "  %-22s %14s\n", "activation peak", with_commas(m.activations).c_str());
-  fprintf(out, "  %-22s %14s\n", "bookkeeping", with_commas(m.bookkeeping).c_str());
-  fprintf(out, "  %-22s %14s   (host, for --comm mpi on cuda)\n", "pinned staging", with_commas(m.host_pinned).c_str());
+  fprintf(out, "  %-22s %14s   slots x (bucket + (N-1) shards) = %s\n", "staging", with_commas(ledger.staging).c_str(),
+          with_commas(ledger.staging_formula).c_str());
+  fprintf(out, "  %-22s %14s\n", "activation peak", with_commas(ledger.activations).c_str());
+  fprintf(out, "  %-22s %14s\n", "bookkeeping", with_commas(ledger.bookkeeping).c_str());
+  fprintf(out, "  %-22s %14s   (host, for --comm mpi on cuda)\n", "pinned staging",
+          with_commas(ledger.host_pinned).c_str());
   fprintf(out, "  %-22s %14s   (host, activation checkpoints)\n", "host offload peak",
-          with_commas(m.host_offload_peak).c_str());
-  fprintf(out, "  %-22s %14s   (peak live bytes)\n", "device peak", with_commas(m.device_peak).c_str());
+          with_commas(ledger.host_offload_peak).c_str());
+  fprintf(out, "  %-22s %14s   (peak live bytes)\n", "device peak", with_commas(ledger.device_peak).c_str());
   if (compute_.allocator() == Allocator::direct)
     fprintf(out, "  %-22s %14s   (Allocator::direct: one allocation per buffer)\n", "reserved",
-            with_commas(m.reserved).c_str());
+            with_commas(ledger.reserved).c_str());
   else if (compute_.allocator() == Allocator::caching)
     fprintf(out, "  %-22s %14s   (peak of the segments under the %s-byte device limit, --alloc caching)\n", "reserved",
-            with_commas(m.reserved).c_str(), with_commas(m.capacity).c_str());
+            with_commas(ledger.reserved).c_str(), with_commas(ledger.capacity).c_str());
   else
     fprintf(out, "  %-22s %14s   (peak used part of the %s-byte block, --alloc %s)\n", "reserved",
-            with_commas(m.reserved).c_str(), with_commas(m.capacity).c_str(), to_string(compute_.allocator()));
-  fprintf(out, "  %-22s %14.4f   (1 - peak live / peak reserved)\n", "fragmentation", m.fragmentation);
+            with_commas(ledger.reserved).c_str(), with_commas(ledger.capacity).c_str(),
+            to_string(compute_.allocator()));
+  fprintf(out, "  %-22s %14.4f   (1 - peak live / peak reserved)\n", "fragmentation", ledger.fragmentation);
   fprintf(out, "  %-22s %14ld   (allocator calls in the last step; %ld arena stack pushes)\n", "allocations/step",
-          m.device_allocations_per_step, m.stack_pushes_per_step);
+          ledger.device_allocations_per_step, ledger.stack_pushes_per_step);
   fprintf(out, "  %-22s %14ld   (allocator calls after step 1; %ld device mallocs in all)\n", "after step 1",
-          m.device_allocations_after_step1, m.device_mallocs);
+          ledger.device_allocations_after_step1, ledger.device_mallocs);
   fprintf(out, "communication per rank per step (bytes, as a ring sends them)\n");
   fprintf(out, "  %-22s %14s\n", "reduce-scatter", with_commas(c.per_step.reduce_scatter).c_str());
   fprintf(out, "  %-22s %14s\n", "all-gather", with_commas(c.per_step.all_gather).c_str());

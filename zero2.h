@@ -612,17 +612,19 @@ struct AdamWConstants {
 // here; `param` is always fp32: the parameters themselves in fp32, the
 // master weights in mixed precision.
 template <class Grad>
-Z2_HD inline void adamw_update(const AdamWConstants& c, bool decay, float* param, const Grad* grad, float* m, float* v,
-                               size_t i) {
+Z2_HD inline void adamw_update(const AdamWConstants& constants, bool decay, float* param, const Grad* grad, float* m,
+                               float* v, size_t i) {
+  // In AdamW's own notation: g the gradient, p the parameter, m and v the
+  // moments (torch's exp_avg and exp_avg_sq).
   float g = to_float(grad[i]);
-  if (c.grad_scale != 1.0f) g = g * c.grad_scale;
+  if (constants.grad_scale != 1.0f) g = g * constants.grad_scale;
   float p = param[i];
-  if (decay) p = p * c.decay_factor;
-  const float w = c.one_minus_beta1;  // m.lerp_(g, w): exact at both ends
+  if (decay) p = p * constants.decay_factor;
+  const float w = constants.one_minus_beta1;  // m.lerp_(g, w): exact at both ends
   float m_new = w < 0.5f ? m[i] + w * (g - m[i]) : g - (g - m[i]) * (1.0f - w);
-  float v_new = v[i] * c.beta2 + (c.one_minus_beta2 * g) * g;
-  float denom = sqrtf(v_new) / c.bias_correction2_sqrt + c.eps;
-  param[i] = p + (c.negative_step_size * m_new) / denom;
+  float v_new = v[i] * constants.beta2 + (constants.one_minus_beta2 * g) * g;
+  float denom = sqrtf(v_new) / constants.bias_correction2_sqrt + constants.eps;
+  param[i] = p + (constants.negative_step_size * m_new) / denom;
   m[i] = m_new;
   v[i] = v_new;
 }
@@ -1176,10 +1178,12 @@ class BucketExchange {
   void progress();    // advance every transfer as far as it goes without blocking
   void finish_all();  // block until every transfer has finished
 
-  struct State;
+  // Its parts (zero2.cu section 4): the slots, the queue of transfers in
+  // flight, the receiver's sums, and one builder of transfers per backend.
+  struct Parts;
 
  private:
-  std::unique_ptr<State> state_;
+  std::unique_ptr<Parts> parts_;
 };
 
 // The local rank (rank among the processes of this host) of `comm`.
@@ -1580,7 +1584,10 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   long optimizer_steps() const { return optimizer_step_; }
 
-  struct Impl;
+  // What this rank holds for the engine (zero2.cu section 6): its model-state
+  // buffers, full or sharded by stage, its bucket exchange and the micro-step's
+  // bookkeeping, with the kernels and steps that work on them.
+  struct RankState;
 
  private:
   void require_built(const char* what) const;
@@ -1599,7 +1606,7 @@ class Engine {
   long steps_taken_ = 0;     // step() calls, skipped ones included
   long skipped_steps_ = 0;
   LossScaler scaler_;
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<RankState> rank_state_;
 };
 
 // --- the memory plan (train_bert_mini --plan; notes/10) ---
