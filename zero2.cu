@@ -2177,15 +2177,19 @@ struct ShardSums {
 // of the wire type (16-bit slices count half of fp32's). Each is called with
 // N > 1 (one rank has nothing to send).
 
-// MPI: the slices point to point (or MPI's own collectives in ticket order,
-// native), through pinned host memory when the bucket is on the GPU.
-struct MpiTransfers {
+// What a builder works with: the queue its transfers join, the sums they end in.
+struct TransferBuilder {
   Compute& compute;
   Communicator& comm;
   TransferQueue& queue;
   ShardSums& sums;
   const WireType wire;
-  const bool native;
+  const bool native;  // --collectives native
+};
+
+// MPI: the slices point to point (or MPI's own collectives in ticket order,
+// native), through pinned host memory when the bucket is on the GPU.
+struct MpiTransfers : TransferBuilder {
   const bool through_pinned_host;  // --comm mpi with --device cuda
 
   // Copy `count` elements at `device` to pinned `host` on the comm stream and
@@ -2290,14 +2294,7 @@ struct MpiTransfers {
 // orders its work by the stream; nothing to poll but the slot's event). The
 // reduce-scatter is a group of the N-1 slice sends and receives, then the
 // tree (or ncclReduceScatter, native). Counts are elements, not bytes.
-struct NcclTransfers {
-  Compute& compute;
-  Communicator& comm;
-  TransferQueue& queue;
-  ShardSums& sums;
-  const WireType wire;
-  const bool native;
-
+struct NcclTransfers : TransferBuilder {
 #if defined(__CUDACC__) && defined(Z2_HAVE_NCCL)
   void reduce_scatter(Transfer* transfer, void* bucket, size_t padded, const AccumulateInto& into, size_t* sent) {
     const int world = queue.world, rank = queue.rank;
@@ -2375,8 +2372,8 @@ struct BucketExchange::Parts {
         use_nccl(communicator.backend() == CommBackend::nccl),
         queue(c, communicator.rank(), communicator.world_size()),
         sums{c, communicator.rank(), communicator.world_size(), wire, fp32_blocks},
-        mpi{c, communicator, queue, sums, wire, native, communicator.backend() == CommBackend::mpi && c.on_cuda()},
-        nccl{c, communicator, queue, sums, wire, native} {}
+        mpi{{c, communicator, queue, sums, wire, native}, communicator.backend() == CommBackend::mpi && c.on_cuda()},
+        nccl{{c, communicator, queue, sums, wire, native}} {}
 
   // The transfer of one collective on bucket `bucket` [padded] in `slot`.
   Transfer* start(int slot, size_t padded, const char* collective) {
@@ -3469,7 +3466,12 @@ bool Engine::RankState::overflow_skips_step(const std::vector<float>& local, Ste
 // is itself inf or NaN ends the run (fp16 skipped the step before this).
 float Engine::RankState::global_norm(const std::vector<float>& local, const StepReport& report) {
   float squared = global_squared_norm(local), scale_back = 1.0f;
-  if (!std::isfinite(squared)) {
+  // Stage 0 sums its own copy of the reduced gradient: with native collectives
+  // (the library's all-reduce) nothing promises every rank the same bits, so
+  // there the ranks agree before a branch whose collectives all must join.
+  const bool own_copy = stage == 0 && engine.comm_.collectives() == Collectives::native;
+  auto on_any_rank = [&](bool condition) { return own_copy ? engine.comm_.any_rank(condition) : condition; };
+  if (on_any_rank(!std::isfinite(squared))) {
     bool finite = true;
     const float largest = global_largest_magnitude(&finite);
     if (!finite)
@@ -3486,7 +3488,7 @@ float Engine::RankState::global_norm(const std::vector<float>& local, const Step
     scale_back = std::ldexp(1.0f, exponent);
   }
   const float norm = std::sqrt(squared) * scale_back / (float)report.loss_scale;
-  if (!std::isfinite(norm))
+  if (on_any_rank(!std::isfinite(norm)))
     usage_error(
         "the gradient norm is beyond float's range in optimizer step %ld (every element finite, their "
         "norm not): training diverged. Lower --lr or lengthen --warmup",
@@ -3804,9 +3806,12 @@ void Engine::owned_state_from_host(const OptimizerState& state) {
   const std::vector<LocatedRun> runs = located_runs(*this, rank());
   size_t total = 0;
   for (const LocatedRun& located : runs) total += located.run.length;
-  if (state.master.size() != total || state.exp_avg.size() != total || state.exp_avg_sq.size() != total)
-    usage_error("owned_state_from_host: %zu, %zu, %zu values for the %zu this rank holds", state.master.size(),
-                state.exp_avg.size(), state.exp_avg_sq.size(), total);
+  // Agreed: in stages 1 and 2 the other ranks would go on to the all-gather below.
+  const bool wrong_size =
+      state.master.size() != total || state.exp_avg.size() != total || state.exp_avg_sq.size() != total;
+  if (comm_.any_rank(wrong_size))
+    usage_error("owned_state_from_host: %zu, %zu, %zu values for the %zu this rank holds (or another rank's differ)",
+                state.master.size(), state.exp_avg.size(), state.exp_avg_sq.size(), total);
   compute_.synchronize_all();
   const Stream stream = compute_.compute_stream();
   // Into host copies of the whole buffers (padding keeps its zeros), then back.
@@ -3854,14 +3859,30 @@ void Engine::owned_state_from_host(const OptimizerState& state) {
 
 OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
   require_built("state_range_to_host");
-  if (begin > end || end > psi()) usage_error("state_range_to_host: [%zu, %zu) of %zu", begin, end, psi());
   const int N = comm_.world_size(), me = rank();
+  const bool sharded = options_.stage != 0 && N > 1;
+  // Each rank asks for its own range. Where the ranks then exchange pieces,
+  // every rank checks every rank's range (below), so that all refuse
+  // together; one refusing alone would leave the others in the all-to-all.
+  std::vector<long> ranges(2 * (size_t)N);
+  if (sharded) {
+    long mine[2] = {(long)begin, (long)end};
+    MPI_Request gathered;
+    Z2_MPI_CHECK(MPI_Iallgather(mine, 2, MPI_LONG, ranges.data(), 2, MPI_LONG, comm_.mpi(), &gathered));
+    wait_request(&gathered, "the all-gather of the ranges each rank asks for");
+    for (int q = 0; q < N; ++q)
+      if (ranges[2 * q] > ranges[2 * q + 1] || ranges[2 * q + 1] > (long)psi())
+        usage_error("state_range_to_host: rank %d asks for [%ld, %ld) of %zu", q, ranges[2 * q], ranges[2 * q + 1],
+                    psi());
+  } else if (begin > end || end > psi()) {
+    usage_error("state_range_to_host: [%zu, %zu) of %zu", begin, end, psi());
+  }
   const OptimizerState own = owned_state_to_host();
   OptimizerState range;
   range.master.assign(end - begin, 0.0f);
   range.exp_avg.assign(end - begin, 0.0f);
   range.exp_avg_sq.assign(end - begin, 0.0f);
-  if (options_.stage == 0 || N == 1) {  // this rank holds every run
+  if (!sharded) {  // this rank holds every run
     for (const Piece& piece : pieces_within(located_runs(*this, me), begin, end)) {
       std::copy_n(own.master.begin() + piece.source, piece.length, range.master.begin() + (piece.canonical - begin));
       std::copy_n(own.exp_avg.begin() + piece.source, piece.length, range.exp_avg.begin() + (piece.canonical - begin));
@@ -3870,14 +3891,10 @@ OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
     }
     return range;
   }
-  // Every rank's range, then one all-to-all per tensor: rank s sends rank q
-  // the pieces of its runs inside q's range, in canonical order; q knows
-  // s's runs (the layout is the same everywhere) and places them.
-  long mine[2] = {(long)begin, (long)end};
-  std::vector<long> ranges(2 * (size_t)N);
-  MPI_Request gathered;
-  Z2_MPI_CHECK(MPI_Iallgather(mine, 2, MPI_LONG, ranges.data(), 2, MPI_LONG, comm_.mpi(), &gathered));
-  wait_request(&gathered, "the all-gather of the ranges each rank asks for");
+  // Every rank's range (gathered above), then one all-to-all per tensor:
+  // rank s sends rank q the pieces of its runs inside q's range, in
+  // canonical order; q knows s's runs (the layout is the same everywhere)
+  // and places them.
   // MPI counts are int. Every rank sees the same ranges and layout, so every
   // rank refuses together, before the all-to-all.
   for (int q = 0; q < N; ++q)
