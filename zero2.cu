@@ -2375,7 +2375,7 @@ struct BucketExchange::Parts {
         mpi{{c, communicator, queue, sums, wire, native}, communicator.backend() == CommBackend::mpi && c.on_cuda()},
         nccl{{c, communicator, queue, sums, wire, native}} {}
 
-  // The transfer of one collective on bucket `bucket` [padded] in `slot`.
+  // The transfer of one collective on a bucket of `padded` elements, in `slot`.
   Transfer* start(int slot, size_t padded, const char* collective) {
     const int world = queue.world;
     if (padded > max_padded || padded % world != 0)
@@ -2827,7 +2827,6 @@ struct Engine::RankState {
     if (b < 0 || b >= (int)engine.buckets_.size())
       usage_error("%s: bucket %d out of range (the layout has %zu buckets)", what, b, engine.buckets_.size());
   }
-  char* at_bytes(void* buffer, size_t index) const { return (char*)buffer + index * element; }
   // A check of a value a seam computed. In a lab build a student's value may
   // be wrong on some ranks only, so the ranks agree before any stops: one
   // rank stopping alone would leave the others waiting in a collective.
@@ -2882,7 +2881,7 @@ struct Engine::RankState::SlotGradients : GradientShards {
     if (index >= rank_state.bucket(b).padded_length)
       usage_error("slot_element: element %zu of bucket %d, which has %zu", index, b,
                   rank_state.bucket(b).padded_length);
-    return rank_state.at_bytes(rank_state.slot_buffer[b], index);
+    return (char*)rank_state.slot_buffer[b] + index * rank_state.element;
   }
   int handed_over(int b) const override {
     rank_state.check_bucket(b, "handed_over");
@@ -2894,9 +2893,9 @@ struct Engine::RankState::SlotGradients : GradientShards {
 void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
   const BucketInfo& info = rank_state.bucket(b);
   const int parameters = info.end_parameter - info.first_parameter;
-  if (!holds_slot(b)) usage_error("reduce_scatter: bucket %d holds no slot: nothing was written for it", b);
   if (rank_state.bucket_reduced[b])
     usage_error("reduce_scatter: bucket %d was reduce-scattered already in this micro-step", b);
+  if (!holds_slot(b)) usage_error("reduce_scatter: bucket %d holds no slot: nothing was written for it", b);
   if (rank_state.bucket_ready_count[b] < parameters)
     usage_error(
         "reduce_scatter: bucket %d with %d of its %d gradients handed over: the others would be written after the "
@@ -2904,7 +2903,7 @@ void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
         b, rank_state.bucket_ready_count[b], parameters);
   // A student's `keep` may differ between ranks: agreed, so that no rank stops alone.
   const size_t shard_elements = rank_state.engine.psi_padded() / rank_state.engine.comm_.world_size();
-  if (rank_state.fails_on_any_rank(keep + info.shard_length > shard_elements))
+  if (rank_state.fails_on_any_rank(keep > shard_elements || info.shard_length > shard_elements - keep))
     usage_error(
         "reduce_scatter: bucket %d's shard of %zu elements kept from element %zu of a gradient shard of %zu on some "
         "rank: stage 2 has no full gradient buffer (shard_begin places a shard in the full buffer)",
@@ -3186,7 +3185,7 @@ static void check_lab_regions(const std::vector<BucketInfo>& buckets, const Engi
                   {"gradient", region.gradient, gradients},
                   {"state", region.state, state}};
       for (const auto& run : runs) {
-        if (run.begin + region.length <= run.size) continue;
+        if (run.begin <= run.size && region.length <= run.size - run.begin) continue;  // (no wrap-around)
         std::string why;
         if (stage > 0 && region.length == buckets[b].padded_length)
           why = ": in this stage a rank updates its own shard only (shard_length elements), not the whole bucket";
@@ -3510,13 +3509,31 @@ float Engine::RankState::clip_coefficient(float grad_norm) const {
 struct Engine::RankState::StepOverShards : OwnShards {
   RankState& rank_state;
   const AdamWConstants constants;
-  StepOverShards(RankState& i, const AdamWConstants& c) : rank_state(i), constants(c) {}
+  // Each bucket once, its update before its all-gather: the all-gather
+  // reads the shard while it runs, so an update after it would race with
+  // it, and the other ranks could receive the old shard. (The order of the
+  // calls is the same on every rank, so every rank refuses together.)
+  std::vector<char> updated, gathered;
+  StepOverShards(RankState& state, const AdamWConstants& step_constants)
+      : rank_state(state),
+        constants(step_constants),
+        updated(state.engine.buckets_.size(), 0),
+        gathered(state.engine.buckets_.size(), 0) {}
   void adamw(int b) override {
     rank_state.check_bucket(b, "adamw");
+    if (gathered[b])
+      usage_error(
+          "adamw: bucket %d's all-gather has already started: it would send the shard as it was before the "
+          "update (or half updated). Update a bucket, then all-gather it",
+          b);
+    if (updated[b]) usage_error("adamw: bucket %d was updated already in this step", b);
+    updated[b] = 1;
     rank_state.for_working_type([&](auto zero) { rank_state.adamw_as<decltype(zero)>(b, constants); });
   }
   void all_gather(int b) override {
     rank_state.check_bucket(b, "all_gather");
+    if (gathered[b]) usage_error("all_gather: bucket %d was all-gathered already in this step", b);
+    gathered[b] = 1;
     rank_state.start_all_gather(b);
   }
 };

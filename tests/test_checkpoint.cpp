@@ -91,12 +91,13 @@ TEST_CASE("checkpoint runs: each element's optimizer state has one owner in stag
         for (int stage : {0, 1, 2})
           for (long bucket : {64l, 500l, 1l << 20}) {
             const std::string where = "stage " + std::to_string(stage) + " bucket " + std::to_string(bucket);
-            ok &= harness::completes(
+            const bool finished = harness::completes(
                 [&] {
                   auto engine = built_engine(backend, stage, bucket);
                   if (!runs_partition(*engine, N, stage, &note)) ok = false, note = where + ": " + note;
                 },
                 where);
+            ok = ok && finished;
           }
       CHECK_MESSAGE(agree(ok, backend.name + " N=" + std::to_string(N) + ": " + note), backend.name, " N=", N);
     }

@@ -162,13 +162,14 @@ TEST_CASE("world-size invariance: (N, A) = (1,4), (2,2), (4,1) give identical bi
           const std::string label = backend.name + " stage " + std::to_string(stage) + " N=" + std::to_string(pair[0]) +
                                     " A=" + std::to_string(pair[1]);
           // Same global batch: micro-batch 8, N * A = 4 micro-batches.
-          finished &= harness::completes(
+          const bool run_finished = harness::completes(
               [&] {
                 runs.push_back(
                     train(*backend.compute, *backend.deterministic, options_for(stage, true, mid_bucket, pair[1])));
                 labels.push_back(label);
               },
               label);
+          finished = finished && run_finished;
         }
         MPI_Barrier(MPI_COMM_WORLD);
       }

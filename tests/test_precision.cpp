@@ -508,17 +508,16 @@ TEST_CASE("mixed precision world-size invariance: (N, A) = (1,4), (2,2), (4,1) g
           if (backend.deterministic) {
             z2::EngineOptions options = mixed_options(stage, true, 500, pair[1]);
             bool reduced_ok = false;
-            equal &=
-                harness::completes(
-                    [&] {
-                      runs.push_back(
-                          precision == z2::Precision::bf16
-                              ? train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic, options, 6)
-                              : train_synthetic<z2::float16>(*backend.compute, *backend.deterministic, options, 6));
-                      reduced_ok = runs.back().reduced_ok;
-                    },
-                    "mixed precision world-size run") &&
-                reduced_ok;
+            const bool finished = harness::completes(
+                [&] {
+                  runs.push_back(
+                      precision == z2::Precision::bf16
+                          ? train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic, options, 6)
+                          : train_synthetic<z2::float16>(*backend.compute, *backend.deterministic, options, 6));
+                  reduced_ok = runs.back().reduced_ok;
+                },
+                "mixed precision world-size run");
+            equal = equal && finished && reduced_ok;
           }
           MPI_Barrier(MPI_COMM_WORLD);
         }

@@ -62,11 +62,12 @@
 #      portable mode, fp32, bf16 and fp16.
 # Ends with the plain line "N passed, M failed".
 #
-# Z2_TRAINER_SECTIONS="1 2 ..." runs only those sections (default: all).
-# Sections 7, 9, 10, 11 and 12 can be left out: they test the trainer's file,
-# config, metrics and planning logic, which is the same source in both
-# builds; every other section runs always (the ones that follow from the
-# numbers, and bad input). `make test-cpu` leaves them out (tests/run_tests.sh).
+# Z2_TRAINER_SKIP="9 10 ..." leaves those sections out (default: none). Only
+# sections 9, 10, 11, 12 and the file and input checks of 7 can be left out;
+# the rest always runs. `make test-cpu` leaves them out (the Makefile's
+# TEST_CPU_SKIP): they test the trainer's writers, inputs, config, export,
+# metrics and planning logic, the same source in both builds, which
+# `make test` runs. Section 7's numbers and watchdog checks always run.
 set -u
 build=${1:-build}
 trainer="$build/train_bert_mini"
@@ -75,9 +76,9 @@ export OPENBLAS_NUM_THREADS=1
 PYTHON=/usr/bin/python3  # Debian's, which has python3-torch
 work=$(mktemp -d /tmp/z2_trainer.XXXXXX)
 trap 'rm -rf "$work"' EXIT
-sections=${Z2_TRAINER_SECTIONS:-all}
-wanted() { [ "$sections" = all ] || [[ " $sections " == *" $1 "* ]]; }
-[ "$sections" = all ] || echo "=== sections $sections of 13 (Z2_TRAINER_SECTIONS; the others test the same source in every build)"
+skipped=${Z2_TRAINER_SKIP:-}
+wanted() { [[ " $skipped " != *" $1 "* ]]; }
+[ -z "$skipped" ] || echo "=== sections $skipped left out (Z2_TRAINER_SKIP: they test the same source in every build)"
 passed=0
 failed=0
 pass() { echo "PASS $*"; passed=$((passed + 1)); }
@@ -594,7 +595,7 @@ bad_case "bf16.enabled: wants true or false" "${small[@]}" --config "$work/bf16_
 bad_case "minimum loss scale" "${small[@]}" --steps 3 --config "$work/at_minimum.json"
 
 # --- 7. reliability: failed writes, inputs, numbers, a stopped rank ----------------------
-if wanted 7; then  # (Z2_TRAINER_SECTIONS)
+if wanted 7; then  # (Z2_TRAINER_SKIP: files and inputs only)
 echo "=== reliability: writes that fail, inputs that are not what they seem, a stopped rank"
 tiny_run=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 3
           --warmup 1 --quiet)
@@ -786,6 +787,8 @@ bad_case "has the key 'stage' twice" "${small[@]}" --config "$work/duplicate_inn
 bad_case "(got '18446744073709551615')" "${small[@]}" --config "$work/huge.json"
 bad_case "zero_optimization.overlap_comm: wants true or false" "${small[@]}" --config "$work/number_bool.json"
 bad_case "nests objects and arrays more than 16 deep" "${small[@]}" --config "$work/deep.json"
+fi  # section 7's files and inputs; its numbers and the watchdog (below) always run
+
 # A global batch that would select no position on most steps.
 bad_case "positions on average" "${small[@]}" --seq 3 --micro-batch 1
 # Numbers: a tiny learning rate is a number in range; a bucket beyond Psi is
@@ -844,7 +847,6 @@ else
   fail "desynchronized ranks: exit $status: $(head -c 600 "$work/desync_stderr")"
 fi
 
-fi  # section 7
 # --- 8. checkpoints: resume, reshard, damage, a killed save, an interrupt ------------
 echo "=== checkpoints: resume and reshard bit for bit, damaged checkpoints, a killed save, SIGTERM, the export"
 ck=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --warmup 1 --quiet)
@@ -1110,7 +1112,7 @@ wait $job
   fail "SIGTERM to mpirun: latest: $(cat "$work/ck_mpirun/latest" 2>&1)"
 
 # --- 9. DeepSpeed configs as people write them ------------------------------------
-if wanted 9; then  # (Z2_TRAINER_SECTIONS)
+if wanted 9; then  # (Z2_TRAINER_SKIP)
 echo "=== DeepSpeed configs: real files (tests/ds_configs), every refused key at once, the schedule"
 ds=tests/ds_configs
 tiny=(--layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --max-positions 20 --quiet)
@@ -1257,7 +1259,7 @@ timeout 60 mpirun -n 1 "$trainer" "${tiny[@]}" --steps 1 --data "$work/copy_a.tx
 
 fi  # section 9
 # --- 10. The export through Hugging Face itself ------------------------------------
-if wanted 10; then  # (Z2_TRAINER_SECTIONS)
+if wanted 10; then  # (Z2_TRAINER_SKIP)
 echo "=== Hugging Face: AutoTokenizer, AutoModelForMaskedLM, pipeline('fill-mask') on the export"
 hf_python=.venv-hf/bin/python  # made by make test (hf-venv): transformers 4.39.3 on Debian's torch
 if ! [ -x "$hf_python" ] || ! "$hf_python" -c 'import transformers' 2>/dev/null; then
@@ -1274,7 +1276,7 @@ fi
 
 fi  # section 10
 # --- 11. Metrics while training ---------------------------------------------------
-if wanted 11; then  # (Z2_TRAINER_SECTIONS)
+if wanted 11; then  # (Z2_TRAINER_SKIP)
 echo "=== --metrics and --eval-every: progress as training goes, the held-out loss"
 timeout 120 mpirun -n 2 "$trainer" "${tiny[@]}" --steps 30 --log-every 10 --metrics "$work/metrics.jsonl" --json "$work/metrics_run.json" \
   > /dev/null 2>&1
@@ -1351,7 +1353,7 @@ timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_eval" --steps 6 --quiet --js
 
 fi  # section 11
 # --- 12. the memory plan ---------------------------------------------------------
-if wanted 12; then  # (Z2_TRAINER_SECTIONS)
+if wanted 12; then  # (Z2_TRAINER_SKIP)
 echo "=== --plan: the plan against the measured ledger to the byte; the largest sizes against real runs"
 # The first section's small model (section 9 redefines tiny): 2 blocks, several buckets.
 planned=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2
