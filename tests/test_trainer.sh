@@ -595,10 +595,10 @@ bad_case "bf16.enabled: wants true or false" "${small[@]}" --config "$work/bf16_
 bad_case "minimum loss scale" "${small[@]}" --steps 3 --config "$work/at_minimum.json"
 
 # --- 7. reliability: failed writes, inputs, numbers, a stopped rank ----------------------
-if wanted 7; then  # (Z2_TRAINER_SKIP: files and inputs only)
 echo "=== reliability: writes that fail, inputs that are not what they seem, a stopped rank"
 tiny_run=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 3
           --warmup 1 --quiet)
+if wanted 7; then  # (Z2_TRAINER_SKIP: files and inputs only)
 # A full disk: a 64 KiB tmpfs filled up (mount needs root; where it is not
 # allowed, the checks say SKIP and why, they do not pass).
 full="$work/full"
