@@ -3668,10 +3668,11 @@ void Engine::parameters_from_host(const std::vector<float>& canonical) {
     // The working copy is the master rounded; the master holds this rank's region.
     const std::vector<uint16_t> working = narrow_bits(padded, options_.precision);
     compute_.copy(rank_state.params.data(), working.data(), working.size() * sizeof(uint16_t), stream);
-    for (int b = 0; b < (int)buckets_.size(); ++b)
-      compute_.copy(rank_state.master.data() + rank_state.region(b).state,
-                    padded.data() + rank_state.region(b).parameter, rank_state.region(b).length * sizeof(float),
+    for (int b = 0; b < (int)buckets_.size(); ++b) {
+      const UpdateRegion own = rank_state.region(b);
+      compute_.copy(rank_state.master.data() + own.state, padded.data() + own.parameter, own.length * sizeof(float),
                     stream);
+    }
   }
   compute_.synchronize(stream);
 }
