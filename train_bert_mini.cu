@@ -237,10 +237,46 @@ inline double parse_real(const std::string& flag, const std::string& text, doubl
   return value;
 }
 
+inline size_t first_bad_utf8(const std::string& text);  // section 2 (the corpus is held to it too)
+
+// A path's bytes for a message: a byte that is not UTF-8 as \xNN, so the
+// message itself stays text a terminal and a JSON reader can take.
+inline std::string shown_path(const std::string& path) {
+  std::string shown;
+  for (size_t i = 0; i < path.size();) {
+    const size_t bad = first_bad_utf8(path.substr(i));
+    const size_t good = bad == std::string::npos ? path.size() - i : bad;
+    shown += path.substr(i, good);
+    i += good;
+    if (i < path.size()) {
+      char escaped[8];
+      snprintf(escaped, sizeof escaped, "\\x%02x", (unsigned char)path[i++]);
+      shown += escaped;
+    }
+  }
+  return shown;
+}
+
 // A path: any text but the empty one, which an unset shell variable gives
-// ("--json $OUT" with OUT unset would otherwise silently write nothing).
+// ("--json $OUT" with OUT unset would otherwise silently write nothing),
+// and UTF-8, as given and made absolute (the working directory's name
+// too). The run records paths in JSON (the summary, a checkpoint's index
+// holds --data's absolute path), which is UTF-8 only: a name that is not
+// would fail when written, after training. Refused here, before anything
+// runs, is the one rule for every path flag (README, "When something goes
+// wrong").
 inline std::string parse_path(const std::string& flag, const std::string& text) {
   if (text.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", flag.c_str());
+  if (first_bad_utf8(text) != std::string::npos)
+    fail("%s '%s': the path is not UTF-8 (the byte shown as \\x%02x); the run records its paths in JSON, which "
+         "holds only UTF-8: rename it",
+         flag.c_str(), shown_path(text).c_str(), (unsigned char)text[first_bad_utf8(text)]);
+  std::error_code error;
+  const std::string absolute = std::filesystem::absolute(text, error).string();
+  if (!error && first_bad_utf8(absolute) != std::string::npos)
+    fail("%s '%s': the working directory '%s' is not UTF-8; the run records absolute paths in JSON, which holds "
+         "only UTF-8: run it from another directory or give an absolute path",
+         flag.c_str(), text.c_str(), shown_path(std::filesystem::current_path(error).string()).c_str());
   return text;
 }
 
@@ -2696,6 +2732,8 @@ inline Tensor tensor_f32(const std::string& name, std::vector<long> shape, const
 // --- output files (README, "When something goes wrong") ----------------------
 //
 // Every file the trainer writes goes through write_output_file:
+//   0. the path must name nothing yet or a regular file; a symlink is
+//      followed to the file it names (output_destination);
 //   1. the contents go to a file with no name yet (O_TMPFILE in the target
 //      directory), then fsync: on the disk, not only in the cache. A run
 //      killed here (a signal, the watchdog, a crash) leaves nothing behind:
@@ -2756,9 +2794,46 @@ inline void sync_directory(const std::string& directory, const std::string& done
   close(folder);
 }
 
-inline void write_output_file(const std::string& path, const std::string& contents) {
+// What an output path may name, since the writer renames a new file over
+// it and a rename replaces whatever is there: nothing yet, or a regular
+// file. A device, a FIFO, a socket or a directory is refused (as root,
+// `--json /dev/null` would otherwise turn /dev/null into a file for the
+// whole machine). A symlink is followed: the file written is its target,
+// made beside the target and renamed over it, so the link stays a link;
+// one that leads nowhere is refused. Returns the path to write, and is
+// asked twice: before step 1 (check_output_file) and again at the write,
+// since the run may have lasted hours.
+inline const char* file_kind(mode_t mode) {
+  return S_ISDIR(mode) ? "a directory" : S_ISCHR(mode) ? "a character device" : S_ISBLK(mode) ? "a block device"
+         : S_ISFIFO(mode) ? "a FIFO" : S_ISSOCK(mode) ? "a socket" : "not a regular file";
+}
+inline std::string output_destination(const std::string& what, const std::string& path) {
+  struct stat info;
+  if (lstat(path.c_str(), &info) != 0) return path;  // nothing there yet (other errors show when writing)
+  std::string destination = path;
+  if (S_ISLNK(info.st_mode)) {
+    char* resolved = realpath(path.c_str(), nullptr);
+    if (resolved == nullptr)
+      fail("%s '%s' is a symlink that leads to no file (%s): zero2 writes through a symlink only to an existing "
+           "regular file; remove the link or point it at one",
+           what.c_str(), path.c_str(), std::strerror(errno));
+    destination = resolved;
+    free(resolved);
+    if (stat(destination.c_str(), &info) != 0)
+      fail("%s '%s': cannot look at its target '%s': %s", what.c_str(), path.c_str(), destination.c_str(),
+           std::strerror(errno));
+  }
+  if (!S_ISREG(info.st_mode))
+    fail("%s '%s'%s is %s: zero2 writes only regular files and never replaces anything else; give another path",
+         what.c_str(), path.c_str(), destination == path ? "" : (" (a symlink to '" + destination + "')").c_str(),
+         file_kind(info.st_mode));
+  return destination;
+}
+
+inline void write_output_file(const std::string& written_path, const std::string& contents) {
   static int files_written = 0;
   const int file_number = ++files_written;
+  const std::string path = output_destination("the output", written_path);
   const std::string directory = directory_of(path);
   const std::string temporary = unique_temporary(directory, std::filesystem::path(path).filename().string());
   // A file that is replaced keeps its permissions; a new one gets 0666
@@ -2887,6 +2962,10 @@ inline bool is_directory(const std::string& path) {
 }
 // A directory we will write into: create it (and its parents) now, and probe it.
 inline void prepare_directory(const std::string& flag, const std::string& directory) {
+  struct stat info;
+  if (stat(directory.c_str(), &info) == 0 && !S_ISDIR(info.st_mode))
+    fail("%s '%s' is %s, not a directory: give a directory (it is made if it does not exist)", flag.c_str(),
+         directory.c_str(), S_ISREG(info.st_mode) ? "a file" : file_kind(info.st_mode));
   std::error_code error;
   std::filesystem::create_directories(directory, error);
   if (!is_directory(directory))
@@ -2897,14 +2976,12 @@ inline void prepare_directory(const std::string& flag, const std::string& direct
 // A file we will write: its directory exists and takes files, its name
 // fits the file system, and it is not a directory.
 inline void check_output_file(const std::string& flag, const std::string& path) {
-  const std::string parent = directory_of(path);
   const std::string name = std::filesystem::path(path).filename().string();
   if (name.empty() || name == "." || name == "..")
     fail("%s '%s' names a directory, not a file", flag.c_str(), path.c_str());
-  if (!is_directory(parent))
-    fail("%s '%s': the directory '%s' does not exist", flag.c_str(), path.c_str(), parent.c_str());
-  if (is_directory(path)) fail("%s '%s' is a directory", flag.c_str(), path.c_str());
-  probe_writable(flag, parent);
+  if (!is_directory(directory_of(path)))
+    fail("%s '%s': the directory '%s' does not exist", flag.c_str(), path.c_str(), directory_of(path).c_str());
+  probe_writable(flag, directory_of(output_destination(flag, path)));  // a symlink's target's directory
 }
 
 // Each name in an output's path fits a file system (255 bytes, NAME_MAX on
@@ -2936,7 +3013,11 @@ inline std::string normal_path(const std::string& path) {
 // input (the run would overwrite its own --data or --config, and exit 0)
 // or another output (one would overwrite the other), whether a file or a
 // directory; an export or a dump directory counts with the files it will
-// hold. Then each file's own checks (check_output_file).
+// hold. The checkpoint --load reads is an input whole: nothing may be
+// written in its step directory (its index, its rank files), nor over the
+// `latest` that named it, except by --save, whose `latest` moves only
+// after the load and only to a newer complete step. Then each file's own
+// checks (check_output_file).
 inline void check_outputs(const Settings& s) {
   struct Place {
     std::string what, path;
@@ -2945,6 +3026,11 @@ inline void check_outputs(const Settings& s) {
   std::vector<Place> inputs, outputs;
   if (!s.data.empty()) inputs.push_back({"--data", s.data, false});
   if (!s.config.empty()) inputs.push_back({"--config", s.config, false});
+  if (!s.checkpoint_directory.empty()) {
+    inputs.push_back({"--load checkpoint's", s.checkpoint_directory, true});
+    if (normal_path(s.checkpoint_directory) != normal_path(s.load_dir))
+      inputs.push_back({"--load checkpoint's latest", s.load_dir + "/latest", false});
+  }
   if (!s.json_path.empty()) outputs.push_back({"--json", s.json_path, false});
   if (!s.memory_trace.empty()) outputs.push_back({"--memory-trace", s.memory_trace, false});
   if (!s.metrics.empty()) outputs.push_back({"--metrics", s.metrics, false});
@@ -2965,10 +3051,17 @@ inline void check_outputs(const Settings& s) {
     normal.push_back(normal_path(output.path));
   }
   for (size_t o = 0; o < outputs.size(); ++o) {
-    for (auto& input : inputs)
-      if (normal[o] == normal_path(input.path))
+    for (auto& input : inputs) {
+      const std::string read = normal_path(input.path);
+      if (input.directory && (normal[o] == read || normal[o].rfind(read + "/", 0) == 0))
+        fail("%s '%s' is inside the checkpoint it loads, '%s': the run would write over what it reads; give a "
+             "path outside it",
+             outputs[o].what.c_str(), outputs[o].path.c_str(), input.path.c_str());
+      const bool saves_over_latest = outputs[o].what == "--save's latest" && input.what == "--load checkpoint's latest";
+      if (!input.directory && normal[o] == read && !saves_over_latest)
         fail("%s '%s' is the %s file: the run would overwrite its own input", outputs[o].what.c_str(),
              outputs[o].path.c_str(), input.what.c_str());
+    }
     for (size_t other = 0; other < o; ++other)
       if (normal[o] == normal[other])
         fail("%s and %s name the same %s '%s': one would overwrite the other", outputs[other].what.c_str(),
@@ -2989,26 +3082,36 @@ inline void check_outputs(const Settings& s) {
 // the writer creates it empty (nameless until complete, as every output),
 // then each line is one write() of the whole line followed by fdatasync, so
 // a killed run leaves every line it logged, whole. Rank 0 only.
+// A resumed run (--load) continues the file it is given instead of
+// emptying it, after a line {"resumed_from": step directory, "step": s}:
+// lines above it past step s are from a run that went on after that
+// checkpoint was saved, and a reader drops them (notes/plot_loss.py does).
 class MetricsStream {
  public:
-  explicit MetricsStream(const std::string& path) : path_(path) {
-    write_output_file(path, "");
-    fd_ = open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+  MetricsStream(const std::string& path, const std::string& resumed_from, long resumed_step) : path_(path) {
+    struct stat info;
+    const bool continuing = !resumed_from.empty() && stat(output_destination("--metrics", path).c_str(), &info) == 0;
+    if (!continuing) write_output_file(path, "");
+    fd_ = open(path.c_str(), O_RDWR | O_APPEND | O_CLOEXEC);
     if (fd_ < 0) fail("cannot append to --metrics '%s': %s", path.c_str(), std::strerror(errno));
+    if (!continuing) return;
+    char last = '\n';  // a line cut short (a full disk) is ended, so the marker starts a line of its own
+    if (info.st_size > 0 && pread(fd_, &last, 1, info.st_size - 1) == 1 && last != '\n') write_line("\n");
+    write_line(json{{"resumed_from", resumed_from}, {"step", resumed_step}}.dump() + "\n");
   }
   ~MetricsStream() {
     if (fd_ >= 0) close(fd_);
   }
   MetricsStream(const MetricsStream&) = delete;
   MetricsStream& operator=(const MetricsStream&) = delete;
-  void append(const json& record) {
-    const std::string line = record.dump() + "\n";
+  void append(const json& record) { write_line(record.dump() + "\n"); }
+
+ private:
+  void write_line(const std::string& line) {
     const ssize_t wrote = write(fd_, line.data(), line.size());
     if (wrote != (ssize_t)line.size() || fdatasync(fd_) != 0)
       fail("cannot append to --metrics '%s': %s", path_.c_str(), wrote < 0 ? std::strerror(errno) : "a short write");
   }
-
- private:
   std::string path_;
   int fd_ = -1;
 };
@@ -3155,8 +3258,10 @@ inline void export_hf(const std::string& directory, const Model<Act>& model, con
   // from an earlier export goes first, so it cannot vouch for new weights;
   // the lock keeps another export into this directory from interleaving.
   DirectoryLock lock(directory);
-  if (unlink((directory + "/config.json").c_str()) != 0 && errno != ENOENT)
-    fail("cannot replace '%s/config.json': %s", directory.c_str(), std::strerror(errno));
+  // (A config.json that is a symlink: its target is what goes and comes back.)
+  const std::string config_path = output_destination("--export-hf's config.json", directory + "/config.json");
+  if (unlink(config_path.c_str()) != 0 && errno != ENOENT)
+    fail("cannot replace '%s': %s", config_path.c_str(), std::strerror(errno));
   write_safetensors(directory + "/model.safetensors", named_tensors(model, engine, values), {{"format", "pt"}});
   const int positions = model.shape().max_positions;
   write_output_file(directory + "/tokenizer.json", hf_tokenizer().dump(2) + "\n");
@@ -3168,7 +3273,7 @@ inline void export_hf(const std::string& directory, const Model<Act>& model, con
     config["zero2_weights"] =
         std::string("the ") + z2::to_string(dumped) + " working weights of the dumped step, as float32";
   }
-  write_output_file(directory + "/config.json", config.dump(2) + "\n");
+  write_output_file(config_path, config.dump(2) + "\n");
 }
 
 // ----------------------------------------------------------------------------
@@ -4656,7 +4761,9 @@ int Training<Act>::run() {
     agree_on_errors(
         world_,
         [&] {
-          if (rank_ == 0) metrics_ = std::make_unique<MetricsStream>(settings_.metrics);
+          if (rank_ == 0)
+            metrics_ = std::make_unique<MetricsStream>(settings_.metrics, settings_.checkpoint_directory,
+                                                       engine_->training_progress().steps_taken);
         },
         "the --metrics file was made");
   training_start_ = std::chrono::steady_clock::now();

@@ -22,6 +22,15 @@ if sys.argv[1].endswith(".jsonl"):  # --metrics: skip a line a crash cut short
             records.append(json.loads(line))
         except ValueError:
             pass
+    # A resumed run appends after {"resumed_from", "step": s}: the lines
+    # above it past step s are from a run that went on past that checkpoint.
+    kept = []
+    for r in records:
+        if "resumed_from" in r:
+            kept = [k for k in kept if k.get("step", 0) <= r["step"]]
+        else:
+            kept.append(r)
+    records = kept
     trained = [r for r in records if "loss" in r]
     run = {"steps": trained, "eval": [{"step": r["step"], "loss": r["eval_loss"]} for r in records if "eval_loss" in r]}
 else:

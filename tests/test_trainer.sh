@@ -25,7 +25,10 @@
 #      one fp16 step against fp64 and torch.autocast; bad input;
 #   7. reliability: every writer on a full disk at N = 1, 2, 4 (exit 2 on every
 #      rank, nothing left), concurrent exports into one directory, outputs
-#      naming inputs, FIFOs and devices as inputs, strict UTF-8, strict
+#      naming inputs (the loaded checkpoint's files too), devices, FIFOs,
+#      sockets and dangling symlinks as outputs (refused, left as they were),
+#      a symlink followed to its file, paths that are not UTF-8, --metrics
+#      appended on resume, FIFOs and devices as inputs, strict UTF-8, strict
 #      config files (booleans, NUL, trailing bytes, duplicate keys, depth, large
 #      integers), a seq too short to mask, gradients whose squares overflow,
 #      a stopped rank ended by the watchdog, which names it, and ranks waiting
@@ -671,6 +674,79 @@ bad_case "--export-hf's config.json '$work/export_over_config/config.json' is th
 bad_case "name the same file" "${small[@]}" --json "$work/twice.json" --memory-trace "$work/twice.json"
 [ "$(cat "$work/corpus.txt" | head -c 9)" = "The quick" ] && [ "$(cat "$work/ds.json")" = '{"gradient_clipping": 1.0}' ] &&
   pass "the inputs named as outputs are unchanged" || fail "an input was overwritten"
+
+# Outputs that are not regular files: a device node (made here with mknod,
+# never the real /dev), a FIFO, a socket, a dangling symlink, a symlink to a
+# device: refused before step 1 by every writer, each left as it was. (As
+# root, the rename would turn them into regular files: /dev/null for the
+# whole machine.) A symlink to a regular file is followed: the target is
+# written, the link stays a link.
+nodes="$work/nodes"
+mkdir -p "$nodes/export" "$nodes/dump" "$nodes/save"
+if mknod "$nodes/null" c 1 3 2>"$work/mknod.err" && mknod "$nodes/export/config.json" c 1 3 &&
+   mknod "$nodes/dump/batch.safetensors" c 1 3 && mknod "$nodes/save/latest" c 1 3; then
+  mkfifo "$nodes/fifo"
+  python3 -c "import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])" "$nodes/socket"
+  ln -s null "$nodes/link_to_device"
+  ln -s nowhere.json "$nodes/dangling.json"
+  bad_case "--json '$nodes/null' is a character device: zero2 writes only regular files" "${small[@]}" --json "$nodes/null"
+  bad_case "--metrics '$nodes/fifo' is a FIFO" "${small[@]}" --metrics "$nodes/fifo"
+  bad_case "--memory-trace '$nodes/socket' is a socket" "${small[@]}" --memory-trace "$nodes/socket"
+  bad_case "(a symlink to '$nodes/null') is a character device" "${small[@]}" --json "$nodes/link_to_device"
+  bad_case "--json '$nodes/dangling.json' is a symlink that leads to no file" "${small[@]}" --json "$nodes/dangling.json"
+  bad_case "--export-hf's config.json '$nodes/export/config.json' is a character device" "${small[@]}" --export-hf "$nodes/export"
+  bad_ranks=1 bad_case "--dump-batch's batch.safetensors '$nodes/dump/batch.safetensors' is a character device" "${small[@]}" --dump-batch "$nodes/dump"
+  bad_case "--save's latest '$nodes/save/latest' is a character device" "${small[@]}" --save "$nodes/save"
+  bad_case "--save '$nodes/null' is a character device, not a directory" "${small[@]}" --save "$nodes/null"
+  kinds=$(cd "$nodes" && stat -c '%n %F' null fifo socket link_to_device dangling.json export/config.json dump/batch.safetensors save/latest | tr '\n' ',')
+  want="null character special file,fifo fifo,socket socket,link_to_device symbolic link,dangling.json symbolic link,"
+  want+="export/config.json character special file,dump/batch.safetensors character special file,save/latest character special file,"
+  [ "$kinds" = "$want" ] && [ -z "$(ls "$nodes/export" "$nodes/dump" | grep -v -e config.json -e batch.safetensors -e '^$' -e ':$')" ] &&
+    pass "every output refused as a device, FIFO, socket or dangling link is left as it was" || fail "outputs that are not files: now $kinds"
+else
+  echo "SKIP device nodes as outputs: mknod is not allowed here ($(head -c 120 "$work/mknod.err"))"
+fi
+echo '{"kept": "the old contents"}' > "$nodes/target.json"
+ln -s target.json "$nodes/link.json"
+if timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --json "$nodes/link.json" > "$work/log" 2>&1 && [ -L "$nodes/link.json" ] &&
+   grep -q final_params_hash "$nodes/target.json" && [ -z "$(ls -A "$nodes" | grep zero2-tmp)" ]; then
+  pass "--json through a symlink: the target is written, the link stays a link"
+else fail "--json through a symlink: $(ls -l "$nodes/link.json") $(head -c 200 "$nodes/target.json") $(head -c 200 "$work/log")"; fi
+
+# The checkpoint being loaded is an input, every file of it: an output in its
+# step directory, or over the latest that named it, is refused, and the
+# checkpoint is unchanged. (--save into the directory it loads from moves
+# latest, after the load: that is how a run continues.)
+timeout 60 "$trainer" "${tiny_run[@]}" --steps 2 --save "$work/ck_input" > /dev/null 2>&1
+ck_before=$(cd "$work/ck_input" && find . -type f | sort | xargs sha256sum | sha256sum)
+bad_ranks=1 bad_case "--json '$work/ck_input/step_2/index.json' is inside the checkpoint it loads" --load "$work/ck_input/step_2" --json "$work/ck_input/step_2/index.json"
+bad_ranks=1 bad_case "--json '$work/ck_input/latest' is the --load checkpoint's latest file" --load "$work/ck_input" --json "$work/ck_input/latest"
+bad_ranks=1 bad_case "--metrics '$work/ck_input/step_2/rank_00000.safetensors' is inside the checkpoint it loads" --load "$work/ck_input" --metrics "$work/ck_input/step_2/rank_00000.safetensors"
+bad_ranks=1 bad_case "--memory-trace '$work/ck_input/step_2/index.json' is inside" --load "$work/ck_input/step_2" --memory-trace "$work/ck_input/step_2/index.json"
+bad_ranks=1 bad_case "--export-hf '$work/ck_input/step_2' is inside the checkpoint it loads" --load "$work/ck_input" --steps 0 --export-hf "$work/ck_input/step_2"
+[ "$(cd "$work/ck_input" && find . -type f | sort | xargs sha256sum | sha256sum)" = "$ck_before" ] &&
+  pass "the checkpoint named by the refused outputs is unchanged" || fail "a refused output changed the checkpoint it loads"
+
+# Paths that are not UTF-8 (the run records paths in JSON, which holds only
+# UTF-8): refused before step 1, not at the first save after training; the
+# working directory's name counts for a relative path.
+cp "$work/corpus.txt" "$work/bad"$'\xff'".txt"
+bad_case 'the path is not UTF-8 (the byte shown as \xff)' "${small[@]}" --data "$work/bad"$'\xff'".txt" --save "$work/ck_utf8"
+bad_case 'the path is not UTF-8' "${small[@]}" --json "$work/out"$'\xfe'".json"
+mkdir -p "$work/cwd"$'\xff'
+relative_trainer=$trainer trainer=$(realpath "$trainer")  # (not a subshell: its pass or fail would not count)
+cd "$work/cwd"$'\xff' && bad_case "is not UTF-8; the run records absolute paths" "${small[@]}" --memory-trace trace.csv
+cd - > /dev/null && trainer=$relative_trainer
+[ ! -e "$work/ck_utf8" ] && [ -z "$(ls -A "$work/cwd"$'\xff')" ] && pass "refused paths that are not UTF-8: nothing made" ||
+  fail "a refused non-UTF-8 run made $(ls -A "$work/ck_utf8" "$work/cwd"$'\xff' 2>&1 | head -c 200)"
+
+# --metrics on resume: the first run's lines stay; a marker line says where
+# the resumed run's lines begin.
+timeout 60 "$trainer" "${tiny_run[@]}" --steps 4 --save-every 2 --log-every 1 --save "$work/ck_metrics" --metrics "$work/resumed.jsonl" > /dev/null 2>&1
+timeout 60 "$trainer" --load "$work/ck_metrics/step_2" --log-every 1 --quiet --metrics "$work/resumed.jsonl" > "$work/log" 2>&1
+lines=$(python3 -c "import json,sys; print(' '.join(str(r.get('step')) + ('R' if 'resumed_from' in r else '') for r in map(json.loads, open(sys.argv[1]))))" "$work/resumed.jsonl" 2>&1)
+[ "$lines" = "1 2 3 4 2R 3 4" ] && pass "--metrics on resume: appended after a resumed_from line ($lines)" ||
+  fail "--metrics on resume: steps $lines $(head -c 200 "$work/log")"
 
 # The same file or directory named two ways, before it exists (a relative
 # path against an absolute one), and outputs that name each other's directory.
