@@ -165,11 +165,11 @@ struct Settings {
 
 // Every error a user can cause ends here: one message, the same on every rank
 // (each rank parses the same arguments), printed by rank 0 in main().
+// Never cut: a long path must not push the reason off the end.
 [[noreturn]] inline void fail(const char* format, ...) {
-  char message[1024];
   va_list arguments;
   va_start(arguments, format);
-  vsnprintf(message, sizeof message, format, arguments);
+  std::string message = z2::format_message(format, arguments);
   va_end(arguments);
   throw z2::Error(message);
 }
@@ -5014,9 +5014,7 @@ inline void plan_stage_table(int stage, const std::vector<PlannedWorld>& worlds,
   auto c = [](size_t v) { return z2::with_commas(v); };
   for (const PlannedWorld& world : worlds) {
     if (!world.why.empty()) {
-      snprintf(line, sizeof line, "| %d | not a valid run at this N: %s |||||||||||\n", world.world_size,
-               world.why.c_str());
-      text += line;
+      text += "| " + std::to_string(world.world_size) + " | not a valid run at this N: " + world.why + " |||||||||||\n";
       rows.push_back({{"stage", stage}, {"world_size", world.world_size}, {"refused", world.why}});
       continue;
     }

@@ -156,11 +156,30 @@ void check_nccl(int code, const char* call, const char* file, int line) {
 void launch_check(const char* file, int line) { check_cuda((int)cudaGetLastError(), "kernel launch", file, line); }
 #endif
 
-[[noreturn]] void usage_error(const char* format, ...) {
-  char message[1024];
+std::string format_message(const char* format, va_list arguments) {
+  va_list measuring;
+  va_copy(measuring, arguments);  // a va_list is used up by one pass: one to measure, one to write
+  const int length = vsnprintf(nullptr, 0, format, measuring);
+  va_end(measuring);
+  if (length <= 0) return length == 0 ? "" : format;  // < 0: a bad format; its text says more than nothing
+  std::string message((size_t)length + 1, '\0');
+  vsnprintf(message.data(), message.size(), format, arguments);
+  message.resize((size_t)length);
+  return message;
+}
+
+std::string format_text(const char* format, ...) {
   va_list arguments;
   va_start(arguments, format);
-  vsnprintf(message, sizeof message, format, arguments);
+  std::string text = format_message(format, arguments);
+  va_end(arguments);
+  return text;
+}
+
+[[noreturn]] void usage_error(const char* format, ...) {
+  va_list arguments;
+  va_start(arguments, format);
+  std::string message = format_message(format, arguments);
   va_end(arguments);
   throw Error(message);
 }
@@ -694,18 +713,17 @@ void Compute::out_of_memory(size_t bytes, MemoryKind kind, size_t segment) const
           with_commas(resources_->capacity - resources_->segment_bytes) + " bytes of the limit not yet in segments (" +
           with_commas(resources_->segment_bytes) + " bytes in " + std::to_string(resources_->segments.size()) +
           " segment(s); the wholly free cached segments were released and the request retried once)";
-  char message[1024];
-  snprintf(message, sizeof message,
-           "out of device memory in the %s-byte %s (--alloc %s): %s bytes of %s asked for; %s bytes free in "
-           "%zu piece(s), the largest %s bytes%s; %s bytes live. Raise --device-memory-limit (train_bert_mini --plan "
-           "gives what the arena needs)%s",
-           with_commas(resources_->capacity).c_str(),
-           allocator_ == Allocator::arena || allocator_ == Allocator::naive ? "block" : "device limit",
-           to_string(allocator_), with_commas(bytes).c_str(), to_string(kind), with_commas(total).c_str(), pieces,
-           with_commas(largest).c_str(), why.c_str(), with_commas(counters_.total_current).c_str(),
-           allocator_ == Allocator::naive || allocator_ == Allocator::caching
-               ? ", or use --alloc arena, whose free memory never breaks into pieces"
-               : "");
+  const std::string message = format_text(
+      "out of device memory in the %s-byte %s (--alloc %s): %s bytes of %s asked for; %s bytes free in "
+      "%zu piece(s), the largest %s bytes%s; %s bytes live. Raise --device-memory-limit (train_bert_mini --plan "
+      "gives what the arena needs)%s",
+      with_commas(resources_->capacity).c_str(),
+      allocator_ == Allocator::arena || allocator_ == Allocator::naive ? "block" : "device limit",
+      to_string(allocator_), with_commas(bytes).c_str(), to_string(kind), with_commas(total).c_str(), pieces,
+      with_commas(largest).c_str(), why.c_str(), with_commas(counters_.total_current).c_str(),
+      allocator_ == Allocator::naive || allocator_ == Allocator::caching
+          ? ", or use --alloc arena, whose free memory never breaks into pieces"
+          : "");
   throw OutOfMemory(message);
 }
 
@@ -3446,7 +3464,11 @@ bool Engine::RankState::overflow_skips_step(const std::vector<float>& local, Ste
     bool overflow = false;
     for (float sum : local) overflow |= !std::isfinite(sum);
     report.skipped = engine.comm_.any_rank(overflow);
-    engine.scaler_.update(report.skipped);  // throws, on every rank, at the minimum scale
+    // At the minimum scale update throws, on every rank; the run ends there,
+    // so the message says where, counting steps as the progress lines do.
+    try {
+      engine.scaler_.update(report.skipped);
+    } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
   }
   engine.micro_step_ = 0;
   if (!report.skipped) return false;
@@ -4007,7 +4029,7 @@ Z2_LAB_SEAM void LossScaler::update(bool overflow) {
     if (settings_.hysteresis == 1 || hysteresis_left_ == 1) {
       if (scale_ == settings_.min_scale)
         usage_error(
-            "fp16 gradients overflowed at the minimum loss scale %g (min_loss_scale) with no hysteresis "
+            "fp16 gradients overflowed at the minimum loss scale %.17g (min_loss_scale) with no hysteresis "
             "left: the scale cannot go lower (DeepSpeed stops here too). Lower --lr, use bf16, or clip",
             scale_);
       scale_ = std::max(scale_ / 2, settings_.min_scale);

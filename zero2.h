@@ -50,6 +50,7 @@
 #include <mpi.h>
 
 #include <cmath>
+#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -143,6 +144,10 @@ void check_nccl(int code, const char* call, const char* file, int line);
 
 // Throw z2::Error with a printf-style message.
 [[noreturn]] void usage_error(const char* format, ...);
+// A printf-style message whole, however long (a path may take kilobytes: a
+// fixed buffer would cut off the reason that follows it).
+std::string format_message(const char* format, va_list arguments);
+std::string format_text(const char* format, ...);  // the same, from the arguments themselves
 
 // The watchdog (--timeout; README, "When something goes wrong"). Every wait
 // of the engine and the trainer — an MPI request, a CUDA stream — polls

@@ -280,6 +280,17 @@ bad_case "run it with 1 rank" "${small[@]}" --dump-batch "$work/dump_from_two"
 bad_case "does not exist" "${small[@]}" --json "$work/no/such/dir/out.json"
 long_name=$(printf 'a%.0s' $(seq 1 300))
 bad_case "more than the 255 a file name may have" "${small[@]}" --json "$work/$long_name/$long_name/out.json"
+# A message longer than 1,023 bytes arrives whole (it was cut there, the
+# reason lost after a long path), from rank 0 and from another rank.
+deep=$(printf 'd%.0s' $(seq 1 200))
+long_path="$work/$deep/$deep/$deep/$deep/$deep/missing.txt"
+bad_case "/missing.txt': No such file or directory" "${small[@]}" --data "$long_path"
+timeout 60 mpirun -n 1 "$trainer" "${small[@]}" --data "$work/corpus.txt" : -n 1 "$trainer" "${small[@]}" \
+  --data "$long_path" > /dev/null 2> "$work/long_stderr"
+long_status=$?
+if [ $long_status -eq 2 ] && grep -qF "/missing.txt': No such file or directory (on rank 1)" "$work/long_stderr"; then
+  pass "a $(wc -c < "$work/long_stderr")-byte message from rank 1 printed whole by rank 0"
+else fail "long message from rank 1: exit $long_status, $(tail -c 200 "$work/long_stderr")"; fi
 bad_case "too large" "${small[@]}" --micro-batch 1000000 --seq 4096 --max-positions 4096
 bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm nccl
 bad_case "cannot be created as a directory" "${small[@]}" --export-hf "$work/short.txt"
@@ -594,8 +605,9 @@ bad_case "fp16.min_loss_scale: wants" "${small[@]}" --config "$work/zero_min.jso
 bad_case "fp16.hysteresis: wants" "${small[@]}" --config "$work/zero_hysteresis.json"
 bad_case "fp16.loss_scale_window: wants" "${small[@]}" --config "$work/zero_window.json"
 bad_case "bf16.enabled: wants true or false" "${small[@]}" --config "$work/bf16_string.json"
-# At the minimum scale an overflow ends the run (DeepSpeed raises), on every rank.
-bad_case "minimum loss scale" "${small[@]}" --steps 3 --config "$work/at_minimum.json"
+# At the minimum scale an overflow ends the run (DeepSpeed raises), on every rank, naming the step.
+bad_case "optimizer step 1: fp16 gradients overflowed at the minimum loss scale 1099511627776" "${small[@]}" \
+  --config "$work/at_minimum.json"
 
 # --- 7. reliability: failed writes, inputs, numbers, a stopped rank ----------------------
 echo "=== reliability: writes that fail, inputs that are not what they seem, a stopped rank"
