@@ -222,18 +222,27 @@ inline long parse_integer(const std::string& flag, const std::string& text, long
   return value;
 }
 
+// `smallest` is the least non-zero magnitude the setting keeps: DBL_MIN, or
+// FLT_MIN for one stored as a float.
 inline double parse_real(const std::string& flag, const std::string& text, double low, double high,
-                         bool high_inclusive = true) {
+                         bool high_inclusive = true, double smallest = DBL_MIN) {
   char* end = nullptr;
   errno = 0;
   double value = std::strtod(text.c_str(), &end);
   // strtod says ERANGE for a number too small for a normal double (1e-320)
-  // too; such a number is in range whenever 0 is, so only overflow refuses.
+  // as well as for one too large: only the large one overflows.
   const bool overflow = errno == ERANGE && std::fabs(value) > DBL_MIN;
   bool in_range = value >= low && (high_inclusive ? value <= high : value < high);
   if (text.empty() || *end || overflow || !std::isfinite(value) || !in_range)
     fail("%s wants a number from %g to %g%s (got '%s')", flag.c_str(), low, high, high_inclusive ? "" : " (exclusive)",
          text.c_str());
+  // A number written non-zero that reads as 0 or as a subnormal (1e-400,
+  // 1e-310) is not what the user meant: 0 would silently switch the
+  // setting off (an lr of 0 trains nothing), so it is refused like 1e400.
+  const bool written_zero = value == 0 && errno != ERANGE;
+  if (!written_zero && std::fabs(value) < smallest)
+    fail("%s wants 0 or a number of at least %g in size (got '%s', which %s)", flag.c_str(), smallest, text.c_str(),
+         value == 0 ? "reads as 0" : "is too small to keep its precision");
   return value;
 }
 
@@ -326,7 +335,7 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--intermediate") s.intermediate = (int)parse_integer(name, value, 1, 65536);
   else if (flag == "--seq") s.seq = (int)parse_integer(name, value, 3, 65536);
   else if (flag == "--max-positions") s.max_positions = (int)parse_integer(name, value, 3, 65536);
-  else if (flag == "--dropout") s.dropout = (float)parse_real(name, value, 0.0, 1.0, false);
+  else if (flag == "--dropout") s.dropout = (float)parse_real(name, value, 0.0, 1.0, false, FLT_MIN);
   else if (flag == "--micro-batch") s.micro_batch = (int)parse_integer(name, value, 1, 1 << 20);
   else if (flag == "--accum") s.accum = (int)parse_integer(name, value, 1, 1 << 20), s.accum_given = true;
   else if (flag == "--steps") s.steps = parse_integer(name, value, 0, big);  // 0: only with --load (check_consistency)
@@ -585,10 +594,15 @@ class ConfigReader {
     // A whole number written as a float (DeepSpeed's configs write
     // "reduce_bucket_size": 5e8) is that integer while a double holds it exactly.
     const double real = value.get<double>();
+    const auto written = numbers_.texts.find(key);
+    // Written non-zero but read as 0 (1e-400): the text, for the flag parser
+    // to refuse quoting it; as "0" it would silently pass.
+    const bool written_nonzero = written != numbers_.texts.end() &&
+                                 written->second.find_first_of("123456789") < written->second.find_first_of("eE");
+    if (real == 0 && written_nonzero) return written->second;
     char digits[64];
     snprintf(digits, sizeof digits, "%.0f", real);
     if (real == std::floor(real) && std::fabs(real) <= 9007199254740992.0) return digits;  // 2^53
-    const auto written = numbers_.texts.find(key);
     if (written != numbers_.texts.end()) return written->second;
     snprintf(digits, sizeof digits, "%.17g", real);
     return digits;

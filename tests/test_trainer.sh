@@ -291,6 +291,11 @@ long_status=$?
 if [ $long_status -eq 2 ] && grep -qF "/missing.txt': No such file or directory (on rank 1)" "$work/long_stderr"; then
   pass "a $(wc -c < "$work/long_stderr")-byte message from rank 1 printed whole by rank 0"
 else fail "long message from rank 1: exit $long_status, $(tail -c 200 "$work/long_stderr")"; fi
+# A non-zero number that reads as 0 is refused, as one too large is.
+echo '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-400}}}' > "$work/lr_underflow.json"
+bad_case "optimizer.params.lr: wants 0 or a number of at least 2.22507e-308 in size (got '1e-400'" "${small[@]}" \
+  --config "$work/lr_underflow.json"
+bad_case "--lr wants 0 or a number of at least 2.22507e-308 in size (got '1e-400'" "${small[@]}" --lr 1e-400
 bad_case "too large" "${small[@]}" --micro-batch 1000000 --seq 4096 --max-positions 4096
 bad_case "--comm nccl needs --device cuda" "${small[@]}" --device cpu --comm nccl
 bad_case "cannot be created as a directory" "${small[@]}" --export-hf "$work/short.txt"
