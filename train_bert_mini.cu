@@ -161,6 +161,7 @@ struct Settings {
   // left as they are (a check that the model reads none before writing it)
   bool poison_activations = false;
   std::vector<std::string> config_notes;  // config keys that act differently here, for the header
+  std::vector<std::string> repeated_flags;  // "--steps given twice ('3', then '4')...", for the header
 };
 
 // Every error a user can cause ends here: one message, the same on every rank
@@ -1131,7 +1132,17 @@ inline Settings parse_command_line(int argc, char** argv) {
       }
       settings.config_notes = config.notes;
     }
+  // A flag given twice: the last counts, as argparse (DeepSpeed's and
+  // Hugging Face's launchers) and most Unix tools do, so a script can keep
+  // its defaults in one array and append what a run changes. Not silently:
+  // the header names it. (A config file's key twice is refused instead: in
+  // a file it is a copy-paste mistake, not an override.)
+  std::map<std::string, std::string> seen;
   for (auto& [flag, value] : flags) {
+    if (seen.count(flag) && flag != "--quiet" && flag != "--plan" && flag != "--poison-activations")
+      settings.repeated_flags.push_back(flag + " given twice ('" + seen[flag] + "', then '" + value +
+                                        "'): the last counts");
+    seen[flag] = value;
     if (flag == "--quiet") settings.quiet = true;
     else apply(settings, flag, value);
   }
@@ -4521,6 +4532,7 @@ void Training<Act>::print_header() const {
              : ("; the last " + z2::with_commas(held_out_.size()) + " held out for --eval-every").c_str());
   print_schedule();
   for (const std::string& line : settings_.config_notes) printf("  config    %s\n", line.c_str());
+  for (const std::string& line : settings_.repeated_flags) printf("  flags     %s\n", line.c_str());
   printf("  memory    --activations %s, --alloc %s: %s %s bytes per rank (%s)\n", settings_.activations.c_str(),
          settings_.alloc.c_str(),
          allocator_ == z2::Allocator::arena || allocator_ == z2::Allocator::naive

@@ -291,6 +291,12 @@ long_status=$?
 if [ $long_status -eq 2 ] && grep -qF "/missing.txt': No such file or directory (on rank 1)" "$work/long_stderr"; then
   pass "a $(wc -c < "$work/long_stderr")-byte message from rank 1 printed whole by rank 0"
 else fail "long message from rank 1: exit $long_status, $(tail -c 200 "$work/long_stderr")"; fi
+# A flag given twice: the last counts (argparse's rule), and the header says so.
+if timeout 60 "$trainer" "${small[@]}" --steps 3 --steps 4 --json "$work/twice_steps.json" > "$work/log" 2>&1 &&
+   grep -qF "flags     --steps given twice ('3', then '4'): the last counts" "$work/log" &&
+   [ "$(json_get "$work/twice_steps.json" "len(d['steps'])")" = 4 ]; then
+  pass "--steps 3 --steps 4: 4 steps, and the header names the repeat"
+else fail "--steps 3 --steps 4: $(grep -E 'flags|error' "$work/log" | head -c 300)"; fi
 # A non-zero number that reads as 0 is refused, as one too large is.
 echo '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-400}}}' > "$work/lr_underflow.json"
 bad_case "optimizer.params.lr: wants 0 or a number of at least 2.22507e-308 in size (got '1e-400'" "${small[@]}" \
