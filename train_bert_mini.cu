@@ -77,6 +77,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -2684,13 +2685,20 @@ inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, fl
 // ----------------------------------------------------------------------------
 // 5. safetensors, the Hugging Face export and the batch dump
 
+// A tensor's bytes are either its own (`owned`: the batch dump's token ids)
+// or a view of the caller's values, which outlive the file's writing: a
+// checkpoint or an export holds its values once, not a second copy per
+// tensor (notes/10, "What a run holds on the host besides the plan").
 struct Tensor {
   std::string name, dtype;  // "F32" or "I64"
   std::vector<long> shape;
-  std::string bytes;
+  std::string owned;
+  const char* view = nullptr;
+  size_t view_bytes = 0;
+  std::string_view bytes() const { return view ? std::string_view(view, view_bytes) : std::string_view(owned); }
 };
 inline Tensor tensor_f32(const std::string& name, std::vector<long> shape, const float* values, size_t count) {
-  return {name, "F32", shape, std::string((const char*)values, count * sizeof(float))};
+  return {name, "F32", std::move(shape), std::string(), (const char*)values, count * sizeof(float)};
 }
 
 // --- output files (README, "When something goes wrong") ----------------------
@@ -2847,17 +2855,20 @@ inline std::string safetensors_bytes(const std::vector<Tensor>& tensors,
   json header = json::object();
   size_t offset = 0;
   for (auto& t : tensors) {
-    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
-    offset += t.bytes.size();
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes().size()}}};
+    offset += t.bytes().size();
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   std::string contents(8, '\0');
+  // Its final size up front: growing by doubling would hold the old and the
+  // new buffer at once, up to twice the file's bytes on the host.
+  contents.reserve(8 + text.size() + offset);
   uint64_t length = text.size();
   for (int k = 0; k < 8; ++k) contents[k] = (char)((length >> (8 * k)) & 0xff);
   contents += text;
-  for (auto& t : tensors) contents += t.bytes;
+  for (auto& t : tensors) contents += t.bytes();
   return contents;
 }
 inline void write_safetensors(const std::string& path, const std::vector<Tensor>& tensors,

@@ -3807,6 +3807,11 @@ OptimizerState Engine::owned_state_to_host() {
                                                      : to_host((const float*)rank_state.params.data(), psi_padded());
   compute_.synchronize(compute_.compute_stream());
   OptimizerState state;
+  // Sized once: growing run by run would hold the old and the new buffer at
+  // once (notes/10, "What a run holds on the host besides the plan").
+  size_t total = 0;
+  for (const LocatedRun& located : runs) total += located.run.length;
+  state.master.reserve(total), state.exp_avg.reserve(total), state.exp_avg_sq.reserve(total);
   for (const LocatedRun& located : runs) {
     const size_t at = rank_state.mixed ? located.stored : located.padded;
     state.master.insert(state.master.end(), master.begin() + at, master.begin() + at + located.run.length);
