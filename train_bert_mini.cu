@@ -4066,7 +4066,8 @@ inline HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Devi
   consider(mixed ? 2.5 * p : 2 * p, "building the initial parameters on the host");
   // Engine::parameters_to_host (16-bit, stages 1-2: the shards, their all-gather, the padded and canonical copies);
   // --export-hf's file is one more copy beside the result.
-  consider(mixed && plan.stage > 0 ? 3 * p + p / N : 2 * p, "gathering the final parameters for the hash and the export");
+  consider(mixed && plan.stage > 0 ? 3 * p + p / N : 2 * p,
+           "gathering the final parameters for the hash and the export");
   // --dump-batch: the weights and the gradients of step 0, one in its file at a time.
   if (!settings.dump_dir.empty()) consider(4 * p, "--dump-batch's weights and gradients");
   // Engine::state_range_to_host (owned_state_to_host's copies, then the range) and the file's bytes.
@@ -4123,15 +4124,17 @@ inline size_t memory_block(const Settings& settings, z2::Allocator allocator, z2
              "for the libraries; notes/10)",
              z2::with_commas(host.total()).c_str(), host.copies / GiB, host.largest.c_str(), host.persistent / GiB,
              host.fixed / GiB);
-    const std::string parts = device == z2::Device::cpu ? std::string(plan_text) + " plus " + host_text
-                              : host_short ? std::string(host_text) + " (the plan itself is on the GPU)"
-                                           : std::string(plan_text);
-    fail("this configuration needs %s bytes (%.2f GiB) per rank%s but %.2f GiB are available per rank (%s): %s. "
-         "Use a smaller model or micro-batch, --activations recompute or offload, a higher stage or more ranks%s",
-         z2::with_commas((size_t)need).c_str(), need / GiB,
-         device == z2::Device::cpu ? "" : host_short ? " on the host" : " on the GPU", (double)short_of.bytes / GiB,
-         short_of.source.c_str(), parts.c_str(),
-         short_of.source == "ZERO2_MEMORY_LIMIT" ? ", or raise ZERO2_MEMORY_LIMIT (it can only lower the limit)" : "");
+    std::string parts = plan_text, where;  // cuda, short of the GPU's memory: the plan alone
+    if (device == z2::Device::cpu) parts += std::string(" plus ") + host_text;
+    else if (host_short) parts = std::string(host_text) + " (the plan itself is on the GPU)", where = " on the host";
+    else where = " on the GPU";
+    const bool overridden = short_of.source == "ZERO2_MEMORY_LIMIT";
+    fail(
+        "this configuration needs %s bytes (%.2f GiB) per rank%s but %.2f GiB are available per rank (%s): %s. "
+        "Use a smaller model or micro-batch, --activations recompute or offload, a higher stage or more ranks%s",
+        z2::with_commas((size_t)need).c_str(), need / GiB, where.c_str(), (double)short_of.bytes / GiB,
+        short_of.source.c_str(), parts.c_str(),
+        overridden ? ", or raise or unset ZERO2_MEMORY_LIMIT, which set this limit" : "");
   }
   if ((double)settings.device_memory_limit > available)
     fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s (%s)",
