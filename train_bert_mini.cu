@@ -77,6 +77,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -2745,13 +2746,20 @@ inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, fl
 // ----------------------------------------------------------------------------
 // 5. safetensors, the Hugging Face export and the batch dump
 
+// A tensor's bytes are either its own (`owned`: the batch dump's token ids)
+// or a view of the caller's values, which outlive the file's writing: a
+// checkpoint or an export holds its values once, not a second copy per
+// tensor (notes/10, "What a run holds on the host besides the plan").
 struct Tensor {
   std::string name, dtype;  // "F32" or "I64"
   std::vector<long> shape;
-  std::string bytes;
+  std::string owned;
+  const char* view = nullptr;
+  size_t view_bytes = 0;
+  std::string_view bytes() const { return view ? std::string_view(view, view_bytes) : std::string_view(owned); }
 };
 inline Tensor tensor_f32(const std::string& name, std::vector<long> shape, const float* values, size_t count) {
-  return {name, "F32", shape, std::string((const char*)values, count * sizeof(float))};
+  return {name, "F32", std::move(shape), std::string(), (const char*)values, count * sizeof(float)};
 }
 
 // --- output files (README, "When something goes wrong") ----------------------
@@ -2947,17 +2955,20 @@ inline std::string safetensors_bytes(const std::vector<Tensor>& tensors,
   json header = json::object();
   size_t offset = 0;
   for (auto& t : tensors) {
-    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes.size()}}};
-    offset += t.bytes.size();
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes().size()}}};
+    offset += t.bytes().size();
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   std::string contents(8, '\0');
+  // Its final size up front: growing by doubling would hold the old and the
+  // new buffer at once, up to twice the file's bytes on the host.
+  contents.reserve(8 + text.size() + offset);
   uint64_t length = text.size();
   for (int k = 0; k < 8; ++k) contents[k] = (char)((length >> (8 * k)) & 0xff);
   contents += text;
-  for (auto& t : tensors) contents += t.bytes;
+  for (auto& t : tensors) contents += t.bytes();
   return contents;
 }
 inline void write_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
@@ -4151,33 +4162,122 @@ inline RankPlan plan_rank(const Settings& settings, int stage, int world_size) {
   return plan;
 }
 
-// Refuse a configuration a rank cannot hold before allocating it (a CPU run
-// would otherwise be killed by the kernel's OOM killer, not stopped with a
-// message): the plan's block for the arena, its live peak for naive (which
-// needs more: its holes). Returns the one block each rank reserves.
+// --- what a run holds on the host besides the plan (notes/10) --------------------
+//
+// The plan counts the engine's buffers and the activations: what the block
+// holds. A run also makes host copies the block does not hold: the initial
+// parameters built on the host, the final parameters gathered for the hash
+// and the export, the optimizer state gathered for a checkpoint or read from
+// one; and, for the whole run, offload's host checkpoints and the cpu gemm's
+// widened (16-bit) or packed (--portable) operands. On the cpu device these
+// share the machine with the block, whose pages stay resident once touched,
+// so the check adds them to the plan. Each copy is read off the code that
+// makes it (the functions named below) in units of 4 Psi (Psi_padded floats);
+// notes/10 has the measured peaks they bound.
+struct HostUse {
+  size_t fixed = 0;       // what the libraries and the process take after the check (OpenBLAS's buffers)
+  size_t persistent = 0;  // held from the first step to the end
+  size_t copies = 0;      // the largest transient copy
+  std::string largest;    // which one, for the message
+  size_t total() const { return fixed + persistent + copies; }
+};
+
+inline HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Device device) {
+  const double p = 4.0 * (double)plan.engine.psi_padded, N = plan.world_size;
+  const bool mixed = precision_of(settings) != z2::Precision::fp32;
+  const bool whole_state = plan.stage == 0 || plan.world_size == 1;  // each rank holds all of AdamW's state
+  HostUse use;
+  use.fixed = 64ull << 20;  // measured: under 2 MiB on 2 cores (notes/10); OpenBLAS's buffer grows with its threads
+  double largest = 0;
+  auto consider = [&](double bytes, const char* what) {
+    if (bytes > largest) largest = bytes, use.largest = what;
+  };
+  // Model::initialize's values and Engine::parameters_from_host's padded copy (16-bit: and its rounding).
+  consider(mixed ? 2.5 * p : 2 * p, "building the initial parameters on the host");
+  // Engine::parameters_to_host (16-bit, stages 1-2: the shards, their all-gather, the padded and canonical copies);
+  // --export-hf's file is one more copy beside the result.
+  consider(mixed && plan.stage > 0 ? 3 * p + p / N : 2 * p,
+           "gathering the final parameters for the hash and the export");
+  // --dump-batch: the weights and the gradients of step 0, one in its file at a time.
+  if (!settings.dump_dir.empty()) consider(4 * p, "--dump-batch's weights and gradients");
+  // Engine::state_range_to_host (owned_state_to_host's copies, then the range) and the file's bytes.
+  if (!settings.save_dir.empty())
+    consider(whole_state ? 6 * p : (mixed ? 0 : p) + 8 * p / N, "--save's copy of the optimizer state and its file");
+  // read_owned_state, then Engine::owned_state_from_host's copies of the buffers.
+  if (!settings.checkpoint.is_null())
+    consider(whole_state ? 6 * p : (mixed ? 0 : p) + 6 * p / N, "--load's copy of the optimizer state");
+  use.copies = (size_t)largest;
+  const ModelShape shape = shape_of(settings);
+  const size_t act = precision_of(settings) == z2::Precision::fp32 ? 4 : 2;
+  const size_t B = shape.micro_batch, T = shape.seq, H = shape.hidden, S = B * T;
+  if (mode_of(settings) == ActivationMode::offload)  // Model's host_checkpoints_ (pinned on cuda)
+    use.persistent += (size_t)(shape.layers - 1) * S * H * act;
+  if (device == z2::Device::cpu && (mixed || settings.portable)) {
+    // The largest gemm operand (weights, activations, attention scores), in floats: 16-bit widens A, B
+    // and C into fp32 scratch; --portable packs A and a block of B.
+    const size_t I = shape.intermediate, V = vocab_size;
+    const size_t operand =
+        std::max({H * std::max({I, V, 3 * H}), S * std::max({I, V, 3 * H}), B * shape.heads * T * T});
+    use.persistent += operand * sizeof(float) * ((mixed ? 3 : 0) + (settings.portable ? 2 : 0));
+  }
+  return use;
+}
+
+// Refuse a configuration a rank cannot hold before allocating it (a run
+// over the machine's memory is killed by the kernel's OOM killer, not
+// stopped with a message): the plan's block for the arena, its live peak for
+// naive (which needs more: its holes); on the cpu device the host's own use
+// besides (host_use), on cuda that against the host's memory. Returns the one
+// block each rank reserves.
 inline size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Device device, int world_size,
                            MPI_Comm world) {
   const RankPlan plan = plan_rank(settings, settings.stage, world_size);
   const double needed = (double)(allocator == z2::Allocator::arena ? plan.arena_block() : plan.live());
-  const double available = (double)z2::memory_per_rank(device, world);
-  if (needed > available)
+  const HostUse host = host_use(settings, plan, device);
+  const z2::MemoryLimit limit = z2::memory_per_rank(device, world);
+  const z2::MemoryLimit host_limit = device == z2::Device::cpu ? limit : z2::memory_per_rank(z2::Device::cpu, world);
+  const double available = (double)limit.bytes, GiB = 1073741824.0;
+  const double on_device = needed + (device == z2::Device::cpu ? (double)host.total() : 0.0);
+  if (on_device > available || (double)host.total() > (double)host_limit.bytes) {
+    // One message: the figure that does not fit, the limit and its source, then the figure's parts.
+    const bool host_short = device != z2::Device::cpu && on_device <= available;
+    const z2::MemoryLimit& short_of = host_short ? host_limit : limit;
+    const double need = host_short ? (double)host.total() : on_device;
+    char plan_text[320], host_text[320];
+    snprintf(plan_text, sizeof plan_text,
+             "%s bytes of the plan (%s parameters, stage %d, N = %d, activations %.2f GiB with --activations %s; "
+             "--plan shows every category)",
+             z2::with_commas((size_t)needed).c_str(), z2::with_commas(plan.psi).c_str(), settings.stage, world_size,
+             plan.activation_peak / GiB, settings.activations.c_str());
+    snprintf(host_text, sizeof host_text,
+             "%s bytes the process holds on the host besides the plan (%.2f GiB for %s, %.2f held all run, %.2f "
+             "for the libraries; notes/10)",
+             z2::with_commas(host.total()).c_str(), host.copies / GiB, host.largest.c_str(), host.persistent / GiB,
+             host.fixed / GiB);
+    std::string parts = plan_text, where;  // cuda, short of the GPU's memory: the plan alone
+    if (device == z2::Device::cpu) parts += std::string(" plus ") + host_text;
+    else if (host_short) parts = std::string(host_text) + " (the plan itself is on the GPU)", where = " on the host";
+    else where = " on the GPU";
+    const bool overridden = short_of.source == "ZERO2_MEMORY_LIMIT";
     fail(
-        "this configuration needs %s bytes (%.2f GiB) per rank (%s parameters, stage %d, N = %d, activations "
-        "%.2f GiB with --activations %s; --plan shows every category) but %.2f GiB are available per rank on this "
-        "%s: use a smaller model or micro-batch, --activations recompute or offload, a higher stage or more ranks",
-        z2::with_commas((size_t)needed).c_str(), needed / 1073741824.0, z2::with_commas(plan.psi).c_str(),
-        settings.stage, world_size, plan.activation_peak / 1073741824.0, settings.activations.c_str(),
-        available / 1073741824.0, z2::to_string(device));
+        "this configuration needs %s bytes (%.2f GiB) per rank%s but %.2f GiB are available per rank (%s): %s. "
+        "Use a smaller model or micro-batch, --activations recompute or offload, a higher stage or more ranks%s",
+        z2::with_commas((size_t)need).c_str(), need / GiB, where.c_str(), (double)short_of.bytes / GiB,
+        short_of.source.c_str(), parts.c_str(),
+        overridden ? ", or raise or unset ZERO2_MEMORY_LIMIT, which set this limit" : "");
+  }
   if ((double)settings.device_memory_limit > available)
-    fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s",
-         settings.device_memory_limit, available, z2::to_string(device));
+    fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s (%s)",
+         settings.device_memory_limit, available, z2::to_string(device), limit.source.c_str());
   // By default: twice the plan (the naive allocator needs room for its
   // fragmentation; make fraglab shows how much it took) plus 64 MiB, within
   // 90% of what is available (cuBLAS's workspace, NCCL's buffers and the
   // CUDA context live outside the block). On cpu the block is address space
-  // until it is touched.
-  return settings.device_memory_limit > 0 ? (size_t)settings.device_memory_limit
-                                          : (size_t)std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
+  // until it is touched, so it is never less than the plan, even where the
+  // check above passed by less than 10%.
+  if (settings.device_memory_limit > 0) return (size_t)settings.device_memory_limit;
+  const double block = std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
+  return (size_t)(device == z2::Device::cpu ? std::max(block, needed) : block);
 }
 
 // --- the run --------------------------------------------------------------------

@@ -52,6 +52,7 @@
 #include <climits>
 #include <unistd.h>
 #include <cstdarg>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -1662,9 +1663,48 @@ static int local_size_of(MPI_Comm comm) {
   return size;
 }
 
-size_t memory_per_rank(Device device, MPI_Comm comm) {
+// The cgroup's room: its limit less what it holds that cannot be reclaimed.
+// Its usage counts page cache, which the kernel reclaims before it kills
+// anything, so only what is not file-backed counts. cgroup v2 (memory.max,
+// "max": no limit) at the usual mount, else v1 (memory.limit_in_bytes, a huge
+// number: no limit). False when neither is readable or neither limits.
+static bool cgroup_room(unsigned long long* room, bool* version_one) {
+  struct Files {
+    const char *limit, *usage, *stat, *file_key;
+  };
+  const Files hierarchies[2] = {
+      {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "file %llu"},
+      {"/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+       "/sys/fs/cgroup/memory/memory.stat", "total_cache %llu"}};
+  for (int k = 0; k < 2; ++k) {
+    unsigned long long limit = 0, used = 0, file_backed = 0;
+    char line[256];
+    std::FILE* limit_file = std::fopen(hierarchies[k].limit, "r");
+    std::FILE* used_file = std::fopen(hierarchies[k].usage, "r");
+    std::FILE* stat_file = std::fopen(hierarchies[k].stat, "r");
+    while (stat_file && std::fgets(line, sizeof line, stat_file))
+      if (std::sscanf(line, hierarchies[k].file_key, &file_backed) == 1) break;
+    const bool read = limit_file && used_file && std::fscanf(limit_file, "%llu", &limit) == 1 &&
+                      std::fscanf(used_file, "%llu", &used) == 1;
+    for (std::FILE* file : {limit_file, used_file, stat_file})
+      if (file) std::fclose(file);
+    // v1 writes "no limit" as the largest page-aligned signed value.
+    if (!read || (k == 1 && limit >= (1ull << 62))) continue;
+    const unsigned long long unreclaimable = used > file_backed ? used - file_backed : 0;
+    *room = limit > unreclaimable ? limit - unreclaimable : 0ull;
+    *version_one = k == 1;
+    return true;
+  }
+  return false;
+}
+
+// Where a rank's figure came from, smallest code first where two are equal.
+enum LimitSource : unsigned long long { kLimitOverride, kLimitCgroup2, kLimitCgroup1, kLimitMeminfo, kLimitDevice };
+
+MemoryLimit memory_per_rank(Device device, MPI_Comm comm) {
   const int sharing = local_size_of(comm);
-  unsigned long long available = 0;
+  unsigned long long available = 0, source = kLimitDevice;
+  int shared_by = 1;  // ranks dividing the figure
   if (device == Device::cuda) {
 #if defined(__CUDACC__)
     // cudaMemGetInfo measures the current device: call this after Compute
@@ -1675,7 +1715,8 @@ size_t memory_per_rank(Device device, MPI_Comm comm) {
     Z2_CUDA_CHECK(cudaGetDeviceCount(&gpus));
     Z2_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     // Ranks share GPUs round-robin: ceil(local ranks / GPUs) per GPU.
-    available = free_bytes / (unsigned long long)((sharing + gpus - 1) / gpus);
+    shared_by = (sharing + gpus - 1) / gpus;
+    available = free_bytes / (unsigned long long)shared_by;
 #endif
   } else {
     std::FILE* meminfo = std::fopen("/proc/meminfo", "r");
@@ -1684,30 +1725,44 @@ size_t memory_per_rank(Device device, MPI_Comm comm) {
     while (meminfo && std::fgets(line, sizeof line, meminfo))
       if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
     if (meminfo) std::fclose(meminfo);
-    available = kib * 1024ull;
+    available = kib * 1024ull, source = kLimitMeminfo;
     // In a container the cgroup's limit may be far below the host's free
     // memory, and exceeding it gets a rank killed, not an error: take the
-    // smaller of the two (cgroup v2 at the usual mount; "max" means no
-    // limit). The cgroup's usage counts page cache, which is reclaimed before
-    // anything is killed, so we count only what is not file-backed.
-    unsigned long long limit = 0, used = 0, file_backed = 0;
-    std::FILE* limit_file = std::fopen("/sys/fs/cgroup/memory.max", "r");
-    std::FILE* used_file = std::fopen("/sys/fs/cgroup/memory.current", "r");
-    std::FILE* stat_file = std::fopen("/sys/fs/cgroup/memory.stat", "r");
-    while (stat_file && std::fgets(line, sizeof line, stat_file))
-      if (std::sscanf(line, "file %llu", &file_backed) == 1) break;
-    if (limit_file && used_file && std::fscanf(limit_file, "%llu", &limit) == 1 &&
-        std::fscanf(used_file, "%llu", &used) == 1) {
-      const unsigned long long unreclaimable = used > file_backed ? used - file_backed : 0;
-      available = std::min(available, limit > unreclaimable ? limit - unreclaimable : 0ull);
-    }
-    for (std::FILE* file : {limit_file, used_file, stat_file})
-      if (file) std::fclose(file);
+    // smaller of the two.
+    unsigned long long room = 0;
+    bool version_one = false;
+    if (cgroup_room(&room, &version_one) && room < available)
+      available = room, source = version_one ? kLimitCgroup1 : kLimitCgroup2;
+    shared_by = sharing;
     available /= (unsigned long long)sharing;
   }
-  unsigned long long smallest = 0;
-  watched_allreduce(&available, &smallest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm, "the memory check's all-reduce");
-  return (size_t)smallest;
+  // The override lowers the figure, per rank; a value that is not a plain
+  // number of bytes is refused (by every rank together, below).
+  unsigned long long valid = 1;
+  if (const char* text = std::getenv("ZERO2_MEMORY_LIMIT")) {
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long limit = std::strtoull(text, &end, 10);
+    valid = text[0] >= '0' && text[0] <= '9' && *end == '\0' && errno == 0 ? 1 : 0;
+    if (valid && limit < available) available = limit, source = kLimitOverride;
+  }
+  unsigned long long mine[2] = {available, valid}, smallest[2] = {0, 0};
+  watched_allreduce(mine, smallest, 2, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm, "the memory check's all-reduce");
+  if (smallest[1] == 0)
+    usage_error(
+        "ZERO2_MEMORY_LIMIT='%s' is not a number of bytes: it lowers the memory each rank may count on (e.g. "
+        "ZERO2_MEMORY_LIMIT=20000000000); unset it to use what the machine has",
+        valid ? "(another rank's value)" : std::getenv("ZERO2_MEMORY_LIMIT"));
+  // The source of the smallest figure (the lowest code among the ranks that have it).
+  unsigned long long candidate = available == smallest[0] ? source : kLimitDevice + 1, chosen = 0;
+  watched_allreduce(&candidate, &chosen, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm, "the memory check's all-reduce");
+  const char* names[] = {"ZERO2_MEMORY_LIMIT", "the cgroup v2 memory.max less its usage",
+                         "the cgroup v1 memory.limit_in_bytes less its usage", "MemAvailable in /proc/meminfo",
+                         "the GPU's free memory, cudaMemGetInfo"};
+  MemoryLimit limit{(size_t)smallest[0], chosen <= kLimitDevice ? names[chosen] : "?"};
+  if (chosen != kLimitOverride && shared_by > 1)
+    limit.source += " / " + std::to_string(shared_by) + " ranks sharing it";
+  return limit;
 }
 
 static bool all_ranks(bool local, MPI_Comm comm) {
@@ -3829,6 +3884,11 @@ OptimizerState Engine::owned_state_to_host() {
                                                      : to_host((const float*)rank_state.params.data(), psi_padded());
   compute_.synchronize(compute_.compute_stream());
   OptimizerState state;
+  // Sized once: growing run by run would hold the old and the new buffer at
+  // once (notes/10, "What a run holds on the host besides the plan").
+  size_t total = 0;
+  for (const LocatedRun& located : runs) total += located.run.length;
+  state.master.reserve(total), state.exp_avg.reserve(total), state.exp_avg_sq.reserve(total);
   for (const LocatedRun& located : runs) {
     const size_t at = rank_state.mixed ? located.stored : located.padded;
     state.master.insert(state.master.end(), master.begin() + at, master.begin() + at + located.run.length);

@@ -1193,12 +1193,20 @@ class BucketExchange {
 
 // The local rank (rank among the processes of this host) of `comm`.
 int local_rank_of(MPI_Comm comm);
-// Bytes one rank of `comm` can plan to use on `device`: the smallest over all
-// ranks of (free memory of the current CUDA device, or MemAvailable on cpu) /
-// (ranks of its host sharing that memory). Call it after constructing the
-// Compute (which selects the rank's GPU). Collective; the same value on every
-// rank, so a "does not fit" decision is taken by all ranks together.
-size_t memory_per_rank(Device device, MPI_Comm comm);
+// Bytes one rank of `comm` can plan to use on `device`, and where that figure
+// came from: the smallest over all ranks of what its host (or GPU) can give,
+// divided by the ranks sharing it: on cpu the smaller of MemAvailable and the
+// cgroup's limit less its usage (v2 or v1); on cuda the current device's free
+// memory. ZERO2_MEMORY_LIMIT=BYTES (for tests, and for users who want a lower
+// ceiling) lowers it to BYTES per rank; it never raises it. Call it after
+// constructing the Compute (which selects the rank's GPU). Collective; the
+// same value and source on every rank, so a "does not fit" decision is taken
+// by all ranks together.
+struct MemoryLimit {
+  size_t bytes = 0;
+  std::string source;  // e.g. "MemAvailable (/proc/meminfo) / 2 ranks on this host"
+};
+MemoryLimit memory_per_rank(Device device, MPI_Comm comm);
 
 // Resolve --device auto / --comm auto the same way on every rank.
 Device choose_device(const std::string& requested, MPI_Comm comm);

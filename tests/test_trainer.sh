@@ -56,7 +56,11 @@
 #      and activation mode at N = 1, 2, 4; the arena's block is the smallest
 #      --device-memory-limit that trains (256 bytes less runs out); the
 #      largest micro-batch and layer count for a limit trains, one more runs
-#      out of memory with the allocator's message; bad input.
+#      out of memory with the allocator's message; bad input. The memory
+#      check (notes/10) against ZERO2_MEMORY_LIMIT: a limit between the
+#      plan's block and the need (plan + the host's copies) is refused on
+#      every rank with nothing written, the need itself trains, and the
+#      24-layer run that the OOM killer used to end gets the message.
 #  13. portable mode (--portable, notes/11): the default mode's hash follows
 #      the OpenBLAS kernel forced with OPENBLAS_CORETYPE, the portable hash
 #      stays one under every kernel and a glibc feature mask, equals the
@@ -1578,6 +1582,54 @@ status=$?
   pass "bad input [--plan --quiet]: one message, exit 2" || fail "--plan --quiet: exit $status, $(head -c 200 "$work/log")"
 bad_case "write '--stage 2'" --plan --stage=2
 
+# The memory check (notes/10, "What a run holds on the host besides the
+# plan"): on the cpu a run needs the plan's block plus the host copies the
+# plan does not count, and ZERO2_MEMORY_LIMIT lowers the limit it is
+# compared with. A limit just above the plan's block (what the check used to
+# compare) is refused on every rank before anything is allocated or written;
+# the need the message names trains, one byte less is refused.
+memory_refused() {  # LABEL RANKS LIMIT FLAGS...: refused with the check's one message, no file written
+  local label=$1 ranks=$2 limit=$3
+  shift 3
+  rm -rf "$work/mem_out" "$work/mem.json"
+  ZERO2_MEMORY_LIMIT=$limit timeout 60 mpirun -n "$ranks" "$trainer" "$@" --save "$work/mem_out/ck" \
+    --export-hf "$work/mem_out/hf" --json "$work/mem.json" > "$work/log" 2>&1
+  local status=$?
+  if [ $status -eq 2 ] && [ "$(grep -c 'error:' "$work/log")" = 1 ] &&
+     grep -q "are available per rank (ZERO2_MEMORY_LIMIT).*besides the plan" "$work/log" &&
+     [ ! -e "$work/mem.json" ] && [ -z "$(find "$work/mem_out" -type f 2> /dev/null)" ]; then
+    pass "$label: ZERO2_MEMORY_LIMIT=$limit refused, one message, exit 2, no file written"
+  else fail "$label: ZERO2_MEMORY_LIMIT=$limit: exit $status, $(head -c 300 "$work/log")"; fi
+}
+for ranks in 1 2; do
+  "$trainer" --plan --plan-world-sizes "$ranks" --json "$work/plan.json" --quiet "${planned[@]}" > /dev/null 2>&1
+  block=$(json_get "$work/plan.json" "[r['arena_block_bytes'] for r in d['plan'] if r['stage'] == 2][0]")
+  memory_refused "memory check, N = $ranks, a limit 1 MiB above the plan's block" "$ranks" $((block + 1048576)) \
+    "${planned[@]}" --steps 1
+  need=$(grep -o 'needs [0-9,]* bytes' "$work/log" | tr -dc '0-9')
+  if [ -z "$need" ]; then fail "memory check, N = $ranks: no need in the message"; continue; fi
+  memory_refused "memory check, N = $ranks, one byte below the need the message names ($need)" "$ranks" $((need - 1)) \
+    "${planned[@]}" --steps 1
+  rm -rf "$work/mem_out"
+  if ZERO2_MEMORY_LIMIT=$need timeout 60 mpirun -n "$ranks" "$trainer" "${planned[@]}" --steps 1 \
+       --save "$work/mem_out/ck" --export-hf "$work/mem_out/hf" > "$work/log" 2>&1 &&
+     [ -e "$work/mem_out/hf/config.json" ]; then
+    pass "memory check, N = $ranks: a limit of exactly the need ($need bytes) trains, saves and exports"
+  else fail "memory check, N = $ranks, at the need ($need): $(head -c 300 "$work/log")"; fi
+done
+# The case that the OOM killer used to end (24 layers, H 2048: a 19.86 GB plan
+# at N = 1, plus 9 GiB of initial parameters on the host) ends with the
+# message, before allocating: under a 8 GB address-space limit, so that a
+# check that let it through fails at once instead of filling the machine.
+start=$(date +%s%N)
+(ulimit -v 8000000; ZERO2_MEMORY_LIMIT=20000000000 timeout 60 mpirun -n 1 "$trainer" --device cpu --layers 24 \
+   --hidden 2048 --heads 16 --intermediate 8192 --seq 32 --micro-batch 1 --steps 1 --quiet) > "$work/log" 2>&1
+status=$? took=$(( ($(date +%s%N) - start) / 1000000 ))
+if [ $status -eq 2 ] && [ "$(grep -c 'error:' "$work/log")" = 1 ] &&
+   grep -q "19,861,069,312 bytes of the plan.*for building the initial parameters" "$work/log" && [ $took -lt 10000 ]; then
+  pass "memory check: the 24-layer run a 20 GB machine cannot hold is refused in $took ms: $(grep -o 'needs [0-9,]* bytes' "$work/log"), the plan's 19,861,069,312 and the host's copies"
+else fail "memory check, 24 layers: exit $status in $took ms, $(head -c 300 "$work/log")"; fi
+ZERO2_MEMORY_LIMIT=1e9 bad_case "ZERO2_MEMORY_LIMIT='1e9' is not a number of bytes" "${planned[@]}" --device cpu
 fi  # section 12
 # --- 13. portable bits ---------------------------------------------------------------
 echo "=== portable mode: the same bits whatever OpenBLAS and glibc pick, in both builds; the golden table; the matrix"
