@@ -60,7 +60,16 @@
 #      (fp32, bf16) over NCCL too; the kernel against the CPU schedule element by element
 #      (the suite's test_conversions_gpu.cu, quoted); BERT-mini's portable
 #      step time beside cuBLAS's;
-#  12. a summary.
+#  12. reliability on the GPU: the memory check against the device's free
+#      memory (cudaMemGetInfo): a model far larger than the GPU is refused
+#      in about a second with the message naming that source, nothing
+#      allocated; with ZERO2_MEMORY_LIMIT one MiB under the plan's block the
+#      run is refused, at twice the block it trains (on the GPU the block is
+#      at most 90% of the limit: the CUDA context and the libraries' buffers
+#      live outside it); an output naming a device node
+#      is refused and the node stays a device (the same source as the CPU
+#      build's, checked once on the GPU build);
+#  13. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
@@ -356,6 +365,30 @@ for mode in default portable; do
   fi
 done
 note "portable step on the GPU (BERT-mini N=1 stage 2 fp32, median): cuBLAS ${portable_ms[0]} ms, zero2's kernel ${portable_ms[1]} ms"
+
+# --- 12. reliability on the GPU: the memory check, an output that is a device -------------
+mem=(--device cuda --comm nccl --stage 2 --steps 1 --quiet)
+build/train_bert_mini "${mem[@]}" --plan --plan-world-sizes 1 --json /tmp/z2_mem_plan.json >/tmp/z2_mem.log 2>&1
+block=$(python3 -c "import json; print([r for r in json.load(open('/tmp/z2_mem_plan.json'))['plan'] if r['stage'] == 2][0]['arena_block_bytes'])" 2>/dev/null)
+start_ms=$(date +%s%N)
+timeout 60 build/train_bert_mini "${mem[@]}" --layers 64 --hidden 8192 --heads 64 --intermediate 32768 --seq 32 \
+  --micro-batch 1 >/tmp/z2_mem_huge.log 2>&1
+huge_status=$? huge_ms=$((($(date +%s%N) - start_ms) / 1000000))
+ZERO2_MEMORY_LIMIT=$((${block:-0} - 1048576)) timeout 60 build/train_bert_mini "${mem[@]}" >/tmp/z2_mem_under.log 2>&1
+under_status=$?
+ZERO2_MEMORY_LIMIT=$((2 * ${block:-0})) timeout 60 build/train_bert_mini "${mem[@]}" >/tmp/z2_mem_at.log 2>&1
+at_status=$?
+mkdir -p /tmp/z2_nodes && rm -f /tmp/z2_nodes/null && mknod /tmp/z2_nodes/null c 1 3
+timeout 60 build/train_bert_mini "${mem[@]}" --json /tmp/z2_nodes/null >/tmp/z2_node.log 2>&1
+node_status=$?
+if [ -n "$block" ] && [ $huge_status -eq 2 ] && grep -q "the GPU's free memory" /tmp/z2_mem_huge.log && [ $under_status -eq 2 ] &&
+   grep -q ZERO2_MEMORY_LIMIT /tmp/z2_mem_under.log && [ $at_status -eq 0 ] && [ $node_status -eq 2 ] && [ -c /tmp/z2_nodes/null ]; then
+  note "reliability on the GPU: a 51.5B-parameter model refused in $huge_ms ms against the GPU's free memory; 1 MiB under the plan's block ($block bytes) refused, twice it trains; --json naming a device node refused, the node kept"
+else
+  tail -n 3 /tmp/z2_mem.log /tmp/z2_mem_huge.log /tmp/z2_mem_under.log /tmp/z2_mem_at.log /tmp/z2_node.log
+  note "reliability on the GPU: FAILED (huge $huge_status, under the block $under_status, at the block $at_status, device node $node_status)"
+  failures=$((failures + 1))
+fi
 
 echo
 echo "=== summary ($(elapsed "$started") s)"
