@@ -3312,13 +3312,6 @@ inline std::string incomplete_step_directory(const std::string& save_dir, long s
   return save_dir + "/." + step_directory_name(step) + ".incomplete";
 }
 
-// The complete step `written` becomes `directory`. Over an existing step (a
-// run resumed from an earlier step into the same --save) the two are swapped
-// in one rename (RENAME_EXCHANGE), so `directory` is a complete step at every
-// moment and latest, which may name it, never dangles; the old one is left at
-// `written` for the caller to delete. A file system without the exchange
-// (some network ones) gets two renames, with a moment between them.
-//
 // A step's files that vanish under the save (ENOENT) mean that another
 // process works in the directory: the message names that as the likely cause.
 inline const char* vanished_hint(int error) {
@@ -3337,6 +3330,13 @@ inline void naming_a_vanished_file(const std::function<void()>& body) {
     throw z2::Error(said + vanished_hint(ENOENT));
   }
 }
+
+// The complete step `written` becomes `directory`. Over an existing step (a
+// run resumed from an earlier step into the same --save) the two are swapped
+// in one rename (RENAME_EXCHANGE), so `directory` is a complete step at every
+// moment and latest, which may name it, never dangles; the old one is left at
+// `written` for the caller to delete. A file system without the exchange
+// (some network ones) gets two renames, with a moment between them.
 inline void publish_step(const std::string& written, const std::string& directory) {
   struct stat info;
   if (lstat(directory.c_str(), &info) != 0) {

@@ -1119,6 +1119,25 @@ exec {busy}< "$work/ck_busy"
 flock -x $busy
 bad_case "--save '$work/ck_busy' is in use: another run is saving into it" "${ck[@]}" --steps 1 --save "$work/ck_busy"
 exec {busy}<&-
+# Without the lock (a file system without flock), a step removed under a
+# save by another process: the message names a concurrent saver. Rank 1 is
+# stopped halfway through its file (ZERO2_TEST_FAULT) while the step's
+# directory is removed, then continued.
+ZERO2_TEST_FAULT="stop 1 1" timeout 60 mpirun -n 2 "$trainer" "${ck[@]}" --steps 1 --save "$work/ck_vanish" > "$work/vanish.log" 2>&1 &
+job=$!
+stopped=""
+for k in $(seq 1 400); do
+  for p in $(pgrep -f "^$trainer .*$work/ck_vanish"); do [ "$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)" = T ] && stopped=$p; done
+  [ -n "$stopped" ] && break
+  sleep 0.05
+done
+rm -rf "$work/ck_vanish/.step_1.incomplete"
+[ -n "$stopped" ] && kill -CONT "$stopped"
+wait $job
+status=$?
+[ $status -ne 0 ] && grep -q "another run saving into the same directory at the same time is the likely cause" "$work/vanish.log" &&
+  pass "a step removed under a save: exit $status, the message names a concurrent saver" ||
+  fail "vanished step: exit $status, stopped rank '${stopped}': $(head -c 300 "$work/vanish.log")"
 # A new run into another run's checkpoints is refused and deletes nothing;
 # --save-overwrite replaces its latest and the steps it saves, and prunes
 # none of the other run's.
