@@ -25,8 +25,9 @@
 //
 // Checkpoints (notes/09, section 5b): --save DIR writes one safetensors file
 // per rank (its contiguous range of the canonical master, exp_avg,
-// exp_avg_sq) and an index; --load DIR resumes at any N and stage with the
-// same N x A, to the bits of the run that never stopped. SIGINT / SIGTERM
+// exp_avg_sq) and an index with its own SHA-256 beside it; --load DIR
+// resumes at any N and stage with the same N x A and summation tree, to the
+// bits of the run that never stopped. SIGINT / SIGTERM
 // finish the step, save and exit 128 + the signal.
 //
 // DeepSpeed configs (notes/07): --config reads them as DeepSpeed does, and
@@ -140,6 +141,10 @@ struct Settings {
   long save_every = 0;  // 0: only at the end (and on an interrupt)
   int save_keep = 2;
   bool export_only = false;          // --load DIR --steps 0: export the checkpoint, train nothing
+  bool save_overwrite = false;       // --save-overwrite: may replace another run's steps in --save
+  bool allow_different_bits = false;  // --allow-different-bits: resume at a split with another summation tree
+  bool summation_tree_changed = false;  // this resume took that consent (recorded in --json)
+  std::string run_id;  // the history this run continues (rank 0, with --save): pruning deletes only its steps
   json checkpoint;                   // --load's index.json, read before anything else
   std::string checkpoint_directory;  // the step directory it came from
   // The flags given (command line or config): a resumed run takes the
@@ -371,6 +376,8 @@ inline void apply(Settings& s, const std::string& flag, const std::string& value
   else if (flag == "--load") s.load_dir = parse_path(name, value);
   else if (flag == "--save-every") s.save_every = parse_integer(name, value, 0, big);
   else if (flag == "--save-keep") s.save_keep = (int)parse_integer(name, value, 1, 1 << 20);
+  else if (flag == "--save-overwrite") s.save_overwrite = true;
+  else if (flag == "--allow-different-bits") s.allow_different_bits = true;
   else if (flag == "--timeout")
     s.timeout = parse_real(name, value, 1, 1e9);  // below a second a healthy wait can expire
   else if (flag == "--precision")
@@ -1044,10 +1051,14 @@ files
 checkpoints (notes/09)
   --save DIR                 save DIR/step_<s> at the end (and on SIGINT/SIGTERM); DIR/latest names the newest
   --save-every K             also every K steps (0: only at the end)
-  --save-keep K              keep the newest K steps (2)
+  --save-keep K              keep the newest K steps (2) of this run's; nothing else in DIR is deleted
+  --save-overwrite           save into a DIR holding another run's checkpoints (refused without it), replacing
+                             its steps of the same number and latest (its other steps stay)
   --load DIR                 resume from DIR/latest or DIR/step_<s>, at any N and stage with the same N x A;
                              settings not given are the checkpoint's. --steps 0: only export it (--export-hf)
                              or re-slice it (--save)
+  --allow-different-bits     resume at an (N, A) whose summation tree is not the checkpoint's (refused
+                             without it): the run goes on, but not to the bits of the run that never stopped
 output
   --log-every K              a progress line every K steps (10) [steps_per_print]
   --eval-every K             the MLM loss on held-out data every K steps and at the end (0: never); the
@@ -1087,8 +1098,8 @@ inline void check_plan_flags(const Settings& s) {
 inline Settings parse_command_line(int argc, char** argv) {
   Settings settings;
   std::vector<std::pair<std::string, std::string>> flags;
-  const std::set<std::string> switches = {"--quiet", "--wall-clock-breakdown", "--plan", "--poison-activations",
-                                          "--portable"};  // no value
+  const std::set<std::string> switches = {"--quiet",    "--wall-clock-breakdown", "--plan", "--poison-activations",
+                                          "--portable", "--save-overwrite",       "--allow-different-bits"};  // no value
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (switches.count(flag)) {
@@ -1162,6 +1173,9 @@ inline void check_consistency(Settings& s, int world_size) {
         "this N) or --json FILE for it to write");
   if (!s.load_dir.empty() && !s.dump_dir.empty()) fail("--dump-batch writes step 0 of a fresh run: not with --load");
   if (s.save_every > 0 && s.save_dir.empty()) fail("--save-every %ld needs --save DIR", s.save_every);
+  if (s.save_overwrite && s.save_dir.empty()) fail("--save-overwrite needs --save DIR (it is consent to replace there)");
+  if (s.allow_different_bits && s.load_dir.empty())
+    fail("--allow-different-bits is for --load (a resume at another split of the global batch): give --load DIR");
   if (s.hidden % s.heads != 0)
     fail("--hidden %d is not divisible by --heads %d (each head gets hidden / heads features)", s.hidden, s.heads);
   // Portable bits need every sum in zero2's order (notes/11); the libraries'
@@ -3320,7 +3334,8 @@ inline void export_hf(const std::string& directory, const Model<Act>& model, con
 //                                      of the N ranks that saved it (rank q writes its own file)
 //   DIR/step_<s>/index.json            the settings a resumed run must share, the progress (steps,
 //                                      AdamW's t, skips, the loss scaler), the parameters, and each
-//                                      file's range, size and SHA-256
+//                                      file's range, size and SHA-256; the run's identity (run_id)
+//   DIR/step_<s>/index.sha256          index.json's own SHA-256 (sha256sum's format)
 //   DIR/latest                         "step_<s>": the newest complete step, moved last
 // The canonical order (registration order, real elements only) does not
 // depend on N, the stage or the bucket size, so a checkpoint loads at any of
@@ -3400,12 +3415,61 @@ inline std::string sha256_hex(const std::string& bytes) {
 
 // --- what a checkpoint records ----------------------------------------------
 
-constexpr int checkpoint_version = 1;
+// Version 2 added index.sha256 (the index's own SHA-256) and run_id; a
+// version 1 index has neither, so nothing would catch a changed setting in it.
+constexpr int checkpoint_version = 2;
+
+// index.sha256 beside index.json: the index's SHA-256 in sha256sum's format
+// (`sha256sum -c index.sha256` checks it). The rank files are protected by
+// the SHA-256 the index records; the index by this. A flipped bit in
+// index.json changes its digest (no two texts are known with one SHA-256,
+// let alone two a bit apart), and a flipped bit in index.sha256 gives
+// another digest or a line that is no digest at all: either way the two
+// disagree. A file beside the index, not a field in it, so that it covers
+// every byte (whitespace and number spellings included, nothing to
+// canonicalise) and holds for a step directory loaded directly
+// (--load DIR/step_<s>), which `latest` would not.
+constexpr const char* index_digest_file = "index.sha256";
+inline std::string index_digest_line(const std::string& index_text) { return sha256_hex(index_text) + "  index.json\n"; }
+
+// A run's identity: 128 random bits, made by a fresh run and carried on by
+// every run resumed from its checkpoints (each index records it). Pruning
+// deletes only steps that record this run's identity.
+inline std::string new_run_id() {
+  std::random_device random;
+  char text[40];
+  snprintf(text, sizeof text, "%08x%08x%08x%08x", (unsigned)random(), (unsigned)random(), (unsigned)random(),
+           (unsigned)random());
+  return text;
+}
+inline bool is_run_id(const json& value) {
+  return value.is_string() && value.get<std::string>().size() == 32 &&
+         value.get<std::string>().find_first_not_of("0123456789abcdef") == std::string::npos;
+}
 
 inline std::string step_directory_name(long step) { return "step_" + std::to_string(step); }
 // Where the ranks write a step before it is complete (a dot: not a step).
 inline std::string incomplete_step_directory(const std::string& save_dir, long step) {
   return save_dir + "/." + step_directory_name(step) + ".incomplete";
+}
+
+// A step's files that vanish under the save (ENOENT) mean that another
+// process works in the directory: the message names that as the likely cause.
+inline const char* vanished_hint(int error) {
+  return error == ENOENT ? " (a file of the checkpoint vanished: another run saving into the same directory at the "
+                           "same time is the likely cause; give each run its own --save)"
+                         : "";
+}
+// The same for every failure of a save's body that says ENOENT.
+inline void naming_a_vanished_file(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const z2::Error& error) {
+    const std::string said = error.what();
+    if (said.find(std::strerror(ENOENT)) == std::string::npos || said.find(vanished_hint(ENOENT)) != std::string::npos)
+      throw;
+    throw z2::Error(said + vanished_hint(ENOENT));
+  }
 }
 
 // The complete step `written` becomes `directory`. Over an existing step (a
@@ -3415,16 +3479,17 @@ inline std::string incomplete_step_directory(const std::string& save_dir, long s
 // `written` for the caller to delete. A file system without the exchange
 // (some network ones) gets two renames, with a moment between them.
 inline void publish_step(const std::string& written, const std::string& directory) {
-  if (!std::filesystem::exists(directory)) {
+  struct stat info;
+  if (lstat(directory.c_str(), &info) != 0) {
     if (rename(written.c_str(), directory.c_str()) != 0)
-      fail("cannot name the checkpoint '%s': %s", directory.c_str(), std::strerror(errno));
+      fail("cannot name the checkpoint '%s': %s%s", directory.c_str(), std::strerror(errno), vanished_hint(errno));
   } else if (renameat2(AT_FDCWD, written.c_str(), AT_FDCWD, directory.c_str(), RENAME_EXCHANGE) != 0) {
     if (errno != EINVAL && errno != ENOSYS)
-      fail("cannot replace the checkpoint '%s': %s", directory.c_str(), std::strerror(errno));
+      fail("cannot replace the checkpoint '%s': %s%s", directory.c_str(), std::strerror(errno), vanished_hint(errno));
     const std::string aside = written + ".old";
     if (rename(directory.c_str(), aside.c_str()) != 0 || rename(written.c_str(), directory.c_str()) != 0 ||
         rename(aside.c_str(), written.c_str()) != 0)
-      fail("cannot replace the checkpoint '%s': %s", directory.c_str(), std::strerror(errno));
+      fail("cannot replace the checkpoint '%s': %s%s", directory.c_str(), std::strerror(errno), vanished_hint(errno));
   }
   sync_directory(directory_of(directory), "named the checkpoint '" + directory + "'");
 }
@@ -3559,44 +3624,137 @@ inline std::string index_string(const json& index, const std::string& path, cons
 
 // --load DIR: DIR itself when it holds an index.json (DIR/step_<s>), else
 // the step DIR/latest names.
+// Paths are looked at with stat and lstat (errno, not std::filesystem's
+// exceptions), so a symlink loop or a dangling link gets a sentence.
+inline const char* stat_hint(int error) {
+  return error == ELOOP    ? " (a symlink loop: a link that leads back to itself)"
+         : error == ENOENT ? " (a symlink to nothing)"
+                           : "";
+}
+inline bool path_is_there(const std::string& path) {  // anything under that name, a dangling link included
+  struct stat info;
+  return lstat(path.c_str(), &info) == 0;
+}
 inline std::string checkpoint_step_directory(const std::string& directory) {
-  std::error_code error;
-  if (!std::filesystem::exists(directory, error)) fail("--load '%s' does not exist", directory.c_str());
-  if (!is_directory(directory)) fail("--load '%s' is not a directory", directory.c_str());
-  if (std::filesystem::exists(directory + "/index.json")) return directory;
+  struct stat info;
+  if (stat(directory.c_str(), &info) != 0) {
+    const int error = errno;
+    if (!path_is_there(directory)) fail("--load '%s' does not exist", directory.c_str());
+    fail("--load '%s' cannot be read: %s%s", directory.c_str(), std::strerror(error), stat_hint(error));
+  }
+  if (!S_ISDIR(info.st_mode)) fail("--load '%s' is not a directory", directory.c_str());
+  if (path_is_there(directory + "/index.json")) return directory;  // reading it names what is wrong with it
   const std::string latest = directory + "/latest";
-  if (!std::filesystem::exists(latest))
+  if (!path_is_there(latest))
     fail("--load '%s' has neither index.json (a step's directory) nor latest (a checkpoint directory)",
          directory.c_str());
+  if (stat(latest.c_str(), &info) != 0) {
+    const int error = errno;
+    fail("the checkpoint's latest file '%s' cannot be read: %s%s", latest.c_str(), std::strerror(error),
+         stat_hint(error));
+  }
   std::string name = read_regular_file("the checkpoint's latest file", latest, 256);
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  // A NUL would end the name early in every message below: said as such.
+  if (name.find('\0') != std::string::npos)
+    fail("'%s' holds a NUL byte (at byte %zu): it should hold a step's name (step_<number>) and nothing else",
+         latest.c_str(), name.find('\0'));
   const bool well_formed = name.size() > 5 && name.compare(0, 5, "step_") == 0 &&
                            name.find_first_not_of("0123456789", 5) == std::string::npos;
   if (!well_formed)
     fail("'%s' should name a step (step_<number>), not '%s'", latest.c_str(), name.substr(0, 64).c_str());
   const std::string step = directory + "/" + name;
-  if (!std::filesystem::exists(step + "/index.json"))
+  if (!path_is_there(step + "/index.json"))
     fail("'%s' names '%s', which is not a complete checkpoint in '%s' (no %s/index.json)", latest.c_str(), name.c_str(),
          directory.c_str(), name.c_str());
   return step;
 }
 
+// An index's text parsed, or null when it is not JSON (the callers say why).
+inline json parsed_or_null(const std::string& text) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception&) { return json(); }
+}
+inline bool is_zero2_index(const json& index) {
+  return index.is_object() && index.contains("format") && index["format"] == "zero2 checkpoint";
+}
+
+// A step's index.json, checked against its index.sha256 before anything in
+// it is believed: a changed setting, progress field, parameter or file
+// entry is damage, whatever it is.
+inline std::string verified_index_text(const std::string& step_directory) {
+  const std::string file = step_directory + "/index.json", digest = step_directory + "/" + index_digest_file;
+  const std::string text = read_regular_file("the checkpoint index", file, 64u << 20);
+  if (!path_is_there(digest)) {
+    const json index = parsed_or_null(text);
+    if (is_zero2_index(index) && index.contains("version") && index["version"] == 1)
+      fail(
+          "the checkpoint '%s' was written by an earlier zero2 (checkpoint version 1, whose index.json has no "
+          "SHA-256 of its own, so a changed setting in it would go unnoticed); this trainer reads version %d. "
+          "Resume or export it with the zero2 that wrote it",
+          step_directory.c_str(), checkpoint_version);
+    fail("the checkpoint index '%s' is damaged: '%s', which records its SHA-256, is missing", file.c_str(),
+         digest.c_str());
+  }
+  if (read_regular_file("the checkpoint index's SHA-256 file", digest, 4096) != index_digest_line(text))
+    fail("the checkpoint index '%s' is damaged: its SHA-256 is not the one '%s' records (a changed bit, or an edit)",
+         file.c_str(), digest.c_str());
+  return text;
+}
+
 inline json read_checkpoint_index(const std::string& step_directory) {
   const std::string file = step_directory + "/index.json";
-  const std::string text = read_regular_file("the checkpoint index", file, 64u << 20);
+  const std::string text = verified_index_text(step_directory);
   json index;
   try {
     index = json::parse(text);
   } catch (const json::exception& e) {
     fail("the checkpoint index '%s' is not valid JSON: %s", file.c_str(), e.what());
   }
-  if (!index.is_object() || !index.contains("format") || index["format"] != "zero2 checkpoint")
+  if (!is_zero2_index(index))
     fail("'%s' is not a zero2 checkpoint index (no \"format\": \"zero2 checkpoint\")", file.c_str());
   const long version = index_integer(index, "version", file, 0, LONG_MAX);
   if (version != checkpoint_version)
     fail("the checkpoint index '%s' has version %ld; this trainer reads version %d", file.c_str(), version,
          checkpoint_version);
+  if (!is_run_id(index_field(index, "run_id", file)))
+    fail("the checkpoint index '%s': 'run_id' = %s is not 32 hex digits", file.c_str(), index["run_id"].dump().c_str());
   return index;
+}
+
+// Whether the interleaved split (N, A) sums a step's N x A micro-batches
+// in the canonical tree (notes/06, "The global batch, split two ways"):
+// when N is a power of two (each micro-step's N leaves are then an aligned
+// subtree) or A = 1 (nothing is accumulated). Two splits give the same
+// bits when both do, or when they are the same split.
+inline bool canonical_split(long world, long accum) { return (world & (world - 1)) == 0 || accum == 1; }
+// The splits of N x A micro-batches that keep the bits of a run at (N, A).
+inline std::string splits_keeping_bits(long world, long accum) {
+  const long micro_batches = world * accum;
+  auto split = [](long n, long a) { return "N = " + std::to_string(n) + " (A = " + std::to_string(a) + ")"; };
+  if (!canonical_split(world, accum)) return split(world, accum) + " only, the checkpoint's own";
+  std::string text;
+  for (long n = 1; micro_batches % n == 0; n *= 2) text += (text.empty() ? "" : ", ") + split(n, micro_batches / n);
+  if ((micro_batches & (micro_batches - 1)) != 0) text += ", " + split(micro_batches, 1);
+  return text;
+}
+// A resume that changes the summation tree is refused, or with
+// --allow-different-bits taken and recorded.
+inline void check_summation_tree(Settings& s, int world_size, long saved_world, long saved_accum) {
+  const bool same_split = world_size == saved_world && s.accum == saved_accum;
+  if (same_split || (canonical_split(saved_world, saved_accum) && canonical_split(world_size, s.accum))) return;
+  if (s.allow_different_bits) {
+    s.summation_tree_changed = true;
+    return;
+  }
+  fail(
+      "resuming at N = %d (A = %d) sums each step's %ld micro-batches in another tree than the checkpoint's run at "
+      "N = %ld (A = %ld): a split sums in the canonical tree only when N is a power of two or A = 1 (notes/06, "
+      "\"The global batch, split two ways\"), so the bits would not be those of the run that never stopped. Splits "
+      "that keep them: %s; or give --allow-different-bits to resume at this split anyway",
+      world_size, s.accum, saved_world * saved_accum, saved_world, saved_accum,
+      splits_keeping_bits(saved_world, saved_accum).c_str());
 }
 
 // The global batch of a resumed run: N x A micro-batches per step, as the
@@ -3635,6 +3793,7 @@ inline void adopt_checkpoint_batch(Settings& s, int world_size, const std::strin
         "the checkpoint accumulates gradients in %s (data_types.grad_accum_dtype), which rounds after every "
         "micro-step: a different split gives different bits. Resume with %ld ranks (A = %ld)",
         s.grad_accum_dtype.c_str(), saved_world, saved_accum);
+  if (!records_nothing) check_summation_tree(s, world_size, saved_world, saved_accum);
 }
 
 // The checkpoint's settings into `s`: each recorded setting not given is
@@ -3876,6 +4035,31 @@ inline z2::OptimizerState read_owned_state(const Settings& s, const z2::Engine& 
   return state;
 }
 
+// Why a loss scale cannot have come from training with these settings, or
+// "" when it can. fp32 and bf16 train at 1; fp16's static scale never
+// changes; DeepSpeed's dynamic scaler starts at 2^initial_scale_power,
+// halves (clamped at min_loss_scale) and doubles at most once per
+// loss_scale_window clean steps: a power of two, or min_loss_scale times one.
+inline std::string impossible_loss_scale(const Settings& s, double scale, long iteration) {
+  const z2::LossScaling& l = s.loss_scaling;
+  auto power_of_two = [](double x) {
+    int exponent = 0;
+    return std::isfinite(x) && x > 0 && std::frexp(x, &exponent) == 0.5;
+  };
+  if (!std::isfinite(scale) || !(scale > 0)) return "not a positive finite number";
+  if (s.precision != "fp16") return scale == 1 ? "" : s.precision + " trains at loss scale 1";
+  if (l.static_scale > 0)
+    return scale == l.static_scale ? "" : "fp16.loss_scale " + json(l.static_scale).dump() + " is static";
+  const double start = std::ldexp(1.0, l.initial_scale_power);
+  const double highest = std::ldexp(std::max(start, l.min_scale), (int)std::min(iteration / l.window, 4096l));
+  if (!power_of_two(scale) && !power_of_two(scale / l.min_scale))
+    return "the dynamic scale is a power of two, or min_loss_scale times one";
+  if (scale < std::min(start, l.min_scale) || scale > highest)
+    return "from 2^" + std::to_string(l.initial_scale_power) + ", " + std::to_string(iteration) +
+           " steps with a window of " + std::to_string(l.window) + " reach " + json(highest).dump() + " at most";
+  return "";
+}
+
 // The progress the index records.
 inline z2::TrainingProgress checkpoint_progress(const Settings& s) {
   const std::string file = s.checkpoint_directory + "/index.json";
@@ -3889,6 +4073,10 @@ inline z2::TrainingProgress checkpoint_progress(const Settings& s) {
   progress.scaler.hysteresis_left = (int)index_integer(s.checkpoint, "progress.hysteresis_left", file, 1, INT_MAX);
   progress.scaler.iteration = index_integer(s.checkpoint, "progress.scaler_iteration", file, 0, LONG_MAX);
   progress.scaler.last_overflow = index_integer(s.checkpoint, "progress.last_overflow", file, -1, LONG_MAX);
+  const std::string impossible = impossible_loss_scale(s, progress.scaler.scale, progress.scaler.iteration);
+  if (!impossible.empty())
+    fail("the checkpoint index '%s' is damaged: progress.loss_scale %s cannot come from training (%s)", file.c_str(),
+         scale.dump().c_str(), impossible.c_str());
   if (progress.applied + progress.skipped != progress.steps_taken)
     fail("the checkpoint index '%s': %ld updates and %ld skipped steps do not make its %ld steps", file.c_str(),
          progress.applied, progress.skipped, progress.steps_taken);
@@ -3914,6 +4102,170 @@ inline void check_checkpoint_parameters(const Settings& s, const Model<Act>& mod
       fail("the checkpoint index '%s': parameter %zu is %s; this model's is %s", file.c_str(), id,
            listed[id].dump().c_str(), expected.dump().c_str());
   }
+}
+
+// --- what a --save directory holds, and whose ----------------------------------
+//
+// A --save directory may hold the user's own files beside the steps, and
+// steps of runs other than this one. Only what is provably this run's is
+// ever deleted or replaced: a step_<n> directory (not a link) whose index
+// verifies against its index.sha256, records this run's run_id and step n,
+// and which holds exactly index.json, index.sha256 and the files its index
+// lists, at the listed sizes.
+
+enum class StepOwner { absent, this_run, other_run, not_a_step };
+struct StepEntry {
+  long step = 0;
+  std::string path;
+};
+
+// Every entry of `save_dir` named step_<n> (up to 18 digits: a long), of any type.
+inline std::vector<StepEntry> step_entries(const std::string& save_dir) {
+  std::vector<StepEntry> entries;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(save_dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 5 && name.size() <= 5 + 18 && name.compare(0, 5, "step_") == 0 &&
+        name.find_first_not_of("0123456789", 5) == std::string::npos)
+      entries.push_back({std::strtol(name.c_str() + 5, nullptr, 10), entry.path().string()});
+  }
+  if (error) fail("--save: cannot list the directory '%s': %s", save_dir.c_str(), error.message().c_str());
+  std::sort(entries.begin(), entries.end(), [](const StepEntry& a, const StepEntry& b) { return a.step < b.step; });
+  return entries;
+}
+
+// Whose step the entry at `path` is; `why` says what keeps it from being
+// this run's when it is not.
+inline StepOwner step_owner(const std::string& path, long step, const std::string& run_id, std::string& why) {
+  auto not_this_run = [&](const std::string& reason) {
+    why = reason;
+    return StepOwner::not_a_step;
+  };
+  struct stat info;
+  if (lstat(path.c_str(), &info) != 0) return StepOwner::absent;
+  if (!S_ISDIR(info.st_mode)) return not_this_run("not a directory");
+  std::string text;
+  try {
+    text = read_regular_file("the index", path + "/index.json", 64u << 20);
+  } catch (const z2::Error&) { return not_this_run("no readable index.json"); }
+  const json index = parsed_or_null(text);
+  if (!is_zero2_index(index)) return not_this_run("its index.json is not a zero2 checkpoint index");
+  if (!index.contains("run_id") || index["run_id"] != run_id) return StepOwner::other_run;
+  try {
+    verified_index_text(path);
+  } catch (const z2::Error&) { return not_this_run("its index does not match its index.sha256"); }
+  if (index.value("version", json()) != checkpoint_version || index.value("step", json()) != step ||
+      !index.contains("files") || !index["files"].is_array())
+    return not_this_run("its index is not that of step " + std::to_string(step));
+  std::map<std::string, json> expected = {{"index.json", json()}, {index_digest_file, json()}};
+  for (const json& entry : index["files"])
+    if (entry.is_object() && entry.value("file", json()).is_string())
+      expected[entry["file"].get<std::string>()] = entry.value("bytes", json());
+  std::error_code error;
+  size_t seen = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(path, error)) {
+    const std::string name = entry.path().filename().string();
+    struct stat file;
+    if (!expected.count(name) || lstat(entry.path().c_str(), &file) != 0 || !S_ISREG(file.st_mode) ||
+        (!expected[name].is_null() && expected[name] != (long)file.st_size))
+      return not_this_run("'" + name.substr(0, 64) + "' is not a file its index lists");
+    ++seen;
+  }
+  if (error || seen != expected.size()) return not_this_run("files its index lists are missing");
+  return StepOwner::this_run;
+}
+
+// .step_<n>.incomplete, left by a save that was killed (or the old step a
+// re-save swapped out): removed only when it holds nothing but what a save
+// writes there (rank files, the index, its digest, the writer's temporaries).
+inline bool is_incomplete_step_name(const std::string& name) {
+  return name.size() > 17 && name.compare(0, 6, ".step_") == 0 &&
+         name.compare(name.size() - 11, 11, ".incomplete") == 0 &&
+         name.find_first_not_of("0123456789", 6) == name.size() - 11;
+}
+inline bool holds_only_checkpoint_files(const std::string& path) {
+  struct stat info;
+  if (lstat(path.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) return false;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(path, error)) {
+    const std::string name = entry.path().filename().string();
+    const bool rank_file = name.size() == 22 && name.compare(0, 5, "rank_") == 0 &&
+                           name.find_first_not_of("0123456789", 5) == 10 && name.compare(10, 12, ".safetensors") == 0;
+    if (!rank_file && name != "index.json" && name != index_digest_file &&
+        name.find(".zero2-tmp.") == std::string::npos)
+      return false;
+  }
+  return !error;
+}
+
+// Where the ranks write a step: .step_<s>.incomplete, made empty (one a
+// killed save left is removed, if it holds nothing but a save's files).
+inline void make_incomplete_step(const std::string& incomplete) {
+  if (path_is_there(incomplete)) {
+    if (!holds_only_checkpoint_files(incomplete))
+      fail("--save: '%s' holds files a save does not write there: move it away", incomplete.c_str());
+    std::error_code ignored;
+    std::filesystem::remove_all(incomplete, ignored);
+  }
+  prepare_directory("--save", incomplete);
+}
+
+// An exclusive lock on the --save directory for the whole run (flock on the
+// directory: no lock file is left behind), so that two runs never save into
+// one directory at once: the second is refused before its first step. A
+// file system without flock gives no lock; the run goes on without one.
+class SaveDirectoryLock {
+ public:
+  explicit SaveDirectoryLock(const std::string& directory)
+      : fd_(open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
+    if (fd_ < 0) fail("--save: cannot open the directory '%s': %s", directory.c_str(), std::strerror(errno));
+    if (flock(fd_, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+      close(fd_);
+      fd_ = -1;
+      fail(
+          "--save '%s' is in use: another run is saving into it (it holds the directory's lock). Two runs saving "
+          "into one directory would replace each other's steps and latest: give this run another --save",
+          directory.c_str());
+    }
+  }
+  ~SaveDirectoryLock() {
+    if (fd_ >= 0) close(fd_);  // closing releases the lock
+  }
+  SaveDirectoryLock(const SaveDirectoryLock&) = delete;
+  SaveDirectoryLock& operator=(const SaveDirectoryLock&) = delete;
+
+ private:
+  int fd_;
+};
+
+// Rank 0, before step 1: lock --save, take the run's identity (the loaded
+// checkpoint's, or a new one), and refuse a directory holding another
+// run's steps (unless --save-overwrite) or something else under the name
+// of a step this run may save.
+inline std::unique_ptr<SaveDirectoryLock> claim_save_directory(Settings& s) {
+  auto lock = std::make_unique<SaveDirectoryLock>(s.save_dir);
+  const bool resumed = !s.checkpoint.is_null();
+  s.run_id = resumed ? s.checkpoint["run_id"].get<std::string>() : new_run_id();
+  const long first =
+      resumed ? index_integer(s.checkpoint, "progress.steps_taken", s.checkpoint_directory + "/index.json", 0, LONG_MAX)
+              : 0;
+  const long last = s.export_only ? first : std::max(first, s.steps);
+  for (const StepEntry& entry : step_entries(s.save_dir)) {
+    std::string why;
+    const StepOwner owner = step_owner(entry.path, entry.step, s.run_id, why);
+    if (owner == StepOwner::other_run && !s.save_overwrite)
+      fail(
+          "--save '%s' holds checkpoints of another run (%s): a %s run there would replace its steps and latest. "
+          "Save into another directory, continue that run with --load %s, or give --save-overwrite to replace them",
+          s.save_dir.c_str(), entry.path.c_str(), resumed ? "resumed" : "new", s.save_dir.c_str());
+    const bool may_save_it = entry.step == last || (entry.step > first && entry.step <= last);
+    if (owner == StepOwner::not_a_step && may_save_it)
+      fail(
+          "--save: '%s' is not a checkpoint of this run (%s), and this run may save step %ld there: move it away or "
+          "save into another directory",
+          entry.path.c_str(), why.c_str(), entry.step);
+  }
+  return lock;
 }
 
 // --- interrupts ---------------------------------------------------------------
@@ -4302,6 +4654,8 @@ class Training {
   void log_evaluation(long step);
   void load_checkpoint();
   void save_checkpoint();
+  long write_index_and_publish(const z2::TrainingProgress& progress, const std::vector<long>& sizes,
+                               const std::vector<char>& shas);
   void prune_checkpoints(long keep_step) const;
   void print_schedule() const;
   void print_summary(const std::vector<float>& final_parameters, const std::string& hash) const;
@@ -4335,6 +4689,7 @@ class Training {
   double loss_since_log_ = 0;
   long losses_since_log_ = 0;
   std::unique_ptr<MetricsStream> metrics_;
+  std::unique_ptr<SaveDirectoryLock> save_lock_;  // rank 0 with --save: held until the run ends
   // --eval-every: the held-out tail of the data, and each evaluation's loss.
   std::string training_text_, held_out_;
   json evaluations_ = json::array();
@@ -4366,6 +4721,14 @@ Training<Act>::Training(Settings settings, MPI_Comm world) : settings_(std::move
   }
   // Every rank finds the same difference: the same message and exit everywhere.
   if (world_size_ > 1) check_same_inputs(settings_, corpus_, world_);
+  // Rank 0 saves: it locks --save and looks at what it holds, before step 1.
+  if (!settings_.save_dir.empty())
+    agree_on_errors(
+        world_,
+        [&] {
+          if (rank_ == 0) save_lock_ = claim_save_directory(settings_);
+        },
+        "the --save directory was claimed");
   device_ = z2::choose_device(settings_.device, world_);
   comm_backend_ = z2::choose_comm(settings_.comm, device_, world_);
   shape_ = shape_of(settings_);
@@ -4423,18 +4786,19 @@ void Training<Act>::load_checkpoint() {
              {"world_size", index_integer(settings_.checkpoint, "world_size", file, 1, INT_MAX)},
              {"accum", index_integer(settings_.checkpoint, "accum", file, 1, INT_MAX)},
              {"stage", index_integer(settings_.checkpoint, "stage", file, 0, 2)},
+             // false only with --allow-different-bits: the bits then differ from the unbroken run's
+             {"same_summation_tree", !settings_.summation_tree_changed},
              {"precision", settings_.precision},
              {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
 }
 
 // DIR/step_<s>: each rank writes the canonical range file_range(rank) of the
 // state (gathered from its owners) into DIR/.step_<s>.incomplete, the ranks
-// agree, then rank 0 writes the index (with every file's SHA-256) there,
-// puts the directory in place (publish_step) and only then moves
-// DIR/latest. A crash at any point leaves latest naming a complete step.
-// (Over 80 lines on purpose: it reads as the protocol, every collective and
-// every agree_on_errors in the order all ranks reach them; most of its length
-// is the index's fields, one per line.)
+// agree, then rank 0 writes the index (with every file's SHA-256) and its
+// digest there, puts the directory in place (publish_step) and only then
+// moves DIR/latest (write_index_and_publish). A crash at any point leaves
+// latest naming a complete step. It reads as the protocol: every collective
+// and every agree_on_errors in the order all ranks reach them.
 template <class Act>
 void Training<Act>::save_checkpoint() {
   const auto start = std::chrono::steady_clock::now();
@@ -4446,10 +4810,7 @@ void Training<Act>::save_checkpoint() {
   agree_on_errors(
       world_,
       [&] {
-        if (rank_ != 0) return;
-        std::error_code ignored;
-        std::filesystem::remove_all(incomplete, ignored);  // left by a save that was killed
-        prepare_directory("--save", incomplete);
+        if (rank_ == 0) naming_a_vanished_file([&] { make_incomplete_step(incomplete); });
       },
       "the checkpoint's directory was made");
   const size_t psi = engine_->psi();
@@ -4467,7 +4828,8 @@ void Training<Act>::save_checkpoint() {
   char sha[65] = {};
   snprintf(sha, sizeof sha, "%s", sha256_hex(contents).c_str());
   agree_on_errors(
-      world_, [&] { write_output_file(incomplete + "/" + rank_file_name(rank_), contents); },
+      world_,
+      [&] { naming_a_vanished_file([&] { write_output_file(incomplete + "/" + rank_file_name(rank_), contents); }); },
       "every rank's checkpoint file was written");
   // Every file's SHA-256 and size to rank 0, for the index.
   std::vector<char> shas(rank_ == 0 ? 65 * (size_t)world_size_ : 0);
@@ -4482,56 +4844,7 @@ void Training<Act>::save_checkpoint() {
   agree_on_errors(
       world_,
       [&] {
-        if (rank_ != 0) return;
-        json files = json::array();
-        for (int q = 0; q < world_size_; ++q) {
-          const auto [low, high] = file_range(psi, q, world_size_);
-          files.push_back({{"file", rank_file_name(q)},
-                           {"begin", low},
-                           {"end", high},
-                           {"bytes", sizes[q]},
-                           {"sha256", std::string(shas.data() + 65 * q)}});
-          total_bytes += sizes[q];
-        }
-        json parameters = json::array();
-        for (size_t id = 0; id < engine_->parameters().size(); ++id)
-          parameters.push_back({{"name", engine_->parameters()[id].name},
-                                {"shape", model_->tensor_shape((int)id)},
-                                {"numel", engine_->parameters()[id].numel}});
-        const json index = {
-            {"format", "zero2 checkpoint"},
-            {"version", checkpoint_version},
-            {"step", progress.steps_taken},
-            {"world_size", world_size_},
-            {"accum", settings_.accum},
-            {"stage", settings_.stage},
-            {"precision", settings_.precision},
-            {"vocab_size", vocab_size},
-            {"settings", recorded_values(settings_)},
-            // Absolute: a run resumed from another working directory finds it.
-            {"data",
-             {{"source",
-               settings_.data.empty() ? std::string("embedded") : std::filesystem::absolute(settings_.data).string()},
-              {"bytes", corpus_.size()},
-              {"sha256", sha256_hex(corpus_)},
-              {"cursor", "the data of step s is drawn from (seed, s, micro-batch): resuming at step s needs s only"}}},
-            {"progress",
-             {{"steps_taken", progress.steps_taken},
-              {"applied", progress.applied},
-              {"skipped", progress.skipped},
-              {"loss_scale", progress.scaler.scale},
-              {"hysteresis_left", progress.scaler.hysteresis_left},
-              {"scaler_iteration", progress.scaler.iteration},
-              {"last_overflow", progress.scaler.last_overflow}}},
-            {"psi", psi},
-            {"parameters", parameters},
-            {"files", files}};
-        write_output_file(incomplete + "/index.json", index.dump(2) + "\n");
-        publish_step(incomplete, directory);
-        write_output_file(settings_.save_dir + "/latest", name + "\n");  // last: the step is complete
-        std::error_code ignored;
-        std::filesystem::remove_all(incomplete, ignored);  // the step it replaced, if any
-        prune_checkpoints(progress.steps_taken);
+        if (rank_ == 0) naming_a_vanished_file([&] { total_bytes = write_index_and_publish(progress, sizes, shas); });
       },
       "the checkpoint's index was written");
   saved_.push_back({{"directory", directory},
@@ -4541,31 +4854,100 @@ void Training<Act>::save_checkpoint() {
   z2::set_watchdog_context("optimizer step " + std::to_string(progress.steps_taken + 1));
 }
 
+// Rank 0's part of a save, once every rank's file is written: the index
+// (with every file's SHA-256 and size) and its digest, the step put in
+// place, latest moved, old steps pruned. Returns the files' total bytes.
+template <class Act>
+long Training<Act>::write_index_and_publish(const z2::TrainingProgress& progress, const std::vector<long>& sizes,
+                                            const std::vector<char>& shas) {
+  const size_t psi = engine_->psi();
+  const std::string name = step_directory_name(progress.steps_taken);
+  const std::string directory = settings_.save_dir + "/" + name;
+  const std::string incomplete = incomplete_step_directory(settings_.save_dir, progress.steps_taken);
+  long total_bytes = 0;
+  json files = json::array();
+  for (int q = 0; q < world_size_; ++q) {
+    const auto [low, high] = file_range(psi, q, world_size_);
+    files.push_back({{"file", rank_file_name(q)},
+                     {"begin", low},
+                     {"end", high},
+                     {"bytes", sizes[q]},
+                     {"sha256", std::string(shas.data() + 65 * q)}});
+    total_bytes += sizes[q];
+  }
+  json parameters = json::array();
+  for (size_t id = 0; id < engine_->parameters().size(); ++id)
+    parameters.push_back({{"name", engine_->parameters()[id].name},
+                          {"shape", model_->tensor_shape((int)id)},
+                          {"numel", engine_->parameters()[id].numel}});
+  const json index = {
+      {"format", "zero2 checkpoint"},
+      {"version", checkpoint_version},
+      {"run_id", settings_.run_id},
+      {"step", progress.steps_taken},
+      {"world_size", world_size_},
+      {"accum", settings_.accum},
+      {"stage", settings_.stage},
+      {"precision", settings_.precision},
+      {"vocab_size", vocab_size},
+      {"settings", recorded_values(settings_)},
+      // Absolute: a run resumed from another working directory finds it.
+      {"data",
+       {{"source",
+         settings_.data.empty() ? std::string("embedded") : std::filesystem::absolute(settings_.data).string()},
+        {"bytes", corpus_.size()},
+        {"sha256", sha256_hex(corpus_)},
+        {"cursor", "the data of step s is drawn from (seed, s, micro-batch): resuming at step s needs s only"}}},
+      {"progress",
+       {{"steps_taken", progress.steps_taken},
+        {"applied", progress.applied},
+        {"skipped", progress.skipped},
+        {"loss_scale", progress.scaler.scale},
+        {"hysteresis_left", progress.scaler.hysteresis_left},
+        {"scaler_iteration", progress.scaler.iteration},
+        {"last_overflow", progress.scaler.last_overflow}}},
+      {"psi", psi},
+      {"parameters", parameters},
+      {"files", files}};
+  const std::string index_text = index.dump(2) + "\n";
+  write_output_file(incomplete + "/index.json", index_text);
+  write_output_file(incomplete + "/" + index_digest_file, index_digest_line(index_text));
+  // The step it replaces (a re-save) must be this run's, or another
+  // run's with --save-overwrite: never a user's file or folder.
+  std::string why;
+  const StepOwner owner = step_owner(directory, progress.steps_taken, settings_.run_id, why);
+  if (owner == StepOwner::not_a_step || (owner == StepOwner::other_run && !settings_.save_overwrite))
+    fail("--save: '%s' is not a checkpoint of this run (%s): move it away or save into another directory",
+         directory.c_str(), owner == StepOwner::other_run ? "another run's" : why.c_str());
+  publish_step(incomplete, directory);
+  write_output_file(settings_.save_dir + "/latest", name + "\n");  // last: the step is complete
+  std::error_code ignored;
+  std::filesystem::remove_all(incomplete, ignored);  // the step it replaced, if any
+  prune_checkpoints(progress.steps_taken);
+  return total_bytes;
+}
+
 // Keeps the newest --save-keep steps up to `keep_step` (the one just saved
 // among them); steps after it (from a run that was resumed from earlier)
 // are left alone.
+// Only this run's steps (step_owner) count and are deleted: a user's
+// step_1/ folder, a plain file step_3 or another run's step stays.
 template <class Act>
 void Training<Act>::prune_checkpoints(long keep_step) const {
-  std::vector<long> steps;
+  std::vector<std::string> ours;  // oldest first
+  for (const StepEntry& entry : step_entries(settings_.save_dir)) {
+    std::string why;
+    if (entry.step <= keep_step && step_owner(entry.path, entry.step, settings_.run_id, why) == StepOwner::this_run)
+      ours.push_back(entry.path);
+  }
   std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(settings_.save_dir, error)) {
-    const std::string name = entry.path().filename().string();
-    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 ||
-        name.find_first_not_of("0123456789", 5) != std::string::npos || name.size() > 5 + 18 || !entry.is_directory()) {
-      // A save killed before it was complete left .step_<k>.incomplete.
-      if (name.size() > 16 && name[0] == '.' && name.compare(name.size() - 11, 11, ".incomplete") == 0)
-        std::filesystem::remove_all(entry.path(), error);
-      continue;  // not a step this trainer wrote (18 digits fit a long)
-    }
-    steps.push_back(std::strtol(name.c_str() + 5, nullptr, 10));
-  }
-  std::sort(steps.begin(), steps.end());
-  long kept = 0;
-  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
-    if (*step > keep_step) continue;
-    if (++kept <= settings_.save_keep) continue;
-    std::filesystem::remove_all(settings_.save_dir + "/" + step_directory_name(*step), error);
-  }
+  for (size_t k = 0; k + (size_t)settings_.save_keep < ours.size(); ++k) std::filesystem::remove_all(ours[k], error);
+  // A save killed before it was complete left .step_<k>.incomplete.
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator(settings_.save_dir, error))
+    if (is_incomplete_step_name(entry.path().filename().string()) && holds_only_checkpoint_files(entry.path()))
+      left.push_back(entry.path());
+  for (const std::string& path : left) std::filesystem::remove_all(path, error);
 }
 
 // The optimizer line: what the rate does over the schedule, and how much of
@@ -4661,6 +5043,10 @@ void Training<Act>::print_header() const {
            settings_.checkpoint_directory.c_str(), loaded_["step"].get<long>(), settings_.steps,
            loaded_["world_size"].get<long>(), loaded_["accum"].get<long>(), loaded_["stage"].get<long>(),
            settings_.precision.c_str(), loaded_["seconds"].get<double>());
+  if (settings_.summation_tree_changed)
+    printf(
+        "  WARNING   this split of the global batch sums in another tree than the checkpoint's "
+        "(--allow-different-bits): the bits will differ from the run that never stopped\n");
   if (!settings_.save_dir.empty())
     printf("  save      %s/step_<s>: %s, keeping the newest %d\n", settings_.save_dir.c_str(),
            settings_.save_every > 0
@@ -5042,7 +5428,8 @@ void Training<Act>::write_json(const std::string& hash) const {
   out["final_params_hash"] = hash;
   out["memory"] = summary["memory"];
   out["comm"] = summary["comm"];
-  out["checkpoint"] = {{"loaded", loaded_}, {"saved", saved_}};
+  out["checkpoint"] = {
+      {"loaded", loaded_}, {"saved", saved_}, {"allow_different_bits", settings_.allow_different_bits}};
   out["eval"] = evaluations_;
   out["held_out_bytes"] = held_out_.size();
   if (!records_.empty()) {

@@ -6,7 +6,8 @@ raw little-endian data).
 
     /usr/bin/python3 tests/read_checkpoint.py STEP_DIR [--compare EXPORT_DIR] [--same-as STEP_DIR2]
 
-It checks every file against the index (size and SHA-256), puts the files'
+It checks the index against index.sha256 (its own SHA-256, in sha256sum's
+format) and every file against the index (size and SHA-256), puts the files'
 canonical ranges end to end and cuts the result at the parameters the index
 lists, giving the full fp32 master weights, exp_avg and exp_avg_sq of every
 parameter. --compare checks the weights against an --export-hf directory's
@@ -40,8 +41,12 @@ def read_safetensors(path):
 
 def read_checkpoint(step_dir):
     """(index, {parameter: {"master", "exp_avg", "exp_avg_sq"}}), every file checked."""
-    with open(os.path.join(step_dir, "index.json")) as f:
-        index = json.load(f)
+    with open(os.path.join(step_dir, "index.json"), "rb") as f:
+        raw_index = f.read()
+    with open(os.path.join(step_dir, "index.sha256")) as f:
+        if f.read() != hashlib.sha256(raw_index).hexdigest() + "  index.json\n":
+            raise SystemExit(f"{step_dir}/index.json: SHA-256 differs from index.sha256")
+    index = json.loads(raw_index)
     assert index["format"] == "zero2 checkpoint", "not a zero2 checkpoint index"
     pieces = {"master": [], "exp_avg": [], "exp_avg_sq": []}
     covered = 0
@@ -83,7 +88,8 @@ def main():
     index, parameters = read_checkpoint(args[0])
     total = sum(p["numel"] for p in index["parameters"])
     print(f"read {args[0]}: step {index['step']}, saved by {index['world_size']} rank(s), "
-          f"{len(parameters)} parameters, {total} elements; every file's size and SHA-256 match the index")
+          f"{len(parameters)} parameters, {total} elements; the index matches index.sha256, every file's size "
+          "and SHA-256 match the index")
     ok = True
     if "--compare" in args:
         export = args[args.index("--compare") + 1]

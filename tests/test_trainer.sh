@@ -36,8 +36,12 @@
 #   8. checkpoints: save at step 4, load, 4 more steps = 8 straight in every
 #      precision, N and stage; reshard across (N, A, stage); an independent
 #      reader; --load --steps 0 = the run's own export; --save-keep; damaged
-#      checkpoints and contradicting flags refused; a rank killed mid-save;
-#      SIGTERM and SIGINT stop, save and resume bit for bit.
+#      checkpoints (one-bit flips of index.json, an impossible loss scale, a
+#      latest that loops or holds a NUL) and contradicting flags refused; a
+#      resume at another summation tree refused (or run with
+#      --allow-different-bits); pruning leaves what is not this run's; a second
+#      saver and a new run into another run's checkpoints refused; a rank
+#      killed mid-save; SIGTERM and SIGINT stop, save and resume bit for bit.
 #   9. DeepSpeed configs: the real ones in tests/ds_configs run or are refused
 #      as their README says, every refused key named in one message; the
 #      schedules (log warmup, WarmupLR, WarmupDecayLR to warmup_min_lr at
@@ -1062,12 +1066,16 @@ damaged; rm "$work/damaged/step_4/index.json"
 bad_case "has neither index.json (a step's directory) nor latest" --load "$work/damaged/step_4"
 damaged; rm "$work/damaged/step_8/index.json"
 bad_case "latest' names 'step_8', which is not a complete checkpoint" --load "$work/damaged"
+# An index edited and its index.sha256 made anew (as a forger would): the
+# checks behind the digest still name what is wrong.
+redigest() { (cd "$1" && sha256sum index.json > index.sha256); }
 damaged; echo '{"format": "zero2 checkpoint", "version": 1, "step": ' > "$work/damaged/step_4/index.json"
+redigest "$work/damaged/step_4"
 bad_case "index.json' is not valid JSON" --load "$work/damaged/step_4"
 damaged; echo step_99 > "$work/damaged/latest"
 bad_case "latest' names 'step_99', which is not a complete checkpoint" --load "$work/damaged"
 timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --hidden 16 --steps 2 --save "$work/ck_other" > /dev/null 2>&1
-damaged; cp "$work/ck_other/step_2/index.json" "$work/damaged/step_4/index.json"
+damaged; cp "$work/ck_other/step_2/index.json" "$work/ck_other/step_2/index.sha256" "$work/damaged/step_4/"
 bad_case "its index says" --load "$work/damaged/step_4"
 bad_case "--hidden 32 contradicts the checkpoint's 16" --load "$work/ck_other" --hidden 32
 bad_case "--lr 0.5 contradicts the checkpoint's 0.001" --load "$good" --lr 0.5
@@ -1140,6 +1148,7 @@ bad_ranks=4 bad_case "accumulates gradients in bf16 (data_types.grad_accum_dtype
 index_edit() {  # python statement on d (the index), then the bad_case's expected text
   damaged; python3 -c "
 import json, sys; p = sys.argv[1]; d = json.load(open(p)); $1; json.dump(d, open(p, 'w'))" "$work/damaged/step_4/index.json"
+  redigest "$work/damaged/step_4"
   bad_case "$2" --load "$work/damaged/step_4"
 }
 index_edit "d['settings']['precision'] = 'fp8'" "wants fp32|bf16|fp16 (got 'fp8')"
@@ -1154,6 +1163,108 @@ h = b[8:8 + n].decode().replace('\"master\":{', '\"master\":5,\"x\":{', 1); b[8:
 open(p, 'wb').write(b)" "$work/damaged/step_4/rank_00000.safetensors"
 bad_case "rank_00000.safetensors' is damaged" --load "$work/damaged/step_4"
 bad_case "--load '$work/nonexistent' does not exist" --load "$work/nonexistent"
+# One-bit flips that keep index.json valid JSON (the last digit of a value,
+# d -> d xor 1: lr 0.001 -> 0.000, seed 1 -> 0, a parameter's numel, a file's
+# size...), or a flipped digit of index.sha256: each is damage, refused.
+flip_digit() {  # file, key: flip the lowest bit of the last digit of the first "key": value
+  python3 - "$@" <<'PY'
+import re, sys
+p, key = sys.argv[1:3]; b = bytearray(open(p, 'rb').read())
+m = re.search(rb'"' + key.encode() + rb'": (-?[0-9.e+-]+)', b)
+at = m.end(1) - 1
+while not chr(b[at]).isdigit(): at -= 1
+b[at] ^= 1; open(p, 'wb').write(b)
+PY
+}
+flips=""
+for key in lr weight_decay beta2 seed dropout eps clip schedule_steps warmup loss_scale applied numel bytes; do
+  damaged; flip_digit "$work/damaged/step_4/index.json" $key
+  bad_ranks=1 bad_case "index.json' is damaged: its SHA-256 is not the one" --load "$work/damaged/step_4" > "$work/flip.log"
+  grep -q "^PASS" "$work/flip.log" && passed=$((passed - 1)) || { failed=$((failed - 1)); flips="$flips $key: $(cat "$work/flip.log")"; }
+done
+damaged; sed -i 's/^./x/' "$work/damaged/step_4/index.sha256"
+bad_ranks=1 bad_case "index.json' is damaged: its SHA-256 is not the one" --load "$work/damaged/step_4" > "$work/flip.log"
+grep -q "^PASS" "$work/flip.log" && passed=$((passed - 1)) || { failed=$((failed - 1)); flips="$flips index.sha256: $(cat "$work/flip.log")"; }
+[ -z "$flips" ] && pass "one-bit flips of lr, weight decay, beta2, seed, dropout, eps, clip, schedule steps, warmup, the loss scale, AdamW's t, a parameter's numel, a file's size in index.json, and of index.sha256: each refused as damage" ||
+  fail "index flips:$flips"
+damaged; rm "$work/damaged/step_4/index.sha256"
+bad_case "index.json' is damaged: '$work/damaged/step_4/index.sha256', which records its SHA-256, is missing" --load "$work/damaged/step_4"
+sed -i 's/"version": 2/"version": 1/' "$work/damaged/step_4/index.json"
+bad_case "was written by an earlier zero2 (checkpoint version 1, whose index.json has no SHA-256 of its own" --load "$work/damaged/step_4"
+# A loss scale no training reaches (the digest made anew): damage, not divergence.
+index_edit "d['progress']['loss_scale'] = 1e308" "progress.loss_scale 1e+308 cannot come from training (fp32 trains at loss scale 1)"
+damaged() { rm -rf "$work/damaged"; cp -r "$work/ck_fp16_2_2" "$work/damaged"; }
+index_edit "d['progress']['loss_scale'] = 1000.0" "progress.loss_scale 1000.0 cannot come from training (the dynamic scale is a power of two"
+damaged() { rm -rf "$work/damaged"; cp -r "$good" "$work/damaged"; }
+# latest as a symlink loop, or holding a NUL byte: said as such.
+damaged; ln -sfn latest "$work/damaged/latest"
+bad_case "'$work/damaged/latest' cannot be read: Too many levels of symbolic links (a symlink loop" --load "$work/damaged"
+damaged; printf 'step_8\0step_4' > "$work/damaged/latest"
+bad_case "'$work/damaged/latest' holds a NUL byte (at byte 6)" --load "$work/damaged"
+# A resume whose split sums in another tree (notes/06): saved at (N, A) =
+# (2, 3), N = 3 (A = 2) is refused, naming the splits that keep the bits;
+# N = 1 (A = 6) keeps them; --allow-different-bits runs N = 3, recorded.
+timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --accum 3 --steps 2 --save-every 1 --save "$work/ck_2x3" --json "$work/ck_2x3.json" > /dev/null 2>&1
+bad_ranks=3 bad_case "resuming at N = 3 (A = 2) sums each step's 6 micro-batches in another tree than the checkpoint's run at N = 2 (A = 3)" \
+  --load "$work/ck_2x3/step_1"
+grep -qF "Splits that keep them: N = 1 (A = 6), N = 2 (A = 3), N = 6 (A = 1); or give --allow-different-bits" "$work/bad_stderr" &&
+  pass "the refused N = 3 resume names the splits that keep the bits" || fail "N = 3 refusal: $(cat "$work/bad_stderr")"
+timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_2x3/step_1" --quiet --json "$work/ck_2x3_n1.json" > "$work/log" 2>&1
+verdict=$(resumed_matches "$work/ck_2x3.json" "$work/ck_2x3_n1.json" 2>&1)
+[ "$verdict" = ok ] && pass "saved at (2, 3), resumed at (1, 6): the same bits" || fail "(2, 3) -> (1, 6): $verdict $(head -c 200 "$work/log")"
+timeout 120 mpirun -n 3 "$trainer" --load "$work/ck_2x3/step_1" --allow-different-bits --quiet --json "$work/ck_2x3_n3.json" > "$work/log" 2>&1 &&
+  [ "$(json_get "$work/ck_2x3_n3.json" "(d['checkpoint']['allow_different_bits'], d['checkpoint']['loaded']['same_summation_tree'])")" = "(True, False)" ] &&
+  pass "--allow-different-bits resumes at N = 3, and the JSON records it" || fail "--allow-different-bits: $(head -c 300 "$work/log")"
+# Two runs saving into one directory: the second is refused before step 1
+# (the first holds the directory's lock; here the shell holds it).
+mkdir -p "$work/ck_busy"
+exec {busy}< "$work/ck_busy"
+flock -x $busy
+bad_case "--save '$work/ck_busy' is in use: another run is saving into it" "${ck[@]}" --steps 1 --save "$work/ck_busy"
+exec {busy}<&-
+# Without the lock (a file system without flock), a step removed under a
+# save by another process: the message names a concurrent saver. Rank 1 is
+# stopped halfway through its file (ZERO2_TEST_FAULT) while the step's
+# directory is removed, then continued.
+ZERO2_TEST_FAULT="stop 1 1" timeout 60 mpirun -n 2 "$trainer" "${ck[@]}" --steps 1 --save "$work/ck_vanish" > "$work/vanish.log" 2>&1 &
+job=$!
+stopped=""
+for k in $(seq 1 400); do
+  for p in $(pgrep -f "^$trainer .*$work/ck_vanish"); do [ "$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)" = T ] && stopped=$p; done
+  [ -n "$stopped" ] && break
+  sleep 0.05
+done
+rm -rf "$work/ck_vanish/.step_1.incomplete"
+[ -n "$stopped" ] && kill -CONT "$stopped"
+wait $job
+status=$?
+[ $status -ne 0 ] && grep -q "another run saving into the same directory at the same time is the likely cause" "$work/vanish.log" &&
+  pass "a step removed under a save: exit $status, the message names a concurrent saver" ||
+  fail "vanished step: exit $status, stopped rank '${stopped}': $(head -c 300 "$work/vanish.log")"
+# A new run into another run's checkpoints is refused and deletes nothing;
+# --save-overwrite replaces its latest and the steps it saves, and prunes
+# none of the other run's.
+damaged; before_other=$(cd "$work/damaged" && find . -type f | sort | xargs sha256sum | sha256sum)
+bad_case "--save '$work/damaged' holds checkpoints of another run ($work/damaged/step_4)" "${ck[@]}" --steps 2 --save-keep 1 --save "$work/damaged"
+[ "$(cd "$work/damaged" && find . -type f | sort | xargs sha256sum | sha256sum)" = "$before_other" ] &&
+  pass "the refused new run left the other run's checkpoints as they were" || fail "the refused new run changed $work/damaged"
+timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 2 --save-keep 1 --save "$work/damaged" --save-overwrite > "$work/log" 2>&1 &&
+  [ "$(ls "$work/damaged" | tr '\n' ' ')" = "latest step_2 step_4 step_8 " ] && [ "$(cat "$work/damaged/latest")" = step_2 ] &&
+  pass "--save-overwrite: latest names the new run's step_2, the other run's steps stay" ||
+  fail "--save-overwrite: $(ls "$work/damaged" | tr '\n' ' ') $(head -c 200 "$work/log")"
+# Pruning deletes only this run's steps: a user's step_1/ (notes.txt in it)
+# stays; a plain file step_4 where this run would save step 4 is refused up
+# front, not replaced.
+timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 2 --save "$work/ck_user" > /dev/null 2>&1
+mkdir "$work/ck_user/step_1"; echo mine > "$work/ck_user/step_1/notes.txt"; echo mine > "$work/ck_user/step_4"
+bad_case "'$work/ck_user/step_4' is not a checkpoint of this run (not a directory), and this run may save step 4 there" \
+  --load "$work/ck_user" --steps 4 --save "$work/ck_user"
+[ "$(cat "$work/ck_user/step_4")" = mine ] && pass "the plain file step_4 is left as it was" || fail "step_4 was changed"
+rm "$work/ck_user/step_4"
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_user" --steps 4 --save-every 1 --save-keep 1 --save "$work/ck_user" > "$work/log" 2>&1 &&
+  [ "$(ls "$work/ck_user" | tr '\n' ' ')" = "latest step_1 step_4 " ] && [ "$(cat "$work/ck_user/step_1/notes.txt")" = mine ] &&
+  pass "--save-keep 1 pruned this run's step_2 and step_3, not the user's step_1/notes.txt" ||
+  fail "pruning with a user's step_1: $(ls "$work/ck_user" | tr '\n' ' ') $(head -c 200 "$work/log")"
 # A directory named like a step but too large for a number is not one.
 mkdir -p "$work/ck_odd/step_99999999999999999999"
 timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 2 --save "$work/ck_odd" --json "$work/odd.json" > "$work/log" 2>&1 &&
@@ -1714,6 +1825,7 @@ if timeout 120 mpirun -n 2 "$trainer" "${portable_tiny[@]}" --accum 2 --portable
   python3 -c "
 import json, sys; p = sys.argv[1]; d = json.load(open(p)); del d['settings']['portable']; json.dump(d, open(p, 'w'))" \
     "$work/portable_ck/step_2/index.json"
+  (cd "$work/portable_ck/step_2" && sha256sum index.json > index.sha256)  # edited on purpose: its digest made anew
   timeout 120 mpirun -n 4 "$trainer" --load "$work/portable_ck/step_2" --quiet --json "$work/resumed.json" > "$work/log" 2>&1 &&
     [ "$(json_get "$work/resumed.json" "d['portable']")" = False ] &&
     pass "portable: a checkpoint without the record loads in the default mode" ||
@@ -1721,6 +1833,7 @@ import json, sys; p = sys.argv[1]; d = json.load(open(p)); del d['settings']['po
   python3 -c "
 import json, sys; p = sys.argv[1]; d = json.load(open(p)); d['settings']['portable'] = 'yes'; json.dump(d, open(p, 'w'))" \
     "$work/portable_ck/step_2/index.json"
+  (cd "$work/portable_ck/step_2" && sha256sum index.json > index.sha256)  # edited on purpose: its digest made anew
   bad_ranks=4 bad_case 'settings.portable is "yes", not true or false' --load "$work/portable_ck/step_2"
 else
   fail "portable save / resume: a run failed: $(head -c 300 "$work/log")"
