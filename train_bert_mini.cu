@@ -1151,7 +1151,7 @@ inline Settings parse_command_line(int argc, char** argv) {
   // a file it is a copy-paste mistake, not an override.)
   std::map<std::string, std::string> seen;
   for (auto& [flag, value] : flags) {
-    if (seen.count(flag) && flag != "--quiet" && flag != "--plan" && flag != "--poison-activations")
+    if (seen.count(flag) && !switches.count(flag))  // a switch twice is still on
       settings.repeated_flags.push_back(flag + " given twice ('" + seen[flag] + "', then '" + value +
                                         "'): the last counts");
     seen[flag] = value;
