@@ -2931,17 +2931,29 @@ inline void write_output_file(const std::string& written_path, const std::string
   sync_directory(directory, "wrote '" + path + "'");
 }
 
-// An exclusive lock on a directory for a writer of several files (an
-// export: model.safetensors, then config.json). Two runs exporting into one
-// directory take turns, so the directory never holds one run's weights under
-// the other's config. (flock on the directory itself: no lock file is left.)
-// The lock is polled against the watchdog's deadline: a run that holds it
-// for too long ends this one with a message that says so.
+// An exclusive lock on a directory (flock on the directory itself: no lock
+// file is left), for two writers:
+//   - an export (model.safetensors, then config.json): two runs exporting
+//     into one directory take turns (OnBusy::wait), so the directory never
+//     holds one run's weights under the other's config. The lock is polled
+//     against the watchdog's deadline: a run that holds it for too long ends
+//     this one with a message that says so;
+//   - --save, for the whole run (OnBusy::refuse): two runs saving into one
+//     directory would replace each other's steps and latest, so the second
+//     is refused before its first step with `busy`. A file system without
+//     flock gives no lock there; the run goes on without one.
 class DirectoryLock {
  public:
-  explicit DirectoryLock(const std::string& directory)
+  enum class OnBusy { wait, refuse };
+  DirectoryLock(const std::string& directory, OnBusy on_busy, const std::string& busy = "")
       : fd_(open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
     if (fd_ < 0) fail("cannot lock the directory '%s' for writing: %s", directory.c_str(), std::strerror(errno));
+    if (on_busy == OnBusy::refuse) {
+      if (flock(fd_, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK) return;
+      close(fd_);
+      fd_ = -1;
+      throw z2::Error(busy);
+    }
     z2::wait_until(
         [&] {
           if (flock(fd_, LOCK_EX | LOCK_NB) == 0) return true;
@@ -3307,7 +3319,7 @@ inline void export_hf(const std::string& directory, const Model<Act>& model, con
   // complete (each file itself is written atomically). An old config.json
   // from an earlier export goes first, so it cannot vouch for new weights;
   // the lock keeps another export into this directory from interleaving.
-  DirectoryLock lock(directory);
+  DirectoryLock lock(directory, DirectoryLock::OnBusy::wait);
   // (A config.json that is a symlink: its target is what goes and comes back.)
   const std::string config_path = output_destination("--export-hf's config.json", directory + "/config.json");
   if (unlink(config_path.c_str()) != 0 && errno != ENOENT)
@@ -4210,40 +4222,16 @@ inline void make_incomplete_step(const std::string& incomplete) {
   prepare_directory("--save", incomplete);
 }
 
-// An exclusive lock on the --save directory for the whole run (flock on the
-// directory: no lock file is left behind), so that two runs never save into
-// one directory at once: the second is refused before its first step. A
-// file system without flock gives no lock; the run goes on without one.
-class SaveDirectoryLock {
- public:
-  explicit SaveDirectoryLock(const std::string& directory)
-      : fd_(open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
-    if (fd_ < 0) fail("--save: cannot open the directory '%s': %s", directory.c_str(), std::strerror(errno));
-    if (flock(fd_, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
-      close(fd_);
-      fd_ = -1;
-      fail(
-          "--save '%s' is in use: another run is saving into it (it holds the directory's lock). Two runs saving "
-          "into one directory would replace each other's steps and latest: give this run another --save",
-          directory.c_str());
-    }
-  }
-  ~SaveDirectoryLock() {
-    if (fd_ >= 0) close(fd_);  // closing releases the lock
-  }
-  SaveDirectoryLock(const SaveDirectoryLock&) = delete;
-  SaveDirectoryLock& operator=(const SaveDirectoryLock&) = delete;
-
- private:
-  int fd_;
-};
-
 // Rank 0, before step 1: lock --save, take the run's identity (the loaded
 // checkpoint's, or a new one), and refuse a directory holding another
 // run's steps (unless --save-overwrite) or something else under the name
 // of a step this run may save.
-inline std::unique_ptr<SaveDirectoryLock> claim_save_directory(Settings& s) {
-  auto lock = std::make_unique<SaveDirectoryLock>(s.save_dir);
+inline std::unique_ptr<DirectoryLock> claim_save_directory(Settings& s) {
+  auto lock = std::make_unique<DirectoryLock>(
+      s.save_dir, DirectoryLock::OnBusy::refuse,
+      "--save '" + s.save_dir +
+          "' is in use: another run is saving into it (it holds the directory's lock). Two runs saving into one "
+          "directory would replace each other's steps and latest: give this run another --save");
   const bool resumed = !s.checkpoint.is_null();
   s.run_id = resumed ? s.checkpoint["run_id"].get<std::string>() : new_run_id();
   const long first =
@@ -4689,7 +4677,7 @@ class Training {
   double loss_since_log_ = 0;
   long losses_since_log_ = 0;
   std::unique_ptr<MetricsStream> metrics_;
-  std::unique_ptr<SaveDirectoryLock> save_lock_;  // rank 0 with --save: held until the run ends
+  std::unique_ptr<DirectoryLock> save_lock_;  // rank 0 with --save: held until the run ends
   // --eval-every: the held-out tail of the data, and each evaluation's loss.
   std::string training_text_, held_out_;
   json evaluations_ = json::array();

@@ -651,25 +651,43 @@ def mixed(dump_dir, rep):
         references.append(("torch.autocast bf16", lac, gac))
     ours = {n: torch.from_numpy(batch["grad." + n]).double() for n in g64}
 
-    def relative(a, ref, n, grads):
-        den = float(ref.norm())
+    def scale(n, grads):  # what a difference in tensor n is measured against
+        den = float(grads[n].norm())
         if n.endswith("attention.self.key.bias"):
             den = max(den, float(grads[n[:-len("bias")] + "weight"].norm()))
-        d = float((a - ref).norm())
+        return den
+
+    def relative(a, ref, n, grads):
+        den, d = scale(n, grads), float((a - ref).norm())
         return d / den if den > 0 else (0.0 if d == 0 else math.inf)
 
     for name, loss, grads in references:
         rel = abs(ours_loss - loss) / abs(loss)
         rep.result(rel <= u, f"mixed loss vs {name}",
                    f"ours {ours_loss:.7f} {name} {loss:.7f} rel {rel:.2e} (<= u = {u:.2e})")
-        rows = sorted(((relative(ours[n], grads[n], n, grads), n) for n in g64), reverse=True)
+        # Against fp64 the bound is 8u. Against another 16-bit computation
+        # (autocast) its own error adds: ||ours - ref|| <= ||ours - fp64|| +
+        # ||fp64 - ref||, the first at most 8u of fp64's scale (checked
+        # against fp64 above), the second measured; relative to ref's scale.
+        # (torch 1.13's CPU autocast sits from 6u to 10u off fp64 depending
+        # on the CPU's kernels: 3.9e-2 measured on one without AVX-512.)
+        def bound(n):
+            if name == "fp64":
+                return 8 * u
+            own = float((grads[n] - g64[n]).norm())
+            return (8 * u * scale(n, g64) + own) / max(scale(n, grads), 1e-300)
+        rows = sorted(((relative(ours[n], grads[n], n, grads), n, bound(n)) for n in g64), reverse=True)
         median = rows[len(rows) // 2][0]
-        line = (f"{len(rows)} tensors, worst ||d||/||g|| {rows[0][0]:.2e} in {rows[0][1]} (<= 8u = "
-                f"{8 * u:.2e}), median {median:.2e}")
+        over = [r for r in rows if r[0] > r[2]]
+        line = (f"{len(rows)} tensors, worst ||d||/||g|| {rows[0][0]:.2e} in {rows[0][1]} (<= "
+                + (f"8u = {8 * u:.2e}" if name == "fp64" else f"8u + its own error vs fp64 = {rows[0][2]:.2e}")
+                + f"), median {median:.2e}")
         if name != "fp64":
             errors = sorted(relative(grads[n], g64[n], n, g64) for n in g64)
             line += f"; {name} itself vs fp64: median {errors[len(errors) // 2]:.2e}, worst {errors[-1]:.2e}"
-        rep.result(rows[0][0] <= 8 * u, f"mixed grads vs {name}", line)
+        if over:
+            line += f"; over the bound: {over[0][1]} {over[0][0]:.2e} > {over[0][2]:.2e}"
+        rep.result(not over, f"mixed grads vs {name}", line)
     if precision == "bf16":
         # For comparison only: torch with the whole model in bf16.
         lbf, gbf = run(torch.bfloat16)
