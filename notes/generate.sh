@@ -467,6 +467,42 @@ tiny_flags="--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-po
   echo '```'
 } >"$out/reliability_messages"
 
+# host_use: what a run holds on the host besides the plan (notes/10): the
+# need the memory check computes (read from its own refusal under
+# ZERO2_MEMORY_LIMIT=1, which names it; that run's peak resident memory is
+# what the process held at the check, already outside MemAvailable) against
+# the peak resident memory of the run itself (/usr/bin/time -f %M): what the
+# run added after the check must stay under the need.
+{
+  echo "Measured by \`make notes\`: \`/usr/bin/time -f %M $trainer --device cpu FLAGS --quiet\` (peak KiB);"
+  echo "the plan's arena block from \`--plan --plan-world-sizes 1 --json\`; the check's need, and what the process"
+  echo "held when it checked, from the same run refused under \`ZERO2_MEMORY_LIMIT=1\`. N = 1, stage 2."
+  echo
+  echo "| run | 4 Psi | plan block | the check's need | held at the check | peak resident | (peak − held) / need |"
+  echo "|---|---|---|---|---|---|---|"
+  medium="--layers 4 --hidden 1024 --heads 16 --intermediate 4096 --seq 32 --micro-batch 1 --steps 1"
+  for run in "default BERT-mini, --steps 2|--steps 2" "the same, --export-hf|--steps 2 --export-hf $out/hu_export" \
+             "the same, --save|--steps 2 --save $out/hu_save" "L 4, H 1024, F 4096, seq 32, micro-batch 1|$medium" \
+             "the same, --save|$medium --save $out/hu_save_medium" "the same, bf16|$medium --precision bf16"; do
+    label=${run%%|*} flags=${run#*|}
+    rm -rf "$out"/hu_*
+    plan_flags=$(echo "$flags" | sed -E 's/--(save|export-hf) [^ ]+//g')
+    "$trainer" --device cpu $plan_flags --plan --plan-world-sizes 1 --quiet --json "$out/hu_plan.json" >/dev/null
+    ZERO2_MEMORY_LIMIT=1 /usr/bin/time -f %M -o "$out/hu_held" "$trainer" --device cpu $flags --quiet \
+      >/dev/null 2>"$out/hu_need" || true
+    /usr/bin/time -f %M -o "$out/hu_peak" "$trainer" --device cpu $flags --quiet >/dev/null
+    python3 - "$out/hu_plan.json" "$out/hu_need" "$out/hu_held" "$out/hu_peak" "$label" <<'PY'
+import json, re, sys
+plan = [r for r in json.load(open(sys.argv[1]))["plan"] if r["stage"] == 2][0]
+need = int(re.search(r"needs ([0-9,]+) bytes", open(sys.argv[2]).read()).group(1).replace(",", ""))
+held, peak = (int(open(f).read().split()[-1]) * 1024 for f in sys.argv[3:5])
+mb = lambda b: f"{b / 1e6:,.1f} MB"
+print(f"| {sys.argv[5]} | {mb(4 * plan['psi_padded'])} | {mb(plan['arena_block_bytes'])} | {mb(need)} | {mb(held)} | "
+      f"{mb(peak)} | {(peak - held) / need:.2f} |")
+PY
+  done
+} >"$out/host_use"
+
 # several_machines: a host file naming this machine twice gives the losses of
 # mpirun -n 2; a rank whose --data differs is named (MPMD: one file per rank).
 {
