@@ -96,13 +96,25 @@ CUDA_LIBS += -lnccl
 endif
 
 # --- what gets built ------------------------------------------------------------
-ENGINE  := zero2.cu zero2.h Makefile
-MODEL   := tests/mlp_model.h train_bert_mini.cu
-TESTS   := tests/test_main.cpp tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp \
-           tests/test_checkpoint.cpp tests/test_allocator.cpp tests/test_math.cpp \
-           tests/test_portable.cpp tests/test_labs.cpp
-TEST_H  := tests/harness.h tests/mlp_model.h tests/synthetic_model.h tests/math_accuracy.h zero2.h Makefile
-# The trainer embeds data/corpus.txt as a C++ raw string (build*/corpus.inc),
+# The engine: zero2.cu, the chapter on ZeRO-2, and runtime/, the machinery it
+# runs on (zero2.h's map says which file holds what). The trainer: the model
+# (train_bert_mini.cu, which holds main) and its plumbing in trainer/. Host-only
+# code is a .cpp compiled by mpicxx; nvcc compiles the .cu files, which hold
+# kernels. The slowest compile comes first in each list: make -j2 starts
+# prerequisites in order, so the long one never waits for a short one.
+ENGINE_SOURCES  := zero2.cu
+MODEL_SOURCE    := train_bert_mini.cu
+TRAINER_SOURCES :=
+TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_gpu.cu tests/test_main.cpp \
+                   tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp tests/test_checkpoint.cpp \
+                   tests/test_allocator.cpp tests/test_math.cpp tests/test_portable.cpp tests/test_labs.cpp
+# $(call objects,DIR,SOURCES): each source's object under DIR (zero2.cu -> DIR/zero2.o).
+objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
+# Every object also depends on the headers it includes, as the compiler lists
+# them (-MMD: DIR/x.d beside DIR/x.o), and on this Makefile (its flags).
+DEPFLAGS = -MMD -MP -MF $(@:.o=.d)
+-include $(shell find build build-cpu build-sanitize build-lab -name '*.d' 2>/dev/null)
+# The trainer embeds data/corpus.txt as a C++ raw string (DIR/corpus.inc),
 # so `make run` needs no download and no file at run time.
 CORPUS_INC = { printf 'R"corpus('; cat $<; printf ')corpus"\n'; } > $@
 
@@ -127,104 +139,113 @@ found:
 	@echo "  doctest:  $$(test -f /usr/include/doctest/doctest.h && echo /usr/include/doctest || echo 'not found: make deps')"
 	@echo "  OpenBLAS: $$(ls /usr/lib/x86_64-linux-gnu/libopenblas.so 2>/dev/null || echo 'not found: make deps')"
 
-# --- the default build (nvcc when present) --------------------------------------
-# .cu files (the engine, the models and tests/test_bert.cu, which #includes
-# the trainer) go through nvcc; plain test files through mpicxx.
+# --- the default build (build/: nvcc when present) -------------------------------
+# .cu files through nvcc; .cpp files through mpicxx, told that this build has
+# CUDA (Z2_HAVE_CUDA: host code may call the CUDA runtime, cuBLAS and NCCL).
 ifeq ($(BUILD_KIND),nvcc)
-build/%.o: %.cu $(ENGINE) $(MODEL) build/corpus.inc | build/tests
-	$(NVCC) $(NVCCFLAGS) -Ibuild -c $< -o $@
-build/test_zero2 build/demo_stages build/train_bert_mini build/reduce_precision build/paper_table build/watchdog_check: LIBS = $(CUDA_LIBS) $(BLAS_LIBS)
+CUDA_CXXFLAGS := -DZ2_HAVE_CUDA -I$(CUDA_HOME)/include $(if $(filter yes,$(HAVE_NCCL)),-DZ2_HAVE_NCCL)
+build/%.o: %.cu Makefile
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCCFLAGS) -DZ2_HAVE_CUDA $(DEPFLAGS) -Ibuild -c $< -o $@
+build/%.o: %.cpp Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(CUDA_CXXFLAGS) $(DEPFLAGS) -Ibuild -c $< -o $@
+LIBS := $(CUDA_LIBS) $(BLAS_LIBS)
 else
-build/%.o: %.cu $(ENGINE) $(MODEL) build/corpus.inc | build/tests
-	$(MPICXX) $(CXXFLAGS) -Ibuild -x c++ -c $< -o $@ -x none
-build/test_zero2 build/demo_stages build/train_bert_mini build/reduce_precision build/paper_table build/watchdog_check: LIBS = $(BLAS_LIBS)
+build/%.o: %.cu Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -Ibuild -x c++ -c $< -o $@ -x none
+build/%.o: %.cpp Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -Ibuild -c $< -o $@
+LIBS := $(BLAS_LIBS)
 endif
-build/tests/%.o: tests/%.cpp $(TEST_H) | build/tests
-	$(MPICXX) $(CXXFLAGS) -c $< -o $@
-build/test_zero2: build/zero2.o build/tests/mlp_model.o build/tests/test_bert.o build/tests/test_conversions_gpu.o \
-                  $(TESTS:tests/%.cpp=build/tests/%.o)
+build/test_zero2: $(call objects,build,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
-build/demo_stages: build/zero2.o build/tests/mlp_model.o build/tests/demo_stages.o
+build/demo_stages: $(call objects,build,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
-build/train_bert_mini: build/zero2.o build/train_bert_mini.o
+build/train_bert_mini: $(call objects,build,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 # For notes/08 and notes/10 (make notes runs both): the 16-bit reduction's error
 # against DeepSpeed's, and the paper's Tables 1 and 2 from the ledger's formula.
-build/reduce_precision: build/zero2.o build/tests/reduce_precision.o
+build/reduce_precision: $(call objects,build,tests/reduce_precision.cu $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
-build/paper_table: build/zero2.o build/tests/paper_table.o
+build/paper_table: $(call objects,build,tests/paper_table.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 # A desynchronized program, for the watchdog's roll call (tests/test_trainer.sh).
-build/watchdog_check: build/zero2.o build/tests/watchdog_check.o
+build/watchdog_check: $(call objects,build,tests/watchdog_check.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 # exp / log / erf of zero2.h against libm's double functions, over every float
 # (make math-accuracy; notes/07 shows its table). Header-only: no engine object.
-build/math_accuracy: tests/math_accuracy.cpp tests/math_accuracy.h zero2.h | build/tests
-	$(MPICXX) $(CXXFLAGS) $< -o $@ -lpthread
+build/math_accuracy: tests/math_accuracy.cpp Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) $< -o $@ -lpthread
 # The 16-bit conversions as a filter, for tests/convert_check.py (torch's rounding).
-build/convert_tool: tests/convert_tool.cpp zero2.h | build/tests
-	$(MPICXX) $(CXXFLAGS) $< -o $@
-build/corpus.inc: data/corpus.txt | build/tests
+build/convert_tool: tests/convert_tool.cpp Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) $< -o $@
+build/corpus.inc: data/corpus.txt
+	@mkdir -p $(@D)
 	$(CORPUS_INC)
-build/tests:
-	mkdir -p $@
+build/$(basename $(MODEL_SOURCE)).o build/tests/test_bert.o: build/corpus.inc
 
-# --- the cpu-only build: .cu files compiled as C++ ----------------------------
+# --- the cpu-only build (build-cpu/): .cu files compiled as C++ -----------------
 # -x c++ makes g++ read a .cu file as C++ (it would take it for a linker
 # script); -x none stops that from applying to the objects that follow.
-build-cpu/%.o: %.cu $(ENGINE) $(MODEL) build-cpu/corpus.inc | build-cpu/tests
-	$(MPICXX) $(CXXFLAGS) -Ibuild-cpu -x c++ -c $< -o $@ -x none
-build-cpu/tests/%.o: tests/%.cpp $(TEST_H) | build-cpu/tests
-	$(MPICXX) $(CXXFLAGS) -c $< -o $@
-build-cpu/test_zero2: build-cpu/zero2.o build-cpu/tests/mlp_model.o build-cpu/tests/test_bert.o \
-                      build-cpu/tests/test_conversions_gpu.o $(TESTS:tests/%.cpp=build-cpu/tests/%.o)
+build-cpu/%.o: %.cu Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -Ibuild-cpu -x c++ -c $< -o $@ -x none
+build-cpu/%.o: %.cpp Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -Ibuild-cpu -c $< -o $@
+build-cpu/test_zero2: $(call objects,build-cpu,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
-build-cpu/demo_stages: build-cpu/zero2.o build-cpu/tests/mlp_model.o build-cpu/tests/demo_stages.o
+build-cpu/demo_stages: $(call objects,build-cpu,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
-build-cpu/train_bert_mini: build-cpu/zero2.o build-cpu/train_bert_mini.o
+build-cpu/train_bert_mini: $(call objects,build-cpu,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
-build-cpu/convert_tool: tests/convert_tool.cpp zero2.h | build-cpu/tests
-	$(MPICXX) $(CXXFLAGS) $< -o $@
-build-cpu/watchdog_check: build-cpu/zero2.o build-cpu/tests/watchdog_check.o
+build-cpu/watchdog_check: $(call objects,build-cpu,tests/watchdog_check.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
-build-cpu/corpus.inc: data/corpus.txt | build-cpu/tests
+build-cpu/convert_tool: tests/convert_tool.cpp Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) $< -o $@
+build-cpu/corpus.inc: data/corpus.txt
+	@mkdir -p $(@D)
 	$(CORPUS_INC)
-build-cpu/tests:
-	mkdir -p $@
+build-cpu/$(basename $(MODEL_SOURCE)).o build-cpu/tests/test_bert.o: build-cpu/corpus.inc
 
 # --- the course labs (notes/labs) ----------------------------------------------------
-# One engine object with its lab seams weak (-DZ2_LAB_BUILD, zero2.h's "lab
-# seams"): a student's definition linked beside it replaces the engine's.
-# Everything else is build-cpu's objects, so a lab builds in seconds after
-# `make cpu`, and there is no copy of the engine per lab.
-LAB_OBJECTS := build-cpu/tests/mlp_model.o build-cpu/tests/test_bert.o build-cpu/tests/test_conversions_gpu.o \
-               $(TESTS:tests/%.cpp=build-cpu/tests/%.o)
-build-lab/zero2.o: zero2.cu $(ENGINE) | build-lab
-	$(MPICXX) $(CXXFLAGS) -DZ2_LAB_BUILD -x c++ -c $< -o $@ -x none
-build-lab:
-	mkdir -p $@
+# The chapter, zero2.cu, compiled with its lab seams weak (-DZ2_LAB_BUILD,
+# zero2.h's "lab seams"): a student's definition linked beside it replaces the
+# engine's. Everything else is build-cpu's objects, so a lab builds in seconds
+# after `make cpu`, and there is no copy of the engine per lab.
+LAB_OBJECTS := $(call objects,build-cpu,$(TEST_SOURCES) $(filter-out zero2.cu,$(ENGINE_SOURCES)) $(TRAINER_SOURCES))
+build-lab/zero2.o: zero2.cu Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) -DZ2_LAB_BUILD $(DEPFLAGS) -x c++ -c $< -o $@ -x none
 LAB_ENV = MPICXX="$(MPICXX)" CXXFLAGS="$(CXXFLAGS)" LAB_OBJECTS="$(LAB_OBJECTS)" $(RUN_ENV)
 
-# --- the sanitized cpu build: ASan + UBSan ---------------------------------------
+# --- the sanitized cpu build (build-sanitize/): ASan + UBSan ----------------------
 # -O1 keeps the runs short; an UBSan finding stops the program (no recover),
 # as an ASan one does. -g1: line tables only, all a sanitizer's stack trace
 # needs (full -g made these compiles a third slower). The same .cu files,
 # compiled as C++.
 SANITIZE_FLAGS := -std=c++17 -O1 -g1 -fno-omit-frame-pointer -ffp-contract=off -fsanitize=address,undefined \
                   -fno-sanitize-recover=undefined -Wall -Wextra -Wno-unused-parameter
-build-sanitize/%.o: %.cu $(ENGINE) $(MODEL) build-sanitize/corpus.inc | build-sanitize/tests
-	$(MPICXX) $(SANITIZE_FLAGS) -Ibuild-sanitize -x c++ -c $< -o $@ -x none
-build-sanitize/tests/%.o: tests/%.cpp $(TEST_H) | build-sanitize/tests
-	$(MPICXX) $(SANITIZE_FLAGS) -c $< -o $@
-build-sanitize/test_zero2: build-sanitize/zero2.o build-sanitize/tests/mlp_model.o build-sanitize/tests/test_bert.o \
-                           build-sanitize/tests/test_conversions_gpu.o $(TESTS:tests/%.cpp=build-sanitize/tests/%.o)
+build-sanitize/%.o: %.cu Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(SANITIZE_FLAGS) $(DEPFLAGS) -Ibuild-sanitize -x c++ -c $< -o $@ -x none
+build-sanitize/%.o: %.cpp Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(SANITIZE_FLAGS) $(DEPFLAGS) -Ibuild-sanitize -c $< -o $@
+build-sanitize/test_zero2: $(call objects,build-sanitize,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS)
-build-sanitize/train_bert_mini: build-sanitize/zero2.o build-sanitize/train_bert_mini.o
+build-sanitize/train_bert_mini: $(call objects,build-sanitize,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS)
-build-sanitize/corpus.inc: data/corpus.txt | build-sanitize/tests
+build-sanitize/corpus.inc: data/corpus.txt
+	@mkdir -p $(@D)
 	$(CORPUS_INC)
-build-sanitize/tests:
-	mkdir -p $@
+build-sanitize/$(basename $(MODEL_SOURCE)).o build-sanitize/tests/test_bert.o: build-sanitize/corpus.inc
 
 # --- running --------------------------------------------------------------------
 # One OpenBLAS thread per rank: ranks already fill the cores, and OpenBLAS
