@@ -112,6 +112,7 @@ TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_
 objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
 # Every object also depends on the headers it includes, as the compiler lists
 # them (-MMD: DIR/x.d beside DIR/x.o), and on this Makefile (its flags).
+# -I.: every file includes "zero2.h" and "runtime/..." from the top folder.
 DEPFLAGS = -MMD -MP -MF $(@:.o=.d)
 -include $(shell find build build-cpu build-sanitize build-lab -name '*.d' 2>/dev/null)
 # The trainer embeds data/corpus.txt as a C++ raw string (DIR/corpus.inc),
@@ -146,18 +147,18 @@ ifeq ($(BUILD_KIND),nvcc)
 CUDA_CXXFLAGS := -DZ2_HAVE_CUDA -I$(CUDA_HOME)/include $(if $(filter yes,$(HAVE_NCCL)),-DZ2_HAVE_NCCL)
 build/%.o: %.cu Makefile
 	@mkdir -p $(@D)
-	$(NVCC) $(NVCCFLAGS) -DZ2_HAVE_CUDA $(DEPFLAGS) -Ibuild -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) -DZ2_HAVE_CUDA $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 build/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(CUDA_CXXFLAGS) $(DEPFLAGS) -Ibuild -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(CUDA_CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 LIBS := $(CUDA_LIBS) $(BLAS_LIBS)
 else
 build/%.o: %.cu Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -Ibuild -x c++ -c $< -o $@ -x none
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -x c++ -c $< -o $@ -x none
 build/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -Ibuild -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 LIBS := $(BLAS_LIBS)
 endif
 build/test_zero2: $(call objects,build,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
@@ -194,10 +195,10 @@ build/$(basename $(MODEL_SOURCE)).o build/tests/test_bert.o: build/corpus.inc
 # script); -x none stops that from applying to the objects that follow.
 build-cpu/%.o: %.cu Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -Ibuild-cpu -x c++ -c $< -o $@ -x none
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -x c++ -c $< -o $@ -x none
 build-cpu/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -Ibuild-cpu -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -c $< -o $@
 build-cpu/test_zero2: $(call objects,build-cpu,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/demo_stages: $(call objects,build-cpu,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
@@ -222,7 +223,7 @@ build-cpu/$(basename $(MODEL_SOURCE)).o build-cpu/tests/test_bert.o: build-cpu/c
 LAB_OBJECTS := $(call objects,build-cpu,$(TEST_SOURCES) $(filter-out zero2.cu,$(ENGINE_SOURCES)) $(TRAINER_SOURCES))
 build-lab/zero2.o: zero2.cu Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) -DZ2_LAB_BUILD $(DEPFLAGS) -x c++ -c $< -o $@ -x none
+	$(MPICXX) $(CXXFLAGS) -DZ2_LAB_BUILD $(DEPFLAGS) -I. -x c++ -c $< -o $@ -x none
 LAB_ENV = MPICXX="$(MPICXX)" CXXFLAGS="$(CXXFLAGS)" LAB_OBJECTS="$(LAB_OBJECTS)" $(RUN_ENV)
 
 # --- the sanitized cpu build (build-sanitize/): ASan + UBSan ----------------------
@@ -234,10 +235,10 @@ SANITIZE_FLAGS := -std=c++17 -O1 -g1 -fno-omit-frame-pointer -ffp-contract=off -
                   -fno-sanitize-recover=undefined -Wall -Wextra -Wno-unused-parameter
 build-sanitize/%.o: %.cu Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(SANITIZE_FLAGS) $(DEPFLAGS) -Ibuild-sanitize -x c++ -c $< -o $@ -x none
+	$(MPICXX) $(SANITIZE_FLAGS) $(DEPFLAGS) -I. -Ibuild-sanitize -x c++ -c $< -o $@ -x none
 build-sanitize/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(SANITIZE_FLAGS) $(DEPFLAGS) -Ibuild-sanitize -c $< -o $@
+	$(MPICXX) $(SANITIZE_FLAGS) $(DEPFLAGS) -I. -Ibuild-sanitize -c $< -o $@
 build-sanitize/test_zero2: $(call objects,build-sanitize,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS)
 build-sanitize/train_bert_mini: $(call objects,build-sanitize,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
