@@ -102,7 +102,9 @@ endif
 # code is a .cpp compiled by mpicxx; nvcc compiles the .cu files, which hold
 # kernels. The slowest compile comes first in each list: make -j2 starts
 # prerequisites in order, so the long one never waits for a short one.
-ENGINE_SOURCES  := zero2.cu
+ENGINE_SOURCES  := zero2.cu runtime/gemm.cu runtime/transfers.cpp runtime/checkpoint_state.cpp runtime/allocators.cpp \
+                   runtime/communicator.cpp runtime/compute.cpp runtime/watchdog.cpp runtime/host_copies.cpp \
+                   runtime/ledger_report.cpp runtime/errors.cpp runtime/lab_checks.cpp
 MODEL_SOURCE    := train_bert_mini.cu
 TRAINER_SOURCES :=
 TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_gpu.cu tests/test_main.cpp \
@@ -113,7 +115,7 @@ objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
 # Every object also depends on the headers it includes, as the compiler lists
 # them (-MMD: DIR/x.d beside DIR/x.o), and on this Makefile (its flags).
 # -I.: every file includes "zero2.h" and "runtime/..." from the top folder.
-DEPFLAGS = -MMD -MP -MF $(@:.o=.d)
+DEPFLAGS = -MMD -MP -MF $(@:.o=).d
 -include $(shell find build build-cpu build-sanitize build-lab -name '*.d' 2>/dev/null)
 # The trainer embeds data/corpus.txt as a C++ raw string (DIR/corpus.inc),
 # so `make run` needs no download and no file at run time.

@@ -1,0 +1,257 @@
+// runtime/compute.cpp — the compute backend's mechanics: which backends this
+// build has, making and ending a Compute (its streams and cuBLAS handles),
+// copies, fills, synchronization and events. Where memory comes from is
+// runtime/allocators.cpp; the products are runtime/gemm.cu. Host code: on
+// cuda these are calls of the CUDA runtime's host API.
+#include "runtime/compute_resources.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#if defined(Z2_HAVE_CUDA)
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace z2 {
+
+const char* to_string(Device device) { return device == Device::cuda ? "cuda" : "cpu"; }
+const char* to_string(Precision precision) {
+  return precision == Precision::bf16 ? "bf16" : precision == Precision::fp16 ? "fp16" : "fp32";
+}
+const char* to_string(Allocator allocator) {
+  static const char* names[] = {"direct", "arena", "naive", "caching"};
+  return names[(int)allocator];
+}
+
+const char* to_string(MemoryKind kind) {
+  static const char* names[] = {"params",       "grads",   "optimizer",   "master",
+                                "accumulation", "staging", "activations", "bookkeeping"};
+  return names[(int)kind];
+}
+
+// On cpu, "device memory" is host memory and every operation runs at once, in
+// program order; streams and events are no-ops. On cuda we keep three streams:
+// `compute` for the model and the optimizer, `comm` for collectives and the
+// reductions that follow them, so a bucket is reduced while backward goes on,
+// and `copy` for activation checkpoints on their way to and from the host.
+// The ledger counts every byte by kind; the memory formulas are checked
+// against these counters, not against what we think we allocated.
+
+bool built_with_cuda() {
+#if defined(Z2_HAVE_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool built_with_nccl() {
+#if defined(Z2_HAVE_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool cuda_available(std::string* why) {
+#if defined(Z2_HAVE_CUDA)
+  int count = 0;
+  cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "insufficient driver" state
+    // Without a driver at all the runtime says "driver version is
+    // insufficient": on a machine with no GPU, say that instead.
+    const bool driver_loaded = access("/proc/driver/nvidia/version", F_OK) == 0;
+    if (why && status == cudaErrorInsufficientDriver && !driver_loaded)
+      *why = "no GPU here (no NVIDIA driver is loaded)";
+    else if (why && status == cudaErrorInsufficientDriver)
+      *why = std::string("the NVIDIA driver is older than this build's CUDA runtime needs (") +
+             cudaGetErrorString(status) + ")";
+    else if (why)
+      *why = status == cudaErrorNoDevice ? "no GPU here (no CUDA device found)" : cudaGetErrorString(status);
+    return false;
+  }
+  if (count == 0) {
+    if (why) *why = "no CUDA device found";
+    return false;
+  }
+  return true;
+#else
+  if (why) *why = "built without CUDA (make cpu)";
+  return false;
+#endif
+}
+Compute::Compute(Device device, int device_index)
+    : device_(device), device_index_(device_index), resources_(new Resources) {
+  if (device_ == Device::cpu) return;
+#if defined(Z2_HAVE_CUDA)
+  std::string why;
+  if (!cuda_available(&why)) usage_error("--device cuda: %s", why.c_str());
+  int count = 0;
+  Z2_CUDA_CHECK(cudaGetDeviceCount(&count));
+  device_index_ = device_index % count;  // ranks beyond the GPU count share GPUs (MPI comm only)
+  Z2_CUDA_CHECK(cudaSetDevice(device_index_));
+  cudaStream_t compute_stream, comm_stream, copy_stream;
+  // Non-blocking streams: none waits for the legacy default stream, so the
+  // only orderings are the events we record on purpose.
+  Z2_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_stream, cudaStreamNonBlocking));
+  Z2_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+  Z2_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+  compute_stream_.handle = compute_stream;
+  comm_stream_.handle = comm_stream;
+  copy_stream_.handle = copy_stream;
+  cublasHandle_t handle;
+  Z2_CUBLAS_CHECK(cublasCreate(&handle));
+  Z2_CUBLAS_CHECK(cublasSetStream(handle, compute_stream));
+  // Plain fp32 math: no TF32 tensor cores, so results do not depend on a mode.
+  // cuBLAS is bitwise reproducible for one handle on one stream.
+  Z2_CUBLAS_CHECK(cublasSetMathMode(handle, CUBLAS_PEDANTIC_MATH));
+  cublas_ = handle;
+  // 16-bit inputs (mixed precision): tensor cores, exact products summed in
+  // fp32; a split-K reduction must not round partial sums to 16 bits.
+  cublasHandle_t handle_16bit;
+  Z2_CUBLAS_CHECK(cublasCreate(&handle_16bit));
+  Z2_CUBLAS_CHECK(cublasSetStream(handle_16bit, compute_stream));
+  Z2_CUBLAS_CHECK(cublasSetMathMode(
+      handle_16bit, (cublasMath_t)(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  cublas_16bit_ = handle_16bit;
+#else
+  usage_error("--device cuda: built without CUDA (make cpu); use --device cpu");
+#endif
+}
+
+Compute::~Compute() {
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda) {
+    // No checks here: a destructor may run while an error unwinds, and a
+    // failing cleanup call must not hide the first error.
+    cudaDeviceSynchronize();
+    if (resources_->block) {
+      cudaFree(resources_->block);
+    } else if (allocator_ == Allocator::caching) {
+      for (auto& segment : resources_->segments) cudaFree(segment.second.base);
+    } else {
+      for (auto& entry : resources_->allocations) cudaFree(entry.first);
+    }
+    for (auto& entry : resources_->pinned) cudaFreeHost(entry.first);
+    cublasDestroy((cublasHandle_t)cublas_);
+    cublasDestroy((cublasHandle_t)cublas_16bit_);
+    cudaStreamDestroy((cudaStream_t)compute_stream_.handle);
+    cudaStreamDestroy((cudaStream_t)comm_stream_.handle);
+    cudaStreamDestroy((cudaStream_t)copy_stream_.handle);
+    return;
+  }
+#endif
+  if (resources_->block) {
+    munmap(resources_->block, resources_->capacity);
+  } else if (allocator_ == Allocator::caching) {
+    for (auto& segment : resources_->segments) std::free(segment.second.base);
+  } else {
+    for (auto& entry : resources_->allocations) std::free(entry.first);
+  }
+  for (auto& entry : resources_->pinned) std::free(entry.first);
+}
+void Compute::copy(void* destination, const void* source, size_t bytes, Stream stream) {
+  if (bytes == 0 || destination == source) return;
+  if (device_ == Device::cpu) {
+    std::memmove(destination, source, bytes);
+    return;
+  }
+#if defined(Z2_HAVE_CUDA)
+  // cudaMemcpyDefault: unified addressing tells host from device pointers.
+  Z2_CUDA_CHECK(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, (cudaStream_t)stream.handle));
+#endif
+}
+
+void Compute::fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream) {
+  if (bytes == 0) return;
+  if (device_ == Device::cpu) {
+    std::memset(destination, value, bytes);
+    return;
+  }
+#if defined(Z2_HAVE_CUDA)
+  Z2_CUDA_CHECK(cudaMemsetAsync(destination, value, bytes, (cudaStream_t)stream.handle));
+#endif
+}
+
+// Polled, not cudaStreamSynchronize: a kernel waiting for a stopped peer
+// (an NCCL collective) would block the host forever; the watchdog ends it.
+void Compute::synchronize(Stream stream) {
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda) {
+    cudaStream_t handle = (cudaStream_t)stream.handle;
+    const char* name = stream.handle == comm_stream_.handle   ? "comm"
+                       : stream.handle == copy_stream_.handle ? "copy"
+                                                              : "compute";
+    wait_until(
+        [&] {
+          const cudaError_t status = cudaStreamQuery(handle);
+          if (status == cudaErrorNotReady) return false;
+          Z2_CUDA_CHECK(status);
+          return true;
+        },
+        [&] {
+          return std::string("the GPU's ") + name +
+                 " stream (a kernel, a copy or an NCCL collective that did not finish)";
+        });
+  }
+#endif
+  (void)stream;
+}
+
+void Compute::synchronize_all() {
+  synchronize(compute_stream_);
+  synchronize(comm_stream_);
+  synchronize(copy_stream_);
+}
+
+Event Compute::create_event() {
+  Event event;
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda) {
+    cudaEvent_t handle;
+    // No timing: a timing event costs more to record and we only order work.
+    Z2_CUDA_CHECK(cudaEventCreateWithFlags(&handle, cudaEventDisableTiming));
+    event.handle = handle;
+  }
+#endif
+  return event;
+}
+
+void Compute::destroy_event(Event event) {
+#if defined(Z2_HAVE_CUDA)
+  if (event.handle) cudaEventDestroy((cudaEvent_t)event.handle);
+#endif
+  (void)event;
+}
+
+void Compute::record(Event event, Stream stream) {
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda) Z2_CUDA_CHECK(cudaEventRecord((cudaEvent_t)event.handle, (cudaStream_t)stream.handle));
+#endif
+  (void)event, (void)stream;
+}
+
+bool Compute::query(Event event) {
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda) {
+    cudaError_t status = cudaEventQuery((cudaEvent_t)event.handle);
+    if (status == cudaErrorNotReady) return false;
+    Z2_CUDA_CHECK(status);
+  }
+#endif
+  (void)event;
+  return true;
+}
+
+void Compute::wait(Stream waiter, Event event) {
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda)
+    Z2_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)waiter.handle, (cudaEvent_t)event.handle, 0));
+#endif
+  (void)waiter, (void)event;
+}
+}  // namespace z2

@@ -1,0 +1,462 @@
+// runtime/compute.h — the compute backend (part of zero2.h: include zero2.h,
+// not this): cpu (C++ loops and OpenBLAS) or cuda (kernels and cuBLAS) behind
+// one class. Memory with a ledger by kind, from one of four allocators;
+// streams and events (no-ops on cpu); the products; and for_each, which runs
+// one loop body, written once as Z2_LOOP(i, { ... }), as a CPU loop or as a
+// CUDA kernel. Implemented in runtime/compute.cpp (streams, events, copies),
+// runtime/allocators.cpp (where memory comes from) and runtime/gemm.cu.
+#pragma once
+
+namespace z2 {
+
+// Z2_LOOP(i, { body }): one loop body, written once. In the nvcc build it
+// becomes two lambdas from the same text, a plain host one for the CPU loop
+// (inlined and vectorised as g++ would: nvcc's __host__ __device__ lambdas
+// are called through a type-erased wrapper on the host, one indirect call
+// per element) and a __device__ one for the kernel; in the g++ build, one
+// plain lambda. (__VA_ARGS__: commas in the body survive the macro.)
+template <class HostBody, class DeviceBody>
+struct Loop {
+  HostBody host;
+  DeviceBody device;
+};
+template <class HostBody, class DeviceBody>
+Loop<HostBody, DeviceBody> make_loop(HostBody host, DeviceBody device) {
+  return {host, device};
+}
+#if defined(__CUDACC__)
+#define Z2_LOOP(index, ...) ::z2::make_loop([=](size_t index) __VA_ARGS__, [=] __device__(size_t index) __VA_ARGS__)
+#else
+#define Z2_LOOP(index, ...) [=](size_t index) __VA_ARGS__
+#endif
+// Z2_LOOP2(row, column, { body }): the same over a [rows, columns] grid, for
+// Compute::for_each(rows, columns, ...) and Compute::column_sums. On the CPU
+// the rows are the outer loop and the columns the inner one, so the body sees
+// `row` constant across the inner loop: no division per element (i / columns
+// and i % columns cost 20-40 cycles each), what depends on the row alone is
+// hoisted out, and the inner loop can be vectorised.
+#if defined(__CUDACC__)
+#define Z2_LOOP2(row, column, ...) \
+  ::z2::make_loop([=](size_t row, size_t column) __VA_ARGS__, [=] __device__(size_t row, size_t column) __VA_ARGS__)
+#else
+#define Z2_LOOP2(row, column, ...) [=](size_t row, size_t column) __VA_ARGS__
+#endif
+
+enum class Device { cpu, cuda };
+enum class MemoryKind {
+  params,        // full working parameters, every stage: fp32 (4 Psi) or 16-bit (2 Psi)
+  grads,         // full gradients (stages 0, 1) or the own gradient shard (stage 2), same type
+  optimizer,     // AdamW m and v, fp32 (full in stage 0, own shard in stages 1, 2)
+  master,        // fp32 master weights in mixed precision (as m); none in fp32
+  accumulation,  // open blocks of the accumulation tree (A > 1 only)
+  staging,       // constant-size gradient staging and receive buffers
+  activations,   // the model's activations and temporaries
+  bookkeeping,   // small engine tables: norm chunk sums, weight-decay flags
+  count
+};
+const char* to_string(Device device);
+const char* to_string(MemoryKind kind);
+
+// Whether a CUDA device can be used here; if not, `why` says what the runtime said.
+bool cuda_available(std::string* why = nullptr);
+bool built_with_cuda();
+bool built_with_nccl();
+
+struct Stream {
+  void* handle = nullptr;  // cudaStream_t on cuda; unused on cpu (work runs in program order)
+};
+struct Event {
+  void* handle = nullptr;  // cudaEvent_t on cuda
+};
+
+// Where device memory comes from (ZeRO-R's M_D, paper section 6.3; notes/05).
+//   direct: every buffer is its own cudaMalloc (host allocation on cpu); the
+//           engine's tests and the MLP demo use it.
+//   arena:  one block of `capacity` bytes reserved at start-up. allocate()
+//           carves long-lived buffers from its bottom (model states, staging,
+//           checkpoints: a bump pointer); push()/pop() run a stack from its
+//           top for per-block temporaries, strictly last in, first out.
+//           Neither searches anything, so after start-up no allocation is
+//           made at all, and free memory is always one piece.
+//   naive:  the same block, but every buffer (pushed or allocated) comes from
+//           a best-fit free list and goes back to it when released, in program
+//           order: a model of a framework's caching allocator without the
+//           arena. Long-lived buffers land between short-lived ones and the
+//           free memory breaks into pieces.
+//   caching: PyTorch's CUDA caching allocator, modelled (runtime/allocators.cpp):
+//           sizes rounded to 512 bytes, small and large pools of blocks split
+//           inside segments of 2 MiB, 20 MiB or the request rounded to 2 MiB,
+//           merged only inside their segment, segments cached, never returned
+//           (except to retry a request the device refused). `capacity` is
+//           what the device lets the segments take; nothing is reserved.
+enum class Allocator { direct, arena, naive, caching };
+const char* to_string(Allocator allocator);
+
+// Thrown when the block cannot serve a request. The message says what was
+// asked, how much is free, in how many pieces, and the largest piece. Every
+// rank makes the same requests in the same order (the trainer sees to it), so
+// every rank throws at the same point and they all stop together.
+struct OutOfMemory : Error {
+  using Error::Error;
+};
+
+// Byte counts per kind; `current` now, `peak` the high-water mark.
+struct MemoryCounters {
+  size_t current[(int)MemoryKind::count] = {};
+  size_t peak[(int)MemoryKind::count] = {};
+  size_t total_current = 0, total_peak = 0;        // live bytes (what buffers asked for)
+  size_t reserved_current = 0, reserved_peak = 0;  // bytes of the block in use (runtime/allocators.cpp: "reserved =")
+  size_t host_pinned_current = 0, host_pinned_peak = 0;    // staging for --comm mpi on cuda
+  size_t host_offload_current = 0, host_offload_peak = 0;  // activation checkpoints moved to the host
+  long allocations = 0;     // allocator calls that find memory (cudaMalloc, a free-list search, a bump at start-up)
+  long pushes = 0;          // arena stack pushes (pointer arithmetic inside the reserved block)
+  long device_mallocs = 0;  // cudaMalloc (or host allocations on cpu) of device memory
+};
+
+// One point of a memory trace (Compute::set_tracing): after each allocate,
+// release, push or pop, the live bytes, the reserved bytes, the live
+// activation bytes, and how many pieces the free memory of the block is in.
+struct MemorySample {
+  size_t live = 0, reserved = 0, activations = 0, free_pieces = 0;
+};
+
+class Compute {
+ public:
+  // `device_index` chooses the GPU (ranks on one host share GPUs round-robin).
+  Compute(Device device, int device_index = 0);
+  ~Compute();
+  Compute(const Compute&) = delete;
+  Compute& operator=(const Compute&) = delete;
+
+  Device device() const { return device_; }
+  bool on_cuda() const { return device_ == Device::cuda; }
+  int device_index() const { return device_index_; }
+  Stream compute_stream() const { return compute_stream_; }
+  Stream comm_stream() const { return comm_stream_; }
+  Stream copy_stream() const { return copy_stream_; }  // activation offload and prefetch
+
+  // Choose the allocator before the first allocation. arena and naive
+  // reserve their one block of `capacity` bytes here.
+  void use_allocator(Allocator allocator, size_t capacity);
+  Allocator allocator() const { return allocator_; }
+  size_t capacity() const;  // the block's size (0 for direct)
+
+  // Device memory (host memory on cpu), zero-filled, counted by kind.
+  // allocate/release: long-lived buffers. push/pop: temporaries, popped in
+  // the reverse order of their pushes (the arena's stack; the same as
+  // allocate/release for naive and direct). Buffers of kind `activations` are
+  // only used on the compute stream (or after an event on it), so releasing
+  // one does not wait: work queued later on the compute stream reuses it safely.
+  void* allocate(size_t bytes, MemoryKind kind);
+  void release(void* pointer);
+  void* push(size_t bytes, MemoryKind kind);
+  void pop(void* pointer);
+  // What push() of an `activations` buffer leaves in it: zeros (as every
+  // other buffer gets; the default), nothing in particular (`none`: for a
+  // model that writes every element before it reads it, to which the zeroing
+  // was one more pass over the memory; BERT-mini's trainer), or all bits set
+  // (`poison`: NaN in fp32, bf16 and fp16, so a read of an unwritten element
+  // changes the run's bits; the trainer's --poison-activations, which the
+  // suite compares with the plain run).
+  enum class PushFill { zero, none, poison };
+  void set_activation_fill(PushFill fill) { activation_fill_ = fill; }
+  // Page-locked host memory (cudaMallocHost on cuda, plain on cpu). `offload`
+  // counts it as activation offload space rather than communication staging.
+  void* allocate_host_pinned(size_t bytes, bool offload = false);
+  void release_host_pinned(void* pointer);
+  const MemoryCounters& memory() const { return counters_; }
+  void reset_peaks();  // peaks start again from what is allocated now
+  // Free memory of the block, for messages and tests: total, pieces, largest.
+  void free_space(size_t* total, size_t* pieces, size_t* largest) const;
+  // Record a MemorySample at every allocator event while on.
+  void set_tracing(bool on);
+  const std::vector<MemorySample>& trace() const { return trace_; }
+
+  // Copies are asynchronous on `stream` for cuda (host side must be pinned to
+  // really overlap) and immediate on cpu.
+  void copy(void* destination, const void* source, size_t bytes, Stream stream);
+  void fill_zero(void* destination, size_t bytes, Stream stream) { fill_bytes(destination, 0, bytes, stream); }
+  void fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream);  // memset
+  void synchronize(Stream stream);
+  void synchronize_all();
+
+  Event create_event();
+  void destroy_event(Event event);
+  void record(Event event, Stream stream);
+  bool query(Event event);                // true once the recorded work has finished
+  void wait(Stream waiter, Event event);  // GPU-side: `waiter` waits, the host does not
+
+  // Row-major C[M x N] = alpha * op(A) op(B) + beta * C, with op(X) = X or X^T:
+  // OpenBLAS sgemm on cpu, cuBLAS sgemm on the compute stream on cuda; in
+  // portable mode (set_portable, below) zero2's own kernels on both.
+  void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
+            const float* B, int ldb, float beta, float* C, int ldc);
+
+  // `batch` independent products of the same shape, C_k = alpha op(A_k)
+  // op(B_k) + beta C_k with X_k = X + k * stride_x (elements): one cuBLAS
+  // strided-batched call on cuda (the heads of an attention layer), a loop of
+  // gemm on cpu (so on cpu each product has exactly gemm's bits; cuBLAS may
+  // pick another kernel for the batched call, deterministic all the same).
+  void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
+                    long stride_a, const float* B, int ldb, long stride_b, float beta, float* C, int ldc, long stride_c,
+                    int batch);
+
+  // The same with 16-bit A, B and C (mixed precision, notes/08): exact
+  // products summed in fp32, alpha and beta in fp32, C rounded once. On cuda
+  // cublasGemmEx / cublasGemmStridedBatchedEx with CUBLAS_COMPUTE_32F (and no
+  // reduced-precision split-K reduction); on cpu the operands are widened to
+  // fp32 in host scratch (outside the ledger, as cuBLAS's workspace is) and
+  // sgemm runs: the same products and the same one rounding of C, so the CPU
+  // path is a faithful reference (its summation order is OpenBLAS's).
+  void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A, int lda,
+            const bfloat16* B, int ldb, float beta, bfloat16* C, int ldc);
+  void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A, int lda,
+            const float16* B, int ldb, float beta, float16* C, int ldc);
+  void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A, int lda,
+                    long stride_a, const bfloat16* B, int ldb, long stride_b, float beta, bfloat16* C, int ldc,
+                    long stride_c, int batch);
+  void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A, int lda,
+                    long stride_a, const float16* B, int ldb, long stride_b, float beta, float16* C, int ldc,
+                    long stride_c, int batch);
+
+  // Portable mode (the trainer's --portable; notes/11): every gemm above is
+  // zero2's own, in the order portable_dot defines (a blocked, vectorised CPU
+  // kernel; a tiled CUDA kernel), in place of OpenBLAS / cuBLAS, whose
+  // summation order depends on the CPU or GPU they run on. With it a run's
+  // bits depend on its inputs alone. The 16-bit products widen their
+  // operands exactly, as the cpu path always does, and round C once.
+  // The CPU kernel's vector width is this build's widest, or the one the
+  // environment's Z2_PORTABLE_LANES names (16, 8 or 1; a bad value is refused
+  // here): a narrower schedule must train to the same bits, which the suite
+  // shows as OPENBLAS_CORETYPE forces OpenBLAS's kernels.
+  void set_portable(bool on);
+  bool portable() const { return portable_; }
+
+  // Seconds spent inside the gemm (OpenBLAS's sgemm or, in portable mode,
+  // zero2's) since this Compute was made (cpu only: on cuda the calls only
+  // queue work, so there is nothing to time on the host). `make bench`
+  // prints it as the step's gemm share.
+  double gemm_seconds() const { return gemm_seconds_; }
+
+  // Run body(i) for i in [0, n) (a Z2_LOOP): a CPU loop, or one CUDA thread
+  // per i on `stream`.
+  template <class Body>
+  void for_each(size_t n, Body body, Stream stream);
+  template <class Body>
+  void for_each(size_t n, Body body) {
+    for_each(n, body, compute_stream_);
+  }
+  // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
+  // cpu rows outer and columns inner; on cuda one thread per cell. As for
+  // any kernel, no cell may read what another cell writes (the CPU loop tells
+  // the compiler so, to vectorise it).
+  template <class Body>
+  void for_each(size_t rows, size_t columns, Body body);
+  // sums[column] = the sum over rows of element(row, column) (Z2_LOOP2
+  // returning float), added in row order 0, 1, ..., rows - 1 from 0.0f and
+  // stored once as T: the fixed order of the bias and LayerNorm gradients. On
+  // cpu the rows are the outer loop (every column's running sum advances one
+  // row at a time: the same order, vectorised across columns, in fp32
+  // scratch); on cuda one thread per column walks its rows.
+  template <class T, class Element>
+  void column_sums(size_t rows, size_t columns, Element element, T* sums);
+
+ private:
+  void* device_malloc(size_t bytes);  // cudaMalloc / aligned host allocation, zeroed
+  void device_free(void* pointer);    // cudaFree / free
+  void* caching_take(size_t bytes, MemoryKind kind);
+  void caching_give_back(char* start);
+  void* take(size_t bytes, MemoryKind kind, bool from_stack);
+  void give_back(void* pointer, bool from_stack);
+  [[noreturn]] void out_of_memory(size_t bytes, MemoryKind kind, size_t segment = 0) const;  // segment: caching's ask
+  void count(void* pointer, size_t bytes, MemoryKind kind);
+  size_t reserved_now() const;
+  void sample();
+  void gemm_16bit(Precision precision, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
+                  const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta, void* C,
+                  int ldc, long stride_c, int batch);
+  Device device_;
+  int device_index_;
+  Stream compute_stream_, comm_stream_, copy_stream_;
+  void* cublas_ = nullptr;        // cublasHandle_t for fp32: pedantic math (no TF32)
+  void* cublas_16bit_ = nullptr;  // cublasHandle_t for 16-bit inputs: tensor cores, fp32 accumulation
+  Allocator allocator_ = Allocator::direct;
+  MemoryCounters counters_;
+  bool tracing_ = false;
+  PushFill activation_fill_ = PushFill::zero;
+  std::vector<MemorySample> trace_;
+  double gemm_seconds_ = 0;            // see gemm_seconds()
+  bool portable_ = false;              // see set_portable()
+  int portable_lanes_ = 1;             // the CPU schedule's vector width in portable mode
+  std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)
+  struct Resources;
+  std::unique_ptr<Resources> resources_;  // pointer -> (bytes, kind), and the block's bookkeeping
+};
+
+// The portable product's CPU kernel (runtime/gemm.cu), callable on host
+// memory for the tests: row-major C [M x N] = alpha op(A) op(B) + beta C in
+// portable_dot's order, by the schedule of `lanes` floats per vector (16:
+// AVX-512, 8: AVX2 with FMA, 1: scalar fma, the one every CPU has).
+// portable_gemm_lanes() is the widest this build was compiled for; the others
+// exist so that the tests compare every schedule with the definition.
+int portable_gemm_lanes();
+bool portable_gemm_has_lanes(int lanes);
+void portable_gemm_cpu(int lanes, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
+                       int lda, const float* B, int ldb, float beta, float* C, int ldc);
+
+// A typed, owning device array: frees itself, counts itself in the ledger.
+template <class T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(Compute& compute, size_t count, MemoryKind kind)
+      : compute_(&compute),
+        count_(count),
+        data_(count ? static_cast<T*>(compute.allocate(count * sizeof(T), kind)) : nullptr) {}
+  ~DeviceArray() { reset(); }
+  DeviceArray(DeviceArray&& other) noexcept { *this = std::move(other); }
+  DeviceArray& operator=(DeviceArray&& other) noexcept {
+    if (this != &other) {
+      reset();
+      compute_ = other.compute_, count_ = other.count_, data_ = other.data_;
+      other.data_ = nullptr, other.count_ = 0;
+    }
+    return *this;
+  }
+  void reset() {
+    if (data_) compute_->release(data_);
+    data_ = nullptr, count_ = 0;
+  }
+  T* data() const { return data_; }
+  size_t size() const { return count_; }
+  size_t bytes() const { return count_ * sizeof(T); }
+
+ private:
+  Compute* compute_ = nullptr;
+  size_t count_ = 0;
+  T* data_ = nullptr;
+};
+
+#if defined(__CUDACC__)
+// The kernel paired with its launcher: one thread per index, 256 per block.
+// The index is computed in 64 bits (blockIdx.x * blockDim.x overflows 32 bits
+// past 4G elements).
+template <class Body>
+__global__ void for_each_kernel(size_t n, Body body) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) body(i);
+}
+void launch_check(const char* file, int line);  // cudaGetLastError after a launch
+#endif
+
+// The host half of a Z2_LOOP / Z2_LOOP2 (or the plain lambda of the g++
+// build), and the device half (which only the nvcc build has).
+template <class Body>
+const Body& host_body(const Body& body) {
+  return body;
+}
+template <class HostBody, class DeviceBody>
+const HostBody& host_body(const Loop<HostBody, DeviceBody>& loop) {
+  return loop.host;
+}
+template <class Body>
+const Body& device_body(const Body& body) {
+  return body;
+}
+template <class HostBody, class DeviceBody>
+const DeviceBody& device_body(const Loop<HostBody, DeviceBody>& loop) {
+  return loop.device;
+}
+
+template <class Body>
+void Compute::for_each(size_t n, Body body, Stream stream) {
+  if (n == 0) return;
+  if (device_ == Device::cpu) {
+    const auto& host = host_body(body);
+    for (size_t i = 0; i < n; ++i) host(i);
+    return;
+  }
+#if defined(__CUDACC__)
+  const unsigned threads = 256;
+  const size_t blocks = (n + threads - 1) / threads;
+  for_each_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)stream.handle>>>(n, device_body(body));
+  launch_check(__FILE__, __LINE__);
+#else
+  (void)stream;
+  usage_error("for_each on cuda called from a file not compiled by nvcc");
+#endif
+}
+
+#if defined(__CUDACC__)
+template <class Body>
+__global__ void for_each_2d_kernel(size_t rows, size_t columns, Body body) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < rows * columns) body(i / columns, i % columns);
+}
+template <class T, class Element>
+__global__ void column_sums_kernel(size_t rows, size_t columns, Element element, T* sums) {
+  size_t column = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (column >= columns) return;
+  float sum = 0.0f;
+  for (size_t row = 0; row < rows; ++row) sum += element(row, column);
+  sums[column] = from_float<T>(sum);
+}
+#endif
+
+template <class Body>
+void Compute::for_each(size_t rows, size_t columns, Body body) {
+  if (rows == 0 || columns == 0) return;
+  if (device_ == Device::cpu) {
+    const auto& host = host_body(body);
+    for (size_t row = 0; row < rows; ++row)
+    // Cells are independent (on cuda each is its own thread), which is what
+    // ivdep tells the compiler: no alias check stands between it and vectors.
+#pragma GCC ivdep
+      for (size_t column = 0; column < columns; ++column) host(row, column);
+    return;
+  }
+#if defined(__CUDACC__)
+  const unsigned threads = 256;
+  const size_t blocks = (rows * columns + threads - 1) / threads;
+  for_each_2d_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)compute_stream_.handle>>>(rows, columns,
+                                                                                             device_body(body));
+  launch_check(__FILE__, __LINE__);
+#else
+  usage_error("for_each on cuda called from a file not compiled by nvcc");
+#endif
+}
+
+template <class T, class Element>
+void Compute::column_sums(size_t rows, size_t columns, Element element, T* sums) {
+  if (columns == 0) return;
+  if (device_ == Device::cpu) {
+    const auto& host = host_body(element);
+    column_scratch_.assign(columns, 0.0f);
+    float* running = column_scratch_.data();  // [columns] the sums over the rows so far
+    for (size_t row = 0; row < rows; ++row)
+#pragma GCC ivdep
+      for (size_t column = 0; column < columns; ++column) running[column] += host(row, column);
+    for (size_t column = 0; column < columns; ++column) sums[column] = from_float<T>(running[column]);
+    return;
+  }
+#if defined(__CUDACC__)
+  const unsigned threads = 256;
+  const size_t blocks = (columns + threads - 1) / threads;
+  column_sums_kernel<<<(unsigned)blocks, threads, 0, (cudaStream_t)compute_stream_.handle>>>(
+      rows, columns, device_body(element), sums);
+  launch_check(__FILE__, __LINE__);
+#else
+  usage_error("column_sums on cuda called from a file not compiled by nvcc");
+#endif
+}
+
+// Bytes rounded up to 256, as every buffer in a block (arena, naive) starts
+// on a 256-byte boundary.
+size_t block_round(size_t bytes);
+// The caching allocator's rules (Allocator::caching): a request's rounded
+// size, and the segment a rounded size asks the device for when no cached
+// block holds it.
+size_t caching_round_size(size_t bytes);
+size_t caching_segment_size(size_t rounded);
+
+}  // namespace z2

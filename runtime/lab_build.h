@@ -1,0 +1,55 @@
+// runtime/lab_build.h — what changes in a lab build (-DZ2_LAB_BUILD, `make
+// lab`; notes/labs), kept out of the chapter's code (private to zero2.cu).
+// A lab build is host-only and replaces a seam with a student's function, so
+//   - the exchange's sum over ranks goes through the student's tree_sum
+//     (the engine then trains with it), at most 64 ranks' slices;
+//   - a value a student's seam computed may be wrong on some ranks only, so
+//     the ranks agree before any stops (one rank stopping alone would leave
+//     the others waiting in a collective);
+//   - a student's shard_begin and update_region are checked for every rank
+//     before anything is allocated (runtime/lab_checks.cpp).
+// In every other build these are the engine's own code, unchanged.
+#pragma once
+
+#include "zero2.h"
+
+namespace z2 {
+
+// The canonical tree over the N ranks' slices of one element (zero2.cu's
+// ShardSums): canonical_tree_sum, or in a lab build tree_sum over the leaves.
+template <class Leaf>
+Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {
+#if defined(Z2_LAB_BUILD)
+  float leaves[64];  // a lab build refuses more ranks (check_lab_ranks)
+  for (long j = 0; j < ranks; ++j) leaves[j] = leaf(j);
+  return tree_sum(ranks, leaves);
+#else
+  return canonical_tree_sum(ranks, leaf);
+#endif
+}
+
+inline void check_lab_ranks(int ranks) {
+#if defined(Z2_LAB_BUILD)
+  if (ranks > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", ranks);
+#endif
+  (void)ranks;
+}
+
+// `fails` as every rank sees it: in a lab build, agreed across the ranks.
+inline bool fails_on_any_rank(Communicator& comm, bool fails) {
+#if defined(Z2_LAB_BUILD)
+  return comm.any_rank(fails);
+#else
+  (void)comm;
+  return fails;
+#endif
+}
+
+// A student's shard_begin (the shards lab) and update_region (the own-shards
+// lab), checked on every rank for every rank, so that a wrong one stops all
+// ranks with a message instead of one rank tripping over its shard inside a
+// collective or AdamW writing past a buffer.
+void check_lab_shards(const std::vector<BucketInfo>& buckets, int world_size);
+void check_lab_regions(const std::vector<BucketInfo>& buckets, const EngineBuffers& sizes, int stage, int world_size);
+
+}  // namespace z2

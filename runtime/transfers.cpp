@@ -1,0 +1,398 @@
+// runtime/transfers.cpp — the machinery that carries buckets (runtime/transfers.h
+// says how a transfer advances): the queue of transfers in flight, with its
+// tickets and what it tells the watchdog; the exchange's slots; the staging
+// through pinned host memory; and the collectives other than the chapter's
+// own (zero2.cu, "The reduce-scatter"): the libraries' native ones over MPI,
+// and every one over NCCL. Host code: NCCL's calls only enqueue work on the
+// comm stream; the sums that follow are zero2.cu's kernels.
+#include "runtime/transfers.h"
+
+#include <algorithm>
+#include <climits>
+#if defined(Z2_HAVE_NCCL)
+#include <nccl.h>
+#endif
+
+namespace z2 {
+
+bool Transfer::requests_done() {
+  if (requests.empty()) return true;
+  int done = 0;
+  Z2_MPI_CHECK(MPI_Testall((int)requests.size(), requests.data(), &done, MPI_STATUSES_IGNORE));
+  if (done) requests.clear(), peers.clear();
+  return done != 0;
+}
+
+// --- the queue ------------------------------------------------------------------
+
+Transfer* TransferQueue::start(int slot, const std::string& what) {
+  if (slot < 0 || slot >= (int)slots.size()) usage_error("bucket collective: slot %d out of range", slot);
+  if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
+  transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
+  Transfer* transfer = transfers.back().get();
+  transfer->slot = slot;
+  transfer->what = what;
+  slots[slot].running = true;
+  compute.record(ready, compute.compute_stream());
+  compute.wait(compute.comm_stream(), ready);
+  return transfer;
+}
+
+// wait_until yields between polls: ranks often share cores, 4 ranks on 2 here.
+void TransferQueue::finish(Transfer& transfer) {
+  wait_until([&] { return transfer.advance(); }, [&] { return describe_waiting(transfer); });
+}
+
+// What a transfer is still waiting for: the ranks whose point-to-point
+// slices have not come (or not been taken), or a collective of all ranks.
+std::string TransferQueue::describe_waiting(Transfer& transfer) {
+  std::vector<int> missing;
+  bool collective = false;
+  for (size_t k = 0; k < transfer.requests.size(); ++k) {
+    int done = 0;
+    Z2_MPI_CHECK(MPI_Test(&transfer.requests[k], &done, MPI_STATUS_IGNORE));
+    if (done) continue;
+    if (transfer.peers[k] < 0) collective = true;
+    else if (std::find(missing.begin(), missing.end(), transfer.peers[k]) == missing.end())
+      missing.push_back(transfer.peers[k]);
+  }
+  std::string text = transfer.what;
+  if (!missing.empty()) {
+    text += ": rank(s)";
+    for (int peer : missing) text += " " + std::to_string(peer);
+    text += " have not exchanged their slices with rank " + std::to_string(rank);
+  } else if (collective) {
+    text += " (an MPI collective of all " + std::to_string(world) + " ranks: one of them has not joined)";
+  } else {
+    text += " (its GPU copy or kernel has not finished)";
+  }
+  return text;
+}
+
+// Transfers leave the queue oldest first. A finished younger one waits for
+// the older: slots come back in the order they were taken, and the oldest
+// transfer is always the one to finish when a slot is needed.
+void TransferQueue::retire_finished() {
+  while (!transfers.empty() && transfers.front()->finished()) {
+    Slot& slot = slots[transfers.front()->slot];
+    // Everything the transfer queued is on the comm stream before this
+    // event: whoever reuses the slot's buffers on the compute stream waits
+    // for it on the GPU, not on the host.
+    compute.record(slot.done, compute.comm_stream());
+    slot.running = false;
+    slot.bucket = -1;
+    transfers.pop_front();
+  }
+}
+
+void TransferQueue::progress() {
+  for (auto& transfer : transfers) transfer->advance();
+  retire_finished();
+}
+
+void TransferQueue::finish_all() {
+  for (auto& transfer : transfers) finish(*transfer);
+  retire_finished();
+}
+
+int TransferQueue::free_slot() const {
+  for (size_t s = 0; s < slots.size(); ++s)
+    if (slots[s].bucket < 0 && !slots[s].running) return (int)s;
+  return -1;
+}
+
+// --- the exchange's parts ---------------------------------------------------------
+
+BucketExchange::Parts::Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks)
+    : compute(c),
+      comm(communicator),
+      wire(w),
+      native(communicator.collectives() == Collectives::native),
+      use_nccl(communicator.backend() == CommBackend::nccl),
+      through_pinned_host(communicator.backend() == CommBackend::mpi && c.on_cuda()),
+      queue(c, communicator.rank(), communicator.world_size()),
+      sums{c, communicator.rank(), communicator.world_size(), wire, fp32_blocks} {}
+
+Transfer* BucketExchange::Parts::start(int slot, size_t padded, const char* collective) {
+  const int world = queue.world;
+  if (padded > max_padded || padded % world != 0)
+    usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
+  if (padded > (size_t)INT_MAX)  // MPI counts are int
+    usage_error("a bucket of %zu elements is more than MPI can count (2^31 - 1): split the parameter", padded);
+  const int bucket = slot >= 0 && slot < (int)queue.slots.size() ? queue.slots[slot].bucket : -1;
+  return queue.start(slot, std::string("the ") + collective + " of bucket " + std::to_string(bucket));
+}
+
+void BucketExchange::Parts::copy_to_host(Slot& slot, void* host, const void* device, size_t count) {
+  // A slot has one transfer at a time, so the slot's event is this transfer's.
+  compute.copy(host, device, wire.bytes(count), compute.comm_stream());
+  compute.record(slot.copied, compute.comm_stream());
+}
+bool BucketExchange::Parts::copied_to_host(const Slot& slot) { return compute.query(slot.copied); }
+void BucketExchange::Parts::copy_to_device(void* device, const void* host, size_t count) {
+  compute.copy(device, host, wire.bytes(count), compute.comm_stream());
+}
+
+std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce(int slot, void* bucket, size_t padded,
+                                                                     size_t* sent) {
+  if (use_nccl) return nccl_native_all_reduce(*this, bucket, padded, sent);
+  return mpi_native_all_reduce(*this, slot, bucket, padded, sent);
+}
+
+bool MpiCollective::advance(Transfer& transfer) {
+  switch (phase) {
+    case Phase::copy_to_host:
+      if (to_host.count > 0) exchange.copy_to_host(slot, to_host.host, to_host.device, to_host.count);
+      phase = Phase::wait_for_copy;
+      [[fallthrough]];
+    case Phase::wait_for_copy:
+      if (to_host.count > 0 && !exchange.copied_to_host(slot)) return false;
+      phase = Phase::post;
+      [[fallthrough]];
+    case Phase::post:  // every rank starts its collectives in one order: this one's ticket must be next
+      if (!exchange.queue.may_post(ticket)) return false;
+      transfer.requests.resize(1);
+      transfer.peers.assign(1, -1);
+      post(&transfer.requests[0]);
+      exchange.queue.posted();
+      phase = Phase::wait_for_collective;
+      [[fallthrough]];
+    case Phase::wait_for_collective:
+      if (!transfer.requests_done()) return false;
+      phase = Phase::copy_back;
+      [[fallthrough]];
+    case Phase::copy_back:
+      if (to_device.count > 0) exchange.copy_to_device(to_device.device, to_device.host, to_device.count);
+      arrived();
+  }
+  return true;
+}
+
+// --- the libraries' own collectives over MPI (--collectives native) ----------------
+// Each counts what a ring sends. 16-bit sums go through the Communicator's
+// MPI_Op, which rounds every partial sum to 16 bits as a ring's hops do.
+
+namespace {
+struct MpiNativeReduceScatter : MpiCollective {
+  const size_t shard;
+  void *send, *receive;
+  const AccumulateInto into;
+  size_t* sent;
+  MpiNativeReduceScatter(BucketExchange::Parts& parts, Slot& s, Span host_copy, Span device_copy, size_t shard_,
+                         void* send_, void* receive_, const AccumulateInto& into_, size_t* sent_)
+      : MpiCollective(parts, s, host_copy, device_copy),
+        shard(shard_),
+        send(send_),
+        receive(receive_),
+        into(into_),
+        sent(sent_) {}
+  void post(MPI_Request* request) override {
+    const Communicator& comm = exchange.comm;
+    Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, exchange.wire.mpi_type,
+                                           comm.sum_op(exchange.wire.precision), comm.mpi(), request));
+    *sent += (size_t)(comm.world_size() - 1) * exchange.wire.bytes(shard);
+  }
+  void arrived() override { exchange.sums.accumulate(slot.receive, shard, into); }
+};
+
+struct MpiNativeAllReduce : MpiCollective {
+  void* host;
+  const size_t padded;
+  size_t* sent;
+  MpiNativeAllReduce(BucketExchange::Parts& parts, Slot& s, Span host_copy, Span device_copy, void* host_,
+                     size_t padded_, size_t* sent_)
+      : MpiCollective(parts, s, host_copy, device_copy), host(host_), padded(padded_), sent(sent_) {}
+  void post(MPI_Request* request) override {
+    const Communicator& comm = exchange.comm;
+    Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, exchange.wire.mpi_type,
+                                comm.sum_op(exchange.wire.precision), comm.mpi(), request));
+    *sent += 2 * (size_t)(comm.world_size() - 1) * exchange.wire.bytes(padded / comm.world_size());
+  }
+};
+}  // namespace
+
+std::unique_ptr<Collective> mpi_native_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket,
+                                                      size_t padded, const AccumulateInto& into, size_t* sent) {
+  Slot& s = exchange.queue.slots[slot];
+  const bool staged = exchange.through_pinned_host;
+  const size_t shard = padded / exchange.queue.world;
+  char* send = staged ? s.host_send : (char*)bucket;
+  char* receive = staged ? s.host_receive : s.receive;
+  const MpiCollective::Span to_host{bucket, send, staged ? padded : 0}, back{s.receive, receive, staged ? shard : 0};
+  return std::make_unique<MpiNativeReduceScatter>(exchange, s, to_host, back, shard, send, receive, into, sent);
+}
+
+std::unique_ptr<Collective> mpi_native_all_reduce(BucketExchange::Parts& exchange, int slot, void* bucket,
+                                                  size_t padded, size_t* sent) {
+  Slot& s = exchange.queue.slots[slot];
+  const bool staged = exchange.through_pinned_host;
+  char* host = staged ? s.host_send : (char*)bucket;
+  const MpiCollective::Span both_ways{bucket, host, staged ? padded : 0};
+  return std::make_unique<MpiNativeAllReduce>(exchange, s, both_ways, both_ways, host, padded, sent);
+}
+
+// --- NCCL: each collective one step on the comm stream ------------------------------
+// The deterministic reduce-scatter is a group of the N-1 slice sends and
+// receives, then the chapter's sum (ncclReduceScatter, native). Counts are
+// elements, not bytes.
+
+#if defined(Z2_HAVE_NCCL)
+namespace {
+ncclDataType_t nccl_type(const WireType& wire) {
+  return wire.precision == Precision::bf16 ? ncclBfloat16 : wire.precision == Precision::fp16 ? ncclHalf : ncclFloat;
+}
+cudaStream_t comm_stream_of(const BucketExchange::Parts& exchange) {
+  return (cudaStream_t)exchange.compute.comm_stream().handle;
+}
+
+struct NcclReduceScatter : Collective {
+  BucketExchange::Parts& exchange;
+  void *bucket, *received;
+  const size_t padded;
+  const AccumulateInto into;
+  size_t* sent;
+  NcclReduceScatter(BucketExchange::Parts& parts, void* bucket_, void* received_, size_t padded_,
+                    const AccumulateInto& into_, size_t* sent_)
+      : exchange(parts), bucket(bucket_), received(received_), padded(padded_), into(into_), sent(sent_) {}
+  bool advance(Transfer&) override {
+    const WireType& wire = exchange.wire;
+    const int world = exchange.queue.world, rank = exchange.queue.rank;
+    const size_t shard = padded / world;
+    ncclComm_t nccl = (ncclComm_t)exchange.comm.nccl();
+    if (exchange.native) {
+      Z2_NCCL_CHECK(
+          ncclReduceScatter(bucket, received, shard, nccl_type(wire), ncclSum, nccl, comm_stream_of(exchange)));
+      *sent += (size_t)(world - 1) * wire.bytes(shard);  // what a ring sends
+      exchange.sums.accumulate(received, shard, into);
+      return true;
+    }
+    Z2_NCCL_CHECK(ncclGroupStart());
+    for (int j = 0; j < world; ++j) {
+      if (j == rank) continue;
+      Z2_NCCL_CHECK(
+          ncclSend(wire.at(bucket, (size_t)j * shard), shard, nccl_type(wire), j, nccl, comm_stream_of(exchange)));
+      Z2_NCCL_CHECK(ncclRecv(wire.at(received, received_index(j, rank) * shard), shard, nccl_type(wire), j, nccl,
+                             comm_stream_of(exchange)));
+      *sent += wire.bytes(shard);
+    }
+    Z2_NCCL_CHECK(ncclGroupEnd());
+    exchange.sums.sum_and_accumulate(shard, wire.at(bucket, (size_t)rank * shard), received, into);
+    return true;
+  }
+};
+
+struct NcclAllGather : Collective {
+  BucketExchange::Parts& exchange;
+  void* bucket;
+  const size_t padded;
+  size_t* sent;
+  NcclAllGather(BucketExchange::Parts& parts, void* bucket_, size_t padded_, size_t* sent_)
+      : exchange(parts), bucket(bucket_), padded(padded_), sent(sent_) {}
+  bool advance(Transfer&) override {
+    const int world = exchange.queue.world;
+    const size_t shard = padded / world;
+    Z2_NCCL_CHECK(ncclAllGather(exchange.wire.at(bucket, (size_t)exchange.queue.rank * shard), bucket, shard,
+                                nccl_type(exchange.wire), (ncclComm_t)exchange.comm.nccl(), comm_stream_of(exchange)));
+    *sent += (size_t)(world - 1) * exchange.wire.bytes(shard);
+    return true;
+  }
+};
+
+struct NcclAllReduce : Collective {
+  BucketExchange::Parts& exchange;
+  void* bucket;
+  const size_t padded;
+  size_t* sent;
+  NcclAllReduce(BucketExchange::Parts& parts, void* bucket_, size_t padded_, size_t* sent_)
+      : exchange(parts), bucket(bucket_), padded(padded_), sent(sent_) {}
+  bool advance(Transfer&) override {
+    const int world = exchange.queue.world;
+    Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, nccl_type(exchange.wire), ncclSum,
+                                (ncclComm_t)exchange.comm.nccl(), comm_stream_of(exchange)));
+    *sent += 2 * (size_t)(world - 1) * exchange.wire.bytes(padded / world);
+    return true;
+  }
+};
+}  // namespace
+
+std::unique_ptr<Collective> nccl_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket, size_t padded,
+                                                const AccumulateInto& into, size_t* sent) {
+  return std::make_unique<NcclReduceScatter>(exchange, bucket, exchange.queue.slots[slot].receive, padded, into, sent);
+}
+std::unique_ptr<Collective> nccl_all_gather(BucketExchange::Parts& exchange, void* bucket, size_t padded,
+                                            size_t* sent) {
+  return std::make_unique<NcclAllGather>(exchange, bucket, padded, sent);
+}
+std::unique_ptr<Collective> nccl_native_all_reduce(BucketExchange::Parts& exchange, void* bucket, size_t padded,
+                                                   size_t* sent) {
+  return std::make_unique<NcclAllReduce>(exchange, bucket, padded, sent);
+}
+#else  // no NCCL in this build: Communicator refuses --comm nccl before any bucket moves
+std::unique_ptr<Collective> nccl_reduce_scatter(BucketExchange::Parts&, int, void*, size_t, const AccumulateInto&,
+                                                size_t*) {
+  usage_error("--comm nccl: this binary was built without NCCL");
+}
+std::unique_ptr<Collective> nccl_all_gather(BucketExchange::Parts&, void*, size_t, size_t*) {
+  usage_error("--comm nccl: this binary was built without NCCL");
+}
+std::unique_ptr<Collective> nccl_native_all_reduce(BucketExchange::Parts&, void*, size_t, size_t*) {
+  usage_error("--comm nccl: this binary was built without NCCL");
+}
+#endif
+
+// --- the exchange: its slots and buffers ---------------------------------------------
+
+BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_padded, int slot_count,
+                               bool bucket_buffers, Precision wire, bool accumulate_fp32)
+    : parts_(new Parts(compute, comm, wire, accumulate_fp32)) {
+  Parts& p = *parts_;
+  const size_t N = (size_t)comm.world_size();
+  if (slot_count < 1) usage_error("bucket exchange: at least one slot (got %d)", slot_count);
+  p.max_padded = max_padded;
+  // In elements of the wire type: 16-bit buckets take half the bytes.
+  const size_t bucket_part = bucket_buffers ? max_padded : 0, receive_part = (N - 1) * (max_padded / N);
+  p.staging = DeviceArray<char>(compute, p.wire.bytes(staging_elements(max_padded, (int)N, slot_count, bucket_buffers)),
+                                MemoryKind::staging);
+  for (int k = 0; k < slot_count; ++k) {
+    Slot slot;
+    char* base = p.wire.at(p.staging.data(), k * (bucket_part + receive_part));
+    slot.bucket_gradients = bucket_part ? base : nullptr;
+    slot.receive = receive_part ? p.wire.at(base, bucket_part) : nullptr;
+    if (p.through_pinned_host && N > 1) {
+      slot.host_send = (char*)compute.allocate_host_pinned(p.wire.bytes(max_padded));
+      slot.host_receive = (char*)compute.allocate_host_pinned(p.wire.bytes(receive_part));
+    }
+    slot.done = compute.create_event();
+    slot.copied = compute.create_event();
+    compute.record(slot.done, compute.comm_stream());
+    p.queue.slots.push_back(slot);
+  }
+  p.queue.ready = compute.create_event();
+}
+
+BucketExchange::~BucketExchange() {
+  Parts& p = *parts_;
+  // MPI may still write into the pinned buffers: let every transfer end. Usage
+  // errors stop every rank at the same place, so the others finish too.
+  finish_all();
+  p.compute.synchronize_all();
+  for (auto& slot : p.queue.slots) {
+    p.compute.destroy_event(slot.done);
+    p.compute.destroy_event(slot.copied);
+    p.compute.release_host_pinned(slot.host_send);
+    p.compute.release_host_pinned(slot.host_receive);
+  }
+  p.compute.destroy_event(p.queue.ready);
+}
+
+int BucketExchange::slot_of(int bucket) const {
+  const std::vector<Slot>& slots = parts_->queue.slots;
+  for (size_t k = 0; k < slots.size(); ++k)
+    if (slots[k].bucket == bucket) return (int)k;
+  return -1;
+}
+
+void BucketExchange::progress() { parts_->queue.progress(); }
+void BucketExchange::finish_all() { parts_->queue.finish_all(); }
+
+}  // namespace z2

@@ -1,0 +1,208 @@
+// runtime/transfers.h — what carries a bucket between ranks (private to
+// zero2.cu and runtime/transfers.cpp): the staging slots, the element type on
+// the wire, a transfer and the queue of transfers in flight, the receiver's
+// sums, and the parts a BucketExchange is made of.
+//
+// A transfer moves one bucket through one collective (an all-reduce: two, a
+// reduce-scatter and then an all-gather) in one slot. Each collective is
+// written as the steps it takes, in the order it takes them; advance() goes
+// as far as it can without waiting (for an MPI request, a CUDA event, a
+// ticket) and the next call resumes there. The queue advances every transfer
+// in flight each time the engine calls progress(): that is how MPI transfers
+// move while backward computes (MPICH progresses only inside MPI calls).
+//
+// The chapter's own collectives are in zero2.cu ("The reduce-scatter"): the
+// deterministic reduce-scatter over MPI and the all-gather over MPI, with the
+// receiver's sums. transfers.cpp holds the queue and the rest: the
+// libraries' native collectives (--collectives native: faster, their
+// summation order is the library's) and every collective over NCCL.
+#pragma once
+
+#include <deque>
+
+#include "zero2.h"
+
+namespace z2 {
+
+// One set of constant-size buffers for one bucket in flight (the "staging"
+// of the memory ledger). With --comm mpi on cuda the bucket is copied to
+// pinned host memory, sent by MPI, and the received slices are copied back
+// before the device sums them.
+struct Slot {
+  char* bucket_gradients = nullptr;  // [max padded bucket]   stage 2: backward writes here
+  char* receive = nullptr;           // [(N-1) x max shard]  slices from the other ranks
+  char* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda
+  char* host_receive = nullptr;      // [(N-1) x max shard]  pinned, --comm mpi on cuda
+  Event done;                        // recorded on the comm stream when its transfer ends
+  Event copied;                      // its transfer's device-to-host copy has finished
+  int bucket = -1;                   // the bucket holding the slot, -1 when free
+  bool running = false;              // a transfer is using it
+};
+
+// The element type on the wire (of buckets, gradients and parameters alike):
+// 4 bytes for fp32, 2 for bf16 and fp16. Every buffer of the exchange counts
+// in these elements; at() and bytes() do the byte arithmetic.
+struct WireType {
+  Precision precision;
+  size_t element;         // bytes
+  MPI_Datatype mpi_type;  // MPI moves 16-bit elements as MPI_UINT16_T (it only copies them)
+  explicit WireType(Precision p)
+      : precision(p), element(element_bytes(p)), mpi_type(p == Precision::fp32 ? MPI_FLOAT : MPI_UINT16_T) {}
+  char* at(const void* base, size_t index) const { return (char*)base + index * element; }
+  size_t bytes(size_t count) const { return count * element; }
+};
+
+// The slices from the other ranks: rank j's slice of this rank's shard is
+// the (j - (j > rank))-th of the N - 1 received (this rank's own is never sent).
+Z2_HD inline size_t received_index(int j, int rank) { return (size_t)(j - (j > rank ? 1 : 0)); }
+
+struct Transfer;
+// One collective's part of a transfer. advance() takes the collective's
+// steps in order from where the last call stopped, and returns true once
+// the last is taken, false at a step that must wait.
+struct Collective {
+  virtual ~Collective() = default;
+  virtual bool advance(Transfer& transfer) = 0;
+};
+
+struct Transfer {
+  int slot = -1;
+  std::string what;                                      // for the watchdog: "the reduce-scatter of bucket 3"
+  std::vector<std::unique_ptr<Collective>> collectives;  // run one after the other
+  size_t next = 0;
+  std::vector<MPI_Request> requests;  // what the current collective waits for
+  std::vector<int> peers;             // the rank each request exchanges with; -1 for a collective over all ranks
+  bool finished() const { return next == collectives.size(); }
+  bool advance() {
+    while (!finished() && collectives[next]->advance(*this)) ++next;
+    return finished();
+  }
+  // Whether every request posted so far has completed (then they are cleared).
+  bool requests_done();
+};
+
+// The transfers in flight, oldest first, each in its slot.
+struct TransferQueue {
+  Compute& compute;
+  const int rank, world;
+  std::vector<Slot> slots;
+  std::deque<std::unique_ptr<Transfer>> transfers;
+  Event ready;       // "the compute stream got this far"
+  int sequence = 0;  // MPI tags: transfers start in the same order everywhere
+  // MPI requires every rank to start its collectives on a communicator in the
+  // same order. Transfers advance independently (one may wait on its
+  // point-to-point slices or a host copy while a younger one is ready), so
+  // each collective start takes a ticket when its transfer is built, in the
+  // same order on every rank, and may only run when its ticket is next.
+  long next_ticket = 0, next_to_post = 0;
+
+  TransferQueue(Compute& c, int rank_, int world_) : compute(c), rank(rank_), world(world_) {}
+  // A new transfer in `slot`, after everything the compute stream wrote so far.
+  Transfer* start(int slot, const std::string& what);
+  long take_ticket() { return next_ticket++; }
+  bool may_post(long ticket) const { return ticket == next_to_post; }
+  void posted() { ++next_to_post; }
+  // MPI tags need only tell apart transfers in flight (at most a few); the
+  // standard promises tags up to 32767 on every implementation.
+  int next_tag() { return sequence++ % 32768; }
+  // Blocking: poll until done, against the watchdog's deadline.
+  void finish(Transfer& transfer);
+  std::string describe_waiting(Transfer& transfer);
+  void retire_finished();
+  void progress();
+  void finish_all();
+  int free_slot() const;
+};
+
+// The receiver's sums (kernels on the comm stream; zero2.cu): the N slices
+// of this rank's shard summed in canonical order, in fp32, handed to the
+// accumulation tree (which rounds the finished sum to the wire type once);
+// or one value per element already reduced (one rank, or a native
+// reduce-scatter).
+struct ShardSums {
+  Compute& compute;
+  const int rank, world;
+  const WireType wire;
+  const bool accumulate_fp32;  // the accumulation tree's blocks in fp32 (else the wire type)
+  // `own` is this rank's own slice (never sent), `received` the N-1 others.
+  void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into);
+  void accumulate(const void* values, size_t n, const AccumulateInto& into);
+  template <class Wire, class Accum>
+  void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
+                             const AccumulateInto& into);
+  template <class Wire, class Accum>
+  void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into);
+};
+
+// The exchange: its slots, the queue, the sums, and how a collective is
+// chosen for the backend (zero2.cu: the chapter's own over MPI; the others
+// from transfers.cpp).
+struct BucketExchange::Parts {
+  Compute& compute;
+  Communicator& comm;
+  const WireType wire;
+  const bool native;               // --collectives native
+  const bool use_nccl;             // --comm nccl
+  const bool through_pinned_host;  // --comm mpi with --device cuda
+  size_t max_padded = 0;
+  DeviceArray<char> staging;  // slots x (bucket gradients + receive)
+  TransferQueue queue;
+  ShardSums sums;
+
+  Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks);
+  // The transfer of one collective on a bucket of `padded` elements, in `slot`.
+  Transfer* start(int slot, size_t padded, const char* collective);
+  // Each collective adds the bytes it sends to `sent` at the moment it calls
+  // MPI or NCCL, so the ledger counts traffic that happened, by the
+  // collective that sent it (a reduce-scatter that quietly became an
+  // all-reduce would show), in bytes of the wire type.
+  std::unique_ptr<Collective> reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into,
+                                             size_t* sent);
+  std::unique_ptr<Collective> all_gather(int slot, void* bucket, size_t padded, size_t* sent);
+  std::unique_ptr<Collective> native_all_reduce(int slot, void* bucket, size_t padded, size_t* sent);
+  // --comm mpi on cuda: `count` elements from the device to pinned host
+  // memory on the comm stream (MPI reads host memory), the copy's arrival
+  // polled through the slot's event, and the way back.
+  void copy_to_host(Slot& slot, void* host, const void* device, size_t count);
+  bool copied_to_host(const Slot& slot);
+  void copy_to_device(void* device, const void* host, size_t count);
+};
+
+// An MPI collective of all ranks on one bucket (the all-gather, the native
+// reduce-scatter and all-reduce), in the order it runs: on cuda the part of
+// the bucket MPI reads crosses to pinned host memory first (to_host), the
+// collective is posted when its ticket is next (post), its request is waited
+// for, what MPI wrote comes back (to_device), and arrived() does what follows.
+struct MpiCollective : Collective {
+  struct Span {
+    void* device = nullptr;
+    void* host = nullptr;
+    size_t count = 0;  // elements; 0: nothing to copy
+  };
+  BucketExchange::Parts& exchange;
+  Slot& slot;
+  const Span to_host, to_device;
+  const long ticket;
+  enum class Phase { copy_to_host, wait_for_copy, post, wait_for_collective, copy_back } phase = Phase::copy_to_host;
+
+  MpiCollective(BucketExchange::Parts& parts, Slot& s, Span host_copy, Span device_copy)
+      : exchange(parts), slot(s), to_host(host_copy), to_device(device_copy), ticket(parts.queue.take_ticket()) {}
+  bool advance(Transfer& transfer) final;
+  virtual void post(MPI_Request* request) = 0;  // the MPI call, nonblocking
+  virtual void arrived() {}
+};
+
+// The collectives transfers.cpp builds: the libraries' native ones over MPI,
+// and every one over NCCL (one step each: NCCL orders its work on the comm
+// stream, so there is nothing to poll but the slot's event).
+std::unique_ptr<Collective> mpi_native_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket,
+                                                      size_t padded, const AccumulateInto& into, size_t* sent);
+std::unique_ptr<Collective> mpi_native_all_reduce(BucketExchange::Parts& exchange, int slot, void* bucket,
+                                                  size_t padded, size_t* sent);
+std::unique_ptr<Collective> nccl_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket, size_t padded,
+                                                const AccumulateInto& into, size_t* sent);
+std::unique_ptr<Collective> nccl_all_gather(BucketExchange::Parts& exchange, void* bucket, size_t padded, size_t* sent);
+std::unique_ptr<Collective> nccl_native_all_reduce(BucketExchange::Parts& exchange, void* bucket, size_t padded,
+                                                   size_t* sent);
+
+}  // namespace z2
