@@ -349,9 +349,10 @@ struct Engine::RankState {
   float* region_master(int b) {
     return mixed ? master.data() + region(b).state : (float*)params.data() + region(b).parameter;
   }
-  void check_bucket(int b, const char* what) const {
+  int check_bucket(int b, const char* what) const {  // b, once it is a bucket of the layout
     if (b < 0 || b >= (int)buckets.size())
       usage_error("%s: bucket %d out of range (the layout has %zu buckets)", what, b, buckets.size());
+    return b;
   }
   // A kernel over the working type: call(Working{}) with float, bfloat16 or float16.
   template <class Call>
@@ -364,9 +365,12 @@ struct Engine::RankState {
   }
 
   // --- backward ("Backward", below) ---
+  void refuse_gradient_output(ParameterId id, Precision expected) const;
+  void refuse_gradient_ready(ParameterId id) const;
   AccumulateInto accumulate_into(size_t result, size_t shard);
   void reduce_bucket(int b);
-  struct SlotGradients;  // what stage 2's hooks are lent: the slots and the gradient shard
+  void reduce_buckets_left();  // end_micro_step: what backward did not reduce (stages 0/1)
+  struct SlotGradients;        // what stage 2's hooks are lent: the slots and the gradient shard
 
   // --- the optimizer step, step by step ("The step"; Engine::step calls them in order) ---
   StepReport open_step();
@@ -377,6 +381,7 @@ struct Engine::RankState {
   bool overflow_skips_step(const std::vector<float>& local, StepReport& report);
   float global_norm(const std::vector<float>& local, const StepReport& report);
   float global_squared_norm(const std::vector<float>& local);
+  float rescaled_squared_norm(const StepReport& report, float* scale_back);
   float global_largest_magnitude(bool* finite);
   template <class Working>
   void chunk_largest_as(int b);
@@ -529,43 +534,32 @@ ModelStates Engine::model_states() const {
 // --- stage 2's slots (the gradient-shards lab's seams) -------------------------
 
 // What the two hooks are lent: the exchange's slots and this rank's gradient
-// shard. Each call refuses what would break a later one, with a message.
+// shard. Each call refuses what would break a later one, with a message
+// (the refusals are named here and written out at the end of this section).
 struct Engine::RankState::SlotGradients : GradientShards {
   RankState& rank_state;
   explicit SlotGradients(RankState& state) : rank_state(state) {}
   bool holds_slot(int b) const override {
-    rank_state.check_bucket(b, "holds_slot");
-    return rank_state.exchange->slot_of(b) >= 0;
+    return rank_state.exchange->slot_of(rank_state.check_bucket(b, "holds_slot")) >= 0;
   }
   void take_slot(int b) override {
-    if (holds_slot(b))
-      usage_error(
-          "take_slot: bucket %d already holds a staging slot: a bucket takes one slot, at its first gradient, and "
-          "keeps it until its reduce-scatter has finished",
-          b);
+    refuse_second_slot(b);
     const int slot = rank_state.exchange->acquire(b);
     rank_state.slot_buffer[b] = rank_state.exchange->open_bucket_buffer(slot, rank_state.buckets[b].padded_length);
   }
   void* slot_element(int b, size_t index) override {
-    if (!holds_slot(b)) usage_error("slot_element: bucket %d holds no slot (take_slot first)", b);
-    const BucketInfo& bucket = rank_state.buckets[b];
-    if (index >= bucket.padded_length) {
-      // The likely mistake: the parameter's offset in the flat buffer where its offset in the bucket goes.
-      const bool flat = index >= bucket.offset && index - bucket.offset < bucket.padded_length;
-      usage_error("slot_element: element %zu of bucket %d, which has %zu%s", index, b, bucket.padded_length,
-                  flat ? format_text(" (%zu looks like an offset in the flat buffer, where bucket %d begins at %zu: "
-                                     "the slot holds the bucket alone, so pass the offset within it, %zu)",
-                                     index, b, bucket.offset, index - bucket.offset)
-                             .c_str()
-                       : "");
-    }
+    refuse_outside_slot(b, index);
     return (char*)rank_state.slot_buffer[b] + index * rank_state.element;
   }
   int handed_over(int b) const override {
-    rank_state.check_bucket(b, "handed_over");
-    return rank_state.bucket_ready_count[b];
+    return rank_state.bucket_ready_count[rank_state.check_bucket(b, "handed_over")];
   }
   void reduce_scatter(int b, size_t keep) override;
+
+  void refuse_second_slot(int b) const;
+  void refuse_outside_slot(int b, size_t index) const;
+  void refuse_storage_outside_slot(const ParameterInfo& p, const void* storage) const;
+  void refuse_early_reduce_scatter(int b, size_t keep) const;
 };
 
 void* Engine::parameter_storage(ParameterId id, Precision expected) {
@@ -579,28 +573,16 @@ void* Engine::parameter_storage(ParameterId id, Precision expected) {
 
 void* Engine::gradient_storage(ParameterId id, Precision expected) {
   require_built("gradient_output");
-  if (id < 0 || id >= (int)parameters_.size()) usage_error("gradient_output: id %d out of range", id);
-  if (expected != options_.precision)
-    usage_error("gradient_output: '%s' asked for as %s, but the engine trains in %s", parameters_[id].name.c_str(),
-                to_string(expected), to_string(options_.precision));
-  if (micro_step_ >= options_.accumulation_steps)
-    usage_error("gradient_output: all %d micro-steps of this optimizer step are done; call step() first",
-                options_.accumulation_steps);
   RankState& rank_state = *rank_state_;
+  rank_state.refuse_gradient_output(id, expected);
   const ParameterInfo& p = parameters_[id];
-  if (rank_state.parameter_ready[id])
-    usage_error("gradient_output: '%s' was already handed over this micro-step", p.name.c_str());
   // DP and P_os: backward writes the full gradient buffer [Psi_padded].
   if (rank_state.stage < 2) return rank_state.at(rank_state.grads, p.offset);
   // P_os+g (paper 5.2): no full gradient exists; backward writes the bucket's slot (the hook below).
   const BucketInfo& b = buckets_[p.bucket];
   RankState::SlotGradients slots(rank_state);
   void* storage = stage2_gradient_output(slots, p.bucket, b, p.offset - b.offset);
-  const char* slot = (const char*)rank_state.slot_buffer[p.bucket];
-  if (!slots.holds_slot(p.bucket) || (const char*)storage < slot ||
-      (const char*)storage + p.numel * rank_state.element > slot + b.padded_length * rank_state.element)
-    usage_error("stage2_gradient_output: the gradient of '%s' (%zu elements) must lie in bucket %d's slot",
-                p.name.c_str(), p.numel, p.bucket);
+  slots.refuse_storage_outside_slot(p, storage);
   return storage;
 }
 
@@ -644,13 +626,9 @@ void* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
 
 void Engine::gradient_ready(ParameterId id) {
   require_built("gradient_ready");
-  if (id < 0 || id >= (int)parameters_.size()) usage_error("gradient_ready: id %d out of range", id);
   RankState& rank_state = *rank_state_;
+  rank_state.refuse_gradient_ready(id);
   const ParameterInfo& p = parameters_[id];
-  if (rank_state.parameter_ready[id])
-    usage_error("gradient_ready: '%s' handed over twice in one micro-step", p.name.c_str());
-  if (rank_state.stage == 2 && rank_state.exchange->slot_of(p.bucket) < 0)
-    usage_error("gradient_ready: '%s' handed over without gradient_output()", p.name.c_str());
   rank_state.parameter_ready[id] = 1;
   const BucketInfo& b = buckets_[p.bucket];
   ++rank_state.bucket_ready_count[p.bucket];
@@ -691,25 +669,9 @@ AccumulateInto Engine::RankState::accumulate_into(size_t result, size_t shard) {
 }
 
 void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
-  const BucketInfo& info = rank_state.buckets[b];
-  const int parameters = info.end_parameter - info.first_parameter;
-  if (rank_state.bucket_reduced[b])
-    usage_error("reduce_scatter: bucket %d was reduce-scattered already in this micro-step", b);
-  if (!holds_slot(b)) usage_error("reduce_scatter: bucket %d holds no slot: nothing was written for it", b);
-  if (rank_state.bucket_ready_count[b] < parameters)
-    usage_error(
-        "reduce_scatter: bucket %d with %d of its %d gradients handed over: the others would be written after the "
-        "sum was taken. Backward hands a bucket's parameters over last first (in any order, in general): count them",
-        b, rank_state.bucket_ready_count[b], parameters);
-  // A student's `keep` may differ between ranks: agreed, so that no rank stops alone.
-  const size_t shard_elements = rank_state.engine.psi_padded() / rank_state.comm.world_size();
-  if (fails_on_any_rank(rank_state.comm, keep > shard_elements || info.shard_length > shard_elements - keep))
-    usage_error(
-        "reduce_scatter: bucket %d's shard of %zu elements kept from element %zu of a gradient shard of %zu on some "
-        "rank: stage 2 has no full gradient buffer (shard_begin places a shard in the full buffer)",
-        b, info.shard_length, keep, shard_elements);
-  rank_state.exchange->reduce_scatter(rank_state.exchange->slot_of(b), rank_state.slot_buffer[b], info.padded_length,
-                                      rank_state.accumulate_into(keep, keep));
+  refuse_early_reduce_scatter(b, keep);
+  rank_state.exchange->reduce_scatter(rank_state.exchange->slot_of(b), rank_state.slot_buffer[b],
+                                      rank_state.buckets[b].padded_length, rank_state.accumulate_into(keep, keep));
   rank_state.bucket_reduced[b] = 1;
   if (!rank_state.options.overlap) rank_state.exchange->finish_all();
 }
@@ -749,20 +711,7 @@ void Engine::end_micro_step(float loss) {
   for (size_t id = 0; id < parameters_.size(); ++id)
     if (!rank_state.parameter_ready[id])
       usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
-  // Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
-  // the order backward completes them. Stage 2 reduces every bucket during
-  // backward, from its slot: one left means the hook never started it.
-  rank_state.reduced_during_backward = 0;
-  for (char reduced : rank_state.bucket_reduced) rank_state.reduced_during_backward += reduced;
-  for (int b = (int)buckets_.size() - 1; b >= 0; --b) {
-    if (rank_state.bucket_reduced[b]) continue;
-    if (rank_state.stage == 2)
-      usage_error(
-          "end_micro_step: bucket %d ('%s' ...) was never reduce-scattered: in stage 2 each bucket is "
-          "reduce-scattered from its slot as soon as its last gradient is handed over (stage2_gradient_ready)",
-          b, parameters_[buckets_[b].first_parameter].name.c_str());
-    rank_state.reduce_bucket(b);
-  }
+  rank_state.reduce_buckets_left();
   rank_state.exchange->finish_all();
   // The next micro-step's backward overwrites the gradients: it must come
   // after everything the comm stream still does with them.
@@ -773,6 +722,100 @@ void Engine::end_micro_step(float loss) {
   std::fill(rank_state.bucket_ready_count.begin(), rank_state.bucket_ready_count.end(), 0);
   std::fill(rank_state.bucket_reduced.begin(), rank_state.bucket_reduced.end(), 0);
   ++micro_step_;
+}
+
+// Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
+// the order backward completes them. Stage 2 reduces every bucket during
+// backward, from its slot: one left means the hook never started it.
+void Engine::RankState::reduce_buckets_left() {
+  reduced_during_backward = 0;
+  for (char reduced : bucket_reduced) reduced_during_backward += reduced;
+  for (int b = (int)buckets.size() - 1; b >= 0; --b) {
+    if (bucket_reduced[b]) continue;
+    if (stage == 2)
+      usage_error(
+          "end_micro_step: bucket %d ('%s' ...) was never reduce-scattered: in stage 2 each bucket is "
+          "reduce-scattered from its slot as soon as its last gradient is handed over (stage2_gradient_ready)",
+          b, engine.parameters_[buckets[b].first_parameter].name.c_str());
+    reduce_bucket(b);
+  }
+}
+
+// --- what backward's calls refuse (a model's call out of order) ---------------
+
+void Engine::RankState::refuse_gradient_output(ParameterId id, Precision expected) const {
+  const std::vector<ParameterInfo>& parameters = engine.parameters_;
+  if (id < 0 || id >= (int)parameters.size()) usage_error("gradient_output: id %d out of range", id);
+  if (expected != options.precision)
+    usage_error("gradient_output: '%s' asked for as %s, but the engine trains in %s", parameters[id].name.c_str(),
+                to_string(expected), to_string(options.precision));
+  if (engine.micro_step_ >= options.accumulation_steps)
+    usage_error("gradient_output: all %d micro-steps of this optimizer step are done; call step() first",
+                options.accumulation_steps);
+  if (parameter_ready[id])
+    usage_error("gradient_output: '%s' was already handed over this micro-step", parameters[id].name.c_str());
+}
+
+void Engine::RankState::refuse_gradient_ready(ParameterId id) const {
+  const std::vector<ParameterInfo>& parameters = engine.parameters_;
+  if (id < 0 || id >= (int)parameters.size()) usage_error("gradient_ready: id %d out of range", id);
+  if (parameter_ready[id])
+    usage_error("gradient_ready: '%s' handed over twice in one micro-step", parameters[id].name.c_str());
+  if (stage == 2 && exchange->slot_of(parameters[id].bucket) < 0)
+    usage_error("gradient_ready: '%s' handed over without gradient_output()", parameters[id].name.c_str());
+}
+
+// --- what stage 2's hooks refuse (a seam's call out of order) -----------------
+
+void Engine::RankState::SlotGradients::refuse_second_slot(int b) const {
+  if (holds_slot(b))
+    usage_error(
+        "take_slot: bucket %d already holds a staging slot: a bucket takes one slot, at its first gradient, and "
+        "keeps it until its reduce-scatter has finished",
+        b);
+}
+
+void Engine::RankState::SlotGradients::refuse_outside_slot(int b, size_t index) const {
+  if (!holds_slot(b)) usage_error("slot_element: bucket %d holds no slot (take_slot first)", b);
+  const BucketInfo& bucket = rank_state.buckets[b];
+  if (index < bucket.padded_length) return;
+  // The likely mistake: the parameter's offset in the flat buffer where its offset in the bucket goes.
+  const bool flat = index >= bucket.offset && index - bucket.offset < bucket.padded_length;
+  usage_error("slot_element: element %zu of bucket %d, which has %zu%s", index, b, bucket.padded_length,
+              flat ? format_text(" (%zu looks like an offset in the flat buffer, where bucket %d begins at %zu: the "
+                                 "slot holds the bucket alone, so pass the offset within it, %zu)",
+                                 index, b, bucket.offset, index - bucket.offset)
+                         .c_str()
+                   : "");
+}
+
+void Engine::RankState::SlotGradients::refuse_storage_outside_slot(const ParameterInfo& p, const void* storage) const {
+  const BucketInfo& b = rank_state.buckets[p.bucket];
+  const char* slot = (const char*)rank_state.slot_buffer[p.bucket];
+  if (!holds_slot(p.bucket) || (const char*)storage < slot ||
+      (const char*)storage + p.numel * rank_state.element > slot + b.padded_length * rank_state.element)
+    usage_error("stage2_gradient_output: the gradient of '%s' (%zu elements) must lie in bucket %d's slot",
+                p.name.c_str(), p.numel, p.bucket);
+}
+
+void Engine::RankState::SlotGradients::refuse_early_reduce_scatter(int b, size_t keep) const {
+  const BucketInfo& info = rank_state.buckets[b];
+  const int parameters = info.end_parameter - info.first_parameter;
+  if (rank_state.bucket_reduced[b])
+    usage_error("reduce_scatter: bucket %d was reduce-scattered already in this micro-step", b);
+  if (!holds_slot(b)) usage_error("reduce_scatter: bucket %d holds no slot: nothing was written for it", b);
+  if (rank_state.bucket_ready_count[b] < parameters)
+    usage_error(
+        "reduce_scatter: bucket %d with %d of its %d gradients handed over: the others would be written after the "
+        "sum was taken. Backward hands a bucket's parameters over last first (in any order, in general): count them",
+        b, rank_state.bucket_ready_count[b], parameters);
+  // A student's `keep` may differ between ranks: agreed, so that no rank stops alone.
+  const size_t shard_elements = rank_state.engine.psi_padded() / rank_state.comm.world_size();
+  if (fails_on_any_rank(rank_state.comm, keep > shard_elements || info.shard_length > shard_elements - keep))
+    usage_error(
+        "reduce_scatter: bucket %d's shard of %zu elements kept from element %zu of a gradient shard of %zu on some "
+        "rank: stage 2 has no full gradient buffer (shard_begin places a shard in the full buffer)",
+        b, info.shard_length, keep, shard_elements);
 }
 
 // ----------------------------------------------------------------------------
@@ -820,6 +863,7 @@ Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t s
 }
 
 // --- the receiver's sum (a kernel on the comm stream) -----------------------------
+
 // The same sum for the engine, on the device and in any precision: element i
 // of this rank's shard is the canonical tree over the N ranks' slices, in
 // fp32 (16-bit slices widened exactly), handed to the accumulation tree,
@@ -830,8 +874,7 @@ void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const
   const int ranks = world, me = rank;
   const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
   Wire* result = (Wire*)into.result;
-  AccumulationStackOf<Accum> stack;
-  for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
+  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
   const long step = into.step, steps = into.steps;
   check_lab_ranks(ranks);
   compute.for_each(shard,
@@ -849,8 +892,7 @@ template <class Wire, class Accum>
 void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
   const Wire* values = (const Wire*)reduced;
   Wire* result = (Wire*)into.result;
-  AccumulationStackOf<Accum> stack;
-  for (int d = 0; d < 32; ++d) stack.entries[d] = (Accum*)into.stack.entries[d];
+  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
   const long step = into.step, steps = into.steps;
   compute.for_each(n, Z2_LOOP(i, { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); }),
                    compute.comm_stream());
@@ -880,6 +922,7 @@ void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& i
 }
 
 // --- the transfer that carries it: one bucket over MPI, as it runs ---------------
+
 // The engine trains with a non-blocking form of the reference above: the
 // bucket's reduce-scatter starts when backward completes it, and each
 // progress() call (between layers) takes its steps as far as they go
@@ -889,37 +932,31 @@ void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& i
 struct MpiReduceScatter : Collective {
   BucketExchange::Parts& exchange;
   Slot& slot;
-  char *bucket, *send, *receive;  // send, receive: the bucket's memory, or the slot's pinned host copies
-  const size_t padded, shard;
+  char* bucket;
+  const size_t padded;
   const AccumulateInto into;
   size_t* sent;
-  const int tag;  // point-to-point slices match by (source, tag): no ticket needed
-  enum class Phase {
-    copy_to_host,
-    wait_for_copy,
-    send_slices,
-    wait_for_slices,
-    copy_back,
-    sum
-  } phase = Phase::copy_to_host;
-
+  const int tag = exchange.queue.next_tag();  // point-to-point slices match by (source, tag): no ticket needed
+  enum class Phase { copy_to_host, wait_for_copy, send_slices, wait_for_slices, copy_back, sum };
+  Phase phase = Phase::copy_to_host;
   MpiReduceScatter(BucketExchange::Parts& parts, int slot_index, void* bucket_, size_t padded_,
                    const AccumulateInto& into_, size_t* sent_)
       : exchange(parts),
         slot(parts.queue.slots[slot_index]),
         bucket((char*)bucket_),
-        send(parts.through_pinned_host ? slot.host_send : bucket),
-        receive(parts.through_pinned_host ? slot.host_receive : slot.receive),
         padded(padded_),
-        shard(padded_ / parts.queue.world),
         into(into_),
-        sent(sent_),
-        tag(parts.queue.next_tag()) {}
+        sent(sent_) {}
 
   bool advance(Transfer& transfer) override {
     const WireType& wire = exchange.wire;
+    const MPI_Datatype type = wire.mpi_type;
+    const MPI_Comm mpi = exchange.comm.mpi();
     const int world = exchange.queue.world, rank = exchange.queue.rank;
-    const bool staged = exchange.through_pinned_host;
+    const size_t shard = padded / world;
+    const bool staged = exchange.through_pinned_host;  // then MPI sends and receives the slot's pinned copies
+    char* send = staged ? slot.host_send : bucket;
+    char* receive = staged ? slot.host_receive : slot.receive;
     switch (phase) {
       case Phase::copy_to_host:
         if (staged) exchange.copy_to_host(slot, send, bucket, padded);
@@ -932,12 +969,13 @@ struct MpiReduceScatter : Collective {
       case Phase::send_slices:  // slice j of the bucket to rank j; rank j's slice of this rank's shard from rank j
         for (int j = 0; j < world; ++j) {
           if (j == rank) continue;  // the own slice stays: it is read in place by the sum
+          const int count = (int)shard;
           transfer.requests.emplace_back();
-          Z2_MPI_CHECK(MPI_Irecv(wire.at(receive, received_index(j, rank) * shard), (int)shard, wire.mpi_type, j, tag,
-                                 exchange.comm.mpi(), &transfer.requests.back()));
+          Z2_MPI_CHECK(MPI_Irecv(wire.at(receive, received_index(j, rank) * shard), count, type, j, tag, mpi,
+                                 &transfer.requests.back()));
           transfer.requests.emplace_back();
-          Z2_MPI_CHECK(MPI_Isend(wire.at(send, (size_t)j * shard), (int)shard, wire.mpi_type, j, tag,
-                                 exchange.comm.mpi(), &transfer.requests.back()));
+          Z2_MPI_CHECK(
+              MPI_Isend(wire.at(send, (size_t)j * shard), count, type, j, tag, mpi, &transfer.requests.back()));
           transfer.peers.insert(transfer.peers.end(), {j, j});
           *sent += wire.bytes(shard);  // N - 1 slices of Psi_b / N: what a ring reduce-scatter sends
         }
@@ -977,20 +1015,18 @@ struct OneRankSum : Collective {
 // every mode. On cuda the own shard crosses to the host and the whole
 // bucket comes back (runtime/transfers.cpp: MpiCollective's steps).
 struct MpiAllGather : MpiCollective {
-  char* host;
+  char* host;  // where MPI gathers: the bucket itself, or the slot's pinned copy
   const size_t shard;
   size_t* sent;
-  MpiAllGather(BucketExchange::Parts& parts, Slot& s, char* host_, void* bucket, size_t padded, size_t* sent_)
-      : MpiCollective(parts, s, own_shard(parts, bucket, host_, padded), whole(parts, bucket, host_, padded)),
-        host(host_),
+  MpiAllGather(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded, size_t* sent_)
+      : MpiCollective(parts, s),
+        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
         shard(padded / parts.queue.world),
-        sent(sent_) {}
-  static Span own_shard(BucketExchange::Parts& parts, void* bucket, char* host, size_t padded) {
-    const size_t shard = padded / parts.queue.world, at = (size_t)parts.queue.rank * shard;
-    return {parts.wire.at(bucket, at), parts.wire.at(host, at), parts.through_pinned_host ? shard : 0};
-  }
-  static Span whole(BucketExchange::Parts& parts, void* bucket, char* host, size_t padded) {
-    return {bucket, host, parts.through_pinned_host ? padded : 0};
+        sent(sent_) {
+    if (!parts.through_pinned_host) return;
+    const size_t own = (size_t)parts.queue.rank * shard;
+    to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
+    to_device = {bucket, host, padded};                                       // the whole bucket comes back
   }
   void post(MPI_Request* request) override {
     const MPI_Datatype type = exchange.wire.mpi_type;
@@ -1011,9 +1047,7 @@ std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter(int slot, void
 
 std::unique_ptr<Collective> BucketExchange::Parts::all_gather(int slot, void* bucket, size_t padded, size_t* sent) {
   if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
-  Slot& s = queue.slots[slot];
-  return std::make_unique<MpiAllGather>(*this, s, through_pinned_host ? s.host_send : (char*)bucket, bucket, padded,
-                                        sent);
+  return std::make_unique<MpiAllGather>(*this, queue.slots[slot], bucket, padded, sent);
 }
 
 // The three collectives the engine calls: a transfer in the slot, started at once.
@@ -1220,13 +1254,9 @@ void LossScaler::restore(const LossScalerState& state) {
   last_overflow_ = state.last_overflow;
 }
 
-// The global norm. Its fp32 sum of squares overflows where gradients are
-// finite but above ~1.8e19 (bf16 reaches 3.4e38; so does fp32 under very
-// high dropout): then the squares are taken again of g / 2^e, with 2^e the
-// power of two just above the largest |g| (an all-reduce of the maxima,
-// exact and N-independent), in the same chunks and tree, and the norm is
-// scaled back. Runs that do not overflow keep their bits; a gradient that
-// is itself inf or NaN ends the run (fp16 skipped the step before this).
+// The global norm over every rank's reduced gradient (its norm chunks and
+// the canonical tree), unscaled by fp16's loss scale. A gradient that is
+// itself inf or NaN ends the run (fp16 skipped the step before this).
 float Engine::RankState::global_norm(const std::vector<float>& local, const StepReport& report) {
   float squared = global_squared_norm(local), scale_back = 1.0f;
   // Stage 0 sums its own copy of the reduced gradient: with native collectives
@@ -1234,22 +1264,7 @@ float Engine::RankState::global_norm(const std::vector<float>& local, const Step
   // there the ranks agree before a branch whose collectives all must join.
   const bool own_copy = stage == 0 && comm.collectives() == Collectives::native;
   auto on_any_rank = [&](bool condition) { return own_copy ? comm.any_rank(condition) : condition; };
-  if (on_any_rank(!std::isfinite(squared))) {
-    bool finite = true;
-    const float largest = global_largest_magnitude(&finite);
-    if (!finite)
-      usage_error(engine.optimizer_step_ == 0
-                      ? "a gradient is not finite (inf or NaN) in optimizer step %ld, before any update: the model "
-                        "as initialized overflows on this data (the learning rate has not acted yet): look at "
-                        "--dropout and the model sizes"
-                      : "a gradient is not finite (inf or NaN) in optimizer step %ld: training diverged (the "
-                        "updates grew until the gradients overflowed). Lower --lr or lengthen --warmup",
-                  report.step);
-    int exponent = 0;
-    std::frexp(largest, &exponent);  // largest < 2^exponent
-    squared = global_squared_norm(local_chunk_sums(std::ldexp(1.0f, -exponent)));
-    scale_back = std::ldexp(1.0f, exponent);
-  }
+  if (on_any_rank(!std::isfinite(squared))) squared = rescaled_squared_norm(report, &scale_back);
   const float norm = std::sqrt(squared) * scale_back / (float)report.loss_scale;
   if (on_any_rank(!std::isfinite(norm)))
     usage_error(
@@ -1257,6 +1272,29 @@ float Engine::RankState::global_norm(const std::vector<float>& local, const Step
         "norm not): training diverged. Lower --lr or lengthen --warmup",
         report.step);
   return norm;
+}
+
+// The fp32 sum of squares overflows where gradients are finite but above
+// ~1.8e19 (bf16 reaches 3.4e38; so does fp32 under very high dropout): then
+// the squares are taken again of g / 2^e, with 2^e the power of two just
+// above the largest |g| (an all-reduce of the maxima, exact and
+// N-independent), in the same chunks and tree, and the norm is scaled back
+// by 2^e. Runs that do not overflow keep their bits.
+float Engine::RankState::rescaled_squared_norm(const StepReport& report, float* scale_back) {
+  bool finite = true;
+  const float largest = global_largest_magnitude(&finite);
+  if (!finite)
+    usage_error(engine.optimizer_step_ == 0
+                    ? "a gradient is not finite (inf or NaN) in optimizer step %ld, before any update: the model "
+                      "as initialized overflows on this data (the learning rate has not acted yet): look at "
+                      "--dropout and the model sizes"
+                    : "a gradient is not finite (inf or NaN) in optimizer step %ld: training diverged (the "
+                      "updates grew until the gradients overflowed). Lower --lr or lengthen --warmup",
+                report.step);
+  int exponent = 0;
+  std::frexp(largest, &exponent);  // largest < 2^exponent
+  *scale_back = std::ldexp(1.0f, exponent);
+  return global_squared_norm(local_chunk_sums(std::ldexp(1.0f, -exponent)));
 }
 
 // The global squared norm: the chunk sums of all ranks in canonical order,
@@ -1349,37 +1387,26 @@ AdamWConstants Engine::RankState::adamw_constants(double lr, long t, float grad_
 
 // What update_and_gather (below) is lent: AdamW with this step's constants
 // on a bucket's update region, and the all-gather of a bucket's parameters
-// (16-bit working parameters in mixed precision: half the bytes).
+// (16-bit working parameters in mixed precision: half the bytes): each
+// bucket once, its update first (the refusals: the end of this section).
 struct Engine::RankState::StepOverShards : OwnShards {
   RankState& rank_state;
   const AdamWConstants constants;
-  // Each bucket once, its update before its all-gather: the all-gather
-  // reads the shard while it runs, so an update after it would race with
-  // it, and the other ranks could receive the old shard. (The order of the
-  // calls is the same on every rank, so every rank refuses together.)
-  std::vector<char> updated, gathered;
+  std::vector<char> updated = std::vector<char>(rank_state.buckets.size()), gathered = updated;  // this step
   StepOverShards(RankState& state, const AdamWConstants& step_constants)
-      : rank_state(state),
-        constants(step_constants),
-        updated(state.buckets.size(), 0),
-        gathered(state.buckets.size(), 0) {}
+      : rank_state(state), constants(step_constants) {}
   void adamw(int b) override {
-    rank_state.check_bucket(b, "adamw");
-    if (gathered[b])
-      usage_error(
-          "adamw: bucket %d's all-gather has already started: it would send the shard as it was before the "
-          "update (or half updated). Update a bucket, then all-gather it",
-          b);
-    if (updated[b]) usage_error("adamw: bucket %d was updated already in this step", b);
+    refuse_update(b);
     updated[b] = 1;
     rank_state.for_working_type([&](auto zero) { rank_state.adamw_as<decltype(zero)>(b, constants); });
   }
   void all_gather(int b) override {
-    rank_state.check_bucket(b, "all_gather");
-    if (gathered[b]) usage_error("all_gather: bucket %d was all-gathered already in this step", b);
+    refuse_gather(b);
     gathered[b] = 1;
     rank_state.start_all_gather(b);
   }
+  void refuse_update(int b) const;
+  void refuse_gather(int b) const;
 };
 
 // The optimizer step of each stage (the own-shards lab's second seam).
@@ -1473,6 +1500,26 @@ void Engine::RankState::account_step() {
   pushes_last_step = memory.pushes - pushes_at_step_start;
   allocations_at_step_start = memory.allocations;
   pushes_at_step_start = memory.pushes;
+}
+
+// --- what the own-shards seam refuses (a call out of order) ------------------
+// The all-gather reads the shard while it runs, so an update after it would
+// race with it, and the other ranks could receive the old shard. (The order
+// of the calls is the same on every rank, so every rank refuses together.)
+
+void Engine::RankState::StepOverShards::refuse_update(int b) const {
+  rank_state.check_bucket(b, "adamw");
+  if (gathered[b])
+    usage_error(
+        "adamw: bucket %d's all-gather has already started: it would send the shard as it was before the "
+        "update (or half updated). Update a bucket, then all-gather it",
+        b);
+  if (updated[b]) usage_error("adamw: bucket %d was updated already in this step", b);
+}
+
+void Engine::RankState::StepOverShards::refuse_gather(int b) const {
+  rank_state.check_bucket(b, "all_gather");
+  if (gathered[b]) usage_error("all_gather: bucket %d was all-gathered already in this step", b);
 }
 
 // ----------------------------------------------------------------------------

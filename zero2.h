@@ -746,6 +746,12 @@ struct AccumulateInto {
   void* result = nullptr;
   AccumulationStackOf<void> stack{};
   long step = 0, steps = 1;
+  template <class Accum>
+  AccumulationStackOf<Accum> stack_as() const {  // the open blocks as `Accum` elements
+    AccumulationStackOf<Accum> typed;
+    for (int d = 0; d < 32; ++d) typed.entries[d] = (Accum*)stack.entries[d];
+    return typed;
+  }
 };
 
 // The bucket collectives, non-blocking, in a fixed number of constant-size

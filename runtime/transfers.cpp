@@ -174,18 +174,22 @@ bool MpiCollective::advance(Transfer& transfer) {
 
 namespace {
 struct MpiNativeReduceScatter : MpiCollective {
+  char *send, *receive;  // the bucket and the slot's receive buffer, or their pinned copies
   const size_t shard;
-  void *send, *receive;
   const AccumulateInto into;
   size_t* sent;
-  MpiNativeReduceScatter(BucketExchange::Parts& parts, Slot& s, Span host_copy, Span device_copy, size_t shard_,
-                         void* send_, void* receive_, const AccumulateInto& into_, size_t* sent_)
-      : MpiCollective(parts, s, host_copy, device_copy),
-        shard(shard_),
-        send(send_),
-        receive(receive_),
+  MpiNativeReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded,
+                         const AccumulateInto& into_, size_t* sent_)
+      : MpiCollective(parts, s),
+        send(parts.through_pinned_host ? s.host_send : (char*)bucket),
+        receive(parts.through_pinned_host ? s.host_receive : s.receive),
+        shard(padded / parts.queue.world),
         into(into_),
-        sent(sent_) {}
+        sent(sent_) {
+    if (!parts.through_pinned_host) return;
+    to_host = {bucket, send, padded};
+    to_device = {s.receive, receive, shard};
+  }
   void post(MPI_Request* request) override {
     const Communicator& comm = exchange.comm;
     Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, exchange.wire.mpi_type,
@@ -196,12 +200,16 @@ struct MpiNativeReduceScatter : MpiCollective {
 };
 
 struct MpiNativeAllReduce : MpiCollective {
-  void* host;
+  char* host;  // the bucket, or its pinned copy
   const size_t padded;
   size_t* sent;
-  MpiNativeAllReduce(BucketExchange::Parts& parts, Slot& s, Span host_copy, Span device_copy, void* host_,
-                     size_t padded_, size_t* sent_)
-      : MpiCollective(parts, s, host_copy, device_copy), host(host_), padded(padded_), sent(sent_) {}
+  MpiNativeAllReduce(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded_, size_t* sent_)
+      : MpiCollective(parts, s),
+        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
+        padded(padded_),
+        sent(sent_) {
+    if (parts.through_pinned_host) to_host = to_device = {bucket, host, padded};
+  }
   void post(MPI_Request* request) override {
     const Communicator& comm = exchange.comm;
     Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, exchange.wire.mpi_type,
@@ -213,22 +221,12 @@ struct MpiNativeAllReduce : MpiCollective {
 
 std::unique_ptr<Collective> mpi_native_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket,
                                                       size_t padded, const AccumulateInto& into, size_t* sent) {
-  Slot& s = exchange.queue.slots[slot];
-  const bool staged = exchange.through_pinned_host;
-  const size_t shard = padded / exchange.queue.world;
-  char* send = staged ? s.host_send : (char*)bucket;
-  char* receive = staged ? s.host_receive : s.receive;
-  const MpiCollective::Span to_host{bucket, send, staged ? padded : 0}, back{s.receive, receive, staged ? shard : 0};
-  return std::make_unique<MpiNativeReduceScatter>(exchange, s, to_host, back, shard, send, receive, into, sent);
+  return std::make_unique<MpiNativeReduceScatter>(exchange, exchange.queue.slots[slot], bucket, padded, into, sent);
 }
 
 std::unique_ptr<Collective> mpi_native_all_reduce(BucketExchange::Parts& exchange, int slot, void* bucket,
                                                   size_t padded, size_t* sent) {
-  Slot& s = exchange.queue.slots[slot];
-  const bool staged = exchange.through_pinned_host;
-  char* host = staged ? s.host_send : (char*)bucket;
-  const MpiCollective::Span both_ways{bucket, host, staged ? padded : 0};
-  return std::make_unique<MpiNativeAllReduce>(exchange, s, both_ways, both_ways, host, padded, sent);
+  return std::make_unique<MpiNativeAllReduce>(exchange, exchange.queue.slots[slot], bucket, padded, sent);
 }
 
 // --- NCCL: each collective one step on the comm stream ------------------------------
@@ -241,75 +239,65 @@ namespace {
 ncclDataType_t nccl_type(const WireType& wire) {
   return wire.precision == Precision::bf16 ? ncclBfloat16 : wire.precision == Precision::fp16 ? ncclHalf : ncclFloat;
 }
-cudaStream_t comm_stream_of(const BucketExchange::Parts& exchange) {
-  return (cudaStream_t)exchange.compute.comm_stream().handle;
-}
 
-struct NcclReduceScatter : Collective {
+// What every NCCL collective here works on: a bucket of `padded` elements,
+// and the ledger's counter its bytes go to.
+struct NcclCollective : Collective {
   BucketExchange::Parts& exchange;
-  void *bucket, *received;
+  void* bucket;
   const size_t padded;
-  const AccumulateInto into;
   size_t* sent;
+  NcclCollective(BucketExchange::Parts& parts, void* bucket_, size_t padded_, size_t* sent_)
+      : exchange(parts), bucket(bucket_), padded(padded_), sent(sent_) {}
+  size_t shard() const { return padded / exchange.queue.world; }
+  ncclComm_t nccl() const { return (ncclComm_t)exchange.comm.nccl(); }
+  cudaStream_t stream() const { return (cudaStream_t)exchange.compute.comm_stream().handle; }
+};
+
+struct NcclReduceScatter : NcclCollective {
+  void* received;
+  const AccumulateInto into;
   NcclReduceScatter(BucketExchange::Parts& parts, void* bucket_, void* received_, size_t padded_,
                     const AccumulateInto& into_, size_t* sent_)
-      : exchange(parts), bucket(bucket_), received(received_), padded(padded_), into(into_), sent(sent_) {}
+      : NcclCollective(parts, bucket_, padded_, sent_), received(received_), into(into_) {}
   bool advance(Transfer&) override {
     const WireType& wire = exchange.wire;
     const int world = exchange.queue.world, rank = exchange.queue.rank;
-    const size_t shard = padded / world;
-    ncclComm_t nccl = (ncclComm_t)exchange.comm.nccl();
     if (exchange.native) {
-      Z2_NCCL_CHECK(
-          ncclReduceScatter(bucket, received, shard, nccl_type(wire), ncclSum, nccl, comm_stream_of(exchange)));
-      *sent += (size_t)(world - 1) * wire.bytes(shard);  // what a ring sends
-      exchange.sums.accumulate(received, shard, into);
+      Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard(), nccl_type(wire), ncclSum, nccl(), stream()));
+      *sent += (size_t)(world - 1) * wire.bytes(shard());  // what a ring sends
+      exchange.sums.accumulate(received, shard(), into);
       return true;
     }
     Z2_NCCL_CHECK(ncclGroupStart());
     for (int j = 0; j < world; ++j) {
       if (j == rank) continue;
-      Z2_NCCL_CHECK(
-          ncclSend(wire.at(bucket, (size_t)j * shard), shard, nccl_type(wire), j, nccl, comm_stream_of(exchange)));
-      Z2_NCCL_CHECK(ncclRecv(wire.at(received, received_index(j, rank) * shard), shard, nccl_type(wire), j, nccl,
-                             comm_stream_of(exchange)));
-      *sent += wire.bytes(shard);
+      Z2_NCCL_CHECK(ncclSend(wire.at(bucket, (size_t)j * shard()), shard(), nccl_type(wire), j, nccl(), stream()));
+      Z2_NCCL_CHECK(ncclRecv(wire.at(received, received_index(j, rank) * shard()), shard(), nccl_type(wire), j, nccl(),
+                             stream()));
+      *sent += wire.bytes(shard());
     }
     Z2_NCCL_CHECK(ncclGroupEnd());
-    exchange.sums.sum_and_accumulate(shard, wire.at(bucket, (size_t)rank * shard), received, into);
+    exchange.sums.sum_and_accumulate(shard(), wire.at(bucket, (size_t)rank * shard()), received, into);
     return true;
   }
 };
 
-struct NcclAllGather : Collective {
-  BucketExchange::Parts& exchange;
-  void* bucket;
-  const size_t padded;
-  size_t* sent;
-  NcclAllGather(BucketExchange::Parts& parts, void* bucket_, size_t padded_, size_t* sent_)
-      : exchange(parts), bucket(bucket_), padded(padded_), sent(sent_) {}
+struct NcclAllGather : NcclCollective {
+  using NcclCollective::NcclCollective;
   bool advance(Transfer&) override {
-    const int world = exchange.queue.world;
-    const size_t shard = padded / world;
-    Z2_NCCL_CHECK(ncclAllGather(exchange.wire.at(bucket, (size_t)exchange.queue.rank * shard), bucket, shard,
-                                nccl_type(exchange.wire), (ncclComm_t)exchange.comm.nccl(), comm_stream_of(exchange)));
-    *sent += (size_t)(world - 1) * exchange.wire.bytes(shard);
+    Z2_NCCL_CHECK(ncclAllGather(exchange.wire.at(bucket, (size_t)exchange.queue.rank * shard()), bucket, shard(),
+                                nccl_type(exchange.wire), nccl(), stream()));
+    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard());
     return true;
   }
 };
 
-struct NcclAllReduce : Collective {
-  BucketExchange::Parts& exchange;
-  void* bucket;
-  const size_t padded;
-  size_t* sent;
-  NcclAllReduce(BucketExchange::Parts& parts, void* bucket_, size_t padded_, size_t* sent_)
-      : exchange(parts), bucket(bucket_), padded(padded_), sent(sent_) {}
+struct NcclAllReduce : NcclCollective {
+  using NcclCollective::NcclCollective;
   bool advance(Transfer&) override {
-    const int world = exchange.queue.world;
-    Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, nccl_type(exchange.wire), ncclSum,
-                                (ncclComm_t)exchange.comm.nccl(), comm_stream_of(exchange)));
-    *sent += 2 * (size_t)(world - 1) * exchange.wire.bytes(padded / world);
+    Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, nccl_type(exchange.wire), ncclSum, nccl(), stream()));
+    *sent += 2 * (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard());
     return true;
   }
 };

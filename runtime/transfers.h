@@ -181,12 +181,12 @@ struct MpiCollective : Collective {
   };
   BucketExchange::Parts& exchange;
   Slot& slot;
-  const Span to_host, to_device;
+  Span to_host, to_device;  // set by the collective when it is staged (--comm mpi on cuda)
   const long ticket;
-  enum class Phase { copy_to_host, wait_for_copy, post, wait_for_collective, copy_back } phase = Phase::copy_to_host;
+  enum class Phase { copy_to_host, wait_for_copy, post, wait_for_collective, copy_back };
+  Phase phase = Phase::copy_to_host;
 
-  MpiCollective(BucketExchange::Parts& parts, Slot& s, Span host_copy, Span device_copy)
-      : exchange(parts), slot(s), to_host(host_copy), to_device(device_copy), ticket(parts.queue.take_ticket()) {}
+  MpiCollective(BucketExchange::Parts& parts, Slot& s) : exchange(parts), slot(s), ticket(parts.queue.take_ticket()) {}
   bool advance(Transfer& transfer) final;
   virtual void post(MPI_Request* request) = 0;  // the MPI call, nonblocking
   virtual void arrived() {}
