@@ -183,6 +183,10 @@ build/watchdog_check: $(call objects,build,tests/watchdog_check.cpp $(ENGINE_SOU
 build/math_accuracy: tests/math_accuracy.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) $< -o $@ -lpthread
+# In which order this MPI adds the ranks' contributions (notes/06; make notes). Header-only.
+build/mpi_sum_order: tests/mpi_sum_order.cpp Makefile
+	@mkdir -p $(@D)
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. $< -o $@
 # The 16-bit conversions as a filter, for tests/convert_check.py (torch's rounding).
 build/convert_tool: tests/convert_tool.cpp Makefile
 	@mkdir -p $(@D)
@@ -316,7 +320,8 @@ lab: deps build-lab/zero2.o $(LAB_OBJECTS)
 labs: deps build-lab/zero2.o $(LAB_OBJECTS)
 	$(LAB_ENV) tests/lab.sh --all
 
-notes: deps test-deps all cpu build-lab/zero2.o $(LAB_OBJECTS) build/reduce_precision build/paper_table build/math_accuracy
+notes: deps test-deps all cpu build-lab/zero2.o $(LAB_OBJECTS) build/reduce_precision build/paper_table build/math_accuracy \
+       build/mpi_sum_order
 	$(RUN_ENV) notes/generate.sh build
 
 figures: deps figure-deps all

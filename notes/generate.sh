@@ -45,6 +45,22 @@ model="--device cpu --hidden 512 --layers 16 --micro-batch 16 --bucket 65536 --s
   timeout 300 mpirun -n 4 "$demo" --device cpu --accum 1 --collectives native --markdown hashes
 } >"$out/hashes"
 
+# sum_order (notes/06): in which order MPI's own collectives add the ranks' contributions, N = 2, 3, 4.
+{
+  echo "Measured by \`make notes\` (\`mpirun -n N $build/mpi_sum_order\`, $(mpichversion 2>/dev/null | head -n 1 | tr -s ' \t' ' ')):"
+  echo "the share of result elements each order of addition explains, over random floats of mixed magnitudes"
+  echo "(100%: that is the library's order; orders that coincide at a small N both explain it)."
+  echo
+  echo "| N | collective | elements | canonical tree | recursive halving | left to right |"
+  echo "|---|---|---|---|---|---|"
+  for ranks in 2 3 4; do
+    timeout 300 mpirun -n "$ranks" "$build/mpi_sum_order"
+  done
+} >"$out/sum_order"
+
+# gradient_path (notes/00): the definitions one gradient passes through, and their lines.
+python3 notes/gradient_path.py >"$out/gradient_path"
+
 # --- BERT-mini (notes/07-bert-mini.md, README.md) ------------------------------------
 trainer="$build/train_bert_mini"
 # bert_ledger: the default BERT-mini, N = 1, 2, 4 x stage 0, 1, 2, two steps each;

@@ -86,7 +86,7 @@ grade() {
       first=$(grep -m1 '^\[lab\]' "$log" | sed 's/^\[lab\] //')
       [ -z "$first" ] && first=$(grep -m1 -A4 -E 'ERROR|error:|Error|terminate' "$log" | tr '\n' ' ')
       [ -z "$first" ] && first="the run ended without a summary (exit $status): see $log"
-      first="at N = $n: $first"
+      first="at mpirun -n $n: $first"
     fi
     passed=$((passed + run_passed))
     failed=$((failed + run_failed))

@@ -6,7 +6,7 @@
 // in fp16 scaled by the loss scale 2^16 as training scales it). The sum of
 // the N gradients is then formed two ways and compared with the exact sum
 // (float64):
-//   zero2      the engine's reduce-scatter (zero2.cu section 4, run for real
+//   zero2      the engine's reduce-scatter (zero2.cu, "The reduce-scatter", run for real
 //              over MPI): 16-bit slices on the wire, the N slices summed in
 //              fp32 in the canonical tree, rounded to 16 bits once;
 //   DeepSpeed  its ZeRO-2 default (stage_1_and_2.py, average_tensor): each

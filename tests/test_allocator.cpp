@@ -1,6 +1,6 @@
 // tests/test_allocator.cpp — --alloc caching against the rules of PyTorch's
 // CUDA caching allocator as c10/cuda/CUDACachingAllocator.cpp states them
-// (zero2.cu section 2 lists them with the constants), on a scripted sequence
+// (runtime/allocators.cpp lists them with the constants), on a scripted sequence
 // of requests. Every expected value below is worked out by hand from those
 // rules (MiB = 2^20 bytes), not by asking the allocator: the segments the
 // device is asked for, which requests share a segment and at what offset, when

@@ -3,7 +3,7 @@
 // __float2bfloat16_rn and __float2half_rn over all 2^32 floats, and the two
 // widenings over all 2^16 values; and zero2's own exp, log and erf computed
 // by a kernel against the same functions on the CPU; and the portable gemm's
-// CUDA kernel against its CPU schedule (zero2.cu, section 2), element by
+// CUDA kernel against its CPU schedule (runtime/gemm.cu), element by
 // element, fp32 / bf16 / fp16, every transpose, batched. Compiled by nvcc; skipped with a message
 // without a GPU (and in the cpu-only build). tests/gpu_check.sh runs it.
 #include <limits>
