@@ -3,16 +3,16 @@
 // Parameter Models", SC20). Plain C++ (no CUDA types): test files compiled by
 // mpicxx and model files compiled by nvcc include the same declarations.
 //
-// The API comes first, in the order a user meets it:
-//   1. what you choose          EngineOptions, LossScaling
-//   2. what the engine lays out ParameterInfo, BucketInfo (buckets, shards), StateRun
-//   3. what it reports          StepReport, the ledgers, what a checkpoint holds
-//   4. the engine               Engine (and LossScaler, fp16's loss scale)
-//   5. the lab seams            the functions a course lab asks a student to write
-//   6. the memory plan          what build() allocates, from the sizes alone (--plan)
-//   7. the arithmetic of the stages (Z2_HD): the canonical summation tree,
-//      gradient accumulation, AdamW
-//   8. the bucket exchange      BucketExchange, the collectives stage 2 trains with
+// The API comes first, in the order a user meets it (one part each below):
+//   what you choose          EngineOptions, LossScaling
+//   what the engine lays out ParameterInfo, BucketInfo (buckets, shards), StateRun
+//   what it reports          StepReport, the ledgers, what a checkpoint holds
+//   the engine               Engine (and LossScaler, fp16's loss scale)
+//   the lab seams            the functions a course lab asks a student to write
+//   the memory plan          what build() allocates, from the sizes alone (--plan)
+//   the arithmetic of the stages (Z2_HD): the canonical summation tree,
+//                            gradient accumulation, AdamW
+//   the bucket exchange      BucketExchange, the collectives stage 2 trains with
 // and then, one header each, what it runs on (runtime/, included at the end).
 //
 // Where each part is implemented:
@@ -111,7 +111,7 @@ template <class T>
 constexpr Precision precision_of();  // the Precision a storage type stands for
 
 // ----------------------------------------------------------------------------
-// 1. What you choose
+// What you choose
 
 // fp16's loss scaling, with DeepSpeed's "fp16" config keys and defaults
 // (deepspeed/runtime/fp16/loss_scaler.py, DynamicLossScaler): the loss, and so
@@ -155,7 +155,7 @@ struct EngineOptions {
 };
 
 // ----------------------------------------------------------------------------
-// 2. What the engine lays out (zero2.cu, "Layout")
+// What the engine lays out (zero2.cu, "Layout")
 
 // The global gradient norm is computed over fixed chunks of this many elements
 // of the canonical layout (every parameter starts on a chunk boundary), so it
@@ -191,7 +191,7 @@ struct StateRun {
 };
 
 // ----------------------------------------------------------------------------
-// 3. What it reports, and what a checkpoint holds
+// What it reports, and what a checkpoint holds
 
 struct StepReport {
   long step = 0;        // 1-based: step() calls so far, skipped ones included (DeepSpeed's global_steps)
@@ -263,7 +263,7 @@ struct CommLedger {
 };
 
 // ----------------------------------------------------------------------------
-// 4. The engine (zero2.cu)
+// The engine (zero2.cu)
 
 // DeepSpeed's DynamicLossScaler.update_scale, step by step (its LossScaler
 // when the scale is static; scale 1 and no updates outside fp16).
@@ -433,7 +433,7 @@ class Engine {
 };
 
 // ----------------------------------------------------------------------------
-// 5. The lab seams (notes/labs)
+// The lab seams (notes/labs)
 // Functions of the engine a student can write in its place and have the
 // suite grade bit for bit (`make lab LAB=<name> SOLUTION=<file>`). Each is
 // called by the engine wherever it needs that idea, so a wrong one breaks the
@@ -582,7 +582,7 @@ void arena_release(ArenaBooks& books, size_t offset, size_t bytes);
 int checkpoint_to_prefetch(int block, int layers);
 
 // ----------------------------------------------------------------------------
-// 6. The memory plan (train_bert_mini --plan; notes/10)
+// The memory plan (train_bert_mini --plan; notes/10)
 // What build() lays out and allocates, from the parameter sizes alone, with
 // no engine and no allocation: the planner and build() call these, so the
 // plan and the measured ledger cannot drift apart.
@@ -612,7 +612,7 @@ size_t accumulation_blocks(int accumulation_steps);
 double model_states_formula(int stage, Precision precision, double psi, double ranks);
 const char* model_states_formula_text(int stage, Precision precision);  // e.g. "2 Psi + 14 Psi/N"
 // ----------------------------------------------------------------------------
-// 7. The arithmetic of the stages (Z2_HD: the CPU loops and the kernels share it)
+// The arithmetic of the stages (Z2_HD: the CPU loops and the kernels share it)
 
 // The canonical summation tree (notes/06). Float addition is not
 // associative, so "the sum" of n numbers is only defined once we fix the tree.
@@ -735,7 +735,7 @@ Z2_HD inline void adamw_update(const AdamWConstants& constants, bool decay, floa
 }
 
 // ----------------------------------------------------------------------------
-// 8. The bucket exchange (zero2.cu, "The reduce-scatter"; runtime/transfers.cpp)
+// The bucket exchange (zero2.cu, "The reduce-scatter"; runtime/transfers.cpp)
 
 // Where the reduced shard of a bucket goes: straight into `result` (steps = 1),
 // or into the accumulation tree as micro-step `step` of `steps`

@@ -121,7 +121,7 @@ void Compute::out_of_memory(size_t bytes, MemoryKind kind, size_t segment) const
           " segment(s); the wholly free cached segments were released and the request retried once)";
   const std::string message = format_text(
       "out of device memory in the %s-byte %s (--alloc %s): %s bytes of %s asked for; %s bytes free in "
-      "%zu piece(s), the largest %s bytes%s; %s bytes live. Raise --device-memory-limit (train_bert_mini --plan "
+      "%zu piece(s), the largest %s bytes%s; %s bytes held. Raise --device-memory-limit (train_bert_mini --plan "
       "gives what the arena needs)%s",
       with_commas(resources_->capacity).c_str(),
       allocator_ == Allocator::arena || allocator_ == Allocator::naive ? "block" : "device limit",
@@ -195,70 +195,70 @@ size_t caching_segment_size(size_t rounded) {
 }
 
 void* Compute::caching_take(size_t bytes, MemoryKind kind) {
-  Resources& live = *resources_;
+  Resources& held = *resources_;  // what this Compute holds: allocations, the block, the pools
   const size_t size = caching_round_size(bytes);
   const bool small = size <= kSmallSize;
-  auto& pool = small ? live.small_pool : live.large_pool;
+  auto& pool = small ? held.small_pool : held.large_pool;
   auto found = pool.lower_bound({size, nullptr});
   if (found == pool.end()) {
     const size_t segment = caching_segment_size(size);
-    if (live.segment_bytes + segment > live.capacity) {
+    if (held.segment_bytes + segment > held.capacity) {
       // The device said no: release the segments that are wholly free (one
       // free block spanning the segment), then try once more.
-      for (auto it = live.segments.begin(); it != live.segments.end();) {
-        auto block = live.cached_blocks.find(it->second.base);
+      for (auto it = held.segments.begin(); it != held.segments.end();) {
+        auto block = held.cached_blocks.find(it->second.base);
         if (block->second.free && block->second.bytes == it->second.bytes) {
-          (it->second.small ? live.small_pool : live.large_pool).erase({block->second.bytes, block->first});
-          live.cached_blocks.erase(block);
-          live.segment_bytes -= it->second.bytes;
+          (it->second.small ? held.small_pool : held.large_pool).erase({block->second.bytes, block->first});
+          held.cached_blocks.erase(block);
+          held.segment_bytes -= it->second.bytes;
           device_free(it->second.base);
-          it = live.segments.erase(it);
+          it = held.segments.erase(it);
         } else {
           ++it;
         }
       }
-      if (live.segment_bytes + segment > live.capacity) out_of_memory(bytes, kind, segment);
+      if (held.segment_bytes + segment > held.capacity) out_of_memory(bytes, kind, segment);
     }
     char* base = (char*)device_malloc(segment);
-    const int id = live.next_segment++;
-    live.segments[id] = {base, segment, small};
-    live.segment_bytes += segment;
-    live.cached_blocks[base] = {segment, id, true};
+    const int id = held.next_segment++;
+    held.segments[id] = {base, segment, small};
+    held.segment_bytes += segment;
+    held.cached_blocks[base] = {segment, id, true};
     found = pool.insert({segment, base}).first;
   }
   char* start = found->second;
   pool.erase(found);
-  Resources::CachedBlock& block = live.cached_blocks[start];
+  Resources::CachedBlock& block = held.cached_blocks[start];
   const size_t remaining = block.bytes - size;
   if (small ? remaining >= kMinBlockSize : remaining > kSmallSize) {
-    live.cached_blocks[start + size] = {remaining, block.segment, true};
+    held.cached_blocks[start + size] = {remaining, block.segment, true};
     pool.insert({remaining, start + size});
-    live.cached_blocks[start].bytes = size;
+    held.cached_blocks[start].bytes = size;
   }
-  live.cached_blocks[start].free = false;
+  held.cached_blocks[start].free = false;
   return start;
 }
 
 void Compute::caching_give_back(char* start) {
-  Resources& live = *resources_;
-  auto block = live.cached_blocks.find(start);
-  auto& pool = live.pool_of(block->second.segment);  // a block goes back to its segment's pool
+  Resources& held = *resources_;  // what this Compute holds: allocations, the block, the pools
+  auto block = held.cached_blocks.find(start);
+  auto& pool = held.pool_of(block->second.segment);  // a block goes back to its segment's pool
   block->second.free = true;
   // Merge with the next block, then the previous, inside the same segment.
   auto next = std::next(block);
-  if (next != live.cached_blocks.end() && next->second.free && next->second.segment == block->second.segment &&
+  if (next != held.cached_blocks.end() && next->second.free && next->second.segment == block->second.segment &&
       start + block->second.bytes == next->first) {
     pool.erase({next->second.bytes, next->first});
     block->second.bytes += next->second.bytes;
-    live.cached_blocks.erase(next);
+    held.cached_blocks.erase(next);
   }
-  if (block != live.cached_blocks.begin()) {
+  if (block != held.cached_blocks.begin()) {
     auto previous = std::prev(block);
     if (previous->second.free && previous->second.segment == block->second.segment &&
         previous->first + previous->second.bytes == start) {
       pool.erase({previous->second.bytes, previous->first});
       previous->second.bytes += block->second.bytes;
-      live.cached_blocks.erase(block);
+      held.cached_blocks.erase(block);
       block = previous;
     }
   }
@@ -268,32 +268,32 @@ void Compute::caching_give_back(char* start) {
 void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
   if (bytes == 0) return nullptr;
   void* pointer = nullptr;
-  Resources& live = *resources_;
+  Resources& held = *resources_;  // what this Compute holds: allocations, the block, the pools
   const size_t rounded = block_round(bytes);
   if (allocator_ == Allocator::direct) {
-    if (live.capacity > 0 && counters_.total_current + bytes > live.capacity) out_of_memory(bytes, kind);
+    if (held.capacity > 0 && counters_.total_current + bytes > held.capacity) out_of_memory(bytes, kind);
     pointer = device_malloc(bytes);
     counters_.allocations += 1;
   } else if (allocator_ == Allocator::caching) {
     pointer = caching_take(bytes, kind);
     counters_.allocations += 1;
   } else if (allocator_ == Allocator::arena) {
-    const size_t offset = from_stack ? arena_push(live.arena, rounded) : arena_allocate(live.arena, rounded);
+    const size_t offset = from_stack ? arena_push(held.arena, rounded) : arena_allocate(held.arena, rounded);
     if (offset == arena_full) out_of_memory(bytes, kind);
-    pointer = live.block + offset;
+    pointer = held.block + offset;
     (from_stack ? counters_.pushes : counters_.allocations) += 1;
   } else {
     // Best fit: the smallest free piece that holds the request, the lowest
     // such on a tie; the request takes the piece's start.
-    auto best = live.free_pieces.end();
-    for (auto piece = live.free_pieces.begin(); piece != live.free_pieces.end(); ++piece)
-      if (piece->second >= rounded && (best == live.free_pieces.end() || piece->second < best->second)) best = piece;
-    if (best == live.free_pieces.end()) out_of_memory(bytes, kind);
+    auto best = held.free_pieces.end();
+    for (auto piece = held.free_pieces.begin(); piece != held.free_pieces.end(); ++piece)
+      if (piece->second >= rounded && (best == held.free_pieces.end() || piece->second < best->second)) best = piece;
+    if (best == held.free_pieces.end()) out_of_memory(bytes, kind);
     const size_t offset = best->first, left = best->second - rounded;
-    live.free_pieces.erase(best);
-    if (left > 0) live.free_pieces[offset + rounded] = left;
-    pointer = live.block + offset;
-    live.end = std::max(live.end, offset + rounded);
+    held.free_pieces.erase(best);
+    if (left > 0) held.free_pieces[offset + rounded] = left;
+    pointer = held.block + offset;
+    held.end = std::max(held.end, offset + rounded);
     counters_.allocations += 1;
   }
   // Zeroed (a pushed activations buffer: as set_activation_fill says), on
@@ -309,14 +309,14 @@ void* Compute::take(size_t bytes, MemoryKind kind, bool from_stack) {
 
 void Compute::give_back(void* pointer, bool from_stack) {
   if (!pointer) return;
-  Resources& live = *resources_;
-  auto found = live.allocations.find(pointer);
-  if (found == live.allocations.end()) usage_error("release of a pointer this Compute did not allocate");
+  Resources& held = *resources_;  // what this Compute holds: allocations, the block, the pools
+  auto found = held.allocations.find(pointer);
+  if (found == held.allocations.end()) usage_error("release of a pointer this Compute did not allocate");
   const size_t bytes = found->second.first;
   const MemoryKind kind = found->second.second;
   counters_.current[(int)kind] -= bytes;
   counters_.total_current -= bytes;
-  live.allocations.erase(found);
+  held.allocations.erase(found);
   const size_t rounded = block_round(bytes);
   // Nothing queued may still use what we give back. Model buffers
   // (activations) in the block need no wait: they are used on the compute
@@ -329,26 +329,26 @@ void Compute::give_back(void* pointer, bool from_stack) {
   } else if (allocator_ == Allocator::caching) {
     caching_give_back((char*)pointer);
   } else if (allocator_ == Allocator::arena) {
-    const size_t offset = live.offset_of(pointer);
-    if (from_stack) arena_pop(live.arena, offset, rounded);
-    else arena_release(live.arena, offset, rounded);
+    const size_t offset = held.offset_of(pointer);
+    if (from_stack) arena_pop(held.arena, offset, rounded);
+    else arena_release(held.arena, offset, rounded);
   } else {
     // Return the piece and merge it with free neighbours on both sides.
-    size_t offset = live.offset_of(pointer), size = rounded;
-    auto next = live.free_pieces.lower_bound(offset);
-    if (next != live.free_pieces.end() && offset + size == next->first) {
+    size_t offset = held.offset_of(pointer), size = rounded;
+    auto next = held.free_pieces.lower_bound(offset);
+    if (next != held.free_pieces.end() && offset + size == next->first) {
       size += next->second;
-      next = live.free_pieces.erase(next);
+      next = held.free_pieces.erase(next);
     }
-    if (next != live.free_pieces.begin()) {
+    if (next != held.free_pieces.begin()) {
       auto previous = std::prev(next);
       if (previous->first + previous->second == offset) {
         offset = previous->first;
         size += previous->second;
-        live.free_pieces.erase(previous);
+        held.free_pieces.erase(previous);
       }
     }
-    live.free_pieces[offset] = size;
+    held.free_pieces[offset] = size;
   }
   counters_.reserved_current = reserved_now();
   sample();
