@@ -16,6 +16,8 @@
 #                 --activations x --alloc (a binary search of one-step runs; it prints how long it took)
 #   make plan     the memory plan (train_bert_mini --plan) of the default BERT-mini: bytes per rank
 #                 by category for stages 0/1/2 and N = 1 .. 1024
+#   make build-time BASE=REV  how long a fresh clone's make -j2 build/train_bert_mini takes at REV and
+#                 at HEAD, built alternately, and the ratio (tests/build_time.sh)
 #   make paper-tables  the paper's Table 1 (7.5B, 128B, 1T) and Table 2's theoretical row from the
 #                 formula the ledger and --plan use
 #   make superlinear  tokens/s per rank at the largest micro-batch that fits a fixed memory per
@@ -127,7 +129,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run verify golden lab labs demo bench math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
+.PHONY: all cpu run verify golden lab labs demo bench build-time math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -279,6 +281,11 @@ demo: deps all
 
 bench: deps test-deps all cpu
 	$(RUN_ENV) tests/bench.sh build build-cpu
+
+# How long a fresh clone's `make -j2 build/train_bert_mini` takes at BASE and at
+# HEAD, built alternately (tests/build_time.sh): make build-time BASE=6c9a223
+build-time: deps found
+	tests/build_time.sh $(if $(BASE),$(BASE),HEAD~1) $(ROUNDS)
 
 # Every float through exp_fp32, log_fp32 and erf_fp32 (a few minutes on 2 cores).
 math-accuracy: deps found build/math_accuracy

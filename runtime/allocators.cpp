@@ -16,12 +16,6 @@
 
 namespace z2 {
 
-// Every buffer in the block starts on a 256-byte boundary, as cudaMalloc's
-// do, so cuBLAS sees the same alignment (and picks the same kernels) in every
-// allocator mode.
-size_t block_round(size_t bytes) { return (bytes + 255) / 256 * 256; }
-// --- where device memory comes from (ZeRO-R, M_D) ---------------------------
-//
 // The paper (section 3.2) observed out-of-memory errors with over 30% of the
 // memory still free: long-lived tensors (activation checkpoints, gradients)
 // are allocated between short-lived ones, and when the short-lived ones go
@@ -36,6 +30,11 @@ size_t block_round(size_t bytes) { return (bytes + 255) / 256 * 256; }
 // reserved = the block's used part at its peak: the highest byte a buffer has
 // touched for naive (a caching allocator's segments would end there), the
 // bottom plus the stack for the arena, the live bytes for direct.
+
+// Every buffer in the block starts on a 256-byte boundary, as cudaMalloc's
+// do, so cuBLAS sees the same alignment (and picks the same kernels) in every
+// allocator mode.
+size_t block_round(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 void Compute::use_allocator(Allocator allocator, size_t capacity) {
   if (counters_.device_mallocs != 0 || allocator_ != Allocator::direct)
