@@ -104,7 +104,8 @@ endif
 # prerequisites in order, so the long one never waits for a short one.
 ENGINE_SOURCES  := zero2.cu
 MODEL_SOURCE    := train_bert_mini.cu
-TRAINER_SOURCES :=
+TRAINER_SOURCES := trainer/checkpoints.cpp trainer/deepspeed_config.cpp trainer/reports.cpp trainer/plan.cpp trainer/json.cpp \
+                   trainer/hf_export.cpp trainer/settings.cpp trainer/output_files.cpp trainer/inputs.cpp
 TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_gpu.cu tests/test_main.cpp \
                    tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp tests/test_checkpoint.cpp \
                    tests/test_allocator.cpp tests/test_math.cpp tests/test_portable.cpp tests/test_labs.cpp
