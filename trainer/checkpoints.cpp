@@ -2,6 +2,7 @@
 #include "trainer/checkpoints.h"
 
 #include <fcntl.h>
+#include <openssl/evp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -41,63 +42,40 @@ namespace bert {
 // owns (Engine::owned_state_runs), and no rank reads the whole state. The
 // 16-bit working weights are not stored: they are the master rounded.
 
-// --- SHA-256 (FIPS 180-4), streamed -------------------------------------------
+// --- SHA-256, OpenSSL's -------------------------------------------------------
+//
+// OpenSSL's libcrypto computes it (its EVP digest interface): the digest
+// FIPS 180-4 defines, the one index.json records for each rank file and
+// index.sha256 for the index, as `sha256sum -c` checks it.
 
-void Sha256::update(const void* data, size_t bytes) {
-  const unsigned char* p = static_cast<const unsigned char*>(data);
-  total_ += bytes;
-  while (bytes > 0) {
-    const size_t take = std::min(bytes, sizeof buffer_ - buffered_);
-    std::memcpy(buffer_ + buffered_, p, take);
-    buffered_ += take, p += take, bytes -= take;
-    if (buffered_ == sizeof buffer_) block(buffer_), buffered_ = 0;
-  }
-}
-std::string Sha256::hex() {
-  const uint64_t bits = total_ * 8;
-  const unsigned char one = 0x80, zero = 0;
-  update(&one, 1);
-  while (buffered_ != 56) update(&zero, 1);
-  unsigned char length[8];
-  for (int k = 0; k < 8; ++k) length[k] = (unsigned char)(bits >> (56 - 8 * k));
-  update(length, 8);
-  char text[65];
-  for (int k = 0; k < 8; ++k) snprintf(text + 8 * k, 9, "%08x", state_[k]);
+static std::string hex_digits(const unsigned char* digest, unsigned length) {
+  std::string text;
+  char pair[3];
+  for (unsigned k = 0; k < length; ++k) snprintf(pair, sizeof pair, "%02x", digest[k]), text += pair;
   return text;
 }
-void Sha256::block(const unsigned char* p) {
-  static const uint32_t k[64] = {
-      0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-      0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-      0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-      0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-      0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-      0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-      0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-      0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
-  uint32_t w[64];
-  for (int t = 0; t < 16; ++t)
-    w[t] = (uint32_t)p[4 * t] << 24 | (uint32_t)p[4 * t + 1] << 16 | (uint32_t)p[4 * t + 2] << 8 | p[4 * t + 3];
-  for (int t = 16; t < 64; ++t) {
-    const uint32_t s0 = rotate(w[t - 15], 7) ^ rotate(w[t - 15], 18) ^ (w[t - 15] >> 3);
-    const uint32_t s1 = rotate(w[t - 2], 17) ^ rotate(w[t - 2], 19) ^ (w[t - 2] >> 10);
-    w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+Sha256::Sha256() : context_(EVP_MD_CTX_new()) {
+  if (context_ == nullptr || EVP_DigestInit_ex(context_, EVP_sha256(), nullptr) != 1) {
+    EVP_MD_CTX_free(context_);
+    fail("OpenSSL's libcrypto could not start a SHA-256 digest");
   }
-  uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3], e = state_[4], f = state_[5], g = state_[6],
-           h = state_[7];
-  for (int t = 0; t < 64; ++t) {
-    const uint32_t t1 = h + (rotate(e, 6) ^ rotate(e, 11) ^ rotate(e, 25)) + ((e & f) ^ (~e & g)) + k[t] + w[t];
-    const uint32_t t2 = (rotate(a, 2) ^ rotate(a, 13) ^ rotate(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-    h = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
-  }
-  const uint32_t add[8] = {a, b, c, d, e, f, g, h};
-  for (int k2 = 0; k2 < 8; ++k2) state_[k2] += add[k2];
 }
-
+Sha256::~Sha256() { EVP_MD_CTX_free(context_); }
+void Sha256::update(const void* data, size_t bytes) {
+  if (EVP_DigestUpdate(context_, data, bytes) != 1) fail("OpenSSL's libcrypto failed to digest %zu bytes", bytes);
+}
+std::string Sha256::hex() {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned length = 0;
+  if (EVP_DigestFinal_ex(context_, digest, &length) != 1) fail("OpenSSL's libcrypto failed to end a SHA-256 digest");
+  return hex_digits(digest, length);
+}
 std::string sha256_hex(const std::string& bytes) {
-  Sha256 sha;
-  sha.update(bytes.data(), bytes.size());
-  return sha.hex();
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned length = 0;
+  if (EVP_Digest(bytes.data(), bytes.size(), digest, &length, EVP_sha256(), nullptr) != 1)
+    fail("OpenSSL's libcrypto failed to digest %zu bytes", bytes.size());
+  return hex_digits(digest, length);
 }
 
 // --- the loaded index ---------------------------------------------------------

@@ -6,8 +6,9 @@
 // trainer/checkpoints.cpp, which alone reads and writes an index.
 #pragma once
 
+#include <openssl/types.h>  // EVP_MD_CTX: OpenSSL's digest state (libcrypto computes the SHA-256)
+
 #include <cstddef>
-#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -18,20 +19,19 @@
 
 namespace bert {
 
-// SHA-256 (FIPS 180-4), streamed.
+// SHA-256 (FIPS 180-4), streamed: OpenSSL's, through its EVP interface.
 class Sha256 {
  public:
+  Sha256();
+  ~Sha256();
+  Sha256(const Sha256&) = delete;
+  Sha256& operator=(const Sha256&) = delete;
   void update(const void* data, size_t bytes);
   // The digest as 64 hex digits; the object is spent afterwards.
   std::string hex();
 
  private:
-  static uint32_t rotate(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
-  void block(const unsigned char* p);
-  uint32_t state_[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  unsigned char buffer_[64] = {};
-  size_t buffered_ = 0;
-  uint64_t total_ = 0;
+  EVP_MD_CTX* context_;
 };
 std::string sha256_hex(const std::string& bytes);
 
