@@ -130,7 +130,7 @@ class ConfigReader {
     const std::string text = read_config_text(path_);
     const json config = parse_config_json(path_, text);
     if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path_.c_str());
-    json::sax_parse(text, &numbers_);  // valid JSON by now: this pass only collects the numbers' texts
+    parse_json_events(text, numbers_);  // valid JSON by now: this pass only collects the numbers' texts
     for (auto& [key, value] : config.items()) top_level(key, value);
     settle_learning_rate_and_clipping();
     return out_;

@@ -10,4 +10,8 @@ json parse_json(const std::string& text, const json::parser_callback_t& callback
   return json::parse(text, callback);
 }
 
+bool parse_json_events(const std::string& text, nlohmann::json_sax<json>& events) {
+  return json::sax_parse(text, &events);
+}
+
 }  // namespace bert

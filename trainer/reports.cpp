@@ -264,16 +264,21 @@ void write_memory_trace(const std::string& path, const std::vector<z2::MemorySam
 
 // --- at the end -------------------------------------------------------------------
 
+// The median step's time (at least one step).
+static double median_step_ms(const std::vector<StepRecord>& steps) {
+  std::vector<double> times;
+  for (auto& r : steps) times.push_back(r.ms);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 void print_summary(const Settings& settings, const RunRecord& run, const z2::Engine& engine, const std::string& hash) {
   printf("\nsummary\n");
   if (run.interrupted_by != 0)
     printf("  %-24s by %s after step %ld (of %ld)\n", "interrupted", signal_name(run.interrupted_by),
            engine.training_progress().steps_taken, settings.steps);
   if (!run.steps.empty()) {
-    std::vector<double> times;
-    for (auto& r : run.steps) times.push_back(r.ms);
-    std::sort(times.begin(), times.end());
-    const double median_ms = times[times.size() / 2];
+    const double median_ms = median_step_ms(run.steps);
     printf("  %-24s %s -> %s (%s)\n", "loss", std::to_string(run.steps.front().loss).c_str(),
            std::to_string(run.steps.back().loss).c_str(),
            run.steps.back().loss < run.steps.front().loss ? "falling" : "NOT falling");
@@ -298,6 +303,21 @@ void print_summary(const Settings& settings, const RunRecord& run, const z2::Eng
   if (!settings.dump_dir.empty()) printf("  %-24s %s/\n", "step-0 dump", settings.dump_dir.c_str());
   engine.print_ledgers(stdout);
   fflush(stdout);
+}
+
+// What the run loaded (null without --load) and saved, for --json.
+static json checkpoints_json(const Settings& settings, const RunRecord& run) {
+  json loaded = nullptr, saved = json::array();
+  if (run.loaded) {
+    const LoadedCheckpoint& l = *run.loaded;
+    loaded = {{"directory", l.directory}, {"step", l.step},      {"world_size", l.world_size},
+              {"accum", l.accum},         {"stage", l.stage},    {"same_summation_tree", l.same_summation_tree},
+              {"precision", l.precision}, {"seconds", l.seconds}};
+  }
+  for (const SavedCheckpoint& save : run.saved)
+    saved.push_back(
+        {{"directory", save.directory}, {"step", save.step}, {"bytes", save.bytes}, {"seconds", save.seconds}});
+  return {{"loaded", loaded}, {"saved", saved}, {"allow_different_bits", settings.allow_different_bits}};
 }
 
 void write_json(const Settings& settings, const RunRecord& run, const z2::Engine& engine, const std::string& hash) {
@@ -362,26 +382,14 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
   out["final_params_hash"] = hash;
   out["memory"] = summary["memory"];
   out["comm"] = summary["comm"];
-  json loaded = nullptr, saved = json::array(), evaluations = json::array();
-  if (run.loaded) {
-    const LoadedCheckpoint& l = *run.loaded;
-    loaded = {{"directory", l.directory}, {"step", l.step},      {"world_size", l.world_size},
-              {"accum", l.accum},         {"stage", l.stage},    {"same_summation_tree", l.same_summation_tree},
-              {"precision", l.precision}, {"seconds", l.seconds}};
-  }
-  for (const SavedCheckpoint& save : run.saved)
-    saved.push_back(
-        {{"directory", save.directory}, {"step", save.step}, {"bytes", save.bytes}, {"seconds", save.seconds}});
+  out["checkpoint"] = checkpoints_json(settings, run);
+  json evaluations = json::array();
   for (const Evaluation& e : run.evaluations)
     evaluations.push_back({{"step", e.step}, {"loss", e.loss}, {"loss_bits", hex32(e.loss)}});
-  out["checkpoint"] = {{"loaded", loaded}, {"saved", saved}, {"allow_different_bits", settings.allow_different_bits}};
   out["eval"] = evaluations;
   out["held_out_bytes"] = run.held_out_bytes;
   if (!run.steps.empty()) {
-    std::vector<double> times;
-    for (auto& r : run.steps) times.push_back(r.ms);
-    std::sort(times.begin(), times.end());
-    const double median_ms = times[times.size() / 2];
+    const double median_ms = median_step_ms(run.steps);
     // The sgemm share: the median over steps of (time in sgemm) / (step time).
     std::vector<double> gemm_shares;
     for (auto& r : run.steps) gemm_shares.push_back(r.gemm_ms / r.ms);
