@@ -105,8 +105,8 @@ endif
 # prerequisites in order, so the long one never waits for a short one.
 ENGINE_SOURCES  := zero2.cu
 MODEL_SOURCE    := train_bert_mini.cu
-TRAINER_SOURCES := trainer/checkpoints.cpp trainer/deepspeed_config.cpp trainer/reports.cpp trainer/plan.cpp trainer/json.cpp \
-                   trainer/hf_export.cpp trainer/settings.cpp trainer/output_files.cpp trainer/inputs.cpp
+TRAINER_SOURCES := trainer/checkpoints.cpp trainer/json.cpp trainer/deepspeed_config.cpp trainer/reports.cpp \
+                   trainer/hf_export.cpp trainer/plan.cpp trainer/settings.cpp trainer/output_files.cpp trainer/inputs.cpp
 # What the trainer's plumbing links besides the engine's libraries: OpenSSL's
 # libcrypto, whose SHA-256 the checkpoints record (trainer/checkpoints.cpp).
 TRAINER_LIBS    := -lcrypto
