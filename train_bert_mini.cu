@@ -712,7 +712,7 @@ class Model {
   void offload(int checkpoint);   // device -> host, on the copy stream
   void prefetch(int checkpoint);  // host -> device, on the copy stream
   ActivationMode mode() const { return mode_; }
-  // Small building blocks (below, "building blocks").
+  // Small building blocks (under "building blocks" below).
   void matmul_bias(const Act* input, const Act* weight, const Act* bias, int rows, int in, int out, Act* output);
   void linear(const Act* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out, Act* output);
   void linear_gelu(const Act* input, z2::ParameterId weight, z2::ParameterId bias, int rows, int in, int out,
@@ -1600,6 +1600,25 @@ inline std::string read_inputs(const Settings& settings, int rank, MPI_Comm worl
   return corpus;
 }
 
+// With --eval-every, the last 5% of the data (at least one window) is held
+// out: training draws its windows from the rest (the same bytes on every
+// rank, so every rank splits at the same place, or refuses the same way).
+inline void split_held_out(const Settings& settings, const std::string& corpus, std::string& training_text,
+                           std::string& held_out) {
+  training_text = corpus;
+  if (settings.eval_every > 0) {
+    const size_t window = (size_t)settings.seq - 2, held = std::max(window, corpus.size() / 20);
+    if (corpus.size() < held + window)
+      fail(
+          "--eval-every holds out the data's last %s bytes (5%%, at least one window of --seq - 2), leaving %s "
+          "bytes to train on; a window needs %zu: give more data or a shorter --seq",
+          z2::with_commas(held).c_str(), z2::with_commas(corpus.size() - std::min(held, corpus.size())).c_str(),
+          window);
+    held_out = corpus.substr(corpus.size() - held);
+    training_text.resize(corpus.size() - held);
+  }
+}
+
 // --- the run --------------------------------------------------------------------
 
 // The whole run on this rank, with activations (and the engine's working
@@ -1614,7 +1633,6 @@ class Training {
   int run();  // the process exit code
 
  private:
-  void split_held_out();
   void train_step(long step);
   float evaluate() const;
   void log_evaluation(long step);
@@ -1643,7 +1661,9 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   z2::set_watchdog_timeout(settings_.timeout);  // from here every wait has a deadline
   check_consistency(settings_, world_size_);
   corpus_ = read_inputs(settings_, rank_, world_);
-  split_held_out();
+  split_held_out(settings_, corpus_, training_text_, held_out_);
+  run_.corpus_bytes = corpus_.size();
+  run_.held_out_bytes = held_out_.size();
   // Every rank finds the same difference: the same message and exit everywhere.
   if (world_size_ > 1) check_same_inputs(settings_, corpus_, world_);
   // Rank 0 saves: it locks --save and looks at what it holds, before step 1.
@@ -1689,27 +1709,6 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   if (settings_.checkpoint) run_.loaded = load_checkpoint(settings_, *engine_, model_->tensor_shapes(), world_);
   run_.tokens_per_step = (long)world_size_ * settings_.accum * settings_.micro_batch * settings_.seq;
   run_.start_ledger = engine_->memory_ledger();
-}
-
-// With --eval-every, the last 5% of the data (at least one window) is held
-// out: training draws its windows from the rest (the same bytes on every
-// rank, so every rank splits at the same place, or refuses the same way).
-template <class Act>
-void Training<Act>::split_held_out() {
-  training_text_ = corpus_;
-  if (settings_.eval_every > 0) {
-    const size_t window = (size_t)settings_.seq - 2, held = std::max(window, corpus_.size() / 20);
-    if (corpus_.size() < held + window)
-      fail(
-          "--eval-every holds out the data's last %s bytes (5%%, at least one window of --seq - 2), leaving %s "
-          "bytes to train on; a window needs %zu: give more data or a shorter --seq",
-          z2::with_commas(held).c_str(), z2::with_commas(corpus_.size() - std::min(held, corpus_.size())).c_str(),
-          window);
-    held_out_ = corpus_.substr(corpus_.size() - held);
-    training_text_.resize(corpus_.size() - held);
-  }
-  run_.corpus_bytes = corpus_.size();
-  run_.held_out_bytes = held_out_.size();
 }
 
 // One optimizer step: A micro-steps of forward and backward, the engine's
