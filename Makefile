@@ -37,10 +37,11 @@
 # Every flag that matters is below; nothing is hidden in a script.
 
 # --- what we need from Debian -------------------------------------------------
-# To build and train. python3-torch (with numpy) is the independent reference
+# To build and train (libssl-dev: OpenSSL's libcrypto, whose SHA-256 the
+# checkpoints record). python3-torch (with numpy) is the independent reference
 # the tests and the benchmark compare with, so only `make test`, `bench` and
 # `notes` ask for it; matplotlib only draws the figures (`make figures`).
-PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev
+PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev libssl-dev
 TEST_PACKAGES := python3-torch python3-numpy python3-venv
 FIGURE_PACKAGES := python3-matplotlib
 # The Hugging Face round trip (tests/hf_roundtrip.py) needs transformers,
@@ -108,7 +109,11 @@ ENGINE_SOURCES  := zero2.cu runtime/gemm.cu runtime/transfers.cpp runtime/checkp
                    runtime/communicator.cpp runtime/compute.cpp runtime/watchdog.cpp runtime/host_copies.cpp \
                    runtime/ledger_report.cpp runtime/errors.cpp runtime/lab_checks.cpp
 MODEL_SOURCE    := train_bert_mini.cu
-TRAINER_SOURCES :=
+TRAINER_SOURCES := trainer/checkpoints.cpp trainer/json.cpp trainer/deepspeed_config.cpp trainer/reports.cpp \
+                   trainer/hf_export.cpp trainer/plan.cpp trainer/settings.cpp trainer/output_files.cpp trainer/inputs.cpp
+# What the trainer's plumbing links besides the engine's libraries: OpenSSL's
+# libcrypto, whose SHA-256 the checkpoints record (trainer/checkpoints.cpp).
+TRAINER_LIBS    := -lcrypto
 TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_gpu.cu tests/test_main.cpp \
                    tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp tests/test_checkpoint.cpp \
                    tests/test_allocator.cpp tests/test_math.cpp tests/test_portable.cpp tests/test_labs.cpp
@@ -166,11 +171,11 @@ build/%.o: %.cpp Makefile
 LIBS := $(BLAS_LIBS)
 endif
 build/test_zero2: $(call objects,build,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) $^ -o $@ $(LIBS)
+	$(MPICXX) $^ -o $@ $(LIBS) $(TRAINER_LIBS)
 build/demo_stages: $(call objects,build,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/train_bert_mini: $(call objects,build,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) $^ -o $@ $(LIBS)
+	$(MPICXX) $^ -o $@ $(LIBS) $(TRAINER_LIBS)
 # For notes/08 and notes/10 (make notes runs both): the 16-bit reduction's error
 # against DeepSpeed's, and the paper's Tables 1 and 2 from the ledger's formula.
 build/reduce_precision: $(call objects,build,tests/reduce_precision.cu $(ENGINE_SOURCES))
@@ -208,11 +213,11 @@ build-cpu/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -c $< -o $@
 build-cpu/test_zero2: $(call objects,build-cpu,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
 build-cpu/demo_stages: $(call objects,build-cpu,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/train_bert_mini: $(call objects,build-cpu,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
 build-cpu/watchdog_check: $(call objects,build-cpu,tests/watchdog_check.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/convert_tool: tests/convert_tool.cpp Makefile
@@ -248,9 +253,9 @@ build-sanitize/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(SANITIZE_FLAGS) $(DEPFLAGS) -I. -Ibuild-sanitize -c $< -o $@
 build-sanitize/test_zero2: $(call objects,build-sanitize,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS)
+	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
 build-sanitize/train_bert_mini: $(call objects,build-sanitize,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS)
+	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
 build-sanitize/corpus.inc: data/corpus.txt
 	@mkdir -p $(@D)
 	$(CORPUS_INC)

@@ -19,6 +19,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>  // the runs' --json summaries (the model's file includes no JSON)
 
 #include "harness.h"
 

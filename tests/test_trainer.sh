@@ -255,7 +255,7 @@ bad_case "unknown flag '--bogus' (train_bert_mini --help lists the flags)" "${sm
 help_status=0
 timeout 60 mpirun -n 2 "$trainer" --help > "$work/help.txt" 2>&1 || help_status=$?
 missing=""
-for flag in $(grep -oE 'flag == "--[a-z-]+"' train_bert_mini.cu | grep -oE -- '--[a-z-]+' | sort -u); do
+for flag in $(grep -oE 'flag == "--[a-z-]+"' trainer/settings.cpp | grep -oE -- '--[a-z-]+' | sort -u); do
   grep -q -- "$flag" "$work/help.txt" || missing="$missing $flag"
 done
 if [ $help_status -eq 0 ] && [ -z "$missing" ] && [ "$(grep -c '^usage:' "$work/help.txt")" -eq 1 ]; then

@@ -1,0 +1,143 @@
+// trainer/inputs.cpp — reading the trainer's inputs (trainer/inputs.h): one
+// reader for every file the run takes, strict UTF-8, and the fingerprints
+// that show every rank reads the same files.
+#include "trainer/inputs.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "trainer/checkpoints.h"
+#include "trainer/deepspeed_config.h"
+
+namespace bert {
+
+// An input file, read whole: `what` names it in messages. It must be a
+// regular file (a FIFO, a device or a terminal could block or never end:
+// /dev/stdin, /dev/zero) of at most `max_bytes`, checked before reading.
+// Opened once (O_NONBLOCK: opening a FIFO does not wait for a writer) and
+// checked on that descriptor, so nothing can be swapped in between; read
+// to at most max_bytes + 1, so a file that grows (or a /proc file, size 0)
+// cannot get past the bound either.
+std::string read_regular_file(const std::string& what, const std::string& path, size_t max_bytes) {
+  if (path.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", what.c_str());
+  const int file = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (file < 0) fail("cannot open %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{file};
+  struct stat info;
+  if (fstat(file, &info) != 0) fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  if (S_ISDIR(info.st_mode)) fail("%s '%s' is a directory, not a file", what.c_str(), path.c_str());
+  if (!S_ISREG(info.st_mode))
+    fail("%s '%s' is not a regular file (a FIFO, a device or a terminal could block or never end): give a file",
+         what.c_str(), path.c_str());
+  auto too_large = [&](size_t bytes) {
+    fail("%s '%s' has %s bytes%s, more than the %s this trainer reads", what.c_str(), path.c_str(),
+         z2::with_commas(bytes).c_str(), bytes > max_bytes + 1 ? "" : " or more", z2::with_commas(max_bytes).c_str());
+  };
+  if ((unsigned long long)info.st_size > max_bytes) too_large((size_t)info.st_size);
+  std::string text;
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t got = read(file, buffer, std::min(sizeof buffer, max_bytes + 1 - text.size()));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+    if (got == 0) break;
+    text.append(buffer, (size_t)got);
+    if (text.size() > max_bytes) too_large(text.size());
+  }
+  return text;
+}
+
+// The offset of the first byte of `text` that does not begin a well-formed
+// UTF-8 sequence (RFC 3629, Unicode's table 3-7), or npos. Strict: no
+// overlong forms (C0, C1; E0 80..9F; F0 80..8F), no surrogates (ED A0..BF),
+// nothing above U+10FFFF (F4 90.., F5..FF), no stray continuation bytes.
+size_t first_bad_utf8(const std::string& text) {
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char lead = (unsigned char)text[i];
+    if (lead < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t length = 0;
+    unsigned char low = 0x80, high = 0xbf;  // the range allowed for the second byte
+    if (lead >= 0xc2 && lead <= 0xdf) length = 2;
+    else if (lead == 0xe0) length = 3, low = 0xa0;
+    else if ((lead >= 0xe1 && lead <= 0xec) || lead == 0xee || lead == 0xef) length = 3;
+    else if (lead == 0xed) length = 3, high = 0x9f;
+    else if (lead == 0xf0) length = 4, low = 0x90;
+    else if (lead >= 0xf1 && lead <= 0xf3) length = 4;
+    else if (lead == 0xf4) length = 4, high = 0x8f;
+    else return i;
+    if (i + length > n) return i;
+    const unsigned char second = (unsigned char)text[i + 1];
+    if (second < low || second > high) return i;
+    for (size_t k = 2; k < length; ++k)
+      if (((unsigned char)text[i + k] & 0xc0) != 0x80) return i;
+    i += length;
+  }
+  return std::string::npos;
+}
+
+// On several hosts every rank reads its own copy of --data, --config and
+// --load's index: they must be the same bytes, or the ranks would train on
+// different data (nothing else would notice: the shapes agree). Each rank's
+// sizes and SHA-256 go to every rank (one all-gather), so every rank finds
+// the same difference and stops with the same message, naming the ranks and
+// hosts that differ from rank 0.
+void check_same_inputs(const Settings& settings, const std::string& corpus, MPI_Comm world) {
+  struct Fingerprint {
+    char host[MPI_MAX_PROCESSOR_NAME + 1];
+    char sha256[3][65];  // --data (the corpus as read), --config, --load's index.json; "" when not given
+    long bytes[3];
+  };
+  Fingerprint mine = {};
+  agree_on_errors(
+      world,
+      [&] {  // reading the config again may fail on one host: agreed before the all-gather
+        int length = 0;
+        MPI_Get_processor_name(mine.host, &length);
+        const std::string index = loaded_index_text(settings);
+        const std::string config = settings.config.empty() ? "" : read_config_text(settings.config);
+        const std::string* texts[3] = {&corpus, &config, &index};
+        for (int k = 0; k < 3; ++k) {
+          snprintf(mine.sha256[k], 65, "%s", sha256_hex(*texts[k]).c_str());
+          mine.bytes[k] = (long)texts[k]->size();
+        }
+      },
+      "every rank fingerprinted its inputs");
+  int rank = 0, size = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_size(world, &size);
+  std::vector<Fingerprint> all((size_t)size);
+  MPI_Request request;
+  Z2_MPI_CHECK(
+      MPI_Iallgather(&mine, (int)sizeof mine, MPI_BYTE, all.data(), (int)sizeof mine, MPI_BYTE, world, &request));
+  z2::wait_request(&request, "the all-gather of every rank's input fingerprints");
+  const char* names[3] = {"--data", "--config", "--load's index.json"};
+  for (int k = 0; k < 3; ++k) {
+    std::string differing;
+    for (int q = 1; q < size; ++q)
+      if (std::strcmp(all[q].sha256[k], all[0].sha256[k]) != 0 || all[q].bytes[k] != all[0].bytes[k])
+        differing += (differing.empty() ? "" : ", ") + std::string("rank ") + std::to_string(q) + " on " + all[q].host +
+                     " has " + z2::with_commas((size_t)all[q].bytes[k]) + " bytes, SHA-256 " +
+                     std::string(all[q].sha256[k]).substr(0, 12) + "...";
+    if (!differing.empty())
+      fail(
+          "%s is not the same file on every rank: rank 0 on %s has %s bytes, SHA-256 %.12s...; %s. Every host "
+          "needs the same copy (notes/07, \"Several machines\")",
+          names[k], all[0].host, z2::with_commas((size_t)all[0].bytes[k]).c_str(), all[0].sha256[k], differing.c_str());
+  }
+}
+
+}  // namespace bert

@@ -1,0 +1,572 @@
+// trainer/settings.cpp — the settings (trainer/settings.h): each flag's
+// parser and range, the command line with --config read first, --help, the
+// checks that need several settings at once, the ranks' agreement on an
+// error, and what the settings make for the engine and the model. The
+// DeepSpeed config file itself is read by trainer/deepspeed_config.cpp.
+#include "trainer/settings.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cfloat>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <utility>
+
+#include "trainer/deepspeed_config.h"
+#include "trainer/inputs.h"
+
+namespace bert {
+
+// --- one flag's value ----------------------------------------------------------
+
+static long parse_integer(const std::string& flag, const std::string& text, long low, long high) {
+  char* end = nullptr;
+  errno = 0;
+  long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end || errno == ERANGE || value < low || value > high)
+    fail("%s wants an integer from %ld to %ld (got '%s')", flag.c_str(), low, high, text.c_str());
+  return value;
+}
+
+// `smallest` is the least non-zero magnitude the setting keeps: DBL_MIN, or
+// FLT_MIN for one stored as a float.
+static double parse_real(const std::string& flag, const std::string& text, double low, double high,
+                         bool high_inclusive = true, double smallest = DBL_MIN) {
+  char* end = nullptr;
+  errno = 0;
+  double value = std::strtod(text.c_str(), &end);
+  // strtod says ERANGE for a number too small for a normal double (1e-320)
+  // as well as for one too large: only the large one overflows.
+  const bool overflow = errno == ERANGE && std::fabs(value) > DBL_MIN;
+  bool in_range = value >= low && (high_inclusive ? value <= high : value < high);
+  if (text.empty() || *end || overflow || !std::isfinite(value) || !in_range)
+    fail("%s wants a number from %g to %g%s (got '%s')", flag.c_str(), low, high, high_inclusive ? "" : " (exclusive)",
+         text.c_str());
+  // A number written non-zero that reads as 0 or as a subnormal (1e-400,
+  // 1e-310) is not what the user meant: 0 would silently switch the
+  // setting off (an lr of 0 trains nothing), so it is refused like 1e400.
+  const bool written_zero = value == 0 && errno != ERANGE;
+  if (!written_zero && std::fabs(value) < smallest)
+    fail("%s wants 0 or a number of at least %g in size (got '%s', which %s)", flag.c_str(), smallest, text.c_str(),
+         value == 0 ? "reads as 0" : "is too small to keep its precision");
+  return value;
+}
+
+// A path's bytes for a message: a byte that is not UTF-8 as \xNN, so the
+// message itself stays text a terminal and a JSON reader can take.
+static std::string shown_path(const std::string& path) {
+  std::string shown;
+  for (size_t i = 0; i < path.size();) {
+    const size_t bad = first_bad_utf8(path.substr(i));
+    const size_t good = bad == std::string::npos ? path.size() - i : bad;
+    shown += path.substr(i, good);
+    i += good;
+    if (i < path.size()) {
+      char escaped[8];
+      snprintf(escaped, sizeof escaped, "\\x%02x", (unsigned char)path[i++]);
+      shown += escaped;
+    }
+  }
+  return shown;
+}
+
+// A path: any text but the empty one, which an unset shell variable gives
+// ("--json $OUT" with OUT unset would otherwise silently write nothing),
+// and UTF-8, as given and made absolute (the working directory's name
+// too). The run records paths in JSON (the summary, a checkpoint's index
+// holds --data's absolute path), which is UTF-8 only: a name that is not
+// would fail when written, after training. Refused here, before anything
+// runs, is the one rule for every path flag (README, "When something goes
+// wrong").
+static std::string parse_path(const std::string& flag, const std::string& text) {
+  if (text.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", flag.c_str());
+  if (first_bad_utf8(text) != std::string::npos)
+    fail(
+        "%s '%s': the path is not UTF-8 (the byte shown as \\x%02x); the run records its paths in JSON, which "
+        "holds only UTF-8: rename it",
+        flag.c_str(), shown_path(text).c_str(), (unsigned char)text[first_bad_utf8(text)]);
+  std::error_code error;
+  const std::string absolute = std::filesystem::absolute(text, error).string();
+  if (!error && first_bad_utf8(absolute) != std::string::npos)
+    fail(
+        "%s '%s': the working directory '%s' is not UTF-8; the run records absolute paths in JSON, which holds "
+        "only UTF-8: run it from another directory or give an absolute path",
+        flag.c_str(), text.c_str(), shown_path(std::filesystem::current_path(error).string()).c_str());
+  return text;
+}
+
+// "1,2,4,64": positive world sizes, increasing, at most 2^20 (MPI's ranks are int).
+static std::vector<int> parse_world_sizes(const std::string& flag, const std::string& text) {
+  std::vector<int> sizes;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t comma = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, comma - begin);
+    const bool digits = !item.empty() && item.find_first_not_of("0123456789") == std::string::npos;
+    const long value = digits && item.size() <= 8 ? std::stol(item) : 0;
+    if (value < 1 || value > (1l << 20))
+      fail("%s '%s': '%s' is not a world size (a positive integer up to %ld; give them comma-separated, e.g. 1,2,4)",
+           flag.c_str(), text.c_str(), item.c_str(), 1l << 20);
+    if (!sizes.empty() && value <= sizes.back())
+      fail("%s '%s': give the world sizes in increasing order, each once", flag.c_str(), text.c_str());
+    sizes.push_back((int)value);
+    begin = comma + 1;
+  }
+  return sizes;
+}
+
+std::string parse_choice(const std::string& flag, const std::string& text, std::vector<std::string> choices) {
+  for (auto& choice : choices)
+    if (text == choice) return text;
+  std::string list;
+  for (auto& choice : choices) list += (list.empty() ? "" : "|") + choice;
+  fail("%s wants %s (got '%s')", flag.c_str(), list.c_str(), text.c_str());
+}
+
+void apply(Settings& s, const std::string& flag, const std::string& value, std::string name) {
+  if (name.empty()) name = flag;  // a config file passes its key, so messages name what the user wrote
+  const long big = 1l << 30;
+  s.given.insert(flag);
+  if (flag == "--device") s.device = parse_choice(name, value, {"auto", "cpu", "cuda"});
+  else if (flag == "--comm") s.comm = parse_choice(name, value, {"auto", "mpi", "nccl"});
+  else if (flag == "--collectives") s.collectives = parse_choice(name, value, {"deterministic", "native"});
+  else if (flag == "--stage") s.stage = (int)parse_integer(name, value, 0, 2);
+  else if (flag == "--bucket") s.bucket = parse_integer(name, value, 1, 1 << 30);  // MPI counts are int
+  else if (flag == "--overlap") s.overlap = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "--layers") s.layers = (int)parse_integer(name, value, 1, 256);
+  else if (flag == "--hidden") s.hidden = (int)parse_integer(name, value, 1, 16384);
+  else if (flag == "--heads") s.heads = (int)parse_integer(name, value, 1, 1024);
+  else if (flag == "--intermediate") s.intermediate = (int)parse_integer(name, value, 1, 65536);
+  else if (flag == "--seq") s.seq = (int)parse_integer(name, value, 3, 65536);
+  else if (flag == "--max-positions") s.max_positions = (int)parse_integer(name, value, 3, 65536);
+  else if (flag == "--dropout") s.dropout = (float)parse_real(name, value, 0.0, 1.0, false, FLT_MIN);
+  else if (flag == "--micro-batch") s.micro_batch = (int)parse_integer(name, value, 1, 1 << 20);
+  else if (flag == "--accum") s.accum = (int)parse_integer(name, value, 1, 1 << 20), s.accum_given = true;
+  else if (flag == "--steps") s.steps = parse_integer(name, value, 0, big);  // 0: only with --load (check_consistency)
+  else if (flag == "--warmup") s.warmup = parse_integer(name, value, 0, big);
+  else if (flag == "--schedule-steps") s.schedule_steps = parse_integer(name, value, 1, big);
+  else if (flag == "--warmup-type") s.warmup_type = parse_choice(name, value, {"linear", "log"});
+  else if (flag == "--decay") s.decay = parse_choice(name, value, {"linear", "none"});
+  else if (flag == "--wall-clock-breakdown") s.wall_clock_breakdown = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "--portable") s.portable = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "--lr") s.lr = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "--weight-decay") s.weight_decay = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "--clip") s.clip = parse_real(name, value, 0.0, 1e30);
+  else if (flag == "--seed") s.seed = (uint64_t)parse_integer(name, value, 0, LONG_MAX);
+  else if (flag == "--log-every") s.log_every = parse_integer(name, value, 1, big);
+  else if (flag == "--eval-every") s.eval_every = parse_integer(name, value, 0, big);
+  else if (flag == "--eval-batches") s.eval_batches = (int)parse_integer(name, value, 1, 1 << 16);
+  else if (flag == "--data") s.data = parse_path(name, value);
+  else if (flag == "--config") s.config = parse_path(name, value);
+  else if (flag == "--json") s.json_path = parse_path(name, value);
+  else if (flag == "--plan") s.plan = true;
+  else if (flag == "--poison-activations") s.poison_activations = true;
+  else if (flag == "--plan-world-sizes") s.plan_world_sizes = parse_world_sizes(name, value);
+  else if (flag == "--metrics") s.metrics = parse_path(name, value);
+  else if (flag == "--export-hf") s.export_dir = parse_path(name, value);
+  else if (flag == "--dump-batch") s.dump_dir = parse_path(name, value);
+  else if (flag == "--activations") s.activations = parse_choice(name, value, {"keep", "recompute", "offload"});
+  else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive", "caching", "cuda"});
+  else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
+  else if (flag == "--memory-trace") s.memory_trace = parse_path(name, value);
+  else if (flag == "--save") s.save_dir = parse_path(name, value);
+  else if (flag == "--load") s.load_dir = parse_path(name, value);
+  else if (flag == "--save-every") s.save_every = parse_integer(name, value, 0, big);
+  else if (flag == "--save-keep") s.save_keep = (int)parse_integer(name, value, 1, 1 << 20);
+  else if (flag == "--save-overwrite") s.save_overwrite = true;
+  else if (flag == "--allow-different-bits") s.allow_different_bits = true;
+  else if (flag == "--timeout")
+    s.timeout = parse_real(name, value, 1, 1e9);  // below a second a healthy wait can expire
+  else if (flag == "--precision")
+    s.precision = parse_choice(name, value, {"fp32", "bf16", "fp16"}), s.precision_given = true;
+  // Not command-line flags: only a config file sets these.
+  else if (flag == "fp16.enabled") s.config_fp16_enabled = (int)parse_integer(name, value, 0, 1);
+  else if (flag == "bf16.enabled") s.config_bf16_enabled = (int)parse_integer(name, value, 0, 1);
+  else if (flag == "loss_scale") s.loss_scaling.static_scale = parse_real(name, value, 0.0, 1e30);
+  else if (flag == "initial_scale_power") s.loss_scaling.initial_scale_power = (int)parse_integer(name, value, 0, 100);
+  else if (flag == "loss_scale_window") s.loss_scaling.window = parse_integer(name, value, 1, big);
+  else if (flag == "hysteresis") s.loss_scaling.hysteresis = (int)parse_integer(name, value, 1, big);
+  else if (flag == "consecutive_hysteresis")
+    s.loss_scaling.consecutive_hysteresis = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "min_loss_scale") s.loss_scaling.min_scale = parse_real(name, value, 1e-30, 1e30);
+  else if (flag == "grad_accum_dtype") s.grad_accum_dtype = parse_choice(name, value, {"fp32", "bf16", "fp16"});
+  else if (flag == "beta1") s.beta1 = parse_real(name, value, 0.0, 1.0, false);
+  else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
+  else if (flag == "eps") s.eps = parse_real(name, value, 1e-30, 1.0);
+  else if (flag == "warmup_min_lr") s.warmup_min_lr = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "bias_correction") s.bias_correction = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "train_batch_size") s.train_batch_size = parse_integer(name, value, 1, big);
+  else fail("unknown flag '%s' (train_bert_mini --help lists the flags)", flag.c_str());
+}
+
+// --- the command line --------------------------------------------------------
+
+// The precision, from --precision and a config's fp16 / bf16 blocks. A
+// config alone decides as DeepSpeed does; --precision alone decides; when
+// both are given they must agree (the Hugging Face Trainer refuses the same
+// contradiction between its --fp16 / --bf16 and a DeepSpeed config).
+void resolve_precision(Settings& s) {
+  if (s.config_fp16_enabled == 1 && s.config_bf16_enabled == 1)
+    fail("config keys 'fp16.enabled' and 'bf16.enabled' are both true: enable one of them");
+  const std::string from_config = s.config_fp16_enabled == 1 ? "fp16" : s.config_bf16_enabled == 1 ? "bf16" : "";
+  if (s.precision_given) {
+    if (!from_config.empty() && from_config != s.precision)
+      fail("--precision %s contradicts config key '%s.enabled' = true: give one or make them agree",
+           s.precision.c_str(), from_config.c_str());
+    if ((s.precision == "fp16" && s.config_fp16_enabled == 0) || (s.precision == "bf16" && s.config_bf16_enabled == 0))
+      fail("--precision %s contradicts config key '%s.enabled' = false: give one or make them agree",
+           s.precision.c_str(), s.precision.c_str());
+  } else if (!from_config.empty()) {
+    s.precision = from_config;
+  }
+  if (s.grad_accum_dtype != "fp32" && s.grad_accum_dtype != s.precision)
+    fail(
+        "config key 'data_types.grad_accum_dtype' = \"%s\" with precision %s: accumulate in fp32 or in the "
+        "training precision",
+        s.grad_accum_dtype.c_str(), s.precision.c_str());
+}
+
+z2::Precision precision_of(const Settings& s) {
+  return s.precision == "bf16"   ? z2::Precision::bf16
+         : s.precision == "fp16" ? z2::Precision::fp16
+                                 : z2::Precision::fp32;
+}
+
+const char* const usage_text = R"usage(usage: mpirun -n N train_bert_mini [flags]
+BERT-mini masked-language-model training with ZeRO stage 0, 1 or 2 (README.md, notes/07).
+Each flag's default is in parentheses, the DeepSpeed config key that sets it in brackets;
+a flag on the command line overrides the config file.
+
+where and how
+  --stage 0|1|2              ZeRO stage (2) [zero_optimization.stage]
+  --device auto|cpu|cuda     compute backend (auto: cuda when a GPU is visible)
+  --comm auto|mpi|nccl       communication backend (auto: nccl with cuda, else mpi)
+  --collectives deterministic|native   the canonical-order sums, or the library's own (deterministic)
+  --bucket ELEMENTS          gradient bucket size (524288) [zero_optimization.reduce_bucket_size]
+  --overlap 0|1              reduce buckets during backward (1) [zero_optimization.overlap_comm]
+  --precision fp32|bf16|fp16 working precision; fp32 master weights either way (fp32; notes/08)
+                             [fp16.enabled, bf16.enabled; fp16's loss-scaler keys]
+  --portable                 zero2's own gemm instead of OpenBLAS / cuBLAS: bits that depend on the inputs
+                             alone, the same on any CPU, in both builds and on the GPU (notes/11)
+                             [zero2_portable: zero2's own key]
+  --timeout SECONDS          the watchdog's limit on any wait (600)
+model
+  --layers L --hidden H --heads NH --intermediate F   (4, 256, 4, 1024: BERT-Mini)
+  --seq T --max-positions P  window length and position table (128, 512)
+  --dropout P                (0.1)
+batch
+  --micro-batch B            sequences per rank per micro-step (8) [train_micro_batch_size_per_gpu]
+  --accum A                  micro-steps per optimizer step (1) [gradient_accumulation_steps];
+                             the global batch B x A x N is [train_batch_size]
+  --steps S                  optimizer steps this run trains (100; a config's total_num_steps alone
+                             sets it too)
+  --seed SEED                every random decision is keyed by it (1)
+optimizer: AdamW [optimizer.type "AdamW", or "Adam" with adam_w_mode true]
+  --lr LR                    peak learning rate (1e-3) [optimizer.params.lr, scheduler.params.warmup_max_lr]
+  --weight-decay WD          decoupled weight decay (0.01) [optimizer.params.weight_decay]
+  --clip C                   global gradient-norm clip, 0: none (1.0) [gradient_clipping]
+                             betas, eps, bias_correction: config only [optimizer.params.*]
+learning-rate schedule (DeepSpeed's WarmupDecayLR and WarmupLR) [scheduler]
+  --warmup W                 warmup steps (a tenth of the schedule) [scheduler.params.warmup_num_steps]
+  --warmup-type linear|log   the warmup's shape (linear; a config's scheduler: log, as DeepSpeed)
+                             [scheduler.params.warmup_type]
+  --decay linear|none        after the warmup: linear decay to the schedule's end, or constant
+                             (linear) [scheduler.type WarmupDecayLR | WarmupLR]
+  --schedule-steps K         where the decay ends (--steps) [scheduler.params.total_num_steps];
+                             warmup_min_lr: config only [scheduler.params.warmup_min_lr]
+memory (ZeRO-R; notes/04, notes/05)
+  --activations keep|recompute|offload  what forward leaves for backward (keep)
+                             [activation_checkpointing.cpu_checkpointing true: offload]
+  --alloc arena|naive|caching|cuda  where device memory comes from (arena): the arena; a best-fit
+                             block; a model of PyTorch's caching allocator; cudaMalloc per tensor (GPU)
+                             [activation_checkpointing.contiguous_memory_optimization true: arena]
+  --device-memory-limit BYTES  per rank, rounded down to a multiple of 256 (twice the plan's need + 64 MiB,
+                             at most 90% of what is free); with --plan: the limit to find the largest sizes for
+  --plan                     train nothing: the bytes per rank by category for stages 0/1/2 at N = 1, 2, 4,
+                             ..., 1024, and with --device-memory-limit the largest micro-batch and layer
+                             count that fit (notes/10)
+  --plan-world-sizes LIST    the N --plan covers, comma-separated (1,2,4,...,1024)
+files
+  --data FILE                train on this text (UTF-8, at most 1 GiB; the embedded corpus)
+  --config FILE              a DeepSpeed config (JSON); notes/07 lists what each key does here
+  --json FILE                the run's summary as JSON (written at the end)
+  --metrics FILE             one JSON line per progress line, written as training goes (JSON Lines)
+  --export-hf DIR            the trained model for BertForMaskedLM.from_pretrained
+  --dump-batch DIR           step 0's weights, batch, loss and gradients (for a reference check)
+  --memory-trace FILE        the first step's allocator events
+checkpoints (notes/09)
+  --save DIR                 save DIR/step_<s> at the end (and on SIGINT/SIGTERM); DIR/latest names the newest
+  --save-every K             also every K steps (0: only at the end)
+  --save-keep K              keep the newest K steps (2) of this run's; nothing else in DIR is deleted
+  --save-overwrite           save into a DIR holding another run's checkpoints (refused without it), replacing
+                             its steps of the same number and latest (its other steps stay)
+  --load DIR                 resume from DIR/latest or DIR/step_<s>, at any N and stage with the same N x A;
+                             settings not given are the checkpoint's. --steps 0: only export it (--export-hf)
+                             or re-slice it (--save)
+  --allow-different-bits     resume at an (N, A) whose summation tree is not the checkpoint's (refused
+                             without it): the run goes on, but not to the bits of the run that never stopped
+output
+  --log-every K              a progress line every K steps (10) [steps_per_print]
+  --eval-every K             the MLM loss on held-out data every K steps and at the end (0: never); the
+                             last 5% of the data (at least one window) is then held out of training
+  --eval-batches E           micro-batches of held-out windows per evaluation (4)
+  --wall-clock-breakdown     forward, backward and step times on each progress line [wall_clock_breakdown]
+  --quiet                    print nothing but errors (no header, progress or summary)
+  --poison-activations       fill each fresh activation buffer with NaN (a test: the model must write
+                             every element before reading it, so the bits stay those of a plain run)
+  --help                     this text
+)usage";
+
+void check_plan_flags(const Settings& s) {
+  if (!s.plan) {
+    if (!s.plan_world_sizes.empty()) fail("--plan-world-sizes is for --plan (the memory plan): give --plan too");
+    return;
+  }
+  for (auto [flag, value] : {std::pair<const char*, std::string>{"--save", s.save_dir},
+                             {"--load", s.load_dir},
+                             {"--export-hf", s.export_dir},
+                             {"--dump-batch", s.dump_dir},
+                             {"--metrics", s.metrics},
+                             {"--memory-trace", s.memory_trace}})
+    if (!value.empty())
+      fail("--plan trains nothing, so %s '%s' would have nothing to %s: drop one of them", flag, value.c_str(),
+           std::string(flag) == "--load" ? "read" : "write");
+  if (s.alloc != "arena" && s.device_memory_limit > 0)
+    fail(
+        "--plan's largest sizes for --device-memory-limit are exact for --alloc arena only: %s's memory also "
+        "depends on where its holes fall (make fraglab measures it). Drop --alloc %s, or the limit",
+        s.alloc.c_str(), s.alloc.c_str());
+}
+
+Settings parse_command_line(int argc, char** argv) {
+  Settings settings;
+  std::vector<std::pair<std::string, std::string>> flags;
+  const std::set<std::string> switches = {
+      "--quiet",          "--wall-clock-breakdown", "--plan", "--poison-activations", "--portable",
+      "--save-overwrite", "--allow-different-bits"};  // no value
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    if (switches.count(flag)) {
+      const bool on_off = flag == "--wall-clock-breakdown" || flag == "--portable";  // a config key sets these too
+      flags.push_back({flag, on_off ? "1" : ""});
+      continue;
+    }
+    if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
+    const size_t equals = flag.find('=');
+    if (equals != std::string::npos && switches.count(flag.substr(0, equals)))
+      fail("'%s': %s takes no value (write '%s' to switch it on%s)", flag.c_str(), flag.substr(0, equals).c_str(),
+           flag.substr(0, equals).c_str(),
+           flag.substr(0, equals) == "--portable" ? "; a config file's \"zero2_portable\": false switches it off" : "");
+    if (equals != std::string::npos)
+      fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), flag.substr(0, equals).c_str(),
+           flag.substr(equals + 1).c_str());
+    // A missing value shows as the next flag taking its place (negative
+    // numbers start with a single dash, so they still pass).
+    if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) fail("%s needs a value", flag.c_str());
+    flags.push_back({flag, argv[++i]});
+  }
+  for (auto& [flag, value] : flags)
+    if (flag == "--config") {
+      settings.config = parse_path("--config", value);
+      ConfigReading config = read_deepspeed_config(value);
+      // A value out of range counts as refused too: every problem of the file in one message.
+      for (auto& setting : config.flags) {
+        try {
+          apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
+        } catch (const z2::Error& error) {
+          const std::string said = error.what(), prefix = "config key '" + setting.key + "' ";
+          config.refused.push_back(setting.key + ": " +
+                                   (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
+        }
+      }
+      if (!config.refused.empty()) {
+        std::string message = "the config file '" + value + "' has " + std::to_string(config.refused.size()) +
+                              (config.refused.size() == 1 ? " setting" : " settings") +
+                              " this trainer cannot take (notes/07 lists what each DeepSpeed key does here):";
+        for (auto& line : config.refused) message += "\n  " + line;
+        throw z2::Error(message);
+      }
+      settings.config_notes = config.notes;
+    }
+  // A flag given twice: the last counts, as argparse (DeepSpeed's and
+  // Hugging Face's launchers) and most Unix tools do, so a script can keep
+  // its defaults in one array and append what a run changes. Not silently:
+  // the header names it. (A config file's key twice is refused instead: in
+  // a file it is a copy-paste mistake, not an override.)
+  std::map<std::string, std::string> seen;
+  for (auto& [flag, value] : flags) {
+    if (seen.count(flag) && !switches.count(flag))  // a switch twice is still on
+      settings.repeated_flags.push_back(flag + " given twice ('" + seen[flag] + "', then '" + value +
+                                        "'): the last counts");
+    seen[flag] = value;
+    if (flag == "--quiet") settings.quiet = true;
+    else apply(settings, flag, value);
+  }
+  resolve_precision(settings);
+  check_plan_flags(settings);
+  return settings;
+}
+
+void check_consistency(Settings& s, int world_size) {
+  if (s.steps == 0 && !s.export_only)
+    fail("--steps wants an integer from 1 to %ld (0 only with --load: export a checkpoint without training)", 1l << 30);
+  if (s.export_only && s.export_dir.empty() && s.json_path.empty() && s.save_dir.empty())
+    fail(
+        "--load with --steps 0 trains nothing: give --export-hf DIR, --save DIR (the checkpoint re-sliced for "
+        "this N) or --json FILE for it to write");
+  if (!s.load_dir.empty() && !s.dump_dir.empty()) fail("--dump-batch writes step 0 of a fresh run: not with --load");
+  if (s.save_every > 0 && s.save_dir.empty()) fail("--save-every %ld needs --save DIR", s.save_every);
+  if (s.save_overwrite && s.save_dir.empty())
+    fail("--save-overwrite needs --save DIR (it is consent to replace there)");
+  if (s.allow_different_bits && s.load_dir.empty())
+    fail("--allow-different-bits is for --load (a resume at another split of the global batch): give --load DIR");
+  if (s.hidden % s.heads != 0)
+    fail("--hidden %d is not divisible by --heads %d (each head gets hidden / heads features)", s.hidden, s.heads);
+  // Portable bits need every sum in zero2's order (notes/11); the libraries'
+  // own reductions sum over ranks in theirs.
+  if (s.portable && s.collectives == "native")
+    fail(
+        "--portable needs --collectives deterministic: native collectives sum over ranks in MPI's or NCCL's own "
+        "order, which depends on the library and the machine");
+  if (s.seq > s.max_positions)
+    fail("--seq %d is longer than the %d learned positions (--max-positions)", s.seq, s.max_positions);
+  // The schedule's length: --schedule-steps (total_num_steps), else the
+  // run's. A config's total_num_steps without --steps trains the whole schedule.
+  const bool steps_given = s.given.count("--steps") > 0;
+  if (s.schedule_steps == 0) s.schedule_steps = s.steps;
+  else if (!steps_given && !s.export_only) s.steps = s.schedule_steps;
+  if (s.warmup > s.schedule_steps) {
+    if (s.schedule_steps == s.steps) fail("--warmup %ld is longer than --steps %ld", s.warmup, s.steps);
+    fail("--warmup %ld is longer than the schedule's %ld steps (--schedule-steps, total_num_steps)", s.warmup,
+         s.schedule_steps);
+  }
+  if (s.warmup < 0) s.warmup = s.schedule_steps / 10;
+  if (s.eval_every > s.steps && !s.export_only)
+    fail(
+        "--eval-every %ld is more than --steps %ld: it would evaluate only at the end (give --eval-every %ld for that)",
+        s.eval_every, s.steps, s.steps);
+  if (s.warmup_min_lr > s.lr)
+    fail("warmup_min_lr %g is above the learning rate %g (warmup_max_lr, --lr)", s.warmup_min_lr, s.lr);
+  // DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters):
+  // train_batch_size = micro-batch x accumulation x ranks; of the three, the
+  // ones not given follow from the others (accumulation 1 when only the
+  // global batch is given), and three given must agree. A resumed run's
+  // micro-batch is the checkpoint's, as if given.
+  if (s.train_batch_size) {
+    const long N = world_size, global = s.train_batch_size;
+    const bool micro_given = s.given.count("--micro-batch") || s.checkpoint != nullptr;
+    if (micro_given && !s.accum_given) s.accum = (int)std::max(1l, global / s.micro_batch / N);
+    else if (!micro_given && s.accum_given) s.micro_batch = (int)std::max(1l, global / N / s.accum);
+    else if (!micro_given) s.accum = 1, s.micro_batch = (int)std::max(1l, global / N);
+    if (global != (long)s.micro_batch * s.accum * N && micro_given && !s.accum_given)
+      fail(
+          "config train_batch_size %ld is not a multiple of micro batch %d x %d ranks = %ld (DeepSpeed's rule: the "
+          "accumulation is train_batch_size / (micro batch x ranks))",
+          global, s.micro_batch, world_size, (long)s.micro_batch * N);
+    if (global != (long)s.micro_batch * s.accum * N)
+      fail(
+          "config train_batch_size %ld != micro batch %d x accumulation %d x %d ranks (DeepSpeed's rule: give two of "
+          "the three, or three that agree)",
+          global, s.micro_batch, s.accum, world_size);
+  }
+  if (!s.dump_dir.empty() && world_size != 1)
+    fail("--dump-batch writes step 0 of a single-rank run: run it with 1 rank (got %d)", world_size);
+  const double tokens = (double)s.micro_batch * s.seq;
+  if (tokens * std::max(s.hidden, s.intermediate) > 1.5e9)
+    fail("--micro-batch %d x --seq %d is too large for one micro-batch's activations", s.micro_batch, s.seq);
+  // MLM learns only from the selected positions: 15% of the seq - 2 bytes of
+  // each sequence. A global batch that selects less than one on average has
+  // no loss on most steps; training on it would say "NOT falling" and mean nothing.
+  const long sequences = (long)s.micro_batch * s.accum * world_size;
+  const double selected = 0.15 * (s.seq - 2) * (double)sequences;
+  if (selected < 1.0)
+    fail(
+        "--seq %d leaves %d byte(s) per sequence to mask, and 15%% of them are selected: a global batch of %ld "
+        "sequence(s) (micro-batch x accumulation x ranks) selects %.2f positions on average, so most steps would "
+        "have no loss to learn from. Use a longer --seq or a larger batch",
+        s.seq, s.seq - 2, sequences, selected);
+}
+
+void agree_on_errors(MPI_Comm world, const std::function<void()>& checks, const std::string& what) {
+  std::string message;
+  try {
+    checks();
+  } catch (const std::exception& error) {  // z2::Error, and std::filesystem's errors (EACCES, a name too long)
+    message = error.what();
+  }
+  int rank = 0, size = 1;
+  MPI_Comm_rank(world, &rank);
+  MPI_Comm_size(world, &size);
+  int mine = message.empty() ? size : rank, first = size;
+  z2::watched_allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, world, "the ranks agreeing that " + what);
+  if (first == size) return;
+  int length = (int)message.size();  // the message's length first: a long path is not cut short
+  z2::watched_bcast(&length, 1, MPI_INT, first, world, "the broadcast of a failed check's message");
+  std::string text(message);
+  text.resize((size_t)length);
+  z2::watched_bcast(text.data(), length, MPI_CHAR, first, world, "the broadcast of a failed check's message");
+  throw z2::Error(first == 0 ? text : text + " (on rank " + std::to_string(first) + ")");
+}
+
+// --- what the settings make for the engine and the model ---------------------
+
+// The learning rate of optimizer step t (1-based): a warmup from
+// warmup_min_lr to lr over W steps, linear (t / W) or DeepSpeed's log
+// (ln(t + 1) / ln(W + 1): zero2 counts from 1, so step 1 learns and step W
+// reaches lr), then constant (--decay none: DeepSpeed's WarmupLR) or linear
+// back toward warmup_min_lr at the schedule's end S (WarmupDecayLR): step S
+// still learns at min + (lr - min) / (S - W). With warmup_min_lr 0 (the
+// default) these are the products and quotients of the first schedule.
+double learning_rate(const Settings& s, long t) {
+  const double low = s.warmup_min_lr, range = s.lr - s.warmup_min_lr;
+  const long S = s.schedule_steps > 0 ? s.schedule_steps : s.steps, W = s.warmup;  // (0 before check_consistency)
+  if (t <= W) {
+    if (s.warmup_type == "log") return low + range * z2::log_double((double)t + 1) / z2::log_double((double)W + 1);
+    return low + range * (double)t / (double)W;
+  }
+  if (s.decay == "none") return s.lr;
+  if (t > S) return low;  // a run longer than its schedule (--steps past --schedule-steps)
+  return low + range * (double)(S - t + 1) / (double)(S - W);
+}
+
+z2::EngineOptions engine_options(const Settings& settings, z2::Precision precision) {
+  z2::EngineOptions options;
+  options.stage = settings.stage;
+  options.bucket_elements = settings.bucket;
+  options.overlap = settings.overlap;
+  options.accumulation_steps = settings.accum;
+  options.clip = settings.clip;
+  options.bias_correction = settings.bias_correction;
+  options.lr = settings.lr;
+  options.beta1 = settings.beta1, options.beta2 = settings.beta2, options.eps = settings.eps;
+  options.weight_decay = settings.weight_decay;
+  options.lr_schedule = [settings](long t) { return learning_rate(settings, t); };
+  options.precision = precision;
+  options.accumulate_fp32 = settings.grad_accum_dtype == "fp32";
+  options.loss_scaling = settings.loss_scaling;
+  return options;
+}
+
+ModelShape shape_of(const Settings& settings) {
+  return ModelShape{settings.layers, settings.hidden,        settings.heads,       settings.intermediate,
+                    settings.seq,    settings.max_positions, settings.micro_batch, settings.dropout,
+                    settings.seed,   precision_of(settings)};
+}
+ActivationMode mode_of(const Settings& settings) {
+  return settings.activations == "recompute" ? ActivationMode::recompute
+         : settings.activations == "offload" ? ActivationMode::offload
+                                             : ActivationMode::keep;
+}
+
+z2::Allocator allocator_of(const Settings& settings) {
+  if (settings.alloc == "naive") return z2::Allocator::naive;
+  if (settings.alloc == "caching") return z2::Allocator::caching;
+  if (settings.alloc == "cuda") return z2::Allocator::direct;
+  return z2::Allocator::arena;
+}
+
+}  // namespace bert

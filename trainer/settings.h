@@ -1,0 +1,142 @@
+// trainer/settings.h — the trainer's settings: every flag with its default,
+// the command line and --help, the checks that need several settings at once,
+// what the settings make for the engine and the model, and how a bad setting
+// ends the run (fail, agree_on_errors). Apart from the model
+// (train_bert_mini.cu), which reads the settings and never parses them.
+// Defined in trainer/settings.cpp.
+#pragma once
+
+#include <cstdarg>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "trainer/model_shape.h"
+#include "zero2.h"
+
+namespace bert {
+
+struct CheckpointIndex;  // --load's index.json as read (trainer/checkpoints.cpp)
+
+struct Settings {
+  // where and how to run
+  std::string device = "auto", comm = "auto", collectives = "deterministic";
+  int stage = 2;
+  long bucket = 1 << 19;  // elements per gradient bucket (about 2/3 of a block at the default size)
+  bool overlap = true;
+  // model (BERT-Mini of Turc et al.)
+  int layers = 4, hidden = 256, heads = 4, intermediate = 1024, seq = 128, max_positions = 512;
+  float dropout = 0.1f;
+  // batch and optimizer
+  int micro_batch = 8, accum = 1;
+  long steps = 100, warmup = -1;  // warmup -1: a tenth of the schedule
+  // The schedule (DeepSpeed's WarmupDecayLR / WarmupLR): warmup from
+  // warmup_min_lr to lr over `warmup` steps, linear or log, then a linear
+  // decay back to warmup_min_lr at schedule_steps, or none. schedule_steps
+  // 0: --steps (the run ends where the decay does).
+  long schedule_steps = 0;
+  std::string warmup_type = "linear", decay = "linear";
+  double warmup_min_lr = 0.0;
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01, clip = 1.0;
+  bool bias_correction = true;  // Adam's 1 / (1 - beta^t); DeepSpeed's FusedAdam may turn it off
+  uint64_t seed = 1;
+  long train_batch_size = 0;  // from a config file only: checked against micro x accum x N
+  bool accum_given = false;   // else DeepSpeed derives accum from train_batch_size
+  // precision (notes/08): fp32, or bf16 / fp16 mixed precision
+  std::string precision = "fp32";
+  bool precision_given = false;                            // --precision on the command line
+  int config_fp16_enabled = -1, config_bf16_enabled = -1;  // a config's "enabled": -1 absent, 0 false, 1 true
+  z2::LossScaling loss_scaling;                            // the config's "fp16" block (DeepSpeed's keys)
+  // The config's data_types.grad_accum_dtype. zero2 defaults to fp32 (it keeps
+  // (N, A) invariance); DeepSpeed, without the key, accumulates in the model's
+  // 16-bit type under ZeRO (engine.py, get_data_types): name it to get that.
+  std::string grad_accum_dtype = "fp32";
+  // memory (ZeRO-R)
+  std::string activations = "keep", alloc = "arena";
+  long device_memory_limit = 0;  // bytes per rank; 0: enough for the run
+  // files and output
+  std::string data, config, json_path, export_dir, dump_dir, memory_trace, metrics;
+  double timeout = 600;  // seconds the watchdog lets a collective or transfer wait (zero2.h)
+  // checkpoints (notes/09)
+  std::string save_dir, load_dir;
+  long save_every = 0;  // 0: only at the end (and on an interrupt)
+  int save_keep = 2;
+  bool export_only = false;             // --load DIR --steps 0: export the checkpoint, train nothing
+  bool save_overwrite = false;          // --save-overwrite: may replace another run's steps in --save
+  bool allow_different_bits = false;    // --allow-different-bits: resume at a split with another summation tree
+  bool summation_tree_changed = false;  // this resume took that consent (recorded in --json)
+  std::string run_id;  // the history this run continues (rank 0, with --save): pruning deletes only its steps
+  std::shared_ptr<const CheckpointIndex>
+      checkpoint;                    // --load's index.json, read before anything else (null: no --load)
+  std::string checkpoint_directory;  // the step directory it came from
+  // The flags given (command line or config): a resumed run takes the
+  // checkpoint's value for every recorded setting not among them.
+  std::set<std::string> given;
+  long log_every = 10;
+  // --eval-every K: every K steps (and at the last), the MLM loss on
+  // eval_batches micro-batches drawn from the held-out tail of the data.
+  long eval_every = 0;
+  int eval_batches = 4;
+  bool quiet = false;
+  // --plan: print the memory plan and train nothing (notes/10)
+  bool plan = false;
+  std::vector<int> plan_world_sizes;  // empty: 1, 2, 4, ..., 1024
+  bool wall_clock_breakdown = false;  // forward / backward / step times on each progress line (DeepSpeed's key)
+  // --portable: zero2's own gemm in place of OpenBLAS / cuBLAS, so that the
+  // bits depend on the inputs alone, not on the CPU or GPU (notes/11).
+  bool portable = false;
+  // --poison-activations: fresh activation buffers full of NaN instead of
+  // left as they are (a check that the model reads none before writing it)
+  bool poison_activations = false;
+  std::vector<std::string> config_notes;    // config keys that act differently here, for the header
+  std::vector<std::string> repeated_flags;  // "--steps given twice ('3', then '4')...", for the header
+};
+
+// Every error a user can cause ends here: one message, the same on every rank
+// (each rank parses the same arguments), printed by rank 0 in main().
+// Never cut: a long path must not push the reason off the end.
+[[noreturn]] inline void fail(const char* format, ...) {
+  va_list arguments;
+  va_start(arguments, format);
+  std::string message = z2::format_message(format, arguments);
+  va_end(arguments);
+  throw z2::Error(message);
+}
+
+// A flag's value as one of `choices`, or one message listing them.
+std::string parse_choice(const std::string& flag, const std::string& text, std::vector<std::string> choices);
+// One flag and its value (as text) into the settings. Config files and the
+// command line both end up here, so a value from either is checked the same way.
+void apply(Settings& s, const std::string& flag, const std::string& value, std::string name = "");
+// The precision, from --precision and a config's fp16 / bf16 blocks.
+void resolve_precision(Settings& s);
+z2::Precision precision_of(const Settings& s);
+// What --help prints: every flag, its values and its default (Settings above).
+extern const char* const usage_text;
+// The flags --plan cannot honour: it trains nothing and reads no checkpoint.
+void check_plan_flags(const Settings& s);
+// The command line. --config is read first, whatever its position, so that
+// every flag given on the command line overrides the file.
+Settings parse_command_line(int argc, char** argv);
+// Checks that need several settings at once (world size known).
+void check_consistency(Settings& s, int world_size);
+
+// Run `checks` on every rank; if any rank failed, every rank throws the
+// message of the lowest failing rank (so rank 0 can print it and all ranks
+// leave together instead of some waiting in a collective for the others).
+// `what` names the agreement for the watchdog ("the export was written").
+void agree_on_errors(MPI_Comm world, const std::function<void()>& checks,
+                     const std::string& what = "the checks before training");
+
+// --- what the settings make for the engine and the model ---------------------
+// The learning rate of optimizer step t (1-based): DeepSpeed's WarmupLR or
+// WarmupDecayLR, as the settings give it.
+double learning_rate(const Settings& s, long t);
+z2::EngineOptions engine_options(const Settings& settings, z2::Precision precision);
+ModelShape shape_of(const Settings& settings);
+ActivationMode mode_of(const Settings& settings);
+z2::Allocator allocator_of(const Settings& settings);
+
+}  // namespace bert
