@@ -110,7 +110,8 @@ ENGINE_SOURCES  := zero2.cu runtime/gemm.cu runtime/transfers.cpp runtime/checkp
                    runtime/ledger_report.cpp runtime/errors.cpp runtime/lab_checks.cpp
 MODEL_SOURCE    := train_bert_mini.cu
 TRAINER_SOURCES := trainer/checkpoints.cpp trainer/json.cpp trainer/deepspeed_config.cpp trainer/reports.cpp \
-                   trainer/hf_export.cpp trainer/plan.cpp trainer/settings.cpp trainer/output_files.cpp trainer/inputs.cpp
+                   trainer/hf_export.cpp trainer/plan.cpp trainer/settings.cpp trainer/output_files.cpp trainer/inputs.cpp \
+                   trainer/embedded_corpus.cpp
 # What the trainer's plumbing links besides the engine's libraries: OpenSSL's
 # libcrypto, whose SHA-256 the checkpoints record (trainer/checkpoints.cpp).
 TRAINER_LIBS    := -lcrypto
@@ -119,13 +120,23 @@ TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_
                    tests/test_allocator.cpp tests/test_math.cpp tests/test_portable.cpp tests/test_labs.cpp
 # $(call objects,DIR,SOURCES): each source's object under DIR (zero2.cu -> DIR/zero2.o).
 objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
+# The host-only plumbing (runtime/*.cpp, trainer/*.cpp: messages, files, JSON,
+# the transfer queue's bookkeeping) runs once a run or once a step, never
+# once an element, so -O3's vectorisation buys it nothing and took half of
+# its compile time; -g1 keeps the line tables a backtrace needs (full -g was
+# another 40%). The arithmetic is the same IEEE arithmetic at any -O (no
+# fast-math, no contraction): no bit changes. The chapter, the gemms, the
+# model and the tests keep -O3 -g.
+PLUMBING        := $(filter %.cpp,$(ENGINE_SOURCES)) $(TRAINER_SOURCES)
+$(call objects,build,$(PLUMBING)) $(call objects,build-cpu,$(PLUMBING)): PLUMBING_FLAGS := -O1 -g1
 # Every object also depends on the headers it includes, as the compiler lists
 # them (-MMD: DIR/x.d beside DIR/x.o), and on this Makefile (its flags).
 # -I.: every file includes "zero2.h" and "runtime/..." from the top folder.
 DEPFLAGS = -MMD -MP -MF $(@:.o=).d
 -include $(shell find build build-cpu build-sanitize build-lab -name '*.d' 2>/dev/null)
-# The trainer embeds data/corpus.txt as a C++ raw string (DIR/corpus.inc),
-# so `make run` needs no download and no file at run time.
+# The trainer embeds data/corpus.txt as a C++ raw string (DIR/corpus.inc,
+# which trainer/embedded_corpus.cpp alone includes), so `make run` needs no
+# download and no file at run time.
 CORPUS_INC = { printf 'R"corpus('; cat $<; printf ')corpus"\n'; } > $@
 
 ifneq ($(NVCC),)
@@ -159,7 +170,7 @@ build/%.o: %.cu Makefile
 	$(NVCC) $(NVCCFLAGS) -DZ2_HAVE_CUDA $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 build/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(CUDA_CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(PLUMBING_FLAGS) $(CUDA_CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 LIBS := $(CUDA_LIBS) $(BLAS_LIBS)
 else
 build/%.o: %.cu Makefile
@@ -167,7 +178,7 @@ build/%.o: %.cu Makefile
 	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -x c++ -c $< -o $@ -x none
 build/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(PLUMBING_FLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 LIBS := $(BLAS_LIBS)
 endif
 build/test_zero2: $(call objects,build,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
@@ -178,7 +189,7 @@ build/train_bert_mini: $(call objects,build,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(
 	$(MPICXX) $^ -o $@ $(LIBS) $(TRAINER_LIBS)
 # For notes/08 and notes/10 (make notes runs both): the 16-bit reduction's error
 # against DeepSpeed's, and the paper's Tables 1 and 2 from the ledger's formula.
-build/reduce_precision: $(call objects,build,tests/reduce_precision.cu $(ENGINE_SOURCES))
+build/reduce_precision: $(call objects,build,tests/reduce_precision.cu trainer/embedded_corpus.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/paper_table: $(call objects,build,tests/paper_table.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
@@ -201,7 +212,7 @@ build/convert_tool: tests/convert_tool.cpp Makefile
 build/corpus.inc: data/corpus.txt
 	@mkdir -p $(@D)
 	$(CORPUS_INC)
-build/$(basename $(MODEL_SOURCE)).o build/tests/test_bert.o: build/corpus.inc
+build/trainer/embedded_corpus.o: build/corpus.inc
 
 # --- the cpu-only build (build-cpu/): .cu files compiled as C++ -----------------
 # -x c++ makes g++ read a .cu file as C++ (it would take it for a linker
@@ -211,7 +222,7 @@ build-cpu/%.o: %.cu Makefile
 	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -x c++ -c $< -o $@ -x none
 build-cpu/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(PLUMBING_FLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -c $< -o $@
 build-cpu/test_zero2: $(call objects,build-cpu,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
 build-cpu/demo_stages: $(call objects,build-cpu,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
@@ -226,7 +237,7 @@ build-cpu/convert_tool: tests/convert_tool.cpp Makefile
 build-cpu/corpus.inc: data/corpus.txt
 	@mkdir -p $(@D)
 	$(CORPUS_INC)
-build-cpu/$(basename $(MODEL_SOURCE)).o build-cpu/tests/test_bert.o: build-cpu/corpus.inc
+build-cpu/trainer/embedded_corpus.o: build-cpu/corpus.inc
 
 # --- the course labs (notes/labs) ----------------------------------------------------
 # The chapter, zero2.cu, compiled with its lab seams weak (-DZ2_LAB_BUILD,
@@ -259,7 +270,7 @@ build-sanitize/train_bert_mini: $(call objects,build-sanitize,$(MODEL_SOURCE) $(
 build-sanitize/corpus.inc: data/corpus.txt
 	@mkdir -p $(@D)
 	$(CORPUS_INC)
-build-sanitize/$(basename $(MODEL_SOURCE)).o build-sanitize/tests/test_bert.o: build-sanitize/corpus.inc
+build-sanitize/trainer/embedded_corpus.o: build-sanitize/corpus.inc
 
 # --- running --------------------------------------------------------------------
 # One OpenBLAS thread per rank: ranks already fill the cores, and OpenBLAS

@@ -126,13 +126,8 @@ enum DropoutSite : uint64_t {
 };
 constexpr uint64_t embeddings_layer = 1000;  // dropout key of the embeddings: above any block (--layers <= 256)
 
-// The embedded default corpus (data/corpus.txt, made into a string by the Makefile).
-inline const std::string& default_corpus() {
-  static const std::string text =
-#include "corpus.inc"
-      ;
-  return text;
-}
+// The embedded default corpus, data/corpus.txt (trainer/embedded_corpus.cpp).
+const std::string& default_corpus();
 
 // The corpus: a regular file of UTF-8 text, non-empty, with no NUL byte (a
 // binary file is almost certainly a mistake, not a corpus), at most 1 GiB
