@@ -83,14 +83,22 @@ CPU_ARCH  ?= -march=native
 # here reads the floating-point exception flags either, so the compiler may
 # compute both sides of a select on floats (exp_fp32's clamp, erf_fp32's +-1)
 # and vectorise the loop around it; every value is rounded as before.
-CXXFLAGS  := -std=c++17 -O3 $(CPU_ARCH) -g -ffp-contract=off -fno-math-errno -fno-trapping-math -Wall -Wextra -Wno-unused-parameter
+# -g1: line tables and function names, what a backtrace, a crash's file:line
+# and a breakpoint by line need. Full -g (every variable and type as well)
+# took a third of every compile, and at -O3 most variables show as
+# <optimized out> anyway: `make DEBUG=-g` builds with it. Debug information
+# never changes the code, so never a bit.
+DEBUG     ?= -g1
+CXXFLAGS  := -std=c++17 -O3 $(CPU_ARCH) $(DEBUG) -ffp-contract=off -fno-math-errno -fno-trapping-math -Wall -Wextra \
+             -Wno-unused-parameter
 # nvcc uses mpicxx as its host compiler, so MPI's include and link flags come
 # along without nvcc having to parse them (it rejects some, e.g. -Wl,-z,relro).
 # --extended-lambda lets a lambda be a kernel body (Z2_LOOP's __device__ half); sm_80 (A100) and
 # sm_90 (H100/H200) machine code, plus compute_90 PTX for newer GPUs.
 CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
-NVCCFLAGS := -std=c++17 -O3 -g -ccbin $(MPICXX) --extended-lambda --expt-relaxed-constexpr $(CUDA_ARCH) \
-             -fmad=false -Xcompiler -Wall,-Wno-unused-parameter,-ffp-contract=off,-fno-math-errno,-fno-trapping-math$(if $(CPU_ARCH),$(comma)$(CPU_ARCH))
+NVCCFLAGS := -std=c++17 -O3 -ccbin $(MPICXX) --extended-lambda --expt-relaxed-constexpr $(CUDA_ARCH) \
+             -fmad=false -Xcompiler -Wall,-Wno-unused-parameter,-ffp-contract=off,-fno-math-errno,-fno-trapping-math$(if $(CPU_ARCH),$(comma)$(CPU_ARCH)) \
+             -Xcompiler $(DEBUG)
 BLAS_LIBS := -lopenblas
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart
 ifeq ($(HAVE_NCCL),yes)
@@ -123,12 +131,11 @@ objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
 # The host-only plumbing (runtime/*.cpp, trainer/*.cpp: messages, files, JSON,
 # the transfer queue's bookkeeping) runs once a run or once a step, never
 # once an element, so -O3's vectorisation buys it nothing and took half of
-# its compile time; -g1 keeps the line tables a backtrace needs (full -g was
-# another 40%). The arithmetic is the same IEEE arithmetic at any -O (no
-# fast-math, no contraction): no bit changes. The chapter, the gemms, the
-# model and the tests keep -O3 -g.
+# its compile time: -O1. The arithmetic is the same IEEE arithmetic at any -O
+# (no fast-math, no contraction): no bit changes. The chapter, the gemms, the
+# model and the tests keep -O3.
 PLUMBING        := $(filter %.cpp,$(ENGINE_SOURCES)) $(TRAINER_SOURCES)
-$(call objects,build,$(PLUMBING)) $(call objects,build-cpu,$(PLUMBING)): PLUMBING_FLAGS := -O1 -g1
+$(call objects,build,$(PLUMBING)) $(call objects,build-cpu,$(PLUMBING)): PLUMBING_FLAGS := -O1
 # Every object also depends on the headers it includes, as the compiler lists
 # them (-MMD: DIR/x.d beside DIR/x.o), and on this Makefile (its flags).
 # -I.: every file includes "zero2.h" and "runtime/..." from the top folder.
