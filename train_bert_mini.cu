@@ -53,13 +53,14 @@
 // Tests #include this file with BERT_NO_MAIN defined (as llm.c's test_gpt2
 // includes train_gpt2), so the model is tested exactly as it trains.
 //
-// Sections:
-//   1. data: corpus, windows, MLM masking (all keyed by (seed, step, sample))
-//   2. Z2_HD math: GELU, LayerNorm, softmax, dropout, cross-entropy
-//   3. the model: parameters, activation memory (keep, recompute, offload),
-//      buffers, initialization, forward, backward
-//   4. training: interrupts, the inputs, the run (setup, a step, evaluation,
-//      the end); then main
+// Its parts, in order:
+//   Data       corpus, windows, MLM masking (all keyed by (seed, step, sample))
+//   Math       the Z2_HD math both backends share: GELU, LayerNorm, softmax,
+//              dropout, cross-entropy
+//   The model  parameters, activation memory (keep, recompute, offload),
+//              buffers, initialization, forward, backward
+//   Training   interrupts, the inputs, the run (setup, a step, evaluation,
+//              the end); then main
 #include <time.h>
 
 #include <algorithm>
@@ -103,7 +104,7 @@ constexpr float layer_norm_eps = 1e-12f;
 constexpr float initializer_range = 0.02f;  // Hugging Face's normal(0, 0.02) init
 
 // ----------------------------------------------------------------------------
-// 1. Data
+// Data
 //
 // A sample is a window of T - 2 bytes of the corpus between [CLS] and [SEP].
 // Global sample g = m * B + b of optimizer step s (m the global micro-batch)
@@ -222,7 +223,7 @@ inline long global_selected_count(const std::string& corpus, uint64_t seed, long
 }
 
 // ----------------------------------------------------------------------------
-// 2. Math shared by the CPU loops and the CUDA kernels (Z2_HD)
+// Math shared by the CPU loops and the CUDA kernels (Z2_HD)
 //
 // Each row function is written once over the storage type T: float in fp32
 // training, z2::bfloat16 or z2::float16 in mixed precision. Whatever T is, the
@@ -386,7 +387,7 @@ Z2_HD inline float cross_entropy_row(const T* logits, int n, int target, float s
 }
 
 // ----------------------------------------------------------------------------
-// 3. The model
+// The model
 
 // ModelShape, the vocabulary and the activation modes are in
 // trainer/model_shape.h, for the plumbing that reads them.
@@ -1544,7 +1545,7 @@ inline float Model<Act>::run(const Batch& batch, long step, long micro_batch, fl
 }
 
 // ----------------------------------------------------------------------------
-// 4. Training
+// Training
 
 // --- interrupts ---------------------------------------------------------------
 //

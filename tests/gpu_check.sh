@@ -75,7 +75,7 @@ cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
 packages="mpich libmpich12 libmpich-dev libhwloc15 libucx0 libnuma1 libibverbs1 librdmacm1 libnl-3-200
           libnl-route-3-200 libopenblas0-pthread libopenblas-pthread-dev libopenblas-dev doctest-dev
-          libgfortran5 libquadmath0 nlohmann-json3-dev libslurm38 libudev1"
+          libgfortran5 libquadmath0 nlohmann-json3-dev libslurm38 libudev1 libssl-dev libssl3"
 
 if [ "${1:-}" = prepare ]; then
   mkdir -p "$debs_dir"
@@ -99,7 +99,7 @@ nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
 # whose mpirun refuses to run as root and which this project is not tested on.
 if [ -z "${Z2_CARRIED_DEBS:-}" ] && command -v mpicxx >/dev/null && command -v mpichversion >/dev/null &&
    [ -f /usr/include/doctest/doctest.h ] &&
-   [ -f /usr/include/nlohmann/json.hpp ] &&
+   [ -f /usr/include/nlohmann/json.hpp ] && [ -f /usr/include/openssl/evp.h ] &&
    { [ -f /usr/include/x86_64-linux-gnu/cblas.h ] || [ -f /usr/include/cblas.h ]; }; then
   note "dependencies: from the system"
 elif [ -d "$debs_dir" ]; then
