@@ -128,15 +128,19 @@ TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_
                    tests/test_allocator.cpp tests/test_math.cpp tests/test_portable.cpp tests/test_labs.cpp
 # $(call objects,DIR,SOURCES): each source's object under DIR (zero2.cu -> DIR/zero2.o).
 objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
-# The host-only plumbing (runtime/*.cpp, trainer/*.cpp: messages, files, JSON,
-# the transfer queue's bookkeeping) runs once a run or once a step, never
-# once an element, so -O3's vectorisation buys it nothing and took most of
-# its compile time: -Og, GCC's optimisation for code one debugs (a fifth
-# faster to compile than -O1, as fast to run here). The arithmetic is the
-# same IEEE arithmetic at any -O (no fast-math, no contraction): no bit
-# changes. The chapter, the gemms, the model and the tests keep -O3.
-PLUMBING        := $(filter %.cpp,$(ENGINE_SOURCES)) runtime/lab_checks.cpp $(TRAINER_SOURCES)
-$(call objects,build,$(PLUMBING)) $(call objects,build-cpu,$(PLUMBING)): PLUMBING_FLAGS := -Og
+# Host-only code that runs once a run or once a step, never once an element
+# -- the plumbing (runtime/*.cpp, trainer/*.cpp: messages, files, JSON, the
+# transfer queue's bookkeeping) and the tests' own .cpp files (their
+# harness and expected values; what they test is the engine's and the
+# model's code, at -O3) -- gains nothing from -O3's vectorisation, which
+# took most of its compile time: -Og, GCC's optimisation for code one
+# debugs (a fifth faster to compile than -O1, as fast to run here). The
+# arithmetic is the same IEEE arithmetic at any -O (no fast-math, no
+# contraction): no bit changes. The chapter, the gemms and the model (.cu),
+# and tools that compute (math_accuracy), keep -O3.
+HOST_ONLY := $(filter %.cpp,$(ENGINE_SOURCES)) runtime/lab_checks.cpp $(TRAINER_SOURCES) $(filter %.cpp,$(TEST_SOURCES)) \
+             tests/demo_stages.cpp tests/watchdog_check.cpp tests/paper_table.cpp
+$(call objects,build,$(HOST_ONLY)) $(call objects,build-cpu,$(HOST_ONLY)): HOST_ONLY_FLAGS := -Og
 # Every object also depends on the headers it includes, as the compiler lists
 # them (-MMD: DIR/x.d beside DIR/x.o), and on this Makefile (its flags).
 # -I.: every file includes "zero2.h" and "runtime/..." from the top folder.
@@ -178,7 +182,7 @@ build/%.o: %.cu Makefile
 	$(NVCC) $(NVCCFLAGS) -DZ2_HAVE_CUDA $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 build/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(PLUMBING_FLAGS) $(CUDA_CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(HOST_ONLY_FLAGS) $(CUDA_CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 LIBS := $(CUDA_LIBS) $(BLAS_LIBS)
 else
 build/%.o: %.cu Makefile
@@ -186,7 +190,7 @@ build/%.o: %.cu Makefile
 	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -x c++ -c $< -o $@ -x none
 build/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(PLUMBING_FLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(HOST_ONLY_FLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
 LIBS := $(BLAS_LIBS)
 endif
 build/test_zero2: $(call objects,build,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
@@ -230,7 +234,7 @@ build-cpu/%.o: %.cu Makefile
 	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -x c++ -c $< -o $@ -x none
 build-cpu/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(PLUMBING_FLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -c $< -o $@
+	$(MPICXX) $(CXXFLAGS) $(HOST_ONLY_FLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -c $< -o $@
 build-cpu/test_zero2: $(call objects,build-cpu,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
 build-cpu/demo_stages: $(call objects,build-cpu,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
@@ -311,7 +315,7 @@ bench: deps test-deps all cpu
 # How long a fresh clone's `make -j2 build/train_bert_mini` takes at BASE and at
 # HEAD, built alternately (tests/build_time.sh): make build-time BASE=6c9a223
 build-time: deps found
-	tests/build_time.sh $(if $(BASE),$(BASE),HEAD~1) $(ROUNDS)
+	tests/build_time.sh $(if $(BASE),$(BASE),HEAD~1) $(if $(ROUNDS),$(ROUNDS),3)
 
 # Every float through exp_fp32, log_fp32 and erf_fp32 (a few minutes on 2 cores).
 math-accuracy: deps found build/math_accuracy

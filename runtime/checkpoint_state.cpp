@@ -150,6 +150,63 @@ void Engine::owned_state_from_host(const OptimizerState& state) {
   all_gather_untracked();
 }
 
+// Who sends whom which pieces when every rank asks for its own range
+// (ranges: [begin, end) of rank q at 2q, 2q + 1): rank s sends rank q the
+// pieces of its runs inside q's range, in canonical order; q knows s's runs
+// (the layout is the same everywhere) and places them.
+namespace {
+struct RangeExchange {
+  std::vector<int> send_counts, send_offsets, receive_counts, receive_offsets;
+  std::vector<std::vector<Piece>> outgoing, incoming;
+  size_t sending = 0, receiving = 0;
+};
+
+RangeExchange plan_range_exchange(const Engine& engine, const std::vector<long>& ranges, size_t begin, size_t end) {
+  const int N = engine.world_size();
+  RangeExchange plan;
+  plan.send_counts.assign(N, 0), plan.send_offsets.assign(N, 0);
+  plan.receive_counts.assign(N, 0), plan.receive_offsets.assign(N, 0);
+  plan.outgoing.resize(N), plan.incoming.resize(N);
+  const std::vector<LocatedRun> my_runs = located_runs(engine, engine.rank());
+  for (int q = 0; q < N; ++q) {
+    plan.outgoing[q] = pieces_within(my_runs, (size_t)ranges[2 * q], (size_t)ranges[2 * q + 1]);
+    plan.incoming[q] = pieces_within(located_runs(engine, q), begin, end);
+    for (const Piece& piece : plan.outgoing[q]) plan.send_counts[q] += (int)piece.length;
+    for (const Piece& piece : plan.incoming[q]) plan.receive_counts[q] += (int)piece.length;
+    if (q > 0) {
+      plan.send_offsets[q] = plan.send_offsets[q - 1] + plan.send_counts[q - 1];
+      plan.receive_offsets[q] = plan.receive_offsets[q - 1] + plan.receive_counts[q - 1];
+    }
+  }
+  plan.sending = (size_t)plan.send_offsets[N - 1] + plan.send_counts[N - 1];
+  plan.receiving = (size_t)plan.receive_offsets[N - 1] + plan.receive_counts[N - 1];
+  return plan;
+}
+
+// One tensor of the state through the exchange: this rank's `owned` values
+// out, the pieces of its range into `placed` (which starts at `begin`).
+void exchange_range(const RangeExchange& plan, MPI_Comm comm, const std::vector<float>& owned,
+                    std::vector<float>& placed, size_t begin, const char* name) {
+  std::vector<float> packed, arrived(plan.receiving);
+  packed.reserve(plan.sending);
+  for (const std::vector<Piece>& pieces : plan.outgoing)
+    for (const Piece& piece : pieces)
+      packed.insert(packed.end(), owned.begin() + piece.source, owned.begin() + piece.source + piece.length);
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Ialltoallv(packed.data(), plan.send_counts.data(), plan.send_offsets.data(), MPI_FLOAT,
+                              arrived.data(), plan.receive_counts.data(), plan.receive_offsets.data(), MPI_FLOAT, comm,
+                              &request));
+  wait_request(&request, std::string("the all-to-all of the checkpoint's ") + name);
+  size_t at = 0;
+  for (const std::vector<Piece>& pieces : plan.incoming)
+    for (const Piece& piece : pieces) {
+      std::copy_n(arrived.begin() + at, piece.length, placed.begin() + (piece.canonical - begin));
+      at += piece.length;
+    }
+}
+
+}  // namespace
+
 OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
   require_built("state_range_to_host");
   const int N = comm_.world_size(), me = rank();
@@ -184,10 +241,6 @@ OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
     }
     return range;
   }
-  // Every rank's range (gathered above), then one all-to-all per tensor:
-  // rank s sends rank q the pieces of its runs inside q's range, in
-  // canonical order; q knows s's runs (the layout is the same everywhere)
-  // and places them.
   // MPI counts are int. Every rank sees the same ranges and layout, so every
   // rank refuses together, before the all-to-all.
   for (int q = 0; q < N; ++q)
@@ -195,41 +248,11 @@ OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
       usage_error(
           "state_range_to_host: more than 2^31 - 1 elements to or from one rank (MPI counts are int): "
           "save with more ranks");
-  std::vector<int> send_counts(N, 0), send_offsets(N, 0), receive_counts(N, 0), receive_offsets(N, 0);
-  std::vector<std::vector<Piece>> outgoing(N), incoming(N);
-  const std::vector<LocatedRun> my_runs = located_runs(*this, me);
-  for (int q = 0; q < N; ++q) {
-    outgoing[q] = pieces_within(my_runs, (size_t)ranges[2 * q], (size_t)ranges[2 * q + 1]);
-    incoming[q] = pieces_within(located_runs(*this, q), begin, end);
-    for (const Piece& piece : outgoing[q]) send_counts[q] += (int)piece.length;
-    for (const Piece& piece : incoming[q]) receive_counts[q] += (int)piece.length;
-    if (q > 0) {
-      send_offsets[q] = send_offsets[q - 1] + send_counts[q - 1];
-      receive_offsets[q] = receive_offsets[q - 1] + receive_counts[q - 1];
-    }
-  }
-  const size_t sending = (size_t)send_offsets[N - 1] + send_counts[N - 1];
-  const size_t receiving = (size_t)receive_offsets[N - 1] + receive_counts[N - 1];
-  auto exchange = [&](const std::vector<float>& owned, std::vector<float>& placed, const char* name) {
-    std::vector<float> packed, arrived(receiving);
-    packed.reserve(sending);
-    for (int q = 0; q < N; ++q)
-      for (const Piece& piece : outgoing[q])
-        packed.insert(packed.end(), owned.begin() + piece.source, owned.begin() + piece.source + piece.length);
-    MPI_Request request;
-    Z2_MPI_CHECK(MPI_Ialltoallv(packed.data(), send_counts.data(), send_offsets.data(), MPI_FLOAT, arrived.data(),
-                                receive_counts.data(), receive_offsets.data(), MPI_FLOAT, comm_.mpi(), &request));
-    wait_request(&request, std::string("the all-to-all of the checkpoint's ") + name);
-    size_t at = 0;
-    for (int q = 0; q < N; ++q)
-      for (const Piece& piece : incoming[q]) {
-        std::copy_n(arrived.begin() + at, piece.length, placed.begin() + (piece.canonical - begin));
-        at += piece.length;
-      }
-  };
-  exchange(own.master, range.master, "master weights");
-  exchange(own.exp_avg, range.exp_avg, "exp_avg");
-  exchange(own.exp_avg_sq, range.exp_avg_sq, "exp_avg_sq");
+  // Every rank's range (gathered above), then one all-to-all per tensor.
+  const RangeExchange plan = plan_range_exchange(*this, ranges, begin, end);
+  exchange_range(plan, comm_.mpi(), own.master, range.master, begin, "master weights");
+  exchange_range(plan, comm_.mpi(), own.exp_avg, range.exp_avg, begin, "exp_avg");
+  exchange_range(plan, comm_.mpi(), own.exp_avg_sq, range.exp_avg_sq, begin, "exp_avg_sq");
   return range;
 }
 
