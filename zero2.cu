@@ -633,13 +633,13 @@ void Engine::gradient_ready(ParameterId id) {
   const BucketInfo& b = buckets_[p.bucket];
   ++rank_state.bucket_ready_count[p.bucket];
   if (rank_state.stage == 2) {
-    // P_os+g cannot wait for the end of backward: its slots must come back
-    // for the next buckets, so without overlap it reduces now and blocks.
+    // P_os+g cannot wait for the end of backward: its slots must come back for
+    // the next buckets, so a complete bucket is reduce-scattered at once.
     RankState::SlotGradients slots(rank_state);
     stage2_gradient_ready(slots, p.bucket, b, id);
   } else if (options_.overlap && rank_state.bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
-    // Stages 0/1 without overlap wait for the end of backward, as a framework
-    // without gradient hooks would.
+    // Stages 0/1 with overlap reduce a complete bucket now; without it, at
+    // end_micro_step, as a framework without gradient hooks would.
     rank_state.reduce_bucket(p.bucket);
   }
   rank_state.exchange->progress();
@@ -864,10 +864,13 @@ Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t s
 
 // --- the receiver's sum (a kernel on the comm stream) -----------------------------
 
-// The same sum for the engine, on the device and in any precision: element i
-// of this rank's shard is the canonical tree over the N ranks' slices, in
-// fp32 (16-bit slices widened exactly), handed to the accumulation tree,
-// which rounds the finished sum to the wire type once (notes/08).
+// The same sum on the device, in any precision: element i of the own shard
+// is the canonical tree over the N ranks' slices, in fp32, handed to the
+// accumulation tree, which rounds the finished sum once (notes/08). Rank r
+// computed micro-batch a N + r, so this tree continued over the micro-steps
+// is the canonical tree over all N A micro-batches: the same bits at any
+// power-of-two N (notes/06). (sum_over_ranks: canonical_tree_sum, or in a
+// lab build the student's tree_sum; runtime/lab_build.h.)
 template <class Wire, class Accum>
 void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
                                       const AccumulateInto& into) {
@@ -880,7 +883,7 @@ void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const
   compute.for_each(shard,
                    Z2_LOOP(i,
                            {
-                             float value = sum_over_ranks(ranks, [&](long j) {  // canonical_tree_sum over the ranks
+                             float value = sum_over_ranks(ranks, [&](long j) {
                                return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
                              });
                              accumulate_micro_step(stack, step, steps, value, result, i);
@@ -923,12 +926,11 @@ void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& i
 
 // --- the transfer that carries it: one bucket over MPI, as it runs ---------------
 
-// The engine trains with a non-blocking form of the reference above: the
-// bucket's reduce-scatter starts when backward completes it, and each
-// progress() call (between layers) takes its steps as far as they go
-// without waiting (runtime/transfers.h: a transfer and its queue). On cuda
-// with --comm mpi, MPI works on pinned host memory, so the bucket crosses
-// to the host first and the received slices come back before the sum.
+// The engine trains with a non-blocking form of the reference above: each
+// progress() call (between layers) takes the bucket's steps as far as they
+// go without waiting (runtime/transfers.h: a transfer and its queue). On
+// cuda with --comm mpi, MPI works on pinned host memory: the bucket crosses
+// to the host first, and the received slices come back before the sum.
 struct MpiReduceScatter : Collective {
   BucketExchange::Parts& exchange;
   Slot& slot;
@@ -989,7 +991,7 @@ struct MpiReduceScatter : Collective {
         if (staged) exchange.copy_to_device(slot.receive, receive, (size_t)(world - 1) * shard);
         phase = Phase::sum;
         [[fallthrough]];
-      case Phase::sum:  // the canonical tree over the N slices, then the accumulation tree
+      case Phase::sum:  // the canonical tree over the N slices (after the copy back: one comm stream)
         exchange.sums.sum_and_accumulate(shard, wire.at(bucket, (size_t)rank * shard), slot.receive, into);
     }
     return true;
@@ -1113,7 +1115,7 @@ StepReport Engine::step() {
   RankState& rank_state = *rank_state_;
   StepReport report = rank_state.open_step();  // the global loss, the step's number and learning rate
   const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank's reduced gradients
-  if (rank_state.overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16 only
+  if (rank_state.overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
   report.grad_norm = rank_state.global_norm(local, report);
   report.clip_coefficient = rank_state.clip_coefficient(report.grad_norm);
   // AdamW on this rank's update regions (every bucket in DP, its shards in P_os and P_os+g),
@@ -1191,7 +1193,7 @@ bool Engine::RankState::overflow_skips_step(const std::vector<float>& local, Ste
       engine.scaler_.update(report.skipped);
     } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
   }
-  engine.micro_step_ = 0;
+  engine.micro_step_ = 0;  // every precision passes here: the next step's micro-steps start again
   if (!report.skipped) return false;
   ++engine.skipped_steps_;
   report.applied = engine.optimizer_step_;
