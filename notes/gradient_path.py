@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """notes/gradient_path.py — how many lines a reader reads to follow one
 gradient through zero2 (notes/00, "Following one gradient"): from where
 backward writes it, through its bucket's reduce-scatter and the step, to
