@@ -132,7 +132,8 @@ std::vector<float> Engine::gradient_buffer_to_host() {
     usage_error("gradient_buffer_to_host: only after all %d micro-steps and before step()",
                 options_.accumulation_steps);
   compute_.synchronize_all();
-  return working_to_host(compute_, model_states().grads, model_states().grad_elements, options_.precision);
+  const ModelStates s = model_states();
+  return working_to_host(compute_, s.grads, s.grad_elements, options_.precision);
 }
 
 uint64_t Engine::parameters_hash() {
