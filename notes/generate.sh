@@ -58,6 +58,10 @@ model="--device cpu --hidden 512 --layers 16 --micro-batch 16 --bucket 65536 --s
   done
 } >"$out/sum_order"
 
+# build_time (README): a fresh clone's make -j2 build/train_bert_mini against the
+# last single-file commit, built alternately (tests/build_time.sh; a few minutes).
+{ echo '```'; tests/build_time.sh 6c9a223 3; echo '```'; } >"$out/build_time"
+
 # gradient_path (notes/00): the definitions one gradient passes through, and their lines.
 python3 notes/gradient_path.py >"$out/gradient_path"
 
