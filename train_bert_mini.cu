@@ -95,6 +95,10 @@
 #include "trainer/checkpoints.h"
 // defines: memory_block (the fit check), run_plan (--plan)
 #include "trainer/plan.h"
+// defines: InitialWeights, read_initial_weights (--init-hf)
+#include "trainer/hf_import.h"
+// defines: RunTrace, TracedStep, trace_keeps_parameters_after (--trace)
+#include "trainer/trace.h"
 // defines: RunRecord, StepRecord, print_header, ProgressLog, print_summary, write_json, write_memory_trace
 #include "trainer/reports.h"
 
@@ -579,15 +583,19 @@ inline Parameters declare_parameters(const ModelShape& shape, Add add) {
   return ids;
 }
 
-// Their sizes (elements), as the engine sees them: what the planner lays out.
+// The parameters as registered, from the shape alone (for the plumbing:
+// the plan lays out their sizes, --init-hf reads their names and shapes).
+std::vector<ParameterTensor> parameter_tensors(const ModelShape& shape) {
+  std::vector<ParameterTensor> tensors;
+  declare_parameters(shape, [&](const std::string& name, const std::vector<long>& dims, bool decay, Init) {
+    tensors.push_back({name, dims, decay});
+    return (z2::ParameterId)(tensors.size() - 1);
+  });
+  return tensors;
+}
 std::vector<size_t> parameter_numels(const ModelShape& shape) {
   std::vector<size_t> numels;
-  declare_parameters(shape, [&](const std::string&, const std::vector<long>& dims, bool, Init) {
-    size_t numel = 1;
-    for (long d : dims) numel *= (size_t)d;
-    numels.push_back(numel);
-    return (z2::ParameterId)(numels.size() - 1);
-  });
+  for (const ParameterTensor& tensor : parameter_tensors(shape)) numels.push_back(tensor.numel());
   return numels;
 }
 
@@ -1581,9 +1589,10 @@ inline void catch_interrupts() {
 // --- before step 1 -------------------------------------------------------------
 
 // Checks that touch this host's files: every rank reads its own copy of the
-// data, rank 0 alone writes. On several hosts one of them may lack a file,
-// so the ranks agree on the outcome before anyone enters a collective.
-inline std::string read_inputs(const Settings& settings, int rank, MPI_Comm world) {
+// data (and of --init-hf's weights), rank 0 alone writes. On several hosts
+// one of them may lack a file, so the ranks agree on the outcome before
+// anyone enters a collective.
+inline std::string read_inputs(const Settings& settings, int rank, MPI_Comm world, InitialWeights& initial) {
   std::string corpus;
   agree_on_errors(world, [&] {
     if (rank == 0) check_outputs(settings);
@@ -1592,6 +1601,7 @@ inline std::string read_inputs(const Settings& settings, int rank, MPI_Comm worl
       fail("the corpus has %zu bytes; --seq %d needs at least %d (a window is seq - 2 bytes)", corpus.size(),
            settings.seq, settings.seq - 2);
     if (settings.checkpoint) check_checkpoint_data(settings, corpus);  // the data it was trained on, byte for byte
+    if (!settings.init_hf.empty()) initial = read_initial_weights(settings.init_hf, shape_of(settings));
   });
   return corpus;
 }
@@ -1630,6 +1640,8 @@ class Training {
 
  private:
   void train_step(long step);
+  void trace_step(long step, const z2::StepReport& report, const std::vector<float>& contributions,
+                  const std::vector<float>& gradients);
   float evaluate() const;
   void log_evaluation(long step);
 
@@ -1645,6 +1657,8 @@ class Training {
   ProgressLog progress_;  // the progress lines and --metrics
   BatchDump dump_;        // step 0's (--dump-batch): what forward read
   std::unique_ptr<DirectoryLock> save_lock_;  // rank 0 with --save: held until the run ends
+  InitialWeights initial_weights_;            // --init-hf's, until the engine holds them
+  std::unique_ptr<RunTrace> trace_;           // rank 0 with --trace
   // --eval-every: the held-out tail of the data, and what training draws from.
   std::string training_text_, held_out_;
 };
@@ -1656,12 +1670,13 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   MPI_Comm_size(world_, &world_size_);
   z2::set_watchdog_timeout(settings_.timeout);  // from here every wait has a deadline
   check_consistency(settings_, world_size_);
-  corpus_ = read_inputs(settings_, rank_, world_);
+  corpus_ = read_inputs(settings_, rank_, world_, initial_weights_);
   split_held_out(settings_, corpus_, training_text_, held_out_);
   run_.corpus_bytes = corpus_.size();
   run_.held_out_bytes = held_out_.size();
+  run_.initial_weights_unused = initial_weights_.notes;
   // Every rank finds the same difference: the same message and exit everywhere.
-  if (world_size_ > 1) check_same_inputs(settings_, corpus_, world_);
+  if (world_size_ > 1) check_same_inputs(settings_, corpus_, initial_weights_.file_bytes, world_);
   // Rank 0 saves: it locks --save and looks at what it holds, before step 1.
   if (!settings_.save_dir.empty())
     agree_on_errors(
@@ -1702,7 +1717,22 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   model_->time_phases(settings_.wall_clock_breakdown);
   engine_->build();
   model_->initialize();
+  if (!settings_.init_hf.empty()) {  // where another implementation's run started (notes/12)
+    engine_->parameters_from_host(initial_weights_.values);
+    initial_weights_ = InitialWeights();
+  }
   if (settings_.checkpoint) run_.loaded = load_checkpoint(settings_, *engine_, model_->tensor_shapes(), world_);
+  if (!settings_.trace_dir.empty()) {
+    const std::vector<float> initial = engine_->parameters_to_host();  // collective (a sharded master)
+    agree_on_errors(
+        world_,
+        [&] {
+          if (rank_ != 0) return;
+          trace_ = std::make_unique<RunTrace>(settings_);
+          trace_->write_initial(run_.shape, model_->tensor_shapes(), *engine_, initial);
+        },
+        "the trace's initial weights were written");
+  }
   run_.tokens_per_step = (long)world_size_ * settings_.accum * settings_.micro_batch * settings_.seq;
   run_.start_ledger = engine_->memory_ledger();
 }
@@ -1720,26 +1750,30 @@ void Training<Act>::train_step(long step) {
   const float loss_scale = 1.0f / (float)std::max(1l, selected);
   const bool first = run_.steps.empty();  // this run's first step (a resumed run's too)
   const bool dumping = step == 0 && !settings_.dump_dir.empty();
-  const bool tracing = first && !settings_.memory_trace.empty();
-  if (tracing) compute_->set_tracing(true);
+  const bool tracing_memory = first && !settings_.memory_trace.empty();
+  if (tracing_memory) compute_->set_tracing(true);
   if (dumping) dump_.weights = engine_->working_parameters_to_host();  // what forward reads (16-bit: as floats)
+  std::vector<float> contributions;  // this rank's micro-batches' shares of the loss, for --trace
   for (int a = 0; a < A; ++a) {
     const long m = engine_->micro_batch_index(a);
     const Batch batch = make_batch(training_text_, settings_.seed, step, m, B, T);
-    model_->run(batch, step, m, loss_scale, true);
+    contributions.push_back(model_->run(batch, step, m, loss_scale, true));
     if (dumping) {
       dump_.input_ids.insert(dump_.input_ids.end(), batch.tokens.begin(), batch.tokens.end());
       dump_.labels.insert(dump_.labels.end(), batch.labels.begin(), batch.labels.end());
       dump_.rows += B;
     }
   }
-  std::vector<float> dump_gradients;
-  if (dumping) dump_gradients = engine_->gradients_to_host();
+  // The step's reduced gradient, before step() clips and applies it
+  // (collective in stages 1 and 2, where each rank holds its shards of it).
+  const bool trace_parameters = trace_keeps_parameters_after(settings_, step + 1);
+  std::vector<float> gradients;
+  if (dumping || trace_parameters) gradients = engine_->gradients_to_host();
   const auto optimizer_start = std::chrono::steady_clock::now();
   const z2::StepReport report = engine_->step();
   compute_->synchronize_all();
   const auto end = std::chrono::steady_clock::now();
-  if (tracing) {
+  if (tracing_memory) {
     compute_->set_tracing(false);
     // Rank 0 writes; every rank learns whether it could (a full disk ends them all).
     agree_on_errors(
@@ -1767,10 +1801,44 @@ void Training<Act>::train_step(long step) {
     agree_on_errors(
         world_,
         [&] {
-          write_batch_dump(settings_, run_.shape, model_->tensor_shapes(), *engine_, dump_, report, dump_gradients);
+          write_batch_dump(settings_, run_.shape, model_->tensor_shapes(), *engine_, dump_, report, gradients);
         },
         "the batch dump was written");
+  if (!settings_.trace_dir.empty()) trace_step(step, report, contributions, trace_parameters ? gradients : std::vector<float>());
   progress_.step(run_, *engine_, report, ms, compute_->memory());
+}
+
+// --trace: what step `step` (0-based; the trace counts from 1) adds. Rank 0
+// gathers every rank's micro-batch losses and rebuilds the global batch
+// from the seed (the same hashes every rank drew its own micro-batches
+// from: nothing else crosses the wire); after the kept steps, the
+// parameters (a collective) and the gradient the step applied.
+template <class Act>
+void Training<Act>::trace_step(long step, const z2::StepReport& report, const std::vector<float>& contributions,
+                               const std::vector<float>& gradients) {
+  const int N = world_size_, A = settings_.accum, B = settings_.micro_batch, T = settings_.seq;
+  std::vector<float> gathered((size_t)N * A);  // [rank][micro-step]
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Igather(contributions.data(), A, MPI_FLOAT, gathered.data(), A, MPI_FLOAT, 0, world_, &request));
+  z2::wait_request(&request, "the gather of the micro-batch losses for --trace");
+  std::vector<float> parameters;
+  if (trace_keeps_parameters_after(settings_, step + 1)) parameters = engine_->parameters_to_host();
+  agree_on_errors(
+      world_,
+      [&] {
+        if (rank_ != 0) return;
+        TracedStep traced{report, {}, {}};
+        for (long m = 0; m < (long)N * A; ++m) {  // rank m mod N computed it at micro-step m div N
+          const Batch batch = make_batch(training_text_, settings_.seed, step, m, B, T);
+          trace_->add_micro_batch(batch.tokens, batch.labels);
+          traced.micro_batch_losses.push_back(gathered[(size_t)(m % N) * A + m / N]);
+          traced.micro_batch_selected.push_back((long)batch.selected.size());
+        }
+        trace_->add_step(std::move(traced));
+        if (!parameters.empty())
+          trace_->write_parameters(step + 1, run_.shape, model_->tensor_shapes(), *engine_, parameters, gradients);
+      },
+      "the trace's step was written");
 }
 
 // The MLM loss on --eval-batches micro-batches of held-out windows, without
@@ -1843,6 +1911,12 @@ int Training<Act>::run() {
           export_hf(settings_.export_dir, run_.shape, model_->tensor_shapes(), *engine_, final_parameters);
       },
       "the export was written");
+  agree_on_errors(
+      world_,
+      [&] {
+        if (rank_ == 0 && trace_) trace_->finish(run_.shape, model_->tensor_shapes(), *engine_, run_.interrupted_by);
+      },
+      "the trace was written");
   if (progress_.prints()) print_summary(settings_, run_, *engine_, hash);
   agree_on_errors(
       world_,

@@ -367,8 +367,9 @@ class Engine {
   std::vector<float> working_parameters_to_host();
   // The step's reduced gradient (sum over all micro-batches, before clipping;
   // fp16's loss scale divided out) in canonical order, real elements only.
-  // Valid after the last end_micro_step() and before step(), where one rank
-  // holds all of it: stage 0, or N = 1 (for --dump-batch and the reference checks).
+  // Valid after the last end_micro_step() and before step(). Collective in
+  // stages 1 and 2, where each rank holds its shards of it (for --dump-batch,
+  // --trace and the reference checks).
   std::vector<float> gradients_to_host();
   // The gradient buffer as it is, widened to float: [Psi_padded] in stages 0
   // and 1, this rank's shards [Psi_padded / N] in stage 2 (fp16's loss scale
@@ -412,6 +413,7 @@ class Engine {
   void* parameter_storage(ParameterId id, Precision expected);
   void* gradient_storage(ParameterId id, Precision expected);
   std::vector<float> canonical_from_padded(const std::vector<float>& padded) const;  // runtime/host_copies.cpp
+  std::vector<float> padded_from_shards(const std::vector<float>& shards, const char* what) const;  // collective
   // This rank's buffers for the runtime's host copies, checkpoint state and
   // ledger report, and every rank's update regions to every rank outside the
   // ledger (after a checkpoint is loaded): zero2.cu.

@@ -46,6 +46,24 @@ std::vector<float> Engine::canonical_from_padded(const std::vector<float>& padde
   return canonical;
 }
 
+// Every rank's shards (its shard-space vector: its shard of each bucket,
+// back to back, Psi_padded / N elements) gathered into the padded layout:
+// rank r's shard of bucket b back at b.offset + r * shard_length. Not
+// training traffic, so not in the communication ledger. Collective.
+std::vector<float> Engine::padded_from_shards(const std::vector<float>& shards, const char* what) const {
+  const int N = comm_.world_size();
+  std::vector<float> gathered(shards.size() * N), padded(psi_padded(), 0.0f);
+  MPI_Request request;
+  Z2_MPI_CHECK(MPI_Iallgather(shards.data(), (int)shards.size(), MPI_FLOAT, gathered.data(), (int)shards.size(),
+                              MPI_FLOAT, comm_.mpi(), &request));
+  wait_request(&request, std::string("the all-gather of ") + what);
+  for (int r = 0; r < N; ++r)
+    for (auto& b : buckets_)
+      std::copy_n(gathered.begin() + (size_t)r * shards.size() + b.shard_offset, b.shard_length,
+                  padded.begin() + shard_begin(b, r));
+  return padded;
+}
+
 std::vector<float> Engine::parameters_to_host() {
   require_built("parameters_to_host");
   compute_.synchronize_all();
@@ -55,20 +73,8 @@ std::vector<float> Engine::parameters_to_host() {
   compute_.copy(master.data(), s.master, master.size() * sizeof(float), compute_.compute_stream());
   compute_.synchronize(compute_.compute_stream());
   if (options_.stage == 0) return canonical_from_padded(master);
-  // Stages 1 and 2 hold the master sharded: gather every rank's shards (not
-  // training traffic, so not in the communication ledger) and put rank r's
-  // shard of bucket b back at b.offset + r * shard_length.
-  const int N = comm_.world_size();
-  std::vector<float> gathered(master.size() * N), padded(psi_padded(), 0.0f);
-  MPI_Request request;
-  Z2_MPI_CHECK(MPI_Iallgather(master.data(), (int)master.size(), MPI_FLOAT, gathered.data(), (int)master.size(),
-                              MPI_FLOAT, comm_.mpi(), &request));
-  wait_request(&request, "the all-gather of the fp32 master weights");
-  for (int r = 0; r < N; ++r)
-    for (auto& b : buckets_)
-      std::copy_n(gathered.begin() + (size_t)r * master.size() + b.shard_offset, b.shard_length,
-                  padded.begin() + shard_begin(b, r));
-  return canonical_from_padded(padded);
+  // Stages 1 and 2 hold the master sharded (in shard space).
+  return canonical_from_padded(padded_from_shards(master, "the fp32 master weights"));
 }
 
 std::vector<float> Engine::working_parameters_to_host() {
@@ -107,18 +113,19 @@ std::vector<float> Engine::gradients_to_host() {
   require_built("gradients_to_host");
   if (micro_step_ != options_.accumulation_steps)
     usage_error("gradients_to_host: only after all %d micro-steps and before step()", options_.accumulation_steps);
-  if (options_.stage != 0 && comm_.world_size() != 1)
-    usage_error("gradients_to_host: stage %d holds only a shard of the gradient on each of %d ranks", options_.stage,
-                comm_.world_size());
   compute_.synchronize_all();
-  // With stage 0 or N = 1, each bucket's update region is the whole bucket.
+  // Each bucket's update region holds its reduced gradient: the whole bucket
+  // in stage 0 (all-gathered), this rank's shard in stages 1 and 2.
   const ModelStates s = model_states();
-  std::vector<float> padded(psi_padded());
+  const bool whole = options_.stage == 0 || comm_.world_size() == 1;
+  std::vector<float> values(whole ? psi_padded() : psi_padded() / comm_.world_size());
   for (int b = 0; b < (int)buckets_.size(); ++b) {
-    const void* gradient = s.grads + s.region(b).gradient * s.element;  // reduced (stage 0: all-gathered)
-    std::vector<float> values = working_to_host(compute_, gradient, buckets_[b].padded_length, options_.precision);
-    std::copy(values.begin(), values.end(), padded.begin() + buckets_[b].offset);
+    const UpdateRegion own = s.region(b);
+    const std::vector<float> region =
+        working_to_host(compute_, s.grads + own.gradient * s.element, own.length, options_.precision);
+    std::copy(region.begin(), region.end(), values.begin() + (whole ? buckets_[b].offset : buckets_[b].shard_offset));
   }
+  std::vector<float> padded = whole ? std::move(values) : padded_from_shards(values, "the reduced gradient");
   // fp16: divide the loss scale out (a power of two: exact).
   const float unscale = 1.0f / loss_scale();
   if (unscale != 1.0f)

@@ -154,11 +154,10 @@ static json hf_tokenizer_config(int max_positions) {
   return config;
 }
 
-// Parameters (canonical order, as Engine::parameters_to_host gives them) as
-// named tensors. The decoder weight is not stored: it is the word embedding
-// (Hugging Face ties it again on load).
-static std::vector<Tensor> named_tensors(const z2::Engine& engine, const TensorShapes& tensor_shapes,
-                                         const std::vector<float>& values, const std::string& prefix = "") {
+// The decoder weight is not stored: it is the word embedding (Hugging Face
+// ties it again on load).
+std::vector<Tensor> named_tensors(const z2::Engine& engine, const TensorShapes& tensor_shapes,
+                                  const std::vector<float>& values, const std::string& prefix) {
   std::vector<Tensor> tensors;
   size_t position = 0;
   const auto& infos = engine.parameters();

@@ -41,6 +41,12 @@ inline Tensor tensor_f32(const std::string& name, std::vector<long> shape, const
 std::string safetensors_bytes(const std::vector<Tensor>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
 
+// Parameters (canonical order, as Engine::parameters_to_host gives them) as
+// tensors named as Hugging Face names them, each `prefix` + its name: views
+// of `values`, which must outlive them.
+std::vector<Tensor> named_tensors(const z2::Engine& engine, const TensorShapes& tensor_shapes,
+                                  const std::vector<float>& values, const std::string& prefix = "");
+
 // The Hugging Face layout of `values` (canonical order, as
 // Engine::parameters_to_host gives them): model.safetensors, config.json,
 // the tokenizer's files. `dumped`: the precision of a dump's working weights.

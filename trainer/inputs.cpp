@@ -95,11 +95,13 @@ size_t first_bad_utf8(const std::string& text) {
 // sizes and SHA-256 go to every rank (one all-gather), so every rank finds
 // the same difference and stops with the same message, naming the ranks and
 // hosts that differ from rank 0.
-void check_same_inputs(const Settings& settings, const std::string& corpus, MPI_Comm world) {
+void check_same_inputs(const Settings& settings, const std::string& corpus, const std::string& initial_weights,
+                       MPI_Comm world) {
+  constexpr int inputs = 4;  // --data (the corpus as read), --config, --load's index.json, --init-hf's weights
   struct Fingerprint {
     char host[MPI_MAX_PROCESSOR_NAME + 1];
-    char sha256[3][65];  // --data (the corpus as read), --config, --load's index.json; "" when not given
-    long bytes[3];
+    char sha256[inputs][65];  // "" when not given
+    long bytes[inputs];
   };
   Fingerprint mine = {};
   agree_on_errors(
@@ -109,8 +111,8 @@ void check_same_inputs(const Settings& settings, const std::string& corpus, MPI_
         MPI_Get_processor_name(mine.host, &length);
         const std::string index = loaded_index_text(settings);
         const std::string config = settings.config.empty() ? "" : read_config_text(settings.config);
-        const std::string* texts[3] = {&corpus, &config, &index};
-        for (int k = 0; k < 3; ++k) {
+        const std::string* texts[inputs] = {&corpus, &config, &index, &initial_weights};
+        for (int k = 0; k < inputs; ++k) {
           snprintf(mine.sha256[k], 65, "%s", sha256_hex(*texts[k]).c_str());
           mine.bytes[k] = (long)texts[k]->size();
         }
@@ -124,8 +126,8 @@ void check_same_inputs(const Settings& settings, const std::string& corpus, MPI_
   Z2_MPI_CHECK(
       MPI_Iallgather(&mine, (int)sizeof mine, MPI_BYTE, all.data(), (int)sizeof mine, MPI_BYTE, world, &request));
   z2::wait_request(&request, "the all-gather of every rank's input fingerprints");
-  const char* names[3] = {"--data", "--config", "--load's index.json"};
-  for (int k = 0; k < 3; ++k) {
+  const char* names[inputs] = {"--data", "--config", "--load's index.json", "--init-hf's model.safetensors"};
+  for (int k = 0; k < inputs; ++k) {
     std::string differing;
     for (int q = 1; q < size; ++q)
       if (std::strcmp(all[q].sha256[k], all[0].sha256[k]) != 0 || all[q].bytes[k] != all[0].bytes[k])

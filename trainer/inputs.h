@@ -19,8 +19,11 @@ std::string read_regular_file(const std::string& what, const std::string& path, 
 // The offset of the first byte of `text` that does not begin a well-formed
 // UTF-8 sequence, or npos.
 size_t first_bad_utf8(const std::string& text);
-// On several hosts: every rank's --data (the corpus as read), --config and
-// --load's index are the same bytes, or every rank stops with one message.
-void check_same_inputs(const Settings& settings, const std::string& corpus, MPI_Comm world);
+// On several hosts: every rank's --data (the corpus as read), --config,
+// --load's index and --init-hf's weights (`initial_weights`, the file's
+// bytes as read; "" without it) are the same bytes, or every rank stops
+// with one message.
+void check_same_inputs(const Settings& settings, const std::string& corpus, const std::string& initial_weights,
+                       MPI_Comm world);
 
 }  // namespace bert

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "zero2.h"
@@ -35,6 +36,21 @@ enum class ActivationMode { keep, recompute, offload };
 // order (the order of Engine::parameters(), which holds the names and sizes).
 using TensorShapes = std::vector<std::vector<long>>;
 
+// Every parameter as the model registers it (registration order): its
+// Hugging Face name, its tensor shape as Hugging Face stores it, and whether
+// AdamW decays it (not the biases and LayerNorm weights, as Hugging Face's
+// examples group them). What --init-hf reads into and a trace describes.
+struct ParameterTensor {
+  std::string name;
+  std::vector<long> shape;
+  bool decay = true;
+  size_t numel() const {
+    size_t count = 1;
+    for (long d : shape) count *= (size_t)d;
+    return count;
+  }
+};
+std::vector<ParameterTensor> parameter_tensors(const ModelShape& shape);
 // Every parameter's size (elements) in registration order, as the engine sees
 // them: what the planner lays out.
 std::vector<size_t> parameter_numels(const ModelShape& shape);

@@ -243,6 +243,20 @@ static void check_output_file(const std::string& flag, const std::string& path) 
   probe_writable(flag, directory_of(output_destination(flag, path)));  // a symlink's target's directory
 }
 
+// A directory that must hold nothing yet (or not exist): `holds` is what it
+// will hold, for the message. A trace mixed with an earlier run's files
+// would be a trace of neither.
+static void check_empty_directory(const std::string& flag, const std::string& directory, const char* holds) {
+  std::error_code error;
+  if (!is_directory(directory)) return;  // made later; not a directory at all is prepare_directory's message
+  std::filesystem::directory_iterator entries(directory, error);
+  if (error) fail("%s: cannot read the directory '%s': %s", flag.c_str(), directory.c_str(), error.message().c_str());
+  if (entries != std::filesystem::directory_iterator())
+    fail("%s '%s' is not empty: %s goes into a new or empty directory, so that nothing in it is another run's "
+         "(remove it first, or give another)",
+         flag.c_str(), directory.c_str(), holds);
+}
+
 // Each name in an output's path fits a file system (255 bytes, NAME_MAX on
 // Linux's): checked first, since every later check would fail on it with
 // the system's less helpful "File name too long".
@@ -285,6 +299,9 @@ void check_outputs(const Settings& s) {
   std::vector<Place> inputs, outputs;
   if (!s.data.empty()) inputs.push_back({"--data", s.data, false});
   if (!s.config.empty()) inputs.push_back({"--config", s.config, false});
+  if (!s.init_hf.empty())
+    for (const char* name : {"config.json", "model.safetensors"})
+      inputs.push_back({std::string("--init-hf's ") + name, s.init_hf + "/" + name, false});
   if (!s.checkpoint_directory.empty()) {
     inputs.push_back({"--load checkpoint's", s.checkpoint_directory, true});
     if (normal_path(s.checkpoint_directory) != normal_path(s.load_dir))
@@ -295,13 +312,15 @@ void check_outputs(const Settings& s) {
   if (!s.metrics.empty()) outputs.push_back({"--metrics", s.metrics, false});
   for (auto [flag, directory] : {std::pair<std::string, std::string>{"--export-hf", s.export_dir},
                                  {"--dump-batch", s.dump_dir},
-                                 {"--save", s.save_dir}}) {
+                                 {"--save", s.save_dir},
+                                 {"--trace", s.trace_dir}}) {
     if (directory.empty()) continue;
     outputs.push_back({flag, directory, true});
     std::vector<std::string> names = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
                                       "special_tokens_map.json"};
     if (flag == "--dump-batch") names.push_back("batch.safetensors");
     if (flag == "--save") names = {"latest"};
+    if (flag == "--trace") names = {"trace.json", "batches.safetensors"};
     for (auto& name : names) outputs.push_back({flag + "'s " + name, directory + "/" + name, false});
   }
   std::vector<std::string> normal;
@@ -322,6 +341,11 @@ void check_outputs(const Settings& s) {
         fail("%s '%s' is the %s file: the run would overwrite its own input", outputs[o].what.c_str(),
              outputs[o].path.c_str(), input.what.c_str());
     }
+    // The trace directory holds the trace alone (its step_<s> and initial/ too).
+    const std::string trace = s.trace_dir.empty() ? "" : normal_path(s.trace_dir);
+    if (!trace.empty() && normal[o].rfind(trace + "/", 0) == 0 && outputs[o].what.rfind("--trace", 0) != 0)
+      fail("%s '%s' is inside --trace '%s', which holds the trace alone: give a path outside it",
+           outputs[o].what.c_str(), outputs[o].path.c_str(), s.trace_dir.c_str());
     for (size_t other = 0; other < o; ++other)
       if (normal[o] == normal[other])
         fail("%s and %s name the same %s '%s': one would overwrite the other", outputs[other].what.c_str(),
@@ -331,6 +355,7 @@ void check_outputs(const Settings& s) {
                                                                 : "file",
              outputs[o].path.c_str());
   }
+  if (!s.trace_dir.empty()) check_empty_directory("--trace", s.trace_dir, "a trace");
   for (auto& output : outputs)
     if (output.directory) prepare_directory(output.what, output.path);
     else check_output_file(output.what, output.path);

@@ -141,7 +141,27 @@ void print_header(const Settings& settings, const RunRecord& run, const z2::Engi
            settings.save_every > 0 ? ("every " + std::to_string(settings.save_every) + " steps and at the end").c_str()
                                    : "at the end",
            settings.save_keep);
-  if (!run.loaded) printf("  initial loss should be near ln(%d) = %.3f\n", vocab_size, std::log((double)vocab_size));
+  if (!settings.init_hf.empty()) {
+    std::string unused;
+    for (const std::string& name : run.initial_weights_unused) unused += (unused.empty() ? "" : ", ") + name;
+    printf("  init      every parameter from --init-hf %s/model.safetensors%s\n", settings.init_hf.c_str(),
+           unused.empty() ? "" : ("; not used, as from_pretrained leaves them: " + unused).c_str());
+  }
+  if (!settings.trace_dir.empty()) {
+    printf(
+        "  trace     %s: the initial weights, every step's batch, loss, grad norm and lr; parameters and gradients "
+        "after step 1%s and step %ld (notes/12)\n",
+        settings.trace_dir.c_str(),
+        settings.trace_params_every > 0 ? (", every " + std::to_string(settings.trace_params_every)).c_str() : "",
+        settings.steps);
+    if (settings.dropout > 0)
+      printf(
+          "  WARNING   --dropout %g: no other implementation draws zero2's dropout masks, so only a run with "
+          "--dropout 0 can be replayed from this trace\n",
+          settings.dropout);
+  }
+  if (!run.loaded && settings.init_hf.empty())
+    printf("  initial loss should be near ln(%d) = %.3f\n", vocab_size, std::log((double)vocab_size));
   printf("\n");
   fflush(stdout);
 }

@@ -49,6 +49,7 @@ struct RunRecord {
   size_t corpus_bytes = 0, held_out_bytes = 0;  // the data, and the tail --eval-every holds out of it
   z2::MemoryLedger start_ledger;                // the engine's, before step 1
   std::optional<LoadedCheckpoint> loaded;       // --load
+  std::vector<std::string> initial_weights_unused;  // --init-hf's tensors BertForMaskedLM does not use
   std::vector<StepRecord> steps;                // this run's steps, in order
   std::vector<Evaluation> evaluations;
   std::vector<SavedCheckpoint> saved;

@@ -169,6 +169,9 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "--metrics") s.metrics = parse_path(name, value);
   else if (flag == "--export-hf") s.export_dir = parse_path(name, value);
   else if (flag == "--dump-batch") s.dump_dir = parse_path(name, value);
+  else if (flag == "--trace") s.trace_dir = parse_path(name, value);
+  else if (flag == "--trace-params-every") s.trace_params_every = parse_integer(name, value, 0, big);
+  else if (flag == "--init-hf") s.init_hf = parse_path(name, value);
   else if (flag == "--activations") s.activations = parse_choice(name, value, {"keep", "recompute", "offload"});
   else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive", "caching", "cuda"});
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
@@ -298,6 +301,13 @@ files
   --export-hf DIR            the trained model for BertForMaskedLM.from_pretrained
   --dump-batch DIR           step 0's weights, batch, loss and gradients (for a reference check)
   --memory-trace FILE        the first step's allocator events
+checking another implementation against this run (notes/12)
+  --trace DIR                a new or empty DIR: the initial weights, every step's global batch, the settings
+                             that fix the arithmetic, every step's loss, grad norm and lr, and the parameters
+                             and gradients after step 1, every K-th step and the last (make check-trace)
+  --trace-params-every K     with --trace: also the parameters and gradients after every K-th step (0)
+  --init-hf DIR              start from a BertForMaskedLM directory's weights (config.json, model.safetensors;
+                             the run's sizes) instead of the seed's initialization
 checkpoints (notes/09)
   --save DIR                 save DIR/step_<s> at the end (and on SIGINT/SIGTERM); DIR/latest names the newest
   --save-every K             also every K steps (0: only at the end)
@@ -328,13 +338,15 @@ void check_plan_flags(const Settings& s) {
   }
   for (auto [flag, value] : {std::pair<const char*, std::string>{"--save", s.save_dir},
                              {"--load", s.load_dir},
+                             {"--init-hf", s.init_hf},
+                             {"--trace", s.trace_dir},
                              {"--export-hf", s.export_dir},
                              {"--dump-batch", s.dump_dir},
                              {"--metrics", s.metrics},
                              {"--memory-trace", s.memory_trace}})
     if (!value.empty())
       fail("--plan trains nothing, so %s '%s' would have nothing to %s: drop one of them", flag, value.c_str(),
-           std::string(flag) == "--load" ? "read" : "write");
+           std::string(flag) == "--load" || std::string(flag) == "--init-hf" ? "read" : "write");
   if (s.alloc != "arena" && s.device_memory_limit > 0)
     fail(
         "--plan's largest sizes for --device-memory-limit are exact for --alloc arena only: %s's memory also "
@@ -419,6 +431,19 @@ void check_consistency(Settings& s, int world_size) {
         "--load with --steps 0 trains nothing: give --export-hf DIR, --save DIR (the checkpoint re-sliced for "
         "this N) or --json FILE for it to write");
   if (!s.load_dir.empty() && !s.dump_dir.empty()) fail("--dump-batch writes step 0 of a fresh run: not with --load");
+  // A peer replays a trace from step 1: its own AdamW state starts at zero,
+  // and a checkpoint's (m, v) are zero2's, in no form another framework reads.
+  if (!s.load_dir.empty() && !s.trace_dir.empty())
+    fail(
+        "--trace records a run from step 1, which another implementation replays from the initial weights; a "
+        "resumed run starts from a checkpoint's optimizer state instead: trace a fresh run (--init-hf DIR starts "
+        "it from given weights)");
+  if (!s.load_dir.empty() && !s.init_hf.empty())
+    fail("--init-hf '%s' and --load '%s' both give the weights to start from: give one", s.init_hf.c_str(),
+         s.load_dir.c_str());
+  if (s.trace_params_every > 0 && s.trace_dir.empty())
+    fail("--trace-params-every %ld is for --trace DIR (what the trace records): give --trace too",
+         s.trace_params_every);
   if (s.save_every > 0 && s.save_dir.empty()) fail("--save-every %ld needs --save DIR", s.save_every);
   if (s.save_overwrite && s.save_dir.empty())
     fail("--save-overwrite needs --save DIR (it is consent to replace there)");

@@ -58,6 +58,13 @@ struct Settings {
   long device_memory_limit = 0;  // bytes per rank; 0: enough for the run
   // files and output
   std::string data, config, json_path, export_dir, dump_dir, memory_trace, metrics;
+  // Checking another implementation against this run (notes/12): --trace DIR
+  // records what a peer needs to replay it and what it should match; the
+  // parameters and gradients after step 1, every trace_params_every-th step
+  // (0: none between) and the last. --init-hf DIR starts from a
+  // BertForMaskedLM directory's weights instead of the seed's.
+  std::string trace_dir, init_hf;
+  long trace_params_every = 0;
   double timeout = 600;  // seconds the watchdog lets a collective or transfer wait (zero2.h)
   // checkpoints (notes/09)
   std::string save_dir, load_dir;
