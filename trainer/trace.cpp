@@ -228,6 +228,8 @@ void RunTrace::finish(const ModelShape& shape, const TensorShapes& tensor_shapes
         {"seq", shape.seq},
         {"steps", steps},
         {"stage", options.stage},
+        {"bucket", options.bucket_elements},
+        {"overlap", options.overlap},
         {"precision", z2::to_string(options.precision)},
         {"dropout", as_written(shape.dropout)},
         {"seed", shape.seed},
