@@ -30,6 +30,11 @@
 #                 place of the engine's, graded by the lab's tests at N = 1, 2, 4 ("N passed, M failed"
 #                 and what differs first). Without SOLUTION, the skeleton as shipped; SOLUTION=engine,
 #                 zero2's own code. `make labs`: every lab is gradable (CI)
+#   make check-trace REF=DIR THEIRS=DIR  another implementation's trace against zero2's (train_bert_mini
+#                 --trace DIR): the first step and tensor that differ, where in ZeRO's terms, the likely bug
+#   make check-peer PEER=torch  a peer replays zero2's trace and is checked (tests/peers/check_peer.sh):
+#                 PyTorch's ZeroRedundancyOptimizer and zero2's step in torch.distributed agree, each
+#                 planted mistake is diagnosed (CI)
 #   make notes    regenerate the measured tables in notes/
 #   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
 #   make deps     install missing Debian packages (as root), or print the command
@@ -157,7 +162,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run verify golden lab labs demo bench build-time math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
+.PHONY: all cpu run verify golden lab labs demo bench check-trace check-peer build-time math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -347,6 +352,16 @@ test: deps test-deps hf-venv all
 TEST_CPU_SKIP ?= 7 9 10 11 12
 test-cpu: deps test-deps hf-venv cpu
 	$(RUN_ENV) Z2_TRAINER_SKIP="$(TEST_CPU_SKIP)" tests/run_tests.sh build-cpu
+
+# Checking another implementation against zero2 (notes/12). The checker needs numpy alone; the torch
+# peer Debian's torch and the Hugging Face venv (hf-venv).
+check-trace:
+	@[ -n "$(REF)" ] && [ -n "$(THEIRS)" ] || { echo "usage: make check-trace REF=zero2's-trace THEIRS=your-trace"; exit 2; }
+	/usr/bin/python3 tests/check_trace.py $(REF) $(THEIRS)
+
+check-peer: deps test-deps hf-venv
+	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
+	tests/peers/check_peer.sh $(if $(PEER),$(PEER),torch) build
 
 sanitize: deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini
 	$(RUN_ENV) tests/sanitize.sh build-sanitize

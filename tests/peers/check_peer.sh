@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# tests/peers/check_peer.sh PEER [BUILD_DIR] — another implementation checked against zero2 through a trace
+# (notes/12), as `make check-peer PEER=...` runs it:
+#
+#   torch      zero2's trace (N = 2, fp32, stage 2, 20 steps) replayed by tests/peers/torch_peer.py on
+#              Debian's torch 1.13 in .venv-hf: PyTorch's own ZeRO (DDP + ZeroRedundancyOptimizer) and zero2's
+#              step written in torch.distributed (--step flat) pass tests/check_trace.py; each planted mistake
+#              (tests/lab_mistakes/torch-step.*.py) fails it, and its diagnosis has the words of the mistake's
+#              "# expect:" line. In CI. Without .venv-hf (no PyPI): SKIP, with the reason.
+#
+# Ends with "N passed, M failed" (a SKIP counts in neither).
+set -u
+cd "$(dirname "$0")/../.."
+peer=${1:-}
+build=${2:-build}
+trainer="$build/train_bert_mini"
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+passed=0
+failed=0
+pass() { echo "PASS $*"; passed=$((passed + 1)); }
+fail() { echo "FAIL $*"; failed=$((failed + 1)); }
+work=$(mktemp -d /tmp/z2_peer.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+# The reference: small enough for CI (a few seconds), every part of the model, several buckets (so a shard
+# offset shows per bucket), dropout 0 (zero2's masks are its own), the parameters after steps 1, 5, ..., 20.
+reference_flags=(--layers 2 --hidden 64 --heads 2 --intermediate 128 --seq 32 --micro-batch 4 --steps 20
+                 --dropout 0 --bucket 20000 --stage 2 --trace-params-every 5 --quiet)
+make_reference() {  # make_reference DIR FLAGS...: zero2's trace at N = 2
+  local dir=$1
+  shift
+  [ -x "$trainer" ] || { echo "no $trainer: build it first (make)"; return 1; }
+  timeout 300 mpirun -n 2 "$trainer" "${reference_flags[@]}" "$@" --trace "$dir" > "$work/reference.log" 2>&1 ||
+    { cat "$work/reference.log"; return 1; }
+}
+
+# check LABEL EXPECT REF THEIRS: tests/check_trace.py's verdict. EXPECT "agrees", or the words the
+# diagnosis must hold.
+check() {
+  local label=$1 expect=$2 status
+  /usr/bin/python3 tests/check_trace.py "$3" "$4" > "$work/check.log" 2>&1
+  status=$?
+  if [ "$expect" = agrees ]; then
+    if [ $status = 0 ]; then pass "$label: $(grep '^PASS' "$work/check.log" | sed 's/^PASS: //')"
+    else fail "$label: the checker says (exit $status):"; tail -n 4 "$work/check.log"; fi
+  elif [ $status = 1 ] && grep '^diagnosis:' "$work/check.log" | grep -qF "$expect"; then
+    pass "$label: fails at $(grep '^FAIL' "$work/check.log" | cut -c6- | cut -d: -f1), diagnosed \"$expect\""
+  else
+    fail "$label: expected a failure diagnosed \"$expect\"; the checker says (exit $status):"
+    tail -n 4 "$work/check.log"
+  fi
+}
+
+check_torch() {
+  local python=.venv-hf/bin/python
+  if ! "$python" -c 'import torch, transformers' 2>/dev/null; then
+    echo "SKIP: the torch peer needs .venv-hf (Debian's torch with transformers 4.39.3 from PyPI; make hf-venv), which"
+    echo "      could not be made here: $(tail -n 1 .venv-hf.log 2>/dev/null || echo 'no .venv-hf.log')"
+    return
+  fi
+  make_reference "$work/ref" || { fail "zero2's reference trace could not be made"; return; }
+  local peer=(tests/peers/torch_peer.py --nproc-per-node 2)
+  for step in zero-redundancy flat; do
+    rm -rf "$work/theirs"
+    if "$python" "${peer[@]}" --step "$step" "$work/ref" "$work/theirs" > "$work/peer.log" 2>&1; then
+      check "torch peer --step $step (N = 2, fp32, 20 steps)" agrees "$work/ref" "$work/theirs"
+    else
+      fail "torch peer --step $step did not run:"; tail -n 5 "$work/peer.log"
+    fi
+  done
+  for mistake in tests/lab_mistakes/torch-step.*.py; do
+    local name expect
+    name=$(basename "$mistake" .py)
+    expect=$(sed -n 's/^# expect: //p' "$mistake" | head -n 1)
+    rm -rf "$work/theirs"
+    if "$python" "${peer[@]}" --step flat --replace "$mistake" "$work/ref" "$work/theirs" > "$work/peer.log" 2>&1; then
+      check "planted mistake ${name#torch-step.}" "$expect" "$work/ref" "$work/theirs"
+    else
+      fail "torch peer with $mistake did not run:"; tail -n 5 "$work/peer.log"
+    fi
+  done
+}
+
+case $peer in
+  torch) check_torch ;;
+  *) echo "check_peer.sh: PEER is torch (make check-peer PEER=torch)"; echo "0 passed, 1 failed"; exit 2 ;;
+esac
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
