@@ -71,10 +71,20 @@
 #      other build's, and the golden table (tests/verify.sh --all; a planted
 #      wrong row is caught); the config key; the stage / N / ZeRO-R matrix in
 #      portable mode, fp32, bf16 and fp16.
+#  14. traces (notes/12): every file of a --trace and every step's record are
+#      the same bits at every stage and every (N, A) of one global batch; the
+#      trace against --json, --export-hf and --dump-batch (read with numpy);
+#      --init-hf starts from another run's weights bit for bit (fp32, bf16) and
+#      refuses a wrong shape, a missing, unknown or untied tensor, F64, a
+#      pickle, each named; tests/check_trace.py passes zero2 computed another
+#      way (--portable) in fp32 and bf16, fails another learning rate, and
+#      names the file and field of a bad trace (another version, contradicting
+#      settings, missing steps, a record or a tensor missing, a truncated
+#      file, NaN, an unfinished trace, a dropout reference).
 # Ends with the plain line "N passed, M failed".
 #
 # Z2_TRAINER_SKIP="9 10 ..." leaves those sections out (default: none). Only
-# sections 9, 10, 11, 12 and the file and input checks of 7 can be left out;
+# sections 9, 10, 11, 12, 14 and the file and input checks of 7 can be left out;
 # the rest always runs. `make test-cpu` leaves them out (the Makefile's
 # TEST_CPU_SKIP): they test the trainer's writers, inputs, config, export,
 # metrics and planning logic, the same source in both builds, which
@@ -1893,6 +1903,211 @@ for precision in fp32 bf16 fp16; do
     done
   done
 done
+
+# --- 14. traces: another implementation checked against zero2 ----------------------------
+if wanted 14; then  # (Z2_TRAINER_SKIP)
+echo "=== --trace, --init-hf and tests/check_trace.py (notes/12)"
+traced=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 4
+        --warmup 1 --dropout 0 --clip 0.5 --bucket 3000 --quiet --data "$work/corpus.txt")
+trace_run() {  # trace_run DIR N FLAGS...: a trace of the tiny run at N ranks, its summary beside it (DIR.json)
+  local dir=$1 ranks=$2
+  shift 2
+  rm -rf "$dir" "$dir.json"
+  timeout 300 mpirun -n "$ranks" "$trainer" "${traced[@]}" --trace-params-every 2 "$@" --trace "$dir" --json "$dir.json" \
+    > "$work/log" 2>&1 ||
+    { echo "    trace run failed: $(tail -c 300 "$work/log")"; return 1; }
+}
+# Every file of a trace but trace.json, and trace.json's records of the steps: the same bits at every stage
+# and every split of the global batch that keeps the summation tree, as the run's own bits are.
+same_trace() {  # same_trace LABEL DIR REFERENCE_DIR
+  local label=$1 differing=""
+  for file in $(cd "$3" && find . -type f ! -name trace.json | sort); do
+    cmp -s "$2/$file" "$3/$file" || differing="$differing $file"
+  done
+  local records
+  records=$("$PYTHON" - "$2/trace.json" "$3/trace.json" <<'EOF'
+import json, sys
+a, b = (json.load(open(path)) for path in sys.argv[1:])
+print("same" if a["steps"] == b["steps"] and a["parameter_steps"] == b["parameter_steps"] else "differ")
+EOF
+)
+  if [ -z "$differing" ] && [ "$records" = same ]; then
+    pass "$label: every file of the trace and every step's record are the bits of the reference trace"
+  else fail "$label: differs in$differing (records: $records)"; fi
+}
+trace_ok=yes
+trace_run "$work/trace_ref" 2 --stage 2 || trace_ok=""
+if [ -n "$trace_ok" ]; then
+  for case in "1 4 0" "2 2 1" "4 1 2" "2 2 0"; do
+    set -- $case
+    trace_run "$work/trace_$1_$2_$3" "$1" --accum $((4 / $1)) --stage "$3" --micro-batch 1 &&
+      [ "$1 $2 $3" = "1 4 0" ] && cp -r "$work/trace_1_4_0" "$work/trace_split_ref"
+  done
+  for case in "2 2 1" "4 1 2" "2 2 0"; do
+    set -- $case
+    same_trace "trace at N = $1, A = $2, stage $3 (global batch 4 x 1)" "$work/trace_$1_$2_$3" "$work/trace_split_ref"
+  done
+  for stage in 0 1; do
+    trace_run "$work/trace_stage$stage" 2 --stage $stage && same_trace "trace at stage $stage, N = 2" "$work/trace_stage$stage" "$work/trace_ref"
+  done
+  # What the trace says against what the run says elsewhere: the --json loss bits, and the export.
+  trace_run "$work/trace_export" 2 --stage 2 --export-hf "$work/trace_export_hf"
+  if cmp -s "$work/trace_export/step_4/model.safetensors" "$work/trace_export_hf/model.safetensors" &&
+     [ "$(json_get "$work/trace_export.json" "' '.join(s['loss_bits'] for s in d['steps'])")" = \
+       "$(json_get "$work/trace_export/trace.json" "' '.join(s['loss_bits'] for s in d['steps'])")" ]; then
+    pass "trace: step_4's parameters are --export-hf's file, byte for byte; every step's loss bits are --json's"
+  else fail "trace: the last parameters or the loss bits differ from --export-hf / --json"; fi
+  # The batch and step 1's gradients against --dump-batch (N = 1), read independently with numpy.
+  rm -rf "$work/trace_dump" "$work/trace_n1"
+  timeout 120 "$trainer" "${traced[@]}" --accum 2 --dump-batch "$work/trace_dump" --trace "$work/trace_n1" > "$work/log" 2>&1
+  dump_check=$("$PYTHON" - "$work/trace_n1" "$work/trace_dump" <<'EOF'
+import sys
+sys.path.insert(0, "tests/peers")
+import numpy as np
+from trace_files import Trace, read_safetensors
+trace, dump = Trace(sys.argv[1]), read_safetensors(sys.argv[2] + "/batch.safetensors")
+ids, labels = trace.batch(1)
+gradients = trace.gradients(1)
+problems = []
+if not (np.array_equal(ids, dump["input_ids"]) and np.array_equal(labels, dump["labels"])):
+    problems.append("step 1's batch differs from --dump-batch's")
+for name, g in gradients.items():
+    if g.tobytes() != dump["grad." + name].tobytes():
+        problems.append(f"gradient {name} differs from --dump-batch's")
+record = trace.steps[0]
+counts = [int((labels[m * 2:(m + 1) * 2] != -100).sum()) for m in range(2)]
+if record["micro_batch_selected"] != counts or record["selected"] != sum(counts):
+    problems.append(f"selected counts {record['micro_batch_selected']} != the batch's {counts}")
+if abs(sum(record["micro_batch_losses"]) - record["loss"]) > 4 * np.spacing(np.float32(record["loss"])):
+    problems.append("the micro-batch losses do not add up to the loss")
+print("; ".join(problems) or "ok")
+EOF
+)
+  [ "$dump_check" = ok ] && pass "trace at N = 1, A = 2: step 1's batch and every gradient are --dump-batch's bits; the micro-batches' selected counts and losses add up" ||
+    fail "trace against --dump-batch: $dump_check"
+  # --init-hf: the weights of another run (seed 5's export) are where this run starts, bit for bit, in
+  # fp32 and bf16 (whose fp32 master takes them whole), and the run from them is one hash at every stage.
+  rm -rf "$work/seed5"
+  timeout 120 "$trainer" "${traced[@]}" --seed 5 --steps 1 --export-hf "$work/seed5" > "$work/log" 2>&1
+  for precision in fp32 bf16; do
+    hashes=""
+    for stage in 0 2; do
+      trace_run "$work/init_$precision$stage" 2 --init-hf "$work/seed5" --precision $precision --stage $stage
+      hashes="$hashes $(json_get "$work/init_$precision$stage.json" "d['final_params_hash']")"
+    done
+    set -- $hashes
+    if cmp -s "$work/init_${precision}0/initial/model.safetensors" "$work/seed5/model.safetensors" && [ "$1" = "$2" ] &&
+       [ "$1" != "$(json_get "$work/trace_stage0.json" "d['final_params_hash']")" ]; then
+      pass "--init-hf $precision: the run starts from the given weights bit for bit, and stages 0 and 2 end at one hash ($1)"
+    else fail "--init-hf $precision: initial weights or hashes differ ($hashes)"; fi
+  done
+  # The checker: a zero2 run computed another way (--portable: zero2's own gemm, another summation order)
+  # agrees within the tolerance, in fp32 and in bf16; one with another learning rate does not.
+  for precision in fp32 bf16; do
+    trace_run "$work/ck_$precision" 2 --precision $precision --steps 8 &&
+    trace_run "$work/ck_${precision}_portable" 2 --precision $precision --steps 8 --portable
+    if /usr/bin/python3 tests/check_trace.py "$work/ck_$precision" "$work/ck_${precision}_portable" > "$work/check.log" 2>&1; then
+      pass "checker, $precision: zero2 with its own gemm (--portable) agrees with zero2 with OpenBLAS: $(grep '^PASS' "$work/check.log" | cut -c7-120)"
+    else fail "checker, $precision: --portable against OpenBLAS: $(grep -E '^FAIL|^diagnosis' "$work/check.log" | head -c 400)"; fi
+  done
+  trace_run "$work/ck_lr" 2 --steps 8 --lr 2e-3
+  /usr/bin/python3 tests/check_trace.py "$work/ck_fp32" "$work/ck_lr" > "$work/check.log" 2>&1
+  check_status=$?
+  [ $check_status = 1 ] && grep -q '^FAIL step 1, learning rate' "$work/check.log" &&
+    pass "checker: another learning rate fails at step 1's rate, exit 1" ||
+    fail "checker: another learning rate: exit $check_status, $(head -c 300 "$work/check.log")"
+  # The checker's bad input: one message naming the file and the field, exit 2 (NaN: exit 1, named too).
+  checker_bad() {  # checker_bad LABEL EXPECTED_STATUS EXPECT THEIRS
+    /usr/bin/python3 tests/check_trace.py "$work/ck_fp32" "$4" > "$work/check.log" 2>&1
+    local status=$?
+    if [ $status = "$2" ] && grep -qF -- "$3" "$work/check.log" && ! grep -q Traceback "$work/check.log"; then
+      pass "checker, $1: exit $status, $(grep -E 'error:|^FAIL' "$work/check.log" | head -n 1 | cut -c1-150)"
+    else fail "checker, $1: exit $status (want $2), $(head -c 300 "$work/check.log")"; fi
+  }
+  edited() {  # edited NAME PYTHON: a copy of the portable fp32 trace, its trace.json changed by PYTHON on `t`
+    rm -rf "$work/$1"; cp -r "$work/ck_fp32_portable" "$work/$1"
+    "$PYTHON" -c "import json; t = json.load(open('$work/$1/trace.json')); $2; json.dump(t, open('$work/$1/trace.json', 'w'))"
+  }
+  edited v2 't["version"] = 2'
+  checker_bad "a trace of another version" 2 "trace.json: 'version' is 2; this reader reads version 1" "$work/v2"
+  edited contradicts 't["run"]["world_size"] = 4'
+  checker_bad "settings that contradict" 2 "run.world_size is 4, zero2's trace has 2" "$work/contradicts"
+  edited missing_step 'del t["steps"][5:]'
+  checker_bad "missing steps" 2 "step 6 is missing" "$work/missing_step"
+  edited nan_loss 't["steps"][2]["loss"] = float("nan")'
+  checker_bad "NaN in theirs' loss" 1 "steps[2].loss" "$work/nan_loss"
+  edited no_field 'del t["steps"][1]["grad_norm"]'
+  checker_bad "a record without its grad norm" 2 "steps[1].grad_norm is missing" "$work/no_field"
+  rm -rf "$work/truncated"; cp -r "$work/ck_fp32_portable" "$work/truncated"
+  truncate -s 1000 "$work/truncated/step_8/model.safetensors"
+  checker_bad "a truncated tensor file" 2 "step_8/model.safetensors" "$work/truncated"
+  rm -rf "$work/no_tensor"; cp -r "$work/ck_fp32_portable" "$work/no_tensor"
+  "$PYTHON" - "$work/no_tensor/step_1/model.safetensors" <<'EOF'
+import sys
+sys.path.insert(0, "tests/peers")
+from trace_files import read_safetensors, write_safetensors
+tensors = read_safetensors(sys.argv[1]); del tensors["cls.predictions.bias"]; write_safetensors(sys.argv[1], tensors)
+EOF
+  checker_bad "a missing tensor" 2 "no tensor cls.predictions.bias" "$work/no_tensor"
+  rm -f "$work/incomplete.json"; rm -rf "$work/incomplete"; cp -r "$work/ck_fp32_portable" "$work/incomplete"
+  rm "$work/incomplete/trace.json"
+  checker_bad "a trace whose run did not finish" 2 "trace.json: missing" "$work/incomplete"
+  trace_run "$work/ck_dropout" 2 --steps 2 --dropout 0.1
+  /usr/bin/python3 tests/check_trace.py "$work/ck_dropout" "$work/ck_fp32" > "$work/check.log" 2>&1
+  check_status=$?
+  [ $check_status = 2 ] && grep -qF "run.dropout is 0.1: zero2's dropout masks come from its own hash" "$work/check.log" &&
+    pass "checker: a reference traced with dropout is refused (its masks cannot be replayed), exit 2" ||
+    fail "checker: a dropout reference: exit $check_status, $(head -c 300 "$work/check.log")"
+fi
+# Bad input: one message, every rank, nothing written.
+mkdir -p "$work/not_empty"; touch "$work/not_empty/x"
+bad_case "--trace '$work/not_empty' is not empty" "${small[@]}" --trace "$work/not_empty"
+bad_case "--trace records a run from step 1" "${small[@]}" --trace "$work/t_load" --load "$work/nowhere"
+bad_case "--trace-params-every 2 is for --trace DIR" "${small[@]}" --trace-params-every 2
+bad_case "is inside --trace" "${small[@]}" --trace "$work/t_in" --export-hf "$work/t_in/export"
+bad_case "--plan trains nothing, so --trace" "${small[@]}" --plan --trace "$work/t_plan"
+bad_case "--init-hf '$work/nowhere' and --load" "${small[@]}" --init-hf "$work/nowhere" --load "$work/nowhere"
+bad_case "has no config.json" "${small[@]}" --init-hf "$work"
+if [ -n "$trace_ok" ]; then
+  small_init=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 1)
+  bad_case "config.json's num_hidden_layers is 2, this run's --layers is 3: give --layers 2" "${small_init[@]}" --layers 3 \
+    --init-hf "$work/seed5"
+  bad_case "config.json's hidden_size is 32, this run's --hidden is 64" "${small_init[@]}" --hidden 64 --init-hf "$work/seed5"
+  # Hand-made directories: a tensor of the wrong shape, one missing, one unknown, an untied decoder, a pickle.
+  init_dir() {  # init_dir NAME PYTHON: seed5's export with its tensors `t` changed by PYTHON
+    rm -rf "$work/$1"; cp -r "$work/seed5" "$work/$1"
+    "$PYTHON" - "$work/$1/model.safetensors" "$2" <<'EOF'
+import sys
+sys.path.insert(0, "tests/peers")
+import numpy as np
+from trace_files import read_safetensors, write_safetensors
+t = read_safetensors(sys.argv[1]); exec(sys.argv[2]); write_safetensors(sys.argv[1], t)
+EOF
+  }
+  init_dir wrong_shape 't["bert.encoder.layer.1.intermediate.dense.weight"] = np.zeros((32, 64), np.float32)'
+  bad_case "bert.encoder.layer.1.intermediate.dense.weight has shape [32, 64], this run's is [64, 32]" \
+    "${small_init[@]}" --init-hf "$work/wrong_shape"
+  init_dir missing_tensor 'del t["bert.encoder.layer.0.output.LayerNorm.bias"]'
+  bad_case "has no tensor bert.encoder.layer.0.output.LayerNorm.bias (shape [32])" "${small_init[@]}" --init-hf "$work/missing_tensor"
+  init_dir unknown_tensor 't["bert.encoder.layer.2.output.dense.weight"] = np.zeros((32, 64), np.float32)'
+  bad_case "holds bert.encoder.layer.2.output.dense.weight [32, 64], which BertForMaskedLM has no parameter for" \
+    "${small_init[@]}" --init-hf "$work/unknown_tensor"
+  init_dir untied 't["cls.predictions.decoder.weight"] = t["bert.embeddings.word_embeddings.weight"] + 1'
+  bad_case "cls.predictions.decoder.weight differs from bert.embeddings.word_embeddings.weight" "${small_init[@]}" \
+    --init-hf "$work/untied"
+  init_dir f64 't["cls.predictions.bias"] = t["cls.predictions.bias"].astype(np.float64)'
+  bad_case "tensor 'cls.predictions.bias' is F64" "${small_init[@]}" --init-hf "$work/f64"
+  rm -rf "$work/pickle"; mkdir -p "$work/pickle"; cp "$work/seed5/config.json" "$work/pickle/"; : > "$work/pickle/pytorch_model.bin"
+  bad_case "but a pytorch_model.bin" "${small_init[@]}" --init-hf "$work/pickle"
+  # A save that also holds the tied names and the pre-training heads (pooler, NSP) is taken, the heads named unused.
+  init_dir pretraining 't["cls.predictions.decoder.weight"] = t["bert.embeddings.word_embeddings.weight"]; t["bert.pooler.dense.bias"] = np.zeros(32, np.float32); t["cls.predictions.transform.dense.bias"] = t["cls.predictions.transform.dense.bias"].astype(np.float16)'
+  if timeout 60 "$trainer" "${small_init[@]}" --init-hf "$work/pretraining" > "$work/log" 2>&1 &&
+     grep -qF "not used, as from_pretrained leaves them: bert.pooler.dense.bias" "$work/log"; then
+    pass "--init-hf: a tied duplicate, a pooler and an F16 tensor are taken; the header names what is not used"
+  else fail "--init-hf with tied names and a pooler: $(grep -E 'error|init' "$work/log" | head -c 300)"; fi
+fi
+
+fi  # section 14
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -331,6 +331,23 @@ output
   --help                     this text
 )usage";
 
+// --trace and --init-hf against the flags they cannot go with (before --load reads anything).
+static void check_trace_flags(const Settings& s) {
+  // A peer replays a trace from step 1: its own AdamW state starts at zero,
+  // and a checkpoint's (m, v) are zero2's, in no form another framework reads.
+  if (!s.load_dir.empty() && !s.trace_dir.empty())
+    fail(
+        "--trace records a run from step 1, which another implementation replays from the initial weights; a "
+        "resumed run starts from a checkpoint's optimizer state instead: trace a fresh run (--init-hf DIR starts "
+        "it from given weights)");
+  if (!s.load_dir.empty() && !s.init_hf.empty())
+    fail("--init-hf '%s' and --load '%s' both give the weights to start from: give one", s.init_hf.c_str(),
+         s.load_dir.c_str());
+  if (s.trace_params_every > 0 && s.trace_dir.empty())
+    fail("--trace-params-every %ld is for --trace DIR (what the trace records): give --trace too",
+         s.trace_params_every);
+}
+
 void check_plan_flags(const Settings& s) {
   if (!s.plan) {
     if (!s.plan_world_sizes.empty()) fail("--plan-world-sizes is for --plan (the memory plan): give --plan too");
@@ -420,6 +437,7 @@ Settings parse_command_line(int argc, char** argv) {
   }
   resolve_precision(settings);
   check_plan_flags(settings);
+  check_trace_flags(settings);
   return settings;
 }
 
@@ -431,19 +449,6 @@ void check_consistency(Settings& s, int world_size) {
         "--load with --steps 0 trains nothing: give --export-hf DIR, --save DIR (the checkpoint re-sliced for "
         "this N) or --json FILE for it to write");
   if (!s.load_dir.empty() && !s.dump_dir.empty()) fail("--dump-batch writes step 0 of a fresh run: not with --load");
-  // A peer replays a trace from step 1: its own AdamW state starts at zero,
-  // and a checkpoint's (m, v) are zero2's, in no form another framework reads.
-  if (!s.load_dir.empty() && !s.trace_dir.empty())
-    fail(
-        "--trace records a run from step 1, which another implementation replays from the initial weights; a "
-        "resumed run starts from a checkpoint's optimizer state instead: trace a fresh run (--init-hf DIR starts "
-        "it from given weights)");
-  if (!s.load_dir.empty() && !s.init_hf.empty())
-    fail("--init-hf '%s' and --load '%s' both give the weights to start from: give one", s.init_hf.c_str(),
-         s.load_dir.c_str());
-  if (s.trace_params_every > 0 && s.trace_dir.empty())
-    fail("--trace-params-every %ld is for --trace DIR (what the trace records): give --trace too",
-         s.trace_params_every);
   if (s.save_every > 0 && s.save_dir.empty()) fail("--save-every %ld needs --save DIR", s.save_every);
   if (s.save_overwrite && s.save_dir.empty())
     fail("--save-overwrite needs --save DIR (it is consent to replace there)");
