@@ -28,7 +28,8 @@
 #   make golden   rewrite tests/golden_bits.txt from this build (only for a change meant to change bits)
 #   make lab LAB=<name> [SOLUTION=<file>]  a course lab (notes/labs): zero2 with your function in
 #                 place of the engine's, graded by the lab's tests at N = 1, 2, 4 ("N passed, M failed"
-#                 and what differs first). Without SOLUTION, the skeleton as shipped; SOLUTION=engine,
+#                 and what differs first); torch-step: your step in the torch peer, graded by
+#                 tests/check_trace.py at N = 2, 4. Without SOLUTION, the skeleton as shipped; SOLUTION=engine,
 #                 zero2's own code. `make labs`: every lab is gradable (CI)
 #   make check-trace REF=DIR THEIRS=DIR  another implementation's trace against zero2's (train_bert_mini
 #                 --trace DIR): the first step and tensor that differ, where in ZeRO's terms, the likely bug
@@ -366,10 +367,11 @@ check-peer: deps test-deps hf-venv
 sanitize: deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini
 	$(RUN_ENV) tests/sanitize.sh build-sanitize
 
-lab: deps build-lab/zero2.o $(LAB_OBJECTS)
+# The torch-step lab (Python) grades a replay of build-cpu's trainer's trace in the Hugging Face venv.
+lab: deps build-lab/zero2.o $(LAB_OBJECTS) build-cpu/train_bert_mini hf-venv
 	@$(LAB_ENV) tests/lab.sh $(if $(LAB),$(LAB),--list) $(SOLUTION)
 
-labs: deps build-lab/zero2.o $(LAB_OBJECTS)
+labs: deps build-lab/zero2.o $(LAB_OBJECTS) build-cpu/train_bert_mini hf-venv
 	$(LAB_ENV) tests/lab.sh --all
 
 notes: deps test-deps all cpu build-lab/zero2.o $(LAB_OBJECTS) build/reduce_precision build/paper_table build/math_accuracy \

@@ -27,6 +27,8 @@ LAB_OBJECTS=${LAB_OBJECTS:-}
 # --- the labs: name | the seam a student writes | the tests that grade it ----------
 # The tests: the lab's grader first, then the engine's own tests the seam takes part in
 # (doctest filters, comma-separated). Every lab runs at mpirun -n 1, 2 and 4.
+# "peer": a Python lab. The student's function replaces the torch peer's (tests/peers/torch_peer.py
+# --replace), which replays zero2's trace at N = 2 and 4; tests/check_trace.py grades each replay.
 lab_table='
 tree-sum|z2::tree_sum|lab tree-sum*,accumulating A reduce-scatters*,world-size invariance:*
 reduce-scatter|z2::reduce_scatter_blocking, z2::all_gather_blocking|lab reduce-scatter*,deterministic reduce-scatter*
@@ -37,11 +39,13 @@ loss-scale|z2::LossScaler::update|lab loss-scale*,fp16 loss scaler*,fp16 overflo
 arena|z2::arena_allocate, z2::arena_push, z2::arena_pop, z2::arena_release|lab arena*,ZeRO-R:*
 offload|z2::checkpoint_to_prefetch|lab offload*,ZeRO-R:*
 reshard|z2::reshard_reads|lab reshard*
+torch-step|sharded_step (tests/peers/torch_peer.py)|peer
 '
 labs=$(echo "$lab_table" | awk -F'|' 'NF == 3 {print $1}' | tr '\n' ' ')
 lab_field() { echo "$lab_table" | awk -F'|' -v name="$1" -v field="$2" '$1 == name {print $field}'; }
 seam_of() { lab_field "$1" 2; }
 tests_of() { lab_field "$1" 3; }
+skeleton_of() { [ "$(tests_of "$1")" = peer ] && echo "notes/labs/$1/skeleton.py" || echo "notes/labs/$1/skeleton.cpp"; }
 
 die() { echo "lab: $*" >&2; echo "0 passed, 1 failed"; exit 1; }
 need_build() {
@@ -64,9 +68,52 @@ build() {
     head -n 20 "$binary.log"; return 1; }
 }
 
+# grade_peer LAB SOLUTION [RANKS...]: a Python lab (see the table): the peer with the student's
+# function replays zero2's trace (tests/peers/reference_trace.sh, by build-cpu's trainer) at each N,
+# and tests/check_trace.py grades the replay. Without the Hugging Face venv: SKIP.
+grade_peer() {
+  local lab=$1 solution=$2; shift 2
+  local ranks=${*:-2 4} passed=0 failed=0 first="" dir="build-lab/$lab" python=.venv-hf/bin/python replace=()
+  if ! "$python" -c 'import torch, transformers' 2>/dev/null; then
+    echo "SKIP: lab $lab needs .venv-hf (Debian's torch and transformers: make hf-venv)"; echo "0 passed, 0 failed"
+    return 0
+  fi
+  if [ "$solution" != engine ]; then
+    [ -f "$solution" ] || { echo "lab: no file $solution"; echo "0 passed, 1 failed"; return 1; }
+    replace=(--replace "$solution")
+  fi
+  mkdir -p "$dir"
+  for n in $ranks; do
+    local log="$dir/run.$n.log" run_passed=0 run_failed=1 summary
+    rm -rf "$dir/theirs.$n"
+    if ! tests/peers/reference_trace.sh build-cpu/train_bert_mini "$dir/ref.$n" "$n" --steps 10 > "$log" 2>&1; then
+      echo "lab: zero2's reference trace at N = $n could not be made:"; tail -n 3 "$log"; echo "0 passed, 1 failed"
+      return 1
+    fi
+    if OMP_NUM_THREADS=1 timeout 300 "$python" tests/peers/torch_peer.py --nproc-per-node "$n" --step flat \
+         "${replace[@]}" "$dir/ref.$n" "$dir/theirs.$n" >> "$log" 2>&1; then
+      /usr/bin/python3 tests/check_trace.py "$dir/ref.$n" "$dir/theirs.$n" >> "$log" 2>&1
+      summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -n 1)
+      [ -n "$summary" ] && run_passed=${summary%% *} && run_failed=$(echo "$summary" | cut -d' ' -f3)
+    fi
+    echo "  N = $n: $run_passed passed, $run_failed failed"
+    if [ "$run_failed" -gt 0 ] && [ -z "$first" ]; then
+      first=$(grep -E '^FAIL|^diagnosis' "$log" | tr '\n' ' ')
+      [ -z "$first" ] && first="the replay did not finish: $(grep -E 'Error|error' "$log" | tail -n 1)"
+      first="at N = $n: $first"
+    fi
+    passed=$((passed + run_passed))
+    failed=$((failed + run_failed))
+  done
+  [ -n "$first" ] && echo "first failure, $first"
+  echo "$passed passed, $failed failed"
+  [ "$failed" -eq 0 ]
+}
+
 # grade LAB SOLUTION [RANKS...]: prints what differs first and "N passed, M failed".
 grade() {
   local lab=$1 solution=$2; shift 2
+  [ "$(tests_of "$lab")" = peer ] && { grade_peer "$lab" "$solution" "$@"; return; }
   local ranks=${*:-1 2 4} binary="build-lab/$lab/test_lab" passed=0 failed=0 first=""
   build "$lab" "$solution" "$binary" || { echo "0 passed, 1 failed"; return 1; }
   for n in $ranks; do
@@ -110,13 +157,15 @@ case ${1:-} in
     for lab in $labs; do
       echo "=== lab $lab: the engine's code"
       out=$(grade "$lab" engine); echo "$out"
+      echo "$out" | grep -q '^SKIP' && continue  # a peer lab without its venv: neither passed nor failed
       verdict "$(echo "$out" | grep -qE '^[1-9][0-9]* passed, 0 failed$' && echo yes)" \
         "lab $lab: zero2's own $(seam_of "$lab") passes its grader"
       # A skeleton fails at every N: one run (N = 4, as the mistakes) shows it.
       echo "=== lab $lab: the skeleton (N = 4)"
-      out=$(grade "$lab" "notes/labs/$lab/skeleton.cpp" 4); echo "$out"
+      out=$(grade "$lab" "$(skeleton_of "$lab")" 4); echo "$out"
       verdict "$(echo "$out" | grep -qE '^[0-9]+ passed, [1-9][0-9]* failed$' && echo yes)" \
         "lab $lab: the skeleton as shipped fails its grader"
+      # A peer lab's planted mistakes are the checker's: make check-peer PEER=torch grades them.
       for mistake in tests/lab_mistakes/"$lab".*.cpp; do
         [ -f "$mistake" ] || continue
         expect=$(sed -n 's|^// expect: ||p' "$mistake" | head -n 1)
@@ -136,7 +185,7 @@ case ${1:-} in
     lab=$1
     echo " $labs " | grep -q " $lab " || die "no lab \"$lab\"; the labs: $labs (tests/lab.sh --list)"
     need_build
-    solution=${2:-notes/labs/$lab/skeleton.cpp}
+    solution=${2:-$(skeleton_of "$lab")}
     echo "=== lab $lab: grading $solution in place of $(seam_of "$lab")"
     grade "$lab" "$solution" ;;
 esac

@@ -22,16 +22,8 @@ fail() { echo "FAIL $*"; failed=$((failed + 1)); }
 work=$(mktemp -d /tmp/z2_peer.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
-# The reference: small enough for CI (a few seconds), every part of the model, several buckets (so a shard
-# offset shows per bucket), dropout 0 (zero2's masks are its own), the parameters after steps 1, 5, ..., 20.
-reference_flags=(--layers 2 --hidden 64 --heads 2 --intermediate 128 --seq 32 --micro-batch 4 --steps 20
-                 --dropout 0 --bucket 20000 --stage 2 --trace-params-every 5 --quiet)
-make_reference() {  # make_reference DIR FLAGS...: zero2's trace at N = 2
-  local dir=$1
-  shift
-  [ -x "$trainer" ] || { echo "no $trainer: build it first (make)"; return 1; }
-  timeout 300 mpirun -n 2 "$trainer" "${reference_flags[@]}" "$@" --trace "$dir" > "$work/reference.log" 2>&1 ||
-    { cat "$work/reference.log"; return 1; }
+make_reference() {  # make_reference DIR: zero2's trace at N = 2 (tests/peers/reference_trace.sh)
+  tests/peers/reference_trace.sh "$trainer" "$1" 2 > "$work/reference.log" 2>&1 || { cat "$work/reference.log"; return 1; }
 }
 
 # check LABEL EXPECT REF THEIRS: tests/check_trace.py's verdict. EXPECT "agrees", or the words the
