@@ -33,9 +33,9 @@ class BadInput(Exception):
 class Failure(Exception):
     """The first disagreement: what differs, and the diagnosis."""
 
-    def __init__(self, what, diagnosis, where=None):
+    def __init__(self, what, diagnosis, excess=None):
         super().__init__(what)
-        self.what, self.diagnosis, self.where = what, diagnosis, where
+        self.what, self.diagnosis, self.excess = what, diagnosis, excess  # excess: difference / tolerance
 
 
 # ----------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def check_step_scalars(pair, step, report):
         if abs(value - mine[key]) > tolerance:
             raise Failure(f"step {step}, {key.replace('_', ' ')}: theirs {value:.9g}, zero2's {mine[key]:.9g} "
                           f"(|difference| {abs(value - mine[key]):.3g} > tolerance {tolerance:.3g})",
-                          diagnose(pair, step, value, mine[key]))
+                          diagnose(pair, step, value, mine[key]), abs(value - mine[key]) / tolerance)
     report.append((step, f"loss {mine['loss']:.7f} / {theirs['loss']:.7f}, grad norm {mine['grad_norm']:.6g} / "
                          f"{theirs['grad_norm']:.6g}, lr {mine['lr']:.4g}",
                    max(abs(theirs["loss"] - mine["loss"]) / loss_tolerance(mine["loss"], step, precision),
@@ -394,7 +394,8 @@ def check_gradients(pair, step):
             raise Failure(f"step {step}, gradient of {pair.where(name, i)}: theirs {b[i]:.6g}, zero2's {a[i]:.6g} "
                           f"(|difference| {difference[i]:.3g} > tolerance {tolerance:.3g}, 1e-5 (1 + s) of the "
                           f"largest gradient element)", diagnosis or
-                          f"the gradient of {name} differs first (registration order): its forward or backward")
+                          f"the gradient of {name} differs first (registration order): its forward or backward",
+                          float(difference.max()) / tolerance)
     return worst
 
 
@@ -429,7 +430,8 @@ def check_parameters(pair, step, previous):
                                         + ("" if previous == step - 1 else
                                            f"; the traces keep no parameters between steps {previous} and {step}: "
                                            f"keep every step's (--trace-params-every 1) to see the first update "
-                                           f"that differs")))
+                                           f"that differs")),
+                          max(median / median_tolerance, largest / largest_tolerance))
     return worst
 
 
@@ -493,6 +495,8 @@ def main(argv):
         return 2
     except Failure as failure:
         print(f"FAIL {failure.what}")
+        if failure.excess is not None:
+            print(f"margin: the difference is {failure.excess:.3g} x its tolerance")
         print(f"diagnosis: {failure.diagnosis or 'no known bug has this pattern; the difference is above'}")
         print(f"{counts['passed']} passed, 1 failed")
         return 1

@@ -69,13 +69,20 @@
 #      live outside it); an output naming a device node
 #      is refused and the node stays a device (the same source as the CPU
 #      build's, checked once on the GPU build);
-#  13. a summary.
+#  13. traces on the GPU (notes/12): the GPU run's trace checked against the
+#      CPU run's by tests/check_trace.py (cuBLAS and the CUDA kernels sum in
+#      other orders than OpenBLAS and the CPU loops, as another implementation
+#      does: the checker's tolerances must hold across them), the GPU run
+#      started from the CPU trace's initial weights (--init-hf) bit for bit,
+#      and the GPU's traces at (N, A) = (1, 2) and (2, 1) the same files;
+#  14. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
 packages="mpich libmpich12 libmpich-dev libhwloc15 libucx0 libnuma1 libibverbs1 librdmacm1 libnl-3-200
           libnl-route-3-200 libopenblas0-pthread libopenblas-pthread-dev libopenblas-dev doctest-dev
-          libgfortran5 libquadmath0 nlohmann-json3-dev libslurm38 libudev1 libssl-dev libssl3"
+          libgfortran5 libquadmath0 nlohmann-json3-dev libslurm38 libudev1 libssl-dev libssl3 python3-numpy
+          libblas3 liblapack3"
 
 if [ "${1:-}" = prepare ]; then
   mkdir -p "$debs_dir"
@@ -126,6 +133,10 @@ else
   printf '%s\n' "${summary[@]}"
   exit 1
 fi
+# tests/check_trace.py and the trace tests read traces with numpy: the carried python3-numpy where the
+# image's python has none (the same Python minor version as Debian 12's, 3.11, is assumed).
+python3 -c 'import numpy' 2>/dev/null || [ ! -d /tmp/z2deps/usr/lib/python3/dist-packages ] ||
+  export PYTHONPATH=/tmp/z2deps/usr/lib/python3/dist-packages${PYTHONPATH:+:$PYTHONPATH}
 export OPENBLAS_NUM_THREADS=1
 export Z2_NO_TORCH=1  # no python3-torch on the GPU image: test_trainer.sh skips that part, saying so
 
@@ -388,6 +399,33 @@ else
   tail -n 3 /tmp/z2_mem.log /tmp/z2_mem_huge.log /tmp/z2_mem_under.log /tmp/z2_mem_at.log /tmp/z2_node.log
   note "reliability on the GPU: FAILED (huge $huge_status, under the block $under_status, at the block $at_status, device node $node_status)"
   failures=$((failures + 1))
+fi
+
+# --- 13. traces on the GPU (notes/12) ---------------------------------------------------------
+if python3 -c 'import numpy' 2>/dev/null; then
+  rm -rf /tmp/z2_trace_*
+  tests/peers/reference_trace.sh build/train_bert_mini /tmp/z2_trace_cpu 1 --device cpu --accum 2 --micro-batch 2 \
+    >/tmp/z2_trace.log 2>&1
+  tests/peers/reference_trace.sh build/train_bert_mini /tmp/z2_trace_gpu 1 --device cuda --comm nccl --accum 2 \
+    --micro-batch 2 --init-hf /tmp/z2_trace_cpu/initial >>/tmp/z2_trace.log 2>&1
+  tests/peers/reference_trace.sh build/train_bert_mini /tmp/z2_trace_gpu2 2 --device cuda --comm mpi --micro-batch 2 \
+    >>/tmp/z2_trace.log 2>&1
+  python3 tests/check_trace.py /tmp/z2_trace_cpu /tmp/z2_trace_gpu >/tmp/z2_trace_check.log 2>&1
+  check_status=$?
+  split_same=yes
+  for file in $(cd /tmp/z2_trace_gpu && find . -type f ! -name trace.json); do
+    cmp -s "/tmp/z2_trace_gpu/$file" "/tmp/z2_trace_gpu2/$file" || split_same=no
+  done
+  if [ $check_status -eq 0 ] && cmp -s /tmp/z2_trace_cpu/initial/model.safetensors /tmp/z2_trace_gpu/initial/model.safetensors &&
+     [ $split_same = yes ]; then
+    note "traces on the GPU: the GPU run (from the CPU trace's weights, --init-hf) against the CPU run: $(grep '^PASS' /tmp/z2_trace_check.log | cut -c7-); (N, A) = (1, 2) and (2, 1) the same files"
+  else
+    tail -n 5 /tmp/z2_trace.log /tmp/z2_trace_check.log
+    note "traces on the GPU: FAILED (checker exit $check_status, splits the same: $split_same)"
+    failures=$((failures + 1))
+  fi
+else
+  note "traces on the GPU: SKIP (no numpy for tests/check_trace.py, not even the carried python3-numpy)"
 fi
 
 echo

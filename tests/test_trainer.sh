@@ -1907,6 +1907,9 @@ done
 # --- 14. traces: another implementation checked against zero2 ----------------------------
 if wanted 14; then  # (Z2_TRAINER_SKIP)
 echo "=== --trace, --init-hf and tests/check_trace.py (notes/12)"
+if ! "$PYTHON" -c 'import numpy' 2>/dev/null; then
+  echo "SKIP the traces: $PYTHON has no numpy (make test-deps installs python3-numpy)"
+else
 traced=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 4
         --warmup 1 --dropout 0 --clip 0.5 --bucket 3000 --quiet --data "$work/corpus.txt")
 trace_run() {  # trace_run DIR N FLAGS...: a trace of the tiny run at N ranks, its summary beside it (DIR.json)
@@ -2107,6 +2110,7 @@ EOF
   else fail "--init-hf with tied names and a pooler: $(grep -E 'error|init' "$work/log" | head -c 300)"; fi
 fi
 
+fi  # numpy
 fi  # section 14
 
 echo "$passed passed, $failed failed"

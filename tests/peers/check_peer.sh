@@ -36,7 +36,7 @@ check() {
     if [ $status = 0 ]; then pass "$label: $(grep '^PASS' "$work/check.log" | sed 's/^PASS: //')"
     else fail "$label: the checker says (exit $status):"; tail -n 4 "$work/check.log"; fi
   elif [ $status = 1 ] && grep '^diagnosis:' "$work/check.log" | grep -qF "$expect"; then
-    pass "$label: fails at $(grep '^FAIL' "$work/check.log" | cut -c6- | cut -d: -f1), diagnosed \"$expect\""
+    pass "$label: fails at $(grep '^FAIL' "$work/check.log" | cut -c6- | cut -d: -f1)$(sed -n 's/^margin: the difference is \(.*\) x its tolerance/ (\1 x the tolerance)/p' "$work/check.log"), diagnosed \"$expect\""
   else
     fail "$label: expected a failure diagnosed \"$expect\"; the checker says (exit $status):"
     tail -n 4 "$work/check.log"
