@@ -423,6 +423,12 @@ print(json.dumps(d, indent=1))" "$out/ck_fp32/step_4/index.json"
   echo '```'
 } >"$out/trainer_help"
 
+# --- checking another implementation (notes/12-checking-other-implementations.md, README.md) ---
+# trace_size: a BERT-mini trace of 200 steps and what each part weighs; check_peer_torch: `make check-peer
+# PEER=torch` (the torch peer and the planted mistakes); check_trace_failure: the checker's whole output on
+# one planted mistake.
+notes/generate_traces.sh "$build" "$out"
+
 # --- reliability (README, "When something goes wrong") -------------------------------
 # reliability_messages: a rank stopped mid-run (the watchdog), ranks waiting for
 # different things (tests/watchdog_check.cpp), a full disk (a

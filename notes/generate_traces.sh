@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# notes/generate_traces.sh BUILD_DIR OUT_DIR — the measured blocks of notes/12 (and README's), one file
+# per block in OUT_DIR, for notes/generate.sh (make notes) to paste; run alone to see them:
+#   trace_size           a BERT-mini trace of 200 steps at N = 2, and what each of its parts weighs
+#   check_peer_torch     make check-peer PEER=torch: the torch peer's two steps and the planted mistakes
+#   check_trace_failure  tests/check_trace.py's whole output on one planted mistake
+set -eu
+cd "$(dirname "$0")/.."
+build=${1:-build}
+out=${2:-$(mktemp -d)}
+trainer="$build/train_bert_mini"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+
+flags="--dropout 0 --steps 200 --trace-params-every 100 --quiet"
+timeout 900 mpirun -n 2 "$trainer" $flags --trace "$work/trace" >/dev/null
+{
+  echo '```'
+  echo "\$ mpirun -n 2 $trainer $flags --trace trace    # BERT-mini, its default sizes"
+  echo "\$ du -sh trace/*"
+  (cd "$work/trace" && du -sh -- * | sed 's/^/  /')
+  kept=$(python3 -c 'import json, sys; t = json.load(open(sys.argv[1])); print(len(t["steps"]), "steps; parameters and gradients after steps", ", ".join(str(p["step"]) for p in t["parameter_steps"]))' "$work/trace/trace.json")
+  echo "  total $(du -sh "$work/trace" | cut -f1): $kept"
+  echo '```'
+} >"$out/trace_size"
+
+tests/peers/check_peer.sh torch "$build" >"$work/peer.log" 2>&1 || true
+{
+  echo '```'
+  echo "\$ make check-peer PEER=torch"
+  grep -E '^(PASS|FAIL|SKIP)|^[0-9]+ passed' "$work/peer.log" | fold -w 110 -s
+  echo '```'
+} >"$out/check_peer_torch"
+
+mistake=tests/lab_mistakes/torch-step.norm-own-shard.py
+tests/peers/reference_trace.sh "$trainer" "$work/ref" 2
+.venv-hf/bin/python tests/peers/torch_peer.py --nproc-per-node 2 --step flat --replace "$mistake" "$work/ref" \\
+  "$work/theirs" >/dev/null 2>&1
+{
+  echo '```'
+  echo "\$ tests/peers/reference_trace.sh $trainer ref 2        # zero2's trace, N = 2"
+  echo "\$ .venv-hf/bin/python tests/peers/torch_peer.py --nproc-per-node 2 --step flat --replace $mistake ref theirs"
+  echo "\$ make check-trace REF=ref THEIRS=theirs"
+  /usr/bin/python3 tests/check_trace.py "$work/ref" "$work/theirs" | sed "s|$work/||g" | fold -w 110 -s || true
+  echo '```'
+} >"$out/check_trace_failure"
+ls "$out"
