@@ -201,9 +201,11 @@ class PeerTrace:
         self.records, self.kept = [], []
 
     def step(self, step, loss, grad_norm, lr, loss_scale=1.0, skipped=False):
+        """loss, grad_norm: None (or not finite) where the step had none, as zero2 writes null for an fp16
+        step that overflowed."""
         if step != len(self.records) + 1:
             raise ValueError(f"step {step} recorded after {len(self.records)} steps")
-        self.records.append({"step": step, "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(lr),
+        self.records.append({"step": step, "loss": _finite(loss), "grad_norm": _finite(grad_norm), "lr": float(lr),
                              "loss_scale": float(loss_scale), "skipped": bool(skipped)})
 
     def parameters(self, step, parameters, gradients=None):
@@ -216,11 +218,17 @@ class PeerTrace:
                           {name: np.asarray(p, dtype=np.float32) for name, p in parameters.items()})
         self.kept.append({"step": step, "gradients": gradients is not None})
 
-    def finish(self, **settings):
+    def finish(self, optimizer=None, **settings):
         """trace.json: the reference's model, run and optimizer sections (what the peer replayed), `settings`
-        overriding run fields the peer did differently, its own steps."""
+        overriding run fields the peer did differently, `optimizer` the optimizer fields it used (betas, eps,
+        weight_decay, clip, ... as its own optimizer holds them), its own steps."""
         run = dict(self.reference.run, steps=len(self.records), **settings)
         write_json(os.path.join(self.directory, "trace.json"), {
             "format": FORMAT, "version": VERSION, "producer": self.producer,
-            "model": self.reference.model, "run": run, "optimizer": self.reference.optimizer,
+            "model": self.reference.model, "run": run, "optimizer": dict(self.reference.optimizer, **(optimizer or {})),
             "parameter_steps": self.kept, "steps": self.records})
+
+
+def _finite(value):
+    """A float for JSON, or None (null) when there is none or it is not finite (JSON has no NaN)."""
+    return None if value is None or not np.isfinite(value) else float(value)
