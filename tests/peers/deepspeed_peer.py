@@ -1,35 +1,34 @@
 #!/usr/bin/env python3
 """tests/peers/deepspeed_peer.py REF_TRACE OUT_TRACE [--ranks N]: DeepSpeed's ZeRO replays a zero2 trace.
 
-    .venv-deepspeed/bin/python tests/peers/deepspeed_peer.py REF_TRACE OUT_TRACE
-    tests/check_trace.py REF_TRACE OUT_TRACE
+    mpirun -n 2 build/train_bert_mini --dropout 0 --steps 20 --trace ref
+    .venv-deepspeed/bin/python tests/peers/deepspeed_peer.py ref theirs
+    /usr/bin/python3 tests/check_trace.py ref theirs
 
-Run with a Python that has deepspeed, torch and transformers (make check-peer PEER=deepspeed makes
-.venv-deepspeed). It checks the trace, then starts itself on N ranks (the trace's N unless --ranks says;
-any N that divides the trace's N x A micro-batches) through torchrun; started by torchrun or DeepSpeed's
-launcher directly (RANK set), it replays at once, and a refusal then exits through the launcher's code.
+DeepSpeed's engine trains transformers' BertForMaskedLM from REF_TRACE/initial on zero2's batches, with the
+trace's DeepSpeed config (run.deepspeed_config) or one built from its settings, at the trace's learning rate
+every step, and writes what it did to OUT_TRACE in the trace format (tests/peers/trace_files.py). Run it with
+a Python that has deepspeed, torch and transformers (`make check-peer PEER=deepspeed` makes .venv-deepspeed).
+It checks the trace, then starts itself on N ranks through torchrun (the trace's N, or --ranks N: any N that
+divides the trace's N x A micro-batches; tests/check_trace.py compares replays at the trace's N only).
+Started by a launcher (torchrun, `deepspeed`: RANK set) it is one rank of the replay.
 
-REF_TRACE is a directory `train_bert_mini --trace` wrote (tests/peers/trace_files.py
-reads it); OUT_TRACE receives this replay in the same format. DeepSpeed's engine
-trains transformers' BertForMaskedLM from REF_TRACE/initial on zero2's batches,
-with the trace's DeepSpeed config or one built from its settings, and the
-trace's learning rate at every step. Exit 0 when the replay is written, 2 with
-one message when the trace asks for something this replay cannot do.
+How the replay meets zero2's conventions (trace.json's "conventions"), each where it happens below:
+  - the batch: global micro-batch m = a N + r is rank r's at its micro-step a (micro_batch_rows);
+  - the loss: each micro-step's summed cross-entropy, scaled so that the gradient DeepSpeed ends with is
+    that of zero2's loss (scaled_loss); not Hugging Face's labels= loss, a mean per micro-batch;
+  - the learning rate: no scheduler; every parameter group gets steps[].lr before the step, and the rate
+    recorded is the one torch's AdamW read (a step pre-hook);
+  - the gradient, the norm and the parameters: DeepSpeed's own (safe_get_full_grad before the step,
+    get_global_grad_norm after it, safe_get_full_fp32_param), fp16's loss scale divided out.
+On the CPU DeepSpeed runs on gloo (DS_ACCELERATOR=cpu, set here when unset) with torch's AdamW ("torch_adam":
+true; without it DeepSpeed JIT-compiles its own CPU Adam); it builds its shared-memory comm op once (a minute).
 
-How the replay is fitted to zero2's conventions (trace.json's "conventions"),
-each where it happens below:
-  - the batch: global micro-batch m = a N + r is computed by rank r at its
-    micro-step a (rows m B .. m B + B - 1 of the step's batch);
-  - the loss: each micro-step's summed cross-entropy is scaled so that the
-    gradient DeepSpeed ends with is that of zero2's loss (scaled_loss);
-  - the learning rate: no scheduler; every parameter group gets steps[].lr
-    before the step, and the rate recorded is the one the optimizer read;
-  - the gradient and grad norm: DeepSpeed's own (safe_get_full_grad before
-    the step, engine.get_global_grad_norm() after it), the loss scale
-    divided out in fp16.
-Nothing here needs a GPU: on the CPU DeepSpeed uses gloo (DS_ACCELERATOR=cpu,
-set below when unset) and torch's AdamW ("torch_adam": true; without it
-DeepSpeed JIT-compiles its own CPU Adam).
+What replays: ZeRO stages 0, 1, 2 in fp32 and fp16 (DeepSpeed's dynamic loss scaler, with the trace's
+settings), bf16 at stages 1 and 2, any A. Refused with the reason (exit 2, before any rank starts): dropout
+> 0 (zero2's masks are its own), ZeRO-Offload, an optimizer other than AdamW, AdamW without bias correction
+and max_grad_norm (torch's AdamW and DeepSpeed refuse them), "auto" values the trace cannot fill, bf16 at
+stage 0 (DeepSpeed's BF16_Optimizer fails on gloo), a rank count that does not divide N x A.
 """
 import copy
 import os
@@ -374,11 +373,11 @@ def replay(trace, config, source, out, rank, world):
                 if full.dtype != torch.float32:
                     raise RuntimeError(f"no fp32 master weights found for {name} in {type(engine.optimizer)}")
                 parameters[name] = full.detach().numpy()
+        if not skipped and len(set(used_lr)) != 1:  # a skipped step (fp16 overflow) never reaches the optimizer
+            raise RuntimeError(f"step {step}: the optimizer read the rates {sorted(set(used_lr))}, not one rate")
         if writer:
-            if len(set(used_lr)) > 1:
-                print(f"deepspeed_peer: step {step}: the optimizer read rates {sorted(set(used_lr))}", file=sys.stderr)
             writer.step(step, loss=float(summed) / selected, grad_norm=None if skipped else grad_norm(norm, scale),
-                        lr=used_lr[0] if used_lr else record["lr"], loss_scale=scale, skipped=skipped)
+                        lr=record["lr"] if skipped else used_lr[0], loss_scale=scale, skipped=skipped)
             if keep:
                 writer.parameters(step, parameters, gradients if trace.parameter_steps[step] else None)
     if writer:
