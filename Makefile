@@ -36,6 +36,9 @@
 #   make check-peer PEER=torch  a peer replays zero2's trace and is checked (tests/peers/check_peer.sh):
 #                 PyTorch's ZeroRedundancyOptimizer and zero2's step in torch.distributed agree, each
 #                 planted mistake is diagnosed (CI)
+#   make check-peer PEER=deepspeed  DeepSpeed's ZeRO-2 replays zero2's BERT-mini trace and is checked, then
+#                 zero2 and DeepSpeed side by side: tokens/s, memory, bytes sent (tests/peers/side_by_side.sh);
+#                 makes .venv-deepspeed from PyPI (5.3 GB) the first time. Not in CI
 #   make notes    regenerate the measured tables in notes/
 #   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
 #   make deps     install missing Debian packages (as root), or print the command
@@ -355,7 +358,8 @@ test-cpu: deps test-deps hf-venv cpu
 	$(RUN_ENV) Z2_TRAINER_SKIP="$(TEST_CPU_SKIP)" tests/run_tests.sh build-cpu
 
 # Checking another implementation against zero2 (notes/12). The checker needs numpy alone; the torch
-# peer Debian's torch and the Hugging Face venv (hf-venv).
+# peer Debian's torch and the Hugging Face venv (hf-venv); the DeepSpeed peer a venv of its own, which
+# tests/peers/check_peer.sh makes (.venv-deepspeed).
 check-trace:
 	@[ -n "$(REF)" ] && [ -n "$(THEIRS)" ] || { echo "usage: make check-trace REF=zero2's-trace THEIRS=your-trace"; exit 2; }
 	/usr/bin/python3 tests/check_trace.py $(REF) $(THEIRS)

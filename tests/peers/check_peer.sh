@@ -7,6 +7,12 @@
 #              step written in torch.distributed (--step flat) pass tests/check_trace.py; each planted mistake
 #              (tests/lab_mistakes/torch-step.*.py) fails it, and its diagnosis has the words of the mistake's
 #              "# expect:" line. In CI. Without .venv-hf (no PyPI): SKIP, with the reason.
+#   deepspeed  zero2's trace of the default BERT-mini (N = 2, fp32, stage 2, dropout 0, 20 steps) replayed by
+#              DeepSpeed's ZeRO-2 (tests/peers/deepspeed_peer.py) passes tests/check_trace.py; then zero2 and
+#              DeepSpeed side by side (tests/peers/side_by_side.sh: tokens/s, memory, bytes sent, a few
+#              minutes). Runs in .venv-deepspeed, made here from PyPI when missing (torch 2.5.1, deepspeed
+#              0.16.9, transformers 4.46.3: 5.3 GB; DEEPSPEED_VENV=DIR uses another). Not in CI. Without
+#              PyPI: SKIP, with the reason.
 #
 # Ends with "N passed, M failed" (a SKIP counts in neither).
 set -u
@@ -73,9 +79,52 @@ check_torch() {
   done
 }
 
+# DeepSpeed's venv: the pinned versions from PyPI, made once. DeepSpeed's setup.py imports torch, so it is
+# built against the venv's own torch (--no-build-isolation) after torch and transformers are in.
+deepspeed_venv() {
+  local venv=$1 python=$1/bin/python
+  "$python" -c 'import torch, deepspeed, transformers
+assert (torch.__version__.split("+")[0], deepspeed.__version__, transformers.__version__) == ("2.5.1", "0.16.9", "4.46.3")' \
+    2>/dev/null && return 0
+  rm -rf "$venv"
+  echo "making $venv: torch 2.5.1, deepspeed 0.16.9, transformers 4.46.3 from PyPI (5.3 GB; minutes)"
+  if /usr/bin/python3 -m venv "$venv" >"$venv.log" 2>&1 &&
+     timeout 1800 "$python" -m pip install --disable-pip-version-check torch==2.5.1 transformers==4.46.3 >>"$venv.log" 2>&1 &&
+     timeout 1800 "$python" -m pip install --disable-pip-version-check --no-build-isolation deepspeed==0.16.9 >>"$venv.log" 2>&1; then
+    return 0
+  fi
+  rm -rf "$venv"
+  return 1
+}
+
+check_deepspeed() {
+  local venv=${DEEPSPEED_VENV:-.venv-deepspeed}
+  if ! deepspeed_venv "$venv"; then
+    echo "SKIP: the DeepSpeed peer needs $venv (torch, deepspeed and transformers from PyPI), which could not be"
+    echo "      made here: $(tail -n 1 "$venv.log" 2>/dev/null || echo "no $venv.log")"
+    return
+  fi
+  # The default BERT-mini, as make run trains it, but dropout 0 (zero2's masks are its own) and 20 steps; the
+  # parameters and gradients after steps 1, 10 and 20. About 20 s on two cores.
+  rm -rf "$work/ref"
+  if ! timeout 600 mpirun -n 2 "$trainer" --stage 2 --precision fp32 --dropout 0 --steps 20 --trace-params-every 10 \
+         --quiet --trace "$work/ref" >"$work/reference.log" 2>&1; then
+    fail "zero2's reference trace could not be made:"; tail -n 5 "$work/reference.log"; return
+  fi
+  # DeepSpeed builds its CPU shared-memory op (deepspeed_shm_comm) on first use: a minute, once per venv.
+  if "$venv/bin/python" tests/peers/deepspeed_peer.py "$work/ref" "$work/theirs" >"$work/peer.log" 2>&1; then
+    check "DeepSpeed ZeRO-2 peer (BERT-mini, N = 2, fp32, 20 steps)" agrees "$work/ref" "$work/theirs"
+  else
+    fail "the DeepSpeed peer did not run:"; grep -v '^\[' "$work/peer.log" | tail -n 5
+  fi
+  echo
+  DEEPSPEED_VENV=$venv tests/peers/side_by_side.sh "$build" || fail "tests/peers/side_by_side.sh did not finish"
+}
+
 case $peer in
   torch) check_torch ;;
-  *) echo "check_peer.sh: PEER is torch (make check-peer PEER=torch)"; echo "0 passed, 1 failed"; exit 2 ;;
+  deepspeed) check_deepspeed ;;
+  *) echo "check_peer.sh: PEER is torch or deepspeed (make check-peer PEER=...)"; echo "0 passed, 1 failed"; exit 2 ;;
 esac
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
