@@ -85,7 +85,7 @@ deepspeed_venv() {
   local venv=$1 python=$1/bin/python
   "$python" -c 'import torch, deepspeed, transformers
 assert (torch.__version__.split("+")[0], deepspeed.__version__, transformers.__version__) == ("2.5.1", "0.16.9", "4.46.3")' \
-    2>/dev/null && return 0
+    >/dev/null 2>&1 && return 0
   rm -rf "$venv"
   echo "making $venv: torch 2.5.1, deepspeed 0.16.9, transformers 4.46.3 from PyPI (5.3 GB; minutes)"
   if /usr/bin/python3 -m venv "$venv" >"$venv.log" 2>&1 &&

@@ -20,7 +20,7 @@ python=${DEEPSPEED_VENV:-.venv-deepspeed}/bin/python
 steps=${SIDE_STEPS:-16}
 rounds=${SIDE_ROUNDS:-3}
 [ -x "$build/train_bert_mini" ] || { echo "no $build/train_bert_mini: build it first (make)"; exit 1; }
-"$python" -c 'import deepspeed' 2>/dev/null || { echo "no DeepSpeed in $python: make check-peer PEER=deepspeed makes it"; exit 1; }
+"$python" -c 'import deepspeed' >/dev/null 2>&1 || { echo "no DeepSpeed in $python: make check-peer PEER=deepspeed makes it"; exit 1; }
 work=$(mktemp -d /tmp/z2_side.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu
