@@ -46,6 +46,7 @@ configurations=(zero2_s2 deepspeed_s2 zero2_s0 deepspeed_s0)
 for round in $(seq 1 "$rounds"); do
   for k in 0 1 2 3; do
     name=${configurations[$(((k + round - 1) % 4))]}
+    cut -d' ' -f1 /proc/loadavg >"$work/${name}_$round.load"  # what else ran: the 1-minute load as it starts
     case $name in
       zero2_*) zero2 "${name}_$round" "${name#zero2_s}" ;;
       deepspeed_*) deepspeed "${name}_$round" "${name#deepspeed_s}" ;;
@@ -80,6 +81,9 @@ for config in ("zero2_s2", "deepspeed_s2", "zero2_s0", "deepspeed_s0"):
     table[config] = [tokens(f"{config}_{r}") for r in range(1, rounds + 1)]
     t = table[config]
     print(f"  {label[config]:<24}{min(t):>9,.0f}{statistics.median(t):>9,.0f}{max(t):>9,.0f}")
+loads = [float(open(os.path.join(work, f"{c}_{r}.load")).read()) for c in table for r in range(1, rounds + 1)]
+print(f"  the machine's 1-minute load average as each run started: {min(loads):.2f} .. {max(loads):.2f} "
+      f"(about 2 when only these runs use the machine: their own 2 ranks)")
 for stage in (2, 0):
     ratios = [z / d for z, d in zip(table[f"zero2_s{stage}"], table[f"deepspeed_s{stage}"])]
     print(f"  zero2 / DeepSpeed, stage {stage}: zero2's tokens/s / DeepSpeed's in the same round: "
