@@ -136,11 +136,11 @@ def deepspeed_config(trace, world):
                   "grad_accum_dtype fp32: engine._do_optimizer_sanity_check), whose parameter all-gather fails on "
                   "gloo (torch 2.5.1: \"A view was created in no_grad mode and is being modified inplace\"); "
                   "bf16 replays at stage 1 or 2")
-    fp16 = config.get("fp16") if isinstance(config.get("fp16"), dict) else {}
-    config["fp16"] = dict(fp16, enabled=precision == "fp16")
-    config["bf16"] = {"enabled": precision == "bf16"}
-    if precision == "fp16" and "loss_scale" not in fp16 and trace.loss_scaling:
-        # zero2's dynamic loss scale is DeepSpeed's DynamicLossScaler with the trace's settings.
+    for block in ("fp16", "bf16"):  # the file's other keys (the loss scaler's) stay as DeepSpeed reads them
+        given = config.get(block) if isinstance(config.get(block), dict) else {}
+        config[block] = dict(given, enabled=precision == block)
+    if precision == "fp16" and not run.get("deepspeed_config") and trace.loss_scaling:
+        # Without a file: zero2's dynamic loss scale is DeepSpeed's DynamicLossScaler, with the trace's settings.
         scaling = trace.loss_scaling
         static = scaling.get("rule") == "static"
         config["fp16"].update(loss_scale=scaling["initial_scale"] if static else 0,
