@@ -67,8 +67,9 @@ def step_ms(name):
 def tokens(name): return 2048 / (statistics.median(step_ms(name)[1:]) / 1e3)
 MiB = lambda b: f"{b / 2**20:,.1f} MiB"
 ds = load("deepspeed_s2_1")
+cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
 print(f"zero2 ({build}/train_bert_mini) and DeepSpeed {ds['deepspeed']} (torch {ds['torch']}, transformers "
-      f"{ds['transformers']}, BertForMaskedLM) on {os.cpu_count()} cores:")
+      f"{ds['transformers']}, BertForMaskedLM) on {cpu}, {os.cpu_count()} cores:")
 print(f"BERT-mini L 4, H 256, 4 heads, F 1024, T 128, micro-batch 8 per rank, N = 2, fp32, dropout 0.1, one thread "
       f"per rank, the same batches and rates; {steps} steps a run, {rounds} rounds rotating the order")
 print(f"tokens/s of a run = N B T / median step time of steps 2..{steps} = 2048 / median")
