@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""tests/peers/deepspeed_peer.py REF_TRACE OUT_TRACE [--ranks N]: DeepSpeed's ZeRO replays a zero2 trace.
+"""tests/peers/deepspeed_peer.py REF_TRACE OUT_TRACE [--ranks N] [--scheduler]: DeepSpeed's ZeRO replays a
+zero2 trace.
 
     mpirun -n 2 build/train_bert_mini --dropout 0 --steps 20 --trace ref
     .venv-deepspeed/bin/python tests/peers/deepspeed_peer.py ref theirs
@@ -18,7 +19,9 @@ How the replay meets zero2's conventions (trace.json's "conventions"), each wher
   - the loss: each micro-step's summed cross-entropy, scaled so that the gradient DeepSpeed ends with is
     that of zero2's loss (scaled_loss); not Hugging Face's labels= loss, a mean per micro-batch;
   - the learning rate: no scheduler; every parameter group gets steps[].lr before the step, and the rate
-    recorded is the one torch's AdamW read (a step pre-hook);
+    recorded is the one torch's AdamW read (a step pre-hook). With --scheduler the config's own scheduler
+    block chooses the rates instead (DeepSpeed's WarmupLR, WarmupDecayLR, ...), so the checker compares
+    zero2's reading of the schedule with DeepSpeed's;
   - the gradient, the norm and the parameters: DeepSpeed's own (safe_get_full_grad before the step,
     get_global_grad_norm after it, safe_get_full_fp32_param), fp16's loss scale divided out.
 On the CPU DeepSpeed runs on gloo (DS_ACCELERATOR=cpu, set here when unset) with torch's AdamW ("torch_adam":
@@ -38,9 +41,6 @@ import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from trace_files import PeerTrace, Trace, TraceError  # noqa: E402
-
-USAGE = "usage: deepspeed_peer.py REF_TRACE OUT_TRACE [--ranks N]"
-
 
 class Refusal(Exception):
     """What this replay cannot do, in one sentence: printed once, exit 2."""
@@ -90,17 +90,18 @@ def fill_auto(config, trace):
     return left
 
 
-def deepspeed_config(trace, world):
+def deepspeed_config(trace, world, own_scheduler=False):
     """The DeepSpeed config this replay runs: the trace's own (run.deepspeed_config, the JSON zero2 read) when it
     has one, else one built from its settings; then what the replay fixes whatever the file says. Returns
-    (config, where it came from)."""
+    (config, where it came from). own_scheduler: the file's scheduler block stays (--scheduler)."""
     run, optimizer = trace.run, trace.optimizer
     micro_batch, accumulation = geometry(trace, world)
     if run.get("deepspeed_config"):
         config, source = copy.deepcopy(run["deepspeed_config"]), "the trace's run.deepspeed_config"
         unfilled = [key for key in fill_auto(config, trace)
                     if key not in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                                   "fp16.enabled", "bf16.enabled") and not key.startswith("scheduler.")]
+                                   "fp16.enabled", "bf16.enabled")
+                    and (own_scheduler or not key.startswith("scheduler."))]
         refuse_unless(not unfilled, f"the config's {', '.join(unfilled)} is \"auto\", which only Hugging Face's "
                                     "Trainer fills and the trace does not say")
     else:
@@ -115,7 +116,9 @@ def deepspeed_config(trace, world):
                       "here, \"torch_adam\") always applies")
 
     # The batch geometry, the stage and the precision are what zero2 ran (a flag may have overridden the file).
-    for key in ("train_batch_size", "scheduler"):  # the learning rate comes from steps[].lr, set every step
+    refuse_unless(not own_scheduler or "scheduler" in config,
+                  "--scheduler: the trace has no DeepSpeed config with a scheduler block to run")
+    for key in ("train_batch_size",) + (() if own_scheduler else ("scheduler",)):  # else: steps[].lr, every step
         config.pop(key, None)
     config["train_micro_batch_size_per_gpu"] = micro_batch
     config["gradient_accumulation_steps"] = accumulation
@@ -214,7 +217,7 @@ def scaled_loss(summed_cross_entropy, selected, world, accumulation):
 
 # --- the replay -------------------------------------------------------------------------------
 
-def check(reference, world):
+def check(reference, world, own_scheduler=False):
     """(trace, DeepSpeed config, where the config came from), or a TraceError / Refusal: everything the ranks
     would refuse, found before any is started."""
     trace = Trace(reference)
@@ -226,58 +229,52 @@ def check(reference, world):
     dropout = trace.run.get("dropout", 0)
     refuse_unless(dropout == 0, f"the trace ran with dropout {dropout}: zero2 draws its own masks, which no "
                                 "other implementation draws (only a run with --dropout 0 can be replayed)")
-    config, source = deepspeed_config(trace, world)
+    config, source = deepspeed_config(trace, world, own_scheduler)
     return trace, config, source
 
 
-def launch(reference, out, ranks):
+def launch(args):
     """Not under a launcher: check the trace here (exit 2 with the reason), then torchrun this file on N ranks.
     One thread per rank: the ranks share the cores (OpenBLAS starts its own threads otherwise)."""
     try:
-        trace, _, _ = check(reference, ranks or 1)
-        ranks = ranks or trace.run["world_size"]
-        check(reference, ranks)
+        trace = Trace(args.reference)
+        ranks = args.ranks or trace.run.get("world_size", 1)
+        check(args.reference, ranks, args.scheduler)
     except (TraceError, Refusal) as e:
-        print(f"deepspeed_peer: cannot replay {reference}: {e}", file=sys.stderr)
+        print(f"deepspeed_peer: cannot replay {args.reference}: {e}", file=sys.stderr)
         return 2
     env = dict(os.environ)
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(name, "1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               os.path.abspath(__file__), reference, out]
+               os.path.abspath(__file__), args.reference, args.out] + (["--scheduler"] if args.scheduler else [])
     return subprocess.call(command, env=env)
 
 
 def main(argv):
-    args = argv[1:]
-    ranks = None
-    if "--ranks" in args:
-        at = args.index("--ranks")
-        try:
-            ranks = int(args[at + 1])
-        except (IndexError, ValueError):
-            ranks = 0
-        del args[at:at + 2]
-        if ranks < 1:
-            print(USAGE, file=sys.stderr)
-            return 2
-    if len(args) != 2:
-        print(USAGE, file=sys.stderr)
-        return 2
-    reference, out = args
+    import argparse
+    parser = argparse.ArgumentParser(description="DeepSpeed's ZeRO replays a zero2 trace (tests/peers/README.md)")
+    parser.add_argument("reference", help="zero2's trace (train_bert_mini --trace DIR)")
+    parser.add_argument("out", help="the directory this replay's trace is written to")
+    parser.add_argument("--ranks", type=int, help="ranks to start (the trace's N; any divisor of its N x A)")
+    parser.add_argument("--scheduler", action="store_true",
+                        help="DeepSpeed's scheduler from the trace's config chooses the rates, not steps[].lr")
+    args = parser.parse_args(argv[1:])
+    if args.ranks is not None and args.ranks < 1:
+        parser.error("--ranks must be at least 1")
     if "RANK" not in os.environ:
-        return launch(reference, out, ranks)
+        return launch(args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        trace, config, source = check(reference, world)
+        trace, config, source = check(args.reference, world, args.scheduler)
     except (TraceError, Refusal) as e:
         if rank == 0:
-            print(f"deepspeed_peer: cannot replay {reference}: {e}", file=sys.stderr)
+            print(f"deepspeed_peer: cannot replay {args.reference}: {e}", file=sys.stderr)
         return 2
-    return replay(trace, config, source, out, rank, world)
+    return replay(trace, config, source, args.out, rank, world, args.scheduler)
 
 
-def replay(trace, config, source, out, rank, world):
+def replay(trace, config, source, out, rank, world, own_scheduler=False):
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -343,8 +340,10 @@ def replay(trace, config, source, out, rank, world):
     for step, record in enumerate(trace.steps, start=1):
         input_ids, labels = trace.batch(step)
         selected = int((labels != -100).sum())  # over the whole global batch: zero2's divisor
-        for group in engine.optimizer.param_groups:
-            group["lr"] = record["lr"]
+        if not own_scheduler:  # the trace's rate; else DeepSpeed's scheduler has set it (engine.step, the last)
+            for group in engine.optimizer.param_groups:
+                group["lr"] = record["lr"]
+        planned = engine.optimizer.param_groups[0]["lr"]
         summed = torch.zeros((), dtype=torch.float64)
         for a in range(accumulation):
             ids = torch.from_numpy(micro_batch_rows(input_ids, micro_batch, world, rank, a).copy())
@@ -377,7 +376,7 @@ def replay(trace, config, source, out, rank, world):
             raise RuntimeError(f"step {step}: the optimizer read the rates {sorted(set(used_lr))}, not one rate")
         if writer:
             writer.step(step, loss=float(summed) / selected, grad_norm=None if skipped else grad_norm(norm, scale),
-                        lr=record["lr"] if skipped else used_lr[0], loss_scale=scale, skipped=skipped)
+                        lr=planned if skipped else used_lr[0], loss_scale=scale, skipped=skipped)
             if keep:
                 writer.parameters(step, parameters, gradients if trace.parameter_steps[step] else None)
     if writer:
@@ -388,7 +387,8 @@ def replay(trace, config, source, out, rank, world):
                       world_size=world, accumulation_steps=accumulation,
                       bucket=int(engine.zero_reduce_bucket_size()) if stage > 0 else trace.run["bucket"],
                       overlap=bool(engine.zero_overlap_comm()) if stage > 0 else trace.run["overlap"],
-                      deepspeed_config=config, deepspeed_config_source=source)
+                      deepspeed_config=config, deepspeed_config_source=source,
+                      learning_rate="DeepSpeed's scheduler" if own_scheduler else "the trace's steps[].lr")
         print(f"deepspeed_peer: {len(trace.steps)} steps replayed by DeepSpeed {deepspeed.__version__} "
               f"(ZeRO stage {stage}, {precision}, {world} ranks; config {source}) into {out}")
     return 0
