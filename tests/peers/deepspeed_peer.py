@@ -390,7 +390,7 @@ def replay(trace, config, source, out, rank, world, own_scheduler=False):
                       deepspeed_config=config, deepspeed_config_source=source,
                       learning_rate="DeepSpeed's scheduler" if own_scheduler else "the trace's steps[].lr")
         print(f"deepspeed_peer: {len(trace.steps)} steps replayed by DeepSpeed {deepspeed.__version__} "
-              f"(ZeRO stage {stage}, {precision}, {world} ranks; config {source}) into {out}")
+              f"(ZeRO stage {stage}, {precision}, {world} rank{'s' if world > 1 else ''}; config {source}) into {out}")
     return 0
 
 
