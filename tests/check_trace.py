@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """tests/check_trace.py: another implementation's trace checked against zero2's (notes/12).
 
-    /usr/bin/python3 tests/check_trace.py REF THEIRS        (make check-trace REF=... THEIRS=...)
+    /usr/bin/python3 tests/check_trace.py REF THEIRS [--every-step]   (make check-trace REF=... THEIRS=...)
 
 REF is zero2's trace (train_bert_mini --trace DIR); THEIRS the trace a peer wrote replaying it, in the same
 format (tests/peers/trace_files.py; tests/peers/torch_peer.py is a template). Step by step it compares the
@@ -341,8 +341,14 @@ def check_step_scalars(pair, step, report):
                       diagnose_lr(pair, step, theirs["lr"], mine["lr"]))
     if mine.get("skipped") or theirs.get("skipped"):
         if bool(mine.get("skipped")) != bool(theirs.get("skipped")):
+            scales = (mine.get("loss_scale"), theirs.get("loss_scale"))
             raise Failure(f"step {step}: {'zero2' if mine.get('skipped') else 'theirs'} skipped it (an fp16 overflow), "
-                          f"the other did not", "the loss scale differs: compare steps[].loss_scale from step 1 on")
+                          f"the other did not (loss scales: zero2's {scales[0]}, theirs {scales[1]})",
+                          "the loss scales differ: compare steps[].loss_scale from step 1 on"
+                          if not same_setting(*scales) else
+                          "at the same loss scale one side's gradient overflowed and the other's did not: a sum of "
+                          "the ranks' scaled 16-bit gradients before dividing by N overflows where each rank's "
+                          "part does not (zero2 sums the 16-bit slices in fp32 and rounds once)")
         report.append((step, "skipped by both (fp16 overflow)", 0.0))
         return
     for key, tolerance_of, diagnose in (("loss", loss_tolerance, diagnose_loss),
@@ -356,8 +362,10 @@ def check_step_scalars(pair, step, report):
             raise Failure(f"step {step}, {key.replace('_', ' ')}: theirs {value:.9g}, zero2's {mine[key]:.9g} "
                           f"(|difference| {abs(value - mine[key]):.3g} > tolerance {tolerance:.3g})",
                           diagnose(pair, step, value, mine[key]), abs(value - mine[key]) / tolerance)
-    report.append((step, f"loss {mine['loss']:.7f} / {theirs['loss']:.7f}, grad norm {mine['grad_norm']:.6g} / "
-                         f"{theirs['grad_norm']:.6g}, lr {mine['lr']:.4g}",
+    relative = {key: abs(theirs[key] - mine[key]) / abs(mine[key]) if mine[key] else 0.0 for key in ("loss", "grad_norm")}
+    report.append((step, f"loss {mine['loss']:.7f} / {theirs['loss']:.7f} (relative {relative['loss']:.1e}), "
+                         f"grad norm {mine['grad_norm']:.6g} / {theirs['grad_norm']:.6g} "
+                         f"(relative {relative['grad_norm']:.1e}), lr {mine['lr']:.4g}",
                    max(abs(theirs["loss"] - mine["loss"]) / loss_tolerance(mine["loss"], step, precision),
                        abs(theirs["grad_norm"] - mine["grad_norm"]) / norm_tolerance(mine["grad_norm"], step, precision))))
 
@@ -373,7 +381,7 @@ def check_gradients(pair, step):
         return None
     largest = max(float(np.abs(v).max()) for v in mine.values())
     tolerance = gradient_tolerance(largest, step, pair.precision)
-    worst = 0.0
+    worst, largest_difference = 0.0, 0.0
     for name, p in pair.params.items():  # registration order: the first tensor that differs is named
         if name not in theirs:
             raise BadInput(f"{pair.theirs.directory}/step_{step}/gradients.safetensors: no tensor {name}")
@@ -383,6 +391,7 @@ def check_gradients(pair, step):
                            f"{list(theirs[name].shape)}, zero2's {p['shape']}")
         difference = np.abs(a - b)
         worst = max(worst, float(difference.max()) / tolerance)
+        largest_difference = max(largest_difference, float(difference.max()))
         if difference.max() > tolerance:
             i = int(difference.argmax())
             ratio = float(np.median(b[a != 0] / a[a != 0])) if (a != 0).any() else math.nan
@@ -396,7 +405,7 @@ def check_gradients(pair, step):
                           f"largest gradient element)", diagnosis or
                           f"the gradient of {name} differs first (registration order): its forward or backward",
                           float(difference.max()) / tolerance)
-    return worst
+    return worst, largest_difference / largest
 
 
 def check_parameters(pair, step, previous):
@@ -445,11 +454,13 @@ def check(pair, counts):
         check_step_scalars(pair, step, report)
         counts["passed"] += 1
         if step in kept:
-            worst_gradient = check_gradients(pair, step)
+            gradients = check_gradients(pair, step)
             worst_parameter = check_parameters(pair, step, previous_kept)
             report.append((step, f"after step {step}: {len(pair.params)} tensors: parameters"
-                                 + ("" if worst_gradient is None else " and gradients") + " within the tolerance",
-                           max(worst_parameter, worst_gradient or 0.0)))
+                                 + ("" if gradients is None else
+                                    f" and gradients (the largest difference {gradients[1]:.1e} of the largest "
+                                    f"gradient)") + " within the tolerance",
+                           max(worst_parameter, gradients[0] if gradients else 0.0)))
             previous_kept = step
             counts["passed"] += 1
     return report
@@ -463,6 +474,8 @@ def describe(trace):
 
 
 def main(argv):
+    every_step = "--every-step" in argv  # a line per step, not only the first, the last and the kept ones
+    argv = [a for a in argv if a != "--every-step"]
     if len(argv) != 3 or argv[1].startswith("-"):
         print(__doc__.strip().split("\n\n")[1] if len(argv) > 1 else __doc__, file=sys.stderr)
         return 2
@@ -502,7 +515,7 @@ def main(argv):
         return 1
     worst = max(report, key=lambda line: line[2])
     for step, line, fraction in report:
-        if step == 1 or step == len(ref.steps) or "after step" in line:
+        if every_step or step == 1 or step == len(ref.steps) or "after step" in line:
             print(f"  step {step:4d}  {line}  ({fraction:.2f} of the tolerance)")
     print(f"PASS: theirs agrees with zero2 at all {len(ref.steps)} steps and {len(ref.parameter_steps)} kept steps "
           f"(the closest call: step {worst[0]}, {worst[2]:.2f} of the tolerance)")

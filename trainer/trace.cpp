@@ -231,6 +231,9 @@ void RunTrace::finish(const ModelShape& shape, const TensorShapes& tensor_shapes
         {"bucket", options.bucket_elements},
         {"overlap", options.overlap},
         {"precision", z2::to_string(options.precision)},
+        // Where the micro-steps' gradients are summed (A > 1): zero2's fp32 blocks, or the working
+        // precision (data_types.grad_accum_dtype); DeepSpeed under ZeRO sums in the 16-bit type by default.
+        {"grad_accum_dtype", options.accumulate_fp32 ? "fp32" : z2::to_string(options.precision)},
         {"dropout", as_written(shape.dropout)},
         {"seed", shape.seed},
         {"interrupted_by", interrupted_by},
