@@ -4,6 +4,8 @@
 #   trace_size           a BERT-mini trace of 200 steps at N = 2, and what each of its parts weighs
 #   check_peer_torch     make check-peer PEER=torch: the torch peer's two steps and the planted mistakes
 #   check_trace_failure  tests/check_trace.py's whole output on one planted mistake
+#   deepspeed_check      make check-peer PEER=deepspeed's check, step by step (SKIP without .venv-deepspeed)
+#   deepspeed_side_by_side  its side by side (tests/peers/side_by_side.sh)
 set -eu
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -45,4 +47,24 @@ tests/peers/reference_trace.sh "$trainer" "$work/ref" 2
   /usr/bin/python3 tests/check_trace.py "$work/ref" "$work/theirs" | sed "s|$work/||g" | fold -w 110 -s || true
   echo '```'
 } >"$out/check_trace_failure"
+if .venv-deepspeed/bin/python -c 'import deepspeed' >/dev/null 2>&1; then
+  tests/peers/check_peer.sh deepspeed "$build" >"$work/deepspeed.log" 2>&1 || true
+  {
+    echo '```'
+    echo "\$ make check-peer PEER=deepspeed    # its check"
+    sed -n '/^--- the checker/,/^---$/p' "$work/deepspeed.log" | sed '1d;$d' | fold -w 110 -s
+    grep -E '^(PASS|FAIL) DeepSpeed' "$work/deepspeed.log" | fold -w 110 -s
+    echo '```'
+  } >"$out/deepspeed_check"
+  {
+    echo '```'
+    echo "\$ tests/peers/side_by_side.sh $build    # the end of make check-peer PEER=deepspeed"
+    sed -n '/^zero2 (.*DeepSpeed/,$p' "$work/deepspeed.log" | grep -vE '^[0-9]+ passed, [0-9]+ failed$'
+    echo '```'
+  } >"$out/deepspeed_side_by_side"
+else
+  for block in deepspeed_check deepspeed_side_by_side; do
+    printf '```\nSKIP: no .venv-deepspeed here (make check-peer PEER=deepspeed makes it from PyPI)\n```\n' >"$out/$block"
+  done
+fi
 ls "$out"

@@ -36,7 +36,7 @@ make_reference() {  # make_reference DIR: zero2's trace at N = 2 (tests/peers/re
 # diagnosis must hold.
 check() {
   local label=$1 expect=$2 status
-  /usr/bin/python3 tests/check_trace.py "$3" "$4" > "$work/check.log" 2>&1
+  /usr/bin/python3 tests/check_trace.py "$3" "$4" ${CHECK_FLAGS:-} > "$work/check.log" 2>&1
   status=$?
   if [ "$expect" = agrees ]; then
     if [ $status = 0 ]; then pass "$label: $(grep '^PASS' "$work/check.log" | sed 's/^PASS: //')"
@@ -113,7 +113,10 @@ check_deepspeed() {
   fi
   # DeepSpeed builds its CPU shared-memory op (deepspeed_shm_comm) on first use: a minute, once per venv.
   if "$venv/bin/python" tests/peers/deepspeed_peer.py "$work/ref" "$work/theirs" >"$work/peer.log" 2>&1; then
-    check "DeepSpeed ZeRO-2 peer (BERT-mini, N = 2, fp32, 20 steps)" agrees "$work/ref" "$work/theirs"
+    CHECK_FLAGS=--every-step check "DeepSpeed ZeRO-2 peer (BERT-mini, N = 2, fp32, 20 steps)" agrees "$work/ref" "$work/theirs"
+    echo "--- the checker, step by step (tests/check_trace.py REF THEIRS --every-step)"
+    sed "s|$work/||g" "$work/check.log"
+    echo "---"
   else
     fail "the DeepSpeed peer did not run:"; grep -v '^\[' "$work/peer.log" | tail -n 5
   fi
