@@ -201,16 +201,18 @@ constexpr RecordedSetting recorded_settings[] = {
     {"dropout", "--dropout", "the model's dropout"},
     {"seed", "--seed", "the data, the masking and dropout (all keyed by the seed)"},
     {"micro_batch", "--micro-batch", "the batch"},
+    // Whose rates (the trainer's, DeepSpeed's scheduler, or none), first of
+    // the schedule's settings, so that a contradiction names it before its
+    // consequences. A checkpoint written before it was recorded has the
+    // trainer's (adopt_checkpoint).
+    {"schedule_convention", "schedule_convention",
+     "the learning-rate schedule (the trainer's own, DeepSpeed's scheduler, or the optimizer's rate alone)"},
     {"lr", "--lr", "the learning-rate schedule"},
     {"warmup", "--warmup", "the learning-rate schedule"},
     {"schedule_steps", "--schedule-steps", "the learning-rate schedule (its decay ends there; --steps may change)"},
     {"warmup_type", "--warmup-type", "the learning-rate schedule"},
     {"decay", "--decay", "the learning-rate schedule"},
     {"warmup_min_lr", "warmup_min_lr", "the learning-rate schedule"},
-    // Whose rates (the trainer's, DeepSpeed's scheduler, or none): a checkpoint
-    // written before it was recorded has the trainer's (adopt_checkpoint).
-    {"schedule_convention", "schedule_convention",
-     "the learning-rate schedule (the trainer's own, DeepSpeed's scheduler, or the optimizer's rate alone)"},
     {"bias_correction", "bias_correction", "the optimizer"},
     // Whether the data's tail is held out (--eval-every > 0), not how often
     // evaluation runs: that may change (without --eval-every, the saved one).
