@@ -779,9 +779,12 @@ class ConfigReader {
     if (!out_.scheduler.empty()) {
       if (!scheduler_lr_.value.empty()) out_.flags.push_back({"--lr", scheduler_lr_.value, scheduler_lr_.key});
       else if (scheduler_lr_auto_) out_.auto_flags.insert("--lr");
-      if (!optimizer_lr_.value.empty())
+      // Said when it differs from the peak the scheduler sets (its own, or its default 0.001).
+      const std::string peak = !scheduler_lr_.value.empty() ? scheduler_lr_.value : scheduler_lr_auto_ ? "" : "0.001";
+      if (!optimizer_lr_.value.empty() && !peak.empty() &&
+          std::strtod(optimizer_lr_.value.c_str(), nullptr) != std::strtod(peak.c_str(), nullptr))
         out_.notes.push_back(optimizer_lr_.key + " " + optimizer_lr_.value + " has no effect: the scheduler sets " +
-                             "every step's rate, from warmup_min_lr to warmup_max_lr (as in DeepSpeed)");
+                             "every step's rate, up to warmup_max_lr " + peak + " (as in DeepSpeed)");
     } else {
       if (!optimizer_lr_.value.empty()) out_.flags.push_back({"--lr", optimizer_lr_.value, optimizer_lr_.key});
       else if (optimizer_lr_auto_) out_.auto_flags.insert("--lr");
