@@ -77,8 +77,9 @@
 #      the OpenBLAS kernel forced with OPENBLAS_CORETYPE, the portable hash
 #      stays one under every kernel and a glibc feature mask, equals the
 #      other build's, and the golden table (tests/verify.sh --all; a planted
-#      wrong row is caught); the config key (= the flag under the same config); the stage / N / ZeRO-R matrix in
-#      portable mode, fp32, bf16 and fp16.
+#      wrong row is caught); the config key (= the flag under the same
+#      config); the stage / N / ZeRO-R matrix in portable mode, fp32, bf16
+#      and fp16.
 # Ends with the plain line "N passed, M failed".
 #
 # Z2_TRAINER_SKIP="9 10 ..." leaves those sections out (default: none). Only
