@@ -158,7 +158,10 @@ static void print_config_origins(const Settings& s) {
       if (origin.substr(0, colon) != kind) continue;
       const std::string detail = colon == std::string::npos ? "" : origin.substr(colon + 1);
       std::string item = std::string(setting.name) + " " + setting_text(s, setting.flag);
-      if (kind == "config" || (kind == "trainer_default" && !detail.empty())) item += " (" + detail + ")";
+      // The key, a flag other than the setting's own (--warmup choosing the schedule), or "auto".
+      if (kind == "config" || (kind == "trainer_default" && !detail.empty()) ||
+          (kind == "flag" && detail != setting.flag))
+        item += " (" + detail + ")";
       items.push_back({kind == "deepspeed_default" ? detail : "", item});
     }
     if (items.empty()) continue;

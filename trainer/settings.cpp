@@ -244,8 +244,9 @@ Each flag's default is in parentheses, the DeepSpeed config key that sets it in 
 With --config FILE the file means what it means to DeepSpeed 0.16.9: a key it leaves out takes
 DeepSpeed's default, not the one in parentheses ("auto" keeps that one; the header names each
 setting's source). A flag on the command line overrides the file's key, but not its
-train_batch_size: micro-batch x accumulation x ranks must equal it (DeepSpeed's rule), so the one
-of --micro-batch and --accum not given follows from it, and a flag that contradicts it is refused.
+train_batch_size: micro-batch x accumulation x ranks must equal it (DeepSpeed's rule), so of
+--micro-batch and --accum (flag or key) the one not given follows from it (accumulation 1 when
+neither is), and a value that contradicts it, or does not divide it, is refused.
 
 where and how
   --stage 0|1|2              ZeRO stage (2) [zero_optimization.stage]
@@ -452,9 +453,10 @@ static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
         "halve on every overflow; this trainer keeps its ZeRO optimizer's loss scaler (shown above) at every stage");
   // Without the key, DeepSpeed accumulates 16-bit gradients in their own
   // type (engine.py get_data_types); zero2 keeps fp32, which keeps (N, A)
-  // invariance (notes/08).
+  // invariance (notes/08). It matters where micro-steps accumulate.
   const std::string deepspeed_accumulation = s.precision == "bf16" && s.stage == 0 ? "fp32" : s.precision;
-  if (!s.given.count("grad_accum_dtype") && deepspeed_accumulation != s.grad_accum_dtype)
+  const bool accumulates = s.accum > 1 || s.train_batch_size > 0;
+  if (!s.given.count("grad_accum_dtype") && deepspeed_accumulation != s.grad_accum_dtype && accumulates)
     s.config_notes.push_back("data_types.grad_accum_dtype left out: gradients accumulate in fp32 (the trainer's "
                              "default); DeepSpeed would accumulate them in " +
                              deepspeed_accumulation + " (\"grad_accum_dtype\": \"" + deepspeed_accumulation +
