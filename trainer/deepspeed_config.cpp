@@ -1,7 +1,10 @@
 // trainer/deepspeed_config.cpp — the DeepSpeed config reader
 // (trainer/deepspeed_config.h): the file checked as text, parsed with its
-// keys once each, its numbers' texts kept as written, and every key
-// DeepSpeed documents mapped to a flag, accepted with its reason, or refused.
+// keys once each, its numbers' texts kept as written, every key DeepSpeed
+// 0.16.9 reads mapped to a flag, accepted with its reason or refused, a key
+// it never reads warned about or refused as DeepSpeed would, and DeepSpeed's
+// defaults listed for the keys the file leaves out. Each rule cites the
+// DeepSpeed file and function it follows.
 #include "trainer/deepspeed_config.h"
 
 #include <algorithm>

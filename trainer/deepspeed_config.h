@@ -1,6 +1,7 @@
 // trainer/deepspeed_config.h — a DeepSpeed configuration file read as
-// DeepSpeed reads it (--config): the flags it sets, the keys refused with
-// their reasons, the notes for the header. Its own file because it is the
+// DeepSpeed reads it (--config): the flags it sets, DeepSpeed's defaults for
+// what it leaves out, the keys refused with their reasons, the notes and
+// warnings for the header. Its own file because it is the
 // one place that knows DeepSpeed's keys, and the JSON library's reader with
 // them (trainer/deepspeed_config.cpp); the command line (trainer/settings.cpp)
 // applies what it returns.
