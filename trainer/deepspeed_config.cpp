@@ -130,48 +130,55 @@ struct NumberTexts : nlohmann::json_sax<json> {
   bool parse_error(std::size_t, const std::string&, const json::exception&) override { return false; }
 };
 
-// The keys DeepSpeed 0.16.9 knows, for two things: the nearest-name
-// suggestion for a typo, and telling a key DeepSpeed never reads (ignored
-// there, a warning here) from a near-miss of a real one (refused). Built
-// from deepspeed/runtime/constants.py and the config classes that
-// runtime/config.py (DeepSpeedConfig._initialize_params) reads the top level
-// with, runtime/zero/config.py (DeepSpeedZeroConfig's fields),
-// runtime/lr_schedules.py and the optimizers' constructors (ops/adam/
-// fused_adam.py FusedAdam, torch.optim.AdamW).
+// The keys DeepSpeed 0.16.9 knows, by the block they belong to, for two
+// things: the nearest-name suggestion for a typo, and telling a key
+// DeepSpeed never reads (ignored there, a warning here) from a near-miss of
+// a real one (refused). Built from deepspeed/runtime/constants.py and the
+// config classes that runtime/config.py (DeepSpeedConfig._initialize_params)
+// reads the top level with, runtime/zero/config.py (DeepSpeedZeroConfig's
+// fields), zero/offload_config.py, runtime/lr_schedules.py and the
+// optimizers' constructors (ops/adam/fused_adam.py FusedAdam,
+// torch.optim.AdamW). A key is compared with its own block's names only.
 // clang-format off
-static constexpr const char* deepspeed_names[] = {
-    // top level (runtime/config.py, constants.py, and the modules it imports)
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "steps_per_print", "dump_state", "disable_allgather", "communication_data_type",
-    "seq_parallel_communication_data_type", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
-    "zero_optimization", "activation_checkpointing", "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet",
-    "fp16", "bf16", "bfloat16", "amp", "compression_training", "graph_harvesting", "optimizer", "scheduler",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "flops_profiler", "wall_clock_breakdown",
-    "memory_breakdown", "autotuning", "eigenvalue", "quantize_training", "use_data_before_expert_parallelism",
-    "hybrid_engine", "sparse_attention", "pipeline", "progressive_layer_drop", "curriculum_learning",
-    "data_efficiency", "checkpoint", "data_types", "aio", "dataloader_drop_last", "nebula", "weight_quantization",
-    "compile", "timers", "tensor_parallel", "elasticity", "vocabulary_size", "allgather_size", "zero2_portable",
-    // fp16, bf16, data_types, activation_checkpointing
-    "enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-    "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads", "immediate_grad_update",
-    "grad_accum_dtype", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-    "number_checkpoints", "synchronize_checkpoint_boundary", "profile",
-    // zero_optimization (DeepSpeedZeroConfig)
-    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
-    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
-    "offload_param", "offload_optimizer", "sub_group_size", "cpu_offload_param", "cpu_offload_use_pin_memory",
-    "cpu_offload", "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
-    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "ignore_unused_parameters", "legacy_stage1",
-    "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
-    "mics_hierarchical_params_gather", "memory_efficient_linear", "pipeline_loading_checkpoint",
-    "override_module_apply", "log_trace_cache_warnings", "device", "pin_memory",
-    // optimizer and scheduler
-    "type", "params", "legacy_fusion", "lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
-    "torch_adam", "amsgrad", "set_grad_none", "fused", "foreach", "capturable", "differentiable", "maximize",
-    "max_grad_norm", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
-    "last_batch_iteration"};
+static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
+    {"", {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+          "steps_per_print", "dump_state", "disable_allgather", "communication_data_type",
+          "seq_parallel_communication_data_type", "prescale_gradients", "gradient_predivide_factor",
+          "sparse_gradients", "zero_optimization", "activation_checkpointing", "comms_logger", "tensorboard", "wandb",
+          "csv_monitor", "comet", "fp16", "bf16", "bfloat16", "amp", "compression_training", "graph_harvesting",
+          "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "flops_profiler",
+          "wall_clock_breakdown", "memory_breakdown", "autotuning", "eigenvalue", "quantize_training",
+          "use_data_before_expert_parallelism", "hybrid_engine", "sparse_attention", "pipeline",
+          "progressive_layer_drop", "curriculum_learning", "data_efficiency", "checkpoint", "data_types", "aio",
+          "dataloader_drop_last", "nebula", "weight_quantization", "compile", "timers", "tensor_parallel",
+          "elasticity", "vocabulary_size", "allgather_size", "zero2_portable"}},
+    {"fp16", {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+              "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}},
+    {"bf16", {"enabled", "immediate_grad_update"}},
+    {"data_types", {"grad_accum_dtype"}},
+    {"activation_checkpointing", {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                                  "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}},
+    {"zero_optimization",
+     {"stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+      "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
+      "offload_param", "offload_optimizer", "sub_group_size", "cpu_offload_param", "cpu_offload_use_pin_memory",
+      "cpu_offload", "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+      "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+      "module_granularity_threshold", "use_all_reduce_for_fetch_params", "ignore_unused_parameters", "legacy_stage1",
+      "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
+      "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
+      "mics_hierarchical_params_gather", "memory_efficient_linear", "pipeline_loading_checkpoint",
+      "override_module_apply", "log_trace_cache_warnings", "stage3_prefetch_bucket_size",
+      "stage3_param_persistence_threshold", "stage3_model_persistence_threshold", "stage3_max_live_parameters",
+      "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+      "stage3_gather_fp16_weights_on_model_save"}},
+    {"optimizer", {"type", "params", "legacy_fusion"}},
+    {"optimizer.params", {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
+                          "amsgrad", "set_grad_none", "fused", "foreach", "capturable", "differentiable", "maximize",
+                          "max_grad_norm"}},
+    {"scheduler", {"type", "params"}},
+    {"scheduler.params", {"warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
+                          "last_batch_iteration"}}};
 // clang-format on
 
 // Parameters of DeepSpeed's other optimizers and schedulers: in a block of
@@ -235,14 +242,17 @@ class ConfigReader {
   // --- values ------------------------------------------------------------
   static bool is_auto(const json& value) { return value.is_string() && value.get<std::string>() == "auto"; }
   void refuse(const std::string& key, const std::string& why) { out_.refused.push_back(key + ": " + why); }
-  // The nearest name DeepSpeed knows (edit distance 1 or 2), with the key's
-  // block in front, or "" when none is that near.
+  // The nearest name DeepSpeed knows in the key's block (edit distance 1
+  // or 2), with the block in front, or "" when none is that near.
   static std::string near_miss(const std::string& key) {
     const size_t dot = key.rfind('.');
     const std::string name = dot == std::string::npos ? key : key.substr(dot + 1);
+    const std::string block = dot == std::string::npos ? "" : key.substr(0, dot) == "bfloat16" ? "bf16" : key.substr(0, dot);
+    const auto names = deepspeed_names.find(block);
+    if (names == deepspeed_names.end()) return "";
     std::string best;
     size_t best_distance = 3;
-    for (const char* known : deepspeed_names) {
+    for (const char* known : names->second) {
       const size_t distance = edit_distance(name, known);
       if (distance < best_distance && distance > 0) best_distance = distance, best = known;
     }
