@@ -302,8 +302,9 @@ PY
   timeout 300 mpirun -n 4 "$build/reduce_precision"
 } >"$out/mixed_reduction"
 
-# mixed_overflow: fp16 forced to overflow (a tiny model, 2^24 to start, window 4).
-echo '{"fp16": {"enabled": true, "initial_scale_power": 24, "loss_scale_window": 4, "hysteresis": 2}}' >"$out/overflow.json"
+# mixed_overflow: fp16 forced to overflow (a tiny model, 2^24 to start, window 4),
+# at stage 2 (a config without zero_optimization means stage 0, as in DeepSpeed).
+echo '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "initial_scale_power": 24, "loss_scale_window": 4, "hysteresis": 2}}' >"$out/overflow.json"
 overflow_flags="--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 14 --warmup 1 --log-every 1"
 {
   echo '```'
@@ -311,7 +312,7 @@ overflow_flags="--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --ma
   cat "$out/overflow.json"
   echo "\$ mpirun -n 2 $trainer $overflow_flags --config ds_fp16.json"
   timeout 300 mpirun -n 2 "$trainer" --device cpu $overflow_flags --config "$out/overflow.json" |
-    sed -n '/^  precision/,/^  initial loss/p;/^step/p;/loss scale (final)/p'
+    sed -n '/^  precision/,/^  initial loss/p;/^step/p;/loss scale (final)/p' | sed "s|$out/overflow.json|ds_fp16.json|"
   echo '```'
 } >"$out/mixed_overflow"
 

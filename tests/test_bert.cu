@@ -188,7 +188,9 @@ TEST_CASE("BERT data: a micro-batch is a pure function of (seed, step, micro-bat
     }
 }
 
-TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overrides, unknown keys are named") {
+TEST_CASE(
+    "BERT config file: DeepSpeed keys map to flags, the command line overrides, left-out keys take DeepSpeed's "
+    "defaults, unknown keys are warned about or named") {
   const std::string path = "/tmp/z2_test_config_" + std::to_string(harness::rank()) + ".json";
   auto write = [&](const std::string& text) { std::ofstream(path) << text; };
   auto parse = [&](std::vector<std::string> arguments) {
@@ -222,31 +224,74 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   CHECK(s.stage == 2);
   CHECK(s.micro_batch == 2);
   CHECK(s.accum == 3);
-  // Unknown keys, at any depth, are errors that name the key; every refused
-  // key of a file is in the one message.
-  auto error_of = [&](const std::string& text) -> std::string {
-    write(text);
+  // Keys DeepSpeed ignores are warnings; a near-miss of a real key and an
+  // unknown key of a block DeepSpeed validates are errors that name the key;
+  // every refused key of a file is in the one message.
+  auto flag_error_of = [&](std::vector<std::string> arguments) -> std::string {
     try {
-      parse({"--config", path});
+      parse(arguments);
     } catch (const z2::Error& e) { return e.what(); }
     return "";
   };
-  CHECK(error_of(R"({"train_micro_batch_size": 4})").find("\n  train_micro_batch_size: not a DeepSpeed key") !=
-        std::string::npos);
+  auto error_of = [&](const std::string& text) -> std::string {
+    write(text);
+    return flag_error_of({"--config", path});
+  };
+  CHECK(error_of(R"({"train_micro_batch_size_per_gp": 4})")
+            .find("\n  train_micro_batch_size_per_gp: not a DeepSpeed key this trainer knows (did you mean "
+                  "'train_micro_batch_size_per_gpu'?)") != std::string::npos);
+  write(R"({"train_micro_batch_size": 4, "fp16": {"enabled": false, "scale": 1}})");
+  s = parse({"--config", path});
+  REQUIRE(s.config_warnings.size() == 2);
+  CHECK(s.config_warnings[1].find("'train_micro_batch_size' is not a key DeepSpeed reads") != std::string::npos);
+  CHECK(s.config_warnings[0].find("'fp16.scale' is not a key DeepSpeed reads") != std::string::npos);
+  CHECK(s.micro_batch == 8);  // ignored, as DeepSpeed ignores it
   CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})")
             .find("zero_optimization.offload_optimizer.device: \"nvme\" is not supported") != std::string::npos);
   const std::string two =
-      error_of(R"({"optimizer": {"params": {"momentum": 0.9}}, "zero_optimization": {"stage": 4}})");
+      error_of(R"({"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}, "zero_optimization": {"stage": 4}})");
   CHECK(two.find("has 2 settings") != std::string::npos);
-  CHECK(two.find("optimizer.params.momentum: not a DeepSpeed key") != std::string::npos);
+  CHECK(two.find("optimizer.params.momentum: a DeepSpeed feature not implemented here (SGD's parameter") !=
+        std::string::npos);
   // A bad value names the config key the user wrote, not the flag it maps to.
   CHECK(two.find("zero_optimization.stage: wants an integer from 0 to 2") != std::string::npos);
   CHECK(error_of(R"({"zero_optimization": {"stage": 3}})").find("zero_optimization.stage: 3 is not supported") !=
         std::string::npos);
   // DeepSpeed's warmup default is "log", and a scheduler block without warmup_type gets it.
-  write(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})");
-  CHECK(parse({"--config", path}).warmup_type == "log");
+  write(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": 50}}})");
+  s = parse({"--config", path});
+  CHECK(s.warmup_type == "log");
+  CHECK(s.schedule_convention == "deepspeed");
+  CHECK(s.lr == 0.001);  // WarmupLR's warmup_max_lr default
   CHECK(parse({}).warmup_type == "linear");  // without a config, the trainer's own linear warmup
+  CHECK(parse({}).schedule_convention == "zero2");
+  // WarmupDecayLR's total_num_steps has no default in DeepSpeed.
+  write(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})");
+  CHECK(flag_error_of({"--config", path}).find("'scheduler.params.total_num_steps' is missing") != std::string::npos);
+  CHECK(parse({"--config", path, "--schedule-steps", "40"}).schedule_steps == 40);
+  // What a file leaves out is DeepSpeed's: stage 0, no clip, FusedAdam's
+  // weight decay 0 (torch.optim.AdamW's 0.01 with torch_adam), no
+  // scheduler; an fp16 block without scaler keys gets DynamicLossScaler()'s
+  // 2^32 and hysteresis 1. Flags still win; "auto" keeps the trainer's.
+  write(R"({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "fp16": {"enabled": true}})");
+  s = parse({"--config", path});
+  CHECK(s.stage == 0);
+  CHECK(s.clip == 0);
+  CHECK(s.weight_decay == 0);
+  CHECK(s.schedule_convention == "none");
+  CHECK(s.loss_scaling.initial_scale_power == 32);
+  CHECK(s.loss_scaling.hysteresis == 1);
+  CHECK(s.origins.at("--weight-decay") == "deepspeed_default:FusedAdam");
+  s = parse({"--config", path, "--stage", "2", "--clip", "0.5"});
+  CHECK(s.stage == 2);
+  CHECK(s.clip == 0.5);
+  CHECK(s.origins.at("--clip") == "flag:--clip");
+  write(R"({"optimizer": {"type": "AdamW", "params": {"torch_adam": true}}, "gradient_clipping": "auto"})");
+  s = parse({"--config", path});
+  CHECK(s.weight_decay == 0.01);
+  CHECK(s.origins.at("--weight-decay") == "deepspeed_default:torch.optim.AdamW");
+  CHECK(s.clip == 1.0);
+  CHECK(s.origins.at("--clip") == "trainer_default:auto");
   CHECK(error_of("{not json").find("not valid JSON") != std::string::npos);
   // Mixed precision (notes/08): DeepSpeed's fp16 block, keys and defaults.
   write(R"({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 50,
@@ -264,7 +309,7 @@ TEST_CASE("BERT config file: DeepSpeed keys map to flags, the command line overr
   CHECK(parse({"--config", path, "--precision", "fp16"}).precision == "fp16");  // they agree
   write(R"({"bf16": {"enabled": true}})");
   CHECK(parse({"--config", path}).precision == "bf16");
-  // Unset, DeepSpeed's documented defaults.
+  // Without a config, the fp16 section's defaults (DeepSpeed's constants.py).
   s = parse({"--precision", "fp16"});
   CHECK(s.loss_scaling.static_scale == 0);
   CHECK(s.loss_scaling.initial_scale_power == 16);
@@ -344,6 +389,25 @@ TEST_CASE("BERT learning-rate schedule: linear warmup to lr, then linear decay t
   s.warmup = 0;
   CHECK(bert::learning_rate(s, 1) == 1.0);
   CHECK(bert::learning_rate(s, 10) == doctest::Approx(0.1));
+}
+
+TEST_CASE("BERT learning-rate schedule under a config: DeepSpeed's WarmupDecayLR as its engine steps it, or constant") {
+  bert::Settings s;
+  s.schedule_convention = "deepspeed";
+  s.lr = 1.0, s.warmup_min_lr = 0.0, s.schedule_steps = 10, s.warmup = 4, s.warmup_type = "linear";
+  // Update t at iteration t - 2: updates 1 and 2 at warmup_min_lr, then i / W.
+  CHECK(bert::learning_rate(s, 1) == 0.0);
+  CHECK(bert::learning_rate(s, 2) == 0.0);
+  CHECK(bert::learning_rate(s, 3) == 0.25);
+  CHECK(bert::learning_rate(s, 6) == 1.0);                      // i = 4 = W: the decay's start
+  CHECK(bert::learning_rate(s, 7) == doctest::Approx(5.0 / 6));  // (S - i) / (S - W)
+  CHECK(bert::learning_rate(s, 12) == 0.0);                     // i = S
+  s.warmup = 1;                                                  // W = max(2, 1)
+  CHECK(bert::learning_rate(s, 3) == 0.5);
+  s.decay = "none";
+  CHECK(bert::learning_rate(s, 40) == 1.0);
+  s.schedule_convention = "none";  // a config without a scheduler: the optimizer's rate
+  CHECK(bert::learning_rate(s, 1) == 1.0);
 }
 
 TEST_CASE("BERT sizes: parameter_count (the fit check's input) equals what the engine registers") {

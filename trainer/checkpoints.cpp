@@ -201,6 +201,12 @@ constexpr RecordedSetting recorded_settings[] = {
     {"dropout", "--dropout", "the model's dropout"},
     {"seed", "--seed", "the data, the masking and dropout (all keyed by the seed)"},
     {"micro_batch", "--micro-batch", "the batch"},
+    // Whose rates (the trainer's, DeepSpeed's scheduler, or none), first of
+    // the schedule's settings, so that a contradiction names it before its
+    // consequences. A checkpoint written before it was recorded has the
+    // trainer's (adopt_checkpoint).
+    {"schedule_convention", "schedule_convention",
+     "the learning-rate schedule (the trainer's own, DeepSpeed's scheduler, or the optimizer's rate alone)"},
     {"lr", "--lr", "the learning-rate schedule"},
     {"warmup", "--warmup", "the learning-rate schedule"},
     {"schedule_steps", "--schedule-steps", "the learning-rate schedule (its decay ends there; --steps may change)"},
@@ -244,6 +250,7 @@ static json recorded_values(const Settings& s) {
           {"warmup_type", s.warmup_type},
           {"decay", s.decay},
           {"warmup_min_lr", s.warmup_min_lr},
+          {"schedule_convention", s.schedule_convention},
           {"bias_correction", s.bias_correction},
           {"held_out", s.eval_every > 0},
           {"eval_every", s.eval_every},
@@ -475,6 +482,13 @@ static void adopt_checkpoint_batch(Settings& s, int world_size, const std::strin
   if (!records_nothing) check_summation_tree(s, world_size, saved_world, saved_accum);
 }
 
+// A schedule convention (Settings::schedule_convention) in words, for messages.
+static std::string schedule_described(const std::string& convention) {
+  return convention == "deepspeed" ? "DeepSpeed's scheduler"
+         : convention == "none"    ? "the optimizer's rate alone (a config without a scheduler)"
+                                   : "the trainer's own schedule (no --config)";
+}
+
 // The checkpoint's settings into `s`: each recorded setting not given is
 // taken; one given with another value is refused, naming it. Then the batch:
 // the same micro-batch and N x A as the saving run (A follows from N when
@@ -491,8 +505,12 @@ void adopt_checkpoint(Settings& s, int world_size) {
   const bool precision_given =
       s.given.count("--precision") || s.given.count("fp16.enabled") || s.given.count("bf16.enabled");
   const json current = recorded_values(s);
+  // Recorded since the schedule could be DeepSpeed's: before, every
+  // checkpoint's rates were the trainer's own.
+  const json zero2_schedule = "zero2";
   for (const RecordedSetting& setting : recorded_settings) {
-    const json& value = index_field(saved, setting.key, file);
+    const bool unrecorded_schedule = std::string(setting.key) == "schedule_convention" && !saved.contains(setting.key);
+    const json& value = unrecorded_schedule ? zero2_schedule : index_field(saved, setting.key, file);
     const bool given = std::string(setting.key) == "precision" ? precision_given : s.given.count(setting.flag) > 0;
     if (given) {
       if (std::string(setting.key) == "held_out" && current[setting.key] != value)
@@ -501,6 +519,13 @@ void adopt_checkpoint(Settings& s, int world_size) {
              s.eval_every > 0 ? "holds the data's tail out of training" : "keeps the data's tail in training",
              s.checkpoint_directory.c_str(),
              value == true ? "hold it out (--eval-every K > 0 continues it)" : "not (leave --eval-every out)");
+      if (std::string(setting.key) == "schedule_convention" && current[setting.key] != value)
+        fail(
+            "this run's learning rates would follow %s (%s), the checkpoint's (in '%s') %s: the rates would differ "
+            "from the run that never stopped. Resume without the config's scheduler and the schedule flags to "
+            "continue as saved",
+            schedule_described(s.schedule_convention).c_str(), s.origins["schedule_convention"].c_str(),
+            s.checkpoint_directory.c_str(), schedule_described(value.is_string() ? value.get<std::string>() : json_text(value)).c_str());
       if (current[setting.key] != value)
         fail(
             "%s %s contradicts the checkpoint's %s (in '%s'): a different value changes %s. Leave it out to "
@@ -523,6 +548,7 @@ void adopt_checkpoint(Settings& s, int world_size) {
       apply(s, setting.flag, text, "the checkpoint's setting '" + std::string(setting.key) + "'");
       s.given.erase(setting.flag);  // taken, not given
     }
+    s.origins[std::string(setting.key) == "precision" ? "--precision" : setting.flag] = "checkpoint";
   }
   // Portable mode (notes/11) is not among the settings above: a run may
   // choose it anew, as it may the device, and a checkpoint from before it

@@ -1,7 +1,10 @@
 // trainer/deepspeed_config.cpp — the DeepSpeed config reader
 // (trainer/deepspeed_config.h): the file checked as text, parsed with its
-// keys once each, its numbers' texts kept as written, and every key
-// DeepSpeed documents mapped to a flag, accepted with its reason, or refused.
+// keys once each, its numbers' texts kept as written, every key DeepSpeed
+// 0.16.9 reads mapped to a flag, accepted with its reason or refused, a key
+// it never reads warned about or refused as DeepSpeed would, and DeepSpeed's
+// defaults listed for the keys the file leaves out. Each rule cites the
+// DeepSpeed file and function it follows.
 #include "trainer/deepspeed_config.h"
 
 #include <algorithm>
@@ -65,7 +68,12 @@ static json parse_config_json(const std::string& path, const std::string& text) 
   try {
     return parse_json(text, no_duplicates);  // strict: nothing may follow the value
   } catch (const json::exception& e) {       // a syntax error, or a number beyond double (1e400)
-    fail("the config file '%s' is not valid JSON: %s", path.c_str(), e.what());
+    // DeepSpeed reads its configs as Hjson (runtime/config.py DeepSpeedConfig),
+    // which forgives a missing comma or a comment: say so, as the file may
+    // well run there.
+    fail("the config file '%s' is not valid JSON: %s (DeepSpeed reads configs as Hjson, which forgives a missing "
+         "comma or a comment; this trainer reads strict JSON)",
+         path.c_str(), e.what());
   }
 }
 
@@ -122,6 +130,99 @@ struct NumberTexts : nlohmann::json_sax<json> {
   bool parse_error(std::size_t, const std::string&, const json::exception&) override { return false; }
 };
 
+// The keys DeepSpeed 0.16.9 knows, by the block they belong to, for two
+// things: the nearest-name suggestion for a typo, and telling a key
+// DeepSpeed never reads (ignored there, a warning here) from a near-miss of
+// a real one (refused). Built from deepspeed/runtime/constants.py and the
+// config classes that runtime/config.py (DeepSpeedConfig._initialize_params)
+// reads the top level with, runtime/zero/config.py (DeepSpeedZeroConfig's
+// fields), zero/offload_config.py, runtime/lr_schedules.py and the
+// optimizers' constructors (ops/adam/fused_adam.py FusedAdam,
+// torch.optim.AdamW). A key is compared with its own block's names only.
+// clang-format off
+static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
+    {"", {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+          "steps_per_print", "dump_state", "disable_allgather", "communication_data_type",
+          "seq_parallel_communication_data_type", "prescale_gradients", "gradient_predivide_factor",
+          "sparse_gradients", "zero_optimization", "activation_checkpointing", "comms_logger", "tensorboard", "wandb",
+          "csv_monitor", "comet", "fp16", "bf16", "bfloat16", "amp", "compression_training", "graph_harvesting",
+          "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "flops_profiler",
+          "wall_clock_breakdown", "memory_breakdown", "autotuning", "eigenvalue", "quantize_training",
+          "use_data_before_expert_parallelism", "hybrid_engine", "sparse_attention", "pipeline",
+          "progressive_layer_drop", "curriculum_learning", "data_efficiency", "checkpoint", "data_types", "aio",
+          "dataloader_drop_last", "nebula", "weight_quantization", "compile", "timers", "tensor_parallel",
+          "elasticity", "vocabulary_size", "allgather_size", "zero2_portable"}},
+    {"fp16", {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+              "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}},
+    {"bf16", {"enabled", "immediate_grad_update"}},
+    {"data_types", {"grad_accum_dtype"}},
+    {"activation_checkpointing", {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                                  "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}},
+    {"zero_optimization",
+     {"stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+      "allgather_partitions", "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
+      "offload_param", "offload_optimizer", "sub_group_size", "cpu_offload_param", "cpu_offload_use_pin_memory",
+      "cpu_offload", "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+      "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+      "module_granularity_threshold", "use_all_reduce_for_fetch_params", "ignore_unused_parameters", "legacy_stage1",
+      "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
+      "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
+      "mics_hierarchical_params_gather", "memory_efficient_linear", "pipeline_loading_checkpoint",
+      "override_module_apply", "log_trace_cache_warnings", "stage3_prefetch_bucket_size",
+      "stage3_param_persistence_threshold", "stage3_model_persistence_threshold", "stage3_max_live_parameters",
+      "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+      "stage3_gather_fp16_weights_on_model_save"}},
+    {"optimizer", {"type", "params", "legacy_fusion"}},
+    {"optimizer.params", {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
+                          "amsgrad", "set_grad_none", "fused", "foreach", "capturable", "differentiable", "maximize",
+                          "max_grad_norm"}},
+    {"scheduler", {"type", "params"}},
+    {"scheduler.params", {"warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
+                          "last_batch_iteration"}}};
+// clang-format on
+
+// Parameters of DeepSpeed's other optimizers and schedulers: in a block of
+// AdamW or WarmupLR, DeepSpeed passes them to a constructor that has no such
+// argument (TypeError), so they are refused, as belonging to a feature not
+// implemented here (deepspeed/ops/lamb/fused_lamb.py FusedLamb,
+// runtime/fp16/onebit/{adam,zoadam,lamb}.py, runtime/lr_schedules.py OneCycle,
+// LRRangeTest, WarmupCosineLR; torch.optim's Adagrad and SGD).
+static const std::map<std::string, std::string> other_features_params = {
+    {"max_coeff", "Lamb's"}, {"min_coeff", "Lamb's"}, {"eps_inside_sqrt", "Lamb's"},
+    {"freeze_step", "OneBitAdam's / OneBitLamb's"}, {"cuda_aware", "OneBitAdam's / OneBitLamb's"},
+    {"comm_backend_name", "OneBitAdam's / OneBitLamb's"}, {"coeff_beta", "OneBitLamb's"},
+    {"factor_max", "OneBitLamb's"}, {"factor_min", "OneBitLamb's"}, {"factor_threshold", "OneBitLamb's"},
+    {"var_freeze_step", "ZeroOneAdam's"}, {"var_update_scaler", "ZeroOneAdam's"},
+    {"local_step_scaler", "ZeroOneAdam's"}, {"local_step_clipper", "ZeroOneAdam's"},
+    {"lr_decay", "Adagrad's"}, {"initial_accumulator_value", "Adagrad's"}, {"momentum", "SGD's"},
+    {"dampening", "SGD's"}, {"nesterov", "SGD's"},
+    {"cycle_min_lr", "OneCycle's"}, {"cycle_max_lr", "OneCycle's"}, {"decay_lr_rate", "OneCycle's"},
+    {"cycle_first_step_size", "OneCycle's"}, {"cycle_second_step_size", "OneCycle's"},
+    {"cycle_first_stair_count", "OneCycle's"}, {"cycle_second_stair_count", "OneCycle's"},
+    {"decay_step_size", "OneCycle's"}, {"cycle_momentum", "OneCycle's"}, {"cycle_min_mom", "OneCycle's"},
+    {"cycle_max_mom", "OneCycle's"}, {"decay_mom_rate", "OneCycle's"},
+    {"lr_range_test_min_lr", "LRRangeTest's"}, {"lr_range_test_step_size", "LRRangeTest's"},
+    {"lr_range_test_step_rate", "LRRangeTest's"}, {"lr_range_test_staircase", "LRRangeTest's"},
+    {"warmup_min_ratio", "WarmupCosineLR's"}, {"cos_min_ratio", "WarmupCosineLR's"}};
+
+// Optimizer types DeepSpeed builds that are not AdamW: its own (runtime/
+// config.py DEEPSPEED_OPTIMIZERS, matched in any case) and torch.optim's
+// (engine.py _configure_basic_optimizer, getattr(torch.optim, name): the
+// exact name).
+static const std::set<std::string> deepspeed_other_optimizers = {
+    "adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "lion"};
+static const std::set<std::string> torch_optimizers = {"SGD",   "RMSprop", "Adadelta",   "Adamax", "ASGD",
+                                                       "LBFGS", "NAdam",   "RAdam",      "Rprop",  "SparseAdam",
+                                                       "Adafactor"};
+// Scheduler types: DeepSpeed looks the name up exactly, in runtime/
+// lr_schedules.py, then in torch.optim.lr_scheduler (engine.py
+// _scheduler_from_config).
+static const std::set<std::string> deepspeed_other_schedulers = {"OneCycle", "LRRangeTest", "WarmupCosineLR"};
+static const std::set<std::string> torch_schedulers = {
+    "LambdaLR",       "MultiplicativeLR", "StepLR",   "MultiStepLR",       "ConstantLR",
+    "LinearLR",       "ExponentialLR",    "PolynomialLR", "CosineAnnealingLR", "ChainedScheduler",
+    "SequentialLR",   "ReduceLROnPlateau", "CyclicLR", "OneCycleLR",        "CosineAnnealingWarmRestarts"};
+
 class ConfigReader {
  public:
   explicit ConfigReader(const std::string& path) : path_(path) {}
@@ -131,8 +232,9 @@ class ConfigReader {
     const json config = parse_config_json(path_, text);
     if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path_.c_str());
     parse_json_events(text, numbers_);  // valid JSON by now: this pass only collects the numbers' texts
-    for (auto& [key, value] : config.items()) top_level(key, value);
+    for (auto& [key, value] : config.items()) top_level(key, value, config);
     settle_learning_rate_and_clipping();
+    add_deepspeed_defaults();
     return out_;
   }
 
@@ -140,20 +242,42 @@ class ConfigReader {
   // --- values ------------------------------------------------------------
   static bool is_auto(const json& value) { return value.is_string() && value.get<std::string>() == "auto"; }
   void refuse(const std::string& key, const std::string& why) { out_.refused.push_back(key + ": " + why); }
-  // A key neither side knows: most often a typo, so the nearest name this
-  // reader knows (edit distance at most 2) is suggested.
-  void unknown(const std::string& key) {
+  // The nearest name DeepSpeed knows in the key's block (edit distance 1
+  // or 2), with the block in front, or "" when none is that near.
+  static std::string near_miss(const std::string& key) {
     const size_t dot = key.rfind('.');
     const std::string name = dot == std::string::npos ? key : key.substr(dot + 1);
+    const std::string block = dot == std::string::npos ? "" : key.substr(0, dot) == "bfloat16" ? "bf16" : key.substr(0, dot);
+    const auto names = deepspeed_names.find(block);
+    if (names == deepspeed_names.end()) return "";
     std::string best;
     size_t best_distance = 3;
-    for (const char* known : known_names) {
+    for (const char* known : names->second) {
       const size_t distance = edit_distance(name, known);
       if (distance < best_distance && distance > 0) best_distance = distance, best = known;
     }
-    refuse(key, best.empty() ? std::string("not a DeepSpeed key this trainer knows")
-                             : "not a DeepSpeed key this trainer knows (did you mean '" +
-                                   (dot == std::string::npos ? "" : key.substr(0, dot + 1)) + best + "'?)");
+    return best.empty() ? "" : (dot == std::string::npos ? "" : key.substr(0, dot + 1)) + best;
+  }
+  // A key of a block DeepSpeed validates (zero_optimization's pydantic model
+  // forbids extra fields: runtime/config_utils.py DeepSpeedConfigModel,
+  // extra="forbid"; the optimizer's and scheduler's params are constructor
+  // arguments): DeepSpeed refuses it too.
+  void unknown(const std::string& key) {
+    const std::string suggestion = near_miss(key);
+    refuse(key, suggestion.empty() ? std::string("not a DeepSpeed key this trainer knows")
+                                   : "not a DeepSpeed key this trainer knows (did you mean '" + suggestion + "'?)");
+  }
+  // A key of a block DeepSpeed reads with dict.get (the top level, fp16,
+  // bf16, data_types, activation_checkpointing, the optimizer's and the
+  // scheduler's own keys: runtime/config.py, config_utils.py
+  // get_scalar_param): DeepSpeed ignores it, so it only warns here. A
+  // near-miss of a real key is a typo whose setting would silently not
+  // apply, in DeepSpeed too: refused, naming the key it resembles.
+  void ignored(const std::string& key, const std::string& why = "") {
+    if (!near_miss(key).empty()) return unknown(key);
+    out_.warnings.push_back("config key '" + key + "' is " +
+                            (why.empty() ? "not a key DeepSpeed reads" : why) +
+                            ": DeepSpeed ignores it, and so does this trainer");
   }
   static size_t edit_distance(const std::string& a, const std::string& b) {
     std::vector<size_t> row(b.size() + 1);
@@ -169,20 +293,6 @@ class ConfigReader {
     }
     return row[b.size()];
   }
-  // Every key name the reader takes, at any level (for the suggestion only).
-  // clang-format off
-  static constexpr const char* known_names[] = {
-      "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-      "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "data_types", "zero_optimization", "optimizer",
-      "scheduler", "activation_checkpointing", "zero_allow_untested_optimizer", "prescale_gradients",
-      "gradient_predivide_factor", "enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-      "min_loss_scale", "consecutive_hysteresis", "auto_cast", "grad_accum_dtype", "stage", "reduce_bucket_size",
-      "allgather_bucket_size", "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-      "offload_optimizer", "offload_param", "type", "params", "lr", "betas", "eps", "weight_decay", "bias_correction",
-      "adam_w_mode", "warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
-      "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
-      "synchronize_checkpoint_boundary", "memory_breakdown", "communication_data_type", "zero2_portable"};
-  // clang-format on
   // A DeepSpeed key this trainer does not act on, at the value that means
   // "off" in DeepSpeed; any other value is refused with `why`.
   void off_only(const std::string& key, const json& value, const json& off, const std::string& why) {
@@ -215,14 +325,15 @@ class ConfigReader {
     snprintf(digits, sizeof digits, "%.17g", real);
     return digits;
   }
-  // The value as a flag's text, by the kind the key wants; "auto" sets nothing.
+  // The value as a flag's text, by the kind the key wants; "auto" leaves the
+  // flag to the command line or the trainer's default.
   void set_number(const std::string& flag, const std::string& key, const json& value) {
-    if (is_auto(value)) return;
+    if (is_auto(value)) return (void)out_.auto_flags.insert(flag);
     const std::string text = number(value, key);
     if (!text.empty()) out_.flags.push_back({flag, text, key});
   }
   void set_boolean(const std::string& flag, const std::string& key, const json& value) {
-    if (is_auto(value)) return;
+    if (is_auto(value)) return (void)out_.auto_flags.insert(flag);
     if (!value.is_boolean()) return refuse(key, "wants true or false (got " + json_text(value) + ")");
     out_.flags.push_back({flag, value.get<bool>() ? "1" : "0", key});
   }
@@ -234,6 +345,9 @@ class ConfigReader {
   void accept_boolean(const std::string& key, const json& value) {
     if (!value.is_boolean() && !is_auto(value)) refuse(key, "wants true or false (got " + json_text(value) + ")");
   }
+  void accept_number(const std::string& key, const json& value) {
+    if (!value.is_number() && !is_auto(value)) refuse(key, "wants a number (got " + json_text(value) + ")");
+  }
   bool object(const std::string& key, const json& value) {
     if (!value.is_object()) refuse(key, "wants an object (got " + json_text(value) + ")");
     return value.is_object();
@@ -244,23 +358,39 @@ class ConfigReader {
   }
 
   // --- the keys ------------------------------------------------------------
-  void top_level(const std::string& key, const json& value) {
+  // The top level (runtime/config.py, DeepSpeedConfig._initialize_params):
+  // the keys that set something here, then the blocks, then DeepSpeed's
+  // features that this trainer has not or needs not.
+  void top_level(const std::string& key, const json& value, const json& config) {
     if (key == "train_batch_size") set_number("train_batch_size", key, value);
     else if (key == "train_micro_batch_size_per_gpu") set_number("--micro-batch", key, value);
     else if (key == "gradient_accumulation_steps") set_number("--accum", key, value);
     else if (key == "gradient_clipping") {
-      if (!is_auto(value)) clipping_ = {"", number(value, key), key};
+      if (is_auto(value)) out_.auto_flags.insert("--clip");
+      else clipping_ = {"", number(value, key), key};
     } else if (key == "steps_per_print") set_number("--log-every", key, value);
     else if (key == "wall_clock_breakdown") set_boolean("--wall-clock-breakdown", key, value);
     else if (key == "zero2_portable") set_boolean("--portable", key, value);  // ours, not DeepSpeed's
     else if (key == "fp16" || key == "bf16") precision_block(key, value);
-    else if (key == "data_types") data_types(key, value);
+    // DeepSpeed's older name for bf16, read only when bf16 is absent
+    // (runtime/config.py get_bfloat16_enabled tries "bf16" first).
+    else if (key == "bfloat16") {
+      if (config.contains("bf16")) ignored(key, "DeepSpeed's older name for bf16, which this file also has");
+      else precision_block(key, value);
+    } else if (key == "data_types") data_types(key, value);
     else if (key == "zero_optimization") zero_optimization(key, value);
     else if (key == "optimizer") optimizer(key, value);
     else if (key == "scheduler") scheduler(key, value);
     else if (key == "activation_checkpointing") activation_checkpointing(key, value);
+    else if (!feature(key, value)) ignored(key);
+  }
+
+  // DeepSpeed's keys of features that are either absent here (refused when
+  // switched on) or change nothing here (accepted, the reason beside each).
+  // False: not a key DeepSpeed reads.
+  bool feature(const std::string& key, const json& value) {
     // The optimizer is AdamW, which ZeRO is tested with; there is no CPU optimizer without offload.
-    else if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
+    if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
     // The canonical tree sums gradients in fp32 and divides once (notes/06):
     // dividing before the reduction would round differently.
     else if (key == "prescale_gradients")
@@ -269,21 +399,41 @@ class ConfigReader {
       must_be(key, value, 1, "gradients are summed, then divided once by the global batch (notes/06)");
     else if (key == "amp")
       switched_off(key, value, "apex AMP is not used: --precision bf16|fp16, or the bf16 / fp16 blocks");
-    else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comms_logger" ||
-             key == "flops_profiler")
+    else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comet" ||
+             key == "comms_logger" || key == "flops_profiler")
       switched_off(key, value, "not implemented here: --json and --metrics record the run");
     else if (key == "elasticity" || key == "compile" || key == "autotuning" || key == "data_efficiency" ||
-             key == "curriculum_learning")
+             key == "curriculum_learning" || key == "hybrid_engine" || key == "eigenvalue" ||
+             key == "quantize_training" || key == "progressive_layer_drop" || key == "nebula")
       switched_off(key, value, "a DeepSpeed feature not implemented here");
+    // Blocks with no switch: their presence asks for the feature.
+    else if (key == "sparse_attention" || key == "pipeline" || key == "compression_training" ||
+             key == "weight_quantization" || key == "tensor_parallel")
+      refuse(key, "a DeepSpeed feature not implemented here");
     // The ledger is always measured and printed (and in --json).
     else if (key == "memory_breakdown") accept_boolean(key, value);
-    // DeepSpeed's own checkpoint options (tags, parallel writes): --save and --load here (notes/09).
-    else if (key == "checkpoint") object(key, value);
+    // DeepSpeed's own checkpoint options (tags, parallel writes): --save and
+    // --load here (notes/09); aio configures ZeRO-Infinity's NVMe swapping and
+    // timers DeepSpeed's throughput log, neither of which exists here.
+    else if (key == "checkpoint" || key == "aio" || key == "timers") object(key, value);
     else if (key == "sparse_gradients") off_only(key, value, false, "every gradient is dense here");
     else if (key == "dump_state") off_only(key, value, false, "--dump-batch writes step 0's state");
     else if (key == "communication_data_type")
       off_only(key, value, nullptr, "the wire carries the working precision, summed in fp32 (notes/08)");
-    else unknown(key);
+    // Settings of what is not here: DeepSpeed's data loader (the trainer
+    // reads its own data), sequence and expert parallelism, CUDA graphs of
+    // the bf16 optimizer; disable_allgather is read but used by nothing in
+    // DeepSpeed 0.16.9, vocabulary_size only checked for a multiple of 8.
+    else if (key == "dataloader_drop_last" || key == "use_data_before_expert_parallelism" ||
+             key == "graph_harvesting" || key == "disable_allgather")
+      accept_boolean(key, value);
+    else if (key == "seq_parallel_communication_data_type") {
+      if (!value.is_string()) refuse(key, "wants a string (got " + json_text(value) + ")");
+    } else if (key == "vocabulary_size") accept_number(key, value);
+    // The boolean zero_optimization's bucket (zero/config.py read_zero_config_deprecated).
+    else if (key == "allgather_size") accept_number(key, value);
+    else return false;
+    return true;
   }
   // A block accepted only when it says "enabled": false (or has no "enabled").
   void switched_off(const std::string& key, const json& value, const std::string& why) {
@@ -291,14 +441,16 @@ class ConfigReader {
     if (value.contains("enabled") && value["enabled"] != false) refuse(key + ".enabled", why);
   }
 
-  // DeepSpeed's mixed-precision blocks (notes/08). In a disabled block the
-  // keys have no effect, as in DeepSpeed, but are still checked: a negative
-  // loss scale is wrong whether or not fp16 is on today.
+  // DeepSpeed's mixed-precision blocks (notes/08), read with get_scalar_param
+  // (runtime/config.py get_fp16_enabled ... get_dynamic_loss_scale_args): an
+  // unknown key is ignored there. In a disabled block the keys have no
+  // effect, as in DeepSpeed, but are still checked: a negative loss scale is
+  // wrong whether or not fp16 is on today.
   void precision_block(const std::string& key, const json& value) {
     if (!object(key, value)) return;
     const bool fp16 = key == "fp16";
-    const json enabled = value.value("enabled", json(false));
-    if (value.contains("enabled")) set_boolean(key + ".enabled", key + ".enabled", enabled);
+    const std::string block = fp16 ? "fp16" : "bf16";  // (bfloat16 acts as bf16)
+    if (value.contains("enabled")) set_boolean(block + ".enabled", key + ".enabled", value["enabled"]);
     static const std::set<std::string> fp16_numbers = {"loss_scale", "initial_scale_power", "loss_scale_window",
                                                        "hysteresis", "min_loss_scale"};
     for (auto& [inner, setting] : value.items()) {
@@ -306,13 +458,18 @@ class ConfigReader {
       if (inner == "enabled") continue;
       if (fp16 && fp16_numbers.count(inner)) set_number(inner, name, setting);
       else if (fp16 && inner == "consecutive_hysteresis") set_boolean(inner, name, setting);
-      else if (fp16 && inner == "auto_cast")
-        must_be(name, setting, false, "the model casts nothing: its inputs are token ids");
+      // DeepSpeed casts a forward's floating-point inputs to fp16; this
+      // model's inputs are token ids, which it leaves as they are.
+      else if (fp16 && inner == "auto_cast") accept_boolean(name, setting);
       else if (fp16 && inner == "fp16_master_weights_and_grads")
         must_be(name, setting, false, "the master weights and the reduced gradients are fp32 here (notes/08)");
       else if (!fp16 && inner == "immediate_grad_update") accept_boolean(name, setting);  // a BF16_Optimizer ordering
-      else unknown(name);
+      else ignored(name);
     }
+    // Which defaults the loss scaler's other keys take (add_deepspeed_defaults).
+    for (const char* scaler_key :
+         {"initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale"})
+      if (fp16 && value.contains(scaler_key)) loss_scaler_keys_ = true;
   }
 
   void data_types(const std::string& key, const json& value) {
@@ -320,7 +477,7 @@ class ConfigReader {
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
       if (inner != "grad_accum_dtype") {
-        unknown(name);
+        ignored(name);  // runtime/config.py reads the block with dict.get
         continue;
       }
       // DeepSpeed's spellings of the three types.
@@ -334,57 +491,76 @@ class ConfigReader {
     }
   }
 
+  // runtime/zero/config.py, DeepSpeedZeroConfig: a pydantic model that
+  // rejects a field it does not have, so an unknown key is refused here too.
   void zero_optimization(const std::string& key, const json& value) {
     // DeepSpeed's older form (its getting-started page still shows it):
-    // true is stage 1, false stage 0.
+    // true is stage 1, false stage 0 (zero/config.py read_zero_config_deprecated).
     if (value.is_boolean()) return out_.flags.push_back({"--stage", value.get<bool>() ? "1" : "0", key});
     if (!object(key, value)) return;
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
-      if (inner == "stage") {
-        if (setting.is_number_integer() && setting.get<long>() == 3)
-          refuse(name, "3 is not supported: stage 3 (P_p, the parameters partitioned) is not implemented; 0, 1 or 2");
-        else set_number("--stage", name, setting);
-      } else if (inner == "reduce_bucket_size") {
-        set_number("--bucket", name, setting);
-        if (setting.is_number()) reduce_bucket_ = number(setting, name);
-      } else if (inner == "allgather_bucket_size") {
-        if (!is_auto(setting)) allgather_bucket_ = number(setting, name);
-      } else if (inner == "overlap_comm") set_boolean("--overlap", name, setting);
-      else if (inner == "contiguous_gradients")
-        must_be(name, setting, true, "gradients always live in one contiguous buffer here");
-      else if (inner == "reduce_scatter")
-        must_be(name, setting, true, "gradients are always reduce-scattered here (the deterministic all-to-all)");
-      else if (inner == "allgather_partitions")
-        must_be(name, setting, true, "parameters are always all-gathered bucket by bucket here");
-      else if (inner == "offload_optimizer") offload(name, setting, true);
-      else if (inner == "cpu_offload")  // DeepSpeed's older spelling of offload_optimizer
-        must_be(name, setting, false, "ZeRO-Offload (the optimizer state in host memory) is not implemented");
-      // Stage 3's keys and offload_param act only in stage 3, as in DeepSpeed.
-      else if (inner == "offload_param") offload(name, setting, false);
-      else if (inner.rfind("stage3_", 0) == 0 || inner == "sub_group_size") {
-      }
+      if (zero_key_sets_something(inner, name, setting)) continue;
       // Orderings and checks that change nothing here: every parameter is
       // used, checkpoints hold fp32 and reshard anyway (notes/09).
-      else if (inner == "round_robin_gradients" || inner == "ignore_unused_parameters" ||
-               inner == "load_from_fp32_weights" || inner == "elastic_checkpoint" ||
-               inner == "use_multi_rank_bucket_allreduce" || inner == "memory_efficient_linear")
+      if (inner == "round_robin_gradients" || inner == "ignore_unused_parameters" ||
+          inner == "load_from_fp32_weights" || inner == "elastic_checkpoint" ||
+          inner == "use_multi_rank_bucket_allreduce" || inner == "memory_efficient_linear")
         accept_boolean(name, setting);
+      // Stage 3's keys (under either of DeepSpeed's names) act only in stage
+      // 3, as in DeepSpeed; cpu_offload_param is offload_param's old name.
+      else if (inner.rfind("stage3_", 0) == 0 || inner == "sub_group_size" || inner == "prefetch_bucket_size" ||
+               inner == "param_persistence_threshold" || inner == "model_persistence_threshold" ||
+               inner == "max_live_parameters" || inner == "max_reuse_distance" ||
+               inner == "gather_16bit_weights_on_model_save" || inner == "module_granularity_threshold" ||
+               inner == "use_all_reduce_for_fetch_params" || inner == "cpu_offload_param" ||
+               inner == "cpu_offload_use_pin_memory" || inner == "pipeline_loading_checkpoint" ||
+               inner == "override_module_apply" || inner == "log_trace_cache_warnings") {
+      }
       // ZeRO++ and MiCS, at their "off" values.
       else if (inner == "zero_quantized_weights" || inner == "zero_quantized_gradients" ||
                inner == "zero_quantized_nontrainable_weights" || inner == "mics_hierarchical_params_gather")
         off_only(name, setting, false, "ZeRO++ / MiCS");
+      else if (inner == "zeropp_loco_param") off_only(name, setting, nullptr, "ZeRO++'s LoCo");
       else if (inner == "zero_hpz_partition_size") off_only(name, setting, 1, "ZeRO++'s hierarchical partitions");
       else if (inner == "mics_shard_size") off_only(name, setting, -1, "MiCS");
+      // DeepSpeed itself refuses the legacy stage 1 (engine.py _configure_zero_optimizer raises).
+      else if (inner == "legacy_stage1") off_only(name, setting, false, "DeepSpeed >= 0.5.9 refuses it too");
       else unknown(name);
     }
     if (!allgather_bucket_.empty() && allgather_bucket_ != reduce_bucket_)
       out_.notes.push_back("zero_optimization.allgather_bucket_size " + allgather_bucket_ +
-                           ": the parameters are all-gathered in the reduce buckets (" +
-                           (reduce_bucket_.empty() ? std::string("--bucket") : reduce_bucket_) +
+                           ": the parameters are all-gathered in the reduce buckets (" + reduce_bucket_ +
                            " elements); bucket sizes change the speed, not the bits");
   }
+  // The zero_optimization keys that set something or must have one value.
+  bool zero_key_sets_something(const std::string& inner, const std::string& name, const json& setting) {
+    if (inner == "stage") {
+      if (setting.is_number_integer() && setting.get<long>() == 3)
+        refuse(name, "3 is not supported: stage 3 (P_p, the parameters partitioned) is not implemented; 0, 1 or 2");
+      else set_number("--stage", name, setting);
+    } else if (inner == "reduce_bucket_size") {
+      set_number("--bucket", name, setting);
+      if (setting.is_number()) reduce_bucket_ = number(setting, name);
+      else if (is_auto(setting)) reduce_bucket_ = "--bucket";
+    } else if (inner == "allgather_bucket_size") {
+      if (!is_auto(setting)) allgather_bucket_ = number(setting, name);
+    } else if (inner == "overlap_comm") set_boolean("--overlap", name, setting);
+    else if (inner == "contiguous_gradients")
+      must_be(name, setting, true, "gradients always live in one contiguous buffer here");
+    else if (inner == "reduce_scatter")
+      must_be(name, setting, true, "gradients are always reduce-scattered here (the deterministic all-to-all)");
+    else if (inner == "allgather_partitions")
+      must_be(name, setting, true, "parameters are always all-gathered bucket by bucket here");
+    else if (inner == "offload_optimizer") offload(name, setting, true);
+    else if (inner == "cpu_offload")  // DeepSpeed's older spelling of offload_optimizer
+      must_be(name, setting, false, "ZeRO-Offload (the optimizer state in host memory) is not implemented");
+    else if (inner == "offload_param") offload(name, setting, false);  // stage 3 only, as in DeepSpeed
+    else return false;
+    return true;
+  }
   void offload(const std::string& key, const json& value, bool optimizer_state) {
+    if (value.is_null()) return;  // DeepSpeed's default: no offload
     if (!object(key, value)) return;
     const json device = value.value("device", json("none"));
     if (device == "none") return;
@@ -395,108 +571,185 @@ class ConfigReader {
     else out_.notes.push_back(key + " has no effect below stage 3 (as in DeepSpeed)");
   }
 
-  // The "params" of a {"type", "params"} block (optimizer, scheduler), each
-  // handed to `take` with its full key; any other key of the block is refused.
-  void each_param(const std::string& key, const json& value,
-                  const std::function<void(const std::string&, const json&, const std::string&)>& take) {
+  // The optimizer (engine.py _configure_basic_optimizer): "Adam" and
+  // "AdamW" in any case are AdamW (adam_w_mode defaults to true), built as
+  // DeepSpeed's FusedAdam, or with "torch_adam": true as torch.optim.AdamW;
+  // the params are its constructor's arguments, so an unknown one is
+  // refused (TypeError there). A block without "type" is ignored by
+  // DeepSpeed (runtime/config.py get_optimizer_name, get_optimizer_params):
+  // it trains with the client's optimizer, here the trainer's AdamW.
+  void optimizer(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    if (!value.contains("type"))
+      return out_.warnings.push_back(
+          "config block 'optimizer' has no \"type\": DeepSpeed ignores the block, its params too, and trains with "
+          "the client's optimizer (here the trainer's AdamW with its defaults)");
+    const json params = value.value("params", json::object());
+    optimizer_type(value["type"], params);
+    if (params.is_object()) torch_adam_ = params.value("torch_adam", json(false)) == true;
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
       if (inner == "type") continue;
-      if (inner != "params") unknown(name);
+      if (inner == "legacy_fusion") accept_boolean(name, setting);  // FP16_Optimizer's call of FusedAdam: the same update
+      else if (inner != "params") ignored(name);
       else if (object(name, setting))
-        for (auto& [param, entry] : setting.items()) take(param, entry, name + "." + param);
+        for (auto& [param, entry] : setting.items()) optimizer_param(param, entry, name + "." + param);
     }
   }
-
-  void optimizer(const std::string& key, const json& value) {
-    if (!object(key, value)) return;
-    const json params = value.value("params", json::object());
-    if (value.contains("type")) {
-      const json& type = value["type"];
-      const std::string name = type.is_string() ? lower(type.get<std::string>()) : "";
+  void optimizer_type(const json& type, const json& params) {
+    if (!type.is_string()) return refuse("optimizer.type", "wants a string (got " + json_text(type) + ")");
+    const std::string name = type.get<std::string>(), lowered = lower(name);
+    const std::string adamw = "the optimizer is AdamW (\"AdamW\", or \"Adam\" with adam_w_mode true)";
+    optimizer_typed_ = true;
+    adam_ = lowered == "adam" || lowered == "adamw";
+    if (adam_) {
       // DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (its default is true).
-      const bool adam_w = params.is_object() ? params.value("adam_w_mode", json(true)) == true : true;
-      if (name == "adam" && !adam_w)
+      const bool adam_w = lowered == "adamw" || !params.is_object() || params.value("adam_w_mode", json(true)) == true;
+      if (!adam_w)
         refuse("optimizer.params.adam_w_mode",
                "false (Adam with L2 regularization in the gradient) is not "
                "implemented: the optimizer is AdamW, DeepSpeed's default for \"Adam\"");
-      else if (name != "adamw" && name != "adam")
-        refuse("optimizer.type", json_text(type) +
-                                     " is not supported: the optimizer is AdamW (\"AdamW\", or \"Adam\" "
-                                     "with adam_w_mode true)");
-    }
-    each_param(key, value, [&](const std::string& param, const json& entry, const std::string& full) {
-      if (param == "lr") {
-        if (!is_auto(entry)) optimizer_lr_ = {"", number(entry, full), full};
-      } else if (param == "weight_decay") set_number("--weight-decay", full, entry);
-      else if (param == "eps") set_number("eps", full, entry);
-      else if (param == "betas") {
-        if (is_auto(entry)) return;
-        if (!entry.is_array() || entry.size() != 2) {
-          refuse(full, "wants [beta1, beta2] (got " + json_text(entry) + ")");
-          return;
-        }
-        set_number("beta1", full + "[0]", entry[0]);
-        set_number("beta2", full + "[1]", entry[1]);
-      } else if (param == "bias_correction") set_boolean("bias_correction", full, entry);
-      else if (param == "adam_w_mode") accept_boolean(full, entry);  // checked with the type above
-      // Which implementation computes it (torch's, fused): the same update.
-      else if (param == "torch_adam" || param == "fused" || param == "foreach") accept_boolean(full, entry);
-      else if (param == "amsgrad") must_be(full, entry, false, "AMSGrad is not implemented");
-      // apex's FusedAdam clipped inside the optimizer; it is the global-norm clip.
-      else if (param == "max_grad_norm") {
-        if (!is_auto(entry)) max_grad_norm_ = {"", number(entry, full), full};
-      } else unknown(full);
-    });
+    } else if (deepspeed_other_optimizers.count(lowered))
+      refuse("optimizer.type", json_text(type) + " is not supported: a DeepSpeed feature not implemented here; " + adamw);
+    else if (torch_optimizers.count(name))
+      refuse("optimizer.type", json_text(type) + " is not supported: DeepSpeed builds torch.optim." + name +
+                                   " for it, which is not implemented here; " + adamw);
+    else
+      refuse("optimizer.type", json_text(type) +
+                                   " is not an optimizer DeepSpeed knows (engine.py _configure_basic_optimizer looks "
+                                   "among its own and torch.optim's, by exact name); " +
+                                   adamw);
+  }
+  // One of the params: FusedAdam(lr, bias_correction, betas, eps,
+  // adam_w_mode, weight_decay, amsgrad, set_grad_none) or, with torch_adam,
+  // torch.optim.AdamW(lr, betas, eps, weight_decay, amsgrad, maximize,
+  // foreach, capturable, differentiable, fused); DeepSpeed pops torch_adam
+  // and adam_w_mode before the call.
+  void optimizer_param(const std::string& param, const json& entry, const std::string& full) {
+    const std::string built = torch_adam_ ? "torch.optim.AdamW (torch_adam true)" : "DeepSpeed's FusedAdam";
+    const std::string no_such = built + " has no '" + param + "' (DeepSpeed's call raises TypeError)";
+    if (param == "lr") {
+      if (is_auto(entry)) optimizer_lr_auto_ = true;
+      else optimizer_lr_ = {"", number(entry, full), full};
+    } else if (param == "weight_decay") set_number("--weight-decay", full, entry);
+    else if (param == "eps") set_number("eps", full, entry);
+    else if (param == "betas") {
+      if (is_auto(entry)) {
+        out_.auto_flags.insert("beta1");
+        out_.auto_flags.insert("beta2");
+        return;
+      }
+      if (!entry.is_array() || entry.size() != 2) return refuse(full, "wants [beta1, beta2] (got " + json_text(entry) + ")");
+      set_number("beta1", full + "[0]", entry[0]);
+      set_number("beta2", full + "[1]", entry[1]);
+    } else if (param == "bias_correction") {
+      if (torch_adam_) refuse(full, no_such + ": torch's AdamW always corrects");
+      else set_boolean("bias_correction", full, entry);
+    } else if (param == "adam_w_mode" || param == "torch_adam") accept_boolean(full, entry);  // judged with the type
+    else if (param == "set_grad_none") {  // FusedAdam's zero_grad frees the gradients: the same update
+      if (torch_adam_) refuse(full, no_such);
+      else accept_boolean(full, entry);
+    } else if (param == "fused" || param == "foreach" || param == "capturable" || param == "differentiable") {
+      if (torch_adam_) accept_boolean(full, entry);  // which of torch's kernels computes it: the same update
+      else refuse(full, no_such + "; it is torch.optim.AdamW's, with torch_adam true");
+    } else if (param == "maximize") {
+      if (torch_adam_) must_be(full, entry, false, "maximizing the loss is not implemented");
+      else refuse(full, no_such);
+    } else if (param == "amsgrad") must_be(full, entry, false, "AMSGrad is not implemented");
+    else if (param == "max_grad_norm")
+      refuse(full,
+             "DeepSpeed refuses it (engine.py _configure_basic_optimizer raises ValueError: 'max_grad_norm' is not "
+             "supported as an optimizer parameter): write the clip as gradient_clipping");
+    else if (other_features_params.count(param))
+      refuse(full, "a DeepSpeed feature not implemented here (" + other_features_params.at(param) + " parameter" +
+                       (adam_ ? "; " + built + " raises TypeError on it)" : ")"));
+    else unknown(full);
   }
 
-  // WarmupLR (warmup, then constant) and WarmupDecayLR (warmup, then linear
-  // decay to warmup_min_lr at total_num_steps), with DeepSpeed's default
-  // "log" warmup; names in any case, as DeepSpeed takes them.
+  // The scheduler (engine.py _scheduler_from_config): WarmupLR (warmup,
+  // then constant) and WarmupDecayLR (warmup, then linear decay to
+  // warmup_min_lr at total_num_steps), looked up by their exact names; the
+  // params are the constructor's arguments (runtime/lr_schedules.py). A block
+  // without "type" builds no scheduler (runtime/config.py get_scheduler_name).
   void scheduler(const std::string& key, const json& value) {
     if (!object(key, value)) return;
-    std::string type = "warmupdecaylr";
-    if (value.contains("type")) {
-      const json& named = value["type"];
-      type = named.is_string() ? lower(named.get<std::string>()) : "";
-      if (type == "warmuplr") out_.flags.push_back({"--decay", "none", key + ".type"});
-      else if (type == "warmupdecaylr") out_.flags.push_back({"--decay", "linear", key + ".type"});
-      else
-        refuse(key + ".type", json_text(named) +
-                                  " is not supported: WarmupLR (warmup, then constant) or WarmupDecayLR "
-                                  "(warmup, then linear decay)");
+    if (!value.contains("type"))
+      return out_.warnings.push_back(
+          "config block 'scheduler' has no \"type\": DeepSpeed builds no scheduler from it and ignores its params, "
+          "so the optimizer's rate holds at every step");
+    scheduler_type(value["type"]);
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "type") continue;
+      if (inner != "params") ignored(name);
+      else if (object(name, setting)) {
+        for (auto& [param, entry] : setting.items()) scheduler_param(param, entry, name + "." + param);
+        out_.total_num_steps_missing = out_.scheduler == "WarmupDecayLR" && !setting.contains("total_num_steps");
+      }
     }
-    bool warmup_type_given = false;
-    each_param(key, value, [&](const std::string& param, const json& entry, const std::string& full) {
-      if (param == "warmup_num_steps") set_number("--warmup", full, entry);
-      else if (param == "warmup_max_lr") {
-        if (!is_auto(entry)) scheduler_lr_ = {"", number(entry, full), full};
-      } else if (param == "warmup_min_lr") set_number("warmup_min_lr", full, entry);
-      else if (param == "total_num_steps" && type == "warmupdecaylr") set_number("--schedule-steps", full, entry);
-      else if (param == "total_num_steps" && type == "warmuplr")
-        refuse(full,
-               "WarmupLR holds the rate after its warmup and has no total_num_steps (DeepSpeed's WarmupLR "
-               "rejects it too): WarmupDecayLR decays to warmup_min_lr at total_num_steps");
-      else if (param == "warmup_type") {
-        warmup_type_given = true;
-        if (entry == "linear" || entry == "log")
-          out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
-        else if (!is_auto(entry)) refuse(full, "wants \"linear\" or \"log\" (got " + json_text(entry) + ")");
-      } else if (param == "last_batch_iteration")
-        must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
-      else if (type == "warmupdecaylr" || type == "warmuplr") unknown(full);
-      // (another type is refused already: its own params are not judged)
-    });
-    // DeepSpeed's warmup is logarithmic unless told otherwise.
-    if (!warmup_type_given)
-      out_.flags.push_back({"--warmup-type", "log", key + ".params.warmup_type (DeepSpeed's default)"});
+    if (!value.contains("params")) out_.total_num_steps_missing = out_.scheduler == "WarmupDecayLR";
+  }
+  void scheduler_type(const json& type) {
+    if (!type.is_string()) return refuse("scheduler.type", "wants a string (got " + json_text(type) + ")");
+    const std::string name = type.get<std::string>();
+    const std::string ours = "WarmupLR (warmup, then constant) or WarmupDecayLR (warmup, then linear decay)";
+    if (name == "WarmupLR" || name == "WarmupDecayLR") {
+      out_.scheduler = name;
+      return out_.flags.push_back({"--decay", name == "WarmupLR" ? "none" : "linear", "scheduler.type"});
+    }
+    std::string same_letters;
+    for (const char* known : {"WarmupLR", "WarmupDecayLR", "OneCycle", "LRRangeTest", "WarmupCosineLR"})
+      if (lower(known) == lower(name)) same_letters = known;
+    if (deepspeed_other_schedulers.count(name))
+      refuse("scheduler.type", json_text(type) + " is not supported: a DeepSpeed feature not implemented here; " + ours);
+    else if (torch_schedulers.count(name))
+      refuse("scheduler.type", json_text(type) + " is not supported: DeepSpeed builds torch.optim.lr_scheduler." +
+                                   name + " for it, which is not implemented here; " + ours);
+    else if (!same_letters.empty())
+      refuse("scheduler.type", json_text(type) +
+                                   " is not a scheduler DeepSpeed knows: it looks the type up by its exact name "
+                                   "(engine.py _scheduler_from_config). Did you mean \"" +
+                                   same_letters + "\"?");
+    else
+      refuse("scheduler.type", json_text(type) + " is not a scheduler DeepSpeed knows; " + ours);
+  }
+  void scheduler_param(const std::string& param, const json& entry, const std::string& full) {
+    const std::string type = out_.scheduler;
+    if (param == "warmup_num_steps") set_number("--warmup", full, entry);
+    else if (param == "warmup_max_lr") {
+      if (is_auto(entry)) scheduler_lr_auto_ = true;
+      else scheduler_lr_ = {"", number(entry, full), full};
+    } else if (param == "warmup_min_lr") set_number("warmup_min_lr", full, entry);
+    else if (param == "total_num_steps" && type == "WarmupDecayLR") set_number("--schedule-steps", full, entry);
+    else if (param == "total_num_steps" && type == "WarmupLR")
+      refuse(full,
+             "WarmupLR holds the rate after its warmup and has no total_num_steps (DeepSpeed's WarmupLR "
+             "rejects it too): WarmupDecayLR decays to warmup_min_lr at total_num_steps");
+    else if (param == "warmup_type") {
+      if (is_auto(entry)) out_.auto_flags.insert("--warmup-type");
+      else if (entry == "linear" || entry == "log") out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
+      else {  // lr_schedules.py WarmupLR.__init__: a warning, then the log warmup
+        out_.flags.push_back({"--warmup-type", "log", full});
+        out_.warnings.push_back("config key '" + full + "' is " + json_text(entry) +
+                                ", neither \"linear\" nor \"log\": DeepSpeed warns and warms up logarithmically, "
+                                "and so does this trainer");
+      }
+    } else if (param == "last_batch_iteration")
+      must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
+    else if (other_features_params.count(param))
+      refuse(full, "a DeepSpeed feature not implemented here (" + other_features_params.at(param) + " parameter" +
+                       (type.empty() ? ")" : "; " + type + " raises TypeError on it)"));
+    else if (!type.empty()) unknown(full);
+    // (another type is refused already: its own params are not judged)
   }
 
   // DeepSpeed's activation checkpointing (paper section 6.1's ZeRO-R, as
   // Megatron uses it). In DeepSpeed the block configures checkpointing that
   // the model's code asks for; here --activations is that choice, so the
   // block alone changes nothing, and cpu_checkpointing true asks for the
-  // checkpoints on the host (--activations offload, notes/04).
+  // checkpoints on the host (--activations offload, notes/04). Read with
+  // get_scalar_param (runtime/activation_checkpointing/config.py): an unknown
+  // key is ignored there.
   void activation_checkpointing(const std::string& key, const json& value) {
     if (!object(key, value)) return;
     std::string mode;
@@ -522,7 +775,7 @@ class ConfigReader {
         must_be(name, setting, false,
                 "per-checkpoint timing is not implemented (wall_clock_breakdown times forward, "
                 "backward and the step)");
-      else unknown(name);
+      else ignored(name);
     }
     if (!mode.empty()) out_.flags.push_back({"--activations", mode, key + ".cpu_checkpointing"});
     else
@@ -531,26 +784,85 @@ class ConfigReader {
           "(keep, recompute, offload); the block alone changes nothing, cpu_checkpointing true is offload");
   }
 
-  // The learning rate: the scheduler's warmup_max_lr when given (DeepSpeed's
-  // scheduler sets the rate every step), else the optimizer's lr. Clipping:
-  // gradient_clipping, or an apex-era optimizer's max_grad_norm; both given
-  // must agree.
+  // The learning rate: with a scheduler, its warmup_max_lr (lr_schedules.py
+  // WarmupLR sets every step's rate, the first one at construction, so the
+  // optimizer's lr never acts); without one, the optimizer's lr. The clip:
+  // gradient_clipping (an optimizer's max_grad_norm is refused above).
   void settle_learning_rate_and_clipping() {
-    const ConfigSetting& lr = !scheduler_lr_.value.empty() ? scheduler_lr_ : optimizer_lr_;
-    if (!lr.value.empty()) out_.flags.push_back({"--lr", lr.value, lr.key});
-    if (!clipping_.value.empty() && !max_grad_norm_.value.empty() &&
-        std::strtod(clipping_.value.c_str(), nullptr) != std::strtod(max_grad_norm_.value.c_str(), nullptr))
-      refuse(max_grad_norm_.key, max_grad_norm_.value + " contradicts gradient_clipping " + clipping_.value +
-                                     ": one global-norm clip applies");
-    const ConfigSetting& clip = !clipping_.value.empty() ? clipping_ : max_grad_norm_;
-    if (!clip.value.empty()) out_.flags.push_back({"--clip", clip.value, clip.key});
+    if (!out_.scheduler.empty()) {
+      if (!scheduler_lr_.value.empty()) out_.flags.push_back({"--lr", scheduler_lr_.value, scheduler_lr_.key});
+      else if (scheduler_lr_auto_) out_.auto_flags.insert("--lr");
+      // Said when it differs from the peak the scheduler sets (its own, or its default 0.001).
+      const std::string peak = !scheduler_lr_.value.empty() ? scheduler_lr_.value : scheduler_lr_auto_ ? "" : "0.001";
+      if (!optimizer_lr_.value.empty() && !peak.empty() &&
+          std::strtod(optimizer_lr_.value.c_str(), nullptr) != std::strtod(peak.c_str(), nullptr))
+        out_.notes.push_back(optimizer_lr_.key + " " + optimizer_lr_.value + " has no effect: the scheduler sets " +
+                             "every step's rate, up to warmup_max_lr " + peak + " (as in DeepSpeed)");
+    } else {
+      if (!optimizer_lr_.value.empty()) out_.flags.push_back({"--lr", optimizer_lr_.value, optimizer_lr_.key});
+      else if (optimizer_lr_auto_) out_.auto_flags.insert("--lr");
+    }
+    if (!clipping_.value.empty()) out_.flags.push_back({"--clip", clipping_.value, clipping_.key});
+  }
+
+  // DeepSpeed's value for every setting the file leaves out; the command
+  // line applies each one that neither the file nor a flag gives and that
+  // the file does not leave to "auto" (trainer/settings.cpp). The key names,
+  // shortly, where in DeepSpeed 0.16.9 the default is set: runtime/constants.py,
+  // zero/config.py DeepSpeedZeroConfig, fp16/loss_scaler.py, the optimizer's
+  // or the scheduler's constructor.
+  void add_deepspeed_defaults() {
+    auto add = [&](const char* flag, const char* value, const std::string& where) {
+      out_.defaults.push_back({flag, value, where});
+    };
+    add("--stage", "0", "DeepSpeedZeroConfig");  // no zero_optimization: ZeRO off
+    add("--bucket", "500000000", "DeepSpeedZeroConfig");
+    add("--overlap", "0", "DeepSpeedZeroConfig");  // overlap_comm_valid: on in stage 3 only
+    add("--clip", "0", "constants.py");
+    // (steps_per_print's default is None: DeepSpeed prints no progress; the
+    // trainer's line every 10 steps is output only, so it stays.)
+    add("--wall-clock-breakdown", "0", "constants.py");
+    // fp16's loss scaler. DeepSpeed's ZeRO optimizer (zero/stage_1_and_2.py,
+    // CreateLossScaler in fp16/loss_scaler.py) takes dynamic_loss_args from
+    // config.py get_dynamic_loss_scale_args: None when the fp16 block names
+    // no scaler key, and then DynamicLossScaler's own defaults; else every
+    // key, the absent ones at the config section's defaults (constants.py).
+    add("loss_scale", "0", "constants.py");
+    const std::string scaler = loss_scaler_keys_ ? "fp16 section of constants.py" : "DynamicLossScaler()";
+    add("initial_scale_power", loss_scaler_keys_ ? "16" : "32", scaler);
+    add("loss_scale_window", "1000", scaler);
+    add("hysteresis", loss_scaler_keys_ ? "2" : "1", scaler);
+    add("consecutive_hysteresis", "0", scaler);
+    add("min_loss_scale", "1", scaler);
+    // The optimizer's constructor defaults: FusedAdam's weight decay is 0,
+    // torch.optim.AdamW's 1e-2 (engine.py _configure_basic_optimizer builds
+    // the latter for "torch_adam": true).
+    if (optimizer_typed_) {
+      const std::string built = torch_adam_ ? "torch.optim.AdamW" : "FusedAdam";
+      if (out_.scheduler.empty()) add("--lr", "0.001", built);
+      add("--weight-decay", torch_adam_ ? "0.01" : "0", built);
+      add("beta1", "0.9", built);
+      add("beta2", "0.999", built);
+      add("eps", "1e-08", built);
+      add("bias_correction", "1", built);
+    }
+    if (!out_.scheduler.empty()) {  // lr_schedules.py WarmupLR.__init__'s defaults
+      add("--lr", "0.001", out_.scheduler);
+      add("--warmup", "1000", out_.scheduler);
+      add("--warmup-type", "log", out_.scheduler);
+      add("warmup_min_lr", "0", out_.scheduler);
+    }
   }
 
   std::string path_;
   NumberTexts numbers_;
   ConfigReading out_;
-  ConfigSetting optimizer_lr_, scheduler_lr_, clipping_, max_grad_norm_;  // settled once every key is read
-  std::string reduce_bucket_, allgather_bucket_;                          // as numbers' texts, for the note
+  ConfigSetting optimizer_lr_, scheduler_lr_, clipping_;  // settled once every key is read
+  bool optimizer_lr_auto_ = false, scheduler_lr_auto_ = false;
+  bool optimizer_typed_ = false, adam_ = false, torch_adam_ = false;  // which constructor's defaults apply
+  bool loss_scaler_keys_ = false;                      // the fp16 block names a scaler key
+  // As numbers' texts, for the note; DeepSpeed's reduce bucket is 5e8 unless given.
+  std::string reduce_bucket_ = "500000000", allgather_bucket_;
 };
 
 ConfigReading read_deepspeed_config(const std::string& path) { return ConfigReader(path).read(); }

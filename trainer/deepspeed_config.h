@@ -1,34 +1,50 @@
 // trainer/deepspeed_config.h — a DeepSpeed configuration file read as
-// DeepSpeed reads it (--config): the flags it sets, the keys refused with
-// their reasons, the notes for the header. Its own file because it is the
+// DeepSpeed reads it (--config): the flags it sets, DeepSpeed's defaults for
+// what it leaves out, the keys refused with their reasons, the notes and
+// warnings for the header. Its own file because it is the
 // one place that knows DeepSpeed's keys, and the JSON library's reader with
 // them (trainer/deepspeed_config.cpp); the command line (trainer/settings.cpp)
 // applies what it returns.
 #pragma once
 
+#include <set>
 #include <string>
 #include <vector>
 
 namespace bert {
 
-// A DeepSpeed configuration file, read as DeepSpeed reads it (notes/07,
-// "DeepSpeed configs"). Every key DeepSpeed documents that matters here
-// either becomes the flag it corresponds to, or is accepted because it
-// changes nothing here (the reason is in a comment beside it), or is refused
-// with its reason; a key neither side knows is refused too, because silently
-// ignoring a setting the user believes is in force is worse. All the refused
-// keys of a file are listed in one message, not one per run. "auto" (the
-// Hugging Face Trainer's placeholder, which it fills from its own arguments)
-// leaves the setting to the command line or the default, as if absent.
+// A DeepSpeed configuration file, read as DeepSpeed 0.16.9 reads it
+// (notes/07, "DeepSpeed configs"), so that the same file gives the same run
+// here and in DeepSpeed. Every key DeepSpeed reads either becomes the flag it
+// corresponds to, or is accepted because it changes nothing here (the
+// reason is in a comment beside it), or is refused with its reason. A key
+// DeepSpeed never reads is treated as DeepSpeed treats it: where DeepSpeed
+// ignores unknown keys (the top level and the blocks it reads with
+// dict.get) it is a warning, unless it is a near-miss of a real key (a
+// typo, refused with the name it resembles); where DeepSpeed rejects them
+// (zero_optimization's pydantic model, the optimizer's and the scheduler's
+// constructor arguments) it is refused. All the refused keys of a file are
+// listed in one message. "auto" (the Hugging Face Trainer's placeholder,
+// which it fills from its own arguments) leaves the setting to the command
+// line or the trainer's default; a key the file leaves out takes
+// DeepSpeed's default (`defaults`, applied once the flags are known).
 struct ConfigSetting {
   std::string flag, value, key;  // the flag it acts as, its value as text, the config key (for messages)
 };
 struct ConfigReading {
-  std::vector<ConfigSetting> flags;  // what the file sets, as flags, in the order to apply them
-  std::vector<std::string> refused;  // "key: why", every refused key of the file
-  std::vector<std::string> notes;    // accepted keys that act differently from DeepSpeed (printed in the header)
+  std::vector<ConfigSetting> flags;     // what the file sets, as flags, in the order to apply them
+  std::vector<ConfigSetting> defaults;  // DeepSpeed's defaults for what it leaves out (key: where DeepSpeed sets it)
+  std::set<std::string> auto_flags;     // the flags whose key says "auto" (the trainer's default applies)
+  std::vector<std::string> refused;     // "key: why", every refused key of the file
+  std::vector<std::string> notes;       // accepted keys that act differently from DeepSpeed (printed in the header)
+  std::vector<std::string> warnings;    // keys DeepSpeed ignores (printed in the header, or to stderr with --quiet)
+  // The schedule: "WarmupLR" or "WarmupDecayLR" when the file has a scheduler
+  // block with that type, "" when it has none (DeepSpeed then keeps the
+  // optimizer's rate); whether WarmupDecayLR's total_num_steps, which has no
+  // default in DeepSpeed, is left out.
+  std::string scheduler;
+  bool total_num_steps_missing = false;
 };
-
 // The file's settings, refused keys and notes (the file is read and parsed
 // here; the caller applies the flags and reports the refused keys).
 ConfigReading read_deepspeed_config(const std::string& path);

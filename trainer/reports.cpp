@@ -44,9 +44,148 @@ static std::string scale_text(double scale) {
 
 // --- before step 1 -------------------------------------------------------------
 
+// The settings a DeepSpeed config can set, by the name the header and
+// --json's settings_origin give them and the flag apply() knows them as
+// (trainer/settings.cpp); Settings::origins says where each value came from.
+struct ConfigurableSetting {
+  const char* name;
+  const char* flag;
+};
+constexpr ConfigurableSetting configurable_settings[] = {
+    {"stage", "--stage"},
+    {"bucket", "--bucket"},
+    {"overlap", "--overlap"},
+    {"micro_batch", "--micro-batch"},
+    {"accum", "--accum"},
+    {"precision", "--precision"},
+    {"loss_scale", "loss_scale"},
+    {"initial_scale_power", "initial_scale_power"},
+    {"loss_scale_window", "loss_scale_window"},
+    {"hysteresis", "hysteresis"},
+    {"consecutive_hysteresis", "consecutive_hysteresis"},
+    {"min_loss_scale", "min_loss_scale"},
+    {"grad_accum_dtype", "grad_accum_dtype"},
+    {"lr", "--lr"},
+    {"beta1", "beta1"},
+    {"beta2", "beta2"},
+    {"eps", "eps"},
+    {"weight_decay", "--weight-decay"},
+    {"bias_correction", "bias_correction"},
+    {"clip", "--clip"},
+    {"schedule", "schedule_convention"},
+    {"decay", "--decay"},
+    {"warmup", "--warmup"},
+    {"warmup_type", "--warmup-type"},
+    {"warmup_min_lr", "warmup_min_lr"},
+    {"schedule_steps", "--schedule-steps"},
+    {"log_every", "--log-every"},
+    {"wall_clock_breakdown", "--wall-clock-breakdown"},
+    {"activations", "--activations"},
+    {"alloc", "--alloc"},
+    {"portable", "--portable"},
+};
+
+static std::string number_text(double value) {
+  char text[40];
+  snprintf(text, sizeof text, "%g", value);
+  return text;
+}
+// A configurable setting's value as the header shows it.
+static std::string setting_text(const Settings& s, const std::string& flag) {
+  const z2::LossScaling& l = s.loss_scaling;
+  if (flag == "--stage") return std::to_string(s.stage);
+  if (flag == "--bucket") return std::to_string(s.bucket);
+  if (flag == "--overlap") return s.overlap ? "on" : "off";
+  if (flag == "--micro-batch") return std::to_string(s.micro_batch);
+  if (flag == "--accum") return std::to_string(s.accum);
+  if (flag == "--precision") return s.precision;
+  if (flag == "loss_scale") return l.static_scale > 0 ? scale_text(l.static_scale) : "dynamic";
+  if (flag == "initial_scale_power") return std::to_string(l.initial_scale_power);
+  if (flag == "loss_scale_window") return std::to_string(l.window);
+  if (flag == "hysteresis") return std::to_string(l.hysteresis);
+  if (flag == "consecutive_hysteresis") return l.consecutive_hysteresis ? "true" : "false";
+  if (flag == "min_loss_scale") return scale_text(l.min_scale);
+  if (flag == "grad_accum_dtype") return s.grad_accum_dtype;
+  if (flag == "--lr") return number_text(s.lr);
+  if (flag == "beta1") return number_text(s.beta1);
+  if (flag == "beta2") return number_text(s.beta2);
+  if (flag == "eps") return number_text(s.eps);
+  if (flag == "--weight-decay") return number_text(s.weight_decay);
+  if (flag == "bias_correction") return s.bias_correction ? "true" : "false";
+  if (flag == "--clip") return number_text(s.clip);
+  if (flag == "schedule_convention") return s.schedule_convention;
+  if (flag == "--decay") return s.decay;
+  if (flag == "--warmup") return std::to_string(s.warmup);
+  if (flag == "--warmup-type") return s.warmup_type;
+  if (flag == "warmup_min_lr") return number_text(s.warmup_min_lr);
+  if (flag == "--schedule-steps") return std::to_string(s.schedule_steps);
+  if (flag == "--log-every") return std::to_string(s.log_every);
+  if (flag == "--wall-clock-breakdown") return s.wall_clock_breakdown ? "on" : "off";
+  if (flag == "--activations") return s.activations;
+  if (flag == "--alloc") return s.alloc;
+  return s.portable ? "on" : "off";  // --portable
+}
+// Where a setting's value came from (Settings::origins), "trainer_default" when unrecorded.
+static std::string origin_of(const Settings& s, const std::string& flag) {
+  const auto found = s.origins.find(flag);
+  return found == s.origins.end() ? "trainer_default" : found->second;
+}
+
+static bool scheduler_param(const std::string& flag) {
+  return flag == "--decay" || flag == "--warmup" || flag == "--warmup-type" || flag == "warmup_min_lr" ||
+         flag == "--schedule-steps";
+}
+
+// The config block of the header: the file, then every setting a config
+// can set grouped by where its value came from (the config's key, a flag,
+// the checkpoint, train_batch_size, DeepSpeed's default and where DeepSpeed
+// sets it, the trainer's default), wrapped to about 110 columns; then the
+// notes and the keys DeepSpeed ignores.
+static void print_config_origins(const Settings& s) {
+  printf("  config    %s: read as DeepSpeed 0.16.9 reads it; each setting a config can set, by its source:\n",
+         s.config.c_str());
+  const std::vector<std::pair<std::string, std::string>> kinds = {
+      {"config", "the config"},  {"flag", "flags"}, {"checkpoint", "the checkpoint"},
+      {"derived", "train_batch_size (DeepSpeed's rule)"}, {"deepspeed_default", "DeepSpeed's defaults"},
+      {"trainer_default", "the trainer's defaults"}};
+  for (const auto& [kind, title] : kinds) {
+    // Items of one kind, in the table's order; DeepSpeed's defaults grouped by where DeepSpeed sets them.
+    std::vector<std::pair<std::string, std::string>> items;  // (detail, "name value")
+    for (const ConfigurableSetting& setting : configurable_settings) {
+      if (s.schedule_convention == "none" && scheduler_param(setting.flag)) continue;  // no scheduler: they act on nothing
+      const std::string origin = origin_of(s, setting.flag);
+      const size_t colon = origin.find(':');
+      if (origin.substr(0, colon) != kind) continue;
+      const std::string detail = colon == std::string::npos ? "" : origin.substr(colon + 1);
+      std::string item = std::string(setting.name) + " " + setting_text(s, setting.flag);
+      // The key, a flag other than the setting's own (--warmup choosing the schedule), or "auto".
+      if (kind == "config" || (kind == "trainer_default" && !detail.empty()) ||
+          (kind == "flag" && detail != setting.flag))
+        item += " (" + detail + ")";
+      items.push_back({kind == "deepspeed_default" ? detail : "", item});
+    }
+    if (items.empty()) continue;
+    std::stable_sort(items.begin(), items.end(), [](auto& a, auto& b) { return a.first < b.first; });
+    std::string text = title + ":";
+    for (size_t k = 0; k < items.size(); ++k) {
+      const bool group_ends = k + 1 == items.size() || items[k + 1].first != items[k].first;
+      text += " " + items[k].second + (group_ends && !items[k].first.empty() ? " [" + items[k].first + "]" : "") +
+              (k + 1 == items.size() ? "" : group_ends && !items[k].first.empty() ? ";" : ",");
+    }
+    // Wrapped at spaces to about 110 columns, each line under the label's column.
+    const size_t width = 98;
+    while (!text.empty()) {
+      size_t cut = text.size() <= width ? text.size() : text.rfind(' ', width);
+      if (cut == std::string::npos || cut == 0) cut = std::min(text.size(), width);
+      printf("            %s\n", text.substr(0, cut).c_str());
+      text = text.substr(std::min(text.size(), cut + 1));
+    }
+  }
+}
+
 // The optimizer line: what the rate does over the schedule, and how much of
 // the schedule this run trains when the two differ.
-static void print_schedule(const Settings& s) {
+static void print_trainer_schedule(const Settings& s) {
   char from[48] = "";
   if (s.warmup_min_lr > 0) snprintf(from, sizeof from, " from %g", s.warmup_min_lr);
   std::string after =
@@ -62,6 +201,39 @@ static void print_schedule(const Settings& s) {
   if (s.steps > s.schedule_steps && s.decay != "none")
     printf("  WARNING   steps %ld to %ld are past the schedule's end: they train at warmup_min_lr = %g%s\n",
            s.schedule_steps + 1, s.steps, s.warmup_min_lr, s.warmup_min_lr == 0 ? " (no update at all)" : "");
+}
+
+// DeepSpeed's scheduler (trainer/settings.cpp, deepspeed_learning_rate):
+// update t runs at the scheduler's iteration t - 2, so updates 1 and 2 learn
+// at warmup_min_lr; WarmupDecayLR reaches warmup_min_lr at iteration S, update S + 2.
+static void print_deepspeed_schedule(const Settings& s) {
+  const bool decays = s.decay == "linear";
+  const long W = std::max(2l, s.warmup), S = s.schedule_steps;
+  const std::string after = decays ? "then linear decay to " + number_text(s.warmup_min_lr) + " at iteration " +
+                                         std::to_string(S)
+                                   : "then constant";
+  printf(
+      "  optimizer AdamW%s lr %g, DeepSpeed's %s: warmup %ld iterations (%s) from %g, %s; update t at iteration "
+      "t - 2 (updates 1 and 2 at %g), weight decay %g, clip %g\n",
+      s.bias_correction ? "" : " (no bias correction)", s.lr, decays ? "WarmupDecayLR" : "WarmupLR", W,
+      s.warmup_type.c_str(), s.warmup_min_lr, after.c_str(), s.warmup_min_lr, s.weight_decay, s.clip);
+  if (decays && W > S)
+    printf(
+        "  WARNING   warmup_num_steps %ld is more than total_num_steps %ld (DeepSpeed only warns): the rate warms "
+        "up until iteration %ld, then drops to warmup_min_lr\n",
+        W, S, W);
+  if (decays && s.steps >= S + 2)
+    printf("  WARNING   updates %ld to %ld are past total_num_steps: they train at warmup_min_lr = %g%s\n", S + 2,
+           s.steps, s.warmup_min_lr, s.warmup_min_lr == 0 ? " (no update at all)" : "");
+}
+
+static void print_schedule(const Settings& s) {
+  if (s.schedule_convention == "deepspeed") return print_deepspeed_schedule(s);
+  if (s.schedule_convention == "zero2") return print_trainer_schedule(s);
+  printf(
+      "  optimizer AdamW%s lr %g at every step (no scheduler: DeepSpeed keeps the optimizer's rate), weight decay "
+      "%g, clip %g\n",
+      s.bias_correction ? "" : " (no bias correction)", s.lr, s.weight_decay, s.clip);
 }
 
 void print_header(const Settings& settings, const RunRecord& run, const z2::Engine& engine) {
@@ -104,7 +276,9 @@ void print_header(const Settings& settings, const RunRecord& run, const z2::Engi
              ? ""
              : ("; the last " + z2::with_commas(run.held_out_bytes) + " held out for --eval-every").c_str());
   print_schedule(settings);
+  if (!settings.config.empty()) print_config_origins(settings);
   for (const std::string& line : settings.config_notes) printf("  config    %s\n", line.c_str());
+  for (const std::string& line : settings.config_warnings) printf("  WARNING   %s\n", line.c_str());
   for (const std::string& line : settings.repeated_flags) printf("  flags     %s\n", line.c_str());
   printf("  memory    --activations %s, --alloc %s: %s %s bytes per rank (%s)\n", settings.activations.c_str(),
          settings.alloc.c_str(),
@@ -175,6 +349,10 @@ ProgressLog::ProgressLog(const Settings& settings, MPI_Comm world) : settings_(s
 ProgressLog::~ProgressLog() = default;
 
 void ProgressLog::start(long resumed_step) {
+  // The config's ignored keys: in the header, or, with --quiet and no
+  // header, on stderr (rank 0; training goes on).
+  if (rank_ == 0 && settings_.quiet)
+    for (const std::string& line : settings_.config_warnings) fprintf(stderr, "train_bert_mini: warning: %s\n", line.c_str());
   // Rank 0 writes; every rank learns whether it could (or it would wait in
   // the first step's collectives for a rank that left).
   if (!settings_.metrics.empty())
@@ -351,6 +529,14 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
               {"portable", settings.portable},
               {"grad_accum_dtype", settings.grad_accum_dtype},
               {"loss_scale", engine.loss_scaler().scale()},
+              // The scaler's settings (fp16; DeepSpeed's "fp16" keys), whatever the precision.
+              {"loss_scaling",
+               {{"static_scale", settings.loss_scaling.static_scale},
+                {"initial_scale_power", settings.loss_scaling.initial_scale_power},
+                {"window", settings.loss_scaling.window},
+                {"hysteresis", settings.loss_scaling.hysteresis},
+                {"consecutive_hysteresis", settings.loss_scaling.consecutive_hysteresis},
+                {"min_scale", settings.loss_scaling.min_scale}}},
               {"skipped_steps", engine.skipped_steps()},
               {"activations", settings.activations},
               {"alloc", settings.alloc},
@@ -373,7 +559,8 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
                 {"warmup_type", settings.warmup_type},
                 {"warmup_min_lr", settings.warmup_min_lr},
                 {"decay", settings.decay},
-                {"schedule_steps", settings.schedule_steps}}},
+                {"schedule_steps", settings.schedule_steps},
+                {"convention", settings.schedule_convention}}},
               {"optimizer",
                {{"betas", {settings.beta1, settings.beta2}},
                 {"eps", settings.eps},
@@ -399,6 +586,13 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
     }
   }
   out["steps"] = steps;
+  // Where each setting a config can set came from (print_config_origins).
+  json origins = json::object();
+  for (const ConfigurableSetting& setting : configurable_settings)
+    origins[setting.name] = origin_of(settings, setting.flag);
+  out["config"] = settings.config.empty() ? json(nullptr) : json(settings.config);
+  out["settings_origin"] = origins;
+  out["config_warnings"] = settings.config_warnings;
   out["final_params_hash"] = hash;
   out["memory"] = summary["memory"];
   out["comm"] = summary["comm"];

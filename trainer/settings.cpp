@@ -201,6 +201,8 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "eps") s.eps = parse_real(name, value, 1e-30, 1.0);
   else if (flag == "warmup_min_lr") s.warmup_min_lr = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "schedule_convention")
+    s.schedule_convention = parse_choice(name, value, {"zero2", "deepspeed", "none"});
   else if (flag == "bias_correction") s.bias_correction = parse_integer(name, value, 0, 1) != 0;
   else if (flag == "train_batch_size") s.train_batch_size = parse_integer(name, value, 1, big);
   else fail("unknown flag '%s' (train_bert_mini --help lists the flags)", flag.c_str());
@@ -241,8 +243,13 @@ z2::Precision precision_of(const Settings& s) {
 
 const char* const usage_text = R"usage(usage: mpirun -n N train_bert_mini [flags]
 BERT-mini masked-language-model training with ZeRO stage 0, 1 or 2 (README.md, notes/07).
-Each flag's default is in parentheses, the DeepSpeed config key that sets it in brackets;
-a flag on the command line overrides the config file.
+Each flag's default is in parentheses, the DeepSpeed config key that sets it in brackets.
+With --config FILE the file means what it means to DeepSpeed 0.16.9: a key it leaves out takes
+DeepSpeed's default, not the one in parentheses ("auto" keeps that one; the header names each
+setting's source). A flag on the command line overrides the file's key, but not its
+train_batch_size: micro-batch x accumulation x ranks must equal it (DeepSpeed's rule), so of
+--micro-batch and --accum (flag or key) the one not given follows from it (accumulation 1 when
+neither is), and a value that contradicts it, or does not divide it, is refused.
 
 where and how
   --stage 0|1|2              ZeRO stage (2) [zero_optimization.stage]
@@ -273,8 +280,12 @@ optimizer: AdamW [optimizer.type "AdamW", or "Adam" with adam_w_mode true]
   --weight-decay WD          decoupled weight decay (0.01) [optimizer.params.weight_decay]
   --clip C                   global gradient-norm clip, 0: none (1.0) [gradient_clipping]
                              betas, eps, bias_correction: config only [optimizer.params.*]
-learning-rate schedule (DeepSpeed's WarmupDecayLR and WarmupLR) [scheduler]
-  --warmup W                 warmup steps (a tenth of the schedule) [scheduler.params.warmup_num_steps]
+learning-rate schedule (DeepSpeed's WarmupDecayLR and WarmupLR) [scheduler]: without --config the
+trainer's own, counted from step 1; with --config DeepSpeed's, as its engine steps it (update t runs
+at the scheduler's iteration t - 2), or without a scheduler block the optimizer's lr at every step
+unless one of these flags adds one (notes/07)
+  --warmup W                 warmup steps (a tenth of the schedule; DeepSpeed's 1000 in a config's
+                             scheduler) [scheduler.params.warmup_num_steps]
   --warmup-type linear|log   the warmup's shape (linear; a config's scheduler: log, as DeepSpeed)
                              [scheduler.params.warmup_type]
   --decay linear|none        after the warmup: linear decay to the schedule's end, or constant
@@ -371,6 +382,116 @@ void check_plan_flags(const Settings& s) {
         s.alloc.c_str(), s.alloc.c_str());
 }
 
+// A config file's keys, as flags (their origin the key). A value out of
+// range counts as refused too: every problem of the file in one message.
+static void apply_config_keys(Settings& settings, ConfigReading& config, const std::string& path) {
+  for (auto& setting : config.flags) {
+    try {
+      apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
+      settings.origins[setting.flag] = "config:" + setting.key;
+    } catch (const z2::Error& error) {
+      const std::string said = error.what(), prefix = "config key '" + setting.key + "' ";
+      config.refused.push_back(setting.key + ": " + (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
+    }
+  }
+  if (!config.refused.empty()) {
+    std::string message = "the config file '" + path + "' has " + std::to_string(config.refused.size()) +
+                          (config.refused.size() == 1 ? " setting" : " settings") +
+                          " this trainer cannot take (notes/07 lists what each DeepSpeed key does here):";
+    for (auto& line : config.refused) message += "\n  " + line;
+    throw z2::Error(message);
+  }
+  settings.config_notes = config.notes;
+  settings.config_warnings = config.warnings;
+}
+
+// The schedule a config means, with the flags next to it: its scheduler
+// block (a schedule flag overrides that block's key), or, when it has none,
+// the scheduler the schedule flags describe (--decay's type, WarmupDecayLR
+// unless --decay none, over --schedule-steps or --steps; its other params
+// DeepSpeed's defaults), or else none at all: DeepSpeed then keeps the
+// optimizer's rate at every step (engine.py _configure_lr_scheduler builds
+// nothing). A convention that a config key or a flag chose is given (a
+// resumed run must agree with the checkpoint's); "none" is a default.
+static void choose_schedule(Settings& s, const ConfigReading& config, const std::map<std::string, std::string>& flags) {
+  std::string flag_added;
+  for (const char* flag : {"--warmup", "--warmup-type", "--decay", "--schedule-steps"})
+    if (flags.count(flag) && flag_added.empty()) flag_added = flag;
+  if (config.scheduler.empty() && flag_added.empty()) {
+    apply(s, "schedule_convention", "none");
+    s.given.erase("schedule_convention");
+    s.origins["schedule_convention"] = "deepspeed_default:no scheduler block";
+    return;
+  }
+  apply(s, "schedule_convention", "deepspeed");
+  s.origins["schedule_convention"] = config.scheduler.empty() ? "flag:" + flag_added : "config:scheduler.type";
+  // WarmupDecayLR's total_num_steps is a required argument (lr_schedules.py
+  // WarmupDecayLR.__init__ has no default): DeepSpeed raises TypeError without it.
+  if (config.total_num_steps_missing && s.decay == "linear" && !flags.count("--schedule-steps"))
+    fail(
+        "config key 'scheduler.params.total_num_steps' is missing: DeepSpeed's WarmupDecayLR has no default for it "
+        "(its constructor raises TypeError). Give it, or \"auto\" (the run's --steps), or --schedule-steps");
+  if (!config.scheduler.empty()) return;  // the block's own defaults are among config.defaults
+  const std::string type = s.decay == "none" ? "WarmupLR" : "WarmupDecayLR";
+  const std::string added = " (the scheduler the flags add)";
+  for (auto [flag, value] : {std::pair<const char*, const char*>{"--warmup", "1000"},
+                             {"--warmup-type", "log"},
+                             {"warmup_min_lr", "0"}})
+    if (!s.given.count(flag)) {
+      apply(s, flag, value);
+      s.given.erase(flag);
+      s.origins[flag] = "deepspeed_default:" + type + added;
+    }
+}
+
+// What a config file means to DeepSpeed beyond its keys: the schedule, and
+// DeepSpeed's default for every setting it leaves out that no flag gives
+// (one it leaves to "auto" keeps the trainer's default). Defaults are not
+// "given": a resumed run takes the checkpoint's value over them.
+static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
+                                    const std::map<std::string, std::string>& flags) {
+  choose_schedule(s, config, flags);
+  for (const ConfigSetting& deepspeed : config.defaults) {
+    if (s.given.count(deepspeed.flag)) continue;
+    if (config.auto_flags.count(deepspeed.flag)) {
+      s.origins[deepspeed.flag] = "trainer_default:auto";
+      continue;
+    }
+    apply(s, deepspeed.flag, deepspeed.value, "DeepSpeed's default for '" + deepspeed.flag + "'");
+    s.given.erase(deepspeed.flag);
+    s.origins[deepspeed.flag] = "deepspeed_default:" + deepspeed.key;
+  }
+  for (const std::string& flag : config.auto_flags)
+    if (!s.given.count(flag)) s.origins[flag] = "trainer_default:auto";
+  // The precision: a block's "enabled", a flag, or DeepSpeed's fp32.
+  if (!s.precision_given) {
+    const char* key = s.config_fp16_enabled >= 0 ? "fp16.enabled" : s.config_bf16_enabled >= 0 ? "bf16.enabled" : "";
+    const bool left_to_auto = config.auto_flags.count("fp16.enabled") || config.auto_flags.count("bf16.enabled");
+    s.origins["--precision"] = *key          ? std::string("config:") + key
+                               : left_to_auto ? "trainer_default:auto"
+                                              : "deepspeed_default:constants.py";
+  }
+  // Two of DeepSpeed's behaviours this trainer keeps its own rule for, said
+  // where they apply. At stage 0 DeepSpeed's fp16 is FP16_Optimizer (engine.py
+  // _configure_fp16_optimizer: from 2^initial_scale_power, 16 by default, no
+  // hysteresis); zero2 uses its ZeRO optimizer's scaler at every stage, so
+  // that every stage gives the same bits.
+  if (s.precision == "fp16" && s.stage == 0)
+    s.config_notes.push_back(
+        "fp16 at stage 0: DeepSpeed's FP16_Optimizer would start at 2^initial_scale_power (2^16 by default) and "
+        "halve on every overflow; this trainer keeps its ZeRO optimizer's loss scaler (shown above) at every stage");
+  // Without the key, DeepSpeed accumulates 16-bit gradients in their own
+  // type (engine.py get_data_types); zero2 keeps fp32, which keeps (N, A)
+  // invariance (notes/08). It matters where micro-steps accumulate.
+  const std::string deepspeed_accumulation = s.precision == "bf16" && s.stage == 0 ? "fp32" : s.precision;
+  const bool accumulates = s.accum > 1 || s.train_batch_size > 0;
+  if (!s.given.count("grad_accum_dtype") && deepspeed_accumulation != s.grad_accum_dtype && accumulates)
+    s.config_notes.push_back("data_types.grad_accum_dtype left out: gradients accumulate in fp32 (the trainer's "
+                             "default); DeepSpeed would accumulate them in " +
+                             deepspeed_accumulation + " (\"grad_accum_dtype\": \"" + deepspeed_accumulation +
+                             "\" asks for that)");
+}
+
 Settings parse_command_line(int argc, char** argv) {
   Settings settings;
   std::vector<std::pair<std::string, std::string>> flags;
@@ -398,28 +519,12 @@ Settings parse_command_line(int argc, char** argv) {
     if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) fail("%s needs a value", flag.c_str());
     flags.push_back({flag, argv[++i]});
   }
+  ConfigReading config;
   for (auto& [flag, value] : flags)
     if (flag == "--config") {
       settings.config = parse_path("--config", value);
-      ConfigReading config = read_deepspeed_config(value);
-      // A value out of range counts as refused too: every problem of the file in one message.
-      for (auto& setting : config.flags) {
-        try {
-          apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
-        } catch (const z2::Error& error) {
-          const std::string said = error.what(), prefix = "config key '" + setting.key + "' ";
-          config.refused.push_back(setting.key + ": " +
-                                   (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
-        }
-      }
-      if (!config.refused.empty()) {
-        std::string message = "the config file '" + value + "' has " + std::to_string(config.refused.size()) +
-                              (config.refused.size() == 1 ? " setting" : " settings") +
-                              " this trainer cannot take (notes/07 lists what each DeepSpeed key does here):";
-        for (auto& line : config.refused) message += "\n  " + line;
-        throw z2::Error(message);
-      }
-      settings.config_notes = config.notes;
+      config = read_deepspeed_config(value);
+      apply_config_keys(settings, config, value);
     }
   // A flag given twice: the last counts, as argparse (DeepSpeed's and
   // Hugging Face's launchers) and most Unix tools do, so a script can keep
@@ -433,9 +538,10 @@ Settings parse_command_line(int argc, char** argv) {
                                         "'): the last counts");
     seen[flag] = value;
     if (flag == "--quiet") settings.quiet = true;
-    else apply(settings, flag, value);
+    else apply(settings, flag, value), settings.origins[flag] = "flag:" + flag;
   }
   resolve_precision(settings);
+  if (!settings.config.empty()) apply_deepspeed_meaning(settings, config, seen);
   check_plan_flags(settings);
   check_trace_flags(settings);
   return settings;
@@ -469,7 +575,9 @@ void check_consistency(Settings& s, int world_size) {
   const bool steps_given = s.given.count("--steps") > 0;
   if (s.schedule_steps == 0) s.schedule_steps = s.steps;
   else if (!steps_given && !s.export_only) s.steps = s.schedule_steps;
-  if (s.warmup > s.schedule_steps) {
+  // (DeepSpeed's schedulers take a warmup longer than the run: WarmupDecayLR
+  // only warns, lr_schedules.py; the header says so.)
+  if (s.warmup > s.schedule_steps && s.schedule_convention == "zero2") {
     if (s.schedule_steps == s.steps) fail("--warmup %ld is longer than --steps %ld", s.warmup, s.steps);
     fail("--warmup %ld is longer than the schedule's %ld steps (--schedule-steps, total_num_steps)", s.warmup,
          s.schedule_steps);
@@ -492,6 +600,8 @@ void check_consistency(Settings& s, int world_size) {
     if (micro_given && !s.accum_given) s.accum = (int)std::max(1l, global / s.micro_batch / N);
     else if (!micro_given && s.accum_given) s.micro_batch = (int)std::max(1l, global / N / s.accum);
     else if (!micro_given) s.accum = 1, s.micro_batch = (int)std::max(1l, global / N);
+    if (!micro_given) s.origins["--micro-batch"] = "derived:train_batch_size";
+    if (!s.accum_given) s.origins["--accum"] = "derived:train_batch_size";
     if (global != (long)s.micro_batch * s.accum * N && micro_given && !s.accum_given)
       fail(
           "config train_batch_size %ld is not a multiple of micro batch %d x %d ranks = %ld (DeepSpeed's rule: the "
@@ -544,14 +654,14 @@ void agree_on_errors(MPI_Comm world, const std::function<void()>& checks, const 
 
 // --- what the settings make for the engine and the model ---------------------
 
-// The learning rate of optimizer step t (1-based): a warmup from
-// warmup_min_lr to lr over W steps, linear (t / W) or DeepSpeed's log
-// (ln(t + 1) / ln(W + 1): zero2 counts from 1, so step 1 learns and step W
-// reaches lr), then constant (--decay none: DeepSpeed's WarmupLR) or linear
-// back toward warmup_min_lr at the schedule's end S (WarmupDecayLR): step S
-// still learns at min + (lr - min) / (S - W). With warmup_min_lr 0 (the
-// default) these are the products and quotients of the first schedule.
-double learning_rate(const Settings& s, long t) {
+// The trainer's own schedule (without --config), for update t counted from
+// 1: a warmup from warmup_min_lr to lr over W steps, linear (t / W) or log
+// (ln(t + 1) / ln(W + 1): step 1 learns and step W reaches lr), then
+// constant (--decay none) or linear back toward warmup_min_lr at the
+// schedule's end S: step S still learns at min + (lr - min) / (S - W). With
+// warmup_min_lr 0 (the default) these are the products and quotients of the
+// first schedule.
+static double trainer_learning_rate(const Settings& s, long t) {
   const double low = s.warmup_min_lr, range = s.lr - s.warmup_min_lr;
   const long S = s.schedule_steps > 0 ? s.schedule_steps : s.steps, W = s.warmup;  // (0 before check_consistency)
   if (t <= W) {
@@ -561,6 +671,34 @@ double learning_rate(const Settings& s, long t) {
   if (s.decay == "none") return s.lr;
   if (t > S) return low;  // a run longer than its schedule (--steps past --schedule-steps)
   return low + range * (double)(S - t + 1) / (double)(S - W);
+}
+
+// DeepSpeed's WarmupLR and WarmupDecayLR as its engine steps them. The
+// scheduler sets warmup_min_lr when it is built (lr_schedules.py
+// WarmupLR.__init__, last_batch_iteration -1: get_lr returns min_lrs), and
+// the engine calls step() after each applied update only (engine.py
+// _take_model_step: not after an fp16 overflow), so update t runs at
+// iteration i = t - 2. WarmupLR.__init__ raises W to at least 2; _get_gamma:
+// ln(i + 1) / ln(W) (as (1 / ln W) * ln(i + 1), the order DeepSpeed
+// multiplies in) or i / W while i < W; then 1 (WarmupLR), or
+// max(0, (S - i) / max(1, S - W)) (WarmupDecayLR._get_gamma); the rate is
+// min + (max - min) * gamma.
+static double deepspeed_learning_rate(const Settings& s, long t) {
+  const long i = t - 2;
+  if (i < 0) return s.warmup_min_lr;
+  const double W = (double)std::max(2l, s.warmup), S = (double)s.schedule_steps, iteration = (double)i;
+  double gamma = 1.0;
+  if (iteration < W)
+    gamma = s.warmup_type == "log" ? (1.0 / z2::log_double(W)) * z2::log_double(iteration + 1) : iteration / W;
+  else if (s.decay == "linear")
+    gamma = std::max(0.0, (S - iteration) / std::max(1.0, S - W));
+  return s.warmup_min_lr + (s.lr - s.warmup_min_lr) * gamma;
+}
+
+double learning_rate(const Settings& s, long t) {
+  if (s.schedule_convention == "none") return s.lr;  // no scheduler: the optimizer's rate
+  if (s.schedule_convention == "deepspeed") return deepspeed_learning_rate(s, t);
+  return trainer_learning_rate(s, t);
 }
 
 z2::EngineOptions engine_options(const Settings& settings, z2::Precision precision) {

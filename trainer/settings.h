@@ -8,6 +8,7 @@
 
 #include <cstdarg>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -38,6 +39,12 @@ struct Settings {
   // 0: --steps (the run ends where the decay does).
   long schedule_steps = 0;
   std::string warmup_type = "linear", decay = "linear";
+  // Whose rates those are (learning_rate): "zero2", the trainer's own
+  // schedule counted from step 1 (without --config); "deepspeed", DeepSpeed's
+  // scheduler as its engine steps it (a config's scheduler block, or schedule
+  // flags next to a config); "none", the optimizer's rate at every step (a
+  // config without a scheduler, as DeepSpeed holds it). Checkpoints record it.
+  std::string schedule_convention = "zero2";
   double warmup_min_lr = 0.0;
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01, clip = 1.0;
   bool bias_correction = true;  // Adam's 1 / (1 - beta^t); DeepSpeed's FusedAdam may turn it off
@@ -97,7 +104,13 @@ struct Settings {
   // --poison-activations: fresh activation buffers full of NaN instead of
   // left as they are (a check that the model reads none before writing it)
   bool poison_activations = false;
-  std::vector<std::string> config_notes;    // config keys that act differently here, for the header
+  std::vector<std::string> config_notes;     // config keys that act differently here, for the header
+  std::vector<std::string> config_warnings;  // config keys DeepSpeed ignores (the header, or stderr with --quiet)
+  // Where each setting's value came from, by the flag apply() knows it as:
+  // "config:KEY", "flag:--x", "deepspeed_default:WHERE" (a key the config
+  // leaves out), "trainer_default:auto" (a config's "auto"), "checkpoint",
+  // "derived:train_batch_size"; a flag not here has the trainer's default.
+  std::map<std::string, std::string> origins;
   std::vector<std::string> repeated_flags;  // "--steps given twice ('3', then '4')...", for the header
 };
 
@@ -138,8 +151,10 @@ void agree_on_errors(MPI_Comm world, const std::function<void()>& checks,
                      const std::string& what = "the checks before training");
 
 // --- what the settings make for the engine and the model ---------------------
-// The learning rate of optimizer step t (1-based): DeepSpeed's WarmupLR or
-// WarmupDecayLR, as the settings give it.
+// The learning rate of the t-th applied optimizer update (1-based; an fp16
+// step skipped on overflow does not count, as in DeepSpeed): the trainer's
+// schedule, DeepSpeed's WarmupLR or WarmupDecayLR, or constant, by
+// schedule_convention.
 double learning_rate(const Settings& s, long t);
 z2::EngineOptions engine_options(const Settings& settings, z2::Precision precision);
 ModelShape shape_of(const Settings& settings);
