@@ -43,9 +43,7 @@ std::map<std::string, TensorView> safetensors_tensors(const std::string& path, c
   json header;
   try {
     header = parse_json(contents.substr(8, length));
-  } catch (const json::exception& e) {
-    damaged(std::string("its header is not JSON (") + e.what() + ")");
-  }
+  } catch (const json::exception& e) { damaged(std::string("its header is not JSON (") + e.what() + ")"); }
   if (!header.is_object()) damaged("its header is not a JSON object");
   const size_t data_start = 8 + length, data_bytes = contents.size() - data_start;
   std::map<std::string, TensorView> tensors;
@@ -125,9 +123,10 @@ static void check_hf_config(const std::string& directory, const ModelShape& s) {
   const std::string path = directory + "/config.json";
   struct stat info;
   if (stat(path.c_str(), &info) != 0)
-    fail("--init-hf '%s' has no config.json: give a BertForMaskedLM directory (save_pretrained's config.json and "
-         "model.safetensors)",
-         directory.c_str());
+    fail(
+        "--init-hf '%s' has no config.json: give a BertForMaskedLM directory (save_pretrained's config.json and "
+        "model.safetensors)",
+        directory.c_str());
   const std::string text = read_regular_file("--init-hf's config.json", path, 1 << 20);
   json config;
   try {
@@ -154,11 +153,14 @@ static void check_hf_config(const std::string& directory, const ModelShape& s) {
   for (const Size& size : sizes) {
     const json value = config.value(size.key, json(size.hf_default));
     if (value.is_number_integer() && value.get<long>() == size.run) continue;
-    const std::string said = config.contains(size.key) ? "is " + json_text(value) : "is absent (BertConfig's default "
-                                                                                     + std::to_string(size.hf_default) + ")";
+    const std::string said = config.contains(size.key)
+                                 ? "is " + json_text(value)
+                                 : "is absent (BertConfig's default " + std::to_string(size.hf_default) + ")";
     if (size.flag)
-      fail("--init-hf '%s': config.json's %s %s, this run's %s is %ld: give %s %s (a run trains the sizes its flags give)",
-           directory.c_str(), size.key, said.c_str(), size.flag, size.run, size.flag, json_text(value).c_str());
+      fail(
+          "--init-hf '%s': config.json's %s %s, this run's %s is %ld: give %s %s (a run trains the sizes its flags "
+          "give)",
+          directory.c_str(), size.key, said.c_str(), size.flag, size.run, size.flag, json_text(value).c_str());
     fail("--init-hf '%s': config.json's %s %s; zero2's BERT has %ld (byte-level tokens, one token type)",
          directory.c_str(), size.key, said.c_str(), size.run);
   }
@@ -248,8 +250,8 @@ InitialWeights read_initial_weights(const std::string& directory, const ModelSha
     } else if (unused_by_masked_lm(name)) {
       weights.notes.push_back(name);
     } else {
-      fail("--init-hf '%s' holds %s %s, which BertForMaskedLM has no parameter for: is it another model?",
-           path.c_str(), name.c_str(), shape_text(tensor.shape).c_str());
+      fail("--init-hf '%s' holds %s %s, which BertForMaskedLM has no parameter for: is it another model?", path.c_str(),
+           name.c_str(), shape_text(tensor.shape).c_str());
     }
   }
   return weights;

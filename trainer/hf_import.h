@@ -34,9 +34,9 @@ std::vector<float> tensor_as_floats(const std::string& path, const std::string& 
 
 // --init-hf DIR read and checked against the model the run trains.
 struct InitialWeights {
-  std::vector<float> values;        // every parameter, registration order (Engine::parameters_from_host)
-  std::string file_bytes;           // model.safetensors as read: the ranks compare its fingerprint
-  std::vector<std::string> notes;   // tensors it holds that BertForMaskedLM's MLM does not use, for the header
+  std::vector<float> values;       // every parameter, registration order (Engine::parameters_from_host)
+  std::string file_bytes;          // model.safetensors as read: the ranks compare its fingerprint
+  std::vector<std::string> notes;  // tensors it holds that BertForMaskedLM's MLM does not use, for the header
 };
 // config.json's sizes and arithmetic must be the run's (a key that differs is
 // named with the flag that would match it); every parameter must be there

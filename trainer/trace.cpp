@@ -111,8 +111,8 @@ static json conventions(const Settings& s) {
        "m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t) (bias_correction; without it m and v), t the "
        "updates applied so far, lr = steps[].lr"},
       {"learning_rate", "steps[].lr is the rate of that step's update, whatever schedule gave it"},
-      {"dropout",
-       s.dropout == 0 ? "0: a replay computes the same functions"
+      {"dropout", s.dropout == 0
+                      ? "0: a replay computes the same functions"
                       : "> 0: zero2 draws its masks from a hash of (seed, step, sample, layer, site, element), which "
                         "no other implementation draws; only a run with dropout 0 can be replayed"},
       {"parameters",
@@ -125,9 +125,12 @@ static json optimizer_record(const z2::EngineOptions& options, const z2::Engine&
   json no_decay = json::array();
   for (const z2::ParameterInfo& p : engine.parameters())
     if (!p.decay) no_decay.push_back(p.name);
-  return {{"type", "AdamW"},          {"betas", {options.beta1, options.beta2}},
-          {"eps", options.eps},       {"weight_decay", options.weight_decay},
-          {"bias_correction", options.bias_correction}, {"clip", options.clip > 0 ? options.clip : 0.0},
+  return {{"type", "AdamW"},
+          {"betas", {options.beta1, options.beta2}},
+          {"eps", options.eps},
+          {"weight_decay", options.weight_decay},
+          {"bias_correction", options.bias_correction},
+          {"clip", options.clip > 0 ? options.clip : 0.0},
           {"no_weight_decay", no_decay}};
 }
 
@@ -160,9 +163,12 @@ static json layout_record(const z2::Engine& engine, const TensorShapes& tensor_s
                           {"decay", infos[id].decay},
                           {"bucket", infos[id].bucket},
                           {"offset", infos[id].offset}});
-  return {{"world_size", engine.world_size()}, {"norm_chunk", z2::norm_chunk},
-          {"psi", engine.psi()},               {"psi_padded", engine.psi_padded()},
-          {"buckets", buckets},                {"parameters", parameters},
+  return {{"world_size", engine.world_size()},
+          {"norm_chunk", z2::norm_chunk},
+          {"psi", engine.psi()},
+          {"psi_padded", engine.psi_padded()},
+          {"buckets", buckets},
+          {"parameters", parameters},
           {"shard_rule",
            "rank r owns [offset + r shard_length, offset + (r + 1) shard_length) of each bucket of the padded flat "
            "buffer; a parameter's element i lies at its offset + i"}};
@@ -192,9 +198,13 @@ void RunTrace::finish(const ModelShape& shape, const TensorShapes& tensor_shapes
   const long steps = (long)steps_.size(), rows_per_step = steps > 0 ? rows_ / steps : 0;
   write_output_file(
       settings_.trace_dir + "/batches.safetensors",
-      safetensors_bytes({{"input_ids", "I64", {steps, rows_per_step, shape.seq},
+      safetensors_bytes({{"input_ids",
+                          "I64",
+                          {steps, rows_per_step, shape.seq},
                           std::string((const char*)input_ids_.data(), input_ids_.size() * sizeof(int64_t))},
-                         {"labels", "I64", {steps, rows_per_step, shape.seq},
+                         {"labels",
+                          "I64",
+                          {steps, rows_per_step, shape.seq},
                           std::string((const char*)labels_.data(), labels_.size() * sizeof(int64_t))}},
                         {{"format", "pt"}}));
   const z2::EngineOptions& options = engine.options();

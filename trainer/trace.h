@@ -57,12 +57,10 @@ class RunTrace {
   void add_micro_batch(const std::vector<int>& tokens, const std::vector<long>& labels);
   void add_step(TracedStep step);
   // DIR/step_<s>/: the parameters after step s and, when given, the gradient it applied.
-  void write_parameters(long step, const ModelShape& shape, const TensorShapes& tensor_shapes,
-                        const z2::Engine& engine, const std::vector<float>& parameters,
-                        const std::vector<float>& gradients);
+  void write_parameters(long step, const ModelShape& shape, const TensorShapes& tensor_shapes, const z2::Engine& engine,
+                        const std::vector<float>& parameters, const std::vector<float>& gradients);
   // DIR/batches.safetensors, then DIR/trace.json, which says the trace is whole.
-  void finish(const ModelShape& shape, const TensorShapes& tensor_shapes, const z2::Engine& engine,
-              int interrupted_by);
+  void finish(const ModelShape& shape, const TensorShapes& tensor_shapes, const z2::Engine& engine, int interrupted_by);
 
  private:
   Settings settings_;
