@@ -160,9 +160,11 @@ case ${1:-} in
       echo "$out" | grep -q '^SKIP' && continue  # a peer lab without its venv: neither passed nor failed
       verdict "$(echo "$out" | grep -qE '^[1-9][0-9]* passed, 0 failed$' && echo yes)" \
         "lab $lab: zero2's own $(seam_of "$lab") passes its grader"
-      # A skeleton fails at every N: one run (N = 4, as the mistakes) shows it.
-      echo "=== lab $lab: the skeleton (N = 4)"
-      out=$(grade "$lab" "$(skeleton_of "$lab")" 4); echo "$out"
+      # A skeleton fails at every N: one run (N = 4, as the mistakes; a peer lab's at N = 2, the
+      # fewer Python ranks to start) shows it.
+      skeleton_ranks=$([ "$(tests_of "$lab")" = peer ] && echo 2 || echo 4)
+      echo "=== lab $lab: the skeleton (N = $skeleton_ranks)"
+      out=$(grade "$lab" "$(skeleton_of "$lab")" "$skeleton_ranks"); echo "$out"
       verdict "$(echo "$out" | grep -qE '^[0-9]+ passed, [1-9][0-9]* failed$' && echo yes)" \
         "lab $lab: the skeleton as shipped fails its grader"
       # A peer lab's planted mistakes are the checker's: make check-peer PEER=torch grades them.
