@@ -37,7 +37,7 @@ tests/peers/check_peer.sh torch "$build" >"$work/peer.log" 2>&1 || true
 
 mistake=tests/lab_mistakes/torch-step.norm-own-shard.py
 tests/peers/reference_trace.sh "$trainer" "$work/ref" 2
-.venv-hf/bin/python tests/peers/torch_peer.py --nproc-per-node 2 --step flat --replace "$mistake" "$work/ref" \\
+.venv-hf/bin/python tests/peers/torch_peer.py --nproc-per-node 2 --step flat --replace "$mistake" "$work/ref" \
   "$work/theirs" >/dev/null 2>&1
 {
   echo '```'

@@ -57,6 +57,9 @@ done
 deepspeed deepspeed_s2_comms 2 --comms
 deepspeed deepspeed_s0_comms 0 --comms
 
+# The kernel OpenBLAS chose for this CPU (it prints it when loaded with OPENBLAS_VERBOSE=2): a CPU its
+# DYNAMIC_ARCH does not recognise gets a generic one (Prescott: SSE3), which costs zero2 most of its speed.
+OPENBLAS_VERBOSE=2 "$build/train_bert_mini" --help 2>&1 | sed -n 's/^Core: //p' | head -n 1 >"$work/openblas_core"
 /usr/bin/python3 - "$work" "$rounds" "$steps" "$build" <<'PY'
 import json, os, statistics, sys
 work, rounds, steps, build = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -73,6 +76,8 @@ print(f"zero2 ({build}/train_bert_mini) and DeepSpeed {ds['deepspeed']} (torch {
 print(f"BERT-mini L 4, H 256, 4 heads, F 1024, T 128, micro-batch 8 per rank, N = 2, fp32, dropout 0.1, one thread "
       f"per rank, the same batches and rates; {steps} steps a run, {rounds} rounds rotating the order")
 print(f"tokens/s of a run = N B T / median step time of steps 2..{steps} = 2048 / median")
+print(f"zero2's sgemm: OpenBLAS's {open(os.path.join(work, 'openblas_core')).read().strip() or '?'} kernel (the one it "
+      f"chose for this CPU); DeepSpeed's: PyPI torch's MKL and oneDNN")
 print()
 print(f"  {'configuration':<24}{'min':>9}{'median':>9}{'max':>9}   tokens/s over {rounds} runs")
 label = {"zero2_s2": "zero2 --stage 2", "deepspeed_s2": "DeepSpeed ZeRO-2", "zero2_s0": "zero2 --stage 0",
