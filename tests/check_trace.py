@@ -174,6 +174,12 @@ def same_setting(mine, theirs):
     return mine == theirs
 
 
+def share(difference, tolerance):
+    """difference / tolerance; a tolerance of 0 (no rate yet: DeepSpeed's first step runs at warmup_min_lr,
+    often 0, so the parameters must not move at all) admits no difference."""
+    return difference / tolerance if tolerance > 0 else (0.0 if difference == 0 else math.inf)
+
+
 def ratio_is(ratio, value, slack=1e-3):
     return value != 0 and abs(ratio / value - 1) <= slack
 
@@ -361,7 +367,7 @@ def check_step_scalars(pair, step, report):
         if abs(value - mine[key]) > tolerance:
             raise Failure(f"step {step}, {key.replace('_', ' ')}: theirs {value:.9g}, zero2's {mine[key]:.9g} "
                           f"(|difference| {abs(value - mine[key]):.3g} > tolerance {tolerance:.3g})",
-                          diagnose(pair, step, value, mine[key]), abs(value - mine[key]) / tolerance)
+                          diagnose(pair, step, value, mine[key]), share(abs(value - mine[key]), tolerance))
     relative = {key: abs(theirs[key] - mine[key]) / abs(mine[key]) if mine[key] else 0.0 for key in ("loss", "grad_norm")}
     report.append((step, f"loss {mine['loss']:.7f} / {theirs['loss']:.7f} (relative {relative['loss']:.1e}), "
                          f"grad norm {mine['grad_norm']:.6g} / {theirs['grad_norm']:.6g} "
@@ -390,7 +396,7 @@ def check_gradients(pair, step):
             raise BadInput(f"{pair.theirs.directory}/step_{step}/gradients.safetensors: {name} has "
                            f"{list(theirs[name].shape)}, zero2's {p['shape']}")
         difference = np.abs(a - b)
-        worst = max(worst, float(difference.max()) / tolerance)
+        worst = max(worst, share(float(difference.max()), tolerance))
         largest_difference = max(largest_difference, float(difference.max()))
         if difference.max() > tolerance:
             i = int(difference.argmax())
@@ -404,7 +410,7 @@ def check_gradients(pair, step):
                           f"(|difference| {difference[i]:.3g} > tolerance {tolerance:.3g}, 1e-5 (1 + s) of the "
                           f"largest gradient element)", diagnosis or
                           f"the gradient of {name} differs first (registration order): its forward or backward",
-                          float(difference.max()) / tolerance)
+                          share(float(difference.max()), tolerance))
     return worst, largest_difference / largest
 
 
@@ -412,9 +418,15 @@ def check_parameters(pair, step, previous):
     mine, theirs = pair.ref.parameters(step), pair.theirs.parameters(step)
     before = pair.ref.parameters(previous)
     lr_sum = sum(pair.ref.steps[t - 1]["lr"] for t in range(1, step + 1))
-    median_tolerance, largest_tolerance = parameter_tolerances(lr_sum, pair.precision)
+    update_median, update_largest = parameter_tolerances(lr_sum, pair.precision)
     worst = 0.0
     for name, p in pair.params.items():
+        # In mixed precision one unit of the format more, at the tensor's size: a peer's fp32 master may start
+        # from its 16-bit model (DeepSpeed's does), zero2's starts from the fp32 weights themselves.
+        size = np.abs(np.asarray(mine[name], np.float64))
+        start = UNIT[pair.precision] if pair.precision != "fp32" else 0.0
+        median_tolerance = update_median + start * float(np.median(size))
+        largest_tolerance = update_largest + start * float(size.max())
         if name not in theirs:
             raise BadInput(f"{pair.theirs.directory}/step_{step}/model.safetensors: no tensor {name}")
         if list(theirs[name].shape) != p["shape"]:
@@ -424,7 +436,7 @@ def check_parameters(pair, step, previous):
         median, largest = float(np.median(difference)), float(difference.max())
         if name in pair.noise:
             median = 0.0  # held to AdamW's bound alone (Pair.noise_tensors)
-        worst = max(worst, median / median_tolerance, largest / largest_tolerance)
+        worst = max(worst, share(median, median_tolerance), share(largest, largest_tolerance))
         if median > median_tolerance or largest > largest_tolerance:
             i = int(difference.argmax())
             lr = pair.ref.steps[step - 1]["lr"]
@@ -440,7 +452,7 @@ def check_parameters(pair, step, previous):
                                            f"; the traces keep no parameters between steps {previous} and {step}: "
                                            f"keep every step's (--trace-params-every 1) to see the first update "
                                            f"that differs")),
-                          max(median / median_tolerance, largest / largest_tolerance))
+                          max(share(median, median_tolerance), share(largest, largest_tolerance)))
     return worst
 
 
@@ -491,7 +503,7 @@ def main(argv):
     print(f"check_trace: {argv[2]} ({theirs.producer}) against zero2's {argv[1]} ({describe(ref)})")
     print(f"tolerances ({precision}; notes/12, \"Tolerances\"): loss (4 + s) ulp, grad norm (8 + 2 s) ulp; "
           f"gradients 1e-5 (1 + s) x the largest; parameters: median 1e-4 x, largest 2.5 x the lr summed over "
-          f"steps 1 .. s")
+          f"steps 1 .. s" + ("" if precision == "fp32" else f", plus one {precision} unit of the tensor's size"))
     if pair.noise:
         print(f"held to the largest only (their gradient is rounding noise in zero2's trace): "
               f"{', '.join(sorted(pair.noise))}")
