@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """tests/peers/deepspeed_bench.py TRACE --stage S --json OUT [--dropout P] [--comms] [--ranks N]: DeepSpeed's
 side of tests/peers/side_by_side.sh. Trains transformers' BertForMaskedLM from TRACE/initial on the trace's
 batches and learning rates, as deepspeed_peer.py replays it (the same config, loss and batch split), but with

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """tests/peers/deepspeed_peer.py REF_TRACE OUT_TRACE [--ranks N] [--scheduler]: DeepSpeed's ZeRO replays a
 zero2 trace.
 
