@@ -424,6 +424,7 @@ if python3 -c 'import numpy' 2>/dev/null; then
     note "traces on the GPU: FAILED (checker exit $check_status, splits the same: $split_same)"
     failures=$((failures + 1))
   fi
+  rm -rf /tmp/z2_trace_cpu /tmp/z2_trace_gpu /tmp/z2_trace_gpu2 /tmp/z2_trace.log /tmp/z2_trace_check.log
 else
   note "traces on the GPU: SKIP (no numpy for tests/check_trace.py, not even the carried python3-numpy)"
 fi

@@ -2161,7 +2161,10 @@ if abs(sum(record["micro_batch_losses"]) - record["loss"]) > 4 * np.spacing(np.f
 print("; ".join(problems) or "ok")
 EOF
 )
-  [ "$dump_check" = ok ] && pass "trace at N = 1, A = 2: step 1's batch and every gradient are --dump-batch's bits; the micro-batches' selected counts and losses add up" ||
+  # (The batch is rebuilt for the trace on rank 0 from the seed, the dump's is what the micro-steps read;
+  # at N = 1 both gradients come from one gathered vector: this checks the trace's names and shapes, the
+  # gather itself is checked by the traces' equality across N above.)
+  [ "$dump_check" = ok ] && pass "trace at N = 1, A = 2: step 1's batch is the one the micro-steps read (--dump-batch's), its gradients are named and shaped as the dump's; the micro-batches' selected counts and losses add up" ||
     fail "trace against --dump-batch: $dump_check"
   # --init-hf: the weights of another run (seed 5's export) are where this run starts, bit for bit, in
   # fp32 and bf16 (whose fp32 master takes them whole), and the run from them is one hash at every stage.

@@ -25,6 +25,8 @@
 namespace bert {
 
 RunTrace::RunTrace(const Settings& settings) : settings_(settings) {
+  // The config as it was read before step 1 (the file may change or go before the run ends).
+  if (!settings.config.empty()) config_text_ = read_config_text(settings.config);
   lock_ = std::make_unique<DirectoryLock>(
       settings.trace_dir, DirectoryLock::OnBusy::refuse,
       "--trace '" + settings.trace_dir + "' is being written by another run: give each run its own directory");
@@ -213,8 +215,7 @@ void RunTrace::finish(const ModelShape& shape, const TensorShapes& tensor_shapes
     parameter_steps.push_back({{"step", parameter_steps_[k]}, {"gradients", (bool)has_gradients_[k]}});
   json records = json::array();
   for (const TracedStep& traced : steps_) records.push_back(step_record(traced));
-  json config = nullptr;
-  if (!settings_.config.empty()) config = parse_json(read_config_text(settings_.config));
+  const json config = config_text_.empty() ? json(nullptr) : parse_json(config_text_);
   const json trace = {
       {"format", trace_format},
       {"version", trace_version},

@@ -64,6 +64,7 @@ class RunTrace {
 
  private:
   Settings settings_;
+  std::string config_text_;  // --config's JSON as the run read it ("" without one)
   std::unique_ptr<DirectoryLock> lock_;
   std::vector<int64_t> input_ids_, labels_;  // [steps, N x A x B, T], flat
   long rows_ = 0;

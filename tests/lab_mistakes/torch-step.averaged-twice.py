@@ -1,7 +1,7 @@
 """A planted mistake in the torch-step lab's sharded_step (notes/labs/torch-step): the reduce-scatter divides by N, and then once more.
 make check-peer PEER=torch runs tests/peers/torch_peer.py --step flat --replace on it and checks that
 tests/check_trace.py fails and names it with the words of the "expect" line."""
-# expect: averaged over the ranks twice
+# expect: averaged over the 2 ranks twice
 import math
 
 import torch

@@ -59,7 +59,7 @@ def micro_batch_loss(logits, labels, selected_in_global_batch, world_size):
     micro-batch's positions; DDP then averages the ranks' gradients, which the factor N undoes, so the sum of
     every rank's part is zero2's loss: the mean over all selected positions of the global batch."""
     summed = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100, reduction="sum")
-    return summed * world_size / selected_in_global_batch
+    return summed * world_size / max(1, selected_in_global_batch)  # none selected: a zero loss, as zero2's
 
 
 # ----------------------------------------------------------------------------
@@ -161,6 +161,15 @@ class ZeroRedundancyStep:
         self.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=0.0,
                                                  betas=tuple(settings["betas"]), eps=settings["eps"])
         self.clip = settings["clip"]
+        self.no_decay_names = sorted(no_decay)
+
+    stage = 1  # ZeroRedundancyOptimizer shards the optimizer state; DDP keeps every gradient whole
+
+    def used_optimizer(self):
+        """The settings torch's AdamW holds, for the trace (the checker compares them with zero2's)."""
+        group = self.optimizer.param_groups[0]
+        return {"betas": list(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
+                "clip": self.clip, "no_weight_decay": self.no_decay_names}
 
     def no_sync(self, last_micro_step):
         return contextlib.nullcontext() if last_micro_step else self.forward.no_sync()
@@ -185,12 +194,16 @@ class FlatStep:
         self.settings, self.step_function = reference.optimizer, step_function
         self.reduced = None
 
+    stage = 2  # the gradient too is kept only as the own shard
+
+    def used_optimizer(self):
+        return {key: self.settings[key] for key in ("betas", "eps", "weight_decay", "clip")}
+
     def no_sync(self, last_micro_step):
         return contextlib.nullcontext()   # nothing is reduced during backward: the step reduce-scatters
 
     def gradients(self):
-        """The reduced gradient, gathered from the shards (only to write the trace)."""
-        return None   # filled after the step: see step()
+        return None   # the reduced gradient exists only after the step: gathered_gradients()
 
     def step(self, lr, step):
         self.layout.gather_gradients()
@@ -222,7 +235,7 @@ class FlatStep:
 def refuse_what_cannot_be_replayed(reference, world_size):
     run, optimizer = reference.run, reference.optimizer
     if run["world_size"] != world_size:
-        return f"the trace was made at N = {run['world_size']}; run this peer with --nproc_per_node {run['world_size']}"
+        return f"the trace was made at N = {run['world_size']}; run this peer with --nproc-per-node {run['world_size']}"
     if run["dropout"] != 0:
         return (f"the trace's dropout is {run['dropout']}: zero2's masks come from its own hash, which torch does not "
                 f"draw; trace a run with --dropout 0")
@@ -277,8 +290,9 @@ def replay(reference, out, step_kind, functions):
             if keep:
                 trace.parameters(step, {n: p.detach().numpy() for n, p in model.named_parameters()},
                                  {n: g.numpy() for n, g in gradients.items()})
-    if trace:
-        trace.finish()
+    if trace:  # what this replay ran, which the checker holds against zero2's trace
+        trace.finish(optimizer=stepper.used_optimizer(), world_size=N, stage=stepper.stage,
+                     accumulation_steps=A, micro_batch=B)
 
 
 def launch(ranks):

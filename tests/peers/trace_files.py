@@ -175,13 +175,16 @@ class Trace:
 
     def parameters(self, step):
         """{Hugging Face name: float32 array} after optimizer step `step` (0: the initial weights)."""
+        if step != 0 and step not in self.parameter_steps:
+            raise TraceError(f"{self.path}: parameter_steps does not list step {step}")
         where = "initial" if step == 0 else f"step_{step}"
         return read_safetensors(os.path.join(self.directory, where, "model.safetensors"))
 
     def gradients(self, step):
         """{name: float32 array}: the gradient step `step` applied, or None when the trace did not keep it."""
-        path = os.path.join(self.directory, f"step_{step}", "gradients.safetensors")
-        return read_safetensors(path) if os.path.exists(path) else None
+        if not self.parameter_steps.get(step):  # not kept (a file there is another run's)
+            return None
+        return read_safetensors(os.path.join(self.directory, f"step_{step}", "gradients.safetensors"))
 
 
 class PeerTrace:
