@@ -232,6 +232,10 @@ void Engine::require_built(const char* what) const {
 // backward reaches the previous bucket.
 static int staging_slots(const EngineOptions& options) { return options.overlap || options.stage == 2 ? 2 : 1; }
 
+// ZeRO-Offload applies to stages 1 and 2 (the Engine refuses it in stage 0).
+static bool offload_optimizer(const EngineOptions& options) { return options.offload_optimizer && options.stage > 0; }
+static void offload_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard);
+
 // Staging elements (of the wire type): each slot holds a bucket's gradient
 // (stage 2) and the N - 1 shards the reduce-scatter receives.
 size_t staging_elements(size_t max_padded_bucket, int world_size, int slot_count, bool bucket_buffers) {
@@ -271,13 +275,36 @@ EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const Engin
   sizes.staging = staging_elements(sizes.max_padded_bucket, world_size, staging_slots(options), stage == 2) * e;
   sizes.chunk_sums = (stage == 0 ? padded : shard) / norm_chunk * sizeof(float);
   sizes.decay_flags = padded / norm_chunk;
+  if (offload_optimizer(options)) offload_to_host(sizes, options, shard);
   return sizes;
 }
 
+// ZeRO-Offload (Ren et al. 2021, section 4): the own shard's optimizer state
+// leaves the device for pinned host memory, 16 Psi/N bytes there in every
+// precision: the fp32 master (fp32 too: the device's parameters are a copy
+// of it, as in DeepSpeed) 4 Psi/N, m and v 8 Psi/N, and what crosses the
+// bus, 4 Psi/N: the reduced gradient shard as it comes off the wire (fp32 4,
+// mixed 2) plus, mixed only, the updated shard rounded on its way up (2). The
+// device saves 12 Psi/N (fp32) or 14 Psi/N (mixed) in stage 2: its gradient
+// shard too, for the reduce-scatter leaves the sum in the slot it was taken
+// from and the copy down reads it there. Stage 1 keeps its full gradient.
+static void offload_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard) {
+  const size_t e = element_bytes(options.precision);
+  sizes.host_master = shard * sizeof(float);
+  sizes.host_moment = shard * sizeof(float);
+  sizes.host_grads = shard * e;
+  sizes.host_working = options.precision == Precision::fp32 ? 0 : shard * e;  // fp32 sends the master itself
+  sizes.host_chunk_sums = sizes.chunk_sums, sizes.host_decay_flags = sizes.decay_flags;  // the step's tables go along
+  sizes.master = sizes.moment = sizes.chunk_sums = sizes.decay_flags = 0;
+  if (options.stage == 2) sizes.grads = 0;
+}
+
 size_t EngineBuffers::model_states() const { return params + grads + master + 2 * moment; }
+size_t EngineBuffers::host_model_states() const { return host_master + 2 * host_moment + host_grads + host_working; }
 size_t EngineBuffers::live() const {
   return model_states() + accumulation_blocks * accumulation_block + staging + chunk_sums + decay_flags;
 }
+size_t EngineBuffers::host_live() const { return host_model_states() + host_chunk_sums + host_decay_flags; }
 size_t EngineBuffers::reserved() const {  // in a block: each buffer rounded up as Compute::take rounds it
   return block_round(params) + block_round(grads) + block_round(master) + 2 * block_round(moment) +
          accumulation_blocks * block_round(accumulation_block) + block_round(staging) + block_round(chunk_sums) +
@@ -403,6 +430,11 @@ Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& option
       options_(options),
       scaler_(options.loss_scaling, options.precision == Precision::fp16) {
   if (options_.stage < 0 || options_.stage > 2) usage_error("stage must be 0, 1 or 2 (got %d)", options_.stage);
+  if (options_.offload_optimizer && options_.stage == 0)
+    usage_error(
+        "offloading the optimizer needs ZeRO stage 1 or 2: in stage 0 every rank updates every parameter, so the "
+        "host would hold all 16 Psi bytes (DeepSpeed refuses it too: ZeRO-Offload is built on the partitioned "
+        "optimizer). Use stage 1 or 2, or no offload");
   if (options_.bucket_elements <= 0)
     usage_error("bucket size must be a positive number of elements (got %ld)", options_.bucket_elements);
   if (options_.accumulation_steps < 1)
@@ -1622,7 +1654,14 @@ Z2_LAB_SEAM std::vector<ReshardRead> reshard_reads(const std::vector<StateRun>& 
 // stages 1, 2). With A = 1: 2 (N-1)/N Psi x 4 bytes in fp32, x 2 in mixed
 // precision, one all-reduce's worth.
 
-double model_states_formula(int stage, Precision precision, double psi, double ranks) {
+// With ZeRO-Offload (stages 1 and 2) the device keeps the working parameters
+// and stage 1's full gradient; the host holds 16 Psi/N (offload_to_host).
+//                 fp32: device | host          mixed: device | host
+//   stage 1:     8 Psi        | 16 Psi/N      4 Psi         | 16 Psi/N
+//   stage 2:     4 Psi        | 16 Psi/N      2 Psi         | 16 Psi/N
+double model_states_formula(int stage, Precision precision, double psi, double ranks, bool offload) {
+  const double working = precision == Precision::fp32 ? 4 * psi : 2 * psi;  // the parameters, or a gradient
+  if (offload && stage > 0) return stage == 1 ? 2 * working : working;
   if (precision == Precision::fp32) {
     const double fp32[] = {16 * psi, 8 * psi + 8 * psi / ranks, 4 * psi + 12 * psi / ranks};
     return fp32[stage];
@@ -1631,11 +1670,19 @@ double model_states_formula(int stage, Precision precision, double psi, double r
   return mixed[stage];
 }
 
-const char* model_states_formula_text(int stage, Precision precision) {
+const char* model_states_formula_text(int stage, Precision precision, bool offload) {
   static const char* fp32[] = {"16 Psi", "8 Psi + 8 Psi/N", "4 Psi + 12 Psi/N"};
   static const char* mixed[] = {"16 Psi", "4 Psi + 12 Psi/N", "2 Psi + 14 Psi/N"};
+  static const char* offloaded_fp32[] = {"16 Psi", "8 Psi", "4 Psi"};
+  static const char* offloaded_mixed[] = {"16 Psi", "4 Psi", "2 Psi"};
+  if (offload) return precision == Precision::fp32 ? offloaded_fp32[stage] : offloaded_mixed[stage];
   return precision == Precision::fp32 ? fp32[stage] : mixed[stage];
 }
+
+double offloaded_states_formula(int stage, Precision, double psi, double ranks, bool offload) {
+  return offload && stage > 0 ? 16 * psi / ranks : 0;
+}
+const char* offloaded_states_formula_text(bool offload) { return offload ? "16 Psi/N" : "0"; }
 
 MemoryLedger Engine::memory_ledger() const {
   require_built("memory_ledger");

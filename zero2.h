@@ -152,6 +152,16 @@ struct EngineOptions {
   // (N, A) invariance: a 16-bit block rounds a partial sum.
   bool accumulate_fp32 = true;
   LossScaling loss_scaling;  // fp16 only
+  // ZeRO-Offload (Ren et al., "ZeRO-Offload", USENIX ATC 2021; DeepSpeed's
+  // zero_optimization.offload_optimizer {"device": "cpu"}): stages 1 and 2
+  // only. The optimizer state (fp32 master, m, v), the reduced gradient
+  // shard and the step itself live in pinned host memory: each bucket's
+  // reduced shard is copied down as its reduce-scatter ends, the norm,
+  // overflow check and AdamW run on the host (the same Z2_LOOP bodies, as
+  // CPU loops), and the updated shard goes back up before its all-gather.
+  // The device keeps the working parameters (and stage 1 its full gradient
+  // buffer). Same bits as without it (zero2.cu, "The step").
+  bool offload_optimizer = false;
 };
 
 // ----------------------------------------------------------------------------
@@ -241,7 +251,13 @@ struct MemoryLedger {
   size_t params = 0, grads = 0, optimizer = 0, master = 0;  // model states (measured)
   size_t accumulation = 0, staging = 0, activations = 0, bookkeeping = 0;
   size_t model_states = 0;          // params + grads + optimizer + master
-  size_t model_states_formula = 0;  // the paper's formula for this stage, from Psi_padded
+  size_t model_states_formula = 0;  // the paper's formula for this stage, from Psi_padded (device bytes)
+  // ZeRO-Offload: the model states held in pinned host memory, by category
+  // (0 without offload), and their formula, 16 Psi/N in every precision.
+  bool offload = false;
+  size_t host_params = 0, host_grads = 0, host_optimizer = 0, host_master = 0, host_bookkeeping = 0;
+  size_t host_model_states = 0;          // host_params + host_grads + host_optimizer + host_master
+  size_t host_model_states_formula = 0;
   size_t accumulation_formula = 0;  // floor(log2 A) blocks of Psi_padded / N (fp32 or 16-bit elements)
   size_t staging_formula = 0;
   size_t device_current = 0, device_peak = 0, host_pinned = 0;
@@ -595,9 +611,17 @@ struct EngineBuffers {                           // bytes of each buffer build()
   size_t moment = 0;  // each of AdamW's m and v
   size_t accumulation_blocks = 0, accumulation_block = 0;
   size_t staging = 0, chunk_sums = 0, decay_flags = 0;
-  size_t model_states() const;  // params + grads + master + m + v
-  size_t live() const;          // every buffer
-  size_t reserved() const;      // every buffer rounded up to 256 bytes, as a block serves it
+  // ZeRO-Offload (options.offload_optimizer): what moves to pinned host
+  // memory, in bytes; 0 without it. Mixed precision: the reduced gradient
+  // shard as it comes off the wire (16-bit) and the updated shard rounded on
+  // its way up (16-bit); fp32: the gradient shard and the master's fp32 copy.
+  size_t host_master = 0, host_moment = 0, host_grads = 0, host_working = 0;  // host_moment: each of m and v
+  size_t host_chunk_sums = 0, host_decay_flags = 0;
+  size_t model_states() const;       // params + grads + master + m + v (device)
+  size_t host_model_states() const;  // host_master + 2 host_moment + host_grads + host_working
+  size_t live() const;               // every device buffer
+  size_t host_live() const;          // every host buffer of the offloaded optimizer
+  size_t reserved() const;           // every device buffer rounded up to 256 bytes, as a block serves it
 };
 EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const EngineOptions& options, int world_size);
 // Staging elements of the bucket exchange (of the wire type).
@@ -611,8 +635,13 @@ size_t accumulation_blocks(int accumulation_steps);
 // the paper's table in notes/08 all use.
 //   fp32:            stage 0: 16 Psi   stage 1: 8 Psi + 8 Psi/N    stage 2: 4 Psi + 12 Psi/N
 //   bf16, fp16 (K = 12): 16 Psi             4 Psi + 12 Psi/N            2 Psi + 14 Psi/N
-double model_states_formula(int stage, Precision precision, double psi, double ranks);
-const char* model_states_formula_text(int stage, Precision precision);  // e.g. "2 Psi + 14 Psi/N"
+// With ZeRO-Offload (stages 1 and 2) the device keeps the working parameters
+// (stage 1 also its full gradient buffer): fp32 4 Psi (stage 1: 8 Psi), mixed
+// 2 Psi (4 Psi), and the host holds offloaded_states_formula(): 16 Psi/N.
+double model_states_formula(int stage, Precision precision, double psi, double ranks, bool offload = false);
+const char* model_states_formula_text(int stage, Precision precision, bool offload = false);  // e.g. "2 Psi + 14 Psi/N"
+double offloaded_states_formula(int stage, Precision precision, double psi, double ranks, bool offload);  // host bytes
+const char* offloaded_states_formula_text(bool offload);  // "16 Psi/N", or "0"
 // ----------------------------------------------------------------------------
 // The arithmetic of the stages (Z2_HD: the CPU loops and the kernels share it)
 
