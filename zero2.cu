@@ -325,6 +325,10 @@ struct Engine::RankState {
   size_t element;               // their bytes: 4 or 2
   bool mixed;                   // bf16 or fp16: a separate fp32 master
   size_t accumulation_element;  // bytes of an accumulation block element
+  // ZeRO-Offload (stages 1, 2): master, m, v, the chunk sums and decay flags
+  // below are pinned host memory, the step's loops run on the host, and the
+  // host holds the reduced shard and (mixed) the updated one on its way up.
+  bool offload;
 
   DeviceArray<char> params;                     // [Psi_padded] working parameters, every stage (fp32: also the master)
   DeviceArray<char> grads;                      // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2, working type
@@ -333,6 +337,9 @@ struct Engine::RankState {
   std::vector<DeviceArray<char>> accumulation;  // floor(log2 A) x [Psi_padded / N]
   DeviceArray<float> chunk_sums;                // [update region / norm_chunk]
   DeviceArray<unsigned char> decay;             // [Psi_padded / norm_chunk] 1 = weight decay applies
+  DeviceArray<char> host_grads;                 // offload: [Psi_padded / N] the reduced shard, copied down (working type)
+  DeviceArray<char> host_working;               // offload, mixed: [Psi_padded / N] the updated shard rounded, going up
+  bool host_master_stale = true;                // offload, fp32: the host master must be taken from the parameters
   std::unique_ptr<BucketExchange> exchange;
   Event comm_done;
 
@@ -360,7 +367,8 @@ struct Engine::RankState {
         precision(e.options_.precision),
         element(element_bytes(precision)),
         mixed(precision != Precision::fp32),
-        accumulation_element(e.options_.accumulate_fp32 ? sizeof(float) : element) {}
+        accumulation_element(e.options_.accumulate_fp32 ? sizeof(float) : element),
+        offload(offload_optimizer(e.options_)) {}
   ~RankState() { compute.destroy_event(comm_done); }
   void allocate(const EngineBuffers& sizes);  // build()'s buffers
 
@@ -371,10 +379,29 @@ struct Engine::RankState {
   // each buffer. The chunk sums are indexed like the optimizer state.
   UpdateRegion region(int b) const { return update_region(buckets[b], stage, rank); }
   void* region_param(int b) { return at(params, region(b).parameter); }
-  void* region_gradient(int b) { return at(grads, region(b).gradient); }  // reduced (stage 0: all-gathered)
-  // The fp32 values AdamW updates: the parameters themselves in fp32.
+  // The reduced gradient of the region (stage 0: all-gathered); with offload, its copy on the host.
+  void* region_gradient(int b) { return offload ? at(host_grads, region(b).state) : at(grads, region(b).gradient); }
+  // The fp32 values AdamW updates: the parameters themselves in fp32 (with offload, the host's copy of them).
   float* region_master(int b) {
-    return mixed ? master.data() + region(b).state : (float*)params.data() + region(b).parameter;
+    return mixed || offload ? master.data() + region(b).state : (float*)params.data() + region(b).parameter;
+  }
+  // Where AdamW writes the rounded working copy (mixed only): the
+  // parameters, or with offload the host shard that goes up to them.
+  void* region_working(int b) {
+    if (!mixed) return nullptr;
+    return offload ? at(host_working, region(b).state) : region_param(b);
+  }
+  // The step's loops over the update region: kernels on the device, or
+  // with offload the same bodies as CPU loops on the host's state.
+  template <class Body>
+  void optimizer_loop(size_t n, Body body) {
+    if (offload) compute.for_each_on_host(n, body);
+    else compute.for_each(n, body);
+  }
+  template <class Body>
+  void optimizer_loop(size_t rows, size_t columns, Body body) {
+    if (offload) compute.for_each_on_host(rows, columns, body);
+    else compute.for_each(rows, columns, body);
   }
   int check_bucket(int b, const char* what) const {  // b, once it is a bucket of the layout
     if (b < 0 || b >= (int)buckets.size())
@@ -420,6 +447,8 @@ struct Engine::RankState {
   void adamw_as(int b, const AdamWConstants& constants);
   void start_all_gather(int b);
   void wait_for_all_gathers();
+  void wait_for_offloaded_gradients();  // ZeRO-Offload: the copies down (and fp32's master, once)
+  void upload_updated_shard(int b);     // ZeRO-Offload: the updated shard up, before its all-gather
   StepReport close_step(const StepReport& report);
   void account_step();
 };
@@ -496,9 +525,15 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
   // stage, and what each stage saves, are engine_buffers()' table.
   params = DeviceArray<char>(compute, sizes.params, MemoryKind::params);
   grads = DeviceArray<char>(compute, sizes.grads, MemoryKind::grads);
-  if (mixed) master = DeviceArray<float>(compute, sizes.master / sizeof(float), MemoryKind::master);
-  adam_m = DeviceArray<float>(compute, sizes.moment / sizeof(float), MemoryKind::optimizer);
-  adam_v = DeviceArray<float>(compute, sizes.moment / sizeof(float), MemoryKind::optimizer);
+  // ZeRO-Offload: the optimizer's buffers in pinned host memory (engine_buffers' host sizes).
+  const Place state_place = offload ? Place::host : Place::device;
+  const size_t master_bytes = offload ? sizes.host_master : sizes.master;
+  const size_t moment_bytes = offload ? sizes.host_moment : sizes.moment;
+  if (mixed || offload) master = DeviceArray<float>(compute, master_bytes / sizeof(float), MemoryKind::master, state_place);
+  adam_m = DeviceArray<float>(compute, moment_bytes / sizeof(float), MemoryKind::optimizer, state_place);
+  adam_v = DeviceArray<float>(compute, moment_bytes / sizeof(float), MemoryKind::optimizer, state_place);
+  host_grads = DeviceArray<char>(compute, sizes.host_grads, MemoryKind::grads, Place::host);
+  host_working = DeviceArray<char>(compute, sizes.host_working, MemoryKind::params, Place::host);
   // The accumulation tree's open blocks, each the size of this rank's shard
   // (fp32, or 16-bit with accumulate_fp32 off).
   for (size_t d = 0; d < sizes.accumulation_blocks; ++d)
@@ -512,9 +547,11 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
   // Bookkeeping: a norm chunk sum per chunk of the update region, and a
   // weight-decay flag per chunk of the padded buffer (a chunk never straddles
   // two parameters, so one flag per chunk is exact).
-  chunk_sums = DeviceArray<float>(compute, sizes.chunk_sums / sizeof(float), MemoryKind::bookkeeping);
-  decay = DeviceArray<unsigned char>(compute, sizes.decay_flags, MemoryKind::bookkeeping);
-  std::vector<unsigned char> decay_flags(sizes.psi_padded / norm_chunk, 0);
+  const size_t chunk_bytes = offload ? sizes.host_chunk_sums : sizes.chunk_sums;
+  const size_t flag_bytes = offload ? sizes.host_decay_flags : sizes.decay_flags;
+  chunk_sums = DeviceArray<float>(compute, chunk_bytes / sizeof(float), MemoryKind::bookkeeping, state_place);
+  decay = DeviceArray<unsigned char>(compute, flag_bytes, MemoryKind::bookkeeping, state_place);
+  std::vector<unsigned char> decay_flags(decay.size(), 0);
   for (auto& p : engine.parameters_)
     for (size_t c = p.offset / norm_chunk; c < (p.offset + p.numel + norm_chunk - 1) / norm_chunk; ++c)
       decay_flags[c] = p.decay ? 1 : 0;
@@ -540,8 +577,9 @@ ModelStates Engine::model_states() const {
           parameters_,
           buckets_,
           s.params.data(),
-          s.grads.data(),
-          s.grads.size() / s.element,
+          // Stage 2 with offload keeps its reduced shard only on the host.
+          s.offload && s.stage == 2 ? s.host_grads.data() : s.grads.data(),
+          (s.offload && s.stage == 2 ? s.host_grads.size() : s.grads.size()) / s.element,
           s.master.data(),
           s.master.size(),
           s.adam_m.data(),
@@ -702,8 +740,15 @@ AccumulateInto Engine::RankState::accumulate_into(size_t result, size_t shard) {
 
 void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
   refuse_early_reduce_scatter(b, keep);
-  rank_state.exchange->reduce_scatter(rank_state.exchange->slot_of(b), rank_state.slot_buffer[b],
-                                      rank_state.buckets[b].padded_length, rank_state.accumulate_into(keep, keep));
+  RankState& s = rank_state;
+  AccumulateInto into = s.accumulate_into(keep, keep);
+  if (s.offload) {
+    // ZeRO-Offload: no gradient shard on the device (2 Psi/N bytes fewer, 4 in fp32). The sum lands in
+    // the slot's own slice (each element read, then written: in place is safe) and goes down from there.
+    into.result = (char*)s.slot_buffer[b] + (size_t)s.rank * s.buckets[b].shard_length * s.element;
+    into.offload_to = s.at(s.host_grads, keep);
+  }
+  s.exchange->reduce_scatter(s.exchange->slot_of(b), s.slot_buffer[b], s.buckets[b].padded_length, into);
   rank_state.bucket_reduced[b] = 1;
   if (!rank_state.options.overlap) rank_state.exchange->finish_all();
 }
@@ -713,8 +758,10 @@ void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
 void Engine::RankState::reduce_bucket(int b) {
   const BucketInfo& info = buckets[b];
   const bool last_micro_step = engine.micro_step_ == options.accumulation_steps - 1;
-  // The own slice of the full buffer receives this rank's shard of the sum.
-  const AccumulateInto into = accumulate_into(shard_begin(info, rank), info.shard_offset);
+  // The own slice of the full buffer receives this rank's shard of the sum
+  // (with ZeRO-Offload, P_os only, it then goes down to the host's copy).
+  AccumulateInto into = accumulate_into(shard_begin(info, rank), info.shard_offset);
+  if (offload) into.offload_to = at(host_grads, info.shard_offset);
   if (stage == 0 && last_micro_step) {
     // DP (paper 2.1): an all-reduce; every rank keeps the whole sum, 4 Psi (2 Psi mixed) of gradients.
     exchange->all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
@@ -1044,6 +1091,23 @@ struct OneRankSum : Collective {
   }
 };
 
+// ZeRO-Offload: the reduced shard down to the host, as the last step of its
+// reduce-scatter's transfer (after the sum, on the comm stream), so it
+// overlaps the rest of backward and the slot waits for it. In mixed
+// precision 2 Psi/N bytes cross per step, 4 Psi/N in fp32.
+struct ShardToHost : Collective {
+  BucketExchange::Parts& exchange;
+  const void* shard;
+  void* host;
+  const size_t count;  // elements of the wire type
+  ShardToHost(BucketExchange::Parts& parts, const void* shard_, void* host_, size_t count_)
+      : exchange(parts), shard(shard_), host(host_), count(count_) {}
+  bool advance(Transfer&) override {
+    exchange.compute.copy(host, shard, exchange.wire.bytes(count), exchange.compute.comm_stream());
+    return true;
+  }
+};
+
 // The all-gather of a bucket over MPI: MPI's own, in place (rank r's shard
 // at r x shard, as NCCL lays it out); it only copies, so it is exact in
 // every mode. On cuda the own shard crosses to the host and the whole
@@ -1089,6 +1153,9 @@ void BucketExchange::reduce_scatter(int slot, void* bucket, size_t padded, const
   Parts& p = *parts_;
   Transfer* transfer = p.start(slot, padded, "reduce-scatter");
   transfer->collectives.push_back(p.reduce_scatter(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
+  if (into.offload_to && into.step == into.steps - 1)  // the sum is final: down to the host optimizer
+    transfer->collectives.push_back(
+        std::make_unique<ShardToHost>(p, into.result, into.offload_to, padded / p.queue.world));
   progress();
 }
 
@@ -1146,6 +1213,8 @@ StepReport Engine::step() {
   require_built("step");
   RankState& rank_state = *rank_state_;
   StepReport report = rank_state.open_step();  // the global loss, the step's number and learning rate
+  // ZeRO-Offload: from here to the all-gathers the step runs on the host, on the shards copied down.
+  if (rank_state.offload) rank_state.wait_for_offloaded_gradients();
   const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank's reduced gradients
   if (rank_state.overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
   report.grad_norm = rank_state.global_norm(local, report);
@@ -1199,7 +1268,7 @@ template <class Working>
 void Engine::RankState::chunk_squares_as(int b, float scale) {
   const Working* gradient = (const Working*)region_gradient(b);
   float* sums = chunk_sums.data() + region(b).state / norm_chunk;
-  compute.for_each(region(b).length / norm_chunk, Z2_LOOP(chunk, {
+  optimizer_loop(region(b).length / norm_chunk, Z2_LOOP(chunk, {
                      const Working* values = gradient + chunk * norm_chunk;
                      float squares[norm_chunk];  // the tree's leaves
                      for (long k = 0; k < norm_chunk; ++k) {
@@ -1382,7 +1451,7 @@ template <class Working>
 void Engine::RankState::chunk_largest_as(int b) {
   const Working* gradient = (const Working*)region_gradient(b);
   float* largest = chunk_sums.data() + region(b).state / norm_chunk;
-  compute.for_each(region(b).length / norm_chunk, Z2_LOOP(chunk, {
+  optimizer_loop(region(b).length / norm_chunk, Z2_LOOP(chunk, {
                      float value = 0.0f;
                      for (long k = 0; k < norm_chunk; ++k) {
                        const float magnitude = fabsf(to_float(gradient[chunk * norm_chunk + k]));
@@ -1433,6 +1502,7 @@ struct Engine::RankState::StepOverShards : OwnShards {
     refuse_update(b);
     updated[b] = 1;
     rank_state.for_working_type([&](auto zero) { rank_state.adamw_as<decltype(zero)>(b, constants); });
+    if (rank_state.offload) rank_state.upload_updated_shard(b);  // ZeRO-Offload: back to the device's parameters
   }
   void all_gather(int b) override {
     refuse_gather(b);
@@ -1477,15 +1547,40 @@ void Engine::RankState::adamw_as(int b, const AdamWConstants& constants) {
   float* param = region_master(b);
   float* exp_avg = adam_m.data() + own.state;  // torch's names for m and v
   float* exp_avg_sq = adam_v.data() + own.state;
-  Working* working = mixed ? (Working*)region_param(b) : nullptr;
+  Working* working = (Working*)region_working(b);
   // A row per norm chunk (the decay flag is per chunk): the CPU loop reads
   // the flag once a chunk and vectorises the 32 updates of each.
-  compute.for_each(own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
+  optimizer_loop(own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
                      const size_t i = chunk * norm_chunk + k;
                      adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg,
                                   exp_avg_sq, i);
                      if (working) working[i] = from_float<Working>(param[i]);
                    }));
+}
+
+// ZeRO-Offload. The reduced shards came down inside their reduce-scatters
+// (ShardToHost): wait for those copies, and with them for backward, before
+// the host reads the shards and before anything is copied up over the
+// parameters backward read. fp32 keeps a host copy of its own shards as the
+// master (the device's parameters are the master without offload): it is
+// taken from the parameters at the first step after they were set from
+// outside (build and a user's writes, parameters_from_host, a checkpoint).
+void Engine::RankState::wait_for_offloaded_gradients() {
+  compute.synchronize_all();
+  if (mixed || !host_master_stale) return;
+  for (int b = 0; b < (int)buckets.size(); ++b)
+    compute.copy(region_master(b), region_param(b), region(b).length * sizeof(float), compute.compute_stream());
+  compute.synchronize(compute.compute_stream());
+  host_master_stale = false;
+}
+
+// The updated shard of bucket b up to the device's parameters (mixed: its
+// rounded copy, 2 Psi/N bytes a step in all; fp32: the master itself, 4),
+// on the comm stream, where the bucket's all-gather follows it. The host
+// goes on to the next bucket's AdamW while this one crosses and is sent.
+void Engine::RankState::upload_updated_shard(int b) {
+  const void* updated = mixed ? region_working(b) : (const void*)region_master(b);
+  compute.copy(region_param(b), updated, region(b).length * element, compute.comm_stream());
 }
 
 // Bucket b's parameters, in place, rank r's shard to every rank; and the
@@ -1511,6 +1606,8 @@ void Engine::all_gather_untracked() {
   compute_.synchronize_all();
   rank_state.step_start_counters = comm_.counters();
 }
+
+void Engine::parameters_written() { rank_state_->host_master_stale = true; }
 
 // Account the step in the ledgers and name the next one for the watchdog.
 StepReport Engine::RankState::close_step(const StepReport& report) {
@@ -1700,8 +1797,19 @@ MemoryLedger Engine::memory_ledger() const {
   ledger.bookkeeping = c.current[(int)MemoryKind::bookkeeping];
   ledger.model_states = ledger.params + ledger.grads + ledger.optimizer + ledger.master;
   // Exact in double: Psi_padded is a multiple of N, and far below 2^53.
+  const bool offload = rank_state_->offload;
   ledger.model_states_formula =
-      (size_t)model_states_formula(options_.stage, options_.precision, (double)psi, (double)N);
+      (size_t)model_states_formula(options_.stage, options_.precision, (double)psi, (double)N, offload);
+  // ZeRO-Offload's column: what the host holds, by category, against 16 Psi/N.
+  ledger.offload = offload;
+  ledger.host_params = c.host_current[(int)MemoryKind::params];
+  ledger.host_grads = c.host_current[(int)MemoryKind::grads];
+  ledger.host_optimizer = c.host_current[(int)MemoryKind::optimizer];
+  ledger.host_master = c.host_current[(int)MemoryKind::master];
+  ledger.host_bookkeeping = c.host_current[(int)MemoryKind::bookkeeping];
+  ledger.host_model_states = ledger.host_params + ledger.host_grads + ledger.host_optimizer + ledger.host_master;
+  ledger.host_model_states_formula =
+      (size_t)offloaded_states_formula(options_.stage, options_.precision, (double)psi, (double)N, offload);
   ledger.accumulation_formula =
       accumulation_blocks(options_.accumulation_steps) * (psi / N) * rank_state_->accumulation_element;
   size_t max_padded_bucket = 0;

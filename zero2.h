@@ -414,6 +414,7 @@ class Engine {
   MemoryLedger memory_ledger() const;
   CommLedger comm_ledger() const;
   void print_ledgers(FILE* out) const;  // rank 0 should call it
+  void print_host_column(FILE* out, const MemoryLedger& ledger) const;  // ZeRO-Offload's part of it
   std::string ledgers_json() const;
 
   const EngineOptions& options() const { return options_; }
@@ -435,6 +436,9 @@ class Engine {
   // ledger (after a checkpoint is loaded): zero2.cu.
   ModelStates model_states() const;
   void all_gather_untracked();
+  // The parameters were set from outside the step: with ZeRO-Offload in
+  // fp32 the host's master copy is taken from them again at the next step.
+  void parameters_written();
   Compute& compute_;
   Communicator& comm_;
   EngineOptions options_;
@@ -777,6 +781,10 @@ struct AccumulateInto {
   void* result = nullptr;
   AccumulationStackOf<void> stack{};
   long step = 0, steps = 1;
+  // ZeRO-Offload: once the last micro-step's `result` is written, the same
+  // transfer copies it ([padded / N] wire elements) to this host address, so
+  // the slot it may lie in is not handed on before the copy has read it.
+  void* offload_to = nullptr;
   template <class Accum>
   AccumulationStackOf<Accum> stack_as() const {  // the open blocks as `Accum` elements
     AccumulationStackOf<Accum> typed;

@@ -397,6 +397,8 @@ void Compute::reset_peaks() {
   counters_.reserved_peak = counters_.reserved_current;
   counters_.host_pinned_peak = counters_.host_pinned_current;
   counters_.host_offload_peak = counters_.host_offload_current;
+  for (int k = 0; k < (int)MemoryKind::count; ++k) counters_.host_peak[k] = counters_.host_current[k];
+  counters_.host_total_peak = counters_.host_total_current;
 }
 
 void* Compute::allocate(size_t bytes, MemoryKind kind) { return take(bytes, kind, false); }
@@ -404,10 +406,12 @@ void Compute::release(void* pointer) { give_back(pointer, false); }
 void* Compute::push(size_t bytes, MemoryKind kind) { return take(bytes, kind, true); }
 void Compute::pop(void* pointer) { give_back(pointer, true); }
 
-void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
-  if (bytes == 0) return nullptr;
+// Page-locked host memory, zeroed; `use` says which counters it goes to:
+// communication staging (-2), activation offload (-1), or a MemoryKind of
+// ZeRO-Offload's optimizer state.
+static void* host_memory(size_t bytes, Device device) {
   void* pointer = nullptr;
-  if (device_ == Device::cpu) {
+  if (device == Device::cpu) {
     pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!pointer) abort_all_ranks("memory", "out of host memory", "pinned host buffer", __FILE__, __LINE__);
   } else {
@@ -417,7 +421,13 @@ void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
 #endif
   }
   std::memset(pointer, 0, bytes);
-  resources_->pinned[pointer] = {bytes, offload};
+  return pointer;
+}
+
+void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
+  if (bytes == 0) return nullptr;
+  void* pointer = host_memory(bytes, device_);
+  resources_->pinned[pointer] = {bytes, offload ? -1 : -2};
   size_t& current = offload ? counters_.host_offload_current : counters_.host_pinned_current;
   size_t& peak = offload ? counters_.host_offload_peak : counters_.host_pinned_peak;
   current += bytes;
@@ -425,10 +435,23 @@ void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
   return pointer;
 }
 
+void* Compute::allocate_host(size_t bytes, MemoryKind kind) {
+  if (bytes == 0) return nullptr;
+  void* pointer = host_memory(bytes, device_);
+  resources_->pinned[pointer] = {bytes, (int)kind};
+  counters_.host_current[(int)kind] += bytes;
+  counters_.host_peak[(int)kind] = std::max(counters_.host_peak[(int)kind], counters_.host_current[(int)kind]);
+  counters_.host_total_current += bytes;
+  counters_.host_total_peak = std::max(counters_.host_total_peak, counters_.host_total_current);
+  return pointer;
+}
+
 void Compute::release_host_pinned(void* pointer) {
   if (!pointer) return;
-  const std::pair<size_t, bool> recorded = resources_->pinned.at(pointer);
-  (recorded.second ? counters_.host_offload_current : counters_.host_pinned_current) -= recorded.first;
+  const std::pair<size_t, int> recorded = resources_->pinned.at(pointer);
+  if (recorded.second == -1) counters_.host_offload_current -= recorded.first;
+  else if (recorded.second == -2) counters_.host_pinned_current -= recorded.first;
+  else counters_.host_current[recorded.second] -= recorded.first, counters_.host_total_current -= recorded.first;
   resources_->pinned.erase(pointer);
   if (device_ == Device::cpu) {
     std::free(pointer);

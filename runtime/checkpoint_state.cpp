@@ -134,6 +134,7 @@ void Engine::owned_state_from_host(const OptimizerState& state) {
   compute_.copy(s.exp_avg_sq, exp_avg_sq.data(), exp_avg_sq.size() * sizeof(float), stream);
   if (!s.mixed()) {
     compute_.copy(s.params, master.data(), master.size() * sizeof(float), stream);
+    parameters_written();  // ZeRO-Offload: the host's fp32 master follows
   } else {
     compute_.copy(s.master, master.data(), master.size() * sizeof(float), stream);
     // The working copy of the own region is the master rounded, as an update leaves it.

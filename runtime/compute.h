@@ -108,6 +108,10 @@ struct MemoryCounters {
   size_t reserved_current = 0, reserved_peak = 0;  // bytes of the block in use (runtime/allocators.cpp: "reserved =")
   size_t host_pinned_current = 0, host_pinned_peak = 0;    // staging for --comm mpi on cuda
   size_t host_offload_current = 0, host_offload_peak = 0;  // activation checkpoints moved to the host
+  // ZeRO-Offload's model states in pinned host memory (allocate_host), by kind.
+  size_t host_current[(int)MemoryKind::count] = {};
+  size_t host_peak[(int)MemoryKind::count] = {};
+  size_t host_total_current = 0, host_total_peak = 0;
   long allocations = 0;     // allocator calls that find memory (cudaMalloc, a free-list search, a bump at start-up)
   long pushes = 0;          // arena stack pushes (pointer arithmetic inside the reserved block)
   long device_mallocs = 0;  // cudaMalloc (or host allocations on cpu) of device memory
@@ -163,6 +167,10 @@ class Compute {
   // Page-locked host memory (cudaMallocHost on cuda, plain on cpu). `offload`
   // counts it as activation offload space rather than communication staging.
   void* allocate_host_pinned(size_t bytes, bool offload = false);
+  // The same memory for ZeRO-Offload's optimizer state, counted by kind in
+  // host_current / host_peak (the ledger's host column). Released by
+  // release_host_pinned, like the rest.
+  void* allocate_host(size_t bytes, MemoryKind kind);
   void release_host_pinned(void* pointer);
   const MemoryCounters& memory() const { return counters_; }
   void reset_peaks();  // peaks start again from what is allocated now
@@ -246,6 +254,12 @@ class Compute {
   void for_each(size_t n, Body body) {
     for_each(n, body, compute_stream_);
   }
+  // The same loops run as CPU loops on either backend: ZeRO-Offload's step
+  // works on host memory with the bodies the device runs without it.
+  template <class Body>
+  void for_each_on_host(size_t n, Body body);
+  template <class Body>
+  void for_each_on_host(size_t rows, size_t columns, Body body);
   // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
   // cpu rows outer and columns inner; on cuda one thread per cell. As for
   // any kernel, no cell may read what another cell writes (the CPU loop tells
@@ -304,36 +318,44 @@ bool portable_gemm_has_lanes(int lanes);
 void portable_gemm_cpu(int lanes, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
                        int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
-// A typed, owning device array: frees itself, counts itself in the ledger.
+// Where a DeviceArray lives: device memory, or (ZeRO-Offload's optimizer
+// state) pinned host memory, counted in the ledger's host column.
+enum class Place { device, host };
+// A typed, owning array: frees itself, counts itself in the ledger.
 template <class T>
 class DeviceArray {
  public:
   DeviceArray() = default;
-  DeviceArray(Compute& compute, size_t count, MemoryKind kind)
-      : compute_(&compute),
-        count_(count),
-        data_(count ? static_cast<T*>(compute.allocate(count * sizeof(T), kind)) : nullptr) {}
+  DeviceArray(Compute& compute, size_t count, MemoryKind kind, Place place = Place::device)
+      : compute_(&compute), count_(count), place_(place), data_(count ? static_cast<T*>(take(kind)) : nullptr) {}
   ~DeviceArray() { reset(); }
   DeviceArray(DeviceArray&& other) noexcept { *this = std::move(other); }
   DeviceArray& operator=(DeviceArray&& other) noexcept {
     if (this != &other) {
       reset();
-      compute_ = other.compute_, count_ = other.count_, data_ = other.data_;
+      compute_ = other.compute_, count_ = other.count_, place_ = other.place_, data_ = other.data_;
       other.data_ = nullptr, other.count_ = 0;
     }
     return *this;
   }
   void reset() {
-    if (data_) compute_->release(data_);
+    if (data_ && place_ == Place::host) compute_->release_host_pinned(data_);
+    else if (data_) compute_->release(data_);
     data_ = nullptr, count_ = 0;
   }
   T* data() const { return data_; }
   size_t size() const { return count_; }
   size_t bytes() const { return count_ * sizeof(T); }
+  Place place() const { return place_; }
 
  private:
+  void* take(MemoryKind kind) {
+    const size_t bytes = count_ * sizeof(T);
+    return place_ == Place::host ? compute_->allocate_host(bytes, kind) : compute_->allocate(bytes, kind);
+  }
   Compute* compute_ = nullptr;
   size_t count_ = 0;
+  Place place_ = Place::device;
   T* data_ = nullptr;
 };
 
@@ -369,13 +391,14 @@ const DeviceBody& device_body(const Loop<HostBody, DeviceBody>& loop) {
 }
 
 template <class Body>
+void Compute::for_each_on_host(size_t n, Body body) {
+  const auto& host = host_body(body);
+  for (size_t i = 0; i < n; ++i) host(i);
+}
+template <class Body>
 void Compute::for_each(size_t n, Body body, Stream stream) {
   if (n == 0) return;
-  if (device_ == Device::cpu) {
-    const auto& host = host_body(body);
-    for (size_t i = 0; i < n; ++i) host(i);
-    return;
-  }
+  if (device_ == Device::cpu) return for_each_on_host(n, body);
 #if defined(__CUDACC__)
   const unsigned threads = 256;
   const size_t blocks = (n + threads - 1) / threads;
@@ -404,17 +427,18 @@ __global__ void column_sums_kernel(size_t rows, size_t columns, Element element,
 #endif
 
 template <class Body>
+void Compute::for_each_on_host(size_t rows, size_t columns, Body body) {
+  const auto& host = host_body(body);
+  for (size_t row = 0; row < rows; ++row)
+  // Cells are independent (on cuda each is its own thread), which is what
+  // ivdep tells the compiler: no alias check stands between it and vectors.
+#pragma GCC ivdep
+    for (size_t column = 0; column < columns; ++column) host(row, column);
+}
+template <class Body>
 void Compute::for_each(size_t rows, size_t columns, Body body) {
   if (rows == 0 || columns == 0) return;
-  if (device_ == Device::cpu) {
-    const auto& host = host_body(body);
-    for (size_t row = 0; row < rows; ++row)
-    // Cells are independent (on cuda each is its own thread), which is what
-    // ivdep tells the compiler: no alias check stands between it and vectors.
-#pragma GCC ivdep
-      for (size_t column = 0; column < columns; ++column) host(row, column);
-    return;
-  }
+  if (device_ == Device::cpu) return for_each_on_host(rows, columns, body);
 #if defined(__CUDACC__)
   const unsigned threads = 256;
   const size_t blocks = (rows * columns + threads - 1) / threads;

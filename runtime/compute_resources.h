@@ -18,7 +18,9 @@ namespace z2 {
 // or naive, also the block and where its free memory is.
 struct Compute::Resources {
   std::unordered_map<void*, std::pair<size_t, MemoryKind>> allocations;
-  std::unordered_map<void*, std::pair<size_t, bool>> pinned;  // bytes, offload space
+  // bytes, and what for: -2 communication staging, -1 activation offload,
+  // a MemoryKind for ZeRO-Offload's optimizer state (allocate_host)
+  std::unordered_map<void*, std::pair<size_t, int>> pinned;
   char* block = nullptr;                                      // the one reserved block (arena, naive)
   size_t capacity = 0;                                        // its size in bytes
   // naive: the free pieces, offset -> size, ordered so neighbours coalesce;

@@ -16,9 +16,9 @@ struct ModelStates {
   const std::vector<ParameterInfo>& parameters;
   const std::vector<BucketInfo>& buckets;
   char* params;  // [Psi_padded] working parameters (fp32: also the master)
-  char* grads;   // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2, working type
+  char* grads;   // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2 (offload: the host's copy), working type
   size_t grad_elements;
-  float* master;  // mixed precision only: [Psi_padded] stage 0, [Psi_padded / N] stages 1/2
+  float* master;  // mixed precision: [Psi_padded] stage 0, [Psi_padded / N] stages 1/2 (fp32 with offload: a copy)
   size_t master_elements;
   float *exp_avg, *exp_avg_sq;  // AdamW's m and v, as many elements as the master
   size_t moment_elements;

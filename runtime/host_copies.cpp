@@ -97,6 +97,7 @@ void Engine::parameters_from_host(const std::vector<float>& canonical) {
   Stream stream = compute_.compute_stream();
   if (!s.mixed()) {
     compute_.copy(s.params, padded.data(), padded.size() * sizeof(float), stream);
+    parameters_written();  // ZeRO-Offload: the host's fp32 master follows
   } else {
     // The working copy is the master rounded; the master holds this rank's region.
     const std::vector<uint16_t> working = narrow_bits(padded, options_.precision);

@@ -27,8 +27,10 @@ void Engine::print_ledgers(FILE* out) const {
           mixed ? "(fp32 weights AdamW updates; the params are them rounded)"
                 : "(fp32: the parameters are the master copy)");
   fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(ledger.model_states).c_str(),
-          model_states_formula_text(options_.stage, precision), with_commas(ledger.model_states_formula).c_str(),
+          model_states_formula_text(options_.stage, precision, ledger.offload),
+          with_commas(ledger.model_states_formula).c_str(),
           ledger.model_states == ledger.model_states_formula ? "(equal)" : "(DIFFERS)");
+  if (ledger.offload) print_host_column(out, ledger);
   fprintf(out, "  %-22s %14s   floor(log2 A) x %d Psi/N = %s%s\n", "accumulation tree",
           with_commas(ledger.accumulation).c_str(), accumulation_e, with_commas(ledger.accumulation_formula).c_str(),
           mixed && accumulation_e == 4 ? " (fp32 blocks: not in the paper's K = 12)" : "");
@@ -68,6 +70,24 @@ void Engine::print_ledgers(FILE* out) const {
           with_commas(c.per_step.other).c_str(), precision == Precision::fp16 ? ", the overflow flag" : "");
 }
 
+// ZeRO-Offload: what the host holds, in pinned memory, beside 16 Psi/N.
+void Engine::print_host_column(FILE* out, const MemoryLedger& ledger) const {
+  const bool mixed = options_.precision != Precision::fp32;
+  fprintf(out, "  host (ZeRO-Offload, pinned):\n");
+  fprintf(out, "  %-22s %14s   (%s)\n", "  master", with_commas(ledger.host_master).c_str(),
+          mixed ? "fp32 weights AdamW updates" : "fp32: the master; the device's parameters are its copy");
+  fprintf(out, "  %-22s %14s   (fp32)\n", "  optimizer (m, v)", with_commas(ledger.host_optimizer).c_str());
+  fprintf(out, "  %-22s %14s   (the reduced shard, copied down)\n", "  grads", with_commas(ledger.host_grads).c_str());
+  fprintf(out, "  %-22s %14s   (%s)\n", "  params", with_commas(ledger.host_params).c_str(),
+          mixed ? "the updated shard rounded, on its way up" : "fp32: the master goes up itself");
+  fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "  host model states",
+          with_commas(ledger.host_model_states).c_str(), offloaded_states_formula_text(true),
+          with_commas(ledger.host_model_states_formula).c_str(),
+          ledger.host_model_states == ledger.host_model_states_formula ? "(equal)" : "(DIFFERS)");
+  fprintf(out, "  %-22s %14s   (norm chunk sums, decay flags)\n", "  host bookkeeping",
+          with_commas(ledger.host_bookkeeping).c_str());
+}
+
 std::string Engine::ledgers_json() const {
   MemoryLedger m = memory_ledger();
   CommLedger c = comm_ledger();
@@ -79,7 +99,13 @@ std::string Engine::ledgers_json() const {
        << ", \"master_bytes\": " << m.master << ", \"accumulation_bytes\": " << m.accumulation
        << ", \"accumulation_formula_bytes\": " << m.accumulation_formula << ", \"precision\": \""
        << to_string(m.precision) << "\", \"model_states_formula\": \""
-       << model_states_formula_text(options_.stage, m.precision) << "\""
+       << model_states_formula_text(options_.stage, m.precision, m.offload) << "\""
+       << ", \"offload_optimizer\": " << (m.offload ? "true" : "false")
+       << ", \"host_model_states_bytes\": " << m.host_model_states
+       << ", \"host_model_states_formula_bytes\": " << m.host_model_states_formula
+       << ", \"host_master_bytes\": " << m.host_master << ", \"host_optimizer_bytes\": " << m.host_optimizer
+       << ", \"host_grads_bytes\": " << m.host_grads << ", \"host_params_bytes\": " << m.host_params
+       << ", \"host_bookkeeping_bytes\": " << m.host_bookkeeping
        << ", \"staging_bytes\": " << m.staging << ", \"bookkeeping_bytes\": " << m.bookkeeping
        << ", \"activation_peak_bytes\": " << m.activations << ", \"host_offload_peak_bytes\": " << m.host_offload_peak
        << ", \"host_pinned_bytes\": " << m.host_pinned << ", \"device_peak_bytes\": " << m.device_peak
