@@ -220,6 +220,15 @@ void Engine::require_built(const char* what) const {
 // receiver sums them in fp32, rounding once (notes/08): the paper's volume
 // with better numerics than a 16-bit ring.
 //
+// ZeRO-Offload (Ren et al., USENIX ATC 2021; notes/13), stages 1 and 2:
+// the optimizer's 12 Psi/N (master, m, v) leave the device for pinned host
+// memory, with the reduced gradient shard, and the step runs there. The
+// device keeps the working parameters (stage 1 also its full gradient): 4
+// Psi in fp32, 2 Psi mixed, in stage 2. Per step 2 Psi/N bytes cross the bus
+// each way in mixed precision (the reduced shard down, the updated shard
+// rounded up), 4 + 4 in fp32. The host runs the same Z2_LOOP bodies on the
+// same values, so the bits are those of the run without offload.
+//
 // Gradient accumulation (notes/06): rank r computes global micro-batch
 // m = a N + r at micro-step a, every micro-step is reduced across ranks (the
 // tree over the N ranks, a perfect subtree when N is a power of two), and the
@@ -1206,6 +1215,15 @@ void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const Acc
 // global step still counts). Every stage reduces the same bits, so every
 // stage skips the same steps. Otherwise the unscaling by 1/S (a power of two:
 // exact) is folded into the clipping coefficient, one multiply per element.
+
+// ZeRO-Offload moves this whole section to the host: each bucket's reduced
+// shard came down inside its reduce-scatter (ShardToHost, "The
+// reduce-scatter"), the norm, overflow check and AdamW loops below run as
+// CPU loops over the host's buffers (RankState::optimizer_loop), and each
+// updated shard goes up just before its all-gather (upload_updated_shard),
+// so the host works on bucket b + 1 while bucket b crosses and is sent.
+// to_float of a 16-bit value is exact and the loops are the same text, so
+// every element gets the same operations on the same values: the same bits.
 
 // The step as the paper's optimizer sees it; each call below is one idea,
 // defined after it in the same order.

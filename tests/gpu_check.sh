@@ -75,7 +75,14 @@
 #      does: the checker's tolerances must hold across them), the GPU run
 #      started from the CPU trace's initial weights (--init-hf) bit for bit,
 #      and the GPU's traces at (N, A) = (1, 2) and (2, 1) the same files;
-#  14. a summary.
+#  14. ZeRO-Offload on the GPU (--offload-optimizer cpu, notes/13): BERT-mini
+#      at N = 1 (NCCL) stage 2 in fp32 and bf16, and N = 2 (MPI) stage 1 in
+#      bf16, 30 steps with and without offload: the same final hash; the
+#      median step time of each and their ratio (the host's AdamW and the
+#      copies, less what overlaps backward); the ledger's device
+#      model states (2 Psi in bf16) and host ones (16 Psi/N) equal to their
+#      formulas, from --json;
+#  15. a summary.
 set -u
 cd "$(dirname "$0")/.."
 debs_dir=.gpu-debs
@@ -428,6 +435,36 @@ if python3 -c 'import numpy' 2>/dev/null; then
 else
   note "traces on the GPU: SKIP (no numpy for tests/check_trace.py, not even the carried python3-numpy)"
 fi
+
+# --- 14. ZeRO-Offload on the GPU (notes/13) ------------------------------------------------
+offload_run() {  # $1 label, then train_bert_mini's flags; prints "hash ms device host device_formula host_formula"
+  local label=$1
+  shift
+  if timeout 120 "$@" --steps 30 --quiet --json "/tmp/z2_off_$label.json" >/tmp/z2_off.log 2>&1; then
+    python3 -c "
+import json; d = json.load(open('/tmp/z2_off_$label.json')); m = d['memory']
+print(d['final_params_hash'], '%.2f' % d['time']['step_ms_median'], m['model_states_bytes'], m.get('host_model_states_bytes', 0), m['model_states_formula_bytes'], m.get('host_model_states_formula_bytes', 0))"
+  else
+    tail -n 5 /tmp/z2_off.log >&2
+    echo "FAILED"
+  fi
+}
+for config in "1 nccl 2 fp32" "1 nccl 2 bf16" "2 mpi 1 bf16"; do
+  read -r ranks comm stage precision <<<"$config"
+  flags=(build/train_bert_mini --device cuda --comm "$comm" --stage "$stage" --precision "$precision")
+  launch=()
+  [ "$ranks" -gt 1 ] && launch=(mpirun -n "$ranks")
+  read -r plain_hash plain_ms _ <<<"$(offload_run plain "${launch[@]}" "${flags[@]}")"
+  read -r off_hash off_ms device host device_formula host_formula <<<"$(offload_run off "${launch[@]}" "${flags[@]}" --offload-optimizer cpu)"
+  if [ "$plain_hash" != FAILED ] && [ "${off_hash:-}" = "$plain_hash" ] && [ "${device:-x}" = "${device_formula:-y}" ] &&
+     [ "${host:-x}" = "${host_formula:-y}" ] && [ "${host:-0}" != 0 ]; then
+    note "ZeRO-Offload N=$ranks ($comm) stage $stage $precision: the hash without offload ($plain_hash); $off_ms ms/step median against $plain_ms (offload / none = $(python3 -c "print('%.2f' % ($off_ms / $plain_ms))")); device model states $device = formula, host $host = 16 Psi/N"
+  else
+    note "ZeRO-Offload N=$ranks ($comm) stage $stage $precision: FAILED (hash $plain_hash vs ${off_hash:-none}; device ${device:-?} vs ${device_formula:-?}; host ${host:-?} vs ${host_formula:-?})"
+    failures=$((failures + 1))
+  fi
+done
+rm -f /tmp/z2_off_plain.json /tmp/z2_off_off.json /tmp/z2_off.log
 
 echo
 echo "=== summary ($(elapsed "$started") s)"
