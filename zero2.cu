@@ -302,7 +302,7 @@ static void offload_to_host(EngineBuffers& sizes, const EngineOptions& options, 
   sizes.host_master = shard * sizeof(float);
   sizes.host_moment = shard * sizeof(float);
   sizes.host_grads = shard * e;
-  sizes.host_working = options.precision == Precision::fp32 ? 0 : shard * e;  // fp32 sends the master itself
+  sizes.host_working = options.precision == Precision::fp32 ? 0 : shard * e;             // fp32 sends the master itself
   sizes.host_chunk_sums = sizes.chunk_sums, sizes.host_decay_flags = sizes.decay_flags;  // the step's tables go along
   sizes.master = sizes.moment = sizes.chunk_sums = sizes.decay_flags = 0;
   if (options.stage == 2) sizes.grads = 0;
@@ -346,9 +346,9 @@ struct Engine::RankState {
   std::vector<DeviceArray<char>> accumulation;  // floor(log2 A) x [Psi_padded / N]
   DeviceArray<float> chunk_sums;                // [update region / norm_chunk]
   DeviceArray<unsigned char> decay;             // [Psi_padded / norm_chunk] 1 = weight decay applies
-  DeviceArray<char> host_grads;                 // offload: [Psi_padded / N] the reduced shard, copied down (working type)
-  DeviceArray<char> host_working;               // offload, mixed: [Psi_padded / N] the updated shard rounded, going up
-  bool host_master_stale = true;                // offload, fp32: the host master must be taken from the parameters
+  DeviceArray<char> host_grads;    // offload: [Psi_padded / N] the reduced shard, copied down (working type)
+  DeviceArray<char> host_working;  // offload, mixed: [Psi_padded / N] the updated shard rounded, going up
+  bool host_master_stale = true;   // offload, fp32: the host master must be taken from the parameters
   std::unique_ptr<BucketExchange> exchange;
   Event comm_done;
 
@@ -538,7 +538,8 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
   const Place state_place = offload ? Place::host : Place::device;
   const size_t master_bytes = offload ? sizes.host_master : sizes.master;
   const size_t moment_bytes = offload ? sizes.host_moment : sizes.moment;
-  if (mixed || offload) master = DeviceArray<float>(compute, master_bytes / sizeof(float), MemoryKind::master, state_place);
+  if (mixed || offload)
+    master = DeviceArray<float>(compute, master_bytes / sizeof(float), MemoryKind::master, state_place);
   adam_m = DeviceArray<float>(compute, moment_bytes / sizeof(float), MemoryKind::optimizer, state_place);
   adam_v = DeviceArray<float>(compute, moment_bytes / sizeof(float), MemoryKind::optimizer, state_place);
   host_grads = DeviceArray<char>(compute, sizes.host_grads, MemoryKind::grads, Place::host);
@@ -580,22 +581,11 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
 // The buffers as the runtime's host copies and checkpoints see them.
 ModelStates Engine::model_states() const {
   RankState& s = *rank_state_;
-  return {compute_,
-          comm_,
-          options_,
-          parameters_,
-          buckets_,
-          s.params.data(),
+  return {compute_, comm_, options_, parameters_, buckets_, s.params.data(),
           // Stage 2 with offload keeps its reduced shard only on the host.
           s.offload && s.stage == 2 ? s.host_grads.data() : s.grads.data(),
-          (s.offload && s.stage == 2 ? s.host_grads.size() : s.grads.size()) / s.element,
-          s.master.data(),
-          s.master.size(),
-          s.adam_m.data(),
-          s.adam_v.data(),
-          s.adam_m.size(),
-          s.element,
-          s.accumulation_element};
+          (s.offload && s.stage == 2 ? s.host_grads.size() : s.grads.size()) / s.element, s.master.data(),
+          s.master.size(), s.adam_m.data(), s.adam_v.data(), s.adam_m.size(), s.element, s.accumulation_element};
 }
 
 // ----------------------------------------------------------------------------
@@ -1287,14 +1277,14 @@ void Engine::RankState::chunk_squares_as(int b, float scale) {
   const Working* gradient = (const Working*)region_gradient(b);
   float* sums = chunk_sums.data() + region(b).state / norm_chunk;
   optimizer_loop(region(b).length / norm_chunk, Z2_LOOP(chunk, {
-                     const Working* values = gradient + chunk * norm_chunk;
-                     float squares[norm_chunk];  // the tree's leaves
-                     for (long k = 0; k < norm_chunk; ++k) {
-                       const float value = to_float(values[k]) * scale;  // exact: scale is a power of two (1 as a rule)
-                       squares[k] = value * value;
-                     }
-                     sums[chunk] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
-                   }));
+                   const Working* values = gradient + chunk * norm_chunk;
+                   float squares[norm_chunk];  // the tree's leaves
+                   for (long k = 0; k < norm_chunk; ++k) {
+                     const float value = to_float(values[k]) * scale;  // exact: scale is a power of two (1 as a rule)
+                     squares[k] = value * value;
+                   }
+                   sums[chunk] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
+                 }));
 }
 
 // fp16: overflow anywhere? (A chunk sum of finite fp16 values is finite:
@@ -1470,14 +1460,14 @@ void Engine::RankState::chunk_largest_as(int b) {
   const Working* gradient = (const Working*)region_gradient(b);
   float* largest = chunk_sums.data() + region(b).state / norm_chunk;
   optimizer_loop(region(b).length / norm_chunk, Z2_LOOP(chunk, {
-                     float value = 0.0f;
-                     for (long k = 0; k < norm_chunk; ++k) {
-                       const float magnitude = fabsf(to_float(gradient[chunk * norm_chunk + k]));
-                       if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
-                       if (value != value) break;
-                     }
-                     largest[chunk] = value;
-                   }));
+                   float value = 0.0f;
+                   for (long k = 0; k < norm_chunk; ++k) {
+                     const float magnitude = fabsf(to_float(gradient[chunk * norm_chunk + k]));
+                     if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
+                     if (value != value) break;
+                   }
+                   largest[chunk] = value;
+                 }));
 }
 
 // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
@@ -1569,11 +1559,11 @@ void Engine::RankState::adamw_as(int b, const AdamWConstants& constants) {
   // A row per norm chunk (the decay flag is per chunk): the CPU loop reads
   // the flag once a chunk and vectorises the 32 updates of each.
   optimizer_loop(own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
-                     const size_t i = chunk * norm_chunk + k;
-                     adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg,
-                                  exp_avg_sq, i);
-                     if (working) working[i] = from_float<Working>(param[i]);
-                   }));
+                   const size_t i = chunk * norm_chunk + k;
+                   adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg, exp_avg_sq,
+                                i);
+                   if (working) working[i] = from_float<Working>(param[i]);
+                 }));
 }
 
 // ZeRO-Offload. The reduced shards came down inside their reduce-scatters

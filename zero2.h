@@ -256,7 +256,7 @@ struct MemoryLedger {
   // (0 without offload), and their formula, 16 Psi/N in every precision.
   bool offload = false;
   size_t host_params = 0, host_grads = 0, host_optimizer = 0, host_master = 0, host_bookkeeping = 0;
-  size_t host_model_states = 0;          // host_params + host_grads + host_optimizer + host_master
+  size_t host_model_states = 0;  // host_params + host_grads + host_optimizer + host_master
   size_t host_model_states_formula = 0;
   size_t accumulation_formula = 0;  // floor(log2 A) blocks of Psi_padded / N (fp32 or 16-bit elements)
   size_t staging_formula = 0;
@@ -413,7 +413,7 @@ class Engine {
   // (runtime/ledger_report.cpp) ---
   MemoryLedger memory_ledger() const;
   CommLedger comm_ledger() const;
-  void print_ledgers(FILE* out) const;  // rank 0 should call it
+  void print_ledgers(FILE* out) const;                                  // rank 0 should call it
   void print_host_column(FILE* out, const MemoryLedger& ledger) const;  // ZeRO-Offload's part of it
   std::string ledgers_json() const;
 

@@ -21,8 +21,8 @@ struct Compute::Resources {
   // bytes, and what for: -2 communication staging, -1 activation offload,
   // a MemoryKind for ZeRO-Offload's optimizer state (allocate_host)
   std::unordered_map<void*, std::pair<size_t, int>> pinned;
-  char* block = nullptr;                                      // the one reserved block (arena, naive)
-  size_t capacity = 0;                                        // its size in bytes
+  char* block = nullptr;  // the one reserved block (arena, naive)
+  size_t capacity = 0;    // its size in bytes
   // naive: the free pieces, offset -> size, ordered so neighbours coalesce;
   // `end` is the highest byte any buffer has used (the caching allocator's
   // reserved segments end there).

@@ -105,12 +105,11 @@ std::string Engine::ledgers_json() const {
        << ", \"host_model_states_formula_bytes\": " << m.host_model_states_formula
        << ", \"host_master_bytes\": " << m.host_master << ", \"host_optimizer_bytes\": " << m.host_optimizer
        << ", \"host_grads_bytes\": " << m.host_grads << ", \"host_params_bytes\": " << m.host_params
-       << ", \"host_bookkeeping_bytes\": " << m.host_bookkeeping
-       << ", \"staging_bytes\": " << m.staging << ", \"bookkeeping_bytes\": " << m.bookkeeping
-       << ", \"activation_peak_bytes\": " << m.activations << ", \"host_offload_peak_bytes\": " << m.host_offload_peak
-       << ", \"host_pinned_bytes\": " << m.host_pinned << ", \"device_peak_bytes\": " << m.device_peak
-       << ", \"reserved_bytes\": " << m.reserved << ", \"capacity_bytes\": " << m.capacity
-       << ", \"fragmentation\": " << m.fragmentation
+       << ", \"host_bookkeeping_bytes\": " << m.host_bookkeeping << ", \"staging_bytes\": " << m.staging
+       << ", \"bookkeeping_bytes\": " << m.bookkeeping << ", \"activation_peak_bytes\": " << m.activations
+       << ", \"host_offload_peak_bytes\": " << m.host_offload_peak << ", \"host_pinned_bytes\": " << m.host_pinned
+       << ", \"device_peak_bytes\": " << m.device_peak << ", \"reserved_bytes\": " << m.reserved
+       << ", \"capacity_bytes\": " << m.capacity << ", \"fragmentation\": " << m.fragmentation
        << ", \"device_allocations_after_step1\": " << m.device_allocations_after_step1
        << ", \"device_allocations_per_step\": " << m.device_allocations_per_step
        << ", \"stack_pushes_per_step\": " << m.stack_pushes_per_step << ", \"device_mallocs\": " << m.device_mallocs

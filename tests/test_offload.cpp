@@ -125,13 +125,14 @@ TEST_CASE("offload, world-size invariance: (N, A) = (1,4), (2,2), (4,1) with off
   bool finished = true;
   const size_t backend_count = harness::sub_world(1).size();
   for (size_t k = 0; k < backend_count; ++k) {
-    if (harness::rank() == 0) references.push_back(train_mlp(harness::sub_world(1)[k], fp32_options(2, true, 2048, 4, false)));
+    if (harness::rank() == 0)
+      references.push_back(train_mlp(harness::sub_world(1)[k], fp32_options(2, true, 2048, 4, false)));
     for (int stage : {1, 2})
       for (auto& pair : pairs) {
         const auto& world = harness::sub_world(pair[0]);
         if (!world.empty() && world[k].deterministic) {
-          const std::string label = world[k].name + " offload stage " + std::to_string(stage) + " N=" +
-                                    std::to_string(pair[0]) + " A=" + std::to_string(pair[1]);
+          const std::string label = world[k].name + " offload stage " + std::to_string(stage) +
+                                    " N=" + std::to_string(pair[0]) + " A=" + std::to_string(pair[1]);
           finished &= harness::completes(
               [&] {
                 runs.push_back(train_mlp(world[k], fp32_options(stage, true, 2048, pair[1], true)));
@@ -214,9 +215,9 @@ TEST_CASE("offload checkpoints: saved with offload, loaded without, and the reve
         synthetic::train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic,
                                                  save_offloaded ? offloaded : plain, 3, nullptr,
                                                  synthetic::synthetic_gradient, save);
-        const MixedRun resumed = synthetic::train_synthetic<z2::bfloat16>(
-            *backend.compute, *backend.deterministic, save_offloaded ? plain : offloaded, 6, nullptr,
-            synthetic::synthetic_gradient, load);
+        const MixedRun resumed = synthetic::train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic,
+                                                                          save_offloaded ? plain : offloaded, 6,
+                                                                          nullptr, synthetic::synthetic_gradient, load);
         CHECK_MESSAGE(agree(same_bits(resumed.master, straight.master) && same_bits(resumed.working, straight.working),
                             backend.name + ": offload checkpoint round trip differs"),
                       backend.name, " stage ", stage, " saved with offload ", save_offloaded);
@@ -224,14 +225,14 @@ TEST_CASE("offload checkpoints: saved with offload, loaded without, and the reve
       // fp32: the host's master copy must follow a checkpoint loaded into the parameters.
       z2::EngineOptions fp32 = fp32_options(stage, true, 1024, 1, false), fp32_offloaded = fp32;
       fp32_offloaded.offload_optimizer = true;
-      const MixedRun fp32_straight = synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic, fp32, 6);
+      const MixedRun fp32_straight =
+          synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic, fp32, 6);
       synthetic::Checkpoint checkpoint;
       synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic, fp32, 3, nullptr,
                                         synthetic::synthetic_gradient, {3, &checkpoint, nullptr});
-      const MixedRun fp32_resumed = synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic,
-                                                                      fp32_offloaded, 6, nullptr,
-                                                                      synthetic::synthetic_gradient,
-                                                                      {0, nullptr, &checkpoint});
+      const MixedRun fp32_resumed =
+          synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic, fp32_offloaded, 6, nullptr,
+                                            synthetic::synthetic_gradient, {0, nullptr, &checkpoint});
       CHECK_MESSAGE(agree(same_bits(fp32_resumed.master, fp32_straight.master),
                           backend.name + ": fp32 checkpoint loaded with offload differs"),
                     backend.name, " stage ", stage);
@@ -252,7 +253,7 @@ TEST_CASE("offload, fp32: parameters set between steps reach the host's master c
         for (int s = 0; s < 2; ++s) model.train_step(s);
         std::vector<float> halved = engine.parameters_to_host();
         for (float& value : halved) value *= 0.5f;  // exact
-        engine.parameters_from_host(halved);  // after step 2: the host master must follow
+        engine.parameters_from_host(halved);        // after step 2: the host master must follow
         for (int s = 2; s < 4; ++s) model.train_step(s);
         finals.push_back(engine.parameters_to_host());
       }
