@@ -15,7 +15,12 @@
 #     offload / keep (notes/04 quotes these);
 #   - portable mode (--portable: zero2's own gemm, notes/11) beside the
 #     default mode, N = 1, stage 2: fp32 in the per-core rounds (each round
-#     runs both), bf16 and fp16 right after their default run.
+#     runs both), bf16 and fp16 right after their default run;
+#   - ZeRO-Offload (--offload-optimizer cpu) beside the same run without it,
+#     stage 2, N = 2, fp32 and bf16: three rounds, the order rotated each
+#     round, the median of each run's median tokens/s; on the cpu device and
+#     host are one memory, so the ratio is the cost of the extra copies and
+#     the host's loops, not of PCIe.
 # One OpenBLAS thread per rank. BENCH_STEPS (default 12) sets the step count.
 set -eu
 build=${1:-build}
@@ -60,6 +65,16 @@ done
 torch torch2 2 16
 for activations in recompute offload; do
   zero2 "$build" "$activations" 2 --stage 2 --activations $activations
+done
+
+# Offload rounds: round r starts with offload in odd rounds, without it in even ones.
+for round in 1 2 3; do
+  for precision in fp32 bf16; do
+    order="none cpu"; [ $((round % 2)) = 1 ] && order="cpu none"
+    for offload in $order; do
+      zero2 "$build" "offload_${precision}_${offload}_$round" 2 --stage 2 --precision $precision --offload-optimizer $offload
+    done
+  done
 done
 
 cpu_model=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
@@ -121,4 +136,12 @@ for p in ("bf16", "fp16"):
 for p, default, portable, gemm in pairs:
     print(f"  {p:<10}{default:>12,.0f}{portable:>12,.0f}{'   -' if gemm is None else f'{gemm:7.2f}'}"
           f"{portable / default:>21.3f}")
+print()
+print("ZeRO-Offload (--offload-optimizer cpu) beside no offload, stage 2, N=2: the median over 3 rotated rounds of")
+print("each run's median tokens/s (cpu: device and host are one memory: the extra copies and host loops)")
+print(f"  {'precision':<10}{'none':>12}{'cpu':>12}{'cpu / none':>12}")
+median = lambda values: sorted(values)[len(values) // 2]
+for p in ("fp32", "bf16"):
+    none, cpu = (median([tokens(f"offload_{p}_{o}_{r}") for r in (1, 2, 3)]) for o in ("none", "cpu"))
+    print(f"  {p:<10}{none:>12,.0f}{cpu:>12,.0f}{cpu / none:>12.3f}")
 PY

@@ -12,6 +12,13 @@
 // The 128B and 1T columns are printed from the formula without the paper's
 // digits beside them: they were not checked against the paper's text here
 // (notes/10 says so).
+//
+// Last, ZeRO-Offload's headline (Ren et al., USENIX ATC 2021): the largest
+// model one GPU trains with data parallelism (16 Psi) or ZeRO-2 alone at
+// N = 1 (2 Psi + 14 Psi/1, the same), and with ZeRO-Offload (2 Psi on the
+// device, 16 Psi/N on the host), for a 32 GB and an 80 GB device, from the
+// same function with offload; beside the paper's measured 1.4B and 13B,
+// which include activations and buffers the formula leaves out.
 //   build/paper_table      (make paper-tables; make notes pastes it into notes/08 and notes/10)
 #include <cmath>
 #include <cstdio>
@@ -102,12 +109,52 @@ bool table2_checked() {
   return all_equal;
 }
 
+// ZeRO-Offload's headline. The figures quoted are the paper's abstract
+// (arXiv 2101.06840, "ZeRO-Offload: Democratizing Billion-Scale Model
+// Training", Ren et al., USENIX ATC 2021): "over 13 billion parameters on a
+// single GPU, a 10x increase in size compared to popular framework such as
+// PyTorch", whose largest without running out of memory on one 32 GB V100 is
+// "a 1.4B parameter model"; DeepSpeed's ZeRO-Offload tutorial
+// (deepspeed.ai/tutorials/zero-offload) says "up to 13 billion parameters".
+// The formula's bound has no activations, buffers or fragmentation (reserve
+// 0) and assumes a host that holds 16 Psi/N; the reserve the paper's
+// figures imply, memory - bytes per parameter x Psi, is printed beside them.
+void offload_headline() {
+  const z2::Precision mixed = z2::Precision::bf16;  // K = 12: bf16 and fp16 alike
+  printf("\nZeRO-Offload's headline: the largest model on one GPU (N = 1, 16-bit training, K = 12; reserve 0:\n");
+  printf("activations, buffers and fragmentation left out; the host holds 16 Psi/N):\n\n");
+  printf(
+      "| device | DP: 16 Psi | ZeRO-2 alone: 2 Psi + 14 Psi/N | ZeRO-Offload: 2 Psi on the device | ratio | host for "
+      "it: 16 Psi/N |\n");
+  printf("|---|---|---|---|---|---|\n");
+  for (double memory : {32 * gigabyte, 80 * gigabyte}) {
+    // The formulas are linear in Psi: the largest Psi is memory / (bytes for one parameter).
+    const double dp = memory / z2::model_states_formula(0, mixed, 1.0, 1);
+    const double zero2 = memory / z2::model_states_formula(2, mixed, 1.0, 1);
+    const double offload = memory / z2::model_states_formula(2, mixed, 1.0, 1, true);
+    const double host = z2::offloaded_states_formula(2, mixed, offload, 1, true);
+    printf(
+        "| %.0f GB | %.0f GB / 16 = %.2f B | %.0f GB / (2 + 14) = %.2f B | %.0f GB / 2 = %.2f B | %.2f / %.2f = %.1fx "
+        "| 16 x %.2f B = %.0f GB |\n",
+        memory / gigabyte, memory / gigabyte, dp / 1e9, memory / gigabyte, zero2 / 1e9, memory / gigabyte,
+        offload / 1e9, offload / 1e9, dp / 1e9, offload / dp, offload / 1e9, host / gigabyte);
+  }
+  const double v100 = 32 * gigabyte, paper_pytorch = 1.4e9, paper_offload = 13e9;
+  printf(
+      "\nThe paper, one 32 GB V100 (measured: activations and buffers included): PyTorch 1.4 B, ZeRO-Offload 13 B,\n");
+  printf("\"a 10x increase\" (13 / 1.4 = %.1fx; the formula's 16 Psi / 2 Psi = 8x). Their implied reserve:\n",
+         paper_offload / paper_pytorch);
+  printf("  PyTorch:      32 GB - 16 x 1.4 B = %.1f GB\n", (v100 - 16 * paper_pytorch) / gigabyte);
+  printf("  ZeRO-Offload: 32 GB -  2 x 13 B  = %.1f GB\n", (v100 - 2 * paper_offload) / gigabyte);
+}
+
 }  // namespace
 
 int main() {
   const bool table1 = table1_checked();
   table1_formula();
   const bool table2 = table2_checked();
+  offload_headline();
   printf("\n%s\n", table1 && table2 ? "Every value beside a paper's digit rounds to the digits the paper prints."
                                     : "Some values do NOT round to the paper's digits (marked DIFFERS).");
   return table1 && table2 ? 0 : 1;

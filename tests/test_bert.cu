@@ -247,7 +247,33 @@ TEST_CASE(
   CHECK(s.config_warnings[0].find("'fp16.scale' is not a key DeepSpeed reads") != std::string::npos);
   CHECK(s.micro_batch == 8);  // ignored, as DeepSpeed ignores it
   CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})")
-            .find("zero_optimization.offload_optimizer.device: \"nvme\" is not supported") != std::string::npos);
+            .find("zero_optimization.offload_optimizer.device: \"nvme\" is not supported: NVMe offload "
+                  "(ZeRO-Infinity) is not implemented") != std::string::npos);
+  // ZeRO-Offload: offload_optimizer.device "cpu" and the old cpu_offload true
+  // both mean --offload-optimizer cpu; pin_memory false (0.16.9's default) is
+  // a note (zero2 pins anyway); NVMe-only keys away from their default warn.
+  auto holds_line = [](const std::vector<std::string>& lines, const std::string& text) {
+    return std::any_of(lines.begin(), lines.end(), [&](auto& line) { return line.find(text) != std::string::npos; });
+  };
+  write(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 8}}})");
+  s = parse({"--config", path});
+  CHECK(s.offload_optimizer == "cpu");
+  CHECK(s.origins["--offload-optimizer"] == "config:zero_optimization.offload_optimizer.device");
+  CHECK(holds_line(s.config_notes, "pin_memory false (DeepSpeed 0.16.9's default): zero2 pins"));
+  CHECK(holds_line(s.config_warnings, "'zero_optimization.offload_optimizer.buffer_count' serves NVMe offload"));
+  CHECK(bert::engine_options(s, z2::Precision::fp32).offload_optimizer);
+  write(R"({"zero_optimization": {"stage": 1, "cpu_offload": true, "cpu_offload_use_pin_memory": true}})");
+  s = parse({"--config", path});
+  CHECK(s.offload_optimizer == "cpu");
+  CHECK(holds_line(s.config_warnings, "cpu_offload_use_pin_memory' is deprecated"));
+  write(R"({"zero_optimization": {"stage": 2}})");
+  CHECK(parse({"--config", path}).origins["--offload-optimizer"] == "deepspeed_default:DeepSpeedZeroConfig");
+  CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})")
+            .find("offload_optimizer.ratio: wants a number from 0 to 1") != std::string::npos);
+  CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memry": true}}})")
+            .find("did you mean 'zero_optimization.offload_optimizer.pin_memory'?") != std::string::npos);
+  CHECK(flag_error_of({"--offload-optimizer", "cpu", "--stage", "0"}).find("needs ZeRO stage 1 or 2") !=
+        std::string::npos);
   const std::string two =
       error_of(R"({"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}, "zero_optimization": {"stage": 4}})");
   CHECK(two.find("has 2 settings") != std::string::npos);

@@ -90,10 +90,18 @@
 #      names the file and field of a bad trace (another version, contradicting
 #      settings, missing steps, a record or a tensor missing, a truncated
 #      file, NaN, an unfinished trace, a dropout reference).
+#  15. ZeRO-Offload (--offload-optimizer cpu; a config's offload_optimizer or
+#      cpu_offload): stage 1 and 2 x fp32 / bf16 / fp16 x overlap at N = 2, and
+#      N = 1, 4, give the bits of the run without it (fp16: the same skipped
+#      steps); checkpoints saved without it resume with it and the reverse;
+#      the ledger's host bytes in --json = 16 Psi/N and the device's its
+#      formula; the header; --plan's host bytes; bad input (stage 0 by flag
+#      and by config, unknown and nvme devices, pin_memory, ratio, fast_init,
+#      fp16_master_weights_and_grads, both spellings), each named.
 # Ends with the plain line "N passed, M failed".
 #
 # Z2_TRAINER_SKIP="9 10 ..." leaves those sections out (default: none). Only
-# sections 9, 10, 11, 12, 14 and the file and input checks of 7 can be left out;
+# sections 9, 10, 11, 12, 14, 15 and the file and input checks of 7 can be left out;
 # the rest always runs. `make test-cpu` leaves them out (the Makefile's
 # TEST_CPU_SKIP): they test the trainer's writers, inputs, config, export,
 # metrics and planning logic, the same source in both builds, which
@@ -1376,6 +1384,9 @@ ds_runs chatglm_ptuning.json "d['precision'] == 'fp16' and d['steps'][0]['loss_s
 ds_runs qanet_bsz512_warmup.json "d['stage'] == 0 and $o['stage'] == 'deepspeed_default:DeepSpeedZeroConfig' and d['optimizer']['clip'] == 0 and d['optimizer']['weight_decay'] == 3e-7 and d['optimizer']['betas'] == [0.8, 0.999] and d['schedule']['warmup'] == 1000 and d['schedule']['decay'] == 'none' and d['schedule']['convention'] == 'deepspeed' and len(d['steps']) == 3" --steps 3
 ds_runs accelerate_zero_stage2.json "d['precision'] == 'fp16' and d['schedule']['convention'] == 'deepspeed' and d['optimizer']['weight_decay'] == 0.01 and $o['weight_decay'] == 'trainer_default:auto' and $o['warmup_type'] == 'deepspeed_default:WarmupDecayLR'"
 ds_runs open_instruct_stage2.json "d['stage'] == 2 and d['overlap'] and $o['lr'] == 'trainer_default' and $o['weight_decay'] == 'trainer_default' and d['schedule']['convention'] == 'none' and all(s['lr'] == 0.001 for s in d['steps'])"
+# ZeRO-Offload's configs (they run the engine's offloaded step): transformers' and HelloDeepSpeed's.
+ds_runs hf_transformers_zero2.json "d['stage'] == 2 and d['offload_optimizer'] == 'cpu' and $o['offload_optimizer'] == 'config:zero_optimization.offload_optimizer.device' and d['memory']['host_model_states_bytes'] == 16 * d['params_padded'] // 2"
+ds_runs hello_deepspeed.json "d['stage'] == 1 and d['precision'] == 'bf16' and d['offload_optimizer'] == 'cpu' and d['optimizer']['weight_decay'] == 0 and d['memory']['host_model_states_bytes'] == 16 * d['params_padded'] // 2"
 ds_runs llama_factory_ds_z2.json "d['stage'] == 2 and [w.split(\"'\")[1] for w in d['config_warnings']] == ['comms_config', 'monitor_config'] and all('DeepSpeed ignores it' in w for w in d['config_warnings'])"
 # Its ignored keys: a WARNING line each in the header; with --quiet, on stderr.
 timeout 120 mpirun -n 2 "$trainer" --config "$ds/llama_factory_ds_z2.json" "${tiny[@]}" --steps 1 2> "$work/ds_stderr" > /dev/null
@@ -1425,16 +1436,15 @@ ds_refused() {  # config, the number of refused keys, then fragments each of whi
     grep -qF -- "$fragment" "$work/bad_stderr" || fail "$config: the message lacks '$fragment'"
   done
 }
-ds_refused "$ds/hf_transformers_zero2.json" 1 "zero_optimization.offload_optimizer.device: \"cpu\""
-ds_refused "$ds/hello_deepspeed.json" 1 "zero_optimization.offload_optimizer.device: \"cpu\""
 ds_refused "$ds/megatron_zero2.json" 1 "activation_checkpointing.partition_activations: true"
-ds_refused "$ds/cifar.json" 2 "fp16.fp16_master_weights_and_grads: true" "zero_optimization.cpu_offload: true"
+# cifar's cpu_offload is ZeRO-Offload's old spelling (taken); its fp16 master is not.
+ds_refused "$ds/cifar.json" 1 "fp16.fp16_master_weights_and_grads: true is not supported"
 ds_refused "$ds/bing_bert_bsz4096_adam.json" 1 "optimizer.params.max_grad_norm: DeepSpeed refuses it (engine.py _configure_basic_optimizer raises ValueError"
 ds_refused "$ds/bingbertsquad_bsz24.json" 1 "optimizer.params.max_grad_norm: DeepSpeed refuses it" "write the clip as gradient_clipping"
 ds_refused "$ds/bing_bert_lamb_64k_seq128.json" 4 "optimizer.type: \"Lamb\" is not supported: a DeepSpeed feature not implemented here" \
   "optimizer.params.max_coeff: a DeepSpeed feature not implemented here (Lamb's parameter)" \
   "optimizer.params.min_coeff: a DeepSpeed feature not implemented here (Lamb's parameter)" "sparse_attention: a DeepSpeed feature not implemented here"
-ds_refused "$ds/transformers_zero3.json" 3 "zero_optimization.stage: 3 is not supported" "zero_optimization.offload_optimizer.device: \"cpu\""
+ds_refused "$ds/transformers_zero3.json" 2 "zero_optimization.stage: 3 is not supported" "zero_optimization.reduce_bucket_size: wants"
 cat > "$work/ds_many.json" <<'JSON'
 {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}},
  "scheduler": {"type": "OneCycle", "params": {"last_batch_iteration": 5}},
@@ -2290,6 +2300,139 @@ fi
 
 fi  # numpy
 fi  # section 14
+
+# --- 15. ZeRO-Offload ----------------------------------------------------------------
+# --offload-optimizer cpu (zero_optimization.offload_optimizer, cpu_offload):
+# the optimizer's partition and step on the host change no bit. The bad
+# input and the plan need no trained step; the rest runs the engine's
+# offloaded step (its own matrix is in tests/test_engine.cpp).
+if wanted 15; then  # (Z2_TRAINER_SKIP)
+echo "=== ZeRO-Offload: bad input, the plan's host bytes, the same bits as without it, checkpoints both ways, the ledger"
+# Section 1's small model again (section 9 redefines tiny): its matrices are the references.
+tiny=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2
+      --steps 3 --warmup 1 --dropout 0.1 --clip 0.5 --bucket 3000 --quiet)
+bad_case "--offload-optimizer cpu with --stage 0: offloading the optimizer needs ZeRO stage 1 or 2" "${small[@]}" \
+  --stage 0 --offload-optimizer cpu
+bad_case "--offload-optimizer wants cpu|none (got 'nvme')" "${small[@]}" --offload-optimizer nvme
+# Each config refused for one key, named with its reason (DeepSpeed 0.16.9's, cited in trainer/deepspeed_config.cpp).
+offload_refused() {  # name, the zero_optimization block (JSON), the fragment the one message must hold
+  echo "{\"zero_optimization\": $2}" > "$work/offload_$1.json"
+  bad_case "$3" "${small[@]}" --config "$work/offload_$1.json"
+}
+offload_refused stage0_default '{"offload_optimizer": {"device": "cpu"}}' \
+  "config key 'zero_optimization.offload_optimizer.device' \"cpu\" with stage 0 (DeepSpeed's default"
+offload_refused stage0_old '{"stage": 0, "cpu_offload": true}' \
+  "config key 'zero_optimization.cpu_offload' true with config key 'zero_optimization.stage' 0"
+offload_refused device '{"stage": 2, "offload_optimizer": {"device": "gpu"}}' \
+  "offload_optimizer.device: \"gpu\" is not a device DeepSpeed knows"
+offload_refused nvme '{"stage": 2, "offload_optimizer": {"device": "nvme"}}' \
+  "offload_optimizer.device: \"nvme\" is not supported: NVMe offload (ZeRO-Infinity) is not implemented"
+grep -qF "without nvme_path DeepSpeed's stage 3 fails" "$work/bad_stderr" ||
+  fail "nvme without nvme_path: the message does not say what DeepSpeed does without the path"
+offload_refused nvme_path '{"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}' \
+  "offload_optimizer.device: \"nvme\" is not supported"
+offload_refused pin '{"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}' \
+  "offload_optimizer.pin_memory: wants true or false (got \"yes\")"
+offload_refused ratio '{"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}' \
+  "offload_optimizer.ratio: 0.5 is not supported: partial offload"
+offload_refused fast_init '{"stage": 2, "offload_optimizer": {"device": "cpu", "fast_init": true}}' \
+  "offload_optimizer.fast_init: true is not supported"
+offload_refused both '{"stage": 2, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}' \
+  "zero_optimization.cpu_offload: given together with zero_optimization.offload_optimizer"
+echo '{"zero_optimization": {"stage": 2, "cpu_offload": true}, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}' \
+  > "$work/offload_fp16_master.json"
+bad_case "fp16.fp16_master_weights_and_grads: true is not supported" "${small[@]}" --config "$work/offload_fp16_master.json"
+
+# The plan with offload (no step needed): every stage and N, the host's
+# bytes equal 16 Psi/N to the byte, the device's model states their formula,
+# and stage 2's device keeps the working parameters alone.
+verdict=$(for precision in fp32 bf16; do
+  "$trainer" --plan --plan-world-sizes 1,2,4 --offload-optimizer cpu --precision $precision --json "$work/offload_plan.json" \
+    --quiet "${tiny[@]}" > /dev/null 2>&1 || { echo "bad: --plan $precision failed"; continue; }
+  json_get "$work/offload_plan.json" "'ok' if all(r['host_model_states_bytes'] == r['host_model_states_formula_bytes'] == (16 * r['psi_padded'] // r['world_size'] if r['stage'] else 0) and r['model_states_bytes'] == r['model_states_formula_bytes'] and (r['stage'] != 2 or r['model_states_bytes'] == r['params_bytes']) for r in d['plan']) else 'bad $precision: ' + str([(r['stage'], r['world_size'], r['host_model_states_bytes'], r['model_states_bytes']) for r in d['plan']])"
+done | sort -u)
+[ "$verdict" = ok ] && pass "--plan --offload-optimizer cpu: host 16 Psi/N and device model states = their formulas, fp32 and bf16, stages 0/1/2, N = 1, 2, 4" ||
+  fail "offload plan: $verdict"
+
+# --- from here on the engine's offloaded step runs ---
+# The same bits: every (stage 1, 2) x precision x overlap at N = 2, and N = 1
+# and 4 once, against the run without offload (section 1's and section 6's
+# matrices for fp32 and bf16: A = 4/N, the same global batch; fp16 with
+# section 8's config that overflows, so that the skipped steps are compared too).
+for precision in fp32 bf16 fp16; do
+  reference=""
+  case $precision in
+    fp32) reference=$(json_get "$work/matrix_2_2_1.json" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+          reference_label="section 1's matrix";;
+    bf16) reference=$(json_get "$work/mixed_bf16_2_2_1.json" "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+          reference_label="section 6's matrix";;
+    fp16) same_bits_run "fp16 (overflowing) stage 2 N=2, no offload" 2 "$work/offload_ref_fp16.json" \
+            --config "$work/fp16_skips.json" --accum 2 --steps 8 --stage 2;;
+  esac
+  extra=(); [ $precision = fp16 ] && extra=(--config "$work/fp16_skips.json" --steps 8) || extra=(--precision $precision)
+  for stage in 1 2; do
+    for overlap in 0 1; do
+      same_bits_run "$precision offload N=2 A=2 stage=$stage overlap=$overlap" 2 \
+        "$work/offload_${precision}_2_${stage}_${overlap}.json" "${extra[@]}" --accum 2 --stage $stage --overlap $overlap \
+        --offload-optimizer cpu
+    done
+  done
+  same_bits_run "$precision offload N=1 A=4 stage=2" 1 "$work/offload_${precision}_1.json" "${extra[@]}" --accum 4 \
+    --stage 2 --offload-optimizer cpu
+  same_bits_run "$precision offload N=4 A=1 stage=1" 4 "$work/offload_${precision}_4.json" "${extra[@]}" --accum 1 \
+    --stage 1 --offload-optimizer cpu
+done
+skips=$(for f in "$work"/offload_ref_fp16.json "$work"/offload_fp16_*.json; do
+  json_get "$f" "[s['step'] for s in d['steps'] if s['skipped']]"; done | sort -u)
+[ "$(echo "$skips" | wc -l)" = 1 ] && [ "$skips" != "[]" ] &&
+  pass "fp16 with offload skips the steps it skips without ($skips)" || fail "fp16 skipped steps differ with offload: $skips"
+
+# The ledger in --json: the host's bytes equal 16 Psi/N, the device's model
+# states model_states_formula(..., offload), measured and recomputed here.
+verdict=$(python3 - "$work"/offload_*_2_*_1.json "$work"/offload_*_1.json "$work"/offload_*_4.json <<'PY'
+import json, sys
+problems = []
+for path in sys.argv[1:]:
+    d = json.load(open(path)); m = d['memory']; N = d['world_size']; psi = d['params_padded']; stage = d['stage']
+    work_bytes = 4 if d['precision'] == 'fp32' else 2
+    device = (2 if stage == 1 else 1) * work_bytes * psi          # the working parameters (stage 1: and its gradient)
+    if not (m['offload'] and m['host_model_states_bytes'] == m['host_model_states_formula_bytes'] == 16 * psi // N):
+        problems.append(f"{path}: host {m['host_model_states_bytes']} formula {m['host_model_states_formula_bytes']} want {16 * psi // N}")
+    if not (m['model_states_bytes'] == m['device_model_states_formula_bytes'] == device):
+        problems.append(f"{path}: device {m['model_states_bytes']} formula {m['device_model_states_formula_bytes']} want {device}")
+    if m['host_master_bytes'] + m['host_optimizer_bytes'] + m['host_grads_bytes'] + m['host_params_bytes'] != m['host_model_states_bytes']:
+        problems.append(f"{path}: the host categories do not add up")
+print("ok %d runs" % (len(sys.argv) - 1) if not problems else "; ".join(problems[:3]))
+PY
+)
+case "$verdict" in ok*) pass "offload ledger: host = 16 Psi/N, device = 4 Psi / 2 Psi (stage 1: twice), by category, ${verdict#ok }";;
+  *) fail "offload ledger: $verdict";; esac
+# The header: both shares beside their formulas, equal.
+timeout 120 mpirun -n 2 "$trainer" "${tiny[@]:0:${#tiny[@]}-1}" --precision bf16 --offload-optimizer cpu > "$work/log" 2>&1
+grep -q "^  model states on the device per rank: [0-9,]* bytes; formula 2 Psi = [0-9,]* (equal)" "$work/log" &&
+  grep -q "^  offloaded to the host per rank: [0-9,]* bytes; formula 16 Psi/N = [0-9,]* (equal)" "$work/log" &&
+  grep -q "^  offload   optimizer to the host (ZeRO-Offload)" "$work/log" &&
+  pass "the header: device and host model states beside their formulas, equal" ||
+  fail "offload header: $(grep -E 'model states|offload|error' "$work/log" | head -c 400)"
+
+# Checkpoints: saved without offload (section 8), resumed with it; saved
+# with it, resumed without; both = the straight 8 steps (fp16: with its skips).
+for precision in fp32 bf16 fp16; do
+  dir="$work/ck_${precision}_2_2"
+  timeout 120 mpirun -n 2 "$trainer" --load "$dir/step_4" --offload-optimizer cpu --quiet --json "$dir.to_offload.json" \
+    > "$work/log" 2>&1
+  verdict=$(resumed_matches "$dir.straight.json" "$dir.to_offload.json" 2>&1)
+  [ "$verdict" = ok ] && pass "$precision: saved without offload, resumed with it: the same bits" ||
+    fail "$precision resume into offload: $verdict $(head -c 200 "$work/log")"
+  odir="$work/ck_offload_${precision}"
+  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" $(precision_flags $precision) --stage 1 --accum 2 --steps 8 --save-every 4 \
+    --save "$odir" --offload-optimizer cpu > "$work/log" 2>&1
+  timeout 120 mpirun -n 2 "$trainer" --load "$odir/step_4" --stage 2 --quiet --json "$odir.resumed.json" > "$work/log" 2>&1
+  verdict=$(resumed_matches "$dir.straight.json" "$odir.resumed.json" $([ $precision = fp16 ] && echo skips) 2>&1)
+  [ "$verdict" = ok ] && pass "$precision: saved with offload (stage 1), resumed without it (stage 2): the same bits" ||
+    fail "$precision resume out of offload: $verdict $(head -c 200 "$work/log")"
+done
+fi  # section 15
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -172,6 +172,9 @@ static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
       "stage3_param_persistence_threshold", "stage3_model_persistence_threshold", "stage3_max_live_parameters",
       "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
       "stage3_gather_fp16_weights_on_model_save"}},
+    // zero/offload_config.py DeepSpeedZeroOffloadOptimizerConfig's fields (0.16.9).
+    {"zero_optimization.offload_optimizer", {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                                             "pipeline_write", "fast_init", "ratio"}},
     {"optimizer", {"type", "params", "legacy_fusion"}},
     {"optimizer.params", {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
                           "amsgrad", "set_grad_none", "fused", "foreach", "capturable", "differentiable", "maximize",
@@ -389,7 +392,8 @@ class ConfigReader {
   // switched on) or change nothing here (accepted, the reason beside each).
   // False: not a key DeepSpeed reads.
   bool feature(const std::string& key, const json& value) {
-    // The optimizer is AdamW, which ZeRO is tested with; there is no CPU optimizer without offload.
+    // The optimizer is AdamW, which ZeRO is tested with; offloaded, the same AdamW runs on the host (the role
+    // of DeepSpeed's DeepSpeedCPUAdam, which zero_force_ds_cpu_optimizer insists on).
     if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
     // The canonical tree sums gradients in fp32 and divides once (notes/06):
     // dividing before the reduction would round differently.
@@ -461,8 +465,13 @@ class ConfigReader {
       // DeepSpeed casts a forward's floating-point inputs to fp16; this
       // model's inputs are token ids, which it leaves as they are.
       else if (fp16 && inner == "auto_cast") accept_boolean(name, setting);
+      // DeepSpeed allows it only with ZeRO-Offload and DeepSpeedCPUAdam
+      // (zero/stage_1_and_2.py asserts so), which then keeps an fp16 master
+      // and fp16 gradients on the host: another update, other bits.
       else if (fp16 && inner == "fp16_master_weights_and_grads")
-        must_be(name, setting, false, "the master weights and the reduced gradients are fp32 here (notes/08)");
+        must_be(name, setting, false,
+                "the master weights and the reduced gradients are fp32 here, offloaded or not (notes/08); "
+                "DeepSpeed's fp16 master (ZeRO-Offload with DeepSpeedCPUAdam only) would round every update");
       else if (!fp16 && inner == "immediate_grad_update") accept_boolean(name, setting);  // a BF16_Optimizer ordering
       else ignored(name);
     }
@@ -498,6 +507,10 @@ class ConfigReader {
     // true is stage 1, false stage 0 (zero/config.py read_zero_config_deprecated).
     if (value.is_boolean()) return out_.flags.push_back({"--stage", value.get<bool>() ? "1" : "0", key});
     if (!object(key, value)) return;
+    both_offload_keys_ = value.contains("cpu_offload") && value.contains("offload_optimizer");
+    const json offload = value.value("offload_optimizer", json());
+    pin_memory_given_ = offload.is_object() && offload.contains("pin_memory");
+    nvme_path_missing_ = offload.is_object() && offload.value("nvme_path", json()).is_null();
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
       if (zero_key_sets_something(inner, name, setting)) continue;
@@ -514,8 +527,8 @@ class ConfigReader {
                inner == "max_live_parameters" || inner == "max_reuse_distance" ||
                inner == "gather_16bit_weights_on_model_save" || inner == "module_granularity_threshold" ||
                inner == "use_all_reduce_for_fetch_params" || inner == "cpu_offload_param" ||
-               inner == "cpu_offload_use_pin_memory" || inner == "pipeline_loading_checkpoint" ||
-               inner == "override_module_apply" || inner == "log_trace_cache_warnings") {
+               inner == "pipeline_loading_checkpoint" || inner == "override_module_apply" ||
+               inner == "log_trace_cache_warnings") {
       }
       // ZeRO++ and MiCS, at their "off" values.
       else if (inner == "zero_quantized_weights" || inner == "zero_quantized_gradients" ||
@@ -552,23 +565,112 @@ class ConfigReader {
       must_be(name, setting, true, "gradients are always reduce-scattered here (the deterministic all-to-all)");
     else if (inner == "allgather_partitions")
       must_be(name, setting, true, "parameters are always all-gathered bucket by bucket here");
-    else if (inner == "offload_optimizer") offload(name, setting, true);
-    else if (inner == "cpu_offload")  // DeepSpeed's older spelling of offload_optimizer
-      must_be(name, setting, false, "ZeRO-Offload (the optimizer state in host memory) is not implemented");
-    else if (inner == "offload_param") offload(name, setting, false);  // stage 3 only, as in DeepSpeed
+    else if (inner == "offload_optimizer") offload_optimizer(name, setting);
+    else if (inner == "cpu_offload") cpu_offload(name, setting);
+    else if (inner == "cpu_offload_use_pin_memory") {
+      // Deprecated with set_new_param False (zero/config.py): DeepSpeed only
+      // warns and sets nothing, not even pin_memory; zero2 pins anyway.
+      accept_boolean(name, setting);
+      out_.warnings.push_back("config key '" + name +
+                              "' is deprecated: DeepSpeed 0.16.9 warns and sets nothing from it (not even "
+                              "offload_optimizer.pin_memory), and so does this trainer");
+    } else if (inner == "offload_param") offload_param(name, setting);  // stage 3 only, as in DeepSpeed
     else return false;
     return true;
   }
-  void offload(const std::string& key, const json& value, bool optimizer_state) {
-    if (value.is_null()) return;  // DeepSpeed's default: no offload
-    if (!object(key, value)) return;
+  void offload_param(const std::string& key, const json& value) {
+    if (value.is_null() || !object(key, value)) return;  // null: DeepSpeed's default, no offload
+    if (value.value("device", json("none")) != "none")
+      out_.notes.push_back(key + " has no effect below stage 3 (as in DeepSpeed)");
+  }
+  // ZeRO-Offload (Ren et al., USENIX ATC 2021): DeepSpeed 0.16.9's
+  // DeepSpeedZeroOffloadOptimizerConfig (runtime/zero/offload_config.py), a
+  // pydantic model that forbids other keys. Its ZeRO-1/2 optimizer reads
+  // two of them: any device but "none" offloads, and pin_memory
+  // (zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__); the rest serve
+  // NVMe swapping (ZeRO-Infinity, stage 3's swap_tensor/) or stage 3's
+  // partial offload. "auto" leaves the choice to the command line.
+  void offload_optimizer(const std::string& key, const json& value) {
+    if (value.is_null() || !object(key, value)) return;  // null: DeepSpeed's default, no offload
     const json device = value.value("device", json("none"));
-    if (device == "none") return;
-    if (optimizer_state)
-      refuse(key + ".device", json_text(device) +
-                                  " is not supported: ZeRO-Offload (the optimizer state in host "
-                                  "memory) is not implemented; \"none\" keeps it on the device");
-    else out_.notes.push_back(key + " has no effect below stage 3 (as in DeepSpeed)");
+    for (auto& [inner, setting] : value.items()) offload_optimizer_key(key + "." + inner, inner, setting, device);
+    if (is_auto(device)) out_.auto_flags.insert("--offload-optimizer");
+    else if (device == "cpu" || device == "none")
+      out_.flags.push_back({"--offload-optimizer", device.get<std::string>(), key + ".device"});
+    if (device == "cpu") pinned_note(key + ".pin_memory", value.value("pin_memory", json(false)));
+  }
+  void offload_optimizer_key(const std::string& name, const std::string& inner, const json& setting,
+                             const json& device) {
+    const std::string nvme_only = " serves NVMe offload (ZeRO-Infinity); with device " + json_text(device) +
+                                  " DeepSpeed's stage 1 and 2 optimizer never reads it (zero/stage_1_and_2.py "
+                                  "reads device and pin_memory), and neither does this trainer";
+    if (inner == "device") offload_device(name, setting, device);
+    else if (inner == "pin_memory") accept_boolean(name, setting);
+    else if (inner == "nvme_path") {
+      if (!setting.is_string() && !setting.is_null()) refuse(name, "wants a path (got " + json_text(setting) + ")");
+    } else if (inner == "buffer_count") {
+      if (!is_auto(setting) && !(setting.is_number_integer() && setting.get<long long>() >= 0))
+        refuse(name, "wants an integer of at least 0 (got " + json_text(setting) + ")");
+      else if (setting != 4 && !is_auto(setting)) out_.warnings.push_back("config key '" + name + "'" + nvme_only);
+    } else if (inner == "pipeline_read" || inner == "pipeline_write") {
+      accept_boolean(name, setting);
+      if (setting == true) out_.warnings.push_back("config key '" + name + "'" + nvme_only);
+    } else if (inner == "fast_init")  // (declared, but read by no code of DeepSpeed 0.16.9)
+      must_be(name, setting, false,
+              "fast optimizer initialization is NVMe offload's (ZeRO-Infinity), which is not implemented here");
+    else if (inner == "ratio") offload_ratio(name, setting);
+    else unknown(name);
+  }
+  void offload_device(const std::string& name, const json& setting, const json& device) {
+    if (is_auto(setting) || device == "cpu" || device == "none") return;
+    if (device == "nvme")
+      refuse(name, std::string("\"nvme\" is not supported: NVMe offload (ZeRO-Infinity) is not implemented; ") +
+                       "\"cpu\" keeps the optimizer state in host memory, as DeepSpeed's stage 1 and 2 do for "
+                       "\"nvme\" too (zero/stage_1_and_2.py offloads to the cpu for any device but \"none\")" +
+                       (nvme_path_missing_ ? "; and without nvme_path DeepSpeed's stage 3 fails (stage3.py joins "
+                                             "the None path)"
+                                           : ""));
+    else
+      refuse(name, json_text(setting) +
+                       " is not a device DeepSpeed knows (zero/offload_config.py "
+                       "OffloadDeviceEnum: \"none\", \"cpu\", \"nvme\"): \"cpu\" offloads, "
+                       "\"none\" keeps the optimizer state on the device");
+  }
+  // DeepSpeed's Field(1.0, ge=0.0, le=1.0); below 1 its partial offload,
+  // which zero/config.py offload_ratio_check allows in stage 3 only.
+  void offload_ratio(const std::string& name, const json& setting) {
+    if (is_auto(setting)) return;
+    if (!setting.is_number() || setting.get<double>() < 0 || setting.get<double>() > 1)
+      return refuse(name, "wants a number from 0 to 1 (got " + json_text(setting) + ")");
+    if (setting.get<double>() < 1)
+      refuse(name, json_text(setting) +
+                       " is not supported: partial offload (a ratio of the optimizer state on the host) is stage "
+                       "3's; DeepSpeed asserts \"Partial offloading only supported for ZeRO Stage 3.\" "
+                       "(zero/config.py offload_ratio_check). 1 offloads all of it");
+  }
+  // zero2 pins the host state always (on the cpu device host and "device"
+  // are one memory): unpinned pages could not be copied while backward
+  // runs, and pinning changes the speed, never the bits.
+  void pinned_note(const std::string& key, const json& pin) {
+    if (pin == false)
+      out_.notes.push_back(key + " false" + (pin_memory_given_ ? "" : " (DeepSpeed 0.16.9's default)") +
+                           ": zero2 pins the offloaded optimizer state anyway, so that its copies overlap "
+                           "backward (DeepSpeed would keep it in pageable memory); the bits are the same");
+  }
+  // DeepSpeed's older spelling (zero/config.py: deprecated, new_param
+  // offload_optimizer, new_param_fn: true is {"device": "cpu"} with the
+  // other fields at their defaults, false none). Both spellings together
+  // fail DeepSpeed's assertion (config_utils.py _process_deprecated_field).
+  void cpu_offload(const std::string& name, const json& setting) {
+    if (is_auto(setting)) return (void)out_.auto_flags.insert("--offload-optimizer");
+    if (!setting.is_boolean()) return refuse(name, "wants true or false (got " + json_text(setting) + ")");
+    if (both_offload_keys_)
+      return refuse(name,
+                    "given together with zero_optimization.offload_optimizer: DeepSpeed asserts \"Cannot provide "
+                    "deprecated parameter 'cpu_offload' and replacing parameter 'offload_optimizer' "
+                    "together\" (runtime/config_utils.py): keep offload_optimizer");
+    out_.flags.push_back({"--offload-optimizer", setting == true ? "cpu" : "none", name});
+    if (setting == true) pinned_note("zero_optimization.offload_optimizer.pin_memory", json(false));
   }
 
   // The optimizer (engine.py _configure_basic_optimizer): "Adam" and
@@ -818,6 +920,7 @@ class ConfigReader {
     add("--stage", "0", "DeepSpeedZeroConfig");  // no zero_optimization: ZeRO off
     add("--bucket", "500000000", "DeepSpeedZeroConfig");
     add("--overlap", "0", "DeepSpeedZeroConfig");  // overlap_comm_valid: on in stage 3 only
+    add("--offload-optimizer", "none", "DeepSpeedZeroConfig");  // offload_optimizer None: no offload
     add("--clip", "0", "constants.py");
     // (steps_per_print's default is None: DeepSpeed prints no progress; the
     // trainer's line every 10 steps is output only, so it stays.)
@@ -861,6 +964,8 @@ class ConfigReader {
   bool optimizer_lr_auto_ = false, scheduler_lr_auto_ = false;
   bool optimizer_typed_ = false, adam_ = false, torch_adam_ = false;  // which constructor's defaults apply
   bool loss_scaler_keys_ = false;                      // the fp16 block names a scaler key
+  // zero_optimization's offload keys, looked at before its keys are read one by one.
+  bool both_offload_keys_ = false, pin_memory_given_ = false, nvme_path_missing_ = false;
   // As numbers' texts, for the note; DeepSpeed's reduce bucket is 5e8 unless given.
   std::string reduce_bucket_ = "500000000", allgather_bucket_;
 };

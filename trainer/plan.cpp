@@ -29,6 +29,7 @@ namespace bert {
 // measures it); the plan gives its live peak, a lower bound.
 struct RankPlan {
   int stage = 2, world_size = 1;
+  bool offload = false;  // ZeRO-Offload at this stage (1, 2): the optimizer's partition in host memory
   z2::EngineBuffers engine;
   size_t psi = 0;               // real parameters
   size_t activation_peak = 0;   // live bytes at the activation peak, for the allocator
@@ -44,6 +45,7 @@ static RankPlan plan_rank(const Settings& settings, int stage, int world_size) {
   const std::vector<size_t> numels = parameter_numels(shape);
   RankPlan plan;
   plan.stage = stage, plan.world_size = world_size;
+  plan.offload = settings.offload_optimizer == "cpu" && stage > 0;  // (engine_buffers ignores it at stage 0)
   for (size_t numel : numels) plan.psi += numel;
   plan.engine = z2::engine_buffers(z2::lay_out_buckets(numels, world_size, settings.bucket),
                                    engine_options(at_stage, shape.precision), world_size);
@@ -103,6 +105,7 @@ static HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Devi
   const size_t B = shape.micro_batch, T = shape.seq, H = shape.hidden, S = B * T;
   if (mode_of(settings) == ActivationMode::offload)  // Model's host_checkpoints_ (pinned on cuda)
     use.persistent += (size_t)(shape.layers - 1) * S * H * act;
+  use.persistent += plan.engine.host_live();  // ZeRO-Offload's optimizer state and its tables (0 without it)
   if (device == z2::Device::cpu && (mixed || settings.portable)) {
     // The largest gemm operand (weights, activations, attention scores), in floats: 16-bit widens A, B
     // and C into fp32 scratch; --portable packs A and a block of B.
@@ -190,7 +193,11 @@ static long largest_fitting(long cap, const std::function<bool(long)>& fits) {
 // Model states by the formula, from Psi_padded as the run's ledger computes it
 // (exact in double: Psi_padded is a multiple of N).
 static size_t formula_bytes(const RankPlan& p, z2::Precision precision) {
-  return (size_t)z2::model_states_formula(p.stage, precision, (double)p.engine.psi_padded, p.world_size);
+  return (size_t)z2::model_states_formula(p.stage, precision, (double)p.engine.psi_padded, p.world_size, p.offload);
+}
+// ZeRO-Offload's host bytes by the formula, 16 Psi/N (0 without offload).
+static size_t host_formula_bytes(const RankPlan& p, z2::Precision precision) {
+  return (size_t)z2::offloaded_states_formula(p.stage, precision, (double)p.engine.psi_padded, p.world_size, p.offload);
 }
 
 static json plan_row_json(const RankPlan& p, z2::Precision precision) {
@@ -208,7 +215,16 @@ static json plan_row_json(const RankPlan& p, z2::Precision precision) {
           {"model_states_bytes", p.engine.model_states()},
           {"device_peak_bytes", p.live()},
           {"arena_block_bytes", p.arena_block()},
-          {"model_states_formula_bytes", formula_bytes(p, precision)}};
+          {"model_states_formula_bytes", formula_bytes(p, precision)},
+          // ZeRO-Offload (0 without it): the host's share, by category as the ledger has it.
+          {"offload", p.offload},
+          {"host_master_bytes", p.engine.host_master},
+          {"host_optimizer_bytes", 2 * p.engine.host_moment},
+          {"host_params_bytes", p.engine.host_working},  // the updated shard rounded on its way up (mixed)
+          {"host_grads_bytes", p.engine.host_grads},
+          {"host_bookkeeping_bytes", p.engine.host_chunk_sums + p.engine.host_decay_flags},
+          {"host_model_states_bytes", p.engine.host_model_states()},
+          {"host_model_states_formula_bytes", host_formula_bytes(p, precision)}};
 }
 
 // The settings at world size N: DeepSpeed's batch rule (train_batch_size ->
@@ -231,78 +247,125 @@ static std::vector<PlannedWorld> planned_worlds(const Settings& settings, const 
   return worlds;
 }
 
-// The table of one stage, rows by N, into `text` and `rows`.
+// The table of one stage, rows by N, into `text` and `rows`. With
+// --offload-optimizer cpu (stages 1, 2) the device columns shrink to what
+// stays there and two columns give the host's share: measured from the
+// sizes, and by the formula (16 Psi/N).
 static void plan_stage_table(int stage, const std::vector<PlannedWorld>& worlds, z2::Precision precision,
                              std::string& text, json& rows) {
+  const bool offload = stage > 0 && !worlds.empty() && worlds.front().settings.offload_optimizer == "cpu";
   char line[1024];
-  snprintf(line, sizeof line, "\nstage %d (%s; model states by the formula %s%s)\n\n", stage,
+  snprintf(line, sizeof line, "\nstage %d (%s; model states by the formula %s%s%s)\n\n", stage,
            stage == 0   ? "DP"
            : stage == 1 ? "P_os"
                         : "P_os+g",
-           z2::model_states_formula_text(stage, precision),
-           precision == z2::Precision::fp32 ? " in fp32" : ", the paper's K = 12");
+           z2::model_states_formula_text(stage, precision, offload),
+           precision == z2::Precision::fp32 ? " in fp32" : ", the paper's K = 12",
+           offload ? " on the device; ZeRO-Offload: 16 Psi/N on the host" : "");
   text += line;
   text +=
       "| N | params | grads | master | m, v | accumulation | staging | activations | bookkeeping | device peak | "
-      "arena block | model states by the formula |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "arena block | model states by the formula |";
+  text += offload
+              ? " host: offloaded | host by the formula |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+              : "\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   auto c = [](size_t v) { return z2::with_commas(v); };
   for (const PlannedWorld& world : worlds) {
     if (!world.why.empty()) {
-      text += "| " + std::to_string(world.world_size) + " | not a valid run at this N: " + world.why + " |||||||||||\n";
+      text += "| " + std::to_string(world.world_size) + " | not a valid run at this N: " + world.why + " |||||||||||" +
+              (offload ? "||\n" : "\n");
       rows.push_back({{"stage", stage}, {"world_size", world.world_size}, {"refused", world.why}});
       continue;
     }
     const RankPlan p = plan_rank(world.settings, stage, world.world_size);
     rows.push_back(plan_row_json(p, precision));
-    snprintf(line, sizeof line, "| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", world.world_size,
+    snprintf(line, sizeof line, "| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |", world.world_size,
              c(p.engine.params).c_str(), c(p.engine.grads).c_str(), c(p.engine.master).c_str(),
              c(2 * p.engine.moment).c_str(), c(p.engine.accumulation_blocks * p.engine.accumulation_block).c_str(),
              c(p.engine.staging).c_str(), c(p.activation_peak).c_str(),
              c(p.engine.chunk_sums + p.engine.decay_flags).c_str(), c(p.live()).c_str(), c(p.arena_block()).c_str(),
              c(formula_bytes(p, precision)).c_str());
     text += line;
+    if (offload) text += " " + c(p.engine.host_model_states()) + " | " + c(host_formula_bytes(p, precision)) + " |";
+    text += "\n";
   }
 }
 
 // The largest micro-batch (with --layers as given) and the largest layer
-// count (with --micro-batch as given) whose arena block fits `limit`.
+// count (with --micro-batch as given) whose arena block fits `limit`, at one
+// (stage, N), offloaded or not; psi: the parameters of that many layers.
+struct Largest {
+  long micro_batch = 0, layers = 0;
+  size_t psi = 0;
+};
+static Largest largest_at(const PlannedWorld& world, int stage, bool offload, long limit, long batch_cap,
+                          long layer_cap) {
+  Settings base = world.settings;
+  base.offload_optimizer = offload ? "cpu" : "none";
+  auto fits = [&](int micro_batch, int layers) {
+    Settings trial = base;
+    trial.micro_batch = micro_batch, trial.layers = layers;
+    return plan_rank(trial, stage, world.world_size).arena_block() <= (size_t)limit;
+  };
+  Largest most;
+  most.micro_batch = largest_fitting(batch_cap, [&](long b) { return fits((int)b, base.layers); });
+  most.layers = largest_fitting(layer_cap, [&](long l) { return fits(base.micro_batch, (int)l); });
+  Settings deepest = base;
+  deepest.layers = (int)std::max(1l, most.layers);
+  most.psi = most.layers > 0 ? plan_rank(deepest, stage, world.world_size).psi : 0;
+  return most;
+}
+
+// The table of the largest sizes for each (stage, N): micro-batch and layers
+// with the flags as given, and the largest model (layers, Psi) without and
+// with ZeRO-Offload: offloading the optimizer's 12 or 14 Psi/N (stage 2)
+// leaves the device the working parameters, so more layers fit.
 static void plan_largest(const std::vector<PlannedWorld>& worlds, long limit, std::string& text, json& largest) {
   const Settings& base = worlds.front().settings;
   const long batch_cap =
       std::min<long>(1 << 20, (long)(1.5e9 / ((double)base.seq * std::max(base.hidden, base.intermediate))));
   const long layer_cap = 256;  // the flags' own limits
-  char line[512];
+  const bool offload = base.offload_optimizer == "cpu";
+  char line[640];
   snprintf(line, sizeof line,
            "\nthe largest that fits in --device-memory-limit %s (its arena block; 0: not even 1 fits)\n"
-           "micro-batch: with --layers %d as given; layers: with --micro-batch %d as given\n\n"
-           "| stage | N | micro-batch | layers |\n|---|---|---|---|\n",
-           z2::with_commas((size_t)limit).c_str(), base.layers, base.micro_batch);
+           "micro-batch: with --layers %d as given; layers: with --micro-batch %d as given (--offload-optimizer %s);\n"
+           "the largest model (layers, Psi) without and with --offload-optimizer cpu (stages 1 and 2)\n\n"
+           "| stage | N | micro-batch | layers | largest model, no offload | largest model, offload cpu |\n"
+           "|---|---|---|---|---|---|\n",
+           z2::with_commas((size_t)limit).c_str(), base.layers, base.micro_batch, base.offload_optimizer.c_str());
   text += line;
+  auto model = [&](const Largest& l) {
+    return std::to_string(l.layers) + (l.layers == layer_cap ? " (the flag's limit)" : "") + " layers, " +
+           z2::with_commas(l.psi);
+  };
+  auto as_json = [](const Largest& l) {
+    return json{{"micro_batch", l.micro_batch}, {"layers", l.layers}, {"params", l.psi}};
+  };
   size_t smallest = SIZE_MAX;
   int smallest_stage = 0, smallest_n = 1;
   for (int stage = 0; stage <= 2; ++stage)
     for (const PlannedWorld& world : worlds) {
       if (!world.why.empty()) continue;
-      auto fits = [&](int micro_batch, int layers) {
-        Settings trial = world.settings;
-        trial.micro_batch = micro_batch, trial.layers = layers;
-        return plan_rank(trial, stage, world.world_size).arena_block() <= (size_t)limit;
-      };
-      const long batch = largest_fitting(batch_cap, [&](long b) { return fits((int)b, world.settings.layers); });
-      const long layers = largest_fitting(layer_cap, [&](long l) { return fits(world.settings.micro_batch, (int)l); });
+      const Largest none = largest_at(world, stage, false, limit, batch_cap, layer_cap);
+      const Largest cpu = stage > 0 ? largest_at(world, stage, true, limit, batch_cap, layer_cap) : none;
+      const Largest& given = offload ? cpu : none;
       Settings one = world.settings;
       one.micro_batch = 1, one.layers = 1;
       const size_t floor = plan_rank(one, stage, world.world_size).arena_block();
       if (floor < smallest) smallest = floor, smallest_stage = stage, smallest_n = world.world_size;
       largest.push_back({{"stage", stage},
                          {"world_size", world.world_size},
-                         {"micro_batch", batch},
-                         {"layers", layers},
+                         {"micro_batch", given.micro_batch},
+                         {"layers", given.layers},
                          {"micro_batch_cap", batch_cap},
-                         {"layers_cap", layer_cap}});
-      snprintf(line, sizeof line, "| %d | %d | %ld%s | %ld%s |\n", stage, world.world_size, batch,
-               batch == batch_cap ? " (the flag's limit)" : "", layers,
-               layers == layer_cap ? " (the flag's limit)" : "");
+                         {"layers_cap", layer_cap},
+                         {"offload_none", as_json(none)},
+                         {"offload_cpu", stage > 0 ? as_json(cpu) : json(nullptr)}});
+      snprintf(line, sizeof line, "| %d | %d | %ld%s | %ld%s | %s | %s |\n", stage, world.world_size, given.micro_batch,
+               given.micro_batch == batch_cap ? " (the flag's limit)" : "", given.layers,
+               given.layers == layer_cap ? " (the flag's limit)" : "", model(none).c_str(),
+               stage > 0 ? model(cpu).c_str() : "- (stage 0: no partition to offload)");
       text += line;
     }
   if (smallest > (size_t)limit)
@@ -336,13 +399,13 @@ int run_plan(Settings settings, MPI_Comm world) {
   snprintf(line, sizeof line,
            "memory plan per rank in bytes (--plan: nothing trained, nothing allocated)\n"
            "BERT-mini L %d, H %d, %d heads, F %d, micro-batch %d x %d tokens, %s, --activations %s, --alloc %s, "
-           "A = %d, bucket %ld, overlap %s.\n"
+           "A = %d, bucket %ld, overlap %s, --offload-optimizer %s.\n"
            "Psi = %s parameters. Every column is what the run allocates (notes/10); device peak = their sum (live "
            "bytes);\narena block = the smallest --device-memory-limit that trains with --alloc arena (each buffer "
            "rounded to 256).\n",
            shown.layers, shown.hidden, shown.heads, shown.intermediate, shown.micro_batch, shown.seq,
            z2::to_string(precision), shown.activations.c_str(), shown.alloc.c_str(), shown.accum, shown.bucket,
-           shown.overlap ? "on" : "off", z2::with_commas(first.psi).c_str());
+           shown.overlap ? "on" : "off", shown.offload_optimizer.c_str(), z2::with_commas(first.psi).c_str());
   text += line;
   if (settings.alloc != "arena")
     text += "With --alloc " + settings.alloc +
@@ -368,6 +431,7 @@ int run_plan(Settings settings, MPI_Comm world) {
                 {"seq", shown.seq},
                 {"bucket", shown.bucket},
                 {"overlap", shown.overlap},
+                {"offload_optimizer", shown.offload_optimizer},
                 {"accum_given", settings.accum},
                 {"device_memory_limit", settings.device_memory_limit}};
     agree_on_errors(

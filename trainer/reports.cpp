@@ -82,6 +82,7 @@ constexpr ConfigurableSetting configurable_settings[] = {
     {"wall_clock_breakdown", "--wall-clock-breakdown"},
     {"activations", "--activations"},
     {"alloc", "--alloc"},
+    {"offload_optimizer", "--offload-optimizer"},
     {"portable", "--portable"},
 };
 
@@ -123,6 +124,7 @@ static std::string setting_text(const Settings& s, const std::string& flag) {
   if (flag == "--wall-clock-breakdown") return s.wall_clock_breakdown ? "on" : "off";
   if (flag == "--activations") return s.activations;
   if (flag == "--alloc") return s.alloc;
+  if (flag == "--offload-optimizer") return s.offload_optimizer;
   return s.portable ? "on" : "off";  // --portable
 }
 // Where a setting's value came from (Settings::origins), "trainer_default" when unrecorded.
@@ -236,6 +238,27 @@ static void print_schedule(const Settings& s) {
       s.bias_correction ? "" : " (no bias correction)", s.lr, s.weight_decay, s.clip);
 }
 
+// The model states the ledger measured beside the formula, recomputed here
+// from Psi_padded (z2::model_states_formula, as --plan and the ledger use
+// it); with ZeRO-Offload the device's share and the host's, each beside its
+// own formula (device: the working parameters, stage 1 its full gradient
+// too; host: 16 Psi/N).
+static void print_model_states(const Settings& settings, const RunRecord& run, const z2::Engine& engine) {
+  const z2::MemoryLedger& ledger = run.start_ledger;
+  const bool offload = settings.offload_optimizer == "cpu";
+  const double psi = (double)engine.psi_padded(), N = run.world_size;
+  auto line = [](const char* what, size_t measured, const char* text, double formula) {
+    printf("  %s per rank: %s bytes; formula %s = %s (%s)\n", what, z2::with_commas(measured).c_str(), text,
+           z2::with_commas((size_t)formula).c_str(), (double)measured == formula ? "equal" : "DIFFERS");
+  };
+  line(offload ? "model states on the device" : "model states", ledger.model_states,
+       z2::model_states_formula_text(settings.stage, run.precision, offload),
+       z2::model_states_formula(settings.stage, run.precision, psi, N, offload));
+  if (!offload) return;
+  line("offloaded to the host", ledger.host_model_states, z2::offloaded_states_formula_text(true),
+       z2::offloaded_states_formula(settings.stage, run.precision, psi, N, true));
+}
+
 void print_header(const Settings& settings, const RunRecord& run, const z2::Engine& engine) {
   const int N = run.world_size, T = settings.seq, B = settings.micro_batch;
   const char* names[] = {"data parallel (baseline)", "P_os (optimizer states sharded)",
@@ -245,6 +268,11 @@ void print_header(const Settings& settings, const RunRecord& run, const z2::Engi
          z2::to_string(run.device), z2::to_string(run.comm), settings.collectives.c_str(),
          settings.overlap ? "on" : "off", z2::with_commas((size_t)settings.bucket).c_str());
   printf("  stage     %d: %s\n", settings.stage, names[settings.stage]);
+  if (settings.offload_optimizer ==
+      "cpu")  // ZeRO-Offload (Ren et al. 2021): what leaves the device, and why the bits stay
+    printf(
+        "  offload   optimizer to the host (ZeRO-Offload): fp32 master, m, v and the reduced gradient shard in "
+        "pinned host memory, AdamW stepped there with the device's arithmetic: the same bits\n");
   if (settings.portable)
     printf("  portable  zero2's own gemm (%s), own exp / log / erf: the bits depend on the inputs alone (notes/11)\n",
            run.device == z2::Device::cuda ? "a tiled CUDA kernel" : "a blocked CPU kernel");
@@ -297,11 +325,7 @@ void print_header(const Settings& settings, const RunRecord& run, const z2::Engi
                 "); host " + z2::with_commas((size_t)(settings.layers - 1) * checkpoint_bytes) + " (L - 1 checkpoints)")
                    .c_str()
              : "");
-  printf("  model states per rank: %s bytes; formula %s = %s (%s)\n",
-         z2::with_commas((size_t)run.start_ledger.model_states).c_str(),
-         z2::model_states_formula_text(settings.stage, run.precision),
-         z2::with_commas((size_t)run.start_ledger.model_states_formula).c_str(),
-         run.start_ledger.model_states == run.start_ledger.model_states_formula ? "equal" : "DIFFERS");
+  print_model_states(settings, run, engine);
   if (run.loaded)
     printf("  loaded    %s: step %ld of %ld, saved by %ld rank(s) x accumulation %ld, stage %ld, %s (%.2f s)\n",
            settings.checkpoint_directory.c_str(), run.loaded->step, settings.steps, run.loaded->world_size,
@@ -518,6 +542,26 @@ static json checkpoints_json(const Settings& settings, const RunRecord& run) {
   return {{"loaded", loaded}, {"saved", saved}, {"allow_different_bits", settings.allow_different_bits}};
 }
 
+// ZeRO-Offload's side of the ledger (MemoryLedger's host fields, at the
+// end as ledgers_json reads the rest), beside the formulas recomputed from
+// Psi_padded: the device's model states with offload, and the host's 16 Psi/N.
+static void add_offload_ledger(json& memory, const Settings& settings, const RunRecord& run, const z2::Engine& engine) {
+  const z2::MemoryLedger m = engine.memory_ledger();
+  const bool offload = settings.offload_optimizer == "cpu";
+  const double psi = (double)engine.psi_padded(), N = run.world_size;
+  memory["offload"] = offload;
+  memory["device_model_states_formula_bytes"] =
+      (size_t)z2::model_states_formula(settings.stage, run.precision, psi, N, offload);
+  memory["device_model_states_formula"] = z2::model_states_formula_text(settings.stage, run.precision, offload);
+  memory["host_model_states_bytes"] = m.host_model_states;
+  memory["host_model_states_formula_bytes"] =
+      (size_t)z2::offloaded_states_formula(settings.stage, run.precision, psi, N, offload);
+  memory["host_model_states_formula"] = z2::offloaded_states_formula_text(offload);
+  memory["host_params_bytes"] = m.host_params, memory["host_grads_bytes"] = m.host_grads;
+  memory["host_optimizer_bytes"] = m.host_optimizer, memory["host_master_bytes"] = m.host_master;
+  memory["host_bookkeeping_bytes"] = m.host_bookkeeping;
+}
+
 void write_json(const Settings& settings, const RunRecord& run, const z2::Engine& engine, const std::string& hash) {
   json summary = parse_json(engine.ledgers_json());
   json out = {{"world_size", run.world_size},
@@ -540,6 +584,7 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
               {"skipped_steps", engine.skipped_steps()},
               {"activations", settings.activations},
               {"alloc", settings.alloc},
+              {"offload_optimizer", settings.offload_optimizer},
               {"device_memory_limit", settings.device_memory_limit},
               {"activation_peak_formula_bytes",
                activation_peak_bytes(run.shape, run.mode, run.allocator == z2::Allocator::arena)},
@@ -595,6 +640,7 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
   out["config_warnings"] = settings.config_warnings;
   out["final_params_hash"] = hash;
   out["memory"] = summary["memory"];
+  add_offload_ledger(out["memory"], settings, run, engine);
   out["comm"] = summary["comm"];
   out["checkpoint"] = checkpoints_json(settings, run);
   json evaluations = json::array();

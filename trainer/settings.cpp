@@ -174,6 +174,7 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "--init-hf") s.init_hf = parse_path(name, value);
   else if (flag == "--activations") s.activations = parse_choice(name, value, {"keep", "recompute", "offload"});
   else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive", "caching", "cuda"});
+  else if (flag == "--offload-optimizer") s.offload_optimizer = parse_choice(name, value, {"cpu", "none"});
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
   else if (flag == "--memory-trace") s.memory_trace = parse_path(name, value);
   else if (flag == "--save") s.save_dir = parse_path(name, value);
@@ -298,6 +299,9 @@ memory (ZeRO-R; notes/04, notes/05)
   --alloc arena|naive|caching|cuda  where device memory comes from (arena): the arena; a best-fit
                              block; a model of PyTorch's caching allocator; cudaMalloc per tensor (GPU)
                              [activation_checkpointing.contiguous_memory_optimization true: arena]
+  --offload-optimizer cpu|none  ZeRO-Offload, stages 1 and 2: the fp32 master, AdamW's m and v, the
+                             reduced gradient shard and the step in pinned host memory, the same bits (none)
+                             [zero_optimization.offload_optimizer.device, zero_optimization.cpu_offload]
   --device-memory-limit BYTES  per rank, rounded down to a multiple of 256 (twice the plan's need + 64 MiB,
                              at most 90% of what is free); with --plan: the limit to find the largest sizes for
   --plan                     train nothing: the bytes per rank by category for stages 0/1/2 at N = 1, 2, 4,
@@ -543,8 +547,39 @@ Settings parse_command_line(int argc, char** argv) {
   resolve_precision(settings);
   if (!settings.config.empty()) apply_deepspeed_meaning(settings, config, seen);
   check_plan_flags(settings);
+  if (!settings.plan) check_offload(settings);  // --plan shows every stage, offloaded where it can be
   check_trace_flags(settings);
   return settings;
+}
+
+// Where a setting came from, as a message names it: "--stage 0", "config key
+// 'zero_optimization.stage' 0", "DeepSpeed's default stage 0 (...)".
+static std::string said_by(const Settings& s, const std::string& flag, const std::string& value) {
+  const auto found = s.origins.find(flag);
+  const std::string origin = found == s.origins.end() ? "" : found->second;
+  if (origin.rfind("config:", 0) == 0) return "config key '" + origin.substr(7) + "' " + value;
+  if (origin.rfind("deepspeed_default:", 0) == 0)
+    return flag.substr(2) + " " + value + " (DeepSpeed's default: the config names no " + flag.substr(2) + ")";
+  return flag + " " + value;
+}
+
+// ZeRO-Offload moves the optimizer's partition (Ren et al. 2021, section 4):
+// stage 0 has none, every rank updating every parameter. DeepSpeed 0.16.9
+// fails too: with offload_optimizer it builds DeepSpeedCPUAdam (engine.py
+// _configure_basic_optimizer, zero_use_cpu_optimizer), which at stage 0 no
+// ZeRO optimizer moves to the host, and its step asserts "CPUAdam param is on
+// cuda and must be 'cpu'" (ops/adam/cpu_adam.py DeepSpeedCPUAdam.step).
+void check_offload(const Settings& s) {
+  if (s.offload_optimizer == "none" || s.stage != 0) return;
+  const auto origin = s.origins.find("--offload-optimizer");  // the old spelling's value is true
+  const bool old_key = origin != s.origins.end() && origin->second == "config:zero_optimization.cpu_offload";
+  const bool from_config = origin != s.origins.end() && origin->second.rfind("config:", 0) == 0;
+  const std::string offload_value = old_key ? "true" : from_config ? "\"cpu\"" : "cpu";
+  fail(
+      "%s with %s: offloading the optimizer needs ZeRO stage 1 or 2, whose optimizer state is partitioned; in "
+      "stage 0 every rank updates every parameter (DeepSpeed fails too: its DeepSpeedCPUAdam asserts at the first "
+      "step that the parameters are on the cpu, ops/adam/cpu_adam.py). Give stage 1 or 2, or no offload",
+      said_by(s, "--offload-optimizer", offload_value).c_str(), said_by(s, "--stage", "0").c_str());
 }
 
 void check_consistency(Settings& s, int world_size) {
@@ -716,6 +751,7 @@ z2::EngineOptions engine_options(const Settings& settings, z2::Precision precisi
   options.precision = precision;
   options.accumulate_fp32 = settings.grad_accum_dtype == "fp32";
   options.loss_scaling = settings.loss_scaling;
+  options.offload_optimizer = settings.offload_optimizer == "cpu";
   return options;
 }
 

@@ -63,6 +63,11 @@ struct Settings {
   // memory (ZeRO-R)
   std::string activations = "keep", alloc = "arena";
   long device_memory_limit = 0;  // bytes per rank; 0: enough for the run
+  // ZeRO-Offload (notes/10's plan, zero2.h EngineOptions::offload_optimizer):
+  // "cpu" keeps the fp32 master, m, v and the reduced gradient shard in host
+  // memory and steps AdamW there; "none" keeps them on the device. Stages 1
+  // and 2 only. The bits do not change, so a checkpoint does not record it.
+  std::string offload_optimizer = "none";
   // files and output
   std::string data, config, json_path, export_dir, dump_dir, memory_trace, metrics;
   // Checking another implementation against this run (notes/12): --trace DIR
@@ -142,6 +147,9 @@ void check_plan_flags(const Settings& s);
 Settings parse_command_line(int argc, char** argv);
 // Checks that need several settings at once (world size known).
 void check_consistency(Settings& s, int world_size);
+// Offloading the optimizer needs a ZeRO stage (1 or 2): refused at stage 0,
+// naming where the stage and the offload came from (a flag or a config key).
+void check_offload(const Settings& s);
 
 // Run `checks` on every rank; if any rank failed, every rank throws the
 // message of the lowest failing rank (so rank 0 can print it and all ranks
