@@ -143,9 +143,15 @@ tests/bench.sh "$build" $(test -x build-cpu/train_bert_mini && echo build-cpu) >
 {
   echo '```'
   echo "\$ make bench    # (its portable-mode lines)"
-  sed -n '/^Portable mode/,$p' "$out/bench_output"
+  sed -n '/^Portable mode/,/^ZeRO-Offload/p' "$out/bench_output" | sed '$d'
   echo '```'
 } >"$out/portable_bench"
+{
+  echo '```'
+  echo "\$ make bench    # (its ZeRO-Offload lines)"
+  sed -n '/^ZeRO-Offload/,$p' "$out/bench_output"
+  echo '```'
+} >"$out/offload_cost"
 {
   echo '```'
   echo "\$ make bench    # (its per-core lines)"
@@ -429,6 +435,7 @@ print(json.dumps(d, indent=1))" "$out/ck_fp32/step_4/index.json"
 # PEER=torch` (the torch peer and the planted mistakes); check_trace_failure: the checker's whole output on
 # one planted mistake.
 notes/generate_traces.sh "$build" "$out"
+notes/generate_offload.sh "$build" "$out"
 
 # --- reliability (README, "When something goes wrong") -------------------------------
 # reliability_messages: a rank stopped mid-run (the watchdog), ranks waiting for

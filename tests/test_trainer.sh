@@ -2396,10 +2396,10 @@ for path in sys.argv[1:]:
     d = json.load(open(path)); m = d['memory']; N = d['world_size']; psi = d['params_padded']; stage = d['stage']
     work_bytes = 4 if d['precision'] == 'fp32' else 2
     device = (2 if stage == 1 else 1) * work_bytes * psi          # the working parameters (stage 1: and its gradient)
-    if not (m['offload'] and m['host_model_states_bytes'] == m['host_model_states_formula_bytes'] == 16 * psi // N):
+    if not (m['offload_optimizer'] and m['host_model_states_bytes'] == m['host_model_states_formula_bytes'] == 16 * psi // N):
         problems.append(f"{path}: host {m['host_model_states_bytes']} formula {m['host_model_states_formula_bytes']} want {16 * psi // N}")
-    if not (m['model_states_bytes'] == m['device_model_states_formula_bytes'] == device):
-        problems.append(f"{path}: device {m['model_states_bytes']} formula {m['device_model_states_formula_bytes']} want {device}")
+    if not (m['model_states_bytes'] == m['model_states_formula_bytes'] == device):
+        problems.append(f"{path}: device {m['model_states_bytes']} formula {m['model_states_formula_bytes']} want {device}")
     if m['host_master_bytes'] + m['host_optimizer_bytes'] + m['host_grads_bytes'] + m['host_params_bytes'] != m['host_model_states_bytes']:
         problems.append(f"{path}: the host categories do not add up")
 print("ok %d runs" % (len(sys.argv) - 1) if not problems else "; ".join(problems[:3]))

@@ -238,25 +238,20 @@ static void print_schedule(const Settings& s) {
       s.bias_correction ? "" : " (no bias correction)", s.lr, s.weight_decay, s.clip);
 }
 
-// The model states the ledger measured beside the formula, recomputed here
-// from Psi_padded (z2::model_states_formula, as --plan and the ledger use
-// it); with ZeRO-Offload the device's share and the host's, each beside its
-// own formula (device: the working parameters, stage 1 its full gradient
-// too; host: 16 Psi/N).
-static void print_model_states(const Settings& settings, const RunRecord& run, const z2::Engine& engine) {
+// The model states the ledger measured beside its formula; with ZeRO-Offload
+// the device's share and the host's, each beside its own formula (device:
+// the working parameters, stage 1 its full gradient too; host: 16 Psi/N).
+static void print_model_states(const Settings& settings, const RunRecord& run) {
   const z2::MemoryLedger& ledger = run.start_ledger;
-  const bool offload = settings.offload_optimizer == "cpu";
-  const double psi = (double)engine.psi_padded(), N = run.world_size;
-  auto line = [](const char* what, size_t measured, const char* text, double formula) {
+  auto line = [](const char* what, size_t measured, const char* text, size_t formula) {
     printf("  %s per rank: %s bytes; formula %s = %s (%s)\n", what, z2::with_commas(measured).c_str(), text,
-           z2::with_commas((size_t)formula).c_str(), (double)measured == formula ? "equal" : "DIFFERS");
+           z2::with_commas(formula).c_str(), measured == formula ? "equal" : "DIFFERS");
   };
-  line(offload ? "model states on the device" : "model states", ledger.model_states,
-       z2::model_states_formula_text(settings.stage, run.precision, offload),
-       z2::model_states_formula(settings.stage, run.precision, psi, N, offload));
-  if (!offload) return;
-  line("offloaded to the host", ledger.host_model_states, z2::offloaded_states_formula_text(true),
-       z2::offloaded_states_formula(settings.stage, run.precision, psi, N, true));
+  line(ledger.offload ? "model states on the device" : "model states", ledger.model_states,
+       z2::model_states_formula_text(settings.stage, run.precision, ledger.offload), ledger.model_states_formula);
+  if (ledger.offload)
+    line("offloaded to the host", ledger.host_model_states, z2::offloaded_states_formula_text(true),
+         ledger.host_model_states_formula);
 }
 
 void print_header(const Settings& settings, const RunRecord& run, const z2::Engine& engine) {
@@ -325,7 +320,7 @@ void print_header(const Settings& settings, const RunRecord& run, const z2::Engi
                 "); host " + z2::with_commas((size_t)(settings.layers - 1) * checkpoint_bytes) + " (L - 1 checkpoints)")
                    .c_str()
              : "");
-  print_model_states(settings, run, engine);
+  print_model_states(settings, run);
   if (run.loaded)
     printf("  loaded    %s: step %ld of %ld, saved by %ld rank(s) x accumulation %ld, stage %ld, %s (%.2f s)\n",
            settings.checkpoint_directory.c_str(), run.loaded->step, settings.steps, run.loaded->world_size,
@@ -542,26 +537,6 @@ static json checkpoints_json(const Settings& settings, const RunRecord& run) {
   return {{"loaded", loaded}, {"saved", saved}, {"allow_different_bits", settings.allow_different_bits}};
 }
 
-// ZeRO-Offload's side of the ledger (MemoryLedger's host fields, at the
-// end as ledgers_json reads the rest), beside the formulas recomputed from
-// Psi_padded: the device's model states with offload, and the host's 16 Psi/N.
-static void add_offload_ledger(json& memory, const Settings& settings, const RunRecord& run, const z2::Engine& engine) {
-  const z2::MemoryLedger m = engine.memory_ledger();
-  const bool offload = settings.offload_optimizer == "cpu";
-  const double psi = (double)engine.psi_padded(), N = run.world_size;
-  memory["offload"] = offload;
-  memory["device_model_states_formula_bytes"] =
-      (size_t)z2::model_states_formula(settings.stage, run.precision, psi, N, offload);
-  memory["device_model_states_formula"] = z2::model_states_formula_text(settings.stage, run.precision, offload);
-  memory["host_model_states_bytes"] = m.host_model_states;
-  memory["host_model_states_formula_bytes"] =
-      (size_t)z2::offloaded_states_formula(settings.stage, run.precision, psi, N, offload);
-  memory["host_model_states_formula"] = z2::offloaded_states_formula_text(offload);
-  memory["host_params_bytes"] = m.host_params, memory["host_grads_bytes"] = m.host_grads;
-  memory["host_optimizer_bytes"] = m.host_optimizer, memory["host_master_bytes"] = m.host_master;
-  memory["host_bookkeeping_bytes"] = m.host_bookkeeping;
-}
-
 void write_json(const Settings& settings, const RunRecord& run, const z2::Engine& engine, const std::string& hash) {
   json summary = parse_json(engine.ledgers_json());
   json out = {{"world_size", run.world_size},
@@ -639,8 +614,7 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
   out["settings_origin"] = origins;
   out["config_warnings"] = settings.config_warnings;
   out["final_params_hash"] = hash;
-  out["memory"] = summary["memory"];
-  add_offload_ledger(out["memory"], settings, run, engine);
+  out["memory"] = summary["memory"];  // with ZeRO-Offload, the host's column too (ledgers_json)
   out["comm"] = summary["comm"];
   out["checkpoint"] = checkpoints_json(settings, run);
   json evaluations = json::array();

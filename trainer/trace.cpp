@@ -241,6 +241,8 @@ void RunTrace::finish(const ModelShape& shape, const TensorShapes& tensor_shapes
         {"stage", options.stage},
         {"bucket", options.bucket_elements},
         {"overlap", options.overlap},
+        // ZeRO-Offload (notes/13): where the optimizer ran changes no bit; a peer may offload too.
+        {"offload_optimizer", options.offload_optimizer},
         {"precision", z2::to_string(options.precision)},
         // Where the micro-steps' gradients are summed (A > 1): zero2's fp32 blocks, or the working
         // precision (data_types.grad_accum_dtype); DeepSpeed under ZeRO sums in the 16-bit type by default.

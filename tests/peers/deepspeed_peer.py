@@ -125,11 +125,17 @@ def deepspeed_config(trace, world, own_scheduler=False):
     if not isinstance(zero, dict):  # absent, or the old boolean form (true: stage 1)
         zero = config["zero_optimization"] = {}
     zero["stage"] = run["stage"]
-    for offload in ("offload_optimizer", "offload_param", "cpu_offload"):
-        device = zero.get(offload)
-        refuse_unless(not device or (isinstance(device, dict) and device.get("device", "none") == "none"),
-                      f"zero_optimization.{offload} (ZeRO-Offload) moves the optimizer to the host: zero2 has no "
-                      "such mode, so the trace cannot hold its numbers")
+    # ZeRO-Offload (zero2's --offload-optimizer cpu, notes/13): DeepSpeed's offload_optimizer device cpu, its
+    # fp32 partition and torch's AdamW on the host (a config optimizer with "torch_adam" passes
+    # engine._configure_optimizer's DeepSpeedCPUAdam check; nothing is compiled).
+    zero.pop("cpu_offload", None)
+    if run.get("offload_optimizer"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    else:
+        zero.pop("offload_optimizer", None)
+    device = zero.get("offload_param")
+    refuse_unless(not device or (isinstance(device, dict) and device.get("device", "none") == "none"),
+                  "zero_optimization.offload_param is stage 3's: zero2 has no stage 3")
     precision = run["precision"]
     refuse_unless(precision in ("fp32", "bf16", "fp16"), f"run.precision {precision!r} is not fp32, bf16 or fp16")
     accumulate_in = (config.get("data_types") or {}).get("grad_accum_dtype")
