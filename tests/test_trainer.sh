@@ -2432,6 +2432,18 @@ for precision in fp32 bf16 fp16; do
   [ "$verdict" = ok ] && pass "$precision: saved with offload (stage 1), resumed without it (stage 2): the same bits" ||
     fail "$precision resume out of offload: $verdict $(head -c 200 "$work/log")"
 done
+# A trace with offload is the trace without it, file for file but trace.json (which says it offloaded).
+trace_flags=("${tiny[@]}" --dropout 0 --stage 2 --precision bf16 --trace-params-every 1)
+timeout 120 mpirun -n 2 "$trainer" "${trace_flags[@]}" --trace "$work/trace_plain" > "$work/log" 2>&1
+timeout 120 mpirun -n 2 "$trainer" "${trace_flags[@]}" --offload-optimizer cpu --trace "$work/trace_offload" >> "$work/log" 2>&1
+same=yes
+for file in $(cd "$work/trace_plain" 2>/dev/null && find . -type f ! -name trace.json); do
+  cmp -s "$work/trace_plain/$file" "$work/trace_offload/$file" || same="no ($file)"
+done
+[ -d "$work/trace_plain/step_3" ] && [ "$same" = yes ] &&
+  [ "$(json_get "$work/trace_offload/trace.json" "d['run']['offload_optimizer']")" = True ] &&
+  pass "--trace with offload: the files of the trace without it (parameters and gradients at every step), offload recorded" ||
+  fail "offload trace: the same files: $same $(tail -c 300 "$work/log")"
 fi  # section 15
 
 echo "$passed passed, $failed failed"

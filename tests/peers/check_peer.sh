@@ -8,7 +8,8 @@
 #              (tests/lab_mistakes/torch-step.*.py) fails it, and its diagnosis has the words of the mistake's
 #              "# expect:" line. In CI. Without .venv-hf (no PyPI): SKIP, with the reason.
 #   deepspeed  zero2's trace of the default BERT-mini (N = 2, fp32, stage 2, dropout 0, 20 steps) replayed by
-#              DeepSpeed's ZeRO-2 (tests/peers/deepspeed_peer.py) passes tests/check_trace.py; then zero2 and
+#              DeepSpeed's ZeRO-2 (tests/peers/deepspeed_peer.py) passes tests/check_trace.py; the same with
+#              the optimizer offloaded on both sides (ZeRO-Offload, notes/13); then zero2 and
 #              DeepSpeed side by side (tests/peers/side_by_side.sh: tokens/s, memory, bytes sent, a few
 #              minutes). Runs in .venv-deepspeed, made here from PyPI when missing (torch 2.5.1, deepspeed
 #              0.16.9, transformers 4.46.3: 5.3 GB; DEEPSPEED_VENV=DIR uses another). Not in CI. Without
@@ -119,6 +120,18 @@ check_deepspeed() {
     echo "---"
   else
     fail "the DeepSpeed peer did not run:"; grep -v '^\[' "$work/peer.log" | tail -n 5
+  fi
+  # ZeRO-Offload both sides (notes/13): zero2's --offload-optimizer cpu against DeepSpeed's offload_optimizer
+  # device cpu (its fp32 partition and torch's AdamW on the host), the same run otherwise. About 40 s.
+  rm -rf "$work/ref" "$work/theirs"
+  if timeout 600 mpirun -n 2 "$trainer" --stage 2 --precision fp32 --dropout 0 --steps 20 --trace-params-every 10 \
+       --offload-optimizer cpu --quiet --trace "$work/ref" >"$work/reference.log" 2>&1 &&
+     "$venv/bin/python" tests/peers/deepspeed_peer.py "$work/ref" "$work/theirs" >"$work/peer.log" 2>&1 &&
+     grep -q "the optimizer offloaded to the CPU" "$work/peer.log"; then
+    check "DeepSpeed ZeRO-Offload peer (offload_optimizer cpu; BERT-mini, N = 2, fp32, 20 steps)" agrees "$work/ref" \
+      "$work/theirs"
+  else
+    fail "the ZeRO-Offload replay did not run:"; grep -v '^\[' "$work/reference.log" "$work/peer.log" | tail -n 5
   fi
   echo
   DEEPSPEED_VENV=$venv tests/peers/side_by_side.sh "$build" || fail "tests/peers/side_by_side.sh did not finish"

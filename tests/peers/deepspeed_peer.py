@@ -392,10 +392,12 @@ def replay(trace, config, source, out, rank, world, own_scheduler=False):
                       world_size=world, accumulation_steps=accumulation,
                       bucket=int(engine.zero_reduce_bucket_size()) if stage > 0 else trace.run["bucket"],
                       overlap=bool(engine.zero_overlap_comm()) if stage > 0 else trace.run["overlap"],
+                      offload_optimizer=bool(engine.zero_cpu_offload()),  # what DeepSpeed ran, not what was asked
                       deepspeed_config=config, deepspeed_config_source=source,
                       learning_rate="DeepSpeed's scheduler" if own_scheduler else "the trace's steps[].lr")
         print(f"deepspeed_peer: {len(trace.steps)} steps replayed by DeepSpeed {deepspeed.__version__} "
-              f"(ZeRO stage {stage}, {precision}, {world} rank{'s' if world > 1 else ''}; config {source}) into {out}")
+              f"(ZeRO stage {stage}{', the optimizer offloaded to the CPU' if engine.zero_cpu_offload() else ''}, "
+              f"{precision}, {world} rank{'s' if world > 1 else ''}; config {source}) into {out}")
     return 0
 
 
