@@ -2432,6 +2432,26 @@ for precision in fp32 bf16 fp16; do
   [ "$verdict" = ok ] && pass "$precision: saved with offload (stage 1), resumed without it (stage 2): the same bits" ||
     fail "$precision resume out of offload: $verdict $(head -c 200 "$work/log")"
 done
+# A checkpoint saved with offload is the checkpoint saved without it: the same tensor files, the same index
+# but for its run_id (each run's own).
+for offload in none cpu; do
+  timeout 120 mpirun -n 2 "$trainer" "${tiny[@]}" --steps 2 --save-every 2 --stage 2 --precision bf16 \
+    --offload-optimizer $offload --save "$work/ck_files_$offload" > "$work/log" 2>&1
+done
+verdict=$(python3 - "$work/ck_files_none/step_2" "$work/ck_files_cpu/step_2" <<'PY'
+import json, os, sys
+a, b = sys.argv[1:]
+tensors = sorted(f for f in os.listdir(a) if f.endswith(".safetensors"))
+same = bool(tensors) and all(open(os.path.join(a, f), "rb").read() == open(os.path.join(b, f), "rb").read() for f in tensors)
+index = [json.load(open(os.path.join(d, "index.json"))) for d in (a, b)]
+def without_run_id(value):
+    if isinstance(value, dict): return {k: without_run_id(v) for k, v in value.items() if k != "run_id"}
+    return [without_run_id(v) for v in value] if isinstance(value, list) else value
+print("ok %d tensor files" % len(tensors) if same and without_run_id(index[0]) == without_run_id(index[1]) else "differ")
+PY
+)
+case "$verdict" in ok*) pass "a checkpoint saved with offload: the files of one saved without it (${verdict#ok }; the index but its run_id)";;
+  *) fail "checkpoint files with offload: $verdict";; esac
 # A trace with offload is the trace without it, file for file but trace.json (which says it offloaded).
 trace_flags=("${tiny[@]}" --dropout 0 --stage 2 --precision bf16 --trace-params-every 1)
 timeout 120 mpirun -n 2 "$trainer" "${trace_flags[@]}" --trace "$work/trace_plain" > "$work/log" 2>&1
