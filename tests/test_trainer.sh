@@ -105,7 +105,9 @@
 # the rest always runs. `make test-cpu` leaves them out (the Makefile's
 # TEST_CPU_SKIP): they test the trainer's writers, inputs, config, export,
 # metrics and planning logic, the same source in both builds, which
-# `make test` runs. Section 7's numbers and watchdog checks always run.
+# `make test` runs; and section 15, ZeRO-Offload through the command line
+# (the engine's offloaded step runs in both builds' doctest suites:
+# tests/test_offload.cpp). Section 7's numbers and watchdog checks always run.
 set -u
 build=${1:-build}
 trainer="$build/train_bert_mini"
