@@ -243,7 +243,7 @@ static int staging_slots(const EngineOptions& options) { return options.overlap 
 
 // ZeRO-Offload applies to stages 1 and 2 (the Engine refuses it in stage 0).
 static bool offload_optimizer(const EngineOptions& options) { return options.offload_optimizer && options.stage > 0; }
-static void offload_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard);
+static void move_optimizer_sizes_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard);
 
 // Staging elements (of the wire type): each slot holds a bucket's gradient
 // (stage 2) and the N - 1 shards the reduce-scatter receives.
@@ -284,7 +284,7 @@ EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const Engin
   sizes.staging = staging_elements(sizes.max_padded_bucket, world_size, staging_slots(options), stage == 2) * e;
   sizes.chunk_sums = (stage == 0 ? padded : shard) / norm_chunk * sizeof(float);
   sizes.decay_flags = padded / norm_chunk;
-  if (offload_optimizer(options)) offload_to_host(sizes, options, shard);
+  if (offload_optimizer(options)) move_optimizer_sizes_to_host(sizes, options, shard);
   return sizes;
 }
 
@@ -297,7 +297,7 @@ EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const Engin
 // device saves 12 Psi/N (fp32) or 14 Psi/N (mixed) in stage 2: its gradient
 // shard too, for the reduce-scatter leaves the sum in the slot it was taken
 // from and the copy down reads it there. Stage 1 keeps its full gradient.
-static void offload_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard) {
+static void move_optimizer_sizes_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard) {
   const size_t e = element_bytes(options.precision);
   sizes.host_master = shard * sizeof(float);
   sizes.host_moment = shard * sizeof(float);
@@ -456,7 +456,8 @@ struct Engine::RankState {
   void adamw_as(int b, const AdamWConstants& constants);
   void start_all_gather(int b);
   void wait_for_all_gathers();
-  void wait_for_offloaded_gradients();  // ZeRO-Offload: the copies down (and fp32's master, once)
+  void wait_for_offloaded_gradients();  // ZeRO-Offload: the copies down
+  void take_host_master_from_parameters();  // ZeRO-Offload, fp32: the master's host copy
   void upload_updated_shard(int b);     // ZeRO-Offload: the updated shard up, before its all-gather
   StepReport close_step(const StepReport& report);
   void account_step();
@@ -1210,8 +1211,9 @@ void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const Acc
 // shard came down inside its reduce-scatter (ShardToHost, "The
 // reduce-scatter"), the norm, overflow check and AdamW loops below run as
 // CPU loops over the host's buffers (RankState::optimizer_loop), and each
-// updated shard goes up just before its all-gather (upload_updated_shard),
-// so the host works on bucket b + 1 while bucket b crosses and is sent.
+// updated shard goes up as soon as it is computed (upload_updated_shard),
+// so the host works on bucket b + 1 while bucket b crosses; the all-gathers
+// follow the last update, as without offload (update_and_gather).
 // to_float of a 16-bit value is exact and the loops are the same text, so
 // every element gets the same operations on the same values: the same bits.
 
@@ -1569,13 +1571,19 @@ void Engine::RankState::adamw_as(int b, const AdamWConstants& constants) {
 // ZeRO-Offload. The reduced shards came down inside their reduce-scatters
 // (ShardToHost): wait for those copies, and with them for backward, before
 // the host reads the shards and before anything is copied up over the
-// parameters backward read. fp32 keeps a host copy of its own shards as the
-// master (the device's parameters are the master without offload): it is
-// taken from the parameters at the first step after they were set from
-// outside (build and a user's writes, parameters_from_host, a checkpoint).
+// parameters backward read.
 void Engine::RankState::wait_for_offloaded_gradients() {
   compute.synchronize_all();
-  if (mixed || !host_master_stale) return;
+  if (!mixed && host_master_stale) take_host_master_from_parameters();
+}
+
+// fp32 keeps a host copy of its own shards as the master (without offload
+// the device's parameters are the master): taken from the parameters at the
+// first step after they were set from outside the step (a model's writes
+// between build() and step 1, parameters_from_host, a checkpoint loaded).
+// Writes through parameter() after step 1 are not seen, as in mixed
+// precision, offloaded or not (zero2.h, Engine::parameter_as).
+void Engine::RankState::take_host_master_from_parameters() {
   for (int b = 0; b < (int)buckets.size(); ++b)
     compute.copy(region_master(b), region_param(b), region(b).length * sizeof(float), compute.compute_stream());
   compute.synchronize(compute.compute_stream());
@@ -1585,7 +1593,7 @@ void Engine::RankState::wait_for_offloaded_gradients() {
 // The updated shard of bucket b up to the device's parameters (mixed: its
 // rounded copy, 2 Psi/N bytes a step in all; fp32: the master itself, 4),
 // on the comm stream, where the bucket's all-gather follows it. The host
-// goes on to the next bucket's AdamW while this one crosses and is sent.
+// goes on to the next bucket's AdamW while this one crosses.
 void Engine::RankState::upload_updated_shard(int b) {
   const void* updated = mixed ? region_working(b) : (const void*)region_master(b);
   compute.copy(region_param(b), updated, region(b).length * element, compute.comm_stream());
@@ -1760,7 +1768,7 @@ Z2_LAB_SEAM std::vector<ReshardRead> reshard_reads(const std::vector<StateRun>& 
 // precision, one all-reduce's worth.
 
 // With ZeRO-Offload (stages 1 and 2) the device keeps the working parameters
-// and stage 1's full gradient; the host holds 16 Psi/N (offload_to_host).
+// and stage 1's full gradient; the host holds 16 Psi/N (move_optimizer_sizes_to_host).
 //                 fp32: device | host          mixed: device | host
 //   stage 1:     8 Psi        | 16 Psi/N      4 Psi         | 16 Psi/N
 //   stage 2:     4 Psi        | 16 Psi/N      2 Psi         | 16 Psi/N
@@ -1809,7 +1817,7 @@ MemoryLedger Engine::memory_ledger() const {
   ledger.model_states_formula =
       (size_t)model_states_formula(options_.stage, options_.precision, (double)psi, (double)N, offload);
   // ZeRO-Offload's column: what the host holds, by category, against 16 Psi/N.
-  ledger.offload = offload;
+  ledger.offload_optimizer = offload;
   ledger.host_params = c.host_current[(int)MemoryKind::params];
   ledger.host_grads = c.host_current[(int)MemoryKind::grads];
   ledger.host_optimizer = c.host_current[(int)MemoryKind::optimizer];

@@ -254,7 +254,9 @@ struct MemoryLedger {
   size_t model_states_formula = 0;  // the paper's formula for this stage, from Psi_padded (device bytes)
   // ZeRO-Offload: the model states held in pinned host memory, by category
   // (0 without offload), and their formula, 16 Psi/N in every precision.
-  bool offload = false;
+  // host_params is the updated shard rounded on its way up (mixed only: the
+  // engine's host_working buffer, counted with the parameters it becomes).
+  bool offload_optimizer = false;
   size_t host_params = 0, host_grads = 0, host_optimizer = 0, host_master = 0, host_bookkeeping = 0;
   size_t host_model_states = 0;  // host_params + host_grads + host_optimizer + host_master
   size_t host_model_states_formula = 0;
@@ -324,6 +326,10 @@ class Engine {
 
   // The full (working) parameter: every stage keeps all parameters on every
   // rank, in the precision's type (fp32, or the 16-bit copy of the master).
+  // Writes here after build() and before the first step() set the run's
+  // values in fp32; later ones, and any in mixed precision, go through
+  // parameters_from_host() (the master is elsewhere: the own shard's, or with
+  // ZeRO-Offload the host's, which the next step would write back).
   // `T` must be that type (float, bfloat16 or float16); parameter() is the fp32 form.
   template <class T>
   T* parameter_as(ParameterId id) {
@@ -413,8 +419,7 @@ class Engine {
   // (runtime/ledger_report.cpp) ---
   MemoryLedger memory_ledger() const;
   CommLedger comm_ledger() const;
-  void print_ledgers(FILE* out) const;                                  // rank 0 should call it
-  void print_host_column(FILE* out, const MemoryLedger& ledger) const;  // ZeRO-Offload's part of it
+  void print_ledgers(FILE* out) const;  // rank 0 should call it
   std::string ledgers_json() const;
 
   const EngineOptions& options() const { return options_; }

@@ -397,8 +397,6 @@ void Compute::reset_peaks() {
   counters_.reserved_peak = counters_.reserved_current;
   counters_.host_pinned_peak = counters_.host_pinned_current;
   counters_.host_offload_peak = counters_.host_offload_current;
-  for (int k = 0; k < (int)MemoryKind::count; ++k) counters_.host_peak[k] = counters_.host_current[k];
-  counters_.host_total_peak = counters_.host_total_current;
 }
 
 void* Compute::allocate(size_t bytes, MemoryKind kind) { return take(bytes, kind, false); }
@@ -406,9 +404,7 @@ void Compute::release(void* pointer) { give_back(pointer, false); }
 void* Compute::push(size_t bytes, MemoryKind kind) { return take(bytes, kind, true); }
 void Compute::pop(void* pointer) { give_back(pointer, true); }
 
-// Page-locked host memory, zeroed; `use` says which counters it goes to:
-// communication staging (-2), activation offload (-1), or a MemoryKind of
-// ZeRO-Offload's optimizer state.
+// Page-locked host memory (plain aligned memory on cpu), zeroed.
 static void* host_memory(size_t bytes, Device device) {
   void* pointer = nullptr;
   if (device == Device::cpu) {
@@ -427,7 +423,7 @@ static void* host_memory(size_t bytes, Device device) {
 void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
   if (bytes == 0) return nullptr;
   void* pointer = host_memory(bytes, device_);
-  resources_->pinned[pointer] = {bytes, offload ? -1 : -2};
+  resources_->pinned[pointer] = {bytes, offload ? Resources::PinnedBuffer::Use::activation_offload : Resources::PinnedBuffer::Use::comm_staging};
   size_t& current = offload ? counters_.host_offload_current : counters_.host_pinned_current;
   size_t& peak = offload ? counters_.host_offload_peak : counters_.host_pinned_peak;
   current += bytes;
@@ -438,20 +434,19 @@ void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
 void* Compute::allocate_host(size_t bytes, MemoryKind kind) {
   if (bytes == 0) return nullptr;
   void* pointer = host_memory(bytes, device_);
-  resources_->pinned[pointer] = {bytes, (int)kind};
+  resources_->pinned[pointer] = {bytes, Resources::PinnedBuffer::Use::offloaded_state, kind};
   counters_.host_current[(int)kind] += bytes;
-  counters_.host_peak[(int)kind] = std::max(counters_.host_peak[(int)kind], counters_.host_current[(int)kind]);
-  counters_.host_total_current += bytes;
-  counters_.host_total_peak = std::max(counters_.host_total_peak, counters_.host_total_current);
   return pointer;
 }
 
 void Compute::release_host_pinned(void* pointer) {
   if (!pointer) return;
-  const std::pair<size_t, int> recorded = resources_->pinned.at(pointer);
-  if (recorded.second == -1) counters_.host_offload_current -= recorded.first;
-  else if (recorded.second == -2) counters_.host_pinned_current -= recorded.first;
-  else counters_.host_current[recorded.second] -= recorded.first, counters_.host_total_current -= recorded.first;
+  const Resources::PinnedBuffer recorded = resources_->pinned.at(pointer);
+  switch (recorded.use) {
+    case Resources::PinnedBuffer::Use::comm_staging: counters_.host_pinned_current -= recorded.bytes; break;
+    case Resources::PinnedBuffer::Use::activation_offload: counters_.host_offload_current -= recorded.bytes; break;
+    case Resources::PinnedBuffer::Use::offloaded_state: counters_.host_current[(int)recorded.kind] -= recorded.bytes; break;
+  }
   resources_->pinned.erase(pointer);
   if (device_ == Device::cpu) {
     std::free(pointer);

@@ -108,10 +108,9 @@ struct MemoryCounters {
   size_t reserved_current = 0, reserved_peak = 0;  // bytes of the block in use (runtime/allocators.cpp: "reserved =")
   size_t host_pinned_current = 0, host_pinned_peak = 0;    // staging for --comm mpi on cuda
   size_t host_offload_current = 0, host_offload_peak = 0;  // activation checkpoints moved to the host
-  // ZeRO-Offload's model states in pinned host memory (allocate_host), by kind.
+  // ZeRO-Offload's model states in pinned host memory (allocate_host), by
+  // kind: allocated once at build(), so what is held now is the peak too.
   size_t host_current[(int)MemoryKind::count] = {};
-  size_t host_peak[(int)MemoryKind::count] = {};
-  size_t host_total_current = 0, host_total_peak = 0;
   long allocations = 0;     // allocator calls that find memory (cudaMalloc, a free-list search, a bump at start-up)
   long pushes = 0;          // arena stack pushes (pointer arithmetic inside the reserved block)
   long device_mallocs = 0;  // cudaMalloc (or host allocations on cpu) of device memory
@@ -168,7 +167,7 @@ class Compute {
   // counts it as activation offload space rather than communication staging.
   void* allocate_host_pinned(size_t bytes, bool offload = false);
   // The same memory for ZeRO-Offload's optimizer state, counted by kind in
-  // host_current / host_peak (the ledger's host column). Released by
+  // host_current (the ledger's host column). Released by
   // release_host_pinned, like the rest.
   void* allocate_host(size_t bytes, MemoryKind kind);
   void release_host_pinned(void* pointer);
@@ -319,7 +318,9 @@ void portable_gemm_cpu(int lanes, bool transpose_a, bool transpose_b, int M, int
                        int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
 // Where a DeviceArray lives: device memory, or (ZeRO-Offload's optimizer
-// state) pinned host memory, counted in the ledger's host column.
+// state) pinned host memory, counted in the ledger's host column. The
+// name says what most of them are; Place::host is the exception, and the
+// engine's members say where each one lives.
 enum class Place { device, host };
 // A typed, owning array: frees itself, counts itself in the ledger.
 template <class T>

@@ -18,9 +18,13 @@ namespace z2 {
 // or naive, also the block and where its free memory is.
 struct Compute::Resources {
   std::unordered_map<void*, std::pair<size_t, MemoryKind>> allocations;
-  // bytes, and what for: -2 communication staging, -1 activation offload,
-  // a MemoryKind for ZeRO-Offload's optimizer state (allocate_host)
-  std::unordered_map<void*, std::pair<size_t, int>> pinned;
+  // Page-locked host buffers: their bytes, and which counter holds them.
+  struct PinnedBuffer {
+    size_t bytes = 0;
+    enum class Use { comm_staging, activation_offload, offloaded_state } use = Use::comm_staging;
+    MemoryKind kind = MemoryKind::count;  // offloaded_state: which model state (allocate_host)
+  };
+  std::unordered_map<void*, PinnedBuffer> pinned;
   char* block = nullptr;  // the one reserved block (arena, naive)
   size_t capacity = 0;    // its size in bytes
   // naive: the free pieces, offset -> size, ordered so neighbours coalesce;

@@ -9,6 +9,8 @@
 
 namespace z2 {
 
+static void print_host_column(FILE* out, const MemoryLedger& ledger);  // ZeRO-Offload's part, below
+
 void Engine::print_ledgers(FILE* out) const {
   MemoryLedger ledger = memory_ledger();
   CommLedger c = comm_ledger();
@@ -27,10 +29,10 @@ void Engine::print_ledgers(FILE* out) const {
           mixed ? "(fp32 weights AdamW updates; the params are them rounded)"
                 : "(fp32: the parameters are the master copy)");
   fprintf(out, "  %-22s %14s   formula %s = %s %s\n", "model states", with_commas(ledger.model_states).c_str(),
-          model_states_formula_text(options_.stage, precision, ledger.offload),
+          model_states_formula_text(options_.stage, precision, ledger.offload_optimizer),
           with_commas(ledger.model_states_formula).c_str(),
           ledger.model_states == ledger.model_states_formula ? "(equal)" : "(DIFFERS)");
-  if (ledger.offload) print_host_column(out, ledger);
+  if (ledger.offload_optimizer) print_host_column(out, ledger);
   fprintf(out, "  %-22s %14s   floor(log2 A) x %d Psi/N = %s%s\n", "accumulation tree",
           with_commas(ledger.accumulation).c_str(), accumulation_e, with_commas(ledger.accumulation_formula).c_str(),
           mixed && accumulation_e == 4 ? " (fp32 blocks: not in the paper's K = 12)" : "");
@@ -71,8 +73,8 @@ void Engine::print_ledgers(FILE* out) const {
 }
 
 // ZeRO-Offload: what the host holds, in pinned memory, beside 16 Psi/N.
-void Engine::print_host_column(FILE* out, const MemoryLedger& ledger) const {
-  const bool mixed = options_.precision != Precision::fp32;
+static void print_host_column(FILE* out, const MemoryLedger& ledger) {
+  const bool mixed = ledger.precision != Precision::fp32;
   fprintf(out, "  host (ZeRO-Offload, pinned):\n");
   fprintf(out, "  %-22s %14s   (%s)\n", "  master", with_commas(ledger.host_master).c_str(),
           mixed ? "fp32 weights AdamW updates" : "fp32: the master; the device's parameters are its copy");
@@ -99,8 +101,8 @@ std::string Engine::ledgers_json() const {
        << ", \"master_bytes\": " << m.master << ", \"accumulation_bytes\": " << m.accumulation
        << ", \"accumulation_formula_bytes\": " << m.accumulation_formula << ", \"precision\": \""
        << to_string(m.precision) << "\", \"model_states_formula\": \""
-       << model_states_formula_text(options_.stage, m.precision, m.offload) << "\""
-       << ", \"offload_optimizer\": " << (m.offload ? "true" : "false")
+       << model_states_formula_text(options_.stage, m.precision, m.offload_optimizer) << "\""
+       << ", \"offload_optimizer\": " << (m.offload_optimizer ? "true" : "false")
        << ", \"host_model_states_bytes\": " << m.host_model_states
        << ", \"host_model_states_formula_bytes\": " << m.host_model_states_formula
        << ", \"host_master_bytes\": " << m.host_master << ", \"host_optimizer_bytes\": " << m.host_optimizer

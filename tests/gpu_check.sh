@@ -78,8 +78,10 @@
 #  14. ZeRO-Offload on the GPU (--offload-optimizer cpu, notes/13): BERT-mini
 #      at N = 1 (NCCL) stage 2 in fp32 and bf16, and N = 2 (MPI) stage 1 in
 #      bf16, 30 steps with and without offload: the same final hash; the
-#      median step time of each and their ratio (the host's AdamW and the
-#      copies, less what overlaps backward); the ledger's device
+#      median step time of each and their ratio (what the host's AdamW and
+#      the copies add; how much of the copy down hides behind backward is not
+#      measured apart); N = 1 takes no collective and one GPU cannot hold two
+#      NCCL ranks, so NCCL with offload at N > 1 is not run here; the ledger's device
 #      model states (2 Psi in bf16) and host ones (16 Psi/N) equal to their
 #      formulas, from --json;
 #  15. a summary.

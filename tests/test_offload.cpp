@@ -167,7 +167,7 @@ TEST_CASE("offload ledger: the device keeps the working parameters (stage 1 also
       // fp32: device 4 Psi of parameters (+ 4 Psi of gradient in stage 1);
       // host: master copy 4 Psi/N, m and v 8 Psi/N, the reduced shard 4 Psi/N.
       const size_t device = stage == 1 ? 8 * psi : 4 * psi;
-      const bool ok = m.offload && m.model_states == device && m.model_states_formula == device && m.master == 0 &&
+      const bool ok = m.offload_optimizer && m.model_states == device && m.model_states_formula == device && m.master == 0 &&
                       m.optimizer == 0 && m.grads == (stage == 1 ? 4 * psi : 0) && m.params == 4 * psi &&
                       m.host_master == 4 * shard && m.host_optimizer == 8 * shard && m.host_grads == 4 * shard &&
                       m.host_params == 0 && m.host_model_states == 16 * shard &&
@@ -197,7 +197,7 @@ TEST_CASE("offload ledger: the device keeps the working parameters (stage 1 also
     }
     // Without offload the host column is empty.
     const Run plain = train_mlp(backend, fp32_options(2, true, 2048, 1, false), 1);
-    CHECK(agree(!plain.memory.offload && plain.memory.host_model_states == 0 &&
+    CHECK(agree(!plain.memory.offload_optimizer && plain.memory.host_model_states == 0 &&
                 plain.memory.host_model_states_formula == 0 && plain.memory.host_bookkeeping == 0));
   }
 }
@@ -222,24 +222,27 @@ TEST_CASE("offload checkpoints: saved with offload, loaded without, and the reve
                             backend.name + ": offload checkpoint round trip differs"),
                       backend.name, " stage ", stage, " saved with offload ", save_offloaded);
       }
-      // fp32: the host's master copy must follow a checkpoint loaded into the parameters.
+      // fp32, both ways: the host's master copy must follow a checkpoint loaded into the parameters.
       z2::EngineOptions fp32 = fp32_options(stage, true, 1024, 1, false), fp32_offloaded = fp32;
       fp32_offloaded.offload_optimizer = true;
       const MixedRun fp32_straight =
           synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic, fp32, 6);
-      synthetic::Checkpoint checkpoint;
-      synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic, fp32, 3, nullptr,
-                                        synthetic::synthetic_gradient, {3, &checkpoint, nullptr});
-      const MixedRun fp32_resumed =
-          synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic, fp32_offloaded, 6, nullptr,
-                                            synthetic::synthetic_gradient, {0, nullptr, &checkpoint});
-      CHECK_MESSAGE(agree(same_bits(fp32_resumed.master, fp32_straight.master),
-                          backend.name + ": fp32 checkpoint loaded with offload differs"),
-                    backend.name, " stage ", stage);
+      for (bool save_offloaded : {true, false}) {
+        synthetic::Checkpoint checkpoint;
+        synthetic::train_synthetic<float>(*backend.compute, *backend.deterministic,
+                                          save_offloaded ? fp32_offloaded : fp32, 3, nullptr,
+                                          synthetic::synthetic_gradient, {3, &checkpoint, nullptr});
+        const MixedRun fp32_resumed = synthetic::train_synthetic<float>(
+            *backend.compute, *backend.deterministic, save_offloaded ? fp32 : fp32_offloaded, 6, nullptr,
+            synthetic::synthetic_gradient, {0, nullptr, &checkpoint});
+        CHECK_MESSAGE(agree(same_bits(fp32_resumed.master, fp32_straight.master),
+                            backend.name + ": fp32 offload checkpoint round trip differs"),
+                      backend.name, " stage ", stage, " saved with offload ", save_offloaded);
+      }
     }
 }
 
-TEST_CASE("offload, fp32: parameters set between steps reach the host's master copy") {
+TEST_CASE("offload, fp32: parameters and optimizer state set between steps reach the host's master copy") {
   for (const auto& backend : harness::backends())
     for (int stage : {1, 2}) {
       std::vector<std::vector<float>> finals;
@@ -255,9 +258,14 @@ TEST_CASE("offload, fp32: parameters set between steps reach the host's master c
         for (float& value : halved) value *= 0.5f;  // exact
         engine.parameters_from_host(halved);        // after step 2: the host master must follow
         for (int s = 2; s < 4; ++s) model.train_step(s);
+        // A checkpoint's state loaded after step 4 (its master doubled back): the same must hold.
+        z2::OptimizerState state = engine.owned_state_to_host();
+        for (float& value : state.master) value *= 2.0f;
+        engine.owned_state_from_host(state);
+        for (int s = 4; s < 6; ++s) model.train_step(s);
         finals.push_back(engine.parameters_to_host());
       }
-      CHECK_MESSAGE(agree(same_bits(finals[0], finals[1]), backend.name + ": parameters_from_host lost with offload"),
+      CHECK_MESSAGE(agree(same_bits(finals[0], finals[1]), backend.name + ": parameters or state set between steps lost with offload"),
                     backend.name, " stage ", stage);
     }
 }

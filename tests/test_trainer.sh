@@ -2345,6 +2345,19 @@ echo '{"zero_optimization": {"stage": 2, "cpu_offload": true}, "fp16": {"enabled
   > "$work/offload_fp16_master.json"
 bad_case "fp16.fp16_master_weights_and_grads: true is not supported" "${small[@]}" --config "$work/offload_fp16_master.json"
 
+# A host that cannot hold the offloaded optimizer: refused before anything is allocated, the host's share
+# named. The limit lies between what the run needs without offload and with it (each read from the
+# refusal at a limit of 1 KB), so it is the offloaded 16 Psi/N that does not fit.
+need_of() { ZERO2_MEMORY_LIMIT=1000 timeout 60 "$trainer" "${small[@]}" --stage 2 --offload-optimizer "$1" 2>&1 |
+  sed -n 's/.*this configuration needs \([0-9,]*\) bytes.*/\1/p' | tr -d ,; }
+need_none=$(need_of none) need_cpu=$(need_of cpu)
+if [ -n "$need_none" ] && [ -n "$need_cpu" ] && [ "$need_cpu" -gt "$need_none" ]; then
+  ZERO2_MEMORY_LIMIT=$(( (need_none + need_cpu) / 2 )) bad_ranks=1 bad_case \
+    "the optimizer offloaded (ZeRO-Offload, 16 Psi/N)" "${small[@]}" --stage 2 --offload-optimizer cpu
+else
+  fail "offload's host bytes are not counted by the memory check: needs $need_none without offload, $need_cpu with it"
+fi
+
 # The plan with offload (no step needed): every stage and N, the host's
 # bytes equal 16 Psi/N to the byte, the device's model states their formula,
 # and stage 2's device keeps the working parameters alone.
@@ -2459,6 +2472,8 @@ trace_flags=("${tiny[@]}" --dropout 0 --stage 2 --precision bf16 --trace-params-
 timeout 120 mpirun -n 2 "$trainer" "${trace_flags[@]}" --trace "$work/trace_plain" > "$work/log" 2>&1
 timeout 120 mpirun -n 2 "$trainer" "${trace_flags[@]}" --offload-optimizer cpu --trace "$work/trace_offload" >> "$work/log" 2>&1
 same=yes
+[ "$(cd "$work/trace_plain" 2>/dev/null && find . -type f | sort)" = "$(cd "$work/trace_offload" 2>/dev/null && find . -type f | sort)" ] ||
+  same="no (not the same files)"
 for file in $(cd "$work/trace_plain" 2>/dev/null && find . -type f ! -name trace.json); do
   cmp -s "$work/trace_plain/$file" "$work/trace_offload/$file" || same="no ($file)"
 done

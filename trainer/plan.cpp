@@ -70,9 +70,10 @@ static RankPlan plan_rank(const Settings& settings, int stage, int world_size) {
 struct HostUse {
   size_t fixed = 0;       // what the libraries and the process take after the check (OpenBLAS's buffers)
   size_t persistent = 0;  // held from the first step to the end
+  size_t offloaded = 0;   // ZeRO-Offload's optimizer state and its tables (16 Psi/N and a little; 0 without it)
   size_t copies = 0;      // the largest transient copy
   std::string largest;    // which one, for the message
-  size_t total() const { return fixed + persistent + copies; }
+  size_t total() const { return fixed + persistent + offloaded + copies; }
 };
 
 static HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Device device) {
@@ -105,7 +106,7 @@ static HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Devi
   const size_t B = shape.micro_batch, T = shape.seq, H = shape.hidden, S = B * T;
   if (mode_of(settings) == ActivationMode::offload)  // Model's host_checkpoints_ (pinned on cuda)
     use.persistent += (size_t)(shape.layers - 1) * S * H * act;
-  use.persistent += plan.engine.host_live();  // ZeRO-Offload's optimizer state and its tables (0 without it)
+  use.offloaded = plan.engine.host_live();  // allocated by build(), pinned on cuda
   if (device == z2::Device::cpu && (mixed || settings.portable)) {
     // The largest gemm operand (weights, activations, attention scores), in floats: 16-bit widens A, B
     // and C into fp32 scratch; --portable packs A and a block of B.
@@ -137,16 +138,19 @@ size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Devic
     const bool host_short = device != z2::Device::cpu && on_device <= available;
     const z2::MemoryLimit& short_of = host_short ? host_limit : limit;
     const double need = host_short ? (double)host.total() : on_device;
-    char plan_text[320], host_text[320];
+    char plan_text[320], host_text[400];
     snprintf(plan_text, sizeof plan_text,
              "%s bytes of the plan (%s parameters, stage %d, N = %d, activations %.2f GiB with --activations %s; "
              "--plan shows every category)",
              z2::with_commas((size_t)needed).c_str(), z2::with_commas(plan.psi).c_str(), settings.stage, world_size,
              plan.activation_peak / GiB, settings.activations.c_str());
     snprintf(host_text, sizeof host_text,
-             "%s bytes the process holds on the host besides the plan (%.2f GiB for %s, %.2f held all run, %.2f "
+             "%s bytes the process holds on the host besides the plan (%.2f GiB for %s, %.2f held all run, %s%.2f "
              "for the libraries; notes/10)",
              z2::with_commas(host.total()).c_str(), host.copies / GiB, host.largest.c_str(), host.persistent / GiB,
+             host.offloaded ? z2::format_text("%.2f the optimizer offloaded (ZeRO-Offload, 16 Psi/N), ",
+                                              host.offloaded / GiB).c_str()
+                            : "",
              host.fixed / GiB);
     std::string parts = plan_text, where;  // cuda, short of the GPU's memory: the plan alone
     if (device == z2::Device::cpu) parts += std::string(" plus ") + host_text;

@@ -247,9 +247,9 @@ static void print_model_states(const Settings& settings, const RunRecord& run) {
     printf("  %s per rank: %s bytes; formula %s = %s (%s)\n", what, z2::with_commas(measured).c_str(), text,
            z2::with_commas(formula).c_str(), measured == formula ? "equal" : "DIFFERS");
   };
-  line(ledger.offload ? "model states on the device" : "model states", ledger.model_states,
-       z2::model_states_formula_text(settings.stage, run.precision, ledger.offload), ledger.model_states_formula);
-  if (ledger.offload)
+  line(ledger.offload_optimizer ? "model states on the device" : "model states", ledger.model_states,
+       z2::model_states_formula_text(settings.stage, run.precision, ledger.offload_optimizer), ledger.model_states_formula);
+  if (ledger.offload_optimizer)
     line("offloaded to the host", ledger.host_model_states, z2::offloaded_states_formula_text(true),
          ledger.host_model_states_formula);
 }
