@@ -16,7 +16,8 @@
 #   - portable mode (--portable: zero2's own gemm, notes/11) beside the
 #     default mode, N = 1, stage 2: fp32 in the per-core rounds (each round
 #     runs both), bf16 and fp16 right after their default run;
-#   - ZeRO-Offload (--offload-optimizer cpu) beside the same run without it,
+#   - ZeRO-Offload (--offload-optimizer cpu) beside the same run without it
+#     (tokens/s and the optimizer step's milliseconds),
 #     stage 2, N = 2, fp32 and bf16: three rounds, the order rotated each
 #     round, the median of each run's median tokens/s; on the cpu device and
 #     host are one memory, so the ratio is the cost of the extra copies and
@@ -72,7 +73,8 @@ for round in 1 2 3; do
   for precision in fp32 bf16; do
     order="none cpu"; [ $((round % 2)) = 1 ] && order="cpu none"
     for offload in $order; do
-      zero2 "$build" "offload_${precision}_${offload}_$round" 2 --stage 2 --precision $precision --offload-optimizer $offload
+      zero2 "$build" "offload_${precision}_${offload}_$round" 2 --stage 2 --precision $precision --offload-optimizer $offload \
+        --wall-clock-breakdown
     done
   done
 done
@@ -138,10 +140,16 @@ for p, default, portable, gemm in pairs:
           f"{portable / default:>21.3f}")
 print()
 print("ZeRO-Offload (--offload-optimizer cpu) beside no offload, stage 2, N=2: the median over 3 rotated rounds of")
-print("each run's median tokens/s (cpu: device and host are one memory: the extra copies and host loops)")
-print(f"  {'precision':<10}{'none':>12}{'cpu':>12}{'cpu / none':>12}")
+print("each run's median tokens/s, and of its median optimizer step (--wall-clock-breakdown: the host loops and the")
+print("copy up; the copy down ends each reduce-scatter, in backward). On the cpu device and host are one memory,")
+print("so this is what the extra copies and buffers cost; the step's other phases are the same code either way.")
+print(f"  {'precision':<10}{'tokens/s none':>14}{'cpu':>8}{'cpu / none':>12}{'optimizer ms none':>20}{'cpu':>8}"
+      f"{'cpu - none':>12}")
 median = lambda values: sorted(values)[len(values) // 2]
+optimizer_ms = lambda name: median([step["optimizer_ms"] for step in run(name)["steps"]])
 for p in ("fp32", "bf16"):
     none, cpu = (median([tokens(f"offload_{p}_{o}_{r}") for r in (1, 2, 3)]) for o in ("none", "cpu"))
-    print(f"  {p:<10}{none:>12,.0f}{cpu:>12,.0f}{cpu / none:>12.3f}")
+    step_none, step_cpu = (median([optimizer_ms(f"offload_{p}_{o}_{r}") for r in (1, 2, 3)]) for o in ("none", "cpu"))
+    print(f"  {p:<10}{none:>14,.0f}{cpu:>8,.0f}{cpu / none:>12.3f}{step_none:>20.2f}{step_cpu:>8.2f}"
+          f"{step_cpu - step_none:>12.2f}")
 PY
