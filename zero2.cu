@@ -456,9 +456,9 @@ struct Engine::RankState {
   void adamw_as(int b, const AdamWConstants& constants);
   void start_all_gather(int b);
   void wait_for_all_gathers();
-  void wait_for_offloaded_gradients();  // ZeRO-Offload: the copies down
+  void wait_for_offloaded_gradients();      // ZeRO-Offload: the copies down
   void take_host_master_from_parameters();  // ZeRO-Offload, fp32: the master's host copy
-  void upload_updated_shard(int b);     // ZeRO-Offload: the updated shard up, before its all-gather
+  void upload_updated_shard(int b);         // ZeRO-Offload: the updated shard up, before its all-gather
   StepReport close_step(const StepReport& report);
   void account_step();
 };

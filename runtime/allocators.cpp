@@ -423,7 +423,8 @@ static void* host_memory(size_t bytes, Device device) {
 void* Compute::allocate_host_pinned(size_t bytes, bool offload) {
   if (bytes == 0) return nullptr;
   void* pointer = host_memory(bytes, device_);
-  resources_->pinned[pointer] = {bytes, offload ? Resources::PinnedBuffer::Use::activation_offload : Resources::PinnedBuffer::Use::comm_staging};
+  resources_->pinned[pointer] = {
+      bytes, offload ? Resources::PinnedBuffer::Use::activation_offload : Resources::PinnedBuffer::Use::comm_staging};
   size_t& current = offload ? counters_.host_offload_current : counters_.host_pinned_current;
   size_t& peak = offload ? counters_.host_offload_peak : counters_.host_pinned_peak;
   current += bytes;
@@ -445,7 +446,9 @@ void Compute::release_host_pinned(void* pointer) {
   switch (recorded.use) {
     case Resources::PinnedBuffer::Use::comm_staging: counters_.host_pinned_current -= recorded.bytes; break;
     case Resources::PinnedBuffer::Use::activation_offload: counters_.host_offload_current -= recorded.bytes; break;
-    case Resources::PinnedBuffer::Use::offloaded_state: counters_.host_current[(int)recorded.kind] -= recorded.bytes; break;
+    case Resources::PinnedBuffer::Use::offloaded_state:
+      counters_.host_current[(int)recorded.kind] -= recorded.bytes;
+      break;
   }
   resources_->pinned.erase(pointer);
   if (device_ == Device::cpu) {

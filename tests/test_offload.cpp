@@ -167,10 +167,10 @@ TEST_CASE("offload ledger: the device keeps the working parameters (stage 1 also
       // fp32: device 4 Psi of parameters (+ 4 Psi of gradient in stage 1);
       // host: master copy 4 Psi/N, m and v 8 Psi/N, the reduced shard 4 Psi/N.
       const size_t device = stage == 1 ? 8 * psi : 4 * psi;
-      const bool ok = m.offload_optimizer && m.model_states == device && m.model_states_formula == device && m.master == 0 &&
-                      m.optimizer == 0 && m.grads == (stage == 1 ? 4 * psi : 0) && m.params == 4 * psi &&
-                      m.host_master == 4 * shard && m.host_optimizer == 8 * shard && m.host_grads == 4 * shard &&
-                      m.host_params == 0 && m.host_model_states == 16 * shard &&
+      const bool ok = m.offload_optimizer && m.model_states == device && m.model_states_formula == device &&
+                      m.master == 0 && m.optimizer == 0 && m.grads == (stage == 1 ? 4 * psi : 0) &&
+                      m.params == 4 * psi && m.host_master == 4 * shard && m.host_optimizer == 8 * shard &&
+                      m.host_grads == 4 * shard && m.host_params == 0 && m.host_model_states == 16 * shard &&
                       m.host_model_states_formula == 16 * shard && m.host_bookkeeping > 0 &&
                       m.device_allocations_after_step1 == 0;
       CHECK_MESSAGE(agree(ok, backend.name + ": fp32 offload ledger differs"), backend.name, " stage ", stage,
@@ -265,7 +265,8 @@ TEST_CASE("offload, fp32: parameters and optimizer state set between steps reach
         for (int s = 4; s < 6; ++s) model.train_step(s);
         finals.push_back(engine.parameters_to_host());
       }
-      CHECK_MESSAGE(agree(same_bits(finals[0], finals[1]), backend.name + ": parameters or state set between steps lost with offload"),
+      CHECK_MESSAGE(agree(same_bits(finals[0], finals[1]),
+                          backend.name + ": parameters or state set between steps lost with offload"),
                     backend.name, " stage ", stage);
     }
 }

@@ -144,14 +144,15 @@ size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Devic
              "--plan shows every category)",
              z2::with_commas((size_t)needed).c_str(), z2::with_commas(plan.psi).c_str(), settings.stage, world_size,
              plan.activation_peak / GiB, settings.activations.c_str());
-    snprintf(host_text, sizeof host_text,
-             "%s bytes the process holds on the host besides the plan (%.2f GiB for %s, %.2f held all run, %s%.2f "
-             "for the libraries; notes/10)",
-             z2::with_commas(host.total()).c_str(), host.copies / GiB, host.largest.c_str(), host.persistent / GiB,
-             host.offloaded ? z2::format_text("%.2f the optimizer offloaded (ZeRO-Offload, 16 Psi/N), ",
-                                              host.offloaded / GiB).c_str()
-                            : "",
-             host.fixed / GiB);
+    snprintf(
+        host_text, sizeof host_text,
+        "%s bytes the process holds on the host besides the plan (%.2f GiB for %s, %.2f held all run, %s%.2f "
+        "for the libraries; notes/10)",
+        z2::with_commas(host.total()).c_str(), host.copies / GiB, host.largest.c_str(), host.persistent / GiB,
+        host.offloaded
+            ? z2::format_text("%.2f the optimizer offloaded (ZeRO-Offload, 16 Psi/N), ", host.offloaded / GiB).c_str()
+            : "",
+        host.fixed / GiB);
     std::string parts = plan_text, where;  // cuda, short of the GPU's memory: the plan alone
     if (device == z2::Device::cpu) parts += std::string(" plus ") + host_text;
     else if (host_short) parts = std::string(host_text) + " (the plan itself is on the GPU)", where = " on the host";
