@@ -26,7 +26,8 @@ python3 - "$work" "$trainer" "$flags" >"$out/offload_ledger" <<'PY'
 import json, sys
 work, trainer, flags = sys.argv[1:]
 run = lambda p, s, o: json.load(open(f"{work}/{p}_{s}_{o}.json"))
-print(f"Measured by `make notes` (`mpirun -n 2 {trainer} {flags} --precision P --stage S --offload-optimizer O --json`):")
+print(f"Measured by `make notes` (`OPENBLAS_NUM_THREADS=1 mpirun -n 2 {trainer} {flags} --precision P --stage S "
+      f"--offload-optimizer O --json FILE`; the hashes depend on OpenBLAS's thread count, which splits its sums):")
 print("BERT-mini at its default sizes, bytes per rank; each figure is the run's ledger, each formula `model_states_formula`")
 print("or `offloaded_states_formula` of zero2.cu (the same the ledger prints beside it). Hash: the final parameters.")
 print()

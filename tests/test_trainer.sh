@@ -2334,7 +2334,7 @@ grep -qF "without nvme_path DeepSpeed's stage 3 fails" "$work/bad_stderr" ||
 offload_refused nvme_path '{"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}' \
   "offload_optimizer.device: \"nvme\" is not supported"
 offload_refused pin '{"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}' \
-  "offload_optimizer.pin_memory: wants true or false (got \"yes\")"
+  "offload_optimizer.pin_memory: wants true or false, a JSON boolean without quotes (got \"yes\")"
 offload_refused ratio '{"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}' \
   "offload_optimizer.ratio: 0.5 is not supported: partial offload"
 offload_refused fast_init '{"stage": 2, "offload_optimizer": {"device": "cpu", "fast_init": true}}' \
@@ -2442,7 +2442,8 @@ for precision in fp32 bf16 fp16; do
   odir="$work/ck_offload_${precision}"
   timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" $(precision_flags $precision) --stage 1 --accum 2 --steps 8 --save-every 4 \
     --save "$odir" --offload-optimizer cpu > "$work/log" 2>&1
-  timeout 120 mpirun -n 2 "$trainer" --load "$odir/step_4" --stage 2 --quiet --json "$odir.resumed.json" > "$work/log" 2>&1
+  timeout 120 mpirun -n 2 "$trainer" --load "$odir/step_4" --stage 2 --offload-optimizer none --quiet \
+    --json "$odir.resumed.json" > "$work/log" 2>&1
   verdict=$(resumed_matches "$dir.straight.json" "$odir.resumed.json" $([ $precision = fp16 ] && echo skips) 2>&1)
   [ "$verdict" = ok ] && pass "$precision: saved with offload (stage 1), resumed without it (stage 2): the same bits" ||
     fail "$precision resume out of offload: $verdict $(head -c 200 "$work/log")"
@@ -2459,13 +2460,14 @@ a, b = sys.argv[1:]
 tensors = sorted(f for f in os.listdir(a) if f.endswith(".safetensors"))
 same = bool(tensors) and all(open(os.path.join(a, f), "rb").read() == open(os.path.join(b, f), "rb").read() for f in tensors)
 index = [json.load(open(os.path.join(d, "index.json"))) for d in (a, b)]
-def without_run_id(value):
-    if isinstance(value, dict): return {k: without_run_id(v) for k, v in value.items() if k != "run_id"}
+def without_run_id(value):  # and the setting itself, which a resumed run continues with (notes/13)
+    if isinstance(value, dict):
+        return {k: without_run_id(v) for k, v in value.items() if k not in ("run_id", "offload_optimizer")}
     return [without_run_id(v) for v in value] if isinstance(value, list) else value
 print("ok %d tensor files" % len(tensors) if same and without_run_id(index[0]) == without_run_id(index[1]) else "differ")
 PY
 )
-case "$verdict" in ok*) pass "a checkpoint saved with offload: the files of one saved without it (${verdict#ok }; the index but its run_id)";;
+case "$verdict" in ok*) pass "a checkpoint saved with offload: the files of one saved without it (${verdict#ok }; the index but its run_id and the offload setting)";;
   *) fail "checkpoint files with offload: $verdict";; esac
 # A trace with offload is the trace without it, file for file but trace.json (which says it offloaded).
 trace_flags=("${tiny[@]}" --dropout 0 --stage 2 --precision bf16 --trace-params-every 1)
@@ -2481,6 +2483,14 @@ done
   [ "$(json_get "$work/trace_offload/trace.json" "d['run']['offload_optimizer']")" = True ] &&
   pass "--trace with offload: the files of the trace without it (parameters and gradients at every step), offload recorded" ||
   fail "offload trace: the same files: $same $(tail -c 300 "$work/log")"
+# Resumed with no word on offload: it continues as saved (a run that needed the host's memory keeps it).
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_offload_bf16/step_4" --quiet --json "$work/ck_inherit.json" \
+  > "$work/log" 2>&1
+verdict=$(resumed_matches "$work/ck_bf16_2_2.straight.json" "$work/ck_inherit.json" 2>&1)
+[ "$verdict" = ok ] && [ "$(json_get "$work/ck_inherit.json" "d['offload_optimizer'] + ' ' + d['settings_origin']['offload_optimizer']")" = "cpu checkpoint" ] &&
+  pass "--load without --offload-optimizer: offloaded as saved (settings_origin: checkpoint), the same bits" ||
+  fail "offload not continued from the checkpoint: $verdict $(json_get "$work/ck_inherit.json" "d['offload_optimizer'], d['settings_origin'].get('offload_optimizer')" 2>&1 | head -c 200)"
+bad_case "--offload-optimizer cpu (the checkpoint's, not given here) with --stage 0" --load "$work/ck_offload_bf16/step_4" --stage 0
 fi  # section 15
 
 echo "$passed passed, $failed failed"

@@ -267,7 +267,8 @@ static json recorded_values(const Settings& s) {
           {"hysteresis", l.hysteresis},
           {"consecutive_hysteresis", l.consecutive_hysteresis},
           {"min_loss_scale", l.min_scale},
-          {"portable", s.portable}};
+          {"portable", s.portable},
+          {"offload_optimizer", s.offload_optimizer}};
 }
 
 // A field of index.json, or one message naming it and the file. `shown`
@@ -559,6 +560,15 @@ void adopt_checkpoint(Settings& s, int world_size) {
       fail("the checkpoint index '%s': settings.portable is %s, not true or false", file.c_str(),
            json_text(saved["portable"]).c_str());
     s.portable = saved["portable"].get<bool>();
+  }
+  // ZeRO-Offload (notes/13) changes no bit either: a run may choose it anew.
+  // Not given, it continues as saved, so that a run which needed the host's
+  // memory to fit keeps it on resuming (the stage may change: checked again).
+  if (!s.given.count("--offload-optimizer") && saved.contains("offload_optimizer")) {
+    s.offload_optimizer = parse_choice("the checkpoint's setting 'offload_optimizer' (in '" + file + "')",
+                                       index_string(saved, "offload_optimizer", file, "settings"), {"cpu", "none"});
+    s.origins["--offload-optimizer"] = "checkpoint";
+    if (!s.plan) check_offload(s);
   }
   if (export_only) s.export_only = true;
   // The run's length is not the schedule's: a resumed run may train longer

@@ -605,7 +605,10 @@ class ConfigReader {
                                   " DeepSpeed's stage 1 and 2 optimizer never reads it (zero/stage_1_and_2.py "
                                   "reads device and pin_memory), and neither does this trainer";
     if (inner == "device") offload_device(name, setting, device);
-    else if (inner == "pin_memory") accept_boolean(name, setting);
+    else if (inner == "pin_memory") {
+      if (!setting.is_boolean() && !is_auto(setting))  // (DeepSpeed's pydantic would also read "true" and 1)
+        refuse(name, "wants true or false, a JSON boolean without quotes (got " + json_text(setting) + ")");
+    }
     else if (inner == "nvme_path") {
       if (!setting.is_string() && !setting.is_null()) refuse(name, "wants a path (got " + json_text(setting) + ")");
     } else if (inner == "buffer_count") {
@@ -629,7 +632,8 @@ class ConfigReader {
                        "\"nvme\" too (zero/stage_1_and_2.py offloads to the cpu for any device but \"none\")" +
                        (nvme_path_missing_ ? "; and without nvme_path DeepSpeed's stage 3 fails (stage3.py joins "
                                              "the None path)"
-                                           : ""));
+                                           : "") +
+                       ". Use \"device\": \"cpu\"");
     else
       refuse(name, json_text(setting) +
                        " is not a device DeepSpeed knows (zero/offload_config.py "

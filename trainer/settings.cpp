@@ -560,6 +560,7 @@ static std::string said_by(const Settings& s, const std::string& flag, const std
   if (origin.rfind("config:", 0) == 0) return "config key '" + origin.substr(7) + "' " + value;
   if (origin.rfind("deepspeed_default:", 0) == 0)
     return flag.substr(2) + " " + value + " (DeepSpeed's default: the config names no " + flag.substr(2) + ")";
+  if (origin == "checkpoint") return flag + " " + value + " (the checkpoint's, not given here)";
   return flag + " " + value;
 }
 
@@ -578,7 +579,8 @@ void check_offload(const Settings& s) {
   fail(
       "%s with %s: offloading the optimizer needs ZeRO stage 1 or 2, whose optimizer state is partitioned; in "
       "stage 0 every rank updates every parameter (DeepSpeed fails too: its DeepSpeedCPUAdam asserts at the first "
-      "step that the parameters are on the cpu, ops/adam/cpu_adam.py). Give stage 1 or 2, or no offload",
+      "step that the parameters are on the cpu, ops/adam/cpu_adam.py). Give --stage 1 or 2, or "
+      "--offload-optimizer none",
       said_by(s, "--offload-optimizer", offload_value).c_str(), said_by(s, "--stage", "0").c_str());
 }
 
