@@ -220,14 +220,10 @@ void Engine::require_built(const char* what) const {
 // receiver sums them in fp32, rounding once (notes/08): the paper's volume
 // with better numerics than a 16-bit ring.
 //
-// ZeRO-Offload (Ren et al., USENIX ATC 2021; notes/13), stages 1 and 2:
-// the optimizer's 12 Psi/N (master, m, v) leave the device for pinned host
-// memory, with the reduced gradient shard, and the step runs there. The
-// device keeps the working parameters (stage 1 also its full gradient): 4
-// Psi in fp32, 2 Psi mixed, in stage 2. Per step 2 Psi/N bytes cross the bus
-// each way in mixed precision (the reduced shard down, the updated shard
-// rounded up), 4 + 4 in fp32. The host runs the same Z2_LOOP bodies on the
-// same values, so the bits are those of the run without offload.
+// ZeRO-Offload (Ren et al., USENIX ATC 2021; notes/13), stages 1 and 2: the
+// optimizer's 12 Psi/N and the reduced shard move to pinned host memory, the
+// step runs there; the device keeps the working parameters (stage 2: 4 Psi
+// fp32, 2 Psi mixed). 2 Psi/N bytes cross each way per step (4 in fp32).
 //
 // Gradient accumulation (notes/06): rank r computes global micro-batch
 // m = a N + r at micro-step a, every micro-step is reduced across ranks (the
@@ -468,41 +464,10 @@ Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& option
       comm_(comm),
       options_(options),
       scaler_(options.loss_scaling, options.precision == Precision::fp16) {
-  if (options_.stage < 0 || options_.stage > 2) usage_error("stage must be 0, 1 or 2 (got %d)", options_.stage);
-  if (options_.offload_optimizer && options_.stage == 0)
-    usage_error(
-        "offloading the optimizer needs ZeRO stage 1 or 2: in stage 0 every rank updates every parameter, so the "
-        "host would hold all 16 Psi bytes (DeepSpeed refuses it too: ZeRO-Offload is built on the partitioned "
-        "optimizer). Use stage 1 or 2, or no offload");
-  if (options_.bucket_elements <= 0)
-    usage_error("bucket size must be a positive number of elements (got %ld)", options_.bucket_elements);
-  if (options_.accumulation_steps < 1)
-    usage_error("gradient accumulation steps must be at least 1 (got %d)", options_.accumulation_steps);
-  if (!(options_.lr >= 0) || !(options_.beta1 >= 0 && options_.beta1 < 1) ||
-      !(options_.beta2 >= 0 && options_.beta2 < 1) || !(options_.eps > 0) || !(options_.weight_decay >= 0) ||
-      !(options_.clip >= 0))
-    usage_error(
-        "AdamW settings out of range: lr %g >= 0, 0 <= beta1 %g < 1, 0 <= beta2 %g < 1, eps %g > 0, "
-        "weight decay %g >= 0, clip %g >= 0",
-        options_.lr, options_.beta1, options_.beta2, options_.eps, options_.weight_decay, options_.clip);
+  check_engine_options(options_);  // runtime/option_checks.cpp
 }
 
 Engine::~Engine() = default;
-
-// Every rank must register the same parameters, or the buckets would not
-// match and the first collective would fail with an opaque MPI error. Agree
-// on a hash of the names, sizes and decay flags.
-static void check_same_parameters(const std::vector<ParameterInfo>& parameters, Communicator& comm) {
-  uint64_t layout = 0xcbf29ce484222325ull;
-  for (auto& p : parameters) layout = hash_keys(layout, std::hash<std::string>()(p.name), p.numel, p.decay);
-  unsigned long long mine = layout, lowest = 0, highest = 0;
-  watched_allreduce(&mine, &lowest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm.mpi(), "the layout check's all-reduce");
-  watched_allreduce(&mine, &highest, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, comm.mpi(), "the layout check's all-reduce");
-  if (lowest != highest)
-    usage_error(
-        "build(): the ranks registered different parameters (names, sizes or decay flags differ); every "
-        "rank must register the same model");
-}
 
 // Build: agree on the model, lay it out in buckets ("Layout"), allocate
 // every buffer once (after this no allocation is made: the ledger counts them).
@@ -1207,15 +1172,10 @@ void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const Acc
 // stage skips the same steps. Otherwise the unscaling by 1/S (a power of two:
 // exact) is folded into the clipping coefficient, one multiply per element.
 
-// ZeRO-Offload moves this whole section to the host: each bucket's reduced
-// shard came down inside its reduce-scatter (ShardToHost, "The
-// reduce-scatter"), the norm, overflow check and AdamW loops below run as
-// CPU loops over the host's buffers (RankState::optimizer_loop), and each
-// updated shard goes up as soon as it is computed (upload_updated_shard),
-// so the host works on bucket b + 1 while bucket b crosses; the all-gathers
-// follow the last update, as without offload (update_and_gather).
-// to_float of a 16-bit value is exact and the loops are the same text, so
-// every element gets the same operations on the same values: the same bits.
+// ZeRO-Offload runs this section on the host: the shards came down in their
+// reduce-scatters (ShardToHost), the loops below run as CPU loops on the
+// host's buffers (RankState::optimizer_loop) and each updated shard goes up
+// once computed (upload_updated_shard). Same loops, same values: same bits.
 
 // The step as the paper's optimizer sees it; each call below is one idea,
 // defined after it in the same order.
@@ -1341,26 +1301,15 @@ Z2_LAB_SEAM void LossScaler::update(bool overflow) {
 }
 
 LossScaler::LossScaler(const LossScaling& settings, bool fp16) : settings_(settings) {
-  if (!fp16) return;  // bf16 and fp32 need no scaling: scale 1, never updated
-  if (!(settings.static_scale >= 0) || !std::isfinite(settings.static_scale))
-    usage_error("fp16 loss_scale %g: 0 (dynamic) or a positive static scale", settings.static_scale);
-  if (settings.initial_scale_power < 0 || settings.initial_scale_power > 100)
-    usage_error("fp16 initial_scale_power %d: from 0 to 100", settings.initial_scale_power);
-  if (settings.window < 1) usage_error("fp16 loss_scale_window %ld: at least 1", settings.window);
-  if (settings.hysteresis < 1) usage_error("fp16 hysteresis %d: at least 1", settings.hysteresis);
-  if (!(settings.min_scale > 0) || !std::isfinite(settings.min_scale))
-    usage_error("fp16 min_loss_scale %g: must be > 0", settings.min_scale);
+  if (!fp16) return;             // bf16 and fp32 need no scaling: scale 1, never updated
+  check_loss_scaling(settings);  // runtime/option_checks.cpp
   dynamic_ = settings.static_scale == 0;
   scale_ = dynamic_ ? std::ldexp(1.0, settings.initial_scale_power) : settings.static_scale;
   hysteresis_left_ = settings.hysteresis;
 }
 
 void LossScaler::restore(const LossScalerState& state) {
-  if (!(state.scale > 0) || !std::isfinite(state.scale) || state.hysteresis_left < 1 || state.iteration < 0 ||
-      state.last_overflow < -1 || state.last_overflow >= state.iteration)
-    usage_error(
-        "a loss scaler state that no run reaches: scale %g, hysteresis left %d, iteration %ld, last overflow %ld",
-        state.scale, state.hysteresis_left, state.iteration, state.last_overflow);
+  check_loss_scaler_state(state);  // runtime/option_checks.cpp
   scale_ = state.scale;
   hysteresis_left_ = state.hysteresis_left;
   iteration_ = state.iteration;
@@ -1783,19 +1732,9 @@ double model_states_formula(int stage, Precision precision, double psi, double r
   return mixed[stage];
 }
 
-const char* model_states_formula_text(int stage, Precision precision, bool offload) {
-  static const char* fp32[] = {"16 Psi", "8 Psi + 8 Psi/N", "4 Psi + 12 Psi/N"};
-  static const char* mixed[] = {"16 Psi", "4 Psi + 12 Psi/N", "2 Psi + 14 Psi/N"};
-  static const char* offloaded_fp32[] = {"16 Psi", "8 Psi", "4 Psi"};
-  static const char* offloaded_mixed[] = {"16 Psi", "4 Psi", "2 Psi"};
-  if (offload) return precision == Precision::fp32 ? offloaded_fp32[stage] : offloaded_mixed[stage];
-  return precision == Precision::fp32 ? fp32[stage] : mixed[stage];
-}
-
 double offloaded_states_formula(int stage, Precision, double psi, double ranks, bool offload) {
   return offload && stage > 0 ? 16 * psi / ranks : 0;
 }
-const char* offloaded_states_formula_text(bool offload) { return offload ? "16 Psi/N" : "0"; }
 
 MemoryLedger Engine::memory_ledger() const {
   require_built("memory_ledger");

@@ -29,6 +29,7 @@
 //   runtime/host_copies.cpp     parameters and gradients to and from the host
 //   runtime/checkpoint_state.cpp  the optimizer state in canonical order, at any N
 //   runtime/ledger_report.cpp   the ledgers as a table and as JSON
+//   runtime/option_checks.cpp   what the engine refuses before it starts (options, layouts, scaler states)
 //   runtime/lab_checks.cpp      a lab build's checks of a student's seams
 //
 // Usage, in the shape of a training loop (tests/mlp_model.cu is a full example):

@@ -435,7 +435,48 @@ print(json.dumps(d, indent=1))" "$out/ck_fp32/step_4/index.json"
 # PEER=torch` (the torch peer and the planted mistakes); check_trace_failure: the checker's whole output on
 # one planted mistake.
 notes/generate_traces.sh "$build" "$out"
-notes/generate_offload.sh "$build" "$out"
+# offload_ledger (notes/13): BERT-mini at N = 2, stages 1 and 2, fp32 and bf16, with and without
+# --offload-optimizer cpu: the device's and the host's model states beside their formulas, the host by
+# category, the final hash of each pair (the same).
+offload_flags="--steps 3 --quiet"
+for precision in fp32 bf16; do
+  for stage in 1 2; do
+    for offload in none cpu; do
+      timeout 300 mpirun -n 2 "$trainer" $offload_flags --precision $precision --stage $stage --offload-optimizer $offload \
+        --json "$out/offload_${precision}_${stage}_$offload.json" >/dev/null
+    done
+  done
+done
+python3 - "$out" "$trainer" "$offload_flags" >"$out/offload_ledger" <<'PY'
+import json, sys
+work, trainer, flags = sys.argv[1:]
+run = lambda p, s, o: json.load(open(f"{work}/offload_{p}_{s}_{o}.json"))
+print(f"Measured by `make notes` (`OPENBLAS_NUM_THREADS=1 mpirun -n 2 {trainer} {flags} --precision P --stage S "
+      f"--offload-optimizer O --json FILE`; the hashes depend on OpenBLAS's thread count, which splits its sums):")
+print("BERT-mini at its default sizes, bytes per rank; each figure is the run's ledger, each formula `model_states_formula`")
+print("or `offloaded_states_formula` of zero2.cu (the same the ledger prints beside it). Hash: the final parameters.")
+print()
+print("| precision | stage | offload | device model states | formula | host model states | formula "
+      "| host: master, m + v, grads, params | final hash |")
+print("|---|---|---|---|---|---|---|---|---|")
+for p in ("fp32", "bf16"):
+    for s in (1, 2):
+        for o in ("none", "cpu"):
+            d = run(p, s, o); m = d["memory"]
+            host = (f"{m['host_master_bytes']:,}, {m['host_optimizer_bytes']:,}, {m['host_grads_bytes']:,}, "
+                    f"{m['host_params_bytes']:,}") if o == "cpu" else "-"
+            print(f"| {p} | {s} | {o} | {m['model_states_bytes']:,} | {m['model_states_formula']} = "
+                  f"{m['model_states_formula_bytes']:,} | {m['host_model_states_bytes']:,} | "
+                  f"{'16 Psi/N' if o == 'cpu' else '0'} = "
+                  f"{m['host_model_states_formula_bytes']:,} | {host} | `{d['final_params_hash']}` |")
+d = run("bf16", 2, "cpu")
+print()
+print(f"Psi_padded = {d['params_padded']:,} at N = 2. bf16 stage 2 without offload keeps "
+      f"{run('bf16', 2, 'none')['memory']['model_states_bytes']:,} bytes of model states on the device; "
+      f"with it, {d['memory']['model_states_bytes']:,} "
+      f"({d['memory']['model_states_bytes'] / run('bf16', 2, 'none')['memory']['model_states_bytes']:.3f} of it), "
+      f"and the host holds {d['memory']['host_model_states_bytes']:,}.")
+PY
 
 # --- reliability (README, "When something goes wrong") -------------------------------
 # reliability_messages: a rank stopped mid-run (the watchdog), ranks waiting for

@@ -29,6 +29,12 @@ struct ModelStates {
   UpdateRegion region(int b) const { return update_region(buckets[b], options.stage, comm.rank()); }
 };
 
+// What the engine refuses before it starts (runtime/option_checks.cpp).
+void check_engine_options(const EngineOptions& options);
+void check_same_parameters(const std::vector<ParameterInfo>& parameters, Communicator& comm);  // collective
+void check_loss_scaling(const LossScaling& settings);
+void check_loss_scaler_state(const LossScalerState& state);
+
 // fp32 values rounded to a 16-bit precision's bits (runtime/host_copies.cpp):
 // a working copy is its master rounded, as an update leaves it.
 std::vector<uint16_t> narrow_bits(const std::vector<float>& values, Precision precision);

@@ -9,6 +9,18 @@
 
 namespace z2 {
 
+// The formulas of zero2.cu ("The ledger") as the tables print them.
+const char* model_states_formula_text(int stage, Precision precision, bool offload) {
+  static const char* fp32[] = {"16 Psi", "8 Psi + 8 Psi/N", "4 Psi + 12 Psi/N"};
+  static const char* mixed[] = {"16 Psi", "4 Psi + 12 Psi/N", "2 Psi + 14 Psi/N"};
+  static const char* offloaded_fp32[] = {"16 Psi", "8 Psi", "4 Psi"};
+  static const char* offloaded_mixed[] = {"16 Psi", "4 Psi", "2 Psi"};
+  if (offload) return precision == Precision::fp32 ? offloaded_fp32[stage] : offloaded_mixed[stage];
+  return precision == Precision::fp32 ? fp32[stage] : mixed[stage];
+}
+
+const char* offloaded_states_formula_text(bool offload) { return offload ? "16 Psi/N" : "0"; }
+
 static void print_host_column(FILE* out, const MemoryLedger& ledger);  // ZeRO-Offload's part, below
 
 void Engine::print_ledgers(FILE* out) const {
