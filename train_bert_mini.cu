@@ -1656,9 +1656,10 @@ class Training {
   RunRecord run_;         // the device, the shape, the steps, evaluations and saves, for the reports
   ProgressLog progress_;  // the progress lines and --metrics
   BatchDump dump_;        // step 0's (--dump-batch): what forward read
-  std::unique_ptr<DirectoryLock> save_lock_;  // rank 0 with --save: held until the run ends
-  InitialWeights initial_weights_;            // --init-hf's, until the engine holds them
-  std::unique_ptr<RunTrace> trace_;           // rank 0 with --trace
+  std::unique_ptr<DirectoryLock> save_lock_;   // rank 0 with --save: held until the run ends
+  InitialWeights initial_weights_;             // --init-hf's, until the engine holds them
+  std::unique_ptr<DirectoryLock> trace_lock_;  // rank 0 with --trace: claimed before the engine, then the trace's
+  std::unique_ptr<RunTrace> trace_;            // rank 0 with --trace
   // --eval-every: the held-out tail of the data, and what training draws from.
   std::string training_text_, held_out_;
 };
@@ -1685,6 +1686,13 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
           if (rank_ == 0) save_lock_ = claim_save_directory(settings_);
         },
         "the --save directory was claimed");
+  if (!settings_.trace_dir.empty())  // before the engine: a second run into one --trace stops here
+    agree_on_errors(
+        world_,
+        [&] {
+          if (rank_ == 0) trace_lock_ = claim_trace_directory(settings_);
+        },
+        "the --trace directory was claimed");
   run_.world_size = world_size_;
   run_.device = z2::choose_device(settings_.device, world_);
   run_.comm = z2::choose_comm(settings_.comm, run_.device, world_);
@@ -1728,7 +1736,7 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
         world_,
         [&] {
           if (rank_ != 0) return;
-          trace_ = std::make_unique<RunTrace>(settings_);
+          trace_ = std::make_unique<RunTrace>(settings_, std::move(trace_lock_));
           trace_->write_initial(run_.shape, model_->tensor_shapes(), *engine_, initial);
         },
         "the trace's initial weights were written");
@@ -1800,9 +1808,7 @@ void Training<Act>::train_step(long step) {
   if (dumping)
     agree_on_errors(
         world_,
-        [&] {
-          write_batch_dump(settings_, run_.shape, model_->tensor_shapes(), *engine_, dump_, report, gradients);
-        },
+        [&] { write_batch_dump(settings_, run_.shape, model_->tensor_shapes(), *engine_, dump_, report, gradients); },
         "the batch dump was written");
   if (!settings_.trace_dir.empty())
     trace_step(step, report, contributions, trace_parameters ? gradients : std::vector<float>());

@@ -921,6 +921,9 @@ bad_case "is not valid JSON" "${small[@]}" --config "$work/trailing.json"
 bad_case "has the key 'gradient_clipping' twice" "${small[@]}" --config "$work/duplicate.json"
 bad_case "has the key 'stage' twice" "${small[@]}" --config "$work/duplicate_inner.json"
 bad_case "(got '18446744073709551615')" "${small[@]}" --config "$work/huge.json"
+# -0 is quoted as written (it was quoted '0', a value the file does not hold).
+echo '{"train_micro_batch_size_per_gpu": -0}' > "$work/minus_zero.json"
+bad_case "(got '-0')" "${small[@]}" --config "$work/minus_zero.json"
 bad_case "zero_optimization.overlap_comm: wants true or false" "${small[@]}" --config "$work/number_bool.json"
 bad_case "nests objects and arrays more than 16 deep" "${small[@]}" --config "$work/deep.json"
 fi  # section 7's files and inputs; its numbers and the watchdog (below) always run
@@ -2255,6 +2258,47 @@ fi
 # Bad input: one message, every rank, nothing written.
 mkdir -p "$work/not_empty"; touch "$work/not_empty/x"
 bad_case "--trace '$work/not_empty' is not empty" "${small[@]}" --trace "$work/not_empty"
+# Two runs into one new --trace directory (issue 35: both exited 0, the
+# directory mixing their files): the lock is taken before the emptiness
+# check, so exactly one proceeds. First deterministically: a run stopped
+# (SIGSTOP) while it holds the lock on the still empty directory, seen in
+# /proc/locks, refuses the second, which names the holder's pid.
+rm -rf "$work/t_locked"; mkdir "$work/t_locked"
+inode=$(stat -c %i "$work/t_locked")
+timeout 300 "$trainer" --steps 1 --quiet --trace "$work/t_locked" > /dev/null 2>&1 &
+run=$!
+holder=""  # the trainer's pid (timeout's child), as /proc/locks lists the lock's owner
+for _ in $(seq 1 400); do
+  holder=$(awk -v inode=":$inode" '$2 == "FLOCK" && substr($6, length($6) - length(inode) + 1) == inode { print $5 }' /proc/locks)
+  [ -n "$holder" ] && break; sleep 0.01
+done
+[ -n "$holder" ] && kill -STOP "$holder" 2>/dev/null
+if [ -n "$holder" ] && [ -z "$(ls -A "$work/t_locked")" ]; then
+  bad_case "--trace '$work/t_locked' is being written by another run: give each run its own directory (the lock's holder: process $holder: $trainer" \
+    "${small[@]}" --trace "$work/t_locked"
+else echo "    (the lock on an empty --trace directory was not caught in time: the lock case is left to the rounds below)"; fi
+[ -n "$holder" ] && kill -CONT "$holder" 2>/dev/null
+wait $run && [ -f "$work/t_locked/trace.json" ] && pass "the run holding --trace's lock goes on and writes its trace" ||
+  fail "the run holding --trace's lock did not finish its trace"
+# Then as users would meet it: a small run and a BERT-mini run started
+# together into one new directory, three rounds; each round exactly one
+# exits 0, and the trace is whole and that run's (its model's sizes).
+for round in 1 2 3; do
+  rm -rf "$work/t_race"
+  timeout 300 mpirun -n 1 "$trainer" --steps 2 --quiet --trace "$work/t_race" > "$work/race_big.log" 2>&1 &
+  big=$!
+  timeout 300 mpirun -n 1 "$trainer" "${small[@]}" --quiet --trace "$work/t_race" > "$work/race_small.log" 2>&1
+  small_status=$?
+  wait $big
+  big_status=$?
+  hidden=$("$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1]))['model']['hidden_size'])" "$work/t_race/trace.json" 2>/dev/null)
+  refused=$(cat "$work/race_big.log" "$work/race_small.log" | grep -cE "is being written by another run|is not empty")
+  if { [ $big_status = 0 ] && [ $small_status != 0 ] && [ "$hidden" = 256 ]; } ||
+     { [ $small_status = 0 ] && [ $big_status != 0 ] && [ "$hidden" = 16 ]; }; then
+    [ "$refused" = 1 ] && pass "two runs into one new --trace (round $round): exactly one proceeds (BERT-mini exit $big_status, the small run $small_status), the trace is the winner's, the other refused" ||
+      fail "two runs into one --trace (round $round): the loser's message: $(cat "$work/race_big.log" "$work/race_small.log" | head -c 300)"
+  else fail "two runs into one --trace (round $round): BERT-mini exit $big_status, the small run $small_status, the trace's hidden ${hidden:-none}"; fi
+done
 bad_case "--trace records a run from step 1" "${small[@]}" --trace "$work/t_load" --load "$work/nowhere"
 bad_case "--trace-params-every 2 is for --trace DIR" "${small[@]}" --trace-params-every 2
 bad_case "is inside --trace" "${small[@]}" --trace "$work/t_in" --export-hf "$work/t_in/export"
@@ -2429,6 +2473,18 @@ grep -q "^  model states on the device per rank: [0-9,]* bytes; formula 2 Psi = 
   grep -q "^  offload   optimizer to the host (ZeRO-Offload)" "$work/log" &&
   pass "the header: device and host model states beside their formulas, equal" ||
   fail "offload header: $(grep -E 'model states|offload|error' "$work/log" | head -c 400)"
+# A config's offload_optimizer without pin_memory gets the pinning note,
+# only while the run offloads: --offload-optimizer none overriding it
+# printed the note anyway (issue 35).
+echo '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}' > "$work/offload_unpinned.json"
+for choice in cpu none; do
+  timeout 120 mpirun -n 2 "$trainer" "${tiny[@]:0:${#tiny[@]}-1}" --steps 1 --config "$work/offload_unpinned.json" \
+    --offload-optimizer $choice > "$work/pin_$choice.log" 2>&1
+done
+grep -q "pin_memory false (DeepSpeed 0.16.9's default): zero2 pins" "$work/pin_cpu.log" &&
+  ! grep -q "zero2 pins" "$work/pin_none.log" && ! grep -q "error" "$work/pin_none.log" &&
+  pass "the header's pinning note only where the run offloads (the config's cpu, not --offload-optimizer none over it)" ||
+  fail "pinning note: with cpu $(grep -c 'zero2 pins' "$work/pin_cpu.log"), with none $(grep -c 'zero2 pins' "$work/pin_none.log")"
 
 # Checkpoints: saved without offload (section 8), resumed with it; saved
 # with it, resumed without; both = the straight 8 steps (fp16: with its skips).

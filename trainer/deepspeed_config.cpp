@@ -71,19 +71,41 @@ static json parse_config_json(const std::string& path, const std::string& text) 
     // DeepSpeed reads its configs as Hjson (runtime/config.py DeepSpeedConfig),
     // which forgives a missing comma or a comment: say so, as the file may
     // well run there.
-    fail("the config file '%s' is not valid JSON: %s (DeepSpeed reads configs as Hjson, which forgives a missing "
-         "comma or a comment; this trainer reads strict JSON)",
-         path.c_str(), e.what());
+    fail(
+        "the config file '%s' is not valid JSON: %s (DeepSpeed reads configs as Hjson, which forgives a missing "
+        "comma or a comment; this trainer reads strict JSON)",
+        path.c_str(), e.what());
   }
 }
 
-// The text of every floating-point number in a config, by its key path
-// ("fp16.loss_scale", "optimizer.params.betas[0]"). The JSON library keeps
-// only the double, and a message should quote what the user wrote: 1e39,
-// not 9.9999999999999994e+38; 18446744073709551616 (beyond uint64, so
-// parsed as a double), not 1.8446744073709552e+19. Its SAX interface hands
-// each number's text over; this records it and builds nothing.
+// The text of every number in a config, by its key path ("fp16.loss_scale",
+// "optimizer.params.betas[0]"). The JSON library keeps only the value, and a
+// message should quote what the user wrote: 1e39, not
+// 9.9999999999999994e+38; 18446744073709551616 (beyond uint64, so parsed as
+// a double), not 1.8446744073709552e+19; -0, not 0 (an integer to both).
+// Its SAX interface hands over a float's text but not an integer's, so the
+// numbers' texts are first cut out of the text in document order (a number
+// starts outside a string with '-' or a digit; the text is valid JSON by
+// now), and each number event takes the next one. It builds nothing.
 struct NumberTexts : nlohmann::json_sax<json> {
+  explicit NumberTexts(const std::string& text = "") {
+    for (size_t i = 0; i < text.size(); ++i) {
+      if (text[i] == '"') {  // a string, escapes and all: no number inside counts
+        for (++i; i < text.size() && text[i] != '"'; ++i) i += text[i] == '\\';
+      } else if (text[i] == '-' || (text[i] >= '0' && text[i] <= '9')) {
+        const size_t end = text.find_first_not_of("0123456789+-.eE", i);
+        written.push_back(text.substr(i, end - i));
+        i = end == std::string::npos ? text.size() : end - 1;
+      }
+    }
+  }
+  bool number() {  // the next number's text, under its key path
+    if (next < written.size()) texts[here()] = written[next];
+    ++next;
+    return value();
+  }
+  std::vector<std::string> written;  // every number's text, in document order
+  size_t next = 0;
   std::map<std::string, std::string> texts;
   std::vector<std::string> keys;  // per open object or array: the current key ("" in an array)
   std::vector<long> indices;      // per open level: the current element's index (-1 in an object)
@@ -111,12 +133,9 @@ struct NumberTexts : nlohmann::json_sax<json> {
   }
   bool null() override { return value(); }
   bool boolean(bool) override { return value(); }
-  bool number_integer(number_integer_t) override { return value(); }
-  bool number_unsigned(number_unsigned_t) override { return value(); }
-  bool number_float(number_float_t, const string_t& text) override {
-    texts[here()] = text;
-    return value();
-  }
+  bool number_integer(number_integer_t) override { return number(); }
+  bool number_unsigned(number_unsigned_t) override { return number(); }
+  bool number_float(number_float_t, const string_t&) override { return number(); }
   bool string(string_t&) override { return value(); }
   bool binary(binary_t&) override { return value(); }
   bool start_object(std::size_t) override { return open(-1); }
@@ -191,22 +210,43 @@ static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
 // runtime/fp16/onebit/{adam,zoadam,lamb}.py, runtime/lr_schedules.py OneCycle,
 // LRRangeTest, WarmupCosineLR; torch.optim's Adagrad and SGD).
 static const std::map<std::string, std::string> other_features_params = {
-    {"max_coeff", "Lamb's"}, {"min_coeff", "Lamb's"}, {"eps_inside_sqrt", "Lamb's"},
-    {"freeze_step", "OneBitAdam's / OneBitLamb's"}, {"cuda_aware", "OneBitAdam's / OneBitLamb's"},
-    {"comm_backend_name", "OneBitAdam's / OneBitLamb's"}, {"coeff_beta", "OneBitLamb's"},
-    {"factor_max", "OneBitLamb's"}, {"factor_min", "OneBitLamb's"}, {"factor_threshold", "OneBitLamb's"},
-    {"var_freeze_step", "ZeroOneAdam's"}, {"var_update_scaler", "ZeroOneAdam's"},
-    {"local_step_scaler", "ZeroOneAdam's"}, {"local_step_clipper", "ZeroOneAdam's"},
-    {"lr_decay", "Adagrad's"}, {"initial_accumulator_value", "Adagrad's"}, {"momentum", "SGD's"},
-    {"dampening", "SGD's"}, {"nesterov", "SGD's"},
-    {"cycle_min_lr", "OneCycle's"}, {"cycle_max_lr", "OneCycle's"}, {"decay_lr_rate", "OneCycle's"},
-    {"cycle_first_step_size", "OneCycle's"}, {"cycle_second_step_size", "OneCycle's"},
-    {"cycle_first_stair_count", "OneCycle's"}, {"cycle_second_stair_count", "OneCycle's"},
-    {"decay_step_size", "OneCycle's"}, {"cycle_momentum", "OneCycle's"}, {"cycle_min_mom", "OneCycle's"},
-    {"cycle_max_mom", "OneCycle's"}, {"decay_mom_rate", "OneCycle's"},
-    {"lr_range_test_min_lr", "LRRangeTest's"}, {"lr_range_test_step_size", "LRRangeTest's"},
-    {"lr_range_test_step_rate", "LRRangeTest's"}, {"lr_range_test_staircase", "LRRangeTest's"},
-    {"warmup_min_ratio", "WarmupCosineLR's"}, {"cos_min_ratio", "WarmupCosineLR's"}};
+    {"max_coeff", "Lamb's"},
+    {"min_coeff", "Lamb's"},
+    {"eps_inside_sqrt", "Lamb's"},
+    {"freeze_step", "OneBitAdam's / OneBitLamb's"},
+    {"cuda_aware", "OneBitAdam's / OneBitLamb's"},
+    {"comm_backend_name", "OneBitAdam's / OneBitLamb's"},
+    {"coeff_beta", "OneBitLamb's"},
+    {"factor_max", "OneBitLamb's"},
+    {"factor_min", "OneBitLamb's"},
+    {"factor_threshold", "OneBitLamb's"},
+    {"var_freeze_step", "ZeroOneAdam's"},
+    {"var_update_scaler", "ZeroOneAdam's"},
+    {"local_step_scaler", "ZeroOneAdam's"},
+    {"local_step_clipper", "ZeroOneAdam's"},
+    {"lr_decay", "Adagrad's"},
+    {"initial_accumulator_value", "Adagrad's"},
+    {"momentum", "SGD's"},
+    {"dampening", "SGD's"},
+    {"nesterov", "SGD's"},
+    {"cycle_min_lr", "OneCycle's"},
+    {"cycle_max_lr", "OneCycle's"},
+    {"decay_lr_rate", "OneCycle's"},
+    {"cycle_first_step_size", "OneCycle's"},
+    {"cycle_second_step_size", "OneCycle's"},
+    {"cycle_first_stair_count", "OneCycle's"},
+    {"cycle_second_stair_count", "OneCycle's"},
+    {"decay_step_size", "OneCycle's"},
+    {"cycle_momentum", "OneCycle's"},
+    {"cycle_min_mom", "OneCycle's"},
+    {"cycle_max_mom", "OneCycle's"},
+    {"decay_mom_rate", "OneCycle's"},
+    {"lr_range_test_min_lr", "LRRangeTest's"},
+    {"lr_range_test_step_size", "LRRangeTest's"},
+    {"lr_range_test_step_rate", "LRRangeTest's"},
+    {"lr_range_test_staircase", "LRRangeTest's"},
+    {"warmup_min_ratio", "WarmupCosineLR's"},
+    {"cos_min_ratio", "WarmupCosineLR's"}};
 
 // Optimizer types DeepSpeed builds that are not AdamW: its own (runtime/
 // config.py DEEPSPEED_OPTIMIZERS, matched in any case) and torch.optim's
@@ -214,17 +254,16 @@ static const std::map<std::string, std::string> other_features_params = {
 // exact name).
 static const std::set<std::string> deepspeed_other_optimizers = {
     "adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "lion"};
-static const std::set<std::string> torch_optimizers = {"SGD",   "RMSprop", "Adadelta",   "Adamax", "ASGD",
-                                                       "LBFGS", "NAdam",   "RAdam",      "Rprop",  "SparseAdam",
-                                                       "Adafactor"};
+static const std::set<std::string> torch_optimizers = {
+    "SGD", "RMSprop", "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "Rprop", "SparseAdam", "Adafactor"};
 // Scheduler types: DeepSpeed looks the name up exactly, in runtime/
 // lr_schedules.py, then in torch.optim.lr_scheduler (engine.py
 // _scheduler_from_config).
 static const std::set<std::string> deepspeed_other_schedulers = {"OneCycle", "LRRangeTest", "WarmupCosineLR"};
 static const std::set<std::string> torch_schedulers = {
-    "LambdaLR",       "MultiplicativeLR", "StepLR",   "MultiStepLR",       "ConstantLR",
-    "LinearLR",       "ExponentialLR",    "PolynomialLR", "CosineAnnealingLR", "ChainedScheduler",
-    "SequentialLR",   "ReduceLROnPlateau", "CyclicLR", "OneCycleLR",        "CosineAnnealingWarmRestarts"};
+    "LambdaLR",     "MultiplicativeLR",  "StepLR",       "MultiStepLR",       "ConstantLR",
+    "LinearLR",     "ExponentialLR",     "PolynomialLR", "CosineAnnealingLR", "ChainedScheduler",
+    "SequentialLR", "ReduceLROnPlateau", "CyclicLR",     "OneCycleLR",        "CosineAnnealingWarmRestarts"};
 
 class ConfigReader {
  public:
@@ -234,6 +273,7 @@ class ConfigReader {
     const std::string text = read_config_text(path_);
     const json config = parse_config_json(path_, text);
     if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path_.c_str());
+    numbers_ = NumberTexts(text);
     parse_json_events(text, numbers_);  // valid JSON by now: this pass only collects the numbers' texts
     for (auto& [key, value] : config.items()) top_level(key, value, config);
     settle_learning_rate_and_clipping();
@@ -250,7 +290,9 @@ class ConfigReader {
   static std::string near_miss(const std::string& key) {
     const size_t dot = key.rfind('.');
     const std::string name = dot == std::string::npos ? key : key.substr(dot + 1);
-    const std::string block = dot == std::string::npos ? "" : key.substr(0, dot) == "bfloat16" ? "bf16" : key.substr(0, dot);
+    const std::string block = dot == std::string::npos           ? ""
+                              : key.substr(0, dot) == "bfloat16" ? "bf16"
+                                                                 : key.substr(0, dot);
     const auto names = deepspeed_names.find(block);
     if (names == deepspeed_names.end()) return "";
     std::string best;
@@ -278,8 +320,7 @@ class ConfigReader {
   // apply, in DeepSpeed too: refused, naming the key it resembles.
   void ignored(const std::string& key, const std::string& why = "") {
     if (!near_miss(key).empty()) return unknown(key);
-    out_.warnings.push_back("config key '" + key + "' is " +
-                            (why.empty() ? "not a key DeepSpeed reads" : why) +
+    out_.warnings.push_back("config key '" + key + "' is " + (why.empty() ? "not a key DeepSpeed reads" : why) +
                             ": DeepSpeed ignores it, and so does this trainer");
   }
   static size_t edit_distance(const std::string& a, const std::string& b) {
@@ -310,12 +351,16 @@ class ConfigReader {
       refuse(key, "wants a number (got " + json_text(value) + ")");
       return "";
     }
+    const auto written = numbers_.texts.find(key);
     if (value.is_number_unsigned()) return std::to_string(value.get<unsigned long long>());
+    // -0 is an integer to JSON and 0 to a long long: quoted as "0", a
+    // refusal would name a value the file does not hold.
+    if (value.is_number_integer() && value.get<long long>() == 0 && written != numbers_.texts.end())
+      return written->second;
     if (value.is_number_integer()) return std::to_string(value.get<long long>());
     // A whole number written as a float (DeepSpeed's configs write
     // "reduce_bucket_size": 5e8) is that integer while a double holds it exactly.
     const double real = value.get<double>();
-    const auto written = numbers_.texts.find(key);
     // Written non-zero but read as 0 (1e-400): the text, for the flag parser
     // to refuse quoting it; as "0" it would silently pass.
     const bool written_nonzero = written != numbers_.texts.end() &&
@@ -608,8 +653,7 @@ class ConfigReader {
     else if (inner == "pin_memory") {
       if (!setting.is_boolean() && !is_auto(setting))  // (DeepSpeed's pydantic would also read "true" and 1)
         refuse(name, "wants true or false, a JSON boolean without quotes (got " + json_text(setting) + ")");
-    }
-    else if (inner == "nvme_path") {
+    } else if (inner == "nvme_path") {
       if (!setting.is_string() && !setting.is_null()) refuse(name, "wants a path (got " + json_text(setting) + ")");
     } else if (inner == "buffer_count") {
       if (!is_auto(setting) && !(setting.is_number_integer() && setting.get<long long>() >= 0))
@@ -657,7 +701,7 @@ class ConfigReader {
   // runs, and pinning changes the speed, never the bits.
   void pinned_note(const std::string& key, const json& pin) {
     if (pin == false)
-      out_.notes.push_back(key + " false" + (pin_memory_given_ ? "" : " (DeepSpeed 0.16.9's default)") +
+      out_.pinning_note = (key + " false" + (pin_memory_given_ ? "" : " (DeepSpeed 0.16.9's default)") +
                            ": zero2 pins the offloaded optimizer state anyway, so that its copies overlap "
                            "backward (DeepSpeed would keep it in pageable memory); the bits are the same");
   }
@@ -696,7 +740,8 @@ class ConfigReader {
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
       if (inner == "type") continue;
-      if (inner == "legacy_fusion") accept_boolean(name, setting);  // FP16_Optimizer's call of FusedAdam: the same update
+      if (inner == "legacy_fusion")
+        accept_boolean(name, setting);  // FP16_Optimizer's call of FusedAdam: the same update
       else if (inner != "params") ignored(name);
       else if (object(name, setting))
         for (auto& [param, entry] : setting.items()) optimizer_param(param, entry, name + "." + param);
@@ -716,7 +761,8 @@ class ConfigReader {
                "false (Adam with L2 regularization in the gradient) is not "
                "implemented: the optimizer is AdamW, DeepSpeed's default for \"Adam\"");
     } else if (deepspeed_other_optimizers.count(lowered))
-      refuse("optimizer.type", json_text(type) + " is not supported: a DeepSpeed feature not implemented here; " + adamw);
+      refuse("optimizer.type",
+             json_text(type) + " is not supported: a DeepSpeed feature not implemented here; " + adamw);
     else if (torch_optimizers.count(name))
       refuse("optimizer.type", json_text(type) + " is not supported: DeepSpeed builds torch.optim." + name +
                                    " for it, which is not implemented here; " + adamw);
@@ -745,7 +791,8 @@ class ConfigReader {
         out_.auto_flags.insert("beta2");
         return;
       }
-      if (!entry.is_array() || entry.size() != 2) return refuse(full, "wants [beta1, beta2] (got " + json_text(entry) + ")");
+      if (!entry.is_array() || entry.size() != 2)
+        return refuse(full, "wants [beta1, beta2] (got " + json_text(entry) + ")");
       set_number("beta1", full + "[0]", entry[0]);
       set_number("beta2", full + "[1]", entry[1]);
     } else if (param == "bias_correction") {
@@ -807,7 +854,8 @@ class ConfigReader {
     for (const char* known : {"WarmupLR", "WarmupDecayLR", "OneCycle", "LRRangeTest", "WarmupCosineLR"})
       if (lower(known) == lower(name)) same_letters = known;
     if (deepspeed_other_schedulers.count(name))
-      refuse("scheduler.type", json_text(type) + " is not supported: a DeepSpeed feature not implemented here; " + ours);
+      refuse("scheduler.type",
+             json_text(type) + " is not supported: a DeepSpeed feature not implemented here; " + ours);
     else if (torch_schedulers.count(name))
       refuse("scheduler.type", json_text(type) + " is not supported: DeepSpeed builds torch.optim.lr_scheduler." +
                                    name + " for it, which is not implemented here; " + ours);
@@ -816,8 +864,7 @@ class ConfigReader {
                                    " is not a scheduler DeepSpeed knows: it looks the type up by its exact name "
                                    "(engine.py _scheduler_from_config). Did you mean \"" +
                                    same_letters + "\"?");
-    else
-      refuse("scheduler.type", json_text(type) + " is not a scheduler DeepSpeed knows; " + ours);
+    else refuse("scheduler.type", json_text(type) + " is not a scheduler DeepSpeed knows; " + ours);
   }
   void scheduler_param(const std::string& param, const json& entry, const std::string& full) {
     const std::string type = out_.scheduler;
@@ -833,7 +880,8 @@ class ConfigReader {
              "rejects it too): WarmupDecayLR decays to warmup_min_lr at total_num_steps");
     else if (param == "warmup_type") {
       if (is_auto(entry)) out_.auto_flags.insert("--warmup-type");
-      else if (entry == "linear" || entry == "log") out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
+      else if (entry == "linear" || entry == "log")
+        out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
       else {  // lr_schedules.py WarmupLR.__init__: a warning, then the log warmup
         out_.flags.push_back({"--warmup-type", "log", full});
         out_.warnings.push_back("config key '" + full + "' is " + json_text(entry) +
@@ -923,7 +971,7 @@ class ConfigReader {
     };
     add("--stage", "0", "DeepSpeedZeroConfig");  // no zero_optimization: ZeRO off
     add("--bucket", "500000000", "DeepSpeedZeroConfig");
-    add("--overlap", "0", "DeepSpeedZeroConfig");  // overlap_comm_valid: on in stage 3 only
+    add("--overlap", "0", "DeepSpeedZeroConfig");               // overlap_comm_valid: on in stage 3 only
     add("--offload-optimizer", "none", "DeepSpeedZeroConfig");  // offload_optimizer None: no offload
     add("--clip", "0", "constants.py");
     // (steps_per_print's default is None: DeepSpeed prints no progress; the
@@ -967,7 +1015,7 @@ class ConfigReader {
   ConfigSetting optimizer_lr_, scheduler_lr_, clipping_;  // settled once every key is read
   bool optimizer_lr_auto_ = false, scheduler_lr_auto_ = false;
   bool optimizer_typed_ = false, adam_ = false, torch_adam_ = false;  // which constructor's defaults apply
-  bool loss_scaler_keys_ = false;                      // the fp16 block names a scaler key
+  bool loss_scaler_keys_ = false;                                     // the fp16 block names a scaler key
   // zero_optimization's offload keys, looked at before its keys are read one by one.
   bool both_offload_keys_ = false, pin_memory_given_ = false, nvme_path_missing_ = false;
   // As numbers' texts, for the note; DeepSpeed's reduce bucket is 5e8 unless given.

@@ -37,7 +37,10 @@ struct ConfigReading {
   std::set<std::string> auto_flags;     // the flags whose key says "auto" (the trainer's default applies)
   std::vector<std::string> refused;     // "key: why", every refused key of the file
   std::vector<std::string> notes;       // accepted keys that act differently from DeepSpeed (printed in the header)
-  std::vector<std::string> warnings;    // keys DeepSpeed ignores (printed in the header, or to stderr with --quiet)
+  // offload_optimizer's pin_memory false, which zero2 pins anyway: a note only
+  // when the run offloads (--offload-optimizer none may override the file)
+  std::string pinning_note;
+  std::vector<std::string> warnings;  // keys DeepSpeed ignores (printed in the header, or to stderr with --quiet)
   // The schedule: "WarmupLR" or "WarmupDecayLR" when the file has a scheduler
   // block with that type, "" when it has none (DeepSpeed then keeps the
   // optimizer's rate); whether WarmupDecayLR's total_num_steps, which has no

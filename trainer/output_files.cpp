@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -178,14 +179,51 @@ void write_output_file(const std::string& written_path, const std::string& conte
   sync_directory(directory, "wrote '" + path + "'");
 }
 
+// Who holds the flock on the directory open as `fd`, for the message that
+// refuses a second run: the kernel lists every lock in /proc/locks with the
+// holder's pid and the locked file's device and inode, and /proc/<pid>/cmdline
+// says what that process is. Only a process on this host can be named; on a
+// shared file system the holder may be on another machine ("" then).
+static std::string lock_holder(int fd) {
+  struct stat info;
+  if (fstat(fd, &info) != 0) return "";
+  FILE* locks = std::fopen("/proc/locks", "r");
+  if (locks == nullptr) return "";
+  char line[256];
+  long holder = -1;
+  while (holder < 0 && std::fgets(line, sizeof line, locks)) {
+    // "1: FLOCK  ADVISORY  WRITE 4242 08:01:1234567 0 EOF" (a blocked waiter's line has "->")
+    char kind[16], mode[16], access[16];
+    long pid = 0;
+    unsigned major = 0, minor = 0;
+    unsigned long long inode = 0;
+    if (std::strstr(line, "->") == nullptr &&
+        std::sscanf(line, "%*d: %15s %15s %15s %ld %x:%x:%llu", kind, mode, access, &pid, &major, &minor, &inode) ==
+            7 &&
+        std::strcmp(kind, "FLOCK") == 0 && inode == (unsigned long long)info.st_ino &&
+        makedev(major, minor) == info.st_dev)
+      holder = pid;
+  }
+  std::fclose(locks);
+  if (holder <= 0) return "";
+  std::string command;
+  if (FILE* cmdline = std::fopen(("/proc/" + std::to_string(holder) + "/cmdline").c_str(), "r")) {
+    for (int c; (c = std::fgetc(cmdline)) != EOF && command.size() < 200;) command += c ? (char)c : ' ';
+    std::fclose(cmdline);
+  }
+  while (!command.empty() && command.back() == ' ') command.pop_back();
+  return "process " + std::to_string(holder) + (command.empty() ? "" : ": " + command);
+}
+
 DirectoryLock::DirectoryLock(const std::string& directory, OnBusy on_busy, const std::string& busy)
     : fd_(open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) {
   if (fd_ < 0) fail("cannot lock the directory '%s' for writing: %s", directory.c_str(), std::strerror(errno));
   if (on_busy == OnBusy::refuse) {
     if (flock(fd_, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK) return;
+    const std::string holder = lock_holder(fd_);
     close(fd_);
     fd_ = -1;
-    throw z2::Error(busy);
+    throw z2::Error(busy + (holder.empty() ? "" : " (the lock's holder: " + holder + ")"));
   }
   z2::wait_until(
       [&] {
@@ -246,15 +284,16 @@ static void check_output_file(const std::string& flag, const std::string& path) 
 // A directory that must hold nothing yet (or not exist): `holds` is what it
 // will hold, for the message. A trace mixed with an earlier run's files
 // would be a trace of neither.
-static void check_empty_directory(const std::string& flag, const std::string& directory, const char* holds) {
+void check_empty_directory(const std::string& flag, const std::string& directory, const char* holds) {
   std::error_code error;
   if (!is_directory(directory)) return;  // made later; not a directory at all is prepare_directory's message
   std::filesystem::directory_iterator entries(directory, error);
   if (error) fail("%s: cannot read the directory '%s': %s", flag.c_str(), directory.c_str(), error.message().c_str());
   if (entries != std::filesystem::directory_iterator())
-    fail("%s '%s' is not empty: %s goes into a new or empty directory, so that nothing in it is another run's "
-         "(remove it first, or give another)",
-         flag.c_str(), directory.c_str(), holds);
+    fail(
+        "%s '%s' is not empty: %s goes into a new or empty directory, so that nothing in it is another run's "
+        "(remove it first, or give another)",
+        flag.c_str(), directory.c_str(), holds);
 }
 
 // Each name in an output's path fits a file system (255 bytes, NAME_MAX on

@@ -29,6 +29,10 @@ void write_output_file(const std::string& written_path, const std::string& conte
 void prepare_directory(const std::string& flag, const std::string& directory);
 // Every output, up front (rank 0 writes them all), checked against the inputs and each other.
 void check_outputs(const Settings& s);
+// A directory that must hold nothing yet (or not exist): `holds` is what it
+// will hold, for the message (--trace's: a trace mixed with an earlier run's
+// files would be a trace of neither).
+void check_empty_directory(const std::string& flag, const std::string& directory, const char* holds);
 
 // An exclusive lock on a directory (flock on the directory itself: no lock
 // file is left), for two writers:
@@ -37,10 +41,12 @@ void check_outputs(const Settings& s);
 //     holds one run's weights under the other's config. The lock is polled
 //     against the watchdog's deadline: a run that holds it for too long ends
 //     this one with a message that says so;
-//   - --save, for the whole run (OnBusy::refuse): two runs saving into one
-//     directory would replace each other's steps and latest, so the second
-//     is refused before its first step with `busy`. A file system without
-//     flock gives no lock there; the run goes on without one.
+//   - --save and --trace, for the whole run (OnBusy::refuse): two runs saving
+//     into one directory would replace each other's steps and latest, two
+//     traces would mix, so the second is refused before its first step with
+//     `busy` and, when the holder runs on this host, its pid and command line
+//     (/proc/locks). A file system without flock gives no lock there; the
+//     run goes on without one.
 class DirectoryLock {
  public:
   enum class OnBusy { wait, refuse };

@@ -146,15 +146,18 @@ static bool scheduler_param(const std::string& flag) {
 static void print_config_origins(const Settings& s) {
   printf("  config    %s: read as DeepSpeed 0.16.9 reads it; each setting a config can set, by its source:\n",
          s.config.c_str());
-  const std::vector<std::pair<std::string, std::string>> kinds = {
-      {"config", "the config"},  {"flag", "flags"}, {"checkpoint", "the checkpoint"},
-      {"derived", "train_batch_size (DeepSpeed's rule)"}, {"deepspeed_default", "DeepSpeed's defaults"},
-      {"trainer_default", "the trainer's defaults"}};
+  const std::vector<std::pair<std::string, std::string>> kinds = {{"config", "the config"},
+                                                                  {"flag", "flags"},
+                                                                  {"checkpoint", "the checkpoint"},
+                                                                  {"derived", "train_batch_size (DeepSpeed's rule)"},
+                                                                  {"deepspeed_default", "DeepSpeed's defaults"},
+                                                                  {"trainer_default", "the trainer's defaults"}};
   for (const auto& [kind, title] : kinds) {
     // Items of one kind, in the table's order; DeepSpeed's defaults grouped by where DeepSpeed sets them.
     std::vector<std::pair<std::string, std::string>> items;  // (detail, "name value")
     for (const ConfigurableSetting& setting : configurable_settings) {
-      if (s.schedule_convention == "none" && scheduler_param(setting.flag)) continue;  // no scheduler: they act on nothing
+      if (s.schedule_convention == "none" && scheduler_param(setting.flag))
+        continue;  // no scheduler: they act on nothing
       const std::string origin = origin_of(s, setting.flag);
       const size_t colon = origin.find(':');
       if (origin.substr(0, colon) != kind) continue;
@@ -172,7 +175,9 @@ static void print_config_origins(const Settings& s) {
     for (size_t k = 0; k < items.size(); ++k) {
       const bool group_ends = k + 1 == items.size() || items[k + 1].first != items[k].first;
       text += " " + items[k].second + (group_ends && !items[k].first.empty() ? " [" + items[k].first + "]" : "") +
-              (k + 1 == items.size() ? "" : group_ends && !items[k].first.empty() ? ";" : ",");
+              (k + 1 == items.size()                   ? ""
+               : group_ends && !items[k].first.empty() ? ";"
+                                                       : ",");
     }
     // Wrapped at spaces to about 110 columns, each line under the label's column.
     const size_t width = 98;
@@ -211,9 +216,9 @@ static void print_trainer_schedule(const Settings& s) {
 static void print_deepspeed_schedule(const Settings& s) {
   const bool decays = s.decay == "linear";
   const long W = std::max(2l, s.warmup), S = s.schedule_steps;
-  const std::string after = decays ? "then linear decay to " + number_text(s.warmup_min_lr) + " at iteration " +
-                                         std::to_string(S)
-                                   : "then constant";
+  const std::string after =
+      decays ? "then linear decay to " + number_text(s.warmup_min_lr) + " at iteration " + std::to_string(S)
+             : "then constant";
   printf(
       "  optimizer AdamW%s lr %g, DeepSpeed's %s: warmup %ld iterations (%s) from %g, %s; update t at iteration "
       "t - 2 (updates 1 and 2 at %g), weight decay %g, clip %g\n",
@@ -248,7 +253,8 @@ static void print_model_states(const Settings& settings, const RunRecord& run) {
            z2::with_commas(formula).c_str(), measured == formula ? "equal" : "DIFFERS");
   };
   line(ledger.offload_optimizer ? "model states on the device" : "model states", ledger.model_states,
-       z2::model_states_formula_text(settings.stage, run.precision, ledger.offload_optimizer), ledger.model_states_formula);
+       z2::model_states_formula_text(settings.stage, run.precision, ledger.offload_optimizer),
+       ledger.model_states_formula);
   if (ledger.offload_optimizer)
     line("offloaded to the host", ledger.host_model_states, z2::offloaded_states_formula_text(true),
          ledger.host_model_states_formula);
@@ -301,6 +307,10 @@ void print_header(const Settings& settings, const RunRecord& run, const z2::Engi
   print_schedule(settings);
   if (!settings.config.empty()) print_config_origins(settings);
   for (const std::string& line : settings.config_notes) printf("  config    %s\n", line.c_str());
+  // Only where the run offloads: a flag (or a checkpoint) decides last, and
+  // a note on pinning memory the run does not offload would mislead.
+  if (settings.offload_optimizer == "cpu" && !settings.config_pinning_note.empty())
+    printf("  config    %s\n", settings.config_pinning_note.c_str());
   for (const std::string& line : settings.config_warnings) printf("  WARNING   %s\n", line.c_str());
   for (const std::string& line : settings.repeated_flags) printf("  flags     %s\n", line.c_str());
   printf("  memory    --activations %s, --alloc %s: %s %s bytes per rank (%s)\n", settings.activations.c_str(),
@@ -371,7 +381,8 @@ void ProgressLog::start(long resumed_step) {
   // The config's ignored keys: in the header, or, with --quiet and no
   // header, on stderr (rank 0; training goes on).
   if (rank_ == 0 && settings_.quiet)
-    for (const std::string& line : settings_.config_warnings) fprintf(stderr, "train_bert_mini: warning: %s\n", line.c_str());
+    for (const std::string& line : settings_.config_warnings)
+      fprintf(stderr, "train_bert_mini: warning: %s\n", line.c_str());
   // Rank 0 writes; every rank learns whether it could (or it would wait in
   // the first step's collectives for a rank that left).
   if (!settings_.metrics.empty())

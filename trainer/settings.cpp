@@ -406,6 +406,7 @@ static void apply_config_keys(Settings& settings, ConfigReading& config, const s
     throw z2::Error(message);
   }
   settings.config_notes = config.notes;
+  settings.config_pinning_note = config.pinning_note;
   settings.config_warnings = config.warnings;
 }
 
@@ -438,9 +439,8 @@ static void choose_schedule(Settings& s, const ConfigReading& config, const std:
   if (!config.scheduler.empty()) return;  // the block's own defaults are among config.defaults
   const std::string type = s.decay == "none" ? "WarmupLR" : "WarmupDecayLR";
   const std::string added = " (the scheduler the flags add)";
-  for (auto [flag, value] : {std::pair<const char*, const char*>{"--warmup", "1000"},
-                             {"--warmup-type", "log"},
-                             {"warmup_min_lr", "0"}})
+  for (auto [flag, value] :
+       {std::pair<const char*, const char*>{"--warmup", "1000"}, {"--warmup-type", "log"}, {"warmup_min_lr", "0"}})
     if (!s.given.count(flag)) {
       apply(s, flag, value);
       s.given.erase(flag);
@@ -471,7 +471,7 @@ static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
   if (!s.precision_given) {
     const char* key = s.config_fp16_enabled >= 0 ? "fp16.enabled" : s.config_bf16_enabled >= 0 ? "bf16.enabled" : "";
     const bool left_to_auto = config.auto_flags.count("fp16.enabled") || config.auto_flags.count("bf16.enabled");
-    s.origins["--precision"] = *key          ? std::string("config:") + key
+    s.origins["--precision"] = *key           ? std::string("config:") + key
                                : left_to_auto ? "trainer_default:auto"
                                               : "deepspeed_default:constants.py";
   }
@@ -490,10 +490,10 @@ static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
   const std::string deepspeed_accumulation = s.precision == "bf16" && s.stage == 0 ? "fp32" : s.precision;
   const bool accumulates = s.accum > 1 || s.train_batch_size > 0;
   if (!s.given.count("grad_accum_dtype") && deepspeed_accumulation != s.grad_accum_dtype && accumulates)
-    s.config_notes.push_back("data_types.grad_accum_dtype left out: gradients accumulate in fp32 (the trainer's "
-                             "default); DeepSpeed would accumulate them in " +
-                             deepspeed_accumulation + " (\"grad_accum_dtype\": \"" + deepspeed_accumulation +
-                             "\" asks for that)");
+    s.config_notes.push_back(
+        "data_types.grad_accum_dtype left out: gradients accumulate in fp32 (the trainer's "
+        "default); DeepSpeed would accumulate them in " +
+        deepspeed_accumulation + " (\"grad_accum_dtype\": \"" + deepspeed_accumulation + "\" asks for that)");
 }
 
 Settings parse_command_line(int argc, char** argv) {
@@ -727,8 +727,7 @@ static double deepspeed_learning_rate(const Settings& s, long t) {
   double gamma = 1.0;
   if (iteration < W)
     gamma = s.warmup_type == "log" ? (1.0 / z2::log_double(W)) * z2::log_double(iteration + 1) : iteration / W;
-  else if (s.decay == "linear")
-    gamma = std::max(0.0, (S - iteration) / std::max(1.0, S - W));
+  else if (s.decay == "linear") gamma = std::max(0.0, (S - iteration) / std::max(1.0, S - W));
   return s.warmup_min_lr + (s.lr - s.warmup_min_lr) * gamma;
 }
 

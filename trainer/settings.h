@@ -110,6 +110,7 @@ struct Settings {
   // left as they are (a check that the model reads none before writing it)
   bool poison_activations = false;
   std::vector<std::string> config_notes;     // config keys that act differently here, for the header
+  std::string config_pinning_note;           // the config's pin_memory false: in the header only when offloading
   std::vector<std::string> config_warnings;  // config keys DeepSpeed ignores (the header, or stderr with --quiet)
   // Where each setting's value came from, by the flag apply() knows it as:
   // "config:KEY", "flag:--x", "deepspeed_default:WHERE" (a key the config

@@ -24,12 +24,18 @@
 
 namespace bert {
 
-RunTrace::RunTrace(const Settings& settings) : settings_(settings) {
-  // The config as it was read before step 1 (the file may change or go before the run ends).
-  if (!settings.config.empty()) config_text_ = read_config_text(settings.config);
-  lock_ = std::make_unique<DirectoryLock>(
+std::unique_ptr<DirectoryLock> claim_trace_directory(const Settings& settings) {
+  auto lock = std::make_unique<DirectoryLock>(
       settings.trace_dir, DirectoryLock::OnBusy::refuse,
       "--trace '" + settings.trace_dir + "' is being written by another run: give each run its own directory");
+  check_empty_directory("--trace", settings.trace_dir, "a trace");  // the first run may have finished already
+  return lock;
+}
+
+RunTrace::RunTrace(const Settings& settings, std::unique_ptr<DirectoryLock> lock)
+    : settings_(settings), lock_(std::move(lock)) {
+  // The config as it was read before step 1 (the file may change or go before the run ends).
+  if (!settings.config.empty()) config_text_ = read_config_text(settings.config);
 }
 RunTrace::~RunTrace() = default;
 

@@ -40,11 +40,18 @@ struct TracedStep {
 // --trace. Every rank asks: what it keeps takes collectives to gather.
 bool trace_keeps_parameters_after(const Settings& settings, long step);
 
+// Rank 0, before step 1 (before the engine is built): DIR locked for this
+// run, THEN found empty. check_outputs found it empty earlier, but two runs
+// started together both pass that look; of the two, the one that takes the
+// lock second finds it held (refused, naming the holder) or, if the first
+// has already finished, finds its files (refused). Exactly one proceeds.
+std::unique_ptr<DirectoryLock> claim_trace_directory(const Settings& settings);
+
 class RunTrace {
  public:
-  // Rank 0, before step 1: DIR (made and found empty by check_outputs)
-  // locked for this run, so a second run cannot write into it too.
-  explicit RunTrace(const Settings& settings);
+  // Rank 0: DIR, claimed by claim_trace_directory, whose lock the trace
+  // holds until the run ends.
+  RunTrace(const Settings& settings, std::unique_ptr<DirectoryLock> lock);
   ~RunTrace();
   RunTrace(const RunTrace&) = delete;
   RunTrace& operator=(const RunTrace&) = delete;
