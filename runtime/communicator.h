@@ -57,15 +57,18 @@ int local_rank_of(MPI_Comm comm);
 // Bytes one rank of `comm` can plan to use on `device`, and where that figure
 // came from: the smallest over all ranks of what its host (or GPU) can give,
 // divided by the ranks sharing it: on cpu the smaller of MemAvailable and the
-// cgroup's limit less its usage (v2 or v1); on cuda the current device's free
-// memory. ZERO2_MEMORY_LIMIT=BYTES (for tests, and for users who want a lower
-// ceiling) lowers it to BYTES per rank; it never raises it. Call it after
-// constructing the Compute (which selects the rank's GPU). Collective; the
-// same value and source on every rank, so a "does not fit" decision is taken
-// by all ranks together.
+// cgroup's limit less its usage (v2 or v1), plus what the process already
+// holds (which those figures no longer count: the two together are the
+// process's budget); on cuda the current device's free memory.
+// ZERO2_MEMORY_LIMIT=BYTES (for tests, and for users who want a lower
+// ceiling) lowers it to BYTES per rank, the whole process's budget; it never
+// raises it. Call it after constructing the Compute (which selects the
+// rank's GPU). Collective; the same value and source on every rank, so a
+// "does not fit" decision is taken by all ranks together.
 struct MemoryLimit {
   size_t bytes = 0;
   std::string source;  // e.g. "MemAvailable (/proc/meminfo) / 2 ranks on this host"
+  size_t held = 0;     // on the host: the process's resident bytes at the call (the ranks' largest, MiB-rounded)
 };
 MemoryLimit memory_per_rank(Device device, MPI_Comm comm);
 

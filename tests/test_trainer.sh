@@ -1894,7 +1894,10 @@ bad_case "write '--stage 2'" --plan --stage=2
 # plan does not count, and ZERO2_MEMORY_LIMIT lowers the limit it is
 # compared with. A limit just above the plan's block (what the check used to
 # compare) is refused on every rank before anything is allocated or written;
-# the need the message names trains, one byte less is refused.
+# the need the message names trains, a little less is refused. The need
+# counts what the process holds at the check, measured (its resident bytes,
+# rounded up to a MiB: the libraries, the corpus), which varies between two
+# runs of one command by about 0.2 MB: 2 MiB either side of it.
 memory_refused() {  # LABEL RANKS LIMIT FLAGS...: refused with the check's one message, no file written
   local label=$1 ranks=$2 limit=$3
   shift 3
@@ -1915,13 +1918,13 @@ for ranks in 1 2; do
     "${planned[@]}" --steps 1
   need=$(grep -o 'needs [0-9,]* bytes' "$work/log" | tr -dc '0-9')
   if [ -z "$need" ]; then fail "memory check, N = $ranks: no need in the message"; continue; fi
-  memory_refused "memory check, N = $ranks, one byte below the need the message names ($need)" "$ranks" $((need - 1)) \
-    "${planned[@]}" --steps 1
+  memory_refused "memory check, N = $ranks, 2 MiB below the need the message names ($need)" "$ranks" \
+    $((need - 2097152)) "${planned[@]}" --steps 1
   rm -rf "$work/mem_out"
-  if ZERO2_MEMORY_LIMIT=$need timeout 60 mpirun -n "$ranks" "$trainer" "${planned[@]}" --steps 1 \
+  if ZERO2_MEMORY_LIMIT=$((need + 2097152)) timeout 60 mpirun -n "$ranks" "$trainer" "${planned[@]}" --steps 1 \
        --save "$work/mem_out/ck" --export-hf "$work/mem_out/hf" > "$work/log" 2>&1 &&
      [ -e "$work/mem_out/hf/config.json" ]; then
-    pass "memory check, N = $ranks: a limit of exactly the need ($need bytes) trains, saves and exports"
+    pass "memory check, N = $ranks: a limit of the need ($need bytes) + 2 MiB trains, saves and exports"
   else fail "memory check, N = $ranks, at the need ($need): $(head -c 300 "$work/log")"; fi
 done
 # The case that the OOM killer used to end (24 layers, H 2048: a 19.86 GB plan
@@ -1937,6 +1940,27 @@ if [ $status -eq 2 ] && [ "$(grep -c 'error:' "$work/log")" = 1 ] &&
   pass "memory check: the 24-layer run a 20 GB machine cannot hold is refused in $took ms: $(grep -o 'needs [0-9,]* bytes' "$work/log"), the plan's 19,861,069,312 and the host's copies"
 else fail "memory check, 24 layers: exit $status in $took ms, $(head -c 300 "$work/log")"; fi
 ZERO2_MEMORY_LIMIT=1e9 bad_case "ZERO2_MEMORY_LIMIT='1e9' is not a number of bytes" "${planned[@]}" --device cpu
+# The need bounds the peak: a 52M-parameter model (4 Psi = 209 MB, so that a
+# copy the check does not count shows above its 64 MiB for the heap) with
+# each option that holds host copies besides the plan, its peak resident
+# memory (getrusage of the child) at most the need its refusal names. Before
+# issue 35, --trace peaked at 1.27 x the need (its copies were not counted,
+# and a `?:` copied its gradient once more), --init-hf likewise.
+medium=(--device cpu --layers 4 --hidden 1024 --heads 16 --intermediate 4096 --seq 32 --micro-batch 1 --steps 1 --quiet)
+peak_of() { "$PYTHON" -c "import resource, subprocess, sys
+status = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 if status == 0 else 'failed')" "$@"; }
+rm -rf "$work/peak_init"
+"$trainer" "${medium[@]}" --export-hf "$work/peak_init" > /dev/null 2>&1
+for option in "--trace $work/peak_trace" "--init-hf $work/peak_init" "--save $work/peak_save" "--offload-optimizer cpu"; do
+  rm -rf "$work/peak_trace" "$work/peak_save"
+  need=$(ZERO2_MEMORY_LIMIT=1 "$trainer" "${medium[@]}" $option 2>&1 | grep -o 'needs [0-9,]* bytes' | tr -dc '0-9')
+  rm -rf "$work/peak_trace" "$work/peak_save"
+  peak=$(peak_of "$trainer" "${medium[@]}" $option)
+  if [ -n "$need" ] && [ "$peak" != failed ] && [ "$peak" -le "$need" ]; then
+    pass "memory check, ${option%% *}: the peak resident $peak bytes is within the need $need ($(( peak * 100 / need ))%)"
+  else fail "memory check, ${option%% *}: peak ${peak:-?} above the need ${need:-?}"; fi
+done
 fi  # section 12
 # --- 13. portable bits ---------------------------------------------------------------
 echo "=== portable mode: the same bits whatever OpenBLAS and glibc pick, in both builds; the golden table; the matrix"

@@ -68,20 +68,25 @@ static RankPlan plan_rank(const Settings& settings, int stage, int world_size) {
 // makes it (the functions named below) in units of 4 Psi (Psi_padded floats);
 // notes/10 has the measured peaks they bound.
 struct HostUse {
-  size_t fixed = 0;       // what the libraries and the process take after the check (OpenBLAS's buffers)
+  size_t held = 0;        // what the process holds at the check, measured (the libraries, the corpus, --init-hf)
+  size_t growth = 0;      // what the libraries and the heap add after the check (OpenBLAS's buffers, glibc's arenas)
   size_t persistent = 0;  // held from the first step to the end
   size_t offloaded = 0;   // ZeRO-Offload's optimizer state and its tables (16 Psi/N and a little; 0 without it)
   size_t copies = 0;      // the largest transient copy
   std::string largest;    // which one, for the message
-  size_t total() const { return fixed + persistent + offloaded + copies; }
+  size_t total() const { return held + growth + persistent + offloaded + copies; }
 };
 
-static HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Device device) {
+static HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Device device, size_t held) {
   const double p = 4.0 * (double)plan.engine.psi_padded, N = plan.world_size;
   const bool mixed = precision_of(settings) != z2::Precision::fp32;
   const bool whole_state = plan.stage == 0 || plan.world_size == 1;  // each rank holds all of AdamW's state
+  const ModelShape shape = shape_of(settings);
   HostUse use;
-  use.fixed = 64ull << 20;  // measured: under 2 MiB on 2 cores (notes/10); OpenBLAS's buffer grows with its threads
+  use.held = held;
+  // Measured (notes/10): OpenBLAS's buffer, under 2 MiB with one thread, and
+  // glibc's heap, which keeps freed copies under 32 MB for reuse.
+  use.growth = 64ull << 20;
   double largest = 0;
   auto consider = [&](double bytes, const char* what) {
     if (bytes > largest) largest = bytes, use.largest = what;
@@ -90,8 +95,12 @@ static HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Devi
   consider(mixed ? 2.5 * p : 2 * p, "building the initial parameters on the host");
   // Engine::parameters_to_host (16-bit, stages 1-2: the shards, their all-gather, the padded and canonical copies);
   // --export-hf's file is one more copy beside the result.
-  consider(mixed && plan.stage > 0 ? 3 * p + p / N : 2 * p,
-           "gathering the final parameters for the hash and the export");
+  const double final_parameters = mixed && plan.stage > 0 ? 3 * p + p / N : 2 * p;
+  consider(final_parameters, "gathering the final parameters for the hash and the export");
+  // --trace, after each kept step (rank 0 writes, every rank gathers): the
+  // gradient (Engine::gradients_to_host, held through the step) beside
+  // parameters_to_host's copies, then beside the parameters and one file's bytes.
+  if (!settings.trace_dir.empty()) consider(p + std::max(final_parameters, 2 * p), "--trace's parameters and gradient");
   // --dump-batch: the weights and the gradients of step 0, one in its file at a time.
   if (!settings.dump_dir.empty()) consider(4 * p, "--dump-batch's weights and gradients");
   // Engine::state_range_to_host (owned_state_to_host's copies, then the range) and the file's bytes.
@@ -100,8 +109,14 @@ static HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Devi
   // read_owned_state, then Engine::owned_state_from_host's copies of the buffers.
   if (settings.checkpoint != nullptr)
     consider(whole_state ? 6 * p : (mixed ? 0 : p) + 6 * p / N, "--load's copy of the optimizer state");
+  // --trace's batches (input_ids and labels, int64, every token of every
+  // step), kept until the end and then written whole: once more as the file.
+  const double traced_batches = settings.trace_dir.empty() ? 0.0
+                                                           : 16.0 * (double)settings.steps * plan.world_size *
+                                                                 settings.accum * shape.micro_batch * shape.seq;
+  consider(traced_batches, "--trace's batches file");
   use.copies = (size_t)largest;
-  const ModelShape shape = shape_of(settings);
+  use.persistent += (size_t)traced_batches;
   const size_t act = precision_of(settings) == z2::Precision::fp32 ? 4 : 2;
   const size_t B = shape.micro_batch, T = shape.seq, H = shape.hidden, S = B * T;
   if (mode_of(settings) == ActivationMode::offload)  // Model's host_checkpoints_ (pinned on cuda)
@@ -128,9 +143,9 @@ size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Devic
                     MPI_Comm world) {
   const RankPlan plan = plan_rank(settings, settings.stage, world_size);
   const double needed = (double)(allocator == z2::Allocator::arena ? plan.arena_block() : plan.live());
-  const HostUse host = host_use(settings, plan, device);
   const z2::MemoryLimit limit = z2::memory_per_rank(device, world);
   const z2::MemoryLimit host_limit = device == z2::Device::cpu ? limit : z2::memory_per_rank(z2::Device::cpu, world);
+  const HostUse host = host_use(settings, plan, device, host_limit.held);
   const double available = (double)limit.bytes, GiB = 1073741824.0;
   const double on_device = needed + (device == z2::Device::cpu ? (double)host.total() : 0.0);
   if (on_device > available || (double)host.total() > (double)host_limit.bytes) {
@@ -138,7 +153,7 @@ size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Devic
     const bool host_short = device != z2::Device::cpu && on_device <= available;
     const z2::MemoryLimit& short_of = host_short ? host_limit : limit;
     const double need = host_short ? (double)host.total() : on_device;
-    char plan_text[320], host_text[400];
+    char plan_text[320], host_text[640];
     snprintf(plan_text, sizeof plan_text,
              "%s bytes of the plan (%s parameters, stage %d, N = %d, activations %.2f GiB with --activations %s; "
              "--plan shows every category)",
@@ -146,24 +161,28 @@ size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Devic
              plan.activation_peak / GiB, settings.activations.c_str());
     snprintf(
         host_text, sizeof host_text,
-        "%s bytes the process holds on the host besides the plan (%.2f GiB for %s, %.2f held all run, %s%.2f "
-        "for the libraries; notes/10)",
-        z2::with_commas(host.total()).c_str(), host.copies / GiB, host.largest.c_str(), host.persistent / GiB,
+        "%s bytes the process holds on the host besides the plan (%.2f GiB held already, measured: the "
+        "libraries, the inputs; %.2f for %s, %.2f held all run, %s%.2f for what the libraries and the heap "
+        "add; notes/10)",
+        z2::with_commas(host.total()).c_str(), host.held / GiB, host.copies / GiB, host.largest.c_str(),
+        host.persistent / GiB,
         host.offloaded
             ? z2::format_text("%.2f the optimizer offloaded (ZeRO-Offload, 16 Psi/N), ", host.offloaded / GiB).c_str()
             : "",
-        host.fixed / GiB);
+        host.growth / GiB);
     std::string parts = plan_text, where;  // cuda, short of the GPU's memory: the plan alone
     if (device == z2::Device::cpu) parts += std::string(" plus ") + host_text;
     else if (host_short) parts = std::string(host_text) + " (the plan itself is on the GPU)", where = " on the host";
     else where = " on the GPU";
     const bool overridden = short_of.source == "ZERO2_MEMORY_LIMIT";
+    // A machine's figure is room left, to which what the process holds is added back (memory_per_rank).
+    const std::string source =
+        short_of.source + (overridden || short_of.held == 0 ? "" : ", with what the process holds already");
     fail(
         "this configuration needs %s bytes (%.2f GiB) per rank%s but %.2f GiB are available per rank (%s): %s. "
         "Use a smaller model or micro-batch, --activations recompute or offload, a higher stage or more ranks%s",
-        z2::with_commas((size_t)need).c_str(), need / GiB, where.c_str(), (double)short_of.bytes / GiB,
-        short_of.source.c_str(), parts.c_str(),
-        overridden ? ", or raise or unset ZERO2_MEMORY_LIMIT, which set this limit" : "");
+        z2::with_commas((size_t)need).c_str(), need / GiB, where.c_str(), (double)short_of.bytes / GiB, source.c_str(),
+        parts.c_str(), overridden ? ", or raise or unset ZERO2_MEMORY_LIMIT, which set this limit" : "");
   }
   if ((double)settings.device_memory_limit > available)
     fail("--device-memory-limit %ld is more than the %.0f bytes available per rank on this %s (%s)",
