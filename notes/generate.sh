@@ -544,36 +544,56 @@ tiny_flags="--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-po
 
 # host_use: what a run holds on the host besides the plan (notes/10): the
 # need the memory check computes (read from its own refusal under
-# ZERO2_MEMORY_LIMIT=1, which names it; that run's peak resident memory is
-# what the process held at the check, already outside MemAvailable) against
-# the peak resident memory of the run itself (/usr/bin/time -f %M): what the
-# run added after the check must stay under the need.
+# ZERO2_MEMORY_LIMIT=1, which names it and what the process held when it
+# checked, measured) against the peak resident memory of the run itself
+# (/usr/bin/time -f %M): the need bounds the whole process's peak, for every
+# option that holds host memory.
 {
   echo "Measured by \`make notes\`: \`/usr/bin/time -f %M $trainer --device cpu FLAGS --quiet\` (peak KiB);"
   echo "the plan's arena block from \`--plan --plan-world-sizes 1 --json\`; the check's need, and what the process"
-  echo "held when it checked, from the same run refused under \`ZERO2_MEMORY_LIMIT=1\`. N = 1, stage 2."
+  echo "held when it checked (measured, part of the need), from the same run refused under \`ZERO2_MEMORY_LIMIT=1\`."
+  echo "N = 1, stage 2; --load and --init-hf read what the row above them wrote."
   echo
-  echo "| run | 4 Psi | plan block | the check's need | held at the check | peak resident | (peak − held) / need |"
+  echo "| run | 4 Psi | plan block | held at the check | the check's need | peak resident | peak / need |"
   echo "|---|---|---|---|---|---|---|"
+  mini="--steps 2"
   medium="--layers 4 --hidden 1024 --heads 16 --intermediate 4096 --seq 32 --micro-batch 1 --steps 1"
-  for run in "default BERT-mini, --steps 2|--steps 2" "the same, --export-hf|--steps 2 --export-hf $out/hu_export" \
-             "the same, --save|--steps 2 --save $out/hu_save" "L 4, H 1024, F 4096, seq 32, micro-batch 1|$medium" \
-             "the same, --save|$medium --save $out/hu_save_medium" "the same, bf16|$medium --precision bf16"; do
-    label=${run%%|*} flags=${run#*|}
-    rm -rf "$out"/hu_*
-    plan_flags=$(echo "$flags" | sed -E 's/--(save|export-hf) [^ ]+//g')
+  rm -rf "$out"/hu_*
+  # label | the model's flags (also --plan's) | the option measured
+  for run in "default BERT-mini, --steps 2|$mini|" "the same, --export-hf|$mini|--export-hf $out/hu_export" \
+             "the same, --init-hf (that export)|$mini|--init-hf $out/hu_export" \
+             "the same, --save|$mini|--save $out/hu_save" "the same, --load (that save), --steps 4|--steps 4|--load $out/hu_save" \
+             "the same, --trace|$mini|--trace $out/hu_trace" "the same, --dump-batch|$mini|--dump-batch $out/hu_dump" \
+             "the same, --offload-optimizer cpu|$mini --offload-optimizer cpu|" \
+             "L 4, H 1024, F 4096, seq 32, micro-batch 1|$medium|" \
+             "the same, --export-hf|$medium|--export-hf $out/hu_export_medium" \
+             "the same, --init-hf (that export)|$medium|--init-hf $out/hu_export_medium" \
+             "the same, --save|$medium|--save $out/hu_save_medium" \
+             "the same, --load (that save), --steps 2|$medium --steps 2|--load $out/hu_save_medium" \
+             "the same, --trace|$medium|--trace $out/hu_trace_medium" \
+             "the same, --dump-batch|$medium|--dump-batch $out/hu_dump_medium" \
+             "the same, --offload-optimizer cpu|$medium --offload-optimizer cpu|" \
+             "the same, bf16|$medium --precision bf16|" \
+             "the same, bf16, --trace|$medium --precision bf16|--trace $out/hu_trace_medium_bf16"; do
+    label=${run%%|*} rest=${run#*|}
+    plan_flags=${rest%%|*} option=${rest#*|}
+    flags="$plan_flags $option"
+    [ -z "${option##--load*}" ] && [ -n "$option" ] && flags="--steps ${plan_flags##*--steps } $option"
+    written=$(echo "$option" | grep -oE -- '--(export-hf|save|trace|dump-batch) [^ ]+' | cut -d' ' -f2 || true)
     "$trainer" --device cpu $plan_flags --plan --plan-world-sizes 1 --quiet --json "$out/hu_plan.json" >/dev/null
-    ZERO2_MEMORY_LIMIT=1 /usr/bin/time -f %M -o "$out/hu_held" "$trainer" --device cpu $flags --quiet \
-      >/dev/null 2>"$out/hu_need" || true
+    rm -rf $written  # (the refused run writes nothing; the measured one writes into a new directory)
+    ZERO2_MEMORY_LIMIT=1 "$trainer" --device cpu $flags --quiet >/dev/null 2>"$out/hu_need" || true
     /usr/bin/time -f %M -o "$out/hu_peak" "$trainer" --device cpu $flags --quiet >/dev/null
-    python3 - "$out/hu_plan.json" "$out/hu_need" "$out/hu_held" "$out/hu_peak" "$label" <<'PY'
+    python3 - "$out/hu_plan.json" "$out/hu_need" "$out/hu_peak" "$label" <<'PY'
 import json, re, sys
 plan = [r for r in json.load(open(sys.argv[1]))["plan"] if r["stage"] == 2][0]
-need = int(re.search(r"needs ([0-9,]+) bytes", open(sys.argv[2]).read()).group(1).replace(",", ""))
-held, peak = (int(open(f).read().split()[-1]) * 1024 for f in sys.argv[3:5])
+message = open(sys.argv[2]).read()
+need = int(re.search(r"needs ([0-9,]+) bytes", message).group(1).replace(",", ""))
+held = float(re.search(r"\(([0-9.]+) GiB held already", message).group(1)) * 2**30
+peak = int(open(sys.argv[3]).read().split()[-1]) * 1024
 mb = lambda b: f"{b / 1e6:,.1f} MB"
-print(f"| {sys.argv[5]} | {mb(4 * plan['psi_padded'])} | {mb(plan['arena_block_bytes'])} | {mb(need)} | {mb(held)} | "
-      f"{mb(peak)} | {(peak - held) / need:.2f} |")
+print(f"| {sys.argv[4]} | {mb(4 * plan['psi_padded'])} | {mb(plan['arena_block_bytes'])} | {mb(held)} | {mb(need)} | "
+      f"{mb(peak)} | {peak / need:.2f} |")
 PY
   done
 } >"$out/host_use"
