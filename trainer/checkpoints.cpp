@@ -1060,12 +1060,18 @@ static bool holds_only_checkpoint_files(const std::string& path) {
   return !error;
 }
 
+// A .step_<s>.incomplete holding anything else (a user's file) is never
+// removed: refused before step 1 (claim_save_directory) and at the save.
+static void refuse_foreign_incomplete(const std::string& incomplete) {
+  if (path_is_there(incomplete) && !holds_only_checkpoint_files(incomplete))
+    fail("--save: '%s' holds files a save does not write there: move it away", incomplete.c_str());
+}
+
 // Where the ranks write a step: .step_<s>.incomplete, made empty (one a
 // killed save left is removed, if it holds nothing but a save's files).
 static void make_incomplete_step(const std::string& incomplete) {
   if (path_is_there(incomplete)) {
-    if (!holds_only_checkpoint_files(incomplete))
-      fail("--save: '%s' holds files a save does not write there: move it away", incomplete.c_str());
+    refuse_foreign_incomplete(incomplete);
     std::error_code ignored;
     std::filesystem::remove_all(incomplete, ignored);
   }
@@ -1074,8 +1080,10 @@ static void make_incomplete_step(const std::string& incomplete) {
 
 // Rank 0, before step 1: lock --save, take the run's identity (the loaded
 // checkpoint's, or a new one) and its first save sequence, and refuse a
-// directory holding another run's steps (unless --save-overwrite) or
-// something else under the name of a step this run may save.
+// directory holding another run's steps (unless --save-overwrite), or
+// something else under the name of a step this run may save, or a user's
+// file in the .step_<s>.incomplete of one (else the save at the end of
+// the run, after every step trained, would be refused).
 std::unique_ptr<DirectoryLock> claim_save_directory(Settings& s) {
   auto lock = std::make_unique<DirectoryLock>(
       s.save_dir, DirectoryLock::OnBusy::refuse,
@@ -1088,6 +1096,8 @@ std::unique_ptr<DirectoryLock> claim_save_directory(Settings& s) {
       resumed ? index_integer(index_of(s), "progress.steps_taken", s.checkpoint_directory + "/index.json", 0, LONG_MAX)
               : 0;
   const long last = s.export_only ? first : std::max(first, s.steps);
+  // A save at the end (last), every --save-every, or at an interrupt.
+  auto may_save = [&](long step) { return step == last || (step > first && step <= last); };
   for (const StepEntry& entry : step_entries(s.save_dir)) {
     std::string why;
     const StepOwner owner = step_owner(entry.path, entry.step, s.run_id, why);
@@ -1096,12 +1106,17 @@ std::unique_ptr<DirectoryLock> claim_save_directory(Settings& s) {
           "--save '%s' holds checkpoints of another run (%s): a %s run there would replace its steps and latest. "
           "Save into another directory, continue that run with --load %s, or give --save-overwrite to replace them",
           s.save_dir.c_str(), entry.path.c_str(), resumed ? "resumed" : "new", s.save_dir.c_str());
-    const bool may_save_it = entry.step == last || (entry.step > first && entry.step <= last);
-    if (owner == StepOwner::not_a_step && may_save_it)
+    if (owner == StepOwner::not_a_step && may_save(entry.step))
       fail(
           "--save: '%s' is not a checkpoint of this run (%s), and this run may save step %ld there: move it away or "
           "save into another directory",
           entry.path.c_str(), why.c_str(), entry.step);
+  }
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(s.save_dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (is_incomplete_step_name(name) && may_save(std::strtol(name.c_str() + 6, nullptr, 10)))
+      refuse_foreign_incomplete(entry.path().string());
   }
   // Every complete step's sequence counts, another run's too: a save here
   // is newer than all of them.
