@@ -33,7 +33,8 @@ namespace bert {
 //                                      of the N ranks that saved it (rank q writes its own file)
 //   DIR/step_<s>/index.json            the settings a resumed run must share, the progress (steps,
 //                                      AdamW's t, skips, the loss scaler), the parameters, and each
-//                                      file's range, size and SHA-256; the run's identity (run_id)
+//                                      file's range, size and SHA-256; the run's identity (run_id);
+//                                      when it was saved (save_sequence: the order of saves into DIR)
 //   DIR/step_<s>/index.sha256          index.json's own SHA-256 (sha256sum's format)
 //   DIR/latest                         "step_<s>": the newest complete step, moved last
 // The canonical order (registration order, real elements only) does not
@@ -1265,8 +1266,10 @@ static long write_index_and_publish(const Settings& s, const z2::Engine& engine,
 // agree, then rank 0 writes the index (with every file's SHA-256) and its
 // digest there, puts the directory in place (publish_step) and only then
 // moves DIR/latest (write_index_and_publish). A crash at any point leaves
-// latest naming a complete step. It reads as the protocol: every collective
-// and every agree_on_errors in the order all ranks reach them.
+// latest naming a complete step, or (killed between the step and latest)
+// missing or one save behind: --load DIR then takes the step saved last.
+// It reads as the protocol: every collective and every agree_on_errors in
+// the order all ranks reach them.
 SavedCheckpoint save_checkpoint(const Settings& s, z2::Engine& engine, const TensorShapes& tensor_shapes,
                                 const std::string& corpus, MPI_Comm world) {
   int rank = 0, world_size = 1;
