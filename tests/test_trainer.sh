@@ -39,9 +39,13 @@
 #      checkpoints (one-bit flips of index.json, an impossible loss scale, a
 #      latest that loops or holds a NUL) and contradicting flags refused; a
 #      resume at another summation tree refused (or run with
-#      --allow-different-bits); pruning leaves what is not this run's; a second
-#      saver and a new run into another run's checkpoints refused; a rank
-#      killed mid-save; SIGTERM and SIGINT stop, save and resume bit for bit.
+#      --allow-different-bits); pruning leaves what is not this run's and
+#      keeps the steps saved last; a second saver and a new run into another
+#      run's checkpoints refused; a rank killed mid-save; a save killed
+#      before latest was written or moved (--load DIR takes the step saved
+#      last, says so, the same bits; not an abandoned higher step); a user's
+#      file in a .step_K.incomplete refused before step 1; SIGTERM and SIGINT
+#      stop, save and resume bit for bit.
 #   9. DeepSpeed configs: the real ones in tests/ds_configs run or are refused
 #      as their README says, every refused key named in one message; what
 #      DeepSpeed 0.16.9 makes of the keys a file leaves out (stage 0, clip 0,
@@ -1154,6 +1158,75 @@ if [ $status -ne 0 ] && [ $loads -eq 0 ] && [ "$(cat "$work/ck_redo/latest")" = 
    [ -z "$(ls -A "$work/ck_redo" | grep incomplete)" ]; then
   pass "a re-save of step_8 killed midway leaves the old step_8 loadable; done at N=1, the same bits"
 else fail "re-save: exit $status, load $loads, $(head -c 200 "$work/log") $(head -c 200 "$work/reader.log")"; fi
+
+# A save killed after its step was put in place but before latest was
+# written (rank 0's 4th file at the first save: its rank file, index.json,
+# index.sha256, then latest): no latest. Rerunning the same command is
+# refused, naming --load DIR; that command, with the flag it names, resumes
+# from the step saved last, says which, and gives the straight run's bits.
+rm -rf "$work/ck_nolatest"
+ZERO2_TEST_FAULT="kill 4 0" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 4 --save "$work/ck_nolatest" > /dev/null 2>&1
+status=$?
+left=$(ls "$work/ck_nolatest" | tr '\n' ' ')
+bad_case "continue that run with --load $work/ck_nolatest," "${ck[@]}" --steps 8 --save-every 4 --save "$work/ck_nolatest"
+suggested=$(grep -o -- "continue that run with --load [^,]*" "$work/bad_stderr" | sed 's/^continue that run with //')
+timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 4 --save "$work/ck_nolatest" $suggested \
+  --json "$work/nolatest.json" > "$work/log" 2>&1
+resumed=$?
+verdict=$(resumed_matches "$work/ck_keep.json" "$work/nolatest.json" 2>&1)
+if [ $status -ne 0 ] && [ "$left" = "step_4 " ] && [ -n "$suggested" ] && [ $resumed -eq 0 ] && [ "$verdict" = ok ] &&
+   grep -qF "note: '$work/ck_nolatest' has no latest (a save was stopped before it wrote it): took step_4" "$work/log" &&
+   [ "$(cat "$work/ck_nolatest/latest")" = step_8 ]; then
+  pass "killed before the first latest: left $left; the rerun's refusal names '$suggested', which resumes from step_4 (said), the straight bits"
+else fail "killed before latest: exit $status, left '$left', suggested '$suggested', resumed exit $resumed, $verdict: $(head -c 300 "$work/log")"; fi
+# Killed at the second save's latest (rank 0's 8th file): latest names
+# step_2, step_4 is complete. --load DIR takes step_4 and says so.
+rm -rf "$work/ck_oldlatest"
+ZERO2_TEST_FAULT="kill 8 0" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 --save "$work/ck_oldlatest" > /dev/null 2>&1
+status=$?
+left="$(ls "$work/ck_oldlatest" | tr '\n' ' ')latest = $(cat "$work/ck_oldlatest/latest")"
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_oldlatest" --quiet --json "$work/oldlatest.json" > "$work/log" 2>&1
+verdict=$(resumed_matches "$work/ck_keep.json" "$work/oldlatest.json" 2>&1)
+took=$(json_get "$work/oldlatest.json" "d['checkpoint']['loaded']['step']" 2>&1)
+if [ $status -ne 0 ] && [ "$left" = "latest step_2 step_4 latest = step_2" ] && [ "$took" = 4 ] && [ "$verdict" = ok ] &&
+   grep -qF "note: '$work/ck_oldlatest/latest' names step_2, but step_4 of the same run was saved after it" "$work/log"; then
+  pass "killed before latest moved to step_4: --load DIR takes step_4 (said), the straight bits"
+else fail "killed before latest moved: exit $status, left '$left', took step $took, $verdict: $(head -c 300 "$work/log")"; fi
+# A run resumed from an earlier step into the same --save (step_6 of
+# step_6, step_8): its step_7 is newer than the abandoned step_8, latest
+# names it, and --load DIR loads it (the highest number would be step_8).
+rm -rf "$work/ck_branch"; cp -r "$work/ck_keep" "$work/ck_branch"
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_branch/step_6" --steps 7 --save "$work/ck_branch" > /dev/null 2>&1
+status=$?
+timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_branch" --steps 0 --json "$work/branch.json" > "$work/log" 2>&1
+took=$(json_get "$work/branch.json" "d['checkpoint']['loaded']['step']" 2>&1)
+if [ $status -eq 0 ] && [ "$(ls "$work/ck_branch" | tr '\n' ' ')" = "latest step_6 step_7 step_8 " ] &&
+   [ "$(cat "$work/ck_branch/latest")" = step_7 ] && [ "$took" = 7 ] && ! grep -q "note:\|took step" "$work/log"; then
+  pass "resumed from step_6 into the same --save: latest names step_7, --load DIR loads it, not the abandoned step_8"
+else fail "resumed branch: exit $status, $(ls "$work/ck_branch" | tr '\n' ' '), latest $(cat "$work/ck_branch/latest"), took step $took: $(head -c 300 "$work/log")"; fi
+# A user's file in .step_2.incomplete, where this run would write its step
+# 2 (--save-every 2): refused before step 1, nothing trained (no --metrics
+# file), nothing saved, the file left as it was.
+rm -rf "$work/ck_userinc"; mkdir -p "$work/ck_userinc/.step_2.incomplete"
+echo mine > "$work/ck_userinc/.step_2.incomplete/notes.txt"
+rm -f "$work/userinc_metrics"
+bad_case "--save: '$work/ck_userinc/.step_2.incomplete' holds files a save does not write there: move it away" \
+  "${ck[@]}" --steps 4 --save-every 2 --save "$work/ck_userinc" --metrics "$work/userinc_metrics"
+[ ! -e "$work/userinc_metrics" ] && [ "$(ls -A "$work/ck_userinc" | tr '\n' ' ')" = ".step_2.incomplete " ] &&
+  [ "$(cat "$work/ck_userinc/.step_2.incomplete/notes.txt")" = mine ] &&
+  pass "a user's file in .step_2.incomplete: refused before step 1, nothing trained or saved, the file kept" ||
+  fail "user's .step_2.incomplete: metrics $([ -e "$work/userinc_metrics" ] && echo written || echo absent), left $(ls -A "$work/ck_userinc" | tr '\n' ' ')"
+# Pruning keeps the steps saved last, not the highest numbers: resumed from
+# step_4 of step_4, step_6, step_8 with a save every 3 steps, the run saves
+# step_6 again, then step_9; --save-keep 2 keeps step_6 (this run's) and
+# step_9, and prunes the abandoned step_8 (saved before both).
+rm -rf "$work/ck_prune_order"
+timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 --save-keep 3 --save "$work/ck_prune_order" > /dev/null 2>&1
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_prune_order/step_4" --steps 9 --save-every 3 --save "$work/ck_prune_order" \
+  > "$work/log" 2>&1
+kept=$(ls "$work/ck_prune_order" | tr '\n' ' ')
+[ "$kept" = "latest step_6 step_9 " ] && pass "--save-keep 2 after a resume from step_4: kept $kept(saved last), not the abandoned step_8" ||
+  fail "pruning order: kept $kept $(head -c 200 "$work/log")"
 
 # What a review found (each was a wrong result or a raw error before).
 # An export that records nothing may run at any N, even one that cannot split the batch:

@@ -33,7 +33,8 @@ namespace bert {
 //                                      of the N ranks that saved it (rank q writes its own file)
 //   DIR/step_<s>/index.json            the settings a resumed run must share, the progress (steps,
 //                                      AdamW's t, skips, the loss scaler), the parameters, and each
-//                                      file's range, size and SHA-256; the run's identity (run_id)
+//                                      file's range, size and SHA-256; the run's identity (run_id);
+//                                      when it was saved (save_sequence: the order of saves into DIR)
 //   DIR/step_<s>/index.sha256          index.json's own SHA-256 (sha256sum's format)
 //   DIR/latest                         "step_<s>": the newest complete step, moved last
 // The canonical order (registration order, real elements only) does not
@@ -309,7 +310,9 @@ static std::string index_string(const json& index, const std::string& path, cons
 // --- finding and reading one ---------------------------------------------------
 
 // --load DIR: DIR itself when it holds an index.json (DIR/step_<s>), else
-// the step DIR/latest names.
+// the step DIR/latest names, or the step saved after it when a save was
+// stopped before it wrote latest (step_saved_after_latest); `found` then
+// says so, for the header.
 // Paths are looked at with stat and lstat (errno, not std::filesystem's
 // exceptions), so a symlink loop or a dangling link gets a sentence.
 static const char* stat_hint(int error) {
@@ -321,7 +324,10 @@ static bool path_is_there(const std::string& path) {  // anything under that nam
   struct stat info;
   return lstat(path.c_str(), &info) == 0;
 }
-static std::string checkpoint_step_directory(const std::string& directory) {
+// Defined with what a --save directory holds, below.
+static std::string step_saved_after_latest(const std::string& directory, const std::string& latest_name,
+                                           std::string& found);
+static std::string checkpoint_step_directory(const std::string& directory, std::string& found) {
   struct stat info;
   if (stat(directory.c_str(), &info) != 0) {
     const int error = errno;
@@ -331,9 +337,15 @@ static std::string checkpoint_step_directory(const std::string& directory) {
   if (!S_ISDIR(info.st_mode)) fail("--load '%s' is not a directory", directory.c_str());
   if (path_is_there(directory + "/index.json")) return directory;  // reading it names what is wrong with it
   const std::string latest = directory + "/latest";
-  if (!path_is_there(latest))
-    fail("--load '%s' has neither index.json (a step's directory) nor latest (a checkpoint directory)",
-         directory.c_str());
+  if (!path_is_there(latest)) {
+    const std::string newest = step_saved_after_latest(directory, "", found);
+    if (newest.empty())
+      fail(
+          "--load '%s' has neither index.json (a step's directory) nor latest nor a complete step_<s> (a checkpoint "
+          "directory)",
+          directory.c_str());
+    return newest;
+  }
   if (stat(latest.c_str(), &info) != 0) {
     const int error = errno;
     fail("the checkpoint's latest file '%s' cannot be read: %s%s", latest.c_str(), std::strerror(error),
@@ -353,7 +365,8 @@ static std::string checkpoint_step_directory(const std::string& directory) {
   if (!path_is_there(step + "/index.json"))
     fail("'%s' names '%s', which is not a complete checkpoint in '%s' (no %s/index.json)", latest.c_str(), name.c_str(),
          directory.c_str(), name.c_str());
-  return step;
+  const std::string newer = step_saved_after_latest(directory, name, found);
+  return newer.empty() ? step : newer;
 }
 
 // An index's text parsed, or null when it is not JSON (the callers say why).
@@ -496,7 +509,7 @@ static std::string schedule_described(const std::string& convention) {
 // not given), and the data it was trained on (adopted when --data is not
 // given; its hash is checked once it is read).
 void adopt_checkpoint(Settings& s, int world_size) {
-  s.checkpoint_directory = checkpoint_step_directory(s.load_dir);
+  s.checkpoint_directory = checkpoint_step_directory(s.load_dir, s.checkpoint_found);
   s.checkpoint =
       std::make_shared<const CheckpointIndex>(CheckpointIndex{read_checkpoint_index(s.checkpoint_directory)});
   const std::string file = s.checkpoint_directory + "/index.json";
@@ -849,44 +862,62 @@ struct StepEntry {
   std::string path;
 };
 
-// Every entry of `save_dir` named step_<n> (up to 18 digits: a long), of any type.
-static std::vector<StepEntry> step_entries(const std::string& save_dir) {
+// Every entry of `directory` named step_<n> (up to 18 digits: a long), of
+// any type, lowest step first. `flag` (--save, --load) names it in a message.
+static std::vector<StepEntry> step_entries(const std::string& directory, const char* flag = "--save") {
   std::vector<StepEntry> entries;
   std::error_code error;
-  for (const auto& entry : std::filesystem::directory_iterator(save_dir, error)) {
+  for (const auto& entry : std::filesystem::directory_iterator(directory, error)) {
     const std::string name = entry.path().filename().string();
     if (name.size() > 5 && name.size() <= 5 + 18 && name.compare(0, 5, "step_") == 0 &&
         name.find_first_not_of("0123456789", 5) == std::string::npos)
       entries.push_back({std::strtol(name.c_str() + 5, nullptr, 10), entry.path().string()});
   }
-  if (error) fail("--save: cannot list the directory '%s': %s", save_dir.c_str(), error.message().c_str());
+  if (error) fail("%s: cannot list the directory '%s': %s", flag, directory.c_str(), error.message().c_str());
   std::sort(entries.begin(), entries.end(), [](const StepEntry& a, const StepEntry& b) { return a.step < b.step; });
   return entries;
 }
 
-// Whose step the entry at `path` is; `why` says what keeps it from being
-// this run's when it is not.
-static StepOwner step_owner(const std::string& path, long step, const std::string& run_id, std::string& why) {
-  auto not_this_run = [&](const std::string& reason) {
-    why = reason;
-    return StepOwner::not_a_step;
-  };
+// The index of the step directory at `path`, parsed but not yet believed;
+// null, with `why`, when `path` is no directory holding a zero2 index.
+static json step_index_or_null(const std::string& path, std::string& why) {
   struct stat info;
-  if (lstat(path.c_str(), &info) != 0) return StepOwner::absent;
-  if (!S_ISDIR(info.st_mode)) return not_this_run("not a directory");
+  if (lstat(path.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+    why = "not a directory";
+    return json();
+  }
   std::string text;
   try {
     text = read_regular_file("the index", path + "/index.json", 64u << 20);
-  } catch (const z2::Error&) { return not_this_run("no readable index.json"); }
+  } catch (const z2::Error&) {
+    why = "no readable index.json";
+    return json();
+  }
   const json index = parsed_or_null(text);
-  if (!is_zero2_index(index)) return not_this_run("its index.json is not a zero2 checkpoint index");
-  if (!index.contains("run_id") || index["run_id"] != run_id) return StepOwner::other_run;
+  if (!is_zero2_index(index)) {
+    why = "its index.json is not a zero2 checkpoint index";
+    return json();
+  }
+  return index;
+}
+
+// Whether the step directory at `path`, whose index is `index`, is step
+// `step` complete: its index verifies against its index.sha256, is this
+// version's and step `step`'s, and the directory holds exactly index.json,
+// index.sha256 and the files its index lists, at the listed sizes. (The
+// rank files' SHA-256 are checked by a load, not here: this reads no state.)
+static bool step_is_complete(const std::string& path, const json& index, long step, std::string& why) {
   try {
     verified_index_text(path);
-  } catch (const z2::Error&) { return not_this_run("its index does not match its index.sha256"); }
+  } catch (const z2::Error&) {
+    why = "its index does not match its index.sha256";
+    return false;
+  }
   if (index.value("version", json()) != checkpoint_version || index.value("step", json()) != step ||
-      !index.contains("files") || !index["files"].is_array())
-    return not_this_run("its index is not that of step " + std::to_string(step));
+      !index.contains("files") || !index["files"].is_array()) {
+    why = "its index is not that of step " + std::to_string(step);
+    return false;
+  }
   std::map<std::string, json> expected = {{"index.json", json()}, {index_digest_file, json()}};
   for (const json& entry : index["files"])
     if (entry.is_object() && entry.value("file", json()).is_string())
@@ -897,12 +928,114 @@ static StepOwner step_owner(const std::string& path, long step, const std::strin
     const std::string name = entry.path().filename().string();
     struct stat file;
     if (!expected.count(name) || lstat(entry.path().c_str(), &file) != 0 || !S_ISREG(file.st_mode) ||
-        (!expected[name].is_null() && expected[name] != (long)file.st_size))
-      return not_this_run("'" + name.substr(0, 64) + "' is not a file its index lists");
+        (!expected[name].is_null() && expected[name] != (long)file.st_size)) {
+      why = "'" + name.substr(0, 64) + "' is not a file its index lists";
+      return false;
+    }
     ++seen;
   }
-  if (error || seen != expected.size()) return not_this_run("files its index lists are missing");
-  return StepOwner::this_run;
+  if (error || seen != expected.size()) {
+    why = "files its index lists are missing";
+    return false;
+  }
+  return true;
+}
+
+// Whose step the entry at `path` is; `why` says what keeps it from being
+// this run's when it is not. (Another run's step is not verified: it is
+// never replaced or deleted without --save-overwrite, whatever it holds.)
+static StepOwner step_owner(const std::string& path, long step, const std::string& run_id, std::string& why) {
+  if (!path_is_there(path)) return StepOwner::absent;
+  const json index = step_index_or_null(path, why);
+  if (index.is_null()) return StepOwner::not_a_step;
+  if (!index.contains("run_id") || index["run_id"] != run_id) return StepOwner::other_run;
+  return step_is_complete(path, index, step, why) ? StepOwner::this_run : StepOwner::not_a_step;
+}
+
+// --- which step was saved last ---------------------------------------------------
+//
+// A save writes latest last, after its step is in place, so a save killed
+// between the two leaves a complete step that latest does not name: latest
+// is missing (the first save) or names the step before. Step numbers cannot
+// say which step came last: a run resumed from step_6 into the same --save
+// saves step_7 after the step_8 of the history it left, and latest rightly
+// names step_7. So each index records "save_sequence", the order of saves
+// into its directory: Settings::first_save_sequence + the step. An index
+// without it (written before it was recorded) counts by its step.
+
+struct CompleteStep {
+  long step = 0, sequence = 0;
+  bool sequence_recorded = false;  // false: an older index, counted by its step
+  std::string path, name;          // DIR/step_<s>, step_<s>
+  json run_id;
+};
+// Every complete step of `directory` (step_is_complete), lowest step first.
+static std::vector<CompleteStep> complete_steps(const std::string& directory, const char* flag) {
+  std::vector<CompleteStep> steps;
+  for (const StepEntry& entry : step_entries(directory, flag)) {
+    std::string why;
+    const json index = step_index_or_null(entry.path, why);
+    if (index.is_null() || !step_is_complete(entry.path, index, entry.step, why)) continue;
+    CompleteStep step;
+    step.step = step.sequence = entry.step;
+    step.path = entry.path;
+    step.name = std::filesystem::path(entry.path).filename().string();
+    step.run_id = index.value("run_id", json());
+    // Bounded, so that first_save_sequence + a step cannot overflow.
+    const json sequence = index.value("save_sequence", json());
+    if (sequence.is_number_integer() && sequence.get<long>() >= 0 && sequence.get<long>() < (1l << 62))
+      step.sequence = sequence.get<long>(), step.sequence_recorded = true;
+    steps.push_back(step);
+  }
+  return steps;
+}
+// The step of `steps` saved last among those `counts` takes (the highest
+// sequence; of two, the higher step), or null when it takes none.
+static const CompleteStep* saved_last(const std::vector<CompleteStep>& steps,
+                                      const std::function<bool(const CompleteStep&)>& counts) {
+  const CompleteStep* newest = nullptr;
+  for (const CompleteStep& step : steps)
+    if (counts(step) &&
+        (!newest || std::make_pair(step.sequence, step.step) > std::make_pair(newest->sequence, newest->step)))
+      newest = &step;
+  return newest;
+}
+// A step saved after `named` (the step latest names) by the same run, or
+// null. Only steps that record their sequence overrule latest: between two
+// older indexes, latest, written last, is the only record of the order.
+// Another run's step (kept beside this one's by --save-overwrite, or copied
+// in) never overrules it either.
+static const CompleteStep* saved_after(const std::vector<CompleteStep>& steps, const CompleteStep& named) {
+  return saved_last(steps, [&](const CompleteStep& step) {
+    return step.sequence_recorded && step.run_id == named.run_id && step.sequence > named.sequence;
+  });
+}
+
+// --load DIR, when latest is missing (`latest_name` "") or names a step
+// that a later save of its run followed: the step saved last, and in
+// `found` one line saying why it is not latest's; "" when latest's step is
+// the one (or, latest missing, when DIR holds no complete step). A step
+// latest names that is not complete is left for the load to name.
+static std::string step_saved_after_latest(const std::string& directory, const std::string& latest_name,
+                                           std::string& found) {
+  const std::vector<CompleteStep> steps = complete_steps(directory, "--load");
+  if (latest_name.empty()) {
+    const CompleteStep* newest = saved_last(steps, [](const CompleteStep&) { return true; });
+    if (!newest) return "";
+    found = "'" + directory + "' has no latest (a save was stopped before it wrote it): took " + newest->name +
+            (newest->sequence_recorded ? ", the complete step saved last"
+                                       : ", the complete step with the highest number (its index predates save "
+                                         "sequences)");
+    return newest->path;
+  }
+  const auto named =
+      std::find_if(steps.begin(), steps.end(), [&](const CompleteStep& step) { return step.name == latest_name; });
+  if (named == steps.end()) return "";
+  const CompleteStep* newer = saved_after(steps, *named);
+  if (!newer) return "";
+  found = "'" + directory + "/latest' names " + latest_name + ", but " + newer->name +
+          " of the same run was saved after it (a save was stopped before it moved latest): took " + newer->name;
+  return newer->path;
 }
 
 // .step_<n>.incomplete, left by a save that was killed (or the old step a
@@ -928,12 +1061,18 @@ static bool holds_only_checkpoint_files(const std::string& path) {
   return !error;
 }
 
+// A .step_<s>.incomplete holding anything else (a user's file) is never
+// removed: refused before step 1 (claim_save_directory) and at the save.
+static void refuse_foreign_incomplete(const std::string& incomplete) {
+  if (path_is_there(incomplete) && !holds_only_checkpoint_files(incomplete))
+    fail("--save: '%s' holds files a save does not write there: move it away", incomplete.c_str());
+}
+
 // Where the ranks write a step: .step_<s>.incomplete, made empty (one a
 // killed save left is removed, if it holds nothing but a save's files).
 static void make_incomplete_step(const std::string& incomplete) {
   if (path_is_there(incomplete)) {
-    if (!holds_only_checkpoint_files(incomplete))
-      fail("--save: '%s' holds files a save does not write there: move it away", incomplete.c_str());
+    refuse_foreign_incomplete(incomplete);
     std::error_code ignored;
     std::filesystem::remove_all(incomplete, ignored);
   }
@@ -941,9 +1080,11 @@ static void make_incomplete_step(const std::string& incomplete) {
 }
 
 // Rank 0, before step 1: lock --save, take the run's identity (the loaded
-// checkpoint's, or a new one), and refuse a directory holding another
-// run's steps (unless --save-overwrite) or something else under the name
-// of a step this run may save.
+// checkpoint's, or a new one) and its first save sequence, and refuse a
+// directory holding another run's steps (unless --save-overwrite), or
+// something else under the name of a step this run may save, or a user's
+// file in the .step_<s>.incomplete of one (else the save at the end of
+// the run, after every step trained, would be refused).
 std::unique_ptr<DirectoryLock> claim_save_directory(Settings& s) {
   auto lock = std::make_unique<DirectoryLock>(
       s.save_dir, DirectoryLock::OnBusy::refuse,
@@ -956,6 +1097,8 @@ std::unique_ptr<DirectoryLock> claim_save_directory(Settings& s) {
       resumed ? index_integer(index_of(s), "progress.steps_taken", s.checkpoint_directory + "/index.json", 0, LONG_MAX)
               : 0;
   const long last = s.export_only ? first : std::max(first, s.steps);
+  // A save at the end (last), every --save-every, or at an interrupt.
+  auto may_save = [&](long step) { return step == last || (step > first && step <= last); };
   for (const StepEntry& entry : step_entries(s.save_dir)) {
     std::string why;
     const StepOwner owner = step_owner(entry.path, entry.step, s.run_id, why);
@@ -964,13 +1107,23 @@ std::unique_ptr<DirectoryLock> claim_save_directory(Settings& s) {
           "--save '%s' holds checkpoints of another run (%s): a %s run there would replace its steps and latest. "
           "Save into another directory, continue that run with --load %s, or give --save-overwrite to replace them",
           s.save_dir.c_str(), entry.path.c_str(), resumed ? "resumed" : "new", s.save_dir.c_str());
-    const bool may_save_it = entry.step == last || (entry.step > first && entry.step <= last);
-    if (owner == StepOwner::not_a_step && may_save_it)
+    if (owner == StepOwner::not_a_step && may_save(entry.step))
       fail(
           "--save: '%s' is not a checkpoint of this run (%s), and this run may save step %ld there: move it away or "
           "save into another directory",
           entry.path.c_str(), why.c_str(), entry.step);
   }
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(s.save_dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (is_incomplete_step_name(name) && may_save(std::strtol(name.c_str() + 6, nullptr, 10)))
+      refuse_foreign_incomplete(entry.path().string());
+  }
+  // Every complete step's sequence counts, another run's too: a save here
+  // is newer than all of them.
+  const std::vector<CompleteStep> steps = complete_steps(s.save_dir, "--save");
+  const CompleteStep* newest = saved_last(steps, [](const CompleteStep&) { return true; });
+  s.first_save_sequence = newest ? newest->sequence + 1 : 0;
   return lock;
 }
 
@@ -1012,18 +1165,21 @@ LoadedCheckpoint load_checkpoint(const Settings& s, z2::Engine& engine, const Te
 
 // Keeps the newest --save-keep steps up to `keep_step` (the one just saved
 // among them); steps after it (from a run that was resumed from earlier)
-// are left alone.
+// are left alone. "Newest" is saved last (the save sequence), not the
+// highest number: of a step_5 left by an abandoned history and the step_4
+// this run saved after it, step_4 is the newer.
 // Only this run's steps (step_owner) count and are deleted: a user's
 // step_1/ folder, a plain file step_3 or another run's step stays.
 static void prune_checkpoints(const Settings& s, long keep_step) {
-  std::vector<std::string> ours;  // oldest first
-  for (const StepEntry& entry : step_entries(s.save_dir)) {
-    std::string why;
-    if (entry.step <= keep_step && step_owner(entry.path, entry.step, s.run_id, why) == StepOwner::this_run)
-      ours.push_back(entry.path);
-  }
+  std::vector<CompleteStep> ours;
+  for (const CompleteStep& step : complete_steps(s.save_dir, "--save"))
+    if (step.step <= keep_step && step.run_id == s.run_id) ours.push_back(step);  // step_owner's this_run
+  // Oldest first.
+  std::sort(ours.begin(), ours.end(), [](const CompleteStep& a, const CompleteStep& b) {
+    return std::make_pair(a.sequence, a.step) < std::make_pair(b.sequence, b.step);
+  });
   std::error_code error;
-  for (size_t k = 0; k + (size_t)s.save_keep < ours.size(); ++k) std::filesystem::remove_all(ours[k], error);
+  for (size_t k = 0; k + (size_t)s.save_keep < ours.size(); ++k) std::filesystem::remove_all(ours[k].path, error);
   // A save killed before it was complete left .step_<k>.incomplete.
   std::vector<std::string> left;
   for (const auto& entry : std::filesystem::directory_iterator(s.save_dir, error))
@@ -1063,6 +1219,7 @@ static long write_index_and_publish(const Settings& s, const z2::Engine& engine,
       {"version", checkpoint_version},
       {"run_id", s.run_id},
       {"step", progress.steps_taken},
+      {"save_sequence", s.first_save_sequence + progress.steps_taken},  // when it was saved (--load DIR)
       {"world_size", world_size},
       {"accum", s.accum},
       {"stage", s.stage},
@@ -1109,8 +1266,10 @@ static long write_index_and_publish(const Settings& s, const z2::Engine& engine,
 // agree, then rank 0 writes the index (with every file's SHA-256) and its
 // digest there, puts the directory in place (publish_step) and only then
 // moves DIR/latest (write_index_and_publish). A crash at any point leaves
-// latest naming a complete step. It reads as the protocol: every collective
-// and every agree_on_errors in the order all ranks reach them.
+// latest naming a complete step, or (killed between the step and latest)
+// missing or one save behind: --load DIR then takes the step saved last.
+// It reads as the protocol: every collective and every agree_on_errors in
+// the order all ranks reach them.
 SavedCheckpoint save_checkpoint(const Settings& s, z2::Engine& engine, const TensorShapes& tensor_shapes,
                                 const std::string& corpus, MPI_Comm world) {
   int rank = 0, world_size = 1;

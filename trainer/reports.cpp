@@ -335,6 +335,8 @@ void print_header(const Settings& settings, const RunRecord& run, const z2::Engi
     printf("  loaded    %s: step %ld of %ld, saved by %ld rank(s) x accumulation %ld, stage %ld, %s (%.2f s)\n",
            settings.checkpoint_directory.c_str(), run.loaded->step, settings.steps, run.loaded->world_size,
            run.loaded->accum, run.loaded->stage, settings.precision.c_str(), run.loaded->seconds);
+  // --load DIR took another step than latest's (a save stopped before it moved latest).
+  if (!settings.checkpoint_found.empty()) printf("  loaded    %s\n", settings.checkpoint_found.c_str());
   if (settings.summation_tree_changed)
     printf(
         "  WARNING   this split of the global batch sums in another tree than the checkpoint's "
@@ -383,6 +385,9 @@ void ProgressLog::start(long resumed_step) {
   if (rank_ == 0 && settings_.quiet)
     for (const std::string& line : settings_.config_warnings)
       fprintf(stderr, "train_bert_mini: warning: %s\n", line.c_str());
+  // Which step --load DIR took when it was not latest's: said even with --quiet.
+  if (rank_ == 0 && settings_.quiet && !settings_.checkpoint_found.empty())
+    fprintf(stderr, "train_bert_mini: note: %s\n", settings_.checkpoint_found.c_str());
   // Rank 0 writes; every rank learns whether it could (or it would wait in
   // the first step's collectives for a rank that left).
   if (!settings_.metrics.empty())

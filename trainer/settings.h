@@ -90,6 +90,14 @@ struct Settings {
   std::shared_ptr<const CheckpointIndex>
       checkpoint;                    // --load's index.json, read before anything else (null: no --load)
   std::string checkpoint_directory;  // the step directory it came from
+  // How --load DIR chose that step when DIR/latest did not name it (missing,
+  // or older than a step saved after it): one line for the header; "" else.
+  std::string checkpoint_found;
+  // Rank 0, with --save: one more than the newest save sequence a step in
+  // --save held when this run claimed it (claim_save_directory). The save of
+  // step s records it + s, so the sequence grows within a run and across
+  // runs: it orders saves by when they happened, not by their step numbers.
+  long first_save_sequence = 0;
   // The flags given (command line or config): a resumed run takes the
   // checkpoint's value for every recorded setting not among them.
   std::set<std::string> given;
