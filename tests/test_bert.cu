@@ -259,7 +259,9 @@ TEST_CASE(
   s = parse({"--config", path});
   CHECK(s.offload_optimizer == "cpu");
   CHECK(s.origins["--offload-optimizer"] == "config:zero_optimization.offload_optimizer.device");
-  CHECK(holds_line(s.config_notes, "pin_memory false (DeepSpeed 0.16.9's default): zero2 pins"));
+  // (Its own field: the header prints it only while the run offloads.)
+  CHECK(s.config_pinning_note.find("pin_memory false (DeepSpeed 0.16.9's default): zero2 pins") != std::string::npos);
+  CHECK(!holds_line(s.config_notes, "zero2 pins"));
   CHECK(holds_line(s.config_warnings, "'zero_optimization.offload_optimizer.buffer_count' serves NVMe offload"));
   CHECK(bert::engine_options(s, z2::Precision::fp32).offload_optimizer);
   write(R"({"zero_optimization": {"stage": 1, "cpu_offload": true, "cpu_offload_use_pin_memory": true}})");
@@ -268,6 +270,10 @@ TEST_CASE(
   CHECK(holds_line(s.config_warnings, "cpu_offload_use_pin_memory' is deprecated"));
   write(R"({"zero_optimization": {"stage": 2}})");
   CHECK(parse({"--config", path}).origins["--offload-optimizer"] == "deepspeed_default:DeepSpeedZeroConfig");
+  // A number is quoted as the file writes it, -0 included (JSON's integer -0 is 0 once read).
+  CHECK(error_of(R"({"train_micro_batch_size_per_gpu": -0})").find("(got '-0')") != std::string::npos);
+  CHECK(error_of(R"({"train_micro_batch_size_per_gpu": "-5 \" 1e3", "gradient_accumulation_steps": -0})")
+            .find("(got '-0')") != std::string::npos);
   CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})")
             .find("offload_optimizer.ratio: wants a number from 0 to 1") != std::string::npos);
   CHECK(error_of(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memry": true}}})")
@@ -288,7 +294,7 @@ TEST_CASE(
   s = parse({"--config", path});
   CHECK(s.warmup_type == "log");
   CHECK(s.schedule_convention == "deepspeed");
-  CHECK(s.lr == 0.001);  // WarmupLR's warmup_max_lr default
+  CHECK(s.lr == 0.001);                      // WarmupLR's warmup_max_lr default
   CHECK(parse({}).warmup_type == "linear");  // without a config, the trainer's own linear warmup
   CHECK(parse({}).schedule_convention == "zero2");
   // WarmupDecayLR's total_num_steps has no default in DeepSpeed.
@@ -425,9 +431,9 @@ TEST_CASE("BERT learning-rate schedule under a config: DeepSpeed's WarmupDecayLR
   CHECK(bert::learning_rate(s, 1) == 0.0);
   CHECK(bert::learning_rate(s, 2) == 0.0);
   CHECK(bert::learning_rate(s, 3) == 0.25);
-  CHECK(bert::learning_rate(s, 6) == 1.0);                      // i = 4 = W: the decay's start
+  CHECK(bert::learning_rate(s, 6) == 1.0);                       // i = 4 = W: the decay's start
   CHECK(bert::learning_rate(s, 7) == doctest::Approx(5.0 / 6));  // (S - i) / (S - W)
-  CHECK(bert::learning_rate(s, 12) == 0.0);                     // i = S
+  CHECK(bert::learning_rate(s, 12) == 0.0);                      // i = S
   s.warmup = 1;                                                  // W = max(2, 1)
   CHECK(bert::learning_rate(s, 3) == 0.5);
   s.decay = "none";
