@@ -649,11 +649,16 @@ class StateFile {
     if (entry.bytes < 8) damaged("its size (fewer than 8 bytes)");
     unsigned char length_bytes[8];
     read_at(length_bytes, 8, 0);
-    // A rank file's header is three entries and three strings: 1 MiB is plenty.
-    const size_t length = safetensors_header_length(entry.path, length_bytes, entry.bytes, 1 << 20);
-    std::string text(length, '\0');
-    read_at(text.data(), length, 8);
-    const SafetensorsLayout layout = parse_safetensors_header(entry.path, text.data(), length, entry.bytes);
+    SafetensorsLayout layout;
+    try {  // the file is ours and its size the index's: what the reader refuses is damage, said so
+      // A rank file's header is three entries and three strings: 1 MiB is plenty.
+      const size_t length = safetensors_header_length(entry.path, length_bytes, entry.bytes, 1 << 20);
+      std::string text(length, '\0');
+      read_at(text.data(), length, 8);
+      layout = parse_safetensors_header(entry.path, text.data(), length, entry.bytes);
+    } catch (const z2::Error& error) {
+      fail("the checkpoint file '%s' is damaged: %s", entry.path.c_str(), error.what());
+    }
     data_start_ = layout.data_start;
     const size_t count = entry.end - entry.begin;
     if (layout.tensors.size() != 3)
