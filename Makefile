@@ -9,7 +9,8 @@
 #   make test-cpu the same suite for the mpicxx-only build (build-cpu/), less the trainer checks
 #                 of build-independent logic (TEST_CPU_SKIP)
 #   make sanitize the cpu build with AddressSanitizer and UBSan (build-sanitize/): the doctest suite
-#                 at N = 1, 2 and a short trainer matrix (tests/sanitize.sh)
+#                 at N = 1, 2, a short trainer matrix and 20 s of fuzzing the safetensors reader
+#                 (tests/sanitize.sh)
 #   make bench    tokens/s and sgemm share: fp32/bf16/fp16 x stage 0/2 x N = 1, 2; zero2 (both builds)
 #                 vs PyTorch per core and on two cores; step-time ratios recompute / keep, offload / keep
 #   make fraglab  the smallest --device-memory-limit one BERT-mini step needs, for every
@@ -53,6 +54,9 @@
 PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev libssl-dev
 TEST_PACKAGES := python3-torch python3-numpy python3-venv
 FIGURE_PACKAGES := python3-matplotlib
+# `make sanitize` also fuzzes the safetensors reader: libFuzzer ships with
+# clang's runtime libraries, not with g++.
+SANITIZE_PACKAGES := clang-14 libclang-rt-14-dev
 # The Hugging Face round trip (tests/hf_roundtrip.py) needs transformers,
 # which Debian does not package: a venv on Debian's python (its torch and
 # numpy) with these from PyPI, pinned. 4.39 is the newest line that runs on
@@ -128,14 +132,14 @@ ENGINE_SOURCES  := zero2.cu runtime/gemm.cu runtime/transfers.cpp runtime/checkp
 MODEL_SOURCE    := train_bert_mini.cu
 TRAINER_SOURCES := trainer/checkpoints.cpp trainer/json.cpp trainer/deepspeed_config.cpp trainer/reports.cpp \
                    trainer/hf_export.cpp trainer/trace.cpp trainer/hf_import.cpp trainer/plan.cpp trainer/settings.cpp \
-                   trainer/output_files.cpp trainer/inputs.cpp trainer/embedded_corpus.cpp
+                   trainer/output_files.cpp trainer/inputs.cpp trainer/safetensors.cpp trainer/embedded_corpus.cpp
 # What the trainer's plumbing links besides the engine's libraries: OpenSSL's
 # libcrypto, whose SHA-256 the checkpoints record (trainer/checkpoints.cpp).
 TRAINER_LIBS    := -lcrypto
 TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_gpu.cu tests/test_main.cpp \
                    tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp tests/test_checkpoint.cpp \
                    tests/test_allocator.cpp tests/test_math.cpp tests/test_portable.cpp tests/test_labs.cpp \
-                   tests/test_offload.cpp
+                   tests/test_offload.cpp tests/test_safetensors.cpp
 # $(call objects,DIR,SOURCES): each source's object under DIR (zero2.cu -> DIR/zero2.o).
 objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
 # Host-only code that runs once a run or once a step, never once an element
@@ -167,7 +171,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run verify golden lab labs demo bench check-trace check-peer build-time math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps hf-venv found clean
+.PHONY: all cpu run verify golden lab labs demo bench check-trace check-peer build-time math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps sanitize-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -295,6 +299,25 @@ build-sanitize/corpus.inc: data/corpus.txt
 	@mkdir -p $(@D)
 	$(CORPUS_INC)
 build-sanitize/trainer/embedded_corpus.o: build-sanitize/corpus.inc
+# The safetensors fuzz target (tests/fuzz_safetensors.cpp): clang++ through
+# mpicxx (MPICH_CXX), as libFuzzer is clang's. Coverage (-fsanitize=fuzzer)
+# on the target and the parser's files only. The parser's file also maps a
+# file through InputFile (trainer/inputs.cpp), whose file holds
+# check_same_inputs and what that calls (MPI, the checkpoints, the config
+# reader): inputs.cpp is compiled without coverage, each function in its
+# own section, and --gc-sections drops those the target never reaches, so
+# the rest of the trainer need not be linked (coverage would keep them all).
+# (-Wno-unknown-pragmas: runtime/compute.h's `#pragma GCC ivdep` is g++'s.)
+FUZZ_CXX     := MPICH_CXX=clang++-14 $(MPICXX)
+FUZZ_FLAGS   := -std=c++17 -O1 -g1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+                -ffunction-sections -fdata-sections -Wall -Wextra -Wno-unused-parameter -Wno-unknown-pragmas
+FUZZ_COVERED := tests/fuzz_safetensors.cpp trainer/safetensors.cpp trainer/json.cpp
+FUZZ_LINKED  := trainer/inputs.cpp runtime/errors.cpp
+build-sanitize/fuzz/%.o: %.cpp Makefile
+	@mkdir -p $(@D)
+	$(FUZZ_CXX) $(FUZZ_FLAGS) $(if $(filter $<,$(FUZZ_COVERED)),-fsanitize=fuzzer-no-link) $(DEPFLAGS) -I. -c $< -o $@
+build-sanitize/fuzz_safetensors: $(call objects,build-sanitize/fuzz,$(FUZZ_COVERED) $(FUZZ_LINKED))
+	$(FUZZ_CXX) -fsanitize=fuzzer,address,undefined -Wl,--gc-sections $^ -o $@
 
 # --- running --------------------------------------------------------------------
 # One OpenBLAS thread per rank: ranks already fill the cores, and OpenBLAS
@@ -370,7 +393,7 @@ check-peer: deps test-deps hf-venv
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
 	tests/peers/check_peer.sh $(if $(PEER),$(PEER),torch) build
 
-sanitize: deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini
+sanitize: deps sanitize-deps found build-sanitize/test_zero2 build-sanitize/train_bert_mini build-sanitize/fuzz_safetensors
 	$(RUN_ENV) tests/sanitize.sh build-sanitize
 
 # The torch-step lab (Python) grades a replay of build-cpu's trainer's trace in the Hugging Face venv.
@@ -389,7 +412,8 @@ figures: deps figure-deps all
 
 test-deps: PACKAGES = $(TEST_PACKAGES)
 figure-deps: PACKAGES = $(FIGURE_PACKAGES)
-deps test-deps figure-deps:
+sanitize-deps: PACKAGES = $(SANITIZE_PACKAGES)
+deps test-deps figure-deps sanitize-deps:
 	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then \

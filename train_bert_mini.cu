@@ -1677,7 +1677,7 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   run_.held_out_bytes = held_out_.size();
   run_.initial_weights_unused = initial_weights_.notes;
   // Every rank finds the same difference: the same message and exit everywhere.
-  if (world_size_ > 1) check_same_inputs(settings_, corpus_, initial_weights_.file_bytes, world_);
+  if (world_size_ > 1) check_same_inputs(settings_, corpus_, initial_weights_.fingerprint, world_);
   // Rank 0 saves: it locks --save and looks at what it holds, before step 1.
   if (!settings_.save_dir.empty())
     agree_on_errors(

@@ -6,7 +6,12 @@
 #   2. a short trainer matrix through the command line: N = 1, 2 x stage 0, 2
 #      x fp32, bf16, fp16 (one hash per precision, as in the full suite), the
 #      ZeRO-R modes with the naive allocator, the caching allocator, --plan, fp16 overflowing, an export and
-#      a dump, and a few bad inputs (a nested config, a FIFO, a short seq).
+#      a dump, and a few bad inputs (a nested config, a FIFO, a short seq);
+#   3. the safetensors fuzz target (tests/fuzz_safetensors.cpp) for 20 s from
+#      the regression corpus (tests/safetensors_corpus/): no crash, no
+#      sanitizer report, no allocation of 16 MB or more (its inputs are at
+#      most 4 KB: such an allocation would follow a size the bytes only
+#      claim). One check.
 # Any sanitizer report ends the run it is in (UBSan without recovery), which
 # counts as a failure here. Leak checking is off: MPICH keeps allocations
 # until exit by design. Ends with the plain line "N passed, M failed".
@@ -84,6 +89,21 @@ bad "more than 16 deep" --config "$work/deep.json"
 bad "is not a regular file" --data "$work/fifo"
 bad "positions on average" --seq 3 --micro-batch 1
 bad "unknown flag" --bogus 1
+
+# The fuzz target: new inputs go to a scratch directory (the committed corpus only seeds it).
+# libFuzzer exits 0 when the time is up with nothing found; a crash, a sanitizer report or an
+# over-large allocation ends it non-zero and leaves the input as crash-*/oom-* in $work.
+mkdir -p "$work/fuzz_corpus"
+timeout 120 "$build/fuzz_safetensors" -max_total_time=20 -max_len=4096 -malloc_limit_mb=16 -rss_limit_mb=2048 \
+  -timeout=10 -print_final_stats=1 -artifact_prefix="$work/" "$work/fuzz_corpus" tests/safetensors_corpus \
+  > "$work/fuzz.log" 2>&1
+status=$?
+runs=$(grep -oE '^stat::number_of_executed_units: *[0-9]+' "$work/fuzz.log" | grep -oE '[0-9]+$')
+if [ $status -eq 0 ] && ! sanitizer_said "$work/fuzz.log" && [ -n "$runs" ]; then
+  pass "fuzz_safetensors: $runs inputs in 20 s from tests/safetensors_corpus, no crash, no sanitizer report, no large allocation"
+else
+  fail "fuzz_safetensors: exit $status"; grep -E -B 2 -A 12 "ERROR|runtime error|deadly signal|malloc\(" "$work/fuzz.log" | head -n 40
+fi
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -2433,6 +2433,57 @@ EOF
   bad_case "tensor 'cls.predictions.bias' is F64" "${small_init[@]}" --init-hf "$work/f64"
   rm -rf "$work/pickle"; mkdir -p "$work/pickle"; cp "$work/seed5/config.json" "$work/pickle/"; : > "$work/pickle/pytorch_model.bin"
   bad_case "but a pytorch_model.bin" "${small_init[@]}" --init-hf "$work/pickle"
+  # model.safetensors read as untrusted input (trainer/safetensors.h; tests/test_safetensors.cpp has the
+  # whole corpus): a header length 4 bytes short (its padding keeps the JSON valid, every tensor would shift
+  # by one float), trailing bytes, a name twice, a NaN weight.
+  raw_dir() {  # raw_dir NAME PYTHON: seed5's export with model.safetensors' bytes `b` changed by PYTHON
+    rm -rf "$work/$1"; cp -r "$work/seed5" "$work/$1"
+    "$PYTHON" - "$work/$1/model.safetensors" "$2" <<'EOF'
+import struct, sys
+b = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+header, data = b[8:8 + n].rstrip(b" "), b[8 + n:]
+exec(sys.argv[2])
+open(sys.argv[1], "wb").write(b)
+EOF
+  }
+  raw_dir header_short 'h = header + b" " * 8; b = struct.pack("<Q", len(h) - 4) + h + data'
+  bad_case "model.safetensors' is not a safetensors file we can read: its tensors' data ends at byte" \
+    "${small_init[@]}" --init-hf "$work/header_short"
+  raw_dir trailing 'b += b"\0" * 4'
+  bad_case "the rest belongs to no tensor" "${small_init[@]}" --init-hf "$work/trailing"
+  raw_dir twice 'h = b"{\"cls.predictions.bias\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}," + header[1:]; b = struct.pack("<Q", len(h)) + h + data'
+  bad_case "its header has the key 'cls.predictions.bias' twice in one object" "${small_init[@]}" --init-hf "$work/twice"
+  init_dir nan 'x = t["bert.encoder.layer.1.attention.self.query.bias"].copy(); x[5] = np.nan; t["bert.encoder.layer.1.attention.self.query.bias"] = x'
+  bad_case "nan/model.safetensors': tensor 'bert.encoder.layer.1.attention.self.query.bias' element 5 [5] is nan: weights to start from must be finite" \
+    "${small_init[@]}" --init-hf "$work/nan"
+  # config.json's sizes: a value that is not a positive integer is quoted as written, and the only advice
+  # is a flag value the flag takes.
+  config_dir() {  # config_dir NAME TEXT: seed5's export with config.json's hidden_size written as TEXT
+    rm -rf "$work/$1"; cp -r "$work/seed5" "$work/$1"
+    "$PYTHON" -c "import re, sys; p = sys.argv[1]; t = open(p).read(); open(p, 'w').write(re.sub(r'\"hidden_size\": *[^,}]*', '\"hidden_size\": ' + sys.argv[2], t))" \
+      "$work/$1/config.json" "$2"
+  }
+  for written in 64.0 '"64"' -64 true null 1e3; do
+    config_dir hidden "$written"
+    bad_case "config.json's hidden_size is $written, not a positive integer (BertConfig's sizes are ints); this run's --hidden is 32" \
+      "${small_init[@]}" --init-hf "$work/hidden"
+    if grep -qF -- "give --hidden" "$work/bad_stderr"; then fail "--init-hf hidden_size $written: advice to give a flag value"; fi
+  done
+  config_dir hidden 18446744073709551615
+  bad_case "hidden_size is 18446744073709551615, this run's --hidden is 32 (and 18446744073709551615 is beyond what --hidden takes)" \
+    "${small_init[@]}" --init-hf "$work/hidden"
+  # A dangling link and a link loop under the name: said as such, not as "has no model.safetensors".
+  rm -rf "$work/links"; mkdir -p "$work/links"; cp "$work/seed5/config.json" "$work/links/"
+  ln -s "$work/links/nowhere" "$work/links/model.safetensors"
+  bad_case "--init-hf's model.safetensors '$work/links/model.safetensors' cannot be read: No such file or directory (a symlink to nothing)" \
+    "${small_init[@]}" --init-hf "$work/links"
+  rm "$work/links/model.safetensors"; ln -s model.safetensors "$work/links/model.safetensors"
+  bad_case "model.safetensors' cannot be read: Too many levels of symbolic links (a symlink loop" \
+    "${small_init[@]}" --init-hf "$work/links"
+  rm "$work/links/config.json"; ln -s config.json "$work/links/config.json"
+  bad_case "--init-hf's config.json '$work/links/config.json' cannot be read: Too many levels of symbolic links (a symlink loop" \
+    "${small_init[@]}" --init-hf "$work/links"
   # A save that also holds the tied names and the pre-training heads (pooler, NSP) is taken, the heads named unused.
   init_dir pretraining 't["cls.predictions.decoder.weight"] = t["bert.embeddings.word_embeddings.weight"]; t["bert.pooler.dense.bias"] = np.zeros(32, np.float32); t["cls.predictions.transform.dense.bias"] = t["cls.predictions.transform.dense.bias"].astype(np.float16)'
   if timeout 60 "$trainer" "${small_init[@]}" --init-hf "$work/pretraining" > "$work/log" 2>&1 &&

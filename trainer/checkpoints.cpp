@@ -24,6 +24,7 @@
 #include "trainer/hf_export.h"
 #include "trainer/inputs.h"
 #include "trainer/json.h"
+#include "trainer/safetensors.h"
 
 namespace bert {
 
@@ -313,17 +314,8 @@ static std::string index_string(const json& index, const std::string& path, cons
 // the step DIR/latest names, or the step saved after it when a save was
 // stopped before it wrote latest (step_saved_after_latest); `found` then
 // says so, for the header.
-// Paths are looked at with stat and lstat (errno, not std::filesystem's
-// exceptions), so a symlink loop or a dangling link gets a sentence.
-static const char* stat_hint(int error) {
-  return error == ELOOP    ? " (a symlink loop: a link that leads back to itself)"
-         : error == ENOENT ? " (a symlink to nothing)"
-                           : "";
-}
-static bool path_is_there(const std::string& path) {  // anything under that name, a dangling link included
-  struct stat info;
-  return lstat(path.c_str(), &info) == 0;
-}
+// Paths are looked at with stat and lstat (stat_hint, path_is_there:
+// trainer/inputs.h), so a symlink loop or a dangling link gets a sentence.
 // Defined with what a --save directory holds, below.
 static std::string step_saved_after_latest(const std::string& directory, const std::string& latest_name,
                                            std::string& found);
@@ -664,32 +656,32 @@ class StateFile {
     if ((size_t)info.st_size != entry.bytes)
       fail("the checkpoint file '%s' has %s bytes; its index says %s (cut short or replaced)", entry.path.c_str(),
            z2::with_commas((size_t)info.st_size).c_str(), z2::with_commas(entry.bytes).c_str());
+    // The header through the one safetensors reader (trainer/safetensors.h):
+    // its length against the file, its JSON and every tensor's range checked
+    // (they tile the data exactly); then what the index says it must hold.
+    if (entry.bytes < 8) damaged("its size (fewer than 8 bytes)");
     unsigned char length_bytes[8];
     read_at(length_bytes, 8, 0);
-    uint64_t length = 0;
-    for (int k = 0; k < 8; ++k) length |= (uint64_t)length_bytes[k] << (8 * k);
-    if (length > (1u << 20) || 8 + length > entry.bytes) damaged("its header length");
-    std::string text(length, '\0');
-    read_at(text.data(), length, 8);
-    json header;
-    try {
-      header = parse_json(text);
-    } catch (const json::exception&) { damaged("its header (not JSON)"); }
+    SafetensorsLayout layout;
+    try {  // the file is ours and its size the index's: what the reader refuses is damage, said so
+      // A rank file's header is three entries and three strings: 1 MiB is plenty.
+      const size_t length = safetensors_header_length(entry.path, length_bytes, entry.bytes, 1 << 20);
+      std::string text(length, '\0');
+      read_at(text.data(), length, 8);
+      layout = parse_safetensors_header(entry.path, text.data(), length, entry.bytes);
+    } catch (const z2::Error& error) {
+      fail("the checkpoint file '%s' is damaged: %s", entry.path.c_str(), error.what());
+    }
+    data_start_ = layout.data_start;
     const size_t count = entry.end - entry.begin;
-    data_start_ = 8 + length;
-    if (!header.is_object()) damaged("its header (not a JSON object)");
+    if (layout.tensors.size() != 3)
+      damaged("its number of tensors (" + std::to_string(layout.tensors.size()) + ", not 3)");
     for (const char* name : {"master", "exp_avg", "exp_avg_sq"}) {
-      if (!header.contains(name) || !header[name].is_object()) damaged(std::string("its header (no ") + name + ")");
-      const json& tensor = header[name];
-      if (tensor.value("dtype", json()) != "F32" || tensor.value("shape", json()) != json::array({count}))
+      const auto tensor = layout.tensors.find(name);
+      if (tensor == layout.tensors.end()) damaged(std::string("its header (no ") + name + ")");
+      if (tensor->second.dtype != "F32" || tensor->second.shape != std::vector<long>{(long)count})
         damaged(std::string("the dtype or shape of ") + name);
-      const json offsets = tensor.value("data_offsets", json::array());
-      if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-          !offsets[1].is_number_unsigned() || offsets[1].get<size_t>() < offsets[0].get<size_t>() ||
-          offsets[1].get<size_t>() - offsets[0].get<size_t>() != 4 * count ||
-          data_start_ + offsets[1].get<size_t>() > entry.bytes)
-        damaged(std::string("the offsets of ") + name);
-      offsets_.push_back(offsets[0].get<size_t>());
+      offsets_.push_back(tensor->second.begin);  // its size is F32 x count: checked with the shape
     }
   }
   ~StateFile() { close(fd_); }

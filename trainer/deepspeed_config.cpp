@@ -33,41 +33,22 @@ std::string read_config_text(const std::string& path) {
   const std::string text = read_regular_file("the config file", path, 1 << 20);
   const size_t nul = text.find('\0');
   if (nul != std::string::npos) fail("the config file '%s' has a NUL byte at offset %zu", path.c_str(), nul);
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') ++i;  // the escaped character cannot end the string
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > max_config_depth)
-        fail("the config file '%s' nests objects and arrays more than %d deep (at offset %zu)", path.c_str(),
-             max_config_depth, i);
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
+  const size_t deep = first_nesting_beyond(text, max_config_depth);
+  if (deep != std::string::npos)
+    fail("the config file '%s' nests objects and arrays more than %d deep (at offset %zu)", path.c_str(),
+         max_config_depth, deep);
   return text;
 }
 
 // A JSON object's keys, once each: the JSON library keeps the last of two
 // equal keys silently, and a setting written twice is a mistake to name.
 static json parse_config_json(const std::string& path, const std::string& text) {
-  std::vector<std::set<std::string>> keys;  // one set per open object
-  json::parser_callback_t no_duplicates = [&](int, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::object_start) keys.emplace_back();
-    else if (event == json::parse_event_t::object_end) keys.pop_back();
-    else if (event == json::parse_event_t::key && !keys.back().insert(parsed.get<std::string>()).second)
-      fail("the config file '%s' has the key '%s' twice in one object", path.c_str(),
-           parsed.get<std::string>().c_str());
-    return true;
+  auto twice = [&](const std::string& key) {
+    fail("the config file '%s' has the key '%s' twice in one object", path.c_str(), key.c_str());
   };
   try {
-    return parse_json(text, no_duplicates);  // strict: nothing may follow the value
-  } catch (const json::exception& e) {       // a syntax error, or a number beyond double (1e400)
+    return parse_json_keys_once(text, twice);  // strict: nothing may follow the value
+  } catch (const json::exception& e) {         // a syntax error, or a number beyond double (1e400)
     // DeepSpeed reads its configs as Hjson (runtime/config.py DeepSpeedConfig),
     // which forgives a missing comma or a comment: say so, as the file may
     // well run there.
@@ -77,77 +58,6 @@ static json parse_config_json(const std::string& path, const std::string& text) 
         path.c_str(), e.what());
   }
 }
-
-// The text of every number in a config, by its key path ("fp16.loss_scale",
-// "optimizer.params.betas[0]"). The JSON library keeps only the value, and a
-// message should quote what the user wrote: 1e39, not
-// 9.9999999999999994e+38; 18446744073709551616 (beyond uint64, so parsed as
-// a double), not 1.8446744073709552e+19; -0, not 0 (an integer to both).
-// Its SAX interface hands over a float's text but not an integer's, so the
-// numbers' texts are first cut out of the text in document order (a number
-// starts outside a string with '-' or a digit; the text is valid JSON by
-// now), and each number event takes the next one. It builds nothing.
-struct NumberTexts : nlohmann::json_sax<json> {
-  explicit NumberTexts(const std::string& text = "") {
-    for (size_t i = 0; i < text.size(); ++i) {
-      if (text[i] == '"') {  // a string, escapes and all: no number inside counts
-        for (++i; i < text.size() && text[i] != '"'; ++i) i += text[i] == '\\';
-      } else if (text[i] == '-' || (text[i] >= '0' && text[i] <= '9')) {
-        const size_t end = text.find_first_not_of("0123456789+-.eE", i);
-        written.push_back(text.substr(i, end - i));
-        i = end == std::string::npos ? text.size() : end - 1;
-      }
-    }
-  }
-  bool number() {  // the next number's text, under its key path
-    if (next < written.size()) texts[here()] = written[next];
-    ++next;
-    return value();
-  }
-  std::vector<std::string> written;  // every number's text, in document order
-  size_t next = 0;
-  std::map<std::string, std::string> texts;
-  std::vector<std::string> keys;  // per open object or array: the current key ("" in an array)
-  std::vector<long> indices;      // per open level: the current element's index (-1 in an object)
-
-  std::string here() const {
-    std::string where;
-    for (size_t level = 0; level < keys.size(); ++level)
-      where +=
-          indices[level] >= 0 ? "[" + std::to_string(indices[level]) + "]" : (where.empty() ? "" : ".") + keys[level];
-    return where;
-  }
-  bool value() {  // a value ended: the next one in an array has the next index
-    if (!indices.empty() && indices.back() >= 0) ++indices.back();
-    return true;
-  }
-  bool open(long index) {
-    keys.emplace_back();
-    indices.push_back(index);
-    return true;
-  }
-  bool close() {
-    keys.pop_back();
-    indices.pop_back();
-    return value();
-  }
-  bool null() override { return value(); }
-  bool boolean(bool) override { return value(); }
-  bool number_integer(number_integer_t) override { return number(); }
-  bool number_unsigned(number_unsigned_t) override { return number(); }
-  bool number_float(number_float_t, const string_t&) override { return number(); }
-  bool string(string_t&) override { return value(); }
-  bool binary(binary_t&) override { return value(); }
-  bool start_object(std::size_t) override { return open(-1); }
-  bool key(string_t& key) override {
-    keys.back() = key;
-    return true;
-  }
-  bool end_object() override { return close(); }
-  bool start_array(std::size_t) override { return open(0); }
-  bool end_array() override { return close(); }
-  bool parse_error(std::size_t, const std::string&, const json::exception&) override { return false; }
-};
 
 // The keys DeepSpeed 0.16.9 knows, by the block they belong to, for two
 // things: the nearest-name suggestion for a typo, and telling a key

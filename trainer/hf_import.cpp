@@ -1,111 +1,22 @@
-// trainer/hf_import.cpp — safetensors read, and --init-hf: a Hugging Face
-// BertForMaskedLM directory as the run's initial weights (trainer/hf_import.h).
+// trainer/hf_import.cpp — --init-hf: a Hugging Face BertForMaskedLM
+// directory as the run's initial weights (trainer/hf_import.h); its
+// model.safetensors read by trainer/safetensors.cpp.
 #include "trainer/hf_import.h"
 
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <set>
 
-#include "runtime/math.h"
+#include "trainer/checkpoints.h"
 #include "trainer/inputs.h"
 #include "trainer/json.h"
+#include "trainer/safetensors.h"
 
 namespace bert {
-
-// --- safetensors, read ----------------------------------------------------------
-//
-// An 8-byte little-endian header length, the JSON header (each tensor's
-// dtype, shape and [begin, end) of the data that follows), then the data.
-// Every range is checked before a byte is read: a damaged or hand-made file
-// gets a message naming what is wrong, never a read past its end.
-
-static size_t dtype_bytes(const std::string& dtype) {
-  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
-  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
-  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
-  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2") return 1;
-  return 0;
-}
-
-[[noreturn]] static void unreadable(const std::string& path, const std::string& what) {
-  fail("'%s' is not a safetensors file we can read: %s", path.c_str(), what.c_str());
-}
-
-std::map<std::string, TensorView> safetensors_tensors(const std::string& path, const std::string& contents) {
-  auto damaged = [&](const std::string& what) { unreadable(path, what); };
-  if (contents.size() < 8) damaged("it is shorter than the 8 bytes of its header's length");
-  uint64_t length = 0;
-  for (int k = 0; k < 8; ++k) length |= (uint64_t)(unsigned char)contents[k] << (8 * k);
-  if (length > contents.size() - 8) damaged("its header's length runs past the end of the file");
-  json header;
-  try {
-    header = parse_json(contents.substr(8, length));
-  } catch (const json::exception& e) { damaged(std::string("its header is not JSON (") + e.what() + ")"); }
-  if (!header.is_object()) damaged("its header is not a JSON object");
-  const size_t data_start = 8 + length, data_bytes = contents.size() - data_start;
-  std::map<std::string, TensorView> tensors;
-  std::vector<std::pair<size_t, size_t>> ranges;
-  for (auto& [name, entry] : header.items()) {
-    if (name == "__metadata__") continue;
-    const std::string where = "tensor '" + name + "'";
-    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") || !entry.contains("data_offsets"))
-      damaged(where + " lacks its dtype, shape or data_offsets");
-    TensorView view;
-    if (!entry["dtype"].is_string() || dtype_bytes(entry["dtype"].get<std::string>()) == 0)
-      damaged(where + " has an unknown dtype " + json_text(entry["dtype"]));
-    view.dtype = entry["dtype"].get<std::string>();
-    size_t count = 1;
-    if (!entry["shape"].is_array()) damaged(where + "'s shape is not a list");
-    for (const json& d : entry["shape"]) {
-      if (!d.is_number_unsigned() || d.get<uint64_t>() > (1ull << 40)) damaged(where + " has a bad dimension");
-      view.shape.push_back((long)d.get<uint64_t>());
-      count *= d.get<size_t>();
-      if (count > (1ull << 40)) damaged(where + " has more than 2^40 elements");
-    }
-    const json& offsets = entry["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
-        !offsets[1].is_number_unsigned())
-      damaged(where + "'s data_offsets are not two byte offsets");
-    const size_t begin = offsets[0].get<size_t>(), end = offsets[1].get<size_t>();
-    if (begin > end || end > data_bytes) damaged(where + "'s bytes lie outside the file (cut short?)");
-    if (end - begin != count * dtype_bytes(view.dtype))
-      damaged(where + " holds " + std::to_string(end - begin) + " bytes, not the " +
-              std::to_string(count * dtype_bytes(view.dtype)) + " its dtype and shape need");
-    view.data = contents.data() + data_start + begin;
-    view.bytes = end - begin;
-    ranges.push_back({begin, end});
-    tensors[name] = view;
-  }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t k = 1; k < ranges.size(); ++k)
-    if (ranges[k].first < ranges[k - 1].second) damaged("two tensors' bytes overlap");
-  return tensors;
-}
-
-std::vector<float> tensor_as_floats(const std::string& path, const std::string& name, const TensorView& tensor) {
-  const size_t count = tensor.bytes / std::max<size_t>(1, dtype_bytes(tensor.dtype));
-  std::vector<float> values(count);
-  if (tensor.dtype == "F32") {
-    std::memcpy(values.data(), tensor.data, tensor.bytes);  // little-endian, as this host
-  } else if (tensor.dtype == "BF16" || tensor.dtype == "F16") {
-    // Every 16-bit value is a float exactly: the fp32 master starts equal to it.
-    const bool bf16 = tensor.dtype == "BF16";
-    for (size_t i = 0; i < count; ++i) {
-      uint16_t bits;
-      std::memcpy(&bits, tensor.data + 2 * i, 2);
-      values[i] = bf16 ? z2::float_from_bf16_bits(bits) : z2::float_from_fp16_bits(bits);
-    }
-  } else {
-    fail(
-        "'%s': tensor '%s' is %s; the weights must be F32, F16 or BF16 (the master weights are float32, and a "
-        "16-bit value widens to one exactly)",
-        path.c_str(), name.c_str(), tensor.dtype.c_str());
-  }
-  return values;
-}
 
 // --- --init-hf: config.json ----------------------------------------------------------
 
@@ -115,19 +26,35 @@ static std::string shape_text(const std::vector<long>& shape) {
   return text + "]";
 }
 
-// The keys of config.json that decide the model's arithmetic, each with
-// BertConfig's default (what from_pretrained assumes when the key is absent)
-// and what this run has. Dropout is not among them: it is a setting of the
-// run (--dropout), as from_pretrained's own overrides are.
-static void check_hf_config(const std::string& directory, const ModelShape& s) {
-  const std::string path = directory + "/config.json";
+// A file of the directory that should be there: false when it is not (the
+// caller says what to give instead); a dangling link or a link loop under
+// that name is refused as what it is.
+static bool file_is_there(const std::string& what, const std::string& path) {
   struct stat info;
-  if (stat(path.c_str(), &info) != 0)
+  if (stat(path.c_str(), &info) == 0) return true;
+  const int error = errno;
+  if (!path_is_there(path)) return false;
+  fail("%s '%s' cannot be read: %s%s", what.c_str(), path.c_str(), std::strerror(error), stat_hint(error));
+}
+
+// How deep config.json may nest: save_pretrained's goes 2 deep (id2label);
+// the JSON library recurses, so deeper is refused before it parses.
+constexpr int max_hf_config_depth = 16;
+
+// config.json as a JSON object, and the text of each number in it as
+// written (a message quotes 64.0, not 64; -0, not 0).
+static json hf_config_object(const std::string& directory, NumberTexts& numbers) {
+  const std::string path = directory + "/config.json";
+  if (!file_is_there("--init-hf's config.json", path))
     fail(
         "--init-hf '%s' has no config.json: give a BertForMaskedLM directory (save_pretrained's config.json and "
         "model.safetensors)",
         directory.c_str());
   const std::string text = read_regular_file("--init-hf's config.json", path, 1 << 20);
+  const size_t deep = first_nesting_beyond(text, max_hf_config_depth);
+  if (deep != std::string::npos)
+    fail("--init-hf's config.json '%s' nests objects and arrays more than %d deep (at offset %zu)", path.c_str(),
+         max_hf_config_depth, deep);
   json config;
   try {
     config = parse_json(text);
@@ -135,9 +62,18 @@ static void check_hf_config(const std::string& directory, const ModelShape& s) {
     fail("--init-hf's config.json '%s' is not valid JSON: %s", path.c_str(), e.what());
   }
   if (!config.is_object()) fail("--init-hf's config.json '%s' must hold a JSON object", path.c_str());
-  if (config.contains("model_type") && config["model_type"] != "bert")
-    fail("--init-hf '%s' holds a %s model (config.json's model_type); zero2 trains BertForMaskedLM (\"bert\")",
-         directory.c_str(), json_text(config["model_type"]).c_str());
+  numbers = NumberTexts(text);
+  parse_json_events(text, numbers);  // valid JSON by now: this pass only collects the numbers' texts
+  return config;
+}
+
+// The keys of config.json that decide the model's sizes, each with
+// BertConfig's default (what from_pretrained assumes when the key is absent)
+// and what this run has. A value is quoted as written; the advice to give a
+// flag comes only with a value that flag takes (a positive integer in its
+// range), so the advice itself always works.
+static void check_hf_sizes(const std::string& directory, const json& config, const NumberTexts& numbers,
+                           const ModelShape& s) {
   struct Size {
     const char* key;
     long hf_default, run;
@@ -153,18 +89,35 @@ static void check_hf_config(const std::string& directory, const ModelShape& s) {
   for (const Size& size : sizes) {
     const json value = config.value(size.key, json(size.hf_default));
     if (value.is_number_integer() && value.get<long>() == size.run) continue;
+    const auto written = numbers.texts.find(size.key);
+    const std::string text =
+        value.is_number() && written != numbers.texts.end() ? written->second : json_text(value).substr(0, 80);
+    const std::string ours = size.flag ? "this run's " + std::string(size.flag) + " is " + std::to_string(size.run)
+                                       : "zero2's BERT has " + std::to_string(size.run);
+    if (!(value.is_number_unsigned() && value.get<uint64_t>() > 0))
+      fail("--init-hf '%s': config.json's %s is %s, not a positive integer (BertConfig's sizes are ints); %s",
+           directory.c_str(), size.key, text.c_str(), ours.c_str());
     const std::string said = config.contains(size.key)
-                                 ? "is " + json_text(value)
+                                 ? "is " + text
                                  : "is absent (BertConfig's default " + std::to_string(size.hf_default) + ")";
-    if (size.flag)
-      fail(
-          "--init-hf '%s': config.json's %s %s, this run's %s is %ld: give %s %s (a run trains the sizes its flags "
-          "give)",
-          directory.c_str(), size.key, said.c_str(), size.flag, size.run, size.flag, json_text(value).c_str());
-    fail("--init-hf '%s': config.json's %s %s; zero2's BERT has %ld (byte-level tokens, one token type)",
-         directory.c_str(), size.key, said.c_str(), size.run);
+    if (!size.flag)
+      fail("--init-hf '%s': config.json's %s %s; zero2's BERT has %ld (byte-level tokens, one token type)",
+           directory.c_str(), size.key, said.c_str(), size.run);
+    std::string advice;
+    try {  // the flag's own check says whether it takes this value
+      Settings scratch;
+      apply(scratch, size.flag, text);
+      advice = std::string(": give ") + size.flag + " " + text + " (a run trains the sizes its flags give)";
+    } catch (const z2::Error&) { advice = std::string(" (and ") + text + " is beyond what " + size.flag + " takes)"; }
+    fail("--init-hf '%s': config.json's %s %s, this run's %s is %ld%s", directory.c_str(), size.key, said.c_str(),
+         size.flag, size.run, advice.c_str());
   }
-  // The arithmetic zero2's model has, and from_pretrained would build from these keys.
+}
+
+// The arithmetic zero2's model has, and from_pretrained would build from
+// these keys. Dropout is not among them: it is a setting of the run
+// (--dropout), as from_pretrained's own overrides are.
+static void check_hf_arithmetic(const std::string& directory, const json& config) {
   struct Fixed {
     const char* key;
     json hf_default, ours;
@@ -180,6 +133,17 @@ static void check_hf_config(const std::string& directory, const ModelShape& s) {
       fail("--init-hf '%s': config.json's %s is %s; zero2's BERT has %s (%s)", directory.c_str(), key.key,
            json_text(value).c_str(), json_text(key.ours).c_str(), key.what);
   }
+}
+
+// config.json's model type, sizes and arithmetic must be this run's.
+static void check_hf_config(const std::string& directory, const ModelShape& s) {
+  NumberTexts numbers;
+  const json config = hf_config_object(directory, numbers);
+  if (config.contains("model_type") && config["model_type"] != "bert")
+    fail("--init-hf '%s' holds a %s model (config.json's model_type); zero2 trains BertForMaskedLM (\"bert\")",
+         directory.c_str(), json_text(config["model_type"]).c_str());
+  check_hf_sizes(directory, config, numbers, s);
+  check_hf_arithmetic(directory, config);
 }
 
 // --- --init-hf: the weights ------------------------------------------------------------
@@ -198,27 +162,66 @@ static const std::map<std::string, std::string> tied_names = {
     {"cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"},
     {"cls.predictions.decoder.bias", "cls.predictions.bias"}};
 
+// model.safetensors' path, or why the directory has none (a sharded save,
+// a pickle: each with what to do instead).
+static std::string weights_path(const std::string& directory) {
+  const std::string path = directory + "/model.safetensors";
+  if (file_is_there("--init-hf's model.safetensors", path)) return path;
+  const bool sharded = path_is_there(path + ".index.json");
+  const bool pickle = path_is_there(directory + "/pytorch_model.bin");
+  fail("--init-hf '%s' has no model.safetensors%s", directory.c_str(),
+       sharded  ? " but a sharded one (model.safetensors.index.json): save it as one file (save_pretrained with "
+                  "a max_shard_size above its size)"
+       : pickle ? " but a pytorch_model.bin (a pickle, which this C++ program does not unpickle): save it with "
+                  "model.save_pretrained(dir, safe_serialization=True)"
+                : "");
+}
+
+// The tensors the run does not take as parameters: a tied name must hold
+// its partner's values; a pre-training head is noted; anything else is
+// another model's, refused.
+static void check_unused_tensors(const SafetensorsFile& file, const std::set<std::string>& used,
+                                 std::vector<std::string>& notes) {
+  const std::map<std::string, TensorView>& tensors = file.tensors();
+  const std::string& path = file.path();
+  for (auto& [name, tensor] : tensors) {
+    if (used.count(name)) continue;
+    const auto tied = tied_names.find(name);
+    if (tied != tied_names.end() && tensors.count(tied->second)) {
+      const TensorView& other = tensors.at(tied->second);
+      const std::vector<float> values = tensor_as_floats(path, name, tensor),
+                               tied_values = tensor_as_floats(path, tied->second, other);
+      if (tensor.shape != other.shape ||
+          std::memcmp(values.data(), tied_values.data(), values.size() * sizeof(float)) != 0)
+        fail("--init-hf '%s': %s differs from %s; zero2's decoder is tied to them (tie_word_embeddings)", path.c_str(),
+             name.c_str(), tied->second.c_str());
+    } else if (unused_by_masked_lm(name)) {
+      notes.push_back(name);
+    } else {
+      fail("--init-hf '%s' holds %s %s, which BertForMaskedLM has no parameter for: is it another model?", path.c_str(),
+           name.c_str(), shape_text(tensor.shape).c_str());
+    }
+  }
+}
+
 InitialWeights read_initial_weights(const std::string& directory, const ModelShape& shape) {
   struct stat info;
   if (stat(directory.c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
     fail("--init-hf '%s' is not a directory (a BertForMaskedLM directory: config.json and model.safetensors)",
          directory.c_str());
   check_hf_config(directory, shape);
-  const std::string path = directory + "/model.safetensors";
-  if (stat(path.c_str(), &info) != 0) {
-    const bool sharded = stat((path + ".index.json").c_str(), &info) == 0;
-    const bool pickle = stat((directory + "/pytorch_model.bin").c_str(), &info) == 0;
-    fail("--init-hf '%s' has no model.safetensors%s", directory.c_str(),
-         sharded  ? " but a sharded one (model.safetensors.index.json): save it as one file (save_pretrained with "
-                    "a max_shard_size above its size)"
-         : pickle ? " but a pytorch_model.bin (a pickle, which this C++ program does not unpickle): save it with "
-                    "model.save_pretrained(dir, safe_serialization=True)"
-                  : "");
-  }
+  // Mapped, not read: the file's pages, hashed once for the ranks' comparison, then each parameter widened.
+  const SafetensorsFile file("--init-hf's model.safetensors", weights_path(directory));
+  const std::string& path = file.path();
   InitialWeights weights;
-  weights.file_bytes = read_regular_file("--init-hf's model.safetensors", path, 16ull << 30);
-  const std::map<std::string, TensorView> tensors = safetensors_tensors(path, weights.file_bytes);
+  Sha256 sha;
+  sha.update(file.bytes(), file.size());
+  weights.fingerprint = {sha.hex(), file.size()};
+  const std::map<std::string, TensorView>& tensors = file.tensors();
   const std::vector<ParameterTensor> parameters = parameter_tensors(shape);
+  size_t psi = 0;
+  for (const ParameterTensor& p : parameters) psi += p.numel();
+  weights.values.reserve(psi);  // once: growing by doubling would hold two copies at a time
   std::set<std::string> used;
   for (const ParameterTensor& p : parameters) {
     auto found = tensors.find(p.name);
@@ -236,25 +239,12 @@ InitialWeights read_initial_weights(const std::string& directory, const ModelSha
     weights.values.insert(weights.values.end(), values.begin(), values.end());
     used.insert(name);
   }
-  for (auto& [name, tensor] : tensors) {
-    if (used.count(name)) continue;
-    const auto tied = tied_names.find(name);
-    if (tied != tied_names.end() && tensors.count(tied->second)) {
-      const TensorView& other = tensors.at(tied->second);
-      const std::vector<float> values = tensor_as_floats(path, name, tensor),
-                               tied_values = tensor_as_floats(path, tied->second, other);
-      if (tensor.shape != other.shape ||
-          std::memcmp(values.data(), tied_values.data(), values.size() * sizeof(float)) != 0)
-        fail("--init-hf '%s': %s differs from %s; zero2's decoder is tied to them (tie_word_embeddings)", path.c_str(),
-             name.c_str(), tied->second.c_str());
-    } else if (unused_by_masked_lm(name)) {
-      weights.notes.push_back(name);
-    } else {
-      fail("--init-hf '%s' holds %s %s, which BertForMaskedLM has no parameter for: is it another model?", path.c_str(),
-           name.c_str(), shape_text(tensor.shape).c_str());
-    }
-  }
+  check_unused_tensors(file, used, weights.notes);
   return weights;
+}
+
+size_t initial_weights_peak_bytes(size_t file_bytes, size_t psi, size_t largest_tensor) {
+  return file_bytes + sizeof(float) * psi + 2 * sizeof(float) * largest_tensor;
 }
 
 }  // namespace bert

@@ -1,9 +1,10 @@
-// trainer/hf_import.h — what the trainer reads that other tools wrote: a
-// safetensors file's tensors, and --init-hf DIR, a Hugging Face
-// BertForMaskedLM directory (config.json, model.safetensors) whose weights
-// a run starts from instead of the seed's initialization, so that zero2 can
-// start where another implementation's run started (notes/12). The reverse
-// of trainer/hf_export.h; defined in trainer/hf_import.cpp.
+// trainer/hf_import.h — what the trainer reads that other tools wrote:
+// --init-hf DIR, a Hugging Face BertForMaskedLM directory (config.json,
+// model.safetensors) whose weights a run starts from instead of the seed's
+// initialization, so that zero2 can start where another implementation's
+// run started (notes/12). The reverse of trainer/hf_export.h; defined in
+// trainer/hf_import.cpp. The safetensors file itself is read by
+// trainer/safetensors.h.
 #pragma once
 
 #include <cstdint>
@@ -11,36 +12,32 @@
 #include <string>
 #include <vector>
 
+#include "trainer/inputs.h"
 #include "trainer/model_shape.h"
 #include "trainer/settings.h"
 
 namespace bert {
 
-// One tensor of a safetensors file: its dtype ("F32", "BF16", ...), shape
-// and bytes (a view into the file's text, which outlives it).
-struct TensorView {
-  std::string dtype;
-  std::vector<long> shape;
-  const char* data = nullptr;
-  size_t bytes = 0;
-};
-// The tensors of a safetensors file held whole in `contents` (its header
-// checked: every range inside the file, sizes that match dtype x shape, no
-// overlaps); `path` names it in messages. "__metadata__" is not a tensor.
-std::map<std::string, TensorView> safetensors_tensors(const std::string& path, const std::string& contents);
-// A tensor's elements as float32: F32 as stored, F16 and BF16 widened
-// (exactly); any other dtype is refused, naming the tensor.
-std::vector<float> tensor_as_floats(const std::string& path, const std::string& name, const TensorView& tensor);
-
 // --init-hf DIR read and checked against the model the run trains.
 struct InitialWeights {
   std::vector<float> values;       // every parameter, registration order (Engine::parameters_from_host)
-  std::string file_bytes;          // model.safetensors as read: the ranks compare its fingerprint
+  FileFingerprint fingerprint;     // model.safetensors' SHA-256 and size: the ranks compare them
   std::vector<std::string> notes;  // tensors it holds that BertForMaskedLM's MLM does not use, for the header
 };
 // config.json's sizes and arithmetic must be the run's (a key that differs is
 // named with the flag that would match it); every parameter must be there
-// with the run's shape (the first that is not is named, with both shapes).
+// with the run's shape (the first that is not is named, with both shapes),
+// finite; model.safetensors is read as trainer/safetensors.h says.
 InitialWeights read_initial_weights(const std::string& directory, const ModelShape& shape);
+
+// What --init-hf holds on the host, for the memory check, at its peak
+// (inside read_initial_weights): model.safetensors mapped (`file_bytes`,
+// every page touched by its SHA-256; unmapped before it returns), the
+// values (4 bytes x `psi`, reserved once), and at most two tensors widened
+// to float32 at once (4 bytes x `largest_tensor` elements each: the tied
+// decoder compared with the word embeddings). Afterwards the values alone,
+// 4 x psi, until the engine has them (Training's constructor frees them
+// right after Engine::parameters_from_host).
+size_t initial_weights_peak_bytes(size_t file_bytes, size_t psi, size_t largest_tensor);
 
 }  // namespace bert

@@ -18,36 +18,50 @@
 
 namespace bert {
 
-// An input file, read whole: `what` names it in messages. It must be a
-// regular file (a FIFO, a device or a terminal could block or never end:
+// An input file opened: `what` names it in messages. It must be a regular
+// file (a FIFO, a device or a terminal could block or never end:
 // /dev/stdin, /dev/zero) of at most `max_bytes`, checked before reading.
 // Opened once (O_NONBLOCK: opening a FIFO does not wait for a writer) and
-// checked on that descriptor, so nothing can be swapped in between; read
-// to at most max_bytes + 1, so a file that grows (or a /proc file, size 0)
-// cannot get past the bound either.
-std::string read_regular_file(const std::string& what, const std::string& path, size_t max_bytes) {
+// checked on that descriptor, so nothing can be swapped in between.
+InputFile::InputFile(const std::string& what, const std::string& path, size_t max_bytes) {
   if (path.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", what.c_str());
-  const int file = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (file < 0) fail("cannot open %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { close(fd); }
-  } closer{file};
+  descriptor_ = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (descriptor_ < 0) {
+    const int error = errno;
+    fail("cannot open %s '%s': %s%s", what.c_str(), path.c_str(), std::strerror(error),
+         path_is_there(path) ? stat_hint(error) : "");
+  }
   struct stat info;
-  if (fstat(file, &info) != 0) fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
-  if (S_ISDIR(info.st_mode)) fail("%s '%s' is a directory, not a file", what.c_str(), path.c_str());
-  if (!S_ISREG(info.st_mode))
-    fail("%s '%s' is not a regular file (a FIFO, a device or a terminal could block or never end): give a file",
-         what.c_str(), path.c_str());
-  auto too_large = [&](size_t bytes) {
-    fail("%s '%s' has %s bytes%s, more than the %s this trainer reads", what.c_str(), path.c_str(),
-         z2::with_commas(bytes).c_str(), bytes > max_bytes + 1 ? "" : " or more", z2::with_commas(max_bytes).c_str());
+  // The constructor may throw from here on: the destructor would not run.
+  auto refuse = [&](const std::string& message) {
+    close(descriptor_);
+    fail("%s", message.c_str());
   };
-  if ((unsigned long long)info.st_size > max_bytes) too_large((size_t)info.st_size);
+  if (fstat(descriptor_, &info) != 0) refuse("cannot read " + what + " '" + path + "': " + std::strerror(errno));
+  if (S_ISDIR(info.st_mode)) refuse(what + " '" + path + "' is a directory, not a file");
+  if (!S_ISREG(info.st_mode))
+    refuse(what + " '" + path +
+           "' is not a regular file (a FIFO, a device or a terminal could block or never end): give a file");
+  size_ = (size_t)info.st_size;
+  if (size_ > max_bytes)
+    refuse(z2::format_text("%s '%s' has %s bytes, more than the %s this trainer reads", what.c_str(), path.c_str(),
+                           z2::with_commas(size_).c_str(), z2::with_commas(max_bytes).c_str()));
+}
+InputFile::~InputFile() { close(descriptor_); }
+
+// An input file, read whole (InputFile's checks first): read to at most
+// max_bytes + 1, so a file that grows (or a /proc file, size 0) cannot get
+// past the bound either.
+std::string read_regular_file(const std::string& what, const std::string& path, size_t max_bytes) {
+  const InputFile file(what, path, max_bytes);
+  auto too_large = [&](size_t bytes) {
+    fail("%s '%s' has %s bytes or more, more than the %s this trainer reads", what.c_str(), path.c_str(),
+         z2::with_commas(bytes).c_str(), z2::with_commas(max_bytes).c_str());
+  };
   std::string text;
   char buffer[1 << 16];
   for (;;) {
-    const ssize_t got = read(file, buffer, std::min(sizeof buffer, max_bytes + 1 - text.size()));
+    const ssize_t got = read(file.descriptor(), buffer, std::min(sizeof buffer, max_bytes + 1 - text.size()));
     if (got < 0 && errno == EINTR) continue;
     if (got < 0) fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
     if (got == 0) break;
@@ -55,6 +69,18 @@ std::string read_regular_file(const std::string& what, const std::string& path, 
     if (text.size() > max_bytes) too_large(text.size());
   }
   return text;
+}
+
+// Paths are looked at with stat and lstat (errno, not std::filesystem's
+// exceptions), so a symlink loop or a dangling link gets a sentence.
+const char* stat_hint(int error) {
+  return error == ELOOP    ? " (a symlink loop: a link that leads back to itself)"
+         : error == ENOENT ? " (a symlink to nothing)"
+                           : "";
+}
+bool path_is_there(const std::string& path) {
+  struct stat info;
+  return lstat(path.c_str(), &info) == 0;
 }
 
 // The offset of the first byte of `text` that does not begin a well-formed
@@ -95,7 +121,7 @@ size_t first_bad_utf8(const std::string& text) {
 // sizes and SHA-256 go to every rank (one all-gather), so every rank finds
 // the same difference and stops with the same message, naming the ranks and
 // hosts that differ from rank 0.
-void check_same_inputs(const Settings& settings, const std::string& corpus, const std::string& initial_weights,
+void check_same_inputs(const Settings& settings, const std::string& corpus, const FileFingerprint& initial_weights,
                        MPI_Comm world) {
   constexpr int inputs = 4;  // --data (the corpus as read), --config, --load's index.json, --init-hf's weights
   struct Fingerprint {
@@ -111,11 +137,15 @@ void check_same_inputs(const Settings& settings, const std::string& corpus, cons
         MPI_Get_processor_name(mine.host, &length);
         const std::string index = loaded_index_text(settings);
         const std::string config = settings.config.empty() ? "" : read_config_text(settings.config);
-        const std::string* texts[inputs] = {&corpus, &config, &index, &initial_weights};
-        for (int k = 0; k < inputs; ++k) {
+        const std::string* texts[inputs - 1] = {&corpus, &config, &index};
+        for (int k = 0; k < inputs - 1; ++k) {
           snprintf(mine.sha256[k], 65, "%s", sha256_hex(*texts[k]).c_str());
           mine.bytes[k] = (long)texts[k]->size();
         }
+        // --init-hf's weights were hashed as they were read (never held whole); without it, as an empty file
+        const std::string weights = initial_weights.sha256.empty() ? sha256_hex("") : initial_weights.sha256;
+        snprintf(mine.sha256[inputs - 1], 65, "%s", weights.c_str());
+        mine.bytes[inputs - 1] = (long)initial_weights.bytes;
       },
       "every rank fingerprinted its inputs");
   int rank = 0, size = 1;

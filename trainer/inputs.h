@@ -1,5 +1,6 @@
-// trainer/inputs.h — what the trainer reads: a file whole, refused with its
-// reason when it cannot be an input (a FIFO, a device, too large), strict
+// trainer/inputs.h — what the trainer reads: a file opened or read whole,
+// refused with its reason when it cannot be an input (a FIFO, a device, too
+// large; a dangling link or a link loop said as such), strict
 // UTF-8 (the corpus, and every path the run records), and the check that
 // every rank reads the same --data, --config and --load. Defined in
 // trainer/inputs.cpp; the corpus itself is read by the model's data section
@@ -14,16 +15,43 @@
 
 namespace bert {
 
+// An input file opened for reading, not yet read: `what` names it in
+// messages. Opened once and checked on that descriptor: a regular file (not
+// a FIFO, a device, a directory) of at most `max_bytes`. Closed when it goes.
+class InputFile {
+ public:
+  InputFile(const std::string& what, const std::string& path, size_t max_bytes);
+  ~InputFile();
+  InputFile(const InputFile&) = delete;
+  InputFile& operator=(const InputFile&) = delete;
+  int descriptor() const { return descriptor_; }
+  size_t size() const { return size_; }  // as fstat saw it when opened
+
+ private:
+  int descriptor_ = -1;
+  size_t size_ = 0;
+};
 // An input file, read whole: `what` names it in messages; at most `max_bytes`.
 std::string read_regular_file(const std::string& what, const std::string& path, size_t max_bytes);
+// Why stat failed on a name that is there (lstat finds it): " (a symlink
+// loop: ...)" for ELOOP, " (a symlink to nothing)" for ENOENT, else "".
+const char* stat_hint(int error);
+// Anything under that name, a dangling link included (lstat).
+bool path_is_there(const std::string& path);
 // The offset of the first byte of `text` that does not begin a well-formed
 // UTF-8 sequence, or npos.
 size_t first_bad_utf8(const std::string& text);
+// A file's SHA-256 (64 hex digits) and size, for comparing a file the
+// ranks do not hold whole (--init-hf's weights, hashed while mapped).
+struct FileFingerprint {
+  std::string sha256;  // "" when there is no file
+  size_t bytes = 0;
+};
 // On several hosts: every rank's --data (the corpus as read), --config,
-// --load's index and --init-hf's weights (`initial_weights`, the file's
-// bytes as read; "" without it) are the same bytes, or every rank stops
-// with one message.
-void check_same_inputs(const Settings& settings, const std::string& corpus, const std::string& initial_weights,
+// --load's index and --init-hf's weights (`initial_weights`, its
+// fingerprint; none without --init-hf) are the same bytes, or every rank
+// stops with one message.
+void check_same_inputs(const Settings& settings, const std::string& corpus, const FileFingerprint& initial_weights,
                        MPI_Comm world);
 
 }  // namespace bert
