@@ -6,6 +6,7 @@
 #include "trainer/safetensors.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -201,11 +202,30 @@ SafetensorsFile::SafetensorsFile(const std::string& what, const std::string& pat
   // Checked before mapping: mmap refuses a length of 0.
   if (size_ < 8)
     unreadable(path, "it has " + std::to_string(size_) + " bytes, fewer than the 8 of its header's length");
+  // The header is read (pread) and checked against the file's size before
+  // the file is mapped: a file that is no safetensors file (4 GiB of zeros)
+  // is named as such, not as an address space too small to map it.
+  auto read_at = [&](void* into, size_t bytes, size_t offset) {
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t got = pread(file.descriptor(), (char*)into + done, bytes - done, (off_t)(offset + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0)
+        fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), got < 0 ? std::strerror(errno) : "it ends early");
+      done += (size_t)got;
+    }
+  };
+  unsigned char first8[8];
+  read_at(first8, 8, 0);
+  const size_t length = safetensors_header_length(path, first8, size_);
+  std::string header(length, '\0');
+  read_at(header.data(), length, 8);
+  const SafetensorsLayout layout = parse_safetensors_header(path, header.data(), length, size_);
   void* mapped = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, file.descriptor(), 0);
-  if (mapped == MAP_FAILED) fail("cannot map %s '%s': %s", what.c_str(), path.c_str(), std::strerror(errno));
+  if (mapped == MAP_FAILED)
+    fail("cannot map %s '%s' (%s bytes): %s%s", what.c_str(), path.c_str(), z2::with_commas(size_).c_str(),
+         std::strerror(errno), errno == ENOMEM ? " (is the address space limited, ulimit -v, below its size?)" : "");
   bytes_ = (const char*)mapped;  // the descriptor may close now: the mapping keeps the file
   try {
-    const SafetensorsLayout layout = safetensors_layout(path, bytes_, size_);
     for (auto& [name, tensor] : layout.tensors)
       tensors_[name] = {tensor.dtype, tensor.shape, bytes_ + layout.data_start + tensor.begin,
                         tensor.end - tensor.begin};
