@@ -91,14 +91,19 @@ enum LimitSource : unsigned long long { kLimitOverride, kLimitCgroup2, kLimitCgr
 // /proc cannot tell. The nvcc build holds about 170 MB here before its first
 // allocation (the CUDA runtime and cuBLAS, even without a GPU), the g++
 // build about 20: measured on each run, not assumed.
-static unsigned long long resident_bytes() {
-  std::FILE* status = std::fopen("/proc/self/status", "r");
+// One "Name: N kB" line of a /proc file (/proc/meminfo, /proc/self/status), in bytes; 0 when absent.
+static unsigned long long proc_kib_line(const char* file, const char* format) {
+  std::FILE* proc = std::fopen(file, "r");
   char line[256];
   unsigned long long kib = 0;
-  while (status && std::fgets(line, sizeof line, status))
-    if (std::sscanf(line, "VmRSS: %llu kB", &kib) == 1) break;
-  if (status) std::fclose(status);
-  return (kib * 1024ull + (1ull << 20) - 1) / (1ull << 20) * (1ull << 20);
+  while (proc && std::fgets(line, sizeof line, proc))
+    if (std::sscanf(line, format, &kib) == 1) break;
+  if (proc) std::fclose(proc);
+  return kib * 1024ull;
+}
+static unsigned long long resident_bytes() {
+  const unsigned long long mib = 1ull << 20;
+  return (proc_kib_line("/proc/self/status", "VmRSS: %llu kB") + mib - 1) / mib * mib;
 }
 
 MemoryLimit memory_per_rank(Device device, MPI_Comm comm) {
@@ -124,13 +129,7 @@ MemoryLimit memory_per_rank(Device device, MPI_Comm comm) {
     available = free_bytes / (unsigned long long)shared_by;
 #endif
   } else {
-    std::FILE* meminfo = std::fopen("/proc/meminfo", "r");
-    char line[256];
-    unsigned long long kib = 0;
-    while (meminfo && std::fgets(line, sizeof line, meminfo))
-      if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
-    if (meminfo) std::fclose(meminfo);
-    available = kib * 1024ull, source = kLimitMeminfo;
+    available = proc_kib_line("/proc/meminfo", "MemAvailable: %llu kB"), source = kLimitMeminfo;
     // In a container the cgroup's limit may be far below the host's free
     // memory, and exceeding it gets a rank killed, not an error: take the
     // smaller of the two.
