@@ -514,6 +514,8 @@ def diagnose_parameters(pair, step, theirs, mine, before, lr, weight_decay, tole
     shards_theirs, shards_mine, shards_before = (pair.shard_views(v) for v in (theirs, mine, before))
     fresh, stale, other = [], [], []
     for key, values in shards_theirs.items():
+        if close_to(shards_mine[key], shards_before[key], tolerance):
+            continue  # zero2 did not move it either (unused rows, no decay): it cannot tell fresh from stale
         if close_to(values, shards_mine[key], tolerance):
             fresh.append(key)
         elif close_to(values, shards_before[key], tolerance):
