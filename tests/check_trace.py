@@ -851,7 +851,8 @@ def main(argv):
     except (TraceError, BadInput) as e:
         return bad_input(e)
     precision = pair.precision
-    print(f"check_trace: {argv[2]} ({brief(theirs.producer)}) against zero2's {argv[1]} ({describe(ref)})")
+    producer = theirs.producer if isinstance(theirs.producer, str) and len(theirs.producer) <= 200 else brief(theirs.producer)
+    print(f"check_trace: {argv[2]} ({producer}) against zero2's {argv[1]} ({describe(ref)})")
     print(f"tolerances ({precision}; notes/12, \"Tolerances\"): loss (4 + s) ulp + 2 sqrt(selected) fp32 ulp, "
           f"grad norm (8 + 2 s) ulp + sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp; gradients "
           f"(1 + s) (1e-5{'' if precision == 'fp32' else ' x ' + str(int(UNIT[precision] / UNIT['fp32']))} + "
@@ -859,7 +860,7 @@ def main(argv):
           f"{'' if precision == 'fp32' else ' ' + str(int(UNIT[precision] / UNIT['fp32'])) + ' x'}, largest 2.5 x "
           f"the lr summed over steps 1 .. s" + ("" if precision == "fp32" else
                                                  f", plus one {precision} unit of the tensor's size")
-          + "; each tensor moved as zero2 moved it, within half its movement")
+          + "; each tensor moved between half and twice as far as zero2 moved it")
     if pair.noise:
         print(f"held to the largest only (their gradient is rounding noise in zero2's trace): "
               f"{', '.join(sorted(pair.noise))}")
