@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
-from trace_files import Trace, TraceError  # noqa: E402
+from trace_files import Trace, TraceError, is_int  # noqa: E402
 
 
 class BadInput(Exception):
@@ -33,9 +33,10 @@ class BadInput(Exception):
 class Failure(Exception):
     """The first disagreement: what differs, and the diagnosis."""
 
-    def __init__(self, what, diagnosis, excess=None):
+    def __init__(self, what, diagnosis, excess=None, census=None):
         super().__init__(what)
         self.what, self.diagnosis, self.excess = what, diagnosis, excess  # excess: difference / tolerance
+        self.census = census  # every tensor outside, in a line (census()), where tensors were compared
 
 
 # ----------------------------------------------------------------------------
@@ -52,18 +53,45 @@ def ulp(value, precision):
     return UNIT[precision] * 2.0 ** math.floor(math.log2(abs(value))) if value != 0 else UNIT[precision]
 
 
-def loss_tolerance(loss, step, precision):
-    return (4 + step) * ulp(loss, precision)
+# The reductions. A sum of n terms in floating point is off by rounding that grows with n, and how fast
+# depends on the order: one running total (each term added to the sum of all before it) is off by up to
+# (n - 1) u of the sum of |terms| (u = 2^-24, half fp32's spacing in [1, 2)), and on terms of one sign it
+# comes near that (measured: a running fp32 total of 3.4M squares, 3.2e4 ulp of their root); a sum in
+# blocks of b (each block a running total, then the blocks' totals) is off by at most (b - 1 + n / b - 1) u,
+# at best 2 (sqrt(n) - 1) u with blocks of sqrt(n). Every implementation this checks sums in blocks:
+# vector lanes, one total per tensor (clip_grad_norm_), per bucket, per rank's shard, then the ranks'; so
+# the tolerance admits the blocked bound, sqrt(n) and not n. In ulp of the result (ulp(v) > v u):
+#   a sum of n non-negative terms (the loss's cross-entropies): 2 sqrt(n) ulp;
+#   the root of one (the norm: the root halves a relative error and adds its own rounding): sqrt(n) ulp.
+# The terms are fp32 in every precision (zero2, DeepSpeed and torch accumulate in fp32; a 16-bit total of
+# millions of terms would be a bug of its own), so this part is counted in fp32's ulp, the rest in the
+# run's precision. notes/12, "Tolerances", has the measurements: torch's norm at BERT-mini's size is 9.4
+# ulp off, the bound there 1,850; the smallest norm bug (one rank's shard's norm) is 14% off, 10^3 x more.
+
+def blocked_sum_ulps(terms):
+    """The blocked sum's bound on the root of a sum of `terms` non-negative terms, in ulp of the root:
+    sqrt(n); a plain sum's is twice that."""
+    return math.sqrt(max(terms, 1))
 
 
-def norm_tolerance(norm, step, precision):
-    return (8 + 2 * step) * ulp(norm, precision)
+def loss_tolerance(loss, step, precision, terms):
+    """The loss: (4 + s) ulp of the precision (the forward's rounding, growing as the parameters carry each
+    step's rounding forward) and the sum of the `terms` selected positions' cross-entropies."""
+    return (4 + step) * ulp(loss, precision) + 2 * blocked_sum_ulps(terms) * ulp(loss, "fp32")
 
 
-def gradient_tolerance(largest, step, precision):
-    """Per element, against the model's largest gradient element: each gradient is a sum of many products,
-    rounded in another order, and later computed from parameters that differ by rounding."""
-    return 1e-5 * (1 + step) * largest * UNIT[precision] / UNIT["fp32"]
+def norm_tolerance(norm, step, precision, terms):
+    """The gradient norm: (8 + 2 s) ulp of the precision (the gradient's own rounding, which the norm
+    carries) and the root of the sum of `terms` squares (every element of the gradient)."""
+    return (8 + 2 * step) * ulp(norm, precision) + blocked_sum_ulps(terms) * ulp(norm, "fp32")
+
+
+def gradient_tolerance(largest, step, precision, terms):
+    """Per element, against the model's largest gradient element: each gradient is a sum of products over
+    the global batch's `terms` positions, rounded in another order (the blocked bound, 2 sqrt(n) u of the
+    largest), the products' own rounding (1e-5, measured at step 1), and later computed from parameters
+    that differ by rounding (the factor 1 + s)."""
+    return (1 + step) * largest * (1e-5 * UNIT[precision] / UNIT["fp32"] + 2 * blocked_sum_ulps(terms) * 2.0 ** -24)
 
 
 def parameter_tolerances(lr_sum, precision):
@@ -77,38 +105,243 @@ def parameter_tolerances(lr_sum, precision):
 
 
 # ----------------------------------------------------------------------------
+# What the two traces must hold before a number of them is compared. Every field the checks below read is
+# checked here first, so that a damaged or hand-made trace ends in one message naming its file and field
+# (exit 2), never in a Python traceback or, worse, in a comparison that silently compares less.
+
+def is_number(value):
+    """A JSON number (bool is a number to Python, not to a trace)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value):
+    return is_number(value) and math.isfinite(value)
+
+
+def require(condition, path, field, value, want):
+    if not condition:
+        raise BadInput(f"{path}: {field} is {brief(value)}, not {want}")
+
+
+def brief(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def validate_reference(ref):
+    """zero2's trace: everything the checker reads from it, each field's type and range. The reference sets
+    every tolerance, so a NaN or an Inf in it would make a tolerance NaN (0 x inf) and every comparison with
+    it false: a NaN anywhere the checker reads is refused here."""
+    path = ref.path
+    if not ref.steps:
+        raise BadInput(f"{path}: steps is empty: zero2's trace has no step to compare")
+    if not ref.parameter_steps:
+        raise BadInput(f"{path}: parameter_steps is empty: zero2's trace keeps no parameters to compare "
+                       f"(train_bert_mini --trace keeps step 1's always)")
+    run, optimizer = ref.run, ref.optimizer
+    for key in ("world_size", "accumulation_steps", "micro_batch", "seq"):
+        value = run.get(key)
+        require(is_int(value) and value >= 1, path, f"run.{key}", value, "a positive integer")
+    require(run.get("precision") in UNIT, path, "run.precision", run.get("precision"), f"one of {sorted(UNIT)}")
+    require(is_finite_number(run.get("dropout", 0)), path, "run.dropout", run.get("dropout"), "a number")
+    betas = optimizer.get("betas")
+    require(isinstance(betas, list) and len(betas) == 2 and all(is_finite_number(b) and 0 <= b < 1 for b in betas),
+            path, "optimizer.betas", betas, "two numbers in [0, 1)")
+    for key in ("eps", "weight_decay", "clip"):
+        require(is_finite_number(optimizer.get(key)), path, f"optimizer.{key}", optimizer.get(key), "a finite number")
+    require(isinstance(optimizer.get("bias_correction"), bool), path, "optimizer.bias_correction",
+            optimizer.get("bias_correction"), "true or false")
+    no_decay = optimizer.get("no_weight_decay")
+    require(isinstance(no_decay, list) and all(isinstance(n, str) for n in no_decay), path,
+            "optimizer.no_weight_decay", no_decay, "a list of tensor names")
+    validate_layout(path, ref.layout, run["world_size"])
+    for k, record in enumerate(ref.steps):
+        where = f"steps[{k}]"
+        require(is_finite_number(record.get("lr")) and record["lr"] >= 0, path, f"{where}.lr", record.get("lr"),
+                "a finite, non-negative number")
+        skipped = record.get("skipped", False)
+        require(isinstance(skipped, bool), path, f"{where}.skipped", skipped, "true or false")
+        for key in ("loss", "grad_norm"):
+            value = record.get(key)
+            if skipped:  # an fp16 overflow: zero2 writes null
+                require(value is None or is_number(value), path, f"{where}.{key}", value, "a number or null")
+            elif not is_finite_number(value):
+                raise BadInput(f"{path}: {where}.{key} is {brief(value)} on a step zero2 did not skip: "
+                               + ("the reference diverged there; trace a run that trains" if is_number(value)
+                                  else "not a finite number"))
+        losses, selected = record.get("micro_batch_losses"), record.get("micro_batch_selected")
+        if losses is not None or selected is not None:  # the loss's diagnosis reads them
+            require(isinstance(losses, list) and all(is_finite_number(x) for x in losses), path,
+                    f"{where}.micro_batch_losses", losses, "a list of finite numbers")
+            require(isinstance(selected, list) and len(selected) == len(losses)
+                    and all(is_int(c) and c >= 0 for c in selected), path, f"{where}.micro_batch_selected",
+                    selected, "a list of counts, one per micro-batch")
+        if "selected" in record:
+            require(is_int(record["selected"]) and record["selected"] >= 0, path, f"{where}.selected",
+                    record["selected"], "a count")
+
+
+def validate_layout(path, layout, world_size):
+    """zero2's layout at N: every parameter inside its bucket, every bucket N shards of a positive length
+    inside the padded buffer. where() and shard_views() index by these numbers."""
+    if layout is None:
+        raise BadInput(f"{path}: no field layout: REF must be zero2's own trace (train_bert_mini --trace)")
+    require(isinstance(layout, dict), path, "layout", layout, "an object")
+    psi_padded = layout.get("psi_padded")
+    require(is_int(psi_padded) and psi_padded >= 0, path, "layout.psi_padded", psi_padded, "a count")
+    buckets, parameters = layout.get("buckets"), layout.get("parameters")
+    require(isinstance(buckets, list) and buckets, path, "layout.buckets", buckets, "a list of buckets")
+    require(isinstance(parameters, list) and parameters, path, "layout.parameters", parameters,
+            "a list of parameters")
+    for b, bucket in enumerate(buckets):
+        where = f"layout.buckets[{b}]"
+        require(isinstance(bucket, dict), path, where, bucket, "an object")
+        for key in ("offset", "length", "padded_length", "shard_length"):
+            require(is_int(bucket.get(key)) and bucket[key] >= 0, path, f"{where}.{key}", bucket.get(key), "a count")
+        require(bucket["shard_length"] > 0, path, f"{where}.shard_length", bucket["shard_length"],
+                "a positive count (each rank owns one shard of every bucket)")
+        require(bucket["padded_length"] == world_size * bucket["shard_length"]
+                and bucket["length"] <= bucket["padded_length"]
+                and bucket["offset"] + bucket["padded_length"] <= psi_padded, path, f"{where}.padded_length",
+                bucket["padded_length"], f"N x shard_length (N = {world_size}), at least length, inside psi_padded")
+    names = set()
+    for k, p in enumerate(parameters):
+        where = f"layout.parameters[{k}]"
+        require(isinstance(p, dict), path, where, p, "an object")
+        require(isinstance(p.get("name"), str) and p["name"] not in names, path, f"{where}.name", p.get("name"),
+                "a tensor name given once")
+        names.add(p["name"])
+        shape = p.get("shape")
+        require(isinstance(shape, list) and all(is_int(d) and d >= 0 for d in shape), path, f"{where}.shape", shape,
+                "a list of non-negative integers")
+        numel = 1
+        for d in shape:
+            numel *= d
+        require(p.get("numel") == numel and is_int(p.get("numel")), path, f"{where}.numel", p.get("numel"),
+                f"its shape's element count ({numel})")
+        require(is_int(p.get("bucket")) and 0 <= p["bucket"] < len(buckets), path, f"{where}.bucket",
+                p.get("bucket"), f"a bucket's index (0 .. {len(buckets) - 1})")
+        bucket = buckets[p["bucket"]]
+        require(is_int(p.get("offset")) and bucket["offset"] <= p["offset"]
+                and p["offset"] + numel <= bucket["offset"] + bucket["length"], path, f"{where}.offset",
+                p.get("offset"), f"an offset inside bucket {p['bucket']}")
+        require(isinstance(p.get("decay", True), bool), path, f"{where}.decay", p.get("decay"), "true or false")
+
+
+def validate_theirs(pair):
+    """A peer's trace: its sections' types (Trace checked they are objects), its records' fields (numbers, or
+    null where it had none; a NaN written as NaN is a finding, compared in the walk), and that it keeps at
+    least one of zero2's kept steps: a trace with nothing to compare agrees with nothing."""
+    theirs, path = pair.theirs, pair.theirs.path
+    no_decay = theirs.optimizer.get("no_weight_decay")
+    require(no_decay is None or (isinstance(no_decay, list) and all(isinstance(n, str) for n in no_decay)), path,
+            "optimizer.no_weight_decay", no_decay, "a list of tensor names")
+    for k, record in enumerate(theirs.steps[:len(pair.ref.steps)]):
+        for key in ("loss", "grad_norm", "lr"):
+            if key not in record:
+                raise BadInput(f"{path}: steps[{k}].{key} is missing (step {k + 1})")
+            if record[key] is not None and not is_number(record[key]):
+                raise BadInput(f"{path}: steps[{k}].{key} is {brief(record[key])}, not a number")
+        require(isinstance(record.get("skipped", False), bool), path, f"steps[{k}].skipped", record.get("skipped"),
+                "true or false")
+    if not set(pair.ref.parameter_steps) & set(theirs.parameter_steps):
+        raise BadInput(f"{path}: parameter_steps keeps {sorted(theirs.parameter_steps) or 'no step'}, zero2's trace "
+                       f"{sorted(pair.ref.parameter_steps)}: no kept step in common, so no parameter would be "
+                       f"compared (keep the parameters at the steps zero2's trace lists)")
+
+
+# ----------------------------------------------------------------------------
 # The two traces side by side
 
 class Pair:
     def __init__(self, ref, theirs):
         self.ref, self.theirs = ref, theirs
+        validate_reference(ref)
         self.precision = ref.run["precision"]
         self.N = ref.run["world_size"]
         self.A = ref.run["accumulation_steps"]
         self.layout = ref.layout
-        if self.layout is None:
-            raise BadInput(f"{ref.path}: no field layout: REF must be zero2's own trace (train_bert_mini --trace)")
         self.params = {p["name"]: p for p in self.layout["parameters"]}
         self.no_decay = set(ref.optimizer["no_weight_decay"])
+        # The reductions the tolerances cover (notes/12, "Tolerances"): the squares of every gradient element
+        # (the norm), the selected positions' cross-entropies (the loss, per step), the positions of the
+        # global batch whose products make each gradient element.
+        self.psi = sum(p["numel"] for p in self.layout["parameters"])
+        self.positions = self.N * self.A * ref.run["micro_batch"] * ref.run["seq"]
+        self._read = {}
         self.noise = self.noise_tensors()
 
+    def selected(self, step):
+        """The cross-entropies the loss of `step` sums: zero2's count of selected positions, or every position
+        of the global batch where the record has none."""
+        return self.ref.steps[step - 1].get("selected", self.positions)
+
     def noise_tensors(self):
-        """The tensors whose gradient is rounding noise in zero2's trace (every element below 1e-7 of the
+        """The tensors whose gradient is rounding noise in zero2's trace (every element below 1e-6 of the
         model's largest, at every kept step): an attention key's bias, which softmax ignores (a constant added
         to a row of scores), has a gradient that is exactly 0 in exact arithmetic. AdamW turns noise into
         steps of about lr in a direction rounding decides, in zero2 and in any other implementation, so these
-        tensors are held only to AdamW's bound (the largest tolerance), not to the median."""
+        tensors are held only to AdamW's bound (the largest tolerance), not to the median nor to zero2's
+        movement. The bound 1e-6 lies between the noise and the smallest real gradient in every precision
+        (measured on tests/peers/reference_trace.sh's model: the key biases at 1e-10 of the largest in fp32,
+        1.8e-7 in bf16, whose products are rounded to 8 bits; the next tensor, a query bias, at 3e-5 in both)."""
         noise = None
-        for step in self.ref.parameter_steps:
-            gradients = self.ref.gradients(step)
-            if gradients is None:
+        for step in sorted(self.ref.parameter_steps):
+            gradients = self.tensors("ref", "gradients", step)
+            if gradients is None or self.ref.steps[step - 1].get("skipped"):
                 continue
             largest = max(float(np.abs(g).max()) for g in gradients.values())
             if not math.isfinite(largest):
                 continue  # an fp16 step that overflowed: its gradient says nothing of noise
-            quiet = {n for n, g in gradients.items() if float(np.abs(g).max()) <= 1e-7 * largest}
+            quiet = {n for n, g in gradients.items() if float(np.abs(g).max()) <= 1e-6 * largest}
             noise = quiet if noise is None else noise & quiet
         return noise or set()
+
+    def tensors(self, side, kind, step):
+        """{name: float64 array} of zero2's ("ref") or their ("theirs") parameters or gradients after `step`
+        (parameters at 0: zero2's initial weights), every tensor of zero2's layout present with its shape and
+        finite, or None where that side did not keep them. A damaged reference is bad input (exit 2); a
+        non-finite element of theirs is their first failure, named by file, tensor and element (numpy's
+        comparisons with NaN are all false: a NaN would pass every tolerance unless looked for)."""
+        key = (side, kind, step)
+        if key not in self._read:
+            trace = self.ref if side == "ref" else self.theirs
+            values = trace.parameters(step) if kind == "parameters" else trace.gradients(step)
+            file = os.path.join(trace.directory, "initial" if step == 0 else f"step_{step}",
+                                "model.safetensors" if kind == "parameters" else "gradients.safetensors")
+            if values is not None:
+                values = self.checked(values, side, kind, step, file)
+            self._read[key] = values
+        return self._read[key]
+
+    def forget_before(self, step):
+        """Drop what was read for steps before `step` (the walk needs only the last kept step's and the
+        current one's: a long trace's every kept step would not fit in memory)."""
+        self._read = {k: v for k, v in self._read.items() if k[2] >= step}
+
+    def checked(self, values, side, kind, step, file):
+        arrays = {}
+        for name, p in self.params.items():  # registration order: the first bad tensor is named
+            if name not in values:
+                raise BadInput(f"{file}: no tensor {name}")
+            if list(values[name].shape) != p["shape"]:
+                raise BadInput(f"{file}: {name} has {list(values[name].shape)}, zero2's layout {p['shape']}")
+            array = np.asarray(values[name], dtype=np.float64)
+            finite = np.isfinite(array)
+            overflowed = side == "ref" and kind == "gradients" and self.ref.steps[step - 1].get("skipped")
+            if not finite.all() and not overflowed:
+                i = int(np.argmin(finite.reshape(-1)))
+                value = array.reshape(-1)[i]
+                if side == "ref":
+                    raise BadInput(f"{file}: {self.where(name, i)} is {value}: zero2's trace must be finite where "
+                                   f"it is compared (a reference that diverged sets no tolerance)")
+                raise Failure(f"{'parameters after' if kind == 'parameters' else 'gradients of'} step {step}, "
+                              f"{self.where(name, i)}: theirs is {value} ({file}; "
+                              f"{int((~finite).sum())} of its {finite.size} elements are not finite)",
+                              "theirs diverged, or a value was never written: the first non-finite element is here",
+                              math.inf)
+            arrays[name] = array
+        return arrays
 
     def check_settings(self):
         """The two must describe one run: the model, the batch and the optimizer theirs used."""
@@ -128,19 +361,14 @@ class Pair:
                 if not same_setting(mine, theirs):
                     raise BadInput(f"{self.theirs.path}: {section}.{key} is {theirs!r}, zero2's trace has {mine!r}: "
                                    f"not a replay of this run")
-        theirs_no_decay = self.theirs.json.get("optimizer", {}).get("no_weight_decay")
+        validate_theirs(self)
+        theirs_no_decay = self.theirs.optimizer.get("no_weight_decay")
         if theirs_no_decay is not None and set(theirs_no_decay) != self.no_decay:
             raise BadInput(f"{self.theirs.path}: optimizer.no_weight_decay names other tensors than zero2's trace "
                            f"({sorted(set(theirs_no_decay) ^ self.no_decay)[:3]} ...)")
         if len(self.theirs.steps) < len(self.ref.steps):
             raise BadInput(f"{self.theirs.path}: steps has {len(self.theirs.steps)} records, zero2's trace "
                            f"{len(self.ref.steps)}: step {len(self.theirs.steps) + 1} is missing")
-        for k, record in enumerate(self.theirs.steps[:len(self.ref.steps)]):
-            for key in ("loss", "grad_norm", "lr"):
-                if key not in record:
-                    raise BadInput(f"{self.theirs.path}: steps[{k}].{key} is missing (step {k + 1})")
-                if record[key] is not None and not isinstance(record[key], (int, float)):
-                    raise BadInput(f"{self.theirs.path}: steps[{k}].{key} is {record[key]!r}, not a number")
 
     # --- ZeRO's terms: where a flat element lies ----------------------------------------------------------
 
@@ -204,7 +432,7 @@ def diagnose_lr(pair, step, theirs, mine):
 def diagnose_loss(pair, step, theirs, mine):
     record = pair.ref.steps[step - 1]
     losses, selected = record.get("micro_batch_losses"), record.get("micro_batch_selected")
-    tolerance = 8 * loss_tolerance(mine, step, pair.precision)
+    tolerance = 8 * loss_tolerance(mine, step, pair.precision, pair.selected(step))
     if losses and selected and None not in losses:
         total = sum(selected)
         summed = [loss * total for loss in losses]  # each micro-batch's summed cross-entropy
@@ -259,7 +487,7 @@ def diagnose_norm(pair, step, theirs, mine):
     named = factor_diagnosis(pair, ratio)
     if named:
         return named
-    gradients = pair.ref.gradients(step)
+    gradients = pair.tensors("ref", "gradients", step) if step in pair.ref.parameter_steps else None
     if gradients is not None and N > 1:
         squares = {}
         for (b, r), values in pair.shard_views(gradients).items():
@@ -286,6 +514,8 @@ def diagnose_parameters(pair, step, theirs, mine, before, lr, weight_decay, tole
     shards_theirs, shards_mine, shards_before = (pair.shard_views(v) for v in (theirs, mine, before))
     fresh, stale, other = [], [], []
     for key, values in shards_theirs.items():
+        if close_to(shards_mine[key], shards_before[key], tolerance):
+            continue  # zero2 did not move it either (unused rows, no decay): it cannot tell fresh from stale
         if close_to(values, shards_mine[key], tolerance):
             fresh.append(key)
         elif close_to(values, shards_before[key], tolerance):
@@ -366,6 +596,13 @@ def diagnose_parameters(pair, step, theirs, mine, before, lr, weight_decay, tole
 def check_step_scalars(pair, step, report):
     mine, theirs = pair.ref.steps[step - 1], pair.theirs.steps[step - 1]
     precision = pair.precision
+    for key in ("lr", "loss", "grad_norm"):  # NaN first: every comparison with a NaN is false, a NaN passes them
+        value = theirs[key]
+        skipped_both = mine.get("skipped") and theirs.get("skipped") and key != "lr"
+        if not skipped_both and (value is None or not math.isfinite(value)):
+            raise Failure(f"step {step}, {key.replace('_', ' ')}: theirs is {value} ({pair.theirs.path}: "
+                          f"steps[{step - 1}].{key}), zero2's {mine[key]!r}",
+                          "theirs diverged (or never computed it): the first non-finite value is here", math.inf)
     if not same_setting(mine["lr"], theirs["lr"]):
         raise Failure(f"step {step}, learning rate: theirs {theirs['lr']!r}, zero2's {mine['lr']!r}",
                       diagnose_lr(pair, step, theirs["lr"], mine["lr"]))
@@ -381,16 +618,10 @@ def check_step_scalars(pair, step, report):
                           "part does not (zero2 sums the 16-bit slices in fp32 and rounds once)")
         report.append((step, "skipped by both (fp16 overflow)", 0.0))
         return
-    for key, tolerance_of, diagnose in (("loss", loss_tolerance, diagnose_loss),
-                                        ("grad_norm", norm_tolerance, diagnose_norm)):
-        if mine[key] is None or not math.isfinite(mine[key]):
-            raise BadInput(f"{pair.ref.path}: steps[{step - 1}].{key} is {mine[key]} on a step zero2 did not skip: "
-                           f"the reference diverged there; trace a run that trains")
-        value = theirs[key]
-        if value is None or not math.isfinite(value):
-            raise Failure(f"step {step}, {key}: theirs is {value} ({pair.theirs.path}: steps[{step - 1}].{key}), "
-                          f"zero2's {mine[key]!r}", "theirs diverged: the first non-finite value is here")
-        tolerance = tolerance_of(mine[key], step, precision)
+    tolerances = {"loss": loss_tolerance(mine["loss"], step, precision, pair.selected(step)),
+                  "grad_norm": norm_tolerance(mine["grad_norm"], step, precision, pair.psi)}
+    for key, diagnose in (("loss", diagnose_loss), ("grad_norm", diagnose_norm)):
+        value, tolerance = theirs[key], tolerances[key]
         if abs(value - mine[key]) > tolerance:
             raise Failure(f"step {step}, {key.replace('_', ' ')}: theirs {value:.9g}, zero2's {mine[key]:.9g} "
                           f"(|difference| {abs(value - mine[key]):.3g} > tolerance {tolerance:.3g})",
@@ -399,87 +630,175 @@ def check_step_scalars(pair, step, report):
     report.append((step, f"loss {mine['loss']:.7f} / {theirs['loss']:.7f} (relative {relative['loss']:.1e}), "
                          f"grad norm {mine['grad_norm']:.6g} / {theirs['grad_norm']:.6g} "
                          f"(relative {relative['grad_norm']:.1e}), lr {mine['lr']:.4g}",
-                   max(abs(theirs["loss"] - mine["loss"]) / loss_tolerance(mine["loss"], step, precision),
-                       abs(theirs["grad_norm"] - mine["grad_norm"]) / norm_tolerance(mine["grad_norm"], step, precision))))
+                   max(share(abs(theirs[key] - mine[key]), tolerances[key]) for key in ("loss", "grad_norm"))))
 
 
-def read_tensors(trace, step, kind):
-    values = trace.parameters(step) if kind == "parameters" else trace.gradients(step)
-    return values
-
-
-def same_tensors(pair, tensors, path):
-    """Every parameter of zero2's layout in `tensors` with its shape, or a BadInput naming the first that is not."""
-    for name, p in pair.params.items():
-        if name not in tensors:
-            raise BadInput(f"{path}: no tensor {name}")
-        if list(tensors[name].shape) != p["shape"]:
-            raise BadInput(f"{path}: {name} has {list(tensors[name].shape)}, zero2's {p['shape']}")
+def census(pair, outside, what):
+    """One line on every tensor outside its tolerance (not only the first): how many, the worst and its
+    margin, and which buckets and ranks' shards hold their differing elements. outside: [(name, share,
+    flat indices of its elements outside, element of its largest difference)]."""
+    worst = max(outside, key=lambda entry: entry[1])
+    places = {(pair.params[name]["bucket"],
+               (pair.params[name]["offset"] + int(i) - pair.layout["buckets"][pair.params[name]["bucket"]]["offset"])
+               // pair.layout["buckets"][pair.params[name]["bucket"]]["shard_length"])
+              for name, _, indices, _ in outside for i in indices}
+    return (f"{len(outside)} of {len(pair.params)} tensors' {what} outside the tolerance; the worst "
+            f"{pair.where(worst[0], worst[3])} ({worst[1]:.3g} x its tolerance); buckets "
+            f"{sorted({b for b, _ in places})}, ranks {sorted({r for _, r in places})} at N = {pair.N}")
 
 
 def check_gradients(pair, step):
-    mine, theirs = pair.ref.gradients(step), pair.theirs.gradients(step)
-    if mine is None or theirs is None or pair.ref.steps[step - 1].get("skipped"):
-        return None  # not kept on one side, or an fp16 overflow (zero2's gradient is not finite there)
-    same_tensors(pair, theirs, f"{pair.theirs.directory}/step_{step}/gradients.safetensors")
-    largest = max(float(np.abs(v).max()) for v in mine.values())
-    tolerance = gradient_tolerance(largest, step, pair.precision)
-    worst, largest_difference = 0.0, 0.0
-    for name, p in pair.params.items():  # registration order: the first tensor that differs is named
-        a, b = np.asarray(mine[name], np.float64).reshape(-1), np.asarray(theirs[name], np.float64).reshape(-1)
-        difference = np.abs(a - b)
-        worst = max(worst, share(float(difference.max()), tolerance))
-        largest_difference = max(largest_difference, float(difference.max()))
-        if difference.max() > tolerance:
-            i = int(difference.argmax())
-            ratio = float(np.median(b[a != 0] / a[a != 0])) if (a != 0).any() else math.nan
-            diagnosis = None
-            if not math.isnan(ratio) and not ratio_is(ratio, 1, 1e-3):
-                diagnosis = factor_diagnosis(pair, ratio)  # a factor the whole tensor shares
-            raise Failure(f"step {step}, gradient of {pair.where(name, i)}: theirs {b[i]:.6g}, zero2's {a[i]:.6g} "
-                          f"(|difference| {difference[i]:.3g} > tolerance {tolerance:.3g}, 1e-5 (1 + s) of the "
-                          f"largest gradient element)", diagnosis or
-                          f"the gradient of {name} differs first (registration order): its forward or backward",
-                          share(float(difference.max()), tolerance))
-    return worst, largest_difference / largest
+    if pair.ref.steps[step - 1].get("skipped"):
+        return None  # an fp16 overflow: zero2's gradient is not finite there
+    mine, theirs = pair.tensors("ref", "gradients", step), pair.tensors("theirs", "gradients", step)
+    if mine is None or theirs is None:
+        return None  # not kept on one side
+    largest = max(float(np.abs(v).max(initial=0.0)) for v in mine.values())
+    tolerance = gradient_tolerance(largest, step, pair.precision, pair.positions)
+    worst, largest_difference, outside = 0.0, 0.0, []
+    for name in pair.params:  # registration order: the first tensor that differs is named
+        difference = np.abs(mine[name] - theirs[name]).reshape(-1)
+        top = float(difference.max(initial=0.0))
+        worst = max(worst, share(top, tolerance))
+        largest_difference = max(largest_difference, top)
+        if top > tolerance:
+            outside.append((name, share(top, tolerance), np.flatnonzero(difference > tolerance),
+                            int(difference.argmax())))
+    if outside:
+        name, excess, _, i = outside[0]
+        a, b = mine[name].reshape(-1), theirs[name].reshape(-1)
+        ratio = float(np.median(b[a != 0] / a[a != 0])) if (a != 0).any() else math.nan
+        diagnosis = None
+        if not math.isnan(ratio) and not ratio_is(ratio, 1, 1e-3):
+            diagnosis = factor_diagnosis(pair, ratio)  # a factor the whole tensor shares
+        raise Failure(f"step {step}, gradient of {pair.where(name, i)}: theirs {b[i]:.6g}, zero2's {a[i]:.6g} "
+                      f"(|difference| {abs(a[i] - b[i]):.3g} > tolerance {tolerance:.3g}: 1e-5 (1 + s) of the "
+                      f"largest gradient element, and the sum over {pair.positions} positions)", diagnosis or
+                      f"the gradient of {name} differs first (registration order): its forward or backward",
+                      excess, census(pair, outside, "gradients"))
+    return worst, largest_difference / largest if largest else 0.0
+
+
+def rounded_to(values, precision):
+    """values rounded to `precision` (to nearest, ties to even), as a peer's 16-bit copy of them holds them."""
+    if precision == "fp16":
+        return values.astype(np.float16).astype(np.float64)
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 def check_parameters(pair, step, previous):
-    mine, theirs = pair.ref.parameters(step), pair.theirs.parameters(step)
-    before = pair.ref.parameters(previous)
-    lr_sum = sum(pair.ref.steps[t - 1]["lr"] for t in range(1, step + 1))
-    update_median, update_largest = parameter_tolerances(lr_sum, pair.precision)
-    same_tensors(pair, theirs, f"{pair.theirs.directory}/step_{step}/model.safetensors")
-    worst = 0.0
-    for name, p in pair.params.items():
+    """The parameters after `step` against zero2's (the tolerances of parameter_tolerances), and each tensor's
+    movement since `previous` (the last step both keep; 0: the initial weights) against zero2's movement.
+
+    Why the movement. In bf16 and fp16 the element tolerance must admit one unit of the format at the
+    tensor's size (a peer's fp32 master may start from its 16-bit copy), and AdamW moves an element by about
+    lr a step: a LayerNorm weight near 1 moves by 1e-3 against bf16's unit there of 2^-7 = 0.0078. A peer
+    that steps its 16-bit parameters (no fp32 master) rounds every such update away: those weights never
+    move, and the element tolerance, 8 updates wide, cannot see it. The movement can: from the same start,
+    theirs must move each tensor about as far as zero2 moved it: its median |change| per element between
+    half and twice zero2's (with the fp32 median tolerance of the steps in between added on both sides).
+    AdamW's step is about lr for every element with a gradient, whatever the gradient's size, so a correct
+    peer's movement differs from zero2's by rounding, a small part of lr (measured in notes/12), while a peer
+    that did not move a tensor at all, or moved it one step of two, is at half or less. The speed, not the
+    element-wise difference of the movements: where a tensor's gradient is rounding noise (an attention
+    key's bias in bf16, which the fp32 noise test does not catch) its direction is rounding's, its size AdamW's.
+    So a tensor zero2 moved by whole updates and theirs did not fails, in every precision: a missing master
+    copy, an update that never reached the weights, a step skipped between two adjacent kept steps.
+    """
+    mine, theirs = pair.tensors("ref", "parameters", step), pair.tensors("theirs", "parameters", step)
+    before = pair.tensors("ref", "parameters", previous)
+    theirs_before = pair.tensors("theirs", "parameters", previous) if previous else None
+    lrs = [pair.ref.steps[t - 1]["lr"] for t in range(1, step + 1)]
+    update_median, update_largest = parameter_tolerances(sum(lrs), pair.precision)
+    drift_between = parameter_tolerances(sum(lrs[previous:]), "fp32")[0]
+    worst, outside, first = 0.0, [], None
+    for name in pair.params:
         # In mixed precision one unit of the format more, at the tensor's size: a peer's fp32 master may start
         # from its 16-bit model (DeepSpeed's does), zero2's starts from the fp32 weights themselves.
-        size = np.abs(np.asarray(mine[name], np.float64))
+        size = np.abs(mine[name])
         start = UNIT[pair.precision] if pair.precision != "fp32" else 0.0
         median_tolerance = update_median + start * float(np.median(size))
-        largest_tolerance = update_largest + start * float(size.max())
-        difference = np.abs(np.asarray(theirs[name], np.float64) - mine[name]).reshape(-1)
-        median, largest = float(np.median(difference)), float(difference.max())
+        largest_tolerance = update_largest + start * float(size.max(initial=0.0))
+        difference = np.abs(theirs[name] - mine[name]).reshape(-1)
+        median, largest = float(np.median(difference)), float(difference.max(initial=0.0))
+        moved = float(np.median(np.abs(mine[name] - before[name])))
         if name in pair.noise:
-            median = 0.0  # held to AdamW's bound alone (Pair.noise_tensors)
-        worst = max(worst, share(median, median_tolerance), share(largest, largest_tolerance))
-        if median > median_tolerance or largest > largest_tolerance:
-            i = int(difference.argmax())
-            lr = pair.ref.steps[step - 1]["lr"]
-            diagnosis = diagnose_parameters(pair, step, theirs, mine, before, lr,
-                                            pair.ref.optimizer["weight_decay"], median_tolerance) \
-                if previous == step - 1 else None
-            raise Failure(f"parameters after step {step}, {pair.where(name, i)}: theirs "
-                          f"{np.asarray(theirs[name]).reshape(-1)[i]:.9g}, zero2's {mine[name].reshape(-1)[i]:.9g}; "
-                          f"over {name}: median |difference| {median:.3g} (tolerance {median_tolerance:.3g}), largest "
-                          f"{largest:.3g} (tolerance {largest_tolerance:.3g})",
-                          diagnosis or (f"{name} is the first tensor (registration order) outside the tolerance"
-                                        + ("" if previous == step - 1 else
-                                           f"; the traces keep no parameters between steps {previous} and {step}: "
-                                           f"keep every step's (--trace-params-every 1) to see the first update "
-                                           f"that differs")),
-                          max(share(median, median_tolerance), share(largest, largest_tolerance)))
-    return worst
+            median, speed, movement_excess = 0.0, None, 0.0  # AdamW's bound alone (Pair.noise_tensors)
+        else:
+            # Theirs from its own previous kept step; from the start, theirs' start is zero2's initial weights
+            # or, in 16-bit, their rounding (a master made from the 16-bit model): the one that makes theirs'
+            # movement nearer zero2's counts.
+            starts = [theirs_before[name]] if previous else \
+                [before[name]] + ([rounded_to(before[name], pair.precision)] if pair.precision != "fp32" else [])
+            speed, movement_excess = min((movement_share(float(np.median(np.abs(theirs[name] - s))), moved,
+                                                         drift_between) for s in starts), key=lambda x: x[1])
+        excess = max(share(median, median_tolerance), share(largest, largest_tolerance), movement_excess)
+        worst = max(worst, excess)
+        if excess > 1:
+            far = np.flatnonzero(difference > largest_tolerance)
+            if not len(far):  # off as a whole: every element that differs at all
+                far = np.flatnonzero(difference > min(median_tolerance, median))
+            outside.append((name, excess, far, int(difference.argmax())))
+            if first is None:
+                first = (name, median, median_tolerance, largest, largest_tolerance, moved, speed, movement_excess,
+                         excess)
+    if first is None:
+        return worst
+    name, median, median_tolerance, largest, largest_tolerance, moved, moved_theirs, movement_excess, excess = first
+    i = outside[0][3]
+    since = f"step {previous}" if previous else "the initial weights"
+    lr = pair.ref.steps[step - 1]["lr"]
+    diagnosis = None
+    if movement_excess > 1 and median <= median_tolerance and largest <= largest_tolerance:
+        diagnosis = diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, step, previous)
+    if diagnosis is None and previous == step - 1:
+        diagnosis = diagnose_parameters(pair, step, theirs, mine, before, lr, pair.ref.optimizer["weight_decay"],
+                                        median_tolerance)
+    raise Failure(f"parameters after step {step}, {pair.where(name, i)}: theirs "
+                  f"{theirs[name].reshape(-1)[i]:.9g}, zero2's {mine[name].reshape(-1)[i]:.9g}; "
+                  f"over {name}: median |difference| {median:.3g} (tolerance {median_tolerance:.3g}), largest "
+                  f"{largest:.3g} (tolerance {largest_tolerance:.3g})"
+                  + ("" if moved_theirs is None else
+                     f"; moved since {since} (median |change| of an element): zero2 {moved:.3g}, theirs "
+                     f"{moved_theirs:.3g} (admitted: {max(0.0, 0.5 * moved - drift_between):.3g} .. "
+                     f"{2 * moved + drift_between:.3g})"),
+                  diagnosis or (f"{name} is the first tensor (registration order) outside the tolerance"
+                                + ("" if previous == step - 1 else
+                                   f"; the traces keep no parameters between steps {previous} and {step}: "
+                                   f"keep every step's (--trace-params-every 1) to see the first update "
+                                   f"that differs")),
+                  excess, census(pair, outside, "parameters"))
+
+
+def movement_share(theirs, mine, drift):
+    """(theirs, how far theirs' movement is outside [mine / 2 - drift, 2 mine + drift], as a share of that
+    window's half-width on its side: 1 at its edge). theirs, mine: a tensor's median |change| per element
+    since the last kept step."""
+    slower = share(max(0.0, mine - theirs), 0.5 * mine + drift)
+    faster = share(max(0.0, theirs - mine), mine + drift)
+    return theirs, max(slower, faster)
+
+
+def diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, step, previous):
+    """Theirs did not move where zero2 moved: which tensors, and what that points to."""
+    stuck = [n for n, *_ in outside]
+    if moved_theirs > 0.25 * moved:
+        return None
+    if len(stuck) >= 0.9 * len([n for n in pair.params if n not in pair.noise]):
+        return (f"theirs moved (almost) no parameter since {since} where zero2 moved them by about the learning "
+                f"rate a step: the update never reached the weights (the optimizer stepped a copy), or the step "
+                f"was skipped")
+    if pair.precision != "fp32":
+        unit = UNIT[pair.precision] * float(np.median(np.abs(mine[name])))
+        return (f"theirs did not move {name} (and {len(stuck) - 1} more tensors) where zero2 moved it by "
+                f"{moved:.3g} at the median, {moved / unit:.2g} of a {pair.precision} unit at its size "
+                f"({unit:.3g}): an update smaller than the format's spacing is rounded away when the parameters "
+                f"are stepped in {pair.precision}. Keep an fp32 master copy, step it, and round it to "
+                f"{pair.precision} for the forward (zero2's trace holds the master)")
+    return (f"theirs did not move {name} (and {len(stuck) - 1} more tensors) since {since}, where zero2 moved it "
+            f"by {moved:.3g} at the median: those parameters were left out of the update")
 
 
 def check(pair, counts):
@@ -499,6 +818,7 @@ def check(pair, counts):
                                     f" and gradients (the largest difference {gradients[1]:.1e} of the largest "
                                     f"gradient)") + " within the tolerance",
                            max(worst_parameter, gradients[0] if gradients else 0.0)))
+            pair.forget_before(step)  # the initial weights stay (step 0 is not before any)
             previous_kept = step
             counts["passed"] += 1
     return report
@@ -517,43 +837,46 @@ def main(argv):
     if len(argv) != 3 or argv[1].startswith("-"):
         print(__doc__.strip().split("\n\n")[1] if len(argv) > 1 else __doc__, file=sys.stderr)
         return 2
+    counts = {"passed": 0}  # the checks made before a bad input stopped the walk count as made
+
+    def bad_input(e):
+        print(f"check_trace: error: {e}", file=sys.stderr)
+        print(f"{counts['passed']} passed, 1 failed")
+        return 2
+
     try:
         ref, theirs = Trace(argv[1]), Trace(argv[2])
         pair = Pair(ref, theirs)
         pair.check_settings()
     except (TraceError, BadInput) as e:
-        print(f"check_trace: error: {e}", file=sys.stderr)
-        print("0 passed, 1 failed")
-        return 2
+        return bad_input(e)
     precision = pair.precision
-    print(f"check_trace: {argv[2]} ({theirs.producer}) against zero2's {argv[1]} ({describe(ref)})")
-    print(f"tolerances ({precision}; notes/12, \"Tolerances\"): loss (4 + s) ulp, grad norm (8 + 2 s) ulp; "
-          f"gradients 1e-5 (1 + s) x the largest; parameters: median 1e-4 x, largest 2.5 x the lr summed over "
-          f"steps 1 .. s" + ("" if precision == "fp32" else f", plus one {precision} unit of the tensor's size"))
+    producer = theirs.producer if isinstance(theirs.producer, str) and len(theirs.producer) <= 200 else brief(theirs.producer)
+    print(f"check_trace: {argv[2]} ({producer}) against zero2's {argv[1]} ({describe(ref)})")
+    print(f"tolerances ({precision}; notes/12, \"Tolerances\"): loss (4 + s) ulp + 2 sqrt(selected) fp32 ulp, "
+          f"grad norm (8 + 2 s) ulp + sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp; gradients "
+          f"(1 + s) (1e-5{'' if precision == 'fp32' else ' x ' + str(int(UNIT[precision] / UNIT['fp32']))} + "
+          f"2 sqrt({pair.positions}) 2^-24) x the largest; parameters: median 1e-4 x"
+          f"{'' if precision == 'fp32' else ' ' + str(int(UNIT[precision] / UNIT['fp32'])) + ' x'}, largest 2.5 x "
+          f"the lr summed over steps 1 .. s" + ("" if precision == "fp32" else
+                                                 f", plus one {precision} unit of the tensor's size")
+          + "; each tensor moved between half and twice as far as zero2 moved it")
     if pair.noise:
         print(f"held to the largest only (their gradient is rounding noise in zero2's trace): "
               f"{', '.join(sorted(pair.noise))}")
-    counts = {"passed": 0}
     try:
         report = check(pair, counts)
-    except BadInput as e:
-        print(f"check_trace: error: {e}", file=sys.stderr)
-        print("0 passed, 1 failed")
-        return 2
-    except TraceError as e:
-        print(f"check_trace: error: {e}", file=sys.stderr)
-        print("0 passed, 1 failed")
-        return 2
+    except (BadInput, TraceError) as e:
+        return bad_input(e)
     except Failure as failure:
         print(f"FAIL {failure.what}")
         if failure.excess is not None:
             print(f"margin: the difference is {failure.excess:.3g} x its tolerance")
+        if failure.census:
+            print(f"census: {failure.census}")
         print(f"diagnosis: {failure.diagnosis or 'no known bug has this pattern; the difference is above'}")
         print(f"{counts['passed']} passed, 1 failed")
         return 1
-    if not report:
-        print("0 passed, 0 failed: zero2's trace has no steps")
-        return 2
     worst = max(report, key=lambda line: line[2] if math.isfinite(line[2]) else 0.0)
     kept = sorted(s for s in ref.parameter_steps if s in theirs.parameter_steps)
     for step, line, fraction in report:

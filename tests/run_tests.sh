@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # tests/run_tests.sh BUILD_DIR — run the doctest suite under mpirun -n 1, 2, 4,
 # each run under a timeout, then the trainer's command-line tests
-# (tests/test_trainer.sh), and end with one plain line: "N passed, M failed"
-# (doctest test cases summed over the three runs plus the trainer checks; a
-# run that dies or times out without its summary counts as one failed).
+# (tests/test_trainer.sh) and the trace checker's (tests/test_checker.sh), and
+# end with one plain line: "N passed, M failed" (doctest test cases summed
+# over the three runs plus the trainer's and the checker's checks; a run that
+# dies or times out without its summary counts as one failed).
 set -u
 build=${1:-build}
 binary="$build/test_zero2"
@@ -48,6 +49,21 @@ else
   failed=$((failed + 1))
 fi
 echo "=== trainer tests: ${line:-no summary}, $(($(date +%s) - start)) s"
+rm -f "$log"
+# The trace checker (tests/check_trace.py) on damaged traces and on peers that must fail or pass: its own
+# plain summary line is added in the same way.
+echo "=== tests/test_checker.sh $build"
+log=$(mktemp)
+start=$(date +%s)
+timeout 600 tests/test_checker.sh "$build" 2>&1 | tee "$log"
+line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -n 1)
+if [ -n "$line" ]; then
+  passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
+  failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
+else
+  failed=$((failed + 1))
+fi
+echo "=== checker tests: ${line:-no summary}, $(($(date +%s) - start)) s"
 rm -f "$log"
 
 echo "$passed passed, $failed failed"

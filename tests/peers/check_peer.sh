@@ -4,7 +4,8 @@
 #
 #   torch      zero2's trace (N = 2, fp32, stage 2, 20 steps) replayed by tests/peers/torch_peer.py on
 #              Debian's torch 1.13 in .venv-hf: PyTorch's own ZeRO (DDP + ZeroRedundancyOptimizer) and zero2's
-#              step written in torch.distributed (--step flat) pass tests/check_trace.py; each planted mistake
+#              step written in torch.distributed (--step flat) pass tests/check_trace.py, on that trace and on
+#              one of BERT-mini's default size (4 steps); each planted mistake
 #              (tests/lab_mistakes/torch-step.*.py) fails it, and its diagnosis has the words of the mistake's
 #              "# expect:" line. In CI. Without .venv-hf (no PyPI): SKIP, with the reason.
 #   deepspeed  zero2's trace of the default BERT-mini (N = 2, fp32, stage 2, dropout 0, 20 steps) replayed by
@@ -67,6 +68,23 @@ check_torch() {
       fail "torch peer --step $step did not run:"; tail -n 5 "$work/peer.log"
     fi
   done
+  # The same two at BERT-mini's default size (L 4, H 256, B 8, T 128: Psi = 3.4M, 4 steps, a few seconds):
+  # where a norm tolerance that did not grow with the number of squares failed a correct peer (torch's
+  # vector_norm is about 10 ulp off there; notes/12, "Tolerances").
+  rm -rf "$work/ref_default"
+  if timeout 600 mpirun -n 2 "$trainer" --dropout 0 --steps 4 --trace-params-every 2 --quiet --trace "$work/ref_default" \
+       > "$work/reference.log" 2>&1; then
+    for step in zero-redundancy flat; do
+      rm -rf "$work/theirs"
+      if timeout 900 "$python" "${peer[@]}" --step "$step" "$work/ref_default" "$work/theirs" > "$work/peer.log" 2>&1; then
+        check "torch peer --step $step (BERT-mini's default size, N = 2, fp32, 4 steps)" agrees "$work/ref_default" "$work/theirs"
+      else
+        fail "torch peer --step $step at the default size did not run:"; tail -n 5 "$work/peer.log"
+      fi
+    done
+  else
+    fail "zero2's trace at the default size could not be made:"; tail -n 5 "$work/reference.log"
+  fi
   for mistake in tests/lab_mistakes/torch-step.*.py; do
     local name expect
     name=$(basename "$mistake" .py)
