@@ -279,6 +279,9 @@ class Trace:
                 raise TraceError(f"{path}: parameter_steps[{k}] is {_brief(entry)}, not {{\"step\": s, "
                                  f"\"gradients\": true|false}}")
             step, gradients = entry["step"], entry.get("gradients", False)
+            if is_int(step) and step > len(self.steps) >= 0:  # kept, but its record is gone
+                raise TraceError(f"{path}: step {len(self.steps) + 1} is missing from steps (it records 1 .. "
+                                 f"{len(self.steps)}, parameter_steps[{k}] keeps step {step})")
             if not is_int(step) or not 1 <= step <= len(self.steps):
                 raise TraceError(f"{path}: parameter_steps[{k}].step is {step!r}, not the integer of a recorded "
                                  f"step (1 .. {len(self.steps)})")
