@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 from trace_files import Trace, TraceError, is_int  # noqa: E402
+import adamw_replay  # noqa: E402
 
 
 class BadInput(Exception):
@@ -591,6 +592,97 @@ def diagnose_parameters(pair, step, theirs, mine, before, lr, weight_decay, tole
 
 
 # ----------------------------------------------------------------------------
+# Replaying the failing step: AdamW and its common mistakes (tests/peers/adamw_replay.py)
+#
+# A pattern (a ratio, a set of tensors) points to a bug; a replay shows it. From the parameters before the
+# failing step, the state (m, v) before it and the step's gradient, AdamW as the trace states it, and each
+# variant of the catalogue, computes the parameters after the step; a variant that lands on theirs within one
+# step's tolerance, where the true formula does not, names the bug. The state is recomputed from step 1 by
+# each variant's own formula (betas swapped change m and v, not step 1's update: AdamW's first step is
+# sign(g) whatever the betas), so the replay needs every step's gradient up to the failing one, theirs where
+# kept (the one their optimizer read), else zero2's, and the parameters before it: a trace made with
+# --trace-params-every 1, replayed by a peer that keeps what the trace keeps.
+
+def replay_step(pair, step):
+    """(named, measured). named: the diagnosis when a variant reproduces theirs after `step` and the true
+    formula does not; else None, and measured says what the replay found (or why it could not run)."""
+    if pair.precision != "fp32":
+        return None, None  # mixed precision's step reads 16-bit gradients and a loss scale: not replayed
+    ref, theirs = pair.ref, pair.theirs
+    sources = []
+    for t in range(1, step + 1):
+        side = "theirs" if theirs.parameter_steps.get(t) else "ref" if ref.parameter_steps.get(t) else None
+        before = ("ref" if t == 1 else "theirs" if (t - 1) in theirs.parameter_steps
+                  else "ref" if (t - 1) in ref.parameter_steps else None)
+        if side is None or before is None:
+            return None, (f"The replay of AdamW's step (and its common mistakes) needs the gradient of every step "
+                          f"1 .. {step} and the parameters before each: step {t}'s "
+                          f"{'gradient' if side is None else 'parameters before it'} is kept by neither trace "
+                          f"(make zero2's trace with --trace-params-every 1)")
+        sources.append((side, before))
+
+    def read(side, kind, t):  # not cached in pair: a long replay would hold every step's tensors
+        cached = (side, kind, t) in pair._read
+        values = pair.tensors(side, kind, t)
+        if not cached:
+            del pair._read[(side, kind, t)]
+        return values
+
+    flat = adamw_replay.Flat(pair.layout, pair.no_decay, pair.N)
+    rates = [record["lr"] for record in ref.steps]
+    replays = [("AdamW as the trace states it", adamw_replay.Replay(flat, ref.optimizer, rates, {}), "")]
+    replays += [(name, adamw_replay.Replay(flat, ref.optimizer, rates, changes), words)
+                for name, changes, words in adamw_replay.CATALOGUE]
+    replays = [entry for entry in replays if entry[1].applies(step)]
+    for t, (side, before_side) in enumerate(sources, start=1):
+        gradient = flat.flat(read(side, "gradients", t))
+        before = flat.flat(read(before_side, "parameters", t - 1))
+        norm = (theirs if side == "theirs" else ref).steps[t - 1]["grad_norm"]
+        results = [replay.step(t, before, gradient, norm) for _, replay, _ in replays]
+    # One update's tolerance where the replay starts from theirs' own parameters (it then differs from theirs
+    # by one update's rounding), the checker's, summed over the steps, where it starts from zero2's.
+    own_start = step == 1 or sources[-1][1] == "theirs"
+    lrs = [rates[step - 1]] if own_start else rates[:step]
+    median_tolerance, largest_tolerance = parameter_tolerances(sum(lrs), "fp32")
+    target = pair.tensors("theirs", "parameters", step)
+
+    def excess(result, against):  # the checker's measure: the worst tensor's median or largest, over tolerance
+        worst = 0.0
+        for name, values in flat.tensors(result).items():
+            difference = np.abs(values.astype(np.float64) - np.asarray(against[name], np.float64).reshape(-1))
+            median = 0.0 if name in pair.noise else float(np.median(difference))
+            worst = max(worst, share(median, median_tolerance), share(float(difference.max(initial=0.0)),
+                                                                       largest_tolerance))
+        return worst
+
+    true = excess(results[0], target)
+    true_tensors = flat.tensors(results[0])
+    scored = [(excess(result, target), name, words) for (name, _, words), result in zip(replays[1:], results[1:])
+              if excess(result, true_tensors) > 1]  # a variant that equals the true step here tells nothing
+    whose = {s for s, _ in sources}
+    origin = ("the initial weights" if step == 1 else
+              ("their" if own_start else "zero2's") + f" parameters after step {step - 1}")
+    gradients = ("theirs" if whose == {"theirs"} else "zero2's" if whose == {"ref"} else
+                 "theirs where kept, else zero2's")
+    started = (f"replaying step {step} from {origin}, with AdamW's state recomputed from the gradients of steps "
+               f"1 .. {step} ({gradients})")
+    if true <= 1:
+        return None, (f"The replay reproduces theirs with AdamW as the trace states it ({started}: {true:.2g} of "
+                      f"the tolerance): the update itself is right; what differs came in with its inputs")
+    fits = sorted(entry for entry in scored if entry[0] <= 1)
+    if fits:
+        score, name, words = fits[0]
+        also = "" if len(fits) == 1 else f" (so do, within the tolerance: {', '.join(n for _, n, _ in fits[1:])})"
+        return (f"{name}: {started}, that variant of AdamW reproduces theirs ({score:.2g} of the tolerance){also}, "
+                f"and AdamW as the trace states it does not ({true:.3g} x the tolerance): {words}"), None
+    nearest = min(scored) if scored else None
+    return None, (f"The replay named no mistake of AdamW: {started}, AdamW as the trace states it is {true:.3g} x "
+                  f"the tolerance from theirs" + (f", and the nearest of {len(scored)} variants "
+                                                    f"(tests/peers/adamw_replay.py), {nearest[1]}, {nearest[0]:.3g} x"
+                                                    if nearest else ""))
+
+
+# ----------------------------------------------------------------------------
 # The walk through the steps
 
 def check_step_scalars(pair, step, report):
@@ -750,12 +842,16 @@ def check_parameters(pair, step, previous):
     i = outside[0][3]
     since = f"step {previous}" if previous else "the initial weights"
     lr = pair.ref.steps[step - 1]["lr"]
-    diagnosis = None
+    diagnosis, measured = None, None
     if movement_excess > 1 and median <= median_tolerance and largest <= largest_tolerance:
         diagnosis = diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, step, previous)
     if diagnosis is None and previous == step - 1:
-        diagnosis = diagnose_parameters(pair, step, theirs, mine, before, lr, pair.ref.optimizer["weight_decay"],
-                                        median_tolerance)
+        # The replay first: a variant of AdamW that reproduces theirs element for element, where AdamW as the
+        # trace states it does not, is stronger evidence than any pattern below; where none does, the patterns
+        # (stale shards, a shard offset, decay on the wrong tensors), and what the replay measured.
+        diagnosis, measured = replay_step(pair, step)
+        diagnosis = diagnosis or diagnose_parameters(pair, step, theirs, mine, before, lr,
+                                                     pair.ref.optimizer["weight_decay"], median_tolerance)
     raise Failure(f"parameters after step {step}, {pair.where(name, i)}: theirs "
                   f"{theirs[name].reshape(-1)[i]:.9g}, zero2's {mine[name].reshape(-1)[i]:.9g}; "
                   f"over {name}: median |difference| {median:.3g} (tolerance {median_tolerance:.3g}), largest "
@@ -764,11 +860,11 @@ def check_parameters(pair, step, previous):
                      f"; moved since {since} (median |change| of an element): zero2 {moved:.3g}, theirs "
                      f"{moved_theirs:.3g} (admitted: {max(0.0, 0.5 * moved - drift_between):.3g} .. "
                      f"{2 * moved + drift_between:.3g})"),
-                  diagnosis or (f"{name} is the first tensor (registration order) outside the tolerance"
-                                + ("" if previous == step - 1 else
-                                   f"; the traces keep no parameters between steps {previous} and {step}: "
-                                   f"keep every step's (--trace-params-every 1) to see the first update "
-                                   f"that differs")),
+                  (diagnosis or (f"{name} is the first tensor (registration order) outside the tolerance"
+                                 + ("" if previous == step - 1 else
+                                    f"; the traces keep no parameters between steps {previous} and {step}: "
+                                    f"keep every step's (--trace-params-every 1) to see the first update "
+                                    f"that differs"))) + (f". {measured}" if measured else ""),
                   excess, census(pair, outside, "parameters"))
 
 

@@ -30,8 +30,10 @@ fail() { echo "FAIL $*"; failed=$((failed + 1)); }
 work=$(mktemp -d /tmp/z2_peer.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
-make_reference() {  # make_reference DIR: zero2's trace at N = 2 (tests/peers/reference_trace.sh)
-  tests/peers/reference_trace.sh "$trainer" "$1" 2 > "$work/reference.log" 2>&1 || { cat "$work/reference.log"; return 1; }
+make_reference() {  # make_reference DIR [FLAGS...]: zero2's trace at N = 2 (tests/peers/reference_trace.sh)
+  local dir=$1
+  shift
+  tests/peers/reference_trace.sh "$trainer" "$dir" 2 "$@" > "$work/reference.log" 2>&1 || { cat "$work/reference.log"; return 1; }
 }
 
 # check LABEL EXPECT REF THEIRS: tests/check_trace.py's verdict. EXPECT "agrees", or the words the
@@ -96,6 +98,58 @@ check_torch() {
       fail "torch peer with $mistake did not run:"; tail -n 5 "$work/peer.log"
     fi
   done
+  check_replayed_mistakes "$python"
+}
+
+# The mistakes an AdamW is written with, each planted by sed in a copy of torch_peer.py (its step, or the rate
+# the replay hands it) and named by the checker's replay of the failing step (tests/peers/adamw_replay.py):
+# on the same small model with every step kept (--trace-params-every 1), which the replay needs to recompute
+# AdamW's state. Several of these fail only at step 2 or later (AdamW's first step is sign(g): betas and a
+# clipping coefficient cancel in it), where the parameters before the step must be kept.
+check_replayed_mistakes() {
+  local python=$1 source=tests/peers/torch_peer.py
+  make_reference "$work/ref_every" --trace-params-every 1 || { fail "zero2's trace with every step kept could not be made"; return; }
+  rm -rf "$work/theirs"
+  if "$python" "$source" --nproc-per-node 2 --step flat "$work/ref_every" "$work/theirs" > "$work/peer.log" 2>&1; then
+    check "torch peer --step flat (every step kept, N = 2, fp32, 20 steps)" agrees "$work/ref_every" "$work/theirs"
+  else
+    fail "torch peer on the trace with every step kept did not run:"; tail -n 5 "$work/peer.log"
+  fi
+  # plant NAME EXPECT SED_ARGS...: the copy must differ (a sed that no longer matches the peer plants nothing,
+  # and a correct peer would then fail this test for the wrong reason: say so instead).
+  plant() {
+    local name=$1 expect=$2 copy=$work/torch_peer.$1.py
+    shift 2
+    sed "$@" "$source" > "$copy"
+    if cmp -s "$source" "$copy"; then fail "planted mistake $name: the sed no longer changes $source"; return; fi
+    rm -rf "$work/theirs"
+    # The copy lives in $work: trace_files.py comes from tests/peers through PYTHONPATH.
+    if PYTHONPATH=tests/peers "$python" "$copy" --nproc-per-node 2 --step flat "$work/ref_every" "$work/theirs" \
+         > "$work/peer.log" 2>&1; then
+      check "planted mistake $name (every step kept)" "$expect" "$work/ref_every" "$work/theirs"
+    else
+      fail "torch peer with the planted mistake $name did not run:"; tail -n 5 "$work/peer.log"
+    fi
+  }
+  local denominator='denominator = (layout.exp_avg_sq.sqrt() / math.sqrt(1 - beta2 \*\* step))'
+  local clipped='clipped = grad \* min(1.0, clip / (norm + 1e-6)) if clip > 0 else grad'
+  plant l2-decay "L2-style weight decay" \
+    -e 's/^\(    layout.exp_avg.mul_(beta1)\)/    clipped = clipped + settings["weight_decay"] * layout.decay * params\n\1/' \
+    -e '/params.mul_(1 - lr \* settings\["weight_decay"\]/d'
+  plant eps-inside "eps inside the square root" \
+    -e "s|$denominator.add_(settings\[\"eps\"\])|denominator = (layout.exp_avg_sq / (1 - beta2 ** step) + settings[\"eps\"]).sqrt()|"
+  plant no-bias-correction-m "AdamW without the bias correction of m" -e 's|value=-lr / (1 - beta1 \*\* step))|value=-lr)|'
+  plant no-bias-correction-v "AdamW without the bias correction of v" -e "s|$denominator|denominator = (layout.exp_avg_sq.sqrt())|"
+  plant no-bias-correction "AdamW without its bias corrections" -e 's|value=-lr / (1 - beta1 \*\* step))|value=-lr)|' \
+    -e "s|$denominator|denominator = (layout.exp_avg_sq.sqrt())|"
+  plant betas-swapped "beta1 and beta2 swapped" -e 's|    beta1, beta2 = settings\["betas"\]|    beta2, beta1 = settings["betas"]|'
+  plant lr-of-the-step-before "the rate of the step before" \
+    -e 's|norm = stepper.step(lr, step)|norm = stepper.step(reference.steps[max(step - 2, 0)]["lr"], step)|'
+  plant lr-of-the-step-after "the rate of the step after" \
+    -e 's|norm = stepper.step(lr, step)|norm = stepper.step(reference.steps[min(step, len(reference.steps) - 1)]["lr"], step)|'
+  plant no-clipping "no gradient clipping" -e "s|$clipped|clipped = grad|"
+  plant clip-by-local-norm "clipping by each rank's own shard's norm" \
+    -e "s|$clipped|clipped = grad * min(1.0, clip / (grad.norm().item() + 1e-6)) if clip > 0 else grad|"
 }
 
 # DeepSpeed's venv: the pinned versions from PyPI, made once. DeepSpeed's setup.py imports torch, so it is
