@@ -678,7 +678,8 @@ def replay_step(pair, step):
     nearest = min(scored) if scored else None
     return None, (f"The replay named no mistake of AdamW: {started}, AdamW as the trace states it is {true:.3g} x "
                   f"the tolerance from theirs" + (f", and the nearest of {len(scored)} variants "
-                                                    f"(tests/peers/adamw_replay.py), {nearest[1]}, {nearest[0]:.3g} x"
+                                                    f"(tests/peers/adamw_replay.py), \"{nearest[1]}\", "
+                                                    f"{nearest[0]:.3g} x"
                                                     if nearest else ""))
 
 

@@ -10,7 +10,8 @@
 #                 Python traceback, within its timeout (a FIFO must not block open()), and a summary line
 #                 counting the checks made before the damage was met;
 #   no false pass NaN or Inf in theirs (a record or a kept tensor), a bf16 peer without an fp32 master, an
-#                 update that never reaches the weights, a skipped step: exit 1 at the first place, named;
+#                 update that never reaches the weights, a skipped step: exit 1 at the first place, named; a
+#                 tensor moved where no AdamW mistake moves it: the replay of the step names none;
 #   no false fail zero2 computed another way (--portable) in fp32 and bf16, and the torch peers (--step
 #                 zero-redundancy and flat, when .venv-hf has transformers) pass, the closest call printed.
 #
@@ -236,6 +237,11 @@ for precision in fp32 bf16; do
   fails "$precision: step 2 skipped" "parameters after step 2" "the update never reached the weights" \
     "$work/ref_$precision" "$work/skip_$precision"
 done
+# A difference no AdamW mistake makes (one tensor moved by 0.01 after step 2, steps 1 and 2 kept): the replay
+# of the step (tests/peers/adamw_replay.py) must name none of its variants, and say what it measured.
+damaged moved_tensor theirs_fp32 'p = d + "/step_2/model.safetensors"; t = tensors(p); w = "bert.encoder.layer.1.output.dense.weight"; t[w] = t[w] + np.float32(0.01); save(p, t)'
+fails "fp32: a tensor moved by 0.01, no AdamW mistake" "parameters after step 2, bert.encoder.layer.1.output.dense.weight" \
+  "The replay named no mistake of AdamW" "$ref" "$work/moved_tensor"
 
 echo "=== no false failure: the torch peers"
 peer_python=.venv-hf/bin/python

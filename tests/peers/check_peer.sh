@@ -136,8 +136,11 @@ check_replayed_mistakes() {
   plant l2-decay "L2-style weight decay" \
     -e 's/^\(    layout.exp_avg.mul_(beta1)\)/    clipped = clipped + settings["weight_decay"] * layout.decay * params\n\1/' \
     -e '/params.mul_(1 - lr \* settings\["weight_decay"\]/d'
-  plant eps-inside "eps inside the square root" \
+  # (the colon: the next variant's name begins with this one's)
+  plant eps-inside "eps inside the square root:" \
     -e "s|$denominator.add_(settings\[\"eps\"\])|denominator = (layout.exp_avg_sq / (1 - beta2 ** step) + settings[\"eps\"]).sqrt()|"
+  plant eps-inside-before-correction "eps inside the square root, before the bias correction" \
+    -e "s|$denominator.add_(settings\[\"eps\"\])|denominator = (layout.exp_avg_sq + settings[\"eps\"]).sqrt() / math.sqrt(1 - beta2 ** step)|"
   plant no-bias-correction-m "AdamW without the bias correction of m" -e 's|value=-lr / (1 - beta1 \*\* step))|value=-lr)|'
   plant no-bias-correction-v "AdamW without the bias correction of v" -e "s|$denominator|denominator = (layout.exp_avg_sq.sqrt())|"
   plant no-bias-correction "AdamW without its bias corrections" -e 's|value=-lr / (1 - beta1 \*\* step))|value=-lr)|' \
