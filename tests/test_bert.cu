@@ -390,6 +390,31 @@ TEST_CASE(
     bert::check_consistency(s, 2);
   } catch (const z2::Error&) { refused = true; }
   CHECK(refused);
+  // Keys that change no arithmetic in DeepSpeed are accepted with a note of
+  // what DeepSpeed would do (printing, logging, timing, a model-parallel
+  // split of size 1); their blocks' unknown fields are refused, as
+  // DeepSpeed's pydantic models refuse them; what would change the
+  // arithmetic stays refused by name.
+  write(R"({"dump_state": true, "tensorboard": {"enabled": true, "output_path": "tb"}, "wandb": {"enabled": true},
+           "csv_monitor": {"enabled": true}, "comet": {"enabled": true, "project": "p"},
+           "activation_checkpointing": {"profile": true, "partition_activations": true},
+           "tensor_parallel": {"autotp_size": 1}})");
+  s = parse({"--config", path});
+  for (const char* note :
+       {"dump_state true: DeepSpeed would print", "tensorboard.enabled true: DeepSpeed would log", "wandb.enabled true",
+        "csv_monitor.enabled true", "comet.enabled true", "activation_checkpointing.profile true: DeepSpeed would time",
+        "activation_checkpointing.partition_activations true: DeepSpeed splits",
+        "tensor_parallel: autotp_size 1 leaves the model whole"})
+    CHECK_MESSAGE(holds_line(s.config_notes, note), note);
+  CHECK(s.activations == "keep");  // partition_activations alone asks for no checkpointing
+  const std::string arithmetic = error_of(
+      R"({"tensor_parallel": {"autotp_size": 2, "tp_size": 2}, "tensorboard": {"enabled": true, "path": "tb"},
+          "activation_checkpointing": {"profile": 1}})");
+  CHECK(arithmetic.find("has 4 settings") != std::string::npos);
+  CHECK(arithmetic.find("tensor_parallel.autotp_size: 2 is not supported: AutoTP") != std::string::npos);
+  CHECK(arithmetic.find("tensor_parallel.tp_size: not a field of DeepSpeed's TPTrainingConfig") != std::string::npos);
+  CHECK(arithmetic.find("tensorboard.path: not a field of DeepSpeed's tensorboard monitor") != std::string::npos);
+  CHECK(arithmetic.find("activation_checkpointing.profile: wants true or false") != std::string::npos);
   std::remove(path.c_str());
 }
 

@@ -358,8 +358,8 @@ class ConfigReader {
       must_be(key, value, 1, "gradients are summed, then divided once by the global batch (notes/06)");
     else if (key == "amp")
       switched_off(key, value, "apex AMP is not used: --precision bf16|fp16, or the bf16 / fp16 blocks");
-    else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comet" ||
-             key == "comms_logger" || key == "flops_profiler")
+    else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comet") monitor(key, value);
+    else if (key == "comms_logger" || key == "flops_profiler")
       switched_off(key, value, "not implemented here: --json and --metrics record the run");
     else if (key == "elasticity" || key == "compile" || key == "autotuning" || key == "data_efficiency" ||
              key == "curriculum_learning" || key == "hybrid_engine" || key == "eigenvalue" ||
@@ -367,8 +367,9 @@ class ConfigReader {
       switched_off(key, value, "a DeepSpeed feature not implemented here");
     // Blocks with no switch: their presence asks for the feature.
     else if (key == "sparse_attention" || key == "pipeline" || key == "compression_training" ||
-             key == "weight_quantization" || key == "tensor_parallel")
+             key == "weight_quantization")
       refuse(key, "a DeepSpeed feature not implemented here");
+    else if (key == "tensor_parallel") tensor_parallel(key, value);
     // The ledger is always measured and printed (and in --json).
     else if (key == "memory_breakdown") accept_boolean(key, value);
     // DeepSpeed's own checkpoint options (tags, parallel writes): --save and
@@ -376,8 +377,16 @@ class ConfigReader {
     // timers DeepSpeed's throughput log, neither of which exists here.
     else if (key == "checkpoint" || key == "aio" || key == "timers") object(key, value);
     else if (key == "sparse_gradients") off_only(key, value, false, "every gradient is dense here");
-    else if (key == "dump_state") off_only(key, value, false, "--dump-batch writes step 0's state");
-    else if (key == "communication_data_type")
+    // DeepSpeed prints the engine's attributes once at start-up (engine.py
+    // DeepSpeedEngine.__init__: if self.dump_state(): print_configuration);
+    // nothing a step computes reads it.
+    else if (key == "dump_state") {
+      accept_boolean(key, value);
+      if (value == true)
+        out_.notes.push_back(
+            "dump_state true: DeepSpeed would print its engine's attributes at start-up (engine.py "
+            "print_configuration); zero2 does not (the header is its account; --dump-batch writes step 0's state)");
+    } else if (key == "communication_data_type")
       off_only(key, value, nullptr, "the wire carries the working precision, summed in fp32 (notes/08)");
     // Settings of what is not here: DeepSpeed's data loader (the trainer
     // reads its own data), sequence and expert parallelism, CUDA graphs of
@@ -393,6 +402,68 @@ class ConfigReader {
     else if (key == "allgather_size") accept_number(key, value);
     else return false;
     return true;
+  }
+  // DeepSpeed's monitors (monitor/config.py get_monitor_config: each block
+  // a pydantic model, TensorBoardConfig, WandbConfig, CSVConfig,
+  // CometConfig, that forbids other fields). Enabled, a monitor writes the
+  // loss and the timers' milliseconds to its logger on rank 0 (engine.py
+  // backward and _write_monitor, through MonitorMaster.write_events): it
+  // reads what a step computed and changes none of it, so it is accepted
+  // with a note that zero2 does not log there.
+  void monitor(const std::string& key, const json& value) {
+    static const std::map<std::string, std::set<std::string>> fields = {
+        {"tensorboard", {"enabled", "output_path", "job_name"}},
+        {"wandb", {"enabled", "group", "team", "project"}},
+        {"csv_monitor", {"enabled", "output_path", "job_name"}},
+        {"comet",
+         {"enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name", "experiment_key",
+          "online", "mode"}}};
+    if (!object(key, value)) return;
+    for (auto& [inner, setting] : value.items())
+      if (!fields.at(key).count(inner))
+        refuse(key + "." + inner, "not a field of DeepSpeed's " + key +
+                                      " monitor (monitor/config.py, a pydantic model that forbids other fields)");
+    if (!value.contains("enabled")) return;
+    accept_boolean(key + ".enabled", value["enabled"]);
+    if (value["enabled"] == true)
+      out_.notes.push_back(key + ".enabled true: DeepSpeed would log the loss and its timers to " + key +
+                           " on rank 0 (engine.py, MonitorMaster); zero2 does not (--json and --metrics record the "
+                           "run); the training is the same");
+  }
+  // DeepSpeed's AutoTP training (runtime/tensor_parallel/config.py
+  // TPTrainingConfig, a pydantic model that forbids other fields): the
+  // engine splits the model only when autotp_size > 1 (engine.py
+  // DeepSpeedEngine.__init__: if self.autotp_size() > 1:
+  // _configure_tensor_parallel); its default 0, and 1, leave the model
+  // whole, and the block's other fields are read only by that split.
+  void tensor_parallel(const std::string& key, const json& value) {
+    static const std::set<std::string> fields = {"dtype",
+                                                 "autotp_size",
+                                                 "tp_overlap_comm",
+                                                 "tensor_parallel",
+                                                 "tp",
+                                                 "injection_policy_tuple",
+                                                 "keep_module_on_host",
+                                                 "replace_with_kernel_inject",
+                                                 "kernel_inject"};
+    if (!object(key, value)) return;
+    for (auto& [inner, setting] : value.items())
+      if (!fields.count(inner))
+        refuse(key + "." + inner,
+               "not a field of DeepSpeed's TPTrainingConfig (runtime/tensor_parallel/config.py, a pydantic model "
+               "that forbids other fields)");
+    const json size = value.value("autotp_size", json(0));
+    if (is_auto(size)) return;
+    if (!size.is_number_integer())
+      return refuse(key + ".autotp_size", "wants an integer (got " + json_text(size) + ")");
+    if (size.get<long long>() > 1)
+      return refuse(key + ".autotp_size", json_text(size) +
+                                              " is not supported: AutoTP tensor parallelism (DeepSpeed splits the "
+                                              "model when autotp_size > 1) is a DeepSpeed feature not implemented "
+                                              "here; 0 or 1 leaves the model whole");
+    out_.notes.push_back(key + ": autotp_size " + json_text(size) +
+                         " leaves the model whole, in DeepSpeed (AutoTP splits it only above 1) as here; the "
+                         "block's other fields act only on that split");
   }
   // A block accepted only when it says "enabled": false (or has no "enabled").
   void switched_off(const std::string& key, const json& value, const std::string& why) {
@@ -819,11 +890,19 @@ class ConfigReader {
     std::string mode;
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
-      if (inner == "partition_activations")
-        must_be(name, setting, false,
-                "P_a splits activation checkpoints across model-parallel ranks, and there is "
-                "no model parallelism here (notes/04)");
-      else if (inner == "cpu_checkpointing") {
+      // P_a splits each checkpoint across the model-parallel ranks
+      // (checkpointing.py partition_activations, get_partition_size: numel /
+      // mp_size); without an mpu, mp_size is 1 (the module's default), and
+      // the partition is the whole tensor, a copy of the same values. There
+      // is no model parallelism here (notes/04).
+      if (inner == "partition_activations") {
+        accept_boolean(name, setting);
+        if (setting == true)
+          out_.notes.push_back(name +
+                               " true: DeepSpeed splits each checkpoint across the model-parallel ranks; with "
+                               "model-parallel size 1, as here (no model parallelism), the part is the whole "
+                               "checkpoint: nothing changes");
+      } else if (inner == "cpu_checkpointing") {
         accept_boolean(name, setting);
         if (setting == true) mode = "offload";
       } else if (inner == "contiguous_memory_optimization") {
@@ -835,11 +914,16 @@ class ConfigReader {
         if (!setting.is_null() && !setting.is_number_integer() && !is_auto(setting))
           refuse(name, "wants an integer or null (got " + json_text(setting) + ")");
       } else if (inner == "synchronize_checkpoint_boundary") accept_boolean(name, setting);
-      else if (inner == "profile")
-        must_be(name, setting, false,
-                "per-checkpoint timing is not implemented (wall_clock_breakdown times forward, "
-                "backward and the step)");
-      else ignored(name);
+      // Times each checkpointed block's forward and backward with
+      // DeepSpeed's timers (checkpointing.py CheckpointFunction, PROFILE_TIME):
+      // timing only.
+      else if (inner == "profile") {
+        accept_boolean(name, setting);
+        if (setting == true)
+          out_.notes.push_back(name +
+                               " true: DeepSpeed would time each checkpointed block's forward and backward; zero2 "
+                               "does not (wall_clock_breakdown times forward, backward and the step)");
+      } else ignored(name);
     }
     if (!mode.empty()) out_.flags.push_back({"--activations", mode, key + ".cpu_checkpointing"});
     else
