@@ -415,6 +415,25 @@ TEST_CASE(
   CHECK(arithmetic.find("tensor_parallel.tp_size: not a field of DeepSpeed's TPTrainingConfig") != std::string::npos);
   CHECK(arithmetic.find("tensorboard.path: not a field of DeepSpeed's tensorboard monitor") != std::string::npos);
   CHECK(arithmetic.find("activation_checkpointing.profile: wants true or false") != std::string::npos);
+  // compile is DeepSpeed 0.16.9's CompileConfig: its twelve fields, no
+  // other (pydantic forbids them: axolotl's "disable" and "backend" fail
+  // DeepSpeed's start-up, so does "enabled"); deepcompile true is a feature
+  // not here; DeepCompile's options without it change nothing (a note).
+  const std::string compiled =
+      error_of(R"({"compile": {"disable": false, "backend": "inductor", "enabled": false, "deepcompile": true,
+                               "double_bufer": true}})");
+  CHECK(compiled.find("has 5 settings") != std::string::npos);
+  CHECK(compiled.find("compile.disable: not a field of DeepSpeed 0.16.9's CompileConfig") != std::string::npos);
+  CHECK(compiled.find("compile.backend: not a field of DeepSpeed 0.16.9's CompileConfig") != std::string::npos);
+  CHECK(compiled.find("compile.enabled: not a field") != std::string::npos);
+  CHECK(compiled.find("compile.deepcompile: true is not supported: DeepCompile") != std::string::npos);
+  CHECK(compiled.find("(did you mean 'compile.double_buffer'?)") != std::string::npos);
+  write(R"({"compile": {"deepcompile": false, "free_activation": true, "double_buffer": false,
+                        "sync_after_allgather": "auto"}})");
+  s = parse({"--config", path});
+  CHECK(holds_line(s.config_notes, "compile: double_buffer, free_activation set DeepCompile's options"));
+  CHECK(error_of(R"({"compile": {"debug_log": 1}})").find("compile.debug_log: wants true or false") !=
+        std::string::npos);
   std::remove(path.c_str());
 }
 

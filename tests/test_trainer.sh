@@ -1706,7 +1706,7 @@ timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_no_bias.json" "${tiny[@]}"
 # an all-false activation_checkpointing block changes nothing and says so;
 # without --config, steps past the schedule's end warn.
 cat > "$work/ds_offs.json" <<'JSON'
-{"elasticity": {"enabled": false}, "compile": {"enabled": false}, "sparse_gradients": false, "dump_state": false,
+{"elasticity": {"enabled": false}, "compile": {"deepcompile": false}, "sparse_gradients": false, "dump_state": false,
  "memory_breakdown": false, "communication_data_type": null, "checkpoint": {"tag_validation": "Warn"},
  "bf16": {"enabled": false, "immediate_grad_update": false},
  "zero_optimization": {"stage": 2, "zero_quantized_weights": false, "zero_hpz_partition_size": 1, "mics_shard_size": -1},

@@ -104,6 +104,10 @@ static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
     // zero/offload_config.py DeepSpeedZeroOffloadOptimizerConfig's fields (0.16.9).
     {"zero_optimization.offload_optimizer", {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
                                              "pipeline_write", "fast_init", "ratio"}},
+    // compile/config.py CompileConfig's fields (0.16.9).
+    {"compile", {"deepcompile", "free_activation", "offload_activation", "offload_opt_states", "double_buffer",
+                 "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
+                 "sync_before_allgather", "sync_after_allgather"}},
     {"optimizer", {"type", "params", "legacy_fusion"}},
     {"optimizer.params", {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
                           "amsgrad", "set_grad_none", "fused", "foreach", "capturable", "differentiable", "maximize",
@@ -361,9 +365,10 @@ class ConfigReader {
     else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comet") monitor(key, value);
     else if (key == "comms_logger" || key == "flops_profiler")
       switched_off(key, value, "not implemented here: --json and --metrics record the run");
-    else if (key == "elasticity" || key == "compile" || key == "autotuning" || key == "data_efficiency" ||
-             key == "curriculum_learning" || key == "hybrid_engine" || key == "eigenvalue" ||
-             key == "quantize_training" || key == "progressive_layer_drop" || key == "nebula")
+    else if (key == "compile") compile(key, value);
+    else if (key == "elasticity" || key == "autotuning" || key == "data_efficiency" || key == "curriculum_learning" ||
+             key == "hybrid_engine" || key == "eigenvalue" || key == "quantize_training" ||
+             key == "progressive_layer_drop" || key == "nebula")
       switched_off(key, value, "a DeepSpeed feature not implemented here");
     // Blocks with no switch: their presence asks for the feature.
     else if (key == "sparse_attention" || key == "pipeline" || key == "compression_training" ||
@@ -464,6 +469,44 @@ class ConfigReader {
     out_.notes.push_back(key + ": autotp_size " + json_text(size) +
                          " leaves the model whole, in DeepSpeed (AutoTP splits it only above 1) as here; the "
                          "block's other fields act only on that split");
+  }
+  // torch.compile and DeepCompile (compile/config.py CompileConfig, which
+  // runtime/config.py builds as CompileConfig(**param_dict.get('compile',
+  // {})): a pydantic model that forbids other fields, so an unknown one
+  // fails DeepSpeed's start-up with a ValidationError; "auto" values are
+  // dropped first, as in every DeepSpeedConfigModel). The block compiles
+  // nothing by itself: the client calls engine.compile() (engine.py
+  // DeepSpeedEngine.compile), and only its deepcompile field changes what
+  // that call does (DeepCompile's passes, init_z1 / init_z3); the other
+  // fields are DeepCompile's options, read only under it. 0.16.9's model has
+  // no "enabled" (later configs' and other tools' spelling): refused, as
+  // DeepSpeed refuses it.
+  void compile(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    std::string options;
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "deepcompile")
+        must_be(name, setting, false,
+                "DeepCompile (the engine's own compiler passes, engine.py DeepSpeedEngine.compile) is a DeepSpeed "
+                "feature not implemented here");
+      else if (std::find_if(deepspeed_names.at("compile").begin(), deepspeed_names.at("compile").end(),
+                            [&](const char* field) { return inner == field; }) != deepspeed_names.at("compile").end()) {
+        accept_boolean(name, setting);
+        if (!is_auto(setting)) options += (options.empty() ? "" : ", ") + inner;
+      } else {
+        const std::string suggestion = near_miss(name);
+        refuse(name,
+               "not a field of DeepSpeed 0.16.9's CompileConfig (compile/config.py: a pydantic model that "
+               "forbids other fields, so DeepSpeed fails with a ValidationError" +
+                   std::string(inner == "enabled" ? "; compiling is the client's call of engine.compile()" : "") + ")" +
+                   (suggestion.empty() ? "" : " (did you mean '" + suggestion + "'?)"));
+      }
+    }
+    if (!options.empty())
+      out_.notes.push_back("compile: " + options +
+                           " set DeepCompile's options, which DeepSpeed reads only with deepcompile true (engine.py "
+                           "DeepSpeedEngine.compile); without it they change nothing, there as here");
   }
   // A block accepted only when it says "enabled": false (or has no "enabled").
   void switched_off(const std::string& key, const json& value, const std::string& why) {
