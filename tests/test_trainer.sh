@@ -101,7 +101,8 @@
 #      the ledger's host bytes in --json = 16 Psi/N and the device's its
 #      formula; the header; --plan's host bytes; bad input (stage 0 by flag
 #      and by config, unknown and nvme devices, pin_memory, ratio, fast_init,
-#      fp16_master_weights_and_grads, both spellings), each named.
+#      fp16_master_weights_and_grads, both spellings, no optimizer type: the
+#      client's optimizer, which DeepSpeed refuses under offload), each named.
 # Ends with the plain line "N passed, M failed".
 #
 # Z2_TRAINER_SKIP="9 10 ..." leaves those sections out (default: none). Only
@@ -997,7 +998,11 @@ ck=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 
 # fp16 whose scale doubles every 2 clean steps from 2^16: in 8 steps it
 # overflows at steps 3 and 6 (skipped) and changes scale throughout, so the
 # part after the step-4 checkpoint holds a skip and scale changes.
-echo '{"fp16": {"enabled": true, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}}' > "$work/fp16_skips.json"
+# (zero_force_ds_cpu_optimizer false: section 15 offloads it by flag, with
+# the trainer's AdamW as the client's optimizer, which DeepSpeed refuses
+# under offload without that key.)
+echo '{"fp16": {"enabled": true, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1},
+      "zero_force_ds_cpu_optimizer": false}' > "$work/fp16_skips.json"
 precision_flags() { case $1 in bf16) echo "--precision bf16";; fp16) echo "--config $work/fp16_skips.json";; esac; }
 # resumed_matches STRAIGHT RESUMED [skips]: the resumed run's final hash and
 # the loss bits, skips and scales of each of its steps equal the straight
@@ -2535,6 +2540,9 @@ offload_refused fast_init '{"stage": 2, "offload_optimizer": {"device": "cpu", "
   "offload_optimizer.fast_init: true is not supported"
 offload_refused both '{"stage": 2, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}' \
   "zero_optimization.cpu_offload: given together with zero_optimization.offload_optimizer"
+# No optimizer "type" under offload: the client's optimizer, which DeepSpeed refuses (ZeRORuntimeException).
+offload_refused client_optimizer '{"stage": 2, "offload_optimizer": {"device": "cpu"}}' \
+  "config key 'zero_optimization.offload_optimizer.device' offloads the optimizer, and the config file names no optimizer \"type\""
 echo '{"zero_optimization": {"stage": 2, "cpu_offload": true}, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}' \
   > "$work/offload_fp16_master.json"
 bad_case "fp16.fp16_master_weights_and_grads: true is not supported" "${small[@]}" --config "$work/offload_fp16_master.json"
@@ -2628,7 +2636,8 @@ grep -q "^  model states on the device per rank: [0-9,]* bytes; formula 2 Psi = 
 # A config's offload_optimizer without pin_memory gets the pinning note,
 # only while the run offloads: --offload-optimizer none overriding it
 # printed the note anyway (issue 35).
-echo '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}' > "$work/offload_unpinned.json"
+echo '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "AdamW"}}' \
+  > "$work/offload_unpinned.json"
 for choice in cpu none; do
   timeout 120 mpirun -n 2 "$trainer" "${tiny[@]:0:${#tiny[@]}-1}" --steps 1 --config "$work/offload_unpinned.json" \
     --offload-optimizer $choice > "$work/pin_$choice.log" 2>&1

@@ -111,7 +111,7 @@ static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
     {"optimizer", {"type", "params", "legacy_fusion"}},
     {"optimizer.params", {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
                           "amsgrad", "set_grad_none", "fused", "foreach", "capturable", "differentiable", "maximize",
-                          "max_grad_norm"}},
+                          "max_grad_norm", "fp32_optimizer_states"}},
     {"scheduler", {"type", "params"}},
     {"scheduler.params", {"warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
                           "last_batch_iteration"}}};
@@ -189,7 +189,11 @@ class ConfigReader {
     if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path_.c_str());
     numbers_ = NumberTexts(text);
     parse_json_events(text, numbers_);  // valid JSON by now: this pass only collects the numbers' texts
+    offload_key_ = offloading_key(config);  // before the optimizer's params, which it decides the constructor of
     for (auto& [key, value] : config.items()) top_level(key, value, config);
+    // The client's optimizer under offload is judged with the run's offload (trainer/settings.cpp).
+    out_.optimizer_typed = optimizer_typed_;
+    out_.force_ds_cpu_optimizer = config.value("zero_force_ds_cpu_optimizer", json(true)) != false;
     settle_learning_rate_and_clipping();
     add_deepspeed_defaults();
     return out_;
@@ -352,7 +356,8 @@ class ConfigReader {
   // False: not a key DeepSpeed reads.
   bool feature(const std::string& key, const json& value) {
     // The optimizer is AdamW, which ZeRO is tested with; offloaded, the same AdamW runs on the host (the role
-    // of DeepSpeed's DeepSpeedCPUAdam, which zero_force_ds_cpu_optimizer insists on).
+    // of DeepSpeed's DeepSpeedCPUAdam). zero_force_ds_cpu_optimizer is judged with the run's offload
+    // (trainer/settings.cpp, check_client_optimizer_offload).
     if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
     // The canonical tree sums gradients in fp32 and divides once (notes/06):
     // dividing before the reduction would round differently.
@@ -801,8 +806,14 @@ class ConfigReader {
   // torch.optim.AdamW(lr, betas, eps, weight_decay, amsgrad, maximize,
   // foreach, capturable, differentiable, fused); DeepSpeed pops torch_adam
   // and adam_w_mode before the call.
+  // Under offload (offload_key_) without torch_adam it is DeepSpeedCPUAdam(lr,
+  // bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode,
+  // fp32_optimizer_states) (ops/adam/cpu_adam.py).
   void optimizer_param(const std::string& param, const json& entry, const std::string& full) {
-    const std::string built = torch_adam_ ? "torch.optim.AdamW (torch_adam true)" : "DeepSpeed's FusedAdam";
+    const bool cpu_adam = !offload_key_.empty() && !torch_adam_;
+    const std::string built = torch_adam_ ? "torch.optim.AdamW (torch_adam true)"
+                              : cpu_adam  ? "DeepSpeed's DeepSpeedCPUAdam (built under offload_optimizer)"
+                                          : "DeepSpeed's FusedAdam";
     const std::string no_such = built + " has no '" + param + "' (DeepSpeed's call raises TypeError)";
     if (param == "lr") {
       if (is_auto(entry)) optimizer_lr_auto_ = true;
@@ -824,14 +835,33 @@ class ConfigReader {
       else set_boolean("bias_correction", full, entry);
     } else if (param == "adam_w_mode" || param == "torch_adam") accept_boolean(full, entry);  // judged with the type
     else if (param == "set_grad_none") {  // FusedAdam's zero_grad frees the gradients: the same update
-      if (torch_adam_) refuse(full, no_such);
+      if (torch_adam_ || cpu_adam) refuse(full, no_such + "; it is FusedAdam's, built without offload");
       else accept_boolean(full, entry);
+    } else if (param == "fp32_optimizer_states") {
+      // DeepSpeedCPUAdam keeps the moments in the parameter's type when
+      // false (cpu_adam.py step: state_dtype); under ZeRO-Offload its
+      // parameters are the fp32 master partitions (zero/stage_1_and_2.py
+      // single_partition_of_fp32_groups), so they are fp32 either way.
+      if (!cpu_adam) return refuse(full, no_such + "; it is DeepSpeedCPUAdam's, built under offload_optimizer");
+      accept_boolean(full, entry);
+      if (entry == false)
+        out_.notes.push_back(full +
+                             " false: DeepSpeedCPUAdam keeps its moments in its parameters' type, which under "
+                             "ZeRO-Offload is the fp32 master's: fp32 either way, as here");
     } else if (param == "fused" || param == "foreach" || param == "capturable" || param == "differentiable") {
       if (torch_adam_) accept_boolean(full, entry);  // which of torch's kernels computes it: the same update
       else refuse(full, no_such + "; it is torch.optim.AdamW's, with torch_adam true");
     } else if (param == "maximize") {
       if (torch_adam_) must_be(full, entry, false, "maximizing the loss is not implemented");
       else refuse(full, no_such);
+    } else if (param == "amsgrad" && cpu_adam) {
+      // DeepSpeedCPUAdam takes amsgrad and never reads it ("NOT SUPPORTED
+      // in DeepSpeed CPUAdam", cpu_adam.py): its update is Adam's, as here.
+      accept_boolean(full, entry);
+      if (entry == true)
+        out_.notes.push_back(full +
+                             " true: DeepSpeedCPUAdam takes it and ignores it (cpu_adam.py), so DeepSpeed's "
+                             "update is plain AdamW, as here");
     } else if (param == "amsgrad") must_be(full, entry, false, "AMSGrad is not implemented");
     else if (param == "max_grad_norm")
       refuse(full,
@@ -975,6 +1005,19 @@ class ConfigReader {
           "(keep, recompute, offload); the block alone changes nothing, cpu_checkpointing true is offload");
   }
 
+  // The key by which the file offloads the optimizer state ("" when it does
+  // not): offload_optimizer's device "cpu" or "nvme" (engine.py
+  // zero_use_cpu_optimizer takes both; "nvme" is refused elsewhere), or the
+  // older cpu_offload true. DeepSpeed then builds DeepSpeedCPUAdam for
+  // "Adam"/"AdamW" without torch_adam (engine.py _configure_basic_optimizer).
+  static std::string offloading_key(const json& config) {
+    const json zero = config.value("zero_optimization", json());
+    if (!zero.is_object()) return "";
+    const json offload = zero.value("offload_optimizer", json());
+    if (offload.is_object() && (offload.value("device", json()) == "cpu" || offload.value("device", json()) == "nvme"))
+      return "zero_optimization.offload_optimizer.device";
+    return zero.value("cpu_offload", json()) == true ? "zero_optimization.cpu_offload" : "";
+  }
   // The learning rate: with a scheduler, its warmup_max_lr (lr_schedules.py
   // WarmupLR sets every step's rate, the first one at construction, so the
   // optimizer's lr never acts); without one, the optimizer's lr. The clip:
@@ -1026,11 +1069,15 @@ class ConfigReader {
     add("hysteresis", loss_scaler_keys_ ? "2" : "1", scaler);
     add("consecutive_hysteresis", "0", scaler);
     add("min_loss_scale", "1", scaler);
-    // The optimizer's constructor defaults: FusedAdam's weight decay is 0,
-    // torch.optim.AdamW's 1e-2 (engine.py _configure_basic_optimizer builds
-    // the latter for "torch_adam": true).
+    // The optimizer's constructor defaults: FusedAdam's and DeepSpeedCPUAdam's
+    // weight decay is 0, torch.optim.AdamW's 1e-2 (engine.py
+    // _configure_basic_optimizer builds the last for "torch_adam": true, the
+    // second under offload; the command line's --offload-optimizer may
+    // change which: trainer/settings.cpp names the one the run has).
     if (optimizer_typed_) {
-      const std::string built = torch_adam_ ? "torch.optim.AdamW" : "FusedAdam";
+      const std::string built = torch_adam_            ? "torch.optim.AdamW"
+                                : offload_key_.empty() ? "FusedAdam"
+                                                       : "DeepSpeedCPUAdam";
       if (out_.scheduler.empty()) add("--lr", "0.001", built);
       add("--weight-decay", torch_adam_ ? "0.01" : "0", built);
       add("beta1", "0.9", built);
@@ -1053,6 +1100,7 @@ class ConfigReader {
   bool optimizer_lr_auto_ = false, scheduler_lr_auto_ = false;
   bool optimizer_typed_ = false, adam_ = false, torch_adam_ = false;  // which constructor's defaults apply
   bool loss_scaler_keys_ = false;                                     // the fp16 block names a scaler key
+  std::string offload_key_;  // the key by which the file offloads the optimizer state, "" when it does not
   // zero_optimization's offload keys, looked at before its keys are read one by one.
   bool both_offload_keys_ = false, pin_memory_given_ = false, nvme_path_missing_ = false;
   // As numbers' texts, for the note; DeepSpeed's reduce bucket is 5e8 unless given.
