@@ -255,18 +255,28 @@ TEST_CASE(
   auto holds_line = [](const std::vector<std::string>& lines, const std::string& text) {
     return std::any_of(lines.begin(), lines.end(), [&](auto& line) { return line.find(text) != std::string::npos; });
   };
-  write(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 8}}})");
+  write(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 8}},
+           "optimizer": {"type": "AdamW"}})");
   s = parse({"--config", path});
   CHECK(s.offload_optimizer == "cpu");
+  // Under offload DeepSpeed builds DeepSpeedCPUAdam, not FusedAdam (engine.py
+  // _configure_basic_optimizer): the header names it, and the flag's
+  // offload over a file without one names it too; --offload-optimizer none
+  // over the file's names FusedAdam.
+  CHECK(s.origins.at("--weight-decay") == "deepspeed_default:DeepSpeedCPUAdam");
+  CHECK(parse({"--config", path, "--offload-optimizer", "none"}).origins.at("--weight-decay") ==
+        "deepspeed_default:FusedAdam");
   CHECK(s.origins["--offload-optimizer"] == "config:zero_optimization.offload_optimizer.device");
   // (Its own field: the header prints it only while the run offloads.)
   CHECK(s.config_pinning_note.find("pin_memory false (DeepSpeed 0.16.9's default): zero2 pins") != std::string::npos);
   CHECK(!holds_line(s.config_notes, "zero2 pins"));
   CHECK(holds_line(s.config_warnings, "'zero_optimization.offload_optimizer.buffer_count' serves NVMe offload"));
   CHECK(bert::engine_options(s, z2::Precision::fp32).offload_optimizer);
-  write(R"({"zero_optimization": {"stage": 1, "cpu_offload": true, "cpu_offload_use_pin_memory": true}})");
+  write(R"({"zero_optimization": {"stage": 1, "cpu_offload": true, "cpu_offload_use_pin_memory": true},
+           "zero_force_ds_cpu_optimizer": false})");
   s = parse({"--config", path});
   CHECK(s.offload_optimizer == "cpu");
+  CHECK(holds_line(s.config_notes, "zero_force_ds_cpu_optimizer false: ZeRO-Offload steps the client's optimizer"));
   CHECK(holds_line(s.config_warnings, "cpu_offload_use_pin_memory' is deprecated"));
   write(R"({"zero_optimization": {"stage": 2}})");
   CHECK(parse({"--config", path}).origins["--offload-optimizer"] == "deepspeed_default:DeepSpeedZeroConfig");
@@ -390,6 +400,82 @@ TEST_CASE(
     bert::check_consistency(s, 2);
   } catch (const z2::Error&) { refused = true; }
   CHECK(refused);
+  // Keys that change no arithmetic in DeepSpeed are accepted with a note of
+  // what DeepSpeed would do (printing, logging, timing, a model-parallel
+  // split of size 1); their blocks' unknown fields are refused, as
+  // DeepSpeed's pydantic models refuse them; what would change the
+  // arithmetic stays refused by name.
+  write(R"({"dump_state": true, "tensorboard": {"enabled": true, "output_path": "tb"}, "wandb": {"enabled": true},
+           "csv_monitor": {"enabled": true}, "comet": {"enabled": true, "project": "p"},
+           "activation_checkpointing": {"profile": true, "partition_activations": true},
+           "tensor_parallel": {"autotp_size": 1}})");
+  s = parse({"--config", path});
+  for (const char* note :
+       {"dump_state true: DeepSpeed would print", "tensorboard.enabled true: DeepSpeed would log", "wandb.enabled true",
+        "csv_monitor.enabled true", "comet.enabled true", "activation_checkpointing.profile true: DeepSpeed would time",
+        "activation_checkpointing.partition_activations true: DeepSpeed splits",
+        "tensor_parallel: autotp_size 1 leaves the model whole"})
+    CHECK_MESSAGE(holds_line(s.config_notes, note), note);
+  CHECK(s.activations == "keep");  // partition_activations alone asks for no checkpointing
+  const std::string arithmetic = error_of(
+      R"({"tensor_parallel": {"autotp_size": 2, "tp_size": 2}, "tensorboard": {"enabled": true, "path": "tb"},
+          "activation_checkpointing": {"profile": 1}})");
+  CHECK(arithmetic.find("has 4 settings") != std::string::npos);
+  CHECK(arithmetic.find("tensor_parallel.autotp_size: 2 is not supported: AutoTP") != std::string::npos);
+  CHECK(arithmetic.find("tensor_parallel.tp_size: not a field of DeepSpeed's TPTrainingConfig") != std::string::npos);
+  CHECK(arithmetic.find("tensorboard.path: not a field of DeepSpeed's tensorboard monitor") != std::string::npos);
+  CHECK(arithmetic.find("activation_checkpointing.profile: wants true or false") != std::string::npos);
+  // compile is DeepSpeed 0.16.9's CompileConfig: its twelve fields, no
+  // other (pydantic forbids them: axolotl's "disable" and "backend" fail
+  // DeepSpeed's start-up, so does "enabled"); deepcompile true is a feature
+  // not here; DeepCompile's options without it change nothing (a note).
+  const std::string compiled =
+      error_of(R"({"compile": {"disable": false, "backend": "inductor", "enabled": false, "deepcompile": true,
+                               "double_bufer": true}})");
+  CHECK(compiled.find("has 5 settings") != std::string::npos);
+  CHECK(compiled.find("compile.disable: not a field of DeepSpeed 0.16.9's CompileConfig") != std::string::npos);
+  CHECK(compiled.find("compile.backend: not a field of DeepSpeed 0.16.9's CompileConfig") != std::string::npos);
+  CHECK(compiled.find("compile.enabled: not a field") != std::string::npos);
+  CHECK(compiled.find("compile.deepcompile: true is not supported: DeepCompile") != std::string::npos);
+  CHECK(compiled.find("(did you mean 'compile.double_buffer'?)") != std::string::npos);
+  write(R"({"compile": {"deepcompile": false, "free_activation": true, "double_buffer": false,
+                        "sync_after_allgather": "auto"}})");
+  s = parse({"--config", path});
+  CHECK(holds_line(s.config_notes, "compile: double_buffer, free_activation set DeepCompile's options"));
+  CHECK(error_of(R"({"compile": {"debug_log": 1}})").find("compile.debug_log: wants true or false") !=
+        std::string::npos);
+  // The optimizer under offload (DeepSpeed 0.16.9's DeepSpeedCPUAdam, ops/adam/cpu_adam.py):
+  // set_grad_none is FusedAdam's (TypeError there), fp32_optimizer_states is
+  // DeepSpeedCPUAdam's (false keeps the moments in the fp32 master's type:
+  // noted; without offload, FusedAdam's TypeError), amsgrad is taken and
+  // ignored (noted).
+  const std::string offloaded = R"("zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}})";
+  CHECK(error_of("{" + offloaded + R"(, "optimizer": {"type": "AdamW", "params": {"set_grad_none": true}}})")
+            .find("optimizer.params.set_grad_none: DeepSpeed's DeepSpeedCPUAdam (built under offload_optimizer) has "
+                  "no 'set_grad_none' (DeepSpeed's call raises TypeError); it is FusedAdam's") != std::string::npos);
+  write("{" + offloaded +
+        R"(, "optimizer": {"type": "Adam", "params": {"fp32_optimizer_states": false, "amsgrad": true}}})");
+  s = parse({"--config", path});
+  CHECK(holds_line(s.config_notes, "optimizer.params.fp32_optimizer_states false: DeepSpeedCPUAdam keeps"));
+  CHECK(holds_line(s.config_notes, "optimizer.params.amsgrad true: DeepSpeedCPUAdam takes it and ignores it"));
+  CHECK(error_of(R"({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": true}}})")
+            .find("optimizer.params.fp32_optimizer_states: DeepSpeed's FusedAdam has no 'fp32_optimizer_states'") !=
+        std::string::npos);
+  CHECK(error_of(R"({"optimizer": {"type": "AdamW", "params": {"amsgrad": true}}})")
+            .find("optimizer.params.amsgrad: true is not supported") != std::string::npos);
+  // No optimizer type under offload: the client's optimizer, which DeepSpeed
+  // refuses (ZeRORuntimeException) unless zero_force_ds_cpu_optimizer is
+  // false; judged with the run's offload, a flag's too.
+  CHECK(error_of("{" + offloaded + "}")
+            .find("config key 'zero_optimization.offload_optimizer.device' offloads the "
+                  "optimizer, and the config file names no optimizer \"type\"") != std::string::npos);
+  CHECK(flag_error_of({"--config", path, "--offload-optimizer", "none"}).empty());
+  write(R"({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"set_grad_none": true}}})");
+  CHECK(parse({"--config", path}).origins.at("--weight-decay") == "deepspeed_default:FusedAdam");
+  write(R"({"zero_optimization": {"stage": 2}})");
+  CHECK(flag_error_of({"--config", path, "--offload-optimizer", "cpu"})
+            .find("--offload-optimizer cpu offloads the optimizer, and the config file names no optimizer") !=
+        std::string::npos);
   std::remove(path.c_str());
 }
 

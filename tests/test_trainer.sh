@@ -101,7 +101,8 @@
 #      the ledger's host bytes in --json = 16 Psi/N and the device's its
 #      formula; the header; --plan's host bytes; bad input (stage 0 by flag
 #      and by config, unknown and nvme devices, pin_memory, ratio, fast_init,
-#      fp16_master_weights_and_grads, both spellings), each named.
+#      fp16_master_weights_and_grads, both spellings, no optimizer type: the
+#      client's optimizer, which DeepSpeed refuses under offload), each named.
 # Ends with the plain line "N passed, M failed".
 #
 # Z2_TRAINER_SKIP="9 10 ..." leaves those sections out (default: none). Only
@@ -997,7 +998,11 @@ ck=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 
 # fp16 whose scale doubles every 2 clean steps from 2^16: in 8 steps it
 # overflows at steps 3 and 6 (skipped) and changes scale throughout, so the
 # part after the step-4 checkpoint holds a skip and scale changes.
-echo '{"fp16": {"enabled": true, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1}}' > "$work/fp16_skips.json"
+# (zero_force_ds_cpu_optimizer false: section 15 offloads it by flag, with
+# the trainer's AdamW as the client's optimizer, which DeepSpeed refuses
+# under offload without that key.)
+echo '{"fp16": {"enabled": true, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1},
+      "zero_force_ds_cpu_optimizer": false}' > "$work/fp16_skips.json"
 precision_flags() { case $1 in bf16) echo "--precision bf16";; fp16) echo "--config $work/fp16_skips.json";; esac; }
 # resumed_matches STRAIGHT RESUMED [skips]: the resumed run's final hash and
 # the loss bits, skips and scales of each of its steps equal the straight
@@ -1514,7 +1519,9 @@ ds_refused() {  # config, the number of refused keys, then fragments each of whi
     grep -qF -- "$fragment" "$work/bad_stderr" || fail "$config: the message lacks '$fragment'"
   done
 }
-ds_refused "$ds/megatron_zero2.json" 1 "activation_checkpointing.partition_activations: true"
+# Megatron's partition_activations splits checkpoints across model-parallel
+# ranks: with none (size 1) the part is the whole, so it runs (the header notes it).
+ds_runs megatron_zero2.json "d['stage'] == 2 and d['activations'] == 'keep' and d['precision'] == 'fp16'"
 # cifar's cpu_offload is ZeRO-Offload's old spelling (taken); its fp16 master is not.
 ds_refused "$ds/cifar.json" 1 "fp16.fp16_master_weights_and_grads: true is not supported"
 ds_refused "$ds/bing_bert_bsz4096_adam.json" 1 "optimizer.params.max_grad_norm: DeepSpeed refuses it (engine.py _configure_basic_optimizer raises ValueError"
@@ -1531,11 +1538,11 @@ cat > "$work/ds_many.json" <<'JSON'
  "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}, "bf16": {"enabled": false, "loss_scale": 0},
  "tensorboard": {"enabled": true, "output_path": "tb"}}
 JSON
-ds_refused "$work/ds_many.json" 12 "optimizer.type: \"Lamb\" is not supported" "optimizer.params.max_coeff: a DeepSpeed feature not implemented here" \
+ds_refused "$work/ds_many.json" 11 "optimizer.type: \"Lamb\" is not supported" "optimizer.params.max_coeff: a DeepSpeed feature not implemented here" \
   "scheduler.type: \"OneCycle\"" "scheduler.params.last_batch_iteration: 5" "zero_optimization.stage: 3 is not supported" \
   "zero_optimization.overlap_comm: wants true or false" "gradient_predivide_factor: 2.0" "prescale_gradients: true" \
-  "steps_per_print: wants an integer from 1" "trian_batch_size: not a DeepSpeed key" "fp16.fp16_master_weights_and_grads" \
-  "tensorboard.enabled"
+  "steps_per_print: wants an integer from 1" "trian_batch_size: not a DeepSpeed key" "fp16.fp16_master_weights_and_grads"
+grep -qF "tensorboard" "$work/bad_stderr" && fail "ds_many.json: an enabled tensorboard (logging only) was refused"
 # DeepSpeed's keys of features not here are refused as such, never as "not a DeepSpeed key".
 cat > "$work/ds_features.json" <<'JSON'
 {"sparse_attention": {"mode": "fixed"}, "pipeline": {"activation_checkpoint_interval": 1},
@@ -1704,7 +1711,7 @@ timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_no_bias.json" "${tiny[@]}"
 # an all-false activation_checkpointing block changes nothing and says so;
 # without --config, steps past the schedule's end warn.
 cat > "$work/ds_offs.json" <<'JSON'
-{"elasticity": {"enabled": false}, "compile": {"enabled": false}, "sparse_gradients": false, "dump_state": false,
+{"elasticity": {"enabled": false}, "compile": {"deepcompile": false}, "sparse_gradients": false, "dump_state": false,
  "memory_breakdown": false, "communication_data_type": null, "checkpoint": {"tag_validation": "Warn"},
  "bf16": {"enabled": false, "immediate_grad_update": false},
  "zero_optimization": {"stage": 2, "zero_quantized_weights": false, "zero_hpz_partition_size": 1, "mics_shard_size": -1},
@@ -2533,6 +2540,9 @@ offload_refused fast_init '{"stage": 2, "offload_optimizer": {"device": "cpu", "
   "offload_optimizer.fast_init: true is not supported"
 offload_refused both '{"stage": 2, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}' \
   "zero_optimization.cpu_offload: given together with zero_optimization.offload_optimizer"
+# No optimizer "type" under offload: the client's optimizer, which DeepSpeed refuses (ZeRORuntimeException).
+offload_refused client_optimizer '{"stage": 2, "offload_optimizer": {"device": "cpu"}}' \
+  "config key 'zero_optimization.offload_optimizer.device' offloads the optimizer, and the config file names no optimizer \"type\""
 echo '{"zero_optimization": {"stage": 2, "cpu_offload": true}, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}' \
   > "$work/offload_fp16_master.json"
 bad_case "fp16.fp16_master_weights_and_grads: true is not supported" "${small[@]}" --config "$work/offload_fp16_master.json"
@@ -2626,7 +2636,8 @@ grep -q "^  model states on the device per rank: [0-9,]* bytes; formula 2 Psi = 
 # A config's offload_optimizer without pin_memory gets the pinning note,
 # only while the run offloads: --offload-optimizer none overriding it
 # printed the note anyway (issue 35).
-echo '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}' > "$work/offload_unpinned.json"
+echo '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "AdamW"}}' \
+  > "$work/offload_unpinned.json"
 for choice in cpu none; do
   timeout 120 mpirun -n 2 "$trainer" "${tiny[@]:0:${#tiny[@]}-1}" --steps 1 --config "$work/offload_unpinned.json" \
     --offload-optimizer $choice > "$work/pin_$choice.log" 2>&1

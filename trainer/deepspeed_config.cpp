@@ -104,10 +104,14 @@ static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
     // zero/offload_config.py DeepSpeedZeroOffloadOptimizerConfig's fields (0.16.9).
     {"zero_optimization.offload_optimizer", {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
                                              "pipeline_write", "fast_init", "ratio"}},
+    // compile/config.py CompileConfig's fields (0.16.9).
+    {"compile", {"deepcompile", "free_activation", "offload_activation", "offload_opt_states", "double_buffer",
+                 "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
+                 "sync_before_allgather", "sync_after_allgather"}},
     {"optimizer", {"type", "params", "legacy_fusion"}},
     {"optimizer.params", {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
                           "amsgrad", "set_grad_none", "fused", "foreach", "capturable", "differentiable", "maximize",
-                          "max_grad_norm"}},
+                          "max_grad_norm", "fp32_optimizer_states"}},
     {"scheduler", {"type", "params"}},
     {"scheduler.params", {"warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
                           "last_batch_iteration"}}};
@@ -185,7 +189,11 @@ class ConfigReader {
     if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path_.c_str());
     numbers_ = NumberTexts(text);
     parse_json_events(text, numbers_);  // valid JSON by now: this pass only collects the numbers' texts
+    offload_key_ = offloading_key(config);  // before the optimizer's params, which it decides the constructor of
     for (auto& [key, value] : config.items()) top_level(key, value, config);
+    // The client's optimizer under offload is judged with the run's offload (trainer/settings.cpp).
+    out_.optimizer_typed = optimizer_typed_;
+    out_.force_ds_cpu_optimizer = config.value("zero_force_ds_cpu_optimizer", json(true)) != false;
     settle_learning_rate_and_clipping();
     add_deepspeed_defaults();
     return out_;
@@ -348,7 +356,8 @@ class ConfigReader {
   // False: not a key DeepSpeed reads.
   bool feature(const std::string& key, const json& value) {
     // The optimizer is AdamW, which ZeRO is tested with; offloaded, the same AdamW runs on the host (the role
-    // of DeepSpeed's DeepSpeedCPUAdam, which zero_force_ds_cpu_optimizer insists on).
+    // of DeepSpeed's DeepSpeedCPUAdam). zero_force_ds_cpu_optimizer is judged with the run's offload
+    // (trainer/settings.cpp, check_client_optimizer_offload).
     if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
     // The canonical tree sums gradients in fp32 and divides once (notes/06):
     // dividing before the reduction would round differently.
@@ -358,17 +367,19 @@ class ConfigReader {
       must_be(key, value, 1, "gradients are summed, then divided once by the global batch (notes/06)");
     else if (key == "amp")
       switched_off(key, value, "apex AMP is not used: --precision bf16|fp16, or the bf16 / fp16 blocks");
-    else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comet" ||
-             key == "comms_logger" || key == "flops_profiler")
+    else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comet") monitor(key, value);
+    else if (key == "comms_logger" || key == "flops_profiler")
       switched_off(key, value, "not implemented here: --json and --metrics record the run");
-    else if (key == "elasticity" || key == "compile" || key == "autotuning" || key == "data_efficiency" ||
-             key == "curriculum_learning" || key == "hybrid_engine" || key == "eigenvalue" ||
-             key == "quantize_training" || key == "progressive_layer_drop" || key == "nebula")
+    else if (key == "compile") compile(key, value);
+    else if (key == "elasticity" || key == "autotuning" || key == "data_efficiency" || key == "curriculum_learning" ||
+             key == "hybrid_engine" || key == "eigenvalue" || key == "quantize_training" ||
+             key == "progressive_layer_drop" || key == "nebula")
       switched_off(key, value, "a DeepSpeed feature not implemented here");
     // Blocks with no switch: their presence asks for the feature.
     else if (key == "sparse_attention" || key == "pipeline" || key == "compression_training" ||
-             key == "weight_quantization" || key == "tensor_parallel")
+             key == "weight_quantization")
       refuse(key, "a DeepSpeed feature not implemented here");
+    else if (key == "tensor_parallel") tensor_parallel(key, value);
     // The ledger is always measured and printed (and in --json).
     else if (key == "memory_breakdown") accept_boolean(key, value);
     // DeepSpeed's own checkpoint options (tags, parallel writes): --save and
@@ -376,8 +387,16 @@ class ConfigReader {
     // timers DeepSpeed's throughput log, neither of which exists here.
     else if (key == "checkpoint" || key == "aio" || key == "timers") object(key, value);
     else if (key == "sparse_gradients") off_only(key, value, false, "every gradient is dense here");
-    else if (key == "dump_state") off_only(key, value, false, "--dump-batch writes step 0's state");
-    else if (key == "communication_data_type")
+    // DeepSpeed prints the engine's attributes once at start-up (engine.py
+    // DeepSpeedEngine.__init__: if self.dump_state(): print_configuration);
+    // nothing a step computes reads it.
+    else if (key == "dump_state") {
+      accept_boolean(key, value);
+      if (value == true)
+        out_.notes.push_back(
+            "dump_state true: DeepSpeed would print its engine's attributes at start-up (engine.py "
+            "print_configuration); zero2 does not (the header is its account; --dump-batch writes step 0's state)");
+    } else if (key == "communication_data_type")
       off_only(key, value, nullptr, "the wire carries the working precision, summed in fp32 (notes/08)");
     // Settings of what is not here: DeepSpeed's data loader (the trainer
     // reads its own data), sequence and expert parallelism, CUDA graphs of
@@ -393,6 +412,106 @@ class ConfigReader {
     else if (key == "allgather_size") accept_number(key, value);
     else return false;
     return true;
+  }
+  // DeepSpeed's monitors (monitor/config.py get_monitor_config: each block
+  // a pydantic model, TensorBoardConfig, WandbConfig, CSVConfig,
+  // CometConfig, that forbids other fields). Enabled, a monitor writes the
+  // loss and the timers' milliseconds to its logger on rank 0 (engine.py
+  // backward and _write_monitor, through MonitorMaster.write_events): it
+  // reads what a step computed and changes none of it, so it is accepted
+  // with a note that zero2 does not log there.
+  void monitor(const std::string& key, const json& value) {
+    static const std::map<std::string, std::set<std::string>> fields = {
+        {"tensorboard", {"enabled", "output_path", "job_name"}},
+        {"wandb", {"enabled", "group", "team", "project"}},
+        {"csv_monitor", {"enabled", "output_path", "job_name"}},
+        {"comet",
+         {"enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name", "experiment_key",
+          "online", "mode"}}};
+    if (!object(key, value)) return;
+    for (auto& [inner, setting] : value.items())
+      if (!fields.at(key).count(inner))
+        refuse(key + "." + inner, "not a field of DeepSpeed's " + key +
+                                      " monitor (monitor/config.py, a pydantic model that forbids other fields)");
+    if (!value.contains("enabled")) return;
+    accept_boolean(key + ".enabled", value["enabled"]);
+    if (value["enabled"] == true)
+      out_.notes.push_back(key + ".enabled true: DeepSpeed would log the loss and its timers to " + key +
+                           " on rank 0 (engine.py, MonitorMaster); zero2 does not (--json and --metrics record the "
+                           "run); the training is the same");
+  }
+  // DeepSpeed's AutoTP training (runtime/tensor_parallel/config.py
+  // TPTrainingConfig, a pydantic model that forbids other fields): the
+  // engine splits the model only when autotp_size > 1 (engine.py
+  // DeepSpeedEngine.__init__: if self.autotp_size() > 1:
+  // _configure_tensor_parallel); its default 0, and 1, leave the model
+  // whole, and the block's other fields are read only by that split.
+  void tensor_parallel(const std::string& key, const json& value) {
+    static const std::set<std::string> fields = {"dtype",
+                                                 "autotp_size",
+                                                 "tp_overlap_comm",
+                                                 "tensor_parallel",
+                                                 "tp",
+                                                 "injection_policy_tuple",
+                                                 "keep_module_on_host",
+                                                 "replace_with_kernel_inject",
+                                                 "kernel_inject"};
+    if (!object(key, value)) return;
+    for (auto& [inner, setting] : value.items())
+      if (!fields.count(inner))
+        refuse(key + "." + inner,
+               "not a field of DeepSpeed's TPTrainingConfig (runtime/tensor_parallel/config.py, a pydantic model "
+               "that forbids other fields)");
+    const json size = value.value("autotp_size", json(0));
+    if (is_auto(size)) return;
+    if (!size.is_number_integer())
+      return refuse(key + ".autotp_size", "wants an integer (got " + json_text(size) + ")");
+    if (size.get<long long>() > 1)
+      return refuse(key + ".autotp_size", json_text(size) +
+                                              " is not supported: AutoTP tensor parallelism (DeepSpeed splits the "
+                                              "model when autotp_size > 1) is a DeepSpeed feature not implemented "
+                                              "here; 0 or 1 leaves the model whole");
+    out_.notes.push_back(key + ": autotp_size " + json_text(size) +
+                         " leaves the model whole, in DeepSpeed (AutoTP splits it only above 1) as here; the "
+                         "block's other fields act only on that split");
+  }
+  // torch.compile and DeepCompile (compile/config.py CompileConfig, which
+  // runtime/config.py builds as CompileConfig(**param_dict.get('compile',
+  // {})): a pydantic model that forbids other fields, so an unknown one
+  // fails DeepSpeed's start-up with a ValidationError; "auto" values are
+  // dropped first, as in every DeepSpeedConfigModel). The block compiles
+  // nothing by itself: the client calls engine.compile() (engine.py
+  // DeepSpeedEngine.compile), and only its deepcompile field changes what
+  // that call does (DeepCompile's passes, init_z1 / init_z3); the other
+  // fields are DeepCompile's options, read only under it. 0.16.9's model has
+  // no "enabled" (later configs' and other tools' spelling): refused, as
+  // DeepSpeed refuses it.
+  void compile(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    std::string options;
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "deepcompile")
+        must_be(name, setting, false,
+                "DeepCompile (the engine's own compiler passes, engine.py DeepSpeedEngine.compile) is a DeepSpeed "
+                "feature not implemented here");
+      else if (std::find_if(deepspeed_names.at("compile").begin(), deepspeed_names.at("compile").end(),
+                            [&](const char* field) { return inner == field; }) != deepspeed_names.at("compile").end()) {
+        accept_boolean(name, setting);
+        if (!is_auto(setting)) options += (options.empty() ? "" : ", ") + inner;
+      } else {
+        const std::string suggestion = near_miss(name);
+        refuse(name,
+               "not a field of DeepSpeed 0.16.9's CompileConfig (compile/config.py: a pydantic model that "
+               "forbids other fields, so DeepSpeed fails with a ValidationError" +
+                   std::string(inner == "enabled" ? "; compiling is the client's call of engine.compile()" : "") + ")" +
+                   (suggestion.empty() ? "" : " (did you mean '" + suggestion + "'?)"));
+      }
+    }
+    if (!options.empty())
+      out_.notes.push_back("compile: " + options +
+                           " set DeepCompile's options, which DeepSpeed reads only with deepcompile true (engine.py "
+                           "DeepSpeedEngine.compile); without it they change nothing, there as here");
   }
   // A block accepted only when it says "enabled": false (or has no "enabled").
   void switched_off(const std::string& key, const json& value, const std::string& why) {
@@ -687,8 +806,14 @@ class ConfigReader {
   // torch.optim.AdamW(lr, betas, eps, weight_decay, amsgrad, maximize,
   // foreach, capturable, differentiable, fused); DeepSpeed pops torch_adam
   // and adam_w_mode before the call.
+  // Under offload (offload_key_) without torch_adam it is DeepSpeedCPUAdam(lr,
+  // bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode,
+  // fp32_optimizer_states) (ops/adam/cpu_adam.py).
   void optimizer_param(const std::string& param, const json& entry, const std::string& full) {
-    const std::string built = torch_adam_ ? "torch.optim.AdamW (torch_adam true)" : "DeepSpeed's FusedAdam";
+    const bool cpu_adam = !offload_key_.empty() && !torch_adam_;
+    const std::string built = torch_adam_ ? "torch.optim.AdamW (torch_adam true)"
+                              : cpu_adam  ? "DeepSpeed's DeepSpeedCPUAdam (built under offload_optimizer)"
+                                          : "DeepSpeed's FusedAdam";
     const std::string no_such = built + " has no '" + param + "' (DeepSpeed's call raises TypeError)";
     if (param == "lr") {
       if (is_auto(entry)) optimizer_lr_auto_ = true;
@@ -710,14 +835,33 @@ class ConfigReader {
       else set_boolean("bias_correction", full, entry);
     } else if (param == "adam_w_mode" || param == "torch_adam") accept_boolean(full, entry);  // judged with the type
     else if (param == "set_grad_none") {  // FusedAdam's zero_grad frees the gradients: the same update
-      if (torch_adam_) refuse(full, no_such);
+      if (torch_adam_ || cpu_adam) refuse(full, no_such + "; it is FusedAdam's, built without offload");
       else accept_boolean(full, entry);
+    } else if (param == "fp32_optimizer_states") {
+      // DeepSpeedCPUAdam keeps the moments in the parameter's type when
+      // false (cpu_adam.py step: state_dtype); under ZeRO-Offload its
+      // parameters are the fp32 master partitions (zero/stage_1_and_2.py
+      // single_partition_of_fp32_groups), so they are fp32 either way.
+      if (!cpu_adam) return refuse(full, no_such + "; it is DeepSpeedCPUAdam's, built under offload_optimizer");
+      accept_boolean(full, entry);
+      if (entry == false)
+        out_.notes.push_back(full +
+                             " false: DeepSpeedCPUAdam keeps its moments in its parameters' type, which under "
+                             "ZeRO-Offload is the fp32 master's: fp32 either way, as here");
     } else if (param == "fused" || param == "foreach" || param == "capturable" || param == "differentiable") {
       if (torch_adam_) accept_boolean(full, entry);  // which of torch's kernels computes it: the same update
       else refuse(full, no_such + "; it is torch.optim.AdamW's, with torch_adam true");
     } else if (param == "maximize") {
       if (torch_adam_) must_be(full, entry, false, "maximizing the loss is not implemented");
       else refuse(full, no_such);
+    } else if (param == "amsgrad" && cpu_adam) {
+      // DeepSpeedCPUAdam takes amsgrad and never reads it ("NOT SUPPORTED
+      // in DeepSpeed CPUAdam", cpu_adam.py): its update is Adam's, as here.
+      accept_boolean(full, entry);
+      if (entry == true)
+        out_.notes.push_back(full +
+                             " true: DeepSpeedCPUAdam takes it and ignores it (cpu_adam.py), so DeepSpeed's "
+                             "update is plain AdamW, as here");
     } else if (param == "amsgrad") must_be(full, entry, false, "AMSGrad is not implemented");
     else if (param == "max_grad_norm")
       refuse(full,
@@ -819,11 +963,19 @@ class ConfigReader {
     std::string mode;
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
-      if (inner == "partition_activations")
-        must_be(name, setting, false,
-                "P_a splits activation checkpoints across model-parallel ranks, and there is "
-                "no model parallelism here (notes/04)");
-      else if (inner == "cpu_checkpointing") {
+      // P_a splits each checkpoint across the model-parallel ranks
+      // (checkpointing.py partition_activations, get_partition_size: numel /
+      // mp_size); without an mpu, mp_size is 1 (the module's default), and
+      // the partition is the whole tensor, a copy of the same values. There
+      // is no model parallelism here (notes/04).
+      if (inner == "partition_activations") {
+        accept_boolean(name, setting);
+        if (setting == true)
+          out_.notes.push_back(name +
+                               " true: DeepSpeed splits each checkpoint across the model-parallel ranks; with "
+                               "model-parallel size 1, as here (no model parallelism), the part is the whole "
+                               "checkpoint: nothing changes");
+      } else if (inner == "cpu_checkpointing") {
         accept_boolean(name, setting);
         if (setting == true) mode = "offload";
       } else if (inner == "contiguous_memory_optimization") {
@@ -835,11 +987,16 @@ class ConfigReader {
         if (!setting.is_null() && !setting.is_number_integer() && !is_auto(setting))
           refuse(name, "wants an integer or null (got " + json_text(setting) + ")");
       } else if (inner == "synchronize_checkpoint_boundary") accept_boolean(name, setting);
-      else if (inner == "profile")
-        must_be(name, setting, false,
-                "per-checkpoint timing is not implemented (wall_clock_breakdown times forward, "
-                "backward and the step)");
-      else ignored(name);
+      // Times each checkpointed block's forward and backward with
+      // DeepSpeed's timers (checkpointing.py CheckpointFunction, PROFILE_TIME):
+      // timing only.
+      else if (inner == "profile") {
+        accept_boolean(name, setting);
+        if (setting == true)
+          out_.notes.push_back(name +
+                               " true: DeepSpeed would time each checkpointed block's forward and backward; zero2 "
+                               "does not (wall_clock_breakdown times forward, backward and the step)");
+      } else ignored(name);
     }
     if (!mode.empty()) out_.flags.push_back({"--activations", mode, key + ".cpu_checkpointing"});
     else
@@ -848,6 +1005,19 @@ class ConfigReader {
           "(keep, recompute, offload); the block alone changes nothing, cpu_checkpointing true is offload");
   }
 
+  // The key by which the file offloads the optimizer state ("" when it does
+  // not): offload_optimizer's device "cpu" or "nvme" (engine.py
+  // zero_use_cpu_optimizer takes both; "nvme" is refused elsewhere), or the
+  // older cpu_offload true. DeepSpeed then builds DeepSpeedCPUAdam for
+  // "Adam"/"AdamW" without torch_adam (engine.py _configure_basic_optimizer).
+  static std::string offloading_key(const json& config) {
+    const json zero = config.value("zero_optimization", json());
+    if (!zero.is_object()) return "";
+    const json offload = zero.value("offload_optimizer", json());
+    if (offload.is_object() && (offload.value("device", json()) == "cpu" || offload.value("device", json()) == "nvme"))
+      return "zero_optimization.offload_optimizer.device";
+    return zero.value("cpu_offload", json()) == true ? "zero_optimization.cpu_offload" : "";
+  }
   // The learning rate: with a scheduler, its warmup_max_lr (lr_schedules.py
   // WarmupLR sets every step's rate, the first one at construction, so the
   // optimizer's lr never acts); without one, the optimizer's lr. The clip:
@@ -899,11 +1069,15 @@ class ConfigReader {
     add("hysteresis", loss_scaler_keys_ ? "2" : "1", scaler);
     add("consecutive_hysteresis", "0", scaler);
     add("min_loss_scale", "1", scaler);
-    // The optimizer's constructor defaults: FusedAdam's weight decay is 0,
-    // torch.optim.AdamW's 1e-2 (engine.py _configure_basic_optimizer builds
-    // the latter for "torch_adam": true).
+    // The optimizer's constructor defaults: FusedAdam's and DeepSpeedCPUAdam's
+    // weight decay is 0, torch.optim.AdamW's 1e-2 (engine.py
+    // _configure_basic_optimizer builds the last for "torch_adam": true, the
+    // second under offload; the command line's --offload-optimizer may
+    // change which: trainer/settings.cpp names the one the run has).
     if (optimizer_typed_) {
-      const std::string built = torch_adam_ ? "torch.optim.AdamW" : "FusedAdam";
+      const std::string built = torch_adam_            ? "torch.optim.AdamW"
+                                : offload_key_.empty() ? "FusedAdam"
+                                                       : "DeepSpeedCPUAdam";
       if (out_.scheduler.empty()) add("--lr", "0.001", built);
       add("--weight-decay", torch_adam_ ? "0.01" : "0", built);
       add("beta1", "0.9", built);
@@ -926,6 +1100,7 @@ class ConfigReader {
   bool optimizer_lr_auto_ = false, scheduler_lr_auto_ = false;
   bool optimizer_typed_ = false, adam_ = false, torch_adam_ = false;  // which constructor's defaults apply
   bool loss_scaler_keys_ = false;                                     // the fp16 block names a scaler key
+  std::string offload_key_;  // the key by which the file offloads the optimizer state, "" when it does not
   // zero_optimization's offload keys, looked at before its keys are read one by one.
   bool both_offload_keys_ = false, pin_memory_given_ = false, nvme_path_missing_ = false;
   // As numbers' texts, for the note; DeepSpeed's reduce bucket is 5e8 unless given.

@@ -17,7 +17,9 @@ namespace bert {
 // (notes/07, "DeepSpeed configs"), so that the same file gives the same run
 // here and in DeepSpeed. Every key DeepSpeed reads either becomes the flag it
 // corresponds to, or is accepted because it changes nothing here (the
-// reason is in a comment beside it), or is refused with its reason. A key
+// reason is in a comment beside it; a header note where DeepSpeed would do
+// something, logging or printing, that zero2 does not), or is refused with
+// its reason. A key
 // DeepSpeed never reads is treated as DeepSpeed treats it: where DeepSpeed
 // ignores unknown keys (the top level and the blocks it reads with
 // dict.get) it is a warning, unless it is a near-miss of a real key (a
@@ -47,6 +49,13 @@ struct ConfigReading {
   // default in DeepSpeed, is left out.
   std::string scheduler;
   bool total_num_steps_missing = false;
+  // Whether the file names an optimizer type (else DeepSpeed trains the
+  // client's, here the trainer's AdamW), and zero_force_ds_cpu_optimizer
+  // (true unless the file says false): under offload DeepSpeed refuses a
+  // client optimizer while it is true (engine.py _configure_optimizer),
+  // judged once the run's offload is known (a flag may change it).
+  bool optimizer_typed = false;
+  bool force_ds_cpu_optimizer = true;
 };
 // The file's settings, refused keys and notes (the file is read and parsed
 // here; the caller applies the flags and reports the refused keys).

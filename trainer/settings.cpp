@@ -448,6 +448,32 @@ static void choose_schedule(Settings& s, const ConfigReading& config, const std:
     }
 }
 
+// ZeRO-Offload with the client's optimizer: a config without an optimizer
+// "type" trains the client's (here the trainer's AdamW), and under offload
+// DeepSpeed 0.16.9 raises ZeRORuntimeException for any client optimizer
+// but DeepSpeedCPUAdam unless zero_force_ds_cpu_optimizer is false
+// (engine.py _configure_optimizer; the key is read with get_scalar_param,
+// true by default). Judged with the run's offload: the file's, or a flag's
+// over it (--offload-optimizer none lifts it; cpu over a file without
+// offload asks for the same run DeepSpeed would refuse).
+static void check_client_optimizer_offload(Settings& s, const ConfigReading& config) {
+  if (s.offload_optimizer != "cpu" || config.optimizer_typed) return;
+  if (!config.force_ds_cpu_optimizer)
+    return s.config_notes.push_back(
+        "zero_force_ds_cpu_optimizer false: ZeRO-Offload steps the client's optimizer (the trainer's AdamW) on the "
+        "host, as DeepSpeed allows with that key");
+  const std::string origin = s.origins.count("--offload-optimizer") ? s.origins.at("--offload-optimizer") : "";
+  const std::string by = origin.rfind("config:", 0) == 0 ? "config key '" + origin.substr(7) + "'"
+                                                         : std::string("--offload-optimizer cpu");
+  fail(
+      "%s offloads the optimizer, and the config file names no optimizer \"type\", so the optimizer is the "
+      "client's (the trainer's AdamW, as DeepSpeed's would be the script's): DeepSpeed raises ZeRORuntimeException "
+      "for any client optimizer but DeepSpeedCPUAdam under ZeRO-Offload (engine.py _configure_optimizer; "
+      "zero_force_ds_cpu_optimizer is true by default). Give \"optimizer\": {\"type\": \"AdamW\"} (DeepSpeed then "
+      "builds DeepSpeedCPUAdam), or \"zero_force_ds_cpu_optimizer\": false",
+      by.c_str());
+}
+
 // What a config file means to DeepSpeed beyond its keys: the schedule, and
 // DeepSpeed's default for every setting it leaves out that no flag gives
 // (one it leaves to "auto" keeps the trainer's default). Defaults are not
@@ -463,7 +489,14 @@ static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
     }
     apply(s, deepspeed.flag, deepspeed.value, "DeepSpeed's default for '" + deepspeed.flag + "'");
     s.given.erase(deepspeed.flag);
-    s.origins[deepspeed.flag] = "deepspeed_default:" + deepspeed.key;
+    // The optimizer DeepSpeed builds follows the run's offload, a flag's too
+    // (engine.py _configure_basic_optimizer: DeepSpeedCPUAdam under offload,
+    // FusedAdam without; their defaults are the same). --offload-optimizer's
+    // own default comes earlier in the list, so the setting is final here.
+    std::string where = deepspeed.key;
+    if (where == "FusedAdam" || where == "DeepSpeedCPUAdam")
+      where = s.offload_optimizer == "cpu" ? "DeepSpeedCPUAdam" : "FusedAdam";
+    s.origins[deepspeed.flag] = "deepspeed_default:" + where;
   }
   for (const std::string& flag : config.auto_flags)
     if (!s.given.count(flag)) s.origins[flag] = "trainer_default:auto";
@@ -548,6 +581,7 @@ Settings parse_command_line(int argc, char** argv) {
   if (!settings.config.empty()) apply_deepspeed_meaning(settings, config, seen);
   check_plan_flags(settings);
   if (!settings.plan) check_offload(settings);  // --plan shows every stage, offloaded where it can be
+  if (!settings.plan && !settings.config.empty()) check_client_optimizer_offload(settings, config);
   check_trace_flags(settings);
   return settings;
 }
