@@ -35,36 +35,29 @@ for ranks in 1 2 4; do
   failed=$((failed + run_failed))
   rm -f "$log"
 done
+# A test script with its own plain summary line ("N passed, M failed"),
+# under a timeout, added in; a script that ends without one counts as one failed.
+run_script() {  # run_script LABEL TIMEOUT SCRIPT
+  local label=$1 limit=$2 script=$3 log start line
+  echo "=== $script $build"
+  log=$(mktemp)
+  start=$(date +%s)
+  timeout "$limit" "$script" "$build" 2>&1 | tee "$log"
+  line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -n 1)
+  if [ -n "$line" ]; then
+    passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
+    failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
+  else
+    failed=$((failed + 1))
+  fi
+  echo "=== $label: ${line:-no summary}, $(($(date +%s) - start)) s"
+  rm -f "$log"
+}
 # The trainer through its command line (stage matrix, ledgers, bad input,
-# PyTorch reference): its own plain summary line is added in.
-echo "=== tests/test_trainer.sh $build"
-log=$(mktemp)
-start=$(date +%s)
-timeout 1200 tests/test_trainer.sh "$build" 2>&1 | tee "$log"
-line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -n 1)
-if [ -n "$line" ]; then
-  passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
-  failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
-else
-  failed=$((failed + 1))
-fi
-echo "=== trainer tests: ${line:-no summary}, $(($(date +%s) - start)) s"
-rm -f "$log"
-# The trace checker (tests/check_trace.py) on damaged traces and on peers that must fail or pass: its own
-# plain summary line is added in the same way.
-echo "=== tests/test_checker.sh $build"
-log=$(mktemp)
-start=$(date +%s)
-timeout 600 tests/test_checker.sh "$build" 2>&1 | tee "$log"
-line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -n 1)
-if [ -n "$line" ]; then
-  passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
-  failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
-else
-  failed=$((failed + 1))
-fi
-echo "=== checker tests: ${line:-no summary}, $(($(date +%s) - start)) s"
-rm -f "$log"
+# PyTorch reference), then the trace checker (tests/check_trace.py) on
+# damaged traces and on peers that must fail or pass.
+run_script "trainer tests" 1200 tests/test_trainer.sh
+run_script "checker tests" 600 tests/test_checker.sh
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
