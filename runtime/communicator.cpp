@@ -101,18 +101,29 @@ static unsigned long long proc_kib_line(const char* file, const char* format) {
   if (proc) std::fclose(proc);
   return kib * 1024ull;
 }
-static unsigned long long resident_bytes() {
+static unsigned long long mib_rounded(unsigned long long bytes) {
   const unsigned long long mib = 1ull << 20;
-  return (proc_kib_line("/proc/self/status", "VmRSS: %llu kB") + mib - 1) / mib * mib;
+  return (bytes + mib - 1) / mib * mib;
+}
+static unsigned long long resident_bytes() { return mib_rounded(proc_kib_line("/proc/self/status", "VmRSS: %llu kB")); }
+// The part of it that MemAvailable and the cgroup's room do not count as
+// available: anonymous and shared memory. The libraries' file-backed pages
+// (RssFile) are page cache, which both figures already count as reclaimable:
+// added back as well, they would be counted twice.
+static unsigned long long unreclaimable_resident_bytes() {
+  return mib_rounded(proc_kib_line("/proc/self/status", "RssAnon: %llu kB") +
+                     proc_kib_line("/proc/self/status", "RssShmem: %llu kB"));
 }
 
 MemoryLimit memory_per_rank(Device device, MPI_Comm comm) {
   const int sharing = local_size_of(comm);
   // On the host the figures below are room left (MemAvailable, the cgroup's
-  // room), which the process's own pages are already outside of; the
-  // override is a budget for the whole process. Both become budgets: room
-  // plus what the process holds, the override as it is.
+  // room), which the process's own anonymous pages are already outside of;
+  // the override is a budget for the whole process. Both become budgets:
+  // room plus those pages, the override as it is. `held`, all the process
+  // holds, is what the need counts (trainer/plan.cpp).
   const unsigned long long held = device == Device::cuda ? 0 : resident_bytes();
+  const unsigned long long held_outside_room = device == Device::cuda ? 0 : unreclaimable_resident_bytes();
   unsigned long long available = 0, source = kLimitDevice;
   int shared_by = 1;  // ranks dividing the figure
   if (device == Device::cuda) {
@@ -138,7 +149,7 @@ MemoryLimit memory_per_rank(Device device, MPI_Comm comm) {
     if (cgroup_room(&room, &version_one) && room < available)
       available = room, source = version_one ? kLimitCgroup1 : kLimitCgroup2;
     shared_by = sharing;
-    available = available / (unsigned long long)sharing + held;
+    available = available / (unsigned long long)sharing + held_outside_room;
   }
   // The override lowers the figure, per rank; a value that is not a plain
   // number of bytes is refused (by every rank together, below).

@@ -57,9 +57,10 @@ int local_rank_of(MPI_Comm comm);
 // Bytes one rank of `comm` can plan to use on `device`, and where that figure
 // came from: the smallest over all ranks of what its host (or GPU) can give,
 // divided by the ranks sharing it: on cpu the smaller of MemAvailable and the
-// cgroup's limit less its usage (v2 or v1), plus what the process already
-// holds (which those figures no longer count: the two together are the
-// process's budget); on cuda the current device's free memory.
+// cgroup's limit less its usage (v2 or v1), plus the anonymous and shared
+// memory the process already holds (which those figures no longer count;
+// its libraries' file pages they count as reclaimable already): the two
+// together are the process's budget; on cuda the current device's free memory.
 // ZERO2_MEMORY_LIMIT=BYTES (for tests, and for users who want a lower
 // ceiling) lowers it to BYTES per rank, the whole process's budget; it never
 // raises it. Call it after constructing the Compute (which selects the

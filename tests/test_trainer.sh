@@ -2477,6 +2477,13 @@ EOF
       "${small_init[@]}" --init-hf "$work/hidden"
     if grep -qF -- "give --hidden" "$work/bad_stderr"; then fail "--init-hf hidden_size $written: advice to give a flag value"; fi
   done
+  # Absent: BertConfig's default is named as the default (it was called "not a positive integer"), and
+  # the advice is the flag value that matches it.
+  rm -rf "$work/absent"; cp -r "$work/seed5" "$work/absent"
+  "$PYTHON" -c "import json, sys; p = sys.argv[1]; c = json.load(open(p)); del c['hidden_size']; json.dump(c, open(p, 'w'))" \
+    "$work/absent/config.json"
+  bad_case "config.json's hidden_size is absent (BertConfig's default 768), this run's --hidden is 32: give --hidden 768" \
+    "${small_init[@]}" --init-hf "$work/absent"
   config_dir hidden 18446744073709551615
   bad_case "hidden_size is 18446744073709551615, this run's --hidden is 32 (and 18446744073709551615 is beyond what --hidden takes)" \
     "${small_init[@]}" --init-hf "$work/hidden"

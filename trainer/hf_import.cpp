@@ -87,7 +87,9 @@ static void check_hf_sizes(const std::string& directory, const json& config, con
                         {"max_position_embeddings", 512, s.max_positions, "--max-positions"},
                         {"type_vocab_size", 2, 1, nullptr}};
   for (const Size& size : sizes) {
-    const json value = config.value(size.key, json(size.hf_default));
+    // (The default as unsigned, as the parser reads a positive integer: an
+    // absent key is then "absent", never "not a positive integer".)
+    const json value = config.value(size.key, json((uint64_t)size.hf_default));
     if (value.is_number_integer() && value.get<long>() == size.run) continue;
     const auto written = numbers.texts.find(size.key);
     const std::string text =
@@ -241,10 +243,6 @@ InitialWeights read_initial_weights(const std::string& directory, const ModelSha
   }
   check_unused_tensors(file, used, weights.notes);
   return weights;
-}
-
-size_t initial_weights_peak_bytes(size_t file_bytes, size_t psi, size_t largest_tensor) {
-  return file_bytes + sizeof(float) * psi + 2 * sizeof(float) * largest_tensor;
 }
 
 }  // namespace bert

@@ -30,14 +30,13 @@ struct InitialWeights {
 // finite; model.safetensors is read as trainer/safetensors.h says.
 InitialWeights read_initial_weights(const std::string& directory, const ModelShape& shape);
 
-// What --init-hf holds on the host, for the memory check, at its peak
-// (inside read_initial_weights): model.safetensors mapped (`file_bytes`,
-// every page touched by its SHA-256; unmapped before it returns), the
-// values (4 bytes x `psi`, reserved once), and at most two tensors widened
-// to float32 at once (4 bytes x `largest_tensor` elements each: the tied
-// decoder compared with the word embeddings). Afterwards the values alone,
-// 4 x psi, until the engine has them (Training's constructor frees them
-// right after Engine::parameters_from_host).
-size_t initial_weights_peak_bytes(size_t file_bytes, size_t psi, size_t largest_tensor);
+// What --init-hf holds on the host: at its peak (inside
+// read_initial_weights) model.safetensors mapped (every page touched by its
+// SHA-256; unmapped before it returns), the values (4 bytes x Psi, reserved
+// once) and at most two tensors widened to float32 at once (the tied
+// decoder compared with the word embeddings); afterwards the values alone,
+// until the engine has them (Training's constructor frees them right after
+// Engine::parameters_from_host). It is read before the memory check, which
+// measures what the process holds then, the values included (notes/10).
 
 }  // namespace bert
