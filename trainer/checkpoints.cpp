@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdint>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -647,28 +648,20 @@ static std::vector<CheckpointFile> checkpoint_files(const Settings& s, size_t ps
 // index (three float32 tensors of end - begin elements, and nothing else).
 class StateFile {
  public:
-  explicit StateFile(const CheckpointFile& entry) : entry_(entry) {
-    fd_ = open(entry.path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) fail("cannot open the checkpoint file '%s': %s", entry.path.c_str(), std::strerror(errno));
-    struct stat info;
-    if (fstat(fd_, &info) != 0 || !S_ISREG(info.st_mode))
-      fail("the checkpoint file '%s' is not a regular file", entry.path.c_str());
-    if ((size_t)info.st_size != entry.bytes)
+  // Opened as every input is (a regular file; trainer/inputs.h), which also
+  // closes it when a check below refuses it.
+  explicit StateFile(const CheckpointFile& entry)
+      : entry_(entry), file_("the checkpoint file", entry.path, SIZE_MAX) {  // its size: the index's, below
+    if (file_.size() != entry.bytes)
       fail("the checkpoint file '%s' has %s bytes; its index says %s (cut short or replaced)", entry.path.c_str(),
-           z2::with_commas((size_t)info.st_size).c_str(), z2::with_commas(entry.bytes).c_str());
+           z2::with_commas(file_.size()).c_str(), z2::with_commas(entry.bytes).c_str());
     // The header through the one safetensors reader (trainer/safetensors.h):
     // its length against the file, its JSON and every tensor's range checked
     // (they tile the data exactly); then what the index says it must hold.
-    if (entry.bytes < 8) damaged("its size (fewer than 8 bytes)");
-    unsigned char length_bytes[8];
-    read_at(length_bytes, 8, 0);
     SafetensorsLayout layout;
     try {  // the file is ours and its size the index's: what the reader refuses is damage, said so
       // A rank file's header is three entries and three strings: 1 MiB is plenty.
-      const size_t length = safetensors_header_length(entry.path, length_bytes, entry.bytes, 1 << 20);
-      std::string text(length, '\0');
-      read_at(text.data(), length, 8);
-      layout = parse_safetensors_header(entry.path, text.data(), length, entry.bytes);
+      layout = safetensors_layout(entry.path, file_, 1 << 20);
     } catch (const z2::Error& error) {
       fail("the checkpoint file '%s' is damaged: %s", entry.path.c_str(), error.what());
     }
@@ -684,32 +677,21 @@ class StateFile {
       offsets_.push_back(tensor->second.begin);  // its size is F32 x count: checked with the shape
     }
   }
-  ~StateFile() { close(fd_); }
   StateFile(const StateFile&) = delete;
   StateFile& operator=(const StateFile&) = delete;
 
   // Elements [from, from + count) of the canonical order (inside this
   // file's range) of tensor `which` (0 master, 1 exp_avg, 2 exp_avg_sq).
   void read(int which, size_t from, size_t count, float* into) {
-    read_at(into, count * sizeof(float), data_start_ + offsets_[which] + (from - entry_.begin) * sizeof(float));
+    file_.read_at(into, count * sizeof(float), data_start_ + offsets_[which] + (from - entry_.begin) * sizeof(float));
   }
 
  private:
   [[noreturn]] void damaged(const std::string& what) {
     fail("the checkpoint file '%s' is damaged: %s does not match its index", entry_.path.c_str(), what.c_str());
   }
-  void read_at(void* into, size_t bytes, size_t offset) {
-    for (size_t done = 0; done < bytes;) {
-      const ssize_t got = pread(fd_, (char*)into + done, bytes - done, (off_t)(offset + done));
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0)
-        fail("cannot read the checkpoint file '%s': %s", entry_.path.c_str(),
-             got < 0 ? std::strerror(errno) : "it ends early");
-      done += (size_t)got;
-    }
-  }
   CheckpointFile entry_;
-  int fd_ = -1;
+  InputFile file_;
   size_t data_start_ = 0;
   std::vector<size_t> offsets_;
 };

@@ -23,7 +23,7 @@ namespace bert {
 // /dev/stdin, /dev/zero) of at most `max_bytes`, checked before reading.
 // Opened once (O_NONBLOCK: opening a FIFO does not wait for a writer) and
 // checked on that descriptor, so nothing can be swapped in between.
-InputFile::InputFile(const std::string& what, const std::string& path, size_t max_bytes) {
+InputFile::InputFile(const std::string& what, const std::string& path, size_t max_bytes) : what_(what), path_(path) {
   if (path.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", what.c_str());
   descriptor_ = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (descriptor_ < 0) {
@@ -48,6 +48,15 @@ InputFile::InputFile(const std::string& what, const std::string& path, size_t ma
                            z2::with_commas(size_).c_str(), z2::with_commas(max_bytes).c_str()));
 }
 InputFile::~InputFile() { close(descriptor_); }
+void InputFile::read_at(void* into, size_t bytes, size_t offset) const {
+  for (size_t done = 0; done < bytes;) {
+    const ssize_t got = pread(descriptor_, (char*)into + done, bytes - done, (off_t)(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0)
+      fail("cannot read %s '%s': %s", what_.c_str(), path_.c_str(), got < 0 ? std::strerror(errno) : "it ends early");
+    done += (size_t)got;
+  }
+}
 
 // An input file, read whole (InputFile's checks first): read to at most
 // max_bytes + 1, so a file that grows (or a /proc file, size 0) cannot get

@@ -26,8 +26,11 @@ class InputFile {
   InputFile& operator=(const InputFile&) = delete;
   int descriptor() const { return descriptor_; }
   size_t size() const { return size_; }  // as fstat saw it when opened
+  // Exactly `bytes` bytes at `offset` (pread), or a message naming the file.
+  void read_at(void* into, size_t bytes, size_t offset) const;
 
  private:
+  std::string what_, path_;
   int descriptor_ = -1;
   size_t size_ = 0;
 };

@@ -196,30 +196,24 @@ SafetensorsLayout safetensors_layout(const std::string& path, const char* bytes,
 
 // --- a file, mapped ----------------------------------------------------------------------
 
+SafetensorsLayout safetensors_layout(const std::string& path, const InputFile& file, size_t max_header) {
+  if (file.size() < 8)  // (and mmap refuses a length of 0)
+    unreadable(path, "it has " + std::to_string(file.size()) + " bytes, fewer than the 8 of its header's length");
+  unsigned char first8[8];
+  file.read_at(first8, 8, 0);
+  const size_t length = safetensors_header_length(path, first8, file.size(), max_header);
+  std::string header(length, '\0');
+  file.read_at(header.data(), length, 8);
+  return parse_safetensors_header(path, header.data(), length, file.size());
+}
+
 SafetensorsFile::SafetensorsFile(const std::string& what, const std::string& path, size_t max_bytes) : path_(path) {
   const InputFile file(what, path, max_bytes);
   size_ = file.size();
-  // Checked before mapping: mmap refuses a length of 0.
-  if (size_ < 8)
-    unreadable(path, "it has " + std::to_string(size_) + " bytes, fewer than the 8 of its header's length");
   // The header is read (pread) and checked against the file's size before
   // the file is mapped: a file that is no safetensors file (4 GiB of zeros)
   // is named as such, not as an address space too small to map it.
-  auto read_at = [&](void* into, size_t bytes, size_t offset) {
-    for (size_t done = 0; done < bytes;) {
-      const ssize_t got = pread(file.descriptor(), (char*)into + done, bytes - done, (off_t)(offset + done));
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0)
-        fail("cannot read %s '%s': %s", what.c_str(), path.c_str(), got < 0 ? std::strerror(errno) : "it ends early");
-      done += (size_t)got;
-    }
-  };
-  unsigned char first8[8];
-  read_at(first8, 8, 0);
-  const size_t length = safetensors_header_length(path, first8, size_);
-  std::string header(length, '\0');
-  read_at(header.data(), length, 8);
-  const SafetensorsLayout layout = parse_safetensors_header(path, header.data(), length, size_);
+  const SafetensorsLayout layout = safetensors_layout(path, file);
   void* mapped = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, file.descriptor(), 0);
   if (mapped == MAP_FAILED)
     fail("cannot map %s '%s' (%s bytes): %s%s", what.c_str(), path.c_str(), z2::with_commas(size_).c_str(),

@@ -28,6 +28,8 @@
 
 namespace bert {
 
+class InputFile;  // trainer/inputs.h
+
 // The largest header read: 100,000,000 bytes, the bound the safetensors
 // library itself reads and writes with (a file past it is not one its own
 // readers take), and enough for a million tensors' entries.
@@ -66,6 +68,10 @@ SafetensorsLayout parse_safetensors_header(const std::string& path, const char* 
 // A whole file's bytes in memory (a mapped file, a fuzzer's input): both of
 // the above. Reads nothing outside [bytes, bytes + size).
 SafetensorsLayout safetensors_layout(const std::string& path, const char* bytes, size_t size);
+// An opened file's header, read with pread (nothing else of the file is
+// read): both of the above, the header at most `max_header` bytes.
+SafetensorsLayout safetensors_layout(const std::string& path, const InputFile& file,
+                                     size_t max_header = max_safetensors_header);
 
 // One tensor's bytes inside a mapped file (valid while the file is).
 struct TensorView {

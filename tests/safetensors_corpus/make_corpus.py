@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 # tests/safetensors_corpus/make_corpus.py — the regression corpus of the
 # safetensors reader (trainer/safetensors.cpp): one small file per way a
 # file can be wrong, each made here from one valid file so a reader sees
