@@ -187,8 +187,7 @@ class ConfigReader {
     const std::string text = read_config_text(path_);
     const json config = parse_config_json(path_, text);
     if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path_.c_str());
-    numbers_ = NumberTexts(text);
-    parse_json_events(text, numbers_);  // valid JSON by now: this pass only collects the numbers' texts
+    numbers_ = number_texts(text);  // valid JSON by now
     offload_key_ = offloading_key(config);  // before the optimizer's params, which it decides the constructor of
     for (auto& [key, value] : config.items()) top_level(key, value, config);
     // The client's optimizer under offload is judged with the run's offload (trainer/settings.cpp).

@@ -62,8 +62,7 @@ static json hf_config_object(const std::string& directory, NumberTexts& numbers)
     fail("--init-hf's config.json '%s' is not valid JSON: %s", path.c_str(), e.what());
   }
   if (!config.is_object()) fail("--init-hf's config.json '%s' must hold a JSON object", path.c_str());
-  numbers = NumberTexts(text);
-  parse_json_events(text, numbers);  // valid JSON by now: this pass only collects the numbers' texts
+  numbers = number_texts(text);  // valid JSON by now
   return config;
 }
 

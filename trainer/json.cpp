@@ -61,6 +61,11 @@ NumberTexts::NumberTexts(const std::string& text) {
     }
   }
 }
+NumberTexts number_texts(const std::string& text) {
+  NumberTexts numbers(text);
+  parse_json_events(text, numbers);  // this pass only collects the numbers' texts
+  return numbers;
+}
 bool NumberTexts::integer() {
   if (next < written.size()) texts[here()] = written[next];
   ++next;

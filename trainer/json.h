@@ -79,5 +79,7 @@ struct NumberTexts : nlohmann::json_sax<json> {
   bool end_array() override { return close(); }
   bool parse_error(std::size_t, const std::string&, const json::exception&) override { return false; }
 };
+// Every number's text of `text` (valid JSON: parsed already), by key path.
+NumberTexts number_texts(const std::string& text);
 
 }  // namespace bert
