@@ -34,9 +34,11 @@ class BadInput(Exception):
 class Failure(Exception):
     """The first disagreement: what differs, and the diagnosis."""
 
-    def __init__(self, what, diagnosis, excess=None, census=None):
+    def __init__(self, what, diagnosis, excess=None, census=None, first=None):
         super().__init__(what)
-        self.what, self.diagnosis, self.excess = what, diagnosis, excess  # excess: difference / tolerance
+        # excess: difference / tolerance of the check, which fails by its worst element; first: that of the
+        # tensor named in `what` (the first in registration order), where tensors were compared
+        self.what, self.diagnosis, self.excess, self.first = what, diagnosis, excess, first
         self.census = census  # every tensor outside, in a line (census()), where tensors were compared
 
 
@@ -430,7 +432,9 @@ def diagnose_lr(pair, step, theirs, mine):
             "let DeepSpeed's scheduler set it and compare)")
 
 
-def diagnose_loss(pair, step, theirs, mine):
+def diagnose_loss(pair, step, theirs, mine, gradients_agree=False, generic=True):
+    """What a loss that differs points to; None where no pattern fits. generic: at step 1, where nothing
+    else fits, say where a loss computed from the same weights and batch can differ (the model, the batch)."""
     record = pair.ref.steps[step - 1]
     losses, selected = record.get("micro_batch_losses"), record.get("micro_batch_selected")
     tolerance = 8 * loss_tolerance(mine, step, pair.precision, pair.selected(step))
@@ -454,12 +458,38 @@ def diagnose_loss(pair, step, theirs, mine):
                     "selected positions: accumulate summed cross-entropy and divide once by the global count")
         if abs(theirs - mine * total) <= tolerance * total:
             return "theirs is the summed cross-entropy, not its mean over the global batch's selected positions"
-        if N > 1 and (abs(theirs - mine * N) <= tolerance * N or abs(theirs * N - mine) <= tolerance):
-            return f"theirs is {theirs / mine:.4f} x zero2's (N = {N}): the loss is scaled by the number of ranks"
-    if step == 1:
+    named = loss_factor_diagnosis(pair, theirs, mine, tolerance, gradients_agree)
+    if named:
+        return named
+    if step == 1 and generic:
         return ("from the same weights and the same batch the loss differs, so the forward pass or the loss does: "
                 "the model (BertForMaskedLM: GELU in its erf form, LayerNorm eps 1e-12, one token type, no attention "
                 "mask), the batch's rows (micro-batch m = a N + r), labels -100 not selected")
+    return None
+
+
+def loss_factor_diagnosis(pair, theirs, mine, tolerance, gradients_agree):
+    """A loss N or A times zero2's, or 1 / that: the loss's convention (the trace's conventions.loss: the mean
+    over the global batch's selected positions, every rank's micro-batches counted once). Where the gradients
+    of the step agree, only what is recorded as the loss differs, not what was differentiated."""
+    N, A = pair.N, pair.A
+    recorded = (" (the gradients of this step agree: only the value recorded as the loss is scaled, not the loss "
+                "that was differentiated)") if gradients_agree else ""
+    for factor, which, how in ((N, "N", "number of ranks"), (A, "A", "number of micro-steps")):
+        if factor <= 1 or (which == "A" and A == N):
+            continue
+        both = " (or A: N = A here)" if which == "N" and A == N else ""
+        if abs(theirs - mine * factor) <= tolerance * factor:
+            return (f"theirs is {theirs / mine:.4f} x zero2's = {which}{both}: the loss is scaled by the {how}: "
+                    f"summed over them where zero2 records the mean over the whole global batch{recorded}")
+        if abs(theirs * factor - mine) <= tolerance:
+            words = (f"each rank's part was divided by N again, after the mean over the global batch counted "
+                     f"every rank" if which == "N" else
+                     f"each micro-batch's loss was divided by the A micro-steps (as Hugging Face's Trainer divides "
+                     f"by gradient_accumulation_steps) on top of the mean over the global batch, which already "
+                     f"counts every micro-step's positions")
+            return (f"theirs is {theirs / mine:.4f} x zero2's = 1 / {which}{both}: the loss is scaled by the {how}: "
+                    f"{words}{recorded}")
     return None
 
 
@@ -480,14 +510,28 @@ def factor_diagnosis(pair, ratio):
     return None
 
 
-def diagnose_norm(pair, step, theirs, mine):
-    N = pair.N
+def diagnose_norm(pair, step, theirs, mine, gradients_agree=False):
+    """What a gradient norm that differs points to. gradients_agree: the step's gradients were compared and
+    agree, so the norm was taken of something else than the gradient the step used."""
+    N, A = pair.N, pair.A
     if not mine:
         return None
     ratio = theirs / mine
-    named = factor_diagnosis(pair, ratio)
-    if named:
-        return named
+    if gradients_agree:
+        for factor, which in ((N, "N"), (A, "A")):
+            if factor <= 1 or (which == "A" and A == N):
+                continue
+            if ratio_is(ratio, factor) or ratio_is(ratio, 1 / factor):
+                both = f" (or {'A' if which == 'N' else 'N'}: N = A here)" if N == A else ""
+                when = "before dividing by" if ratio > 1 else "after dividing twice by"
+                return (f"the gradients of this step agree with zero2's, but the norm is {ratio:.4f} x zero2's = "
+                        f"{'' if ratio > 1 else '1 / '}{which}{both}: the norm was computed {when} {which}, of the "
+                        f"summed gradient and not the averaged one that the step uses (compute the norm, and the "
+                        f"clip coefficient from it, after the reduction's average)")
+    else:
+        named = factor_diagnosis(pair, ratio)
+        if named:
+            return named
     gradients = pair.tensors("ref", "gradients", step) if step in pair.ref.parameter_steps else None
     if gradients is not None and N > 1:
         squares = {}
@@ -509,6 +553,37 @@ def close_to(x, y, tolerance):
     return float(np.median(np.abs(x - y))) <= tolerance
 
 
+def diagnose_stale_shards(pair, theirs, mine, before, tolerance):
+    """Whole ranks' or whole buckets' shards holding their values from before the step while the others are
+    updated: the all-gather's order or a bucket left out. theirs, mine: {name: values after the step}; before:
+    zero2's after the step before. Each shard is judged by its median, so one whose elements zero2 did not move
+    (unused embedding rows) tells nothing and is left out."""
+    shards_theirs, shards_mine, shards_before = (pair.shard_views(v) for v in (theirs, mine, before))
+    fresh, stale = [], []
+    for key, values in shards_theirs.items():
+        if close_to(shards_mine[key], shards_before[key], tolerance):
+            continue
+        if close_to(values, shards_mine[key], tolerance):
+            fresh.append(key)
+        elif close_to(values, shards_before[key], tolerance):
+            stale.append(key)
+    if not (stale and fresh):
+        return None
+    stale_ranks, fresh_ranks = sorted({r for _, r in stale}), sorted({r for _, r in fresh})
+    stale_buckets, fresh_buckets = sorted({b for b, _ in stale}), sorted({b for b, _ in fresh})
+    if not set(stale_ranks) & set(fresh_ranks):  # whole ranks: every bucket's shard of a rank alike
+        return (f"the shards of rank(s) {stale_ranks} (every bucket) still hold their values from before this "
+                f"step, rank(s) {fresh_ranks}'s are updated: the all-gather ran before the update (or gathered "
+                f"the buffer from before it, or its result was not copied back), so the rank whose copy this is "
+                f"sees only its own shard's update")
+    if not set(stale_buckets) & set(fresh_buckets):  # whole buckets: every rank's shard of a bucket alike
+        names = [n for n, p in pair.params.items() if p["bucket"] in stale_buckets]
+        return (f"bucket(s) {stale_buckets} ({names[0]}, ...) still hold their values from before this step on "
+                f"every rank, the other buckets are updated: those parameters were left out of the update (a "
+                f"parameter group missing from the optimizer, or a bucket whose reduction never completed)")
+    return None
+
+
 def diagnose_parameters(pair, step, theirs, mine, before, lr, weight_decay, tolerance):
     """theirs, mine: {name: values after `step`}; before: zero2's after step - 1 (the initial weights at 1)."""
     # A whole update missing, or whole shards holding the values from before the update.
@@ -526,18 +601,9 @@ def diagnose_parameters(pair, step, theirs, mine, before, lr, weight_decay, tole
     if stale and not fresh and not other:
         return ("every parameter still holds its value from before this step: the update never reached the weights "
                 "(the optimizer stepped a copy, or the all-gather sent the parameters from before the update)")
-    if stale and fresh:
-        stale_ranks, fresh_ranks = sorted({r for _, r in stale}), sorted({r for _, r in fresh})
-        stale_buckets, fresh_buckets = sorted({b for b, _ in stale}), sorted({b for b, _ in fresh})
-        if not set(stale_ranks) & set(fresh_ranks):  # whole ranks: every bucket's shard of a rank alike
-            return (f"the shards of rank(s) {stale_ranks} (every bucket) still hold their values from before this "
-                    f"step, rank(s) {fresh_ranks}'s are updated: the all-gather ran before the update (or gathered "
-                    f"the buffer from before it), so each rank sees only its own shard's update")
-        if not set(stale_buckets) & set(fresh_buckets):  # whole buckets: every rank's shard of a bucket alike
-            names = [n for n, p in pair.params.items() if p["bucket"] in stale_buckets]
-            return (f"bucket(s) {stale_buckets} ({names[0]}, ...) still hold their values from before this step on "
-                    f"every rank, the other buckets are updated: those parameters were left out of the update (a "
-                    f"parameter group missing from the optimizer, or a bucket whose reduction never completed)")
+    named = diagnose_stale_shards(pair, theirs, mine, before, tolerance)
+    if named:
+        return named
     # A shard holding the neighbouring shard's values.
     for key in other:
         b, r = key
@@ -686,7 +752,11 @@ def replay_step(pair, step):
 # ----------------------------------------------------------------------------
 # The walk through the steps
 
-def check_step_scalars(pair, step, report):
+def check_step_scalars(pair, step, report, kept):
+    """The step's record: no NaN, the rate, fp16's skip; then, at a step both keep, the gradients (where a bug
+    confined to a bucket, a parameter or a rank shows by name, before the loss and the norm, which sum every
+    element and show only that something differs); then the loss and the norm. Returns check_gradients' result
+    (None where the gradients were not compared)."""
     mine, theirs = pair.ref.steps[step - 1], pair.theirs.steps[step - 1]
     precision = pair.precision
     for key in ("lr", "loss", "grad_norm"):  # NaN first: every comparison with a NaN is false, a NaN passes them
@@ -710,20 +780,24 @@ def check_step_scalars(pair, step, report):
                           "the ranks' scaled 16-bit gradients before dividing by N overflows where each rank's "
                           "part does not (zero2 sums the 16-bit slices in fp32 and rounds once)")
         report.append((step, "skipped by both (fp16 overflow)", 0.0))
-        return
+        return None
+    gradients = check_gradients(pair, step) if kept else None
     tolerances = {"loss": loss_tolerance(mine["loss"], step, precision, pair.selected(step)),
                   "grad_norm": norm_tolerance(mine["grad_norm"], step, precision, pair.psi)}
     for key, diagnose in (("loss", diagnose_loss), ("grad_norm", diagnose_norm)):
         value, tolerance = theirs[key], tolerances[key]
         if abs(value - mine[key]) > tolerance:
             raise Failure(f"step {step}, {key.replace('_', ' ')}: theirs {value:.9g}, zero2's {mine[key]:.9g} "
-                          f"(|difference| {abs(value - mine[key]):.3g} > tolerance {tolerance:.3g})",
-                          diagnose(pair, step, value, mine[key]), share(abs(value - mine[key]), tolerance))
+                          f"(|difference| {abs(value - mine[key]):.3g} > tolerance {tolerance:.3g})"
+                          + ("; the gradients of this step agree" if gradients is not None else ""),
+                          diagnose(pair, step, value, mine[key], gradients is not None),
+                          share(abs(value - mine[key]), tolerance))
     relative = {key: abs(theirs[key] - mine[key]) / abs(mine[key]) if mine[key] else 0.0 for key in ("loss", "grad_norm")}
     report.append((step, f"loss {mine['loss']:.7f} / {theirs['loss']:.7f} (relative {relative['loss']:.1e}), "
                          f"grad norm {mine['grad_norm']:.6g} / {theirs['grad_norm']:.6g} "
                          f"(relative {relative['grad_norm']:.1e}), lr {mine['lr']:.4g}",
                    max(share(abs(theirs[key] - mine[key]), tolerances[key]) for key in ("loss", "grad_norm"))))
+    return gradients
 
 
 def census(pair, outside, what):
@@ -760,16 +834,103 @@ def check_gradients(pair, step):
     if outside:
         name, excess, _, i = outside[0]
         a, b = mine[name].reshape(-1), theirs[name].reshape(-1)
-        ratio = float(np.median(b[a != 0] / a[a != 0])) if (a != 0).any() else math.nan
-        diagnosis = None
-        if not math.isnan(ratio) and not ratio_is(ratio, 1, 1e-3):
-            diagnosis = factor_diagnosis(pair, ratio)  # a factor the whole tensor shares
-        raise Failure(f"step {step}, gradient of {pair.where(name, i)}: theirs {b[i]:.6g}, zero2's {a[i]:.6g} "
-                      f"(|difference| {abs(a[i] - b[i]):.3g} > tolerance {tolerance:.3g}: 1e-5 (1 + s) of the "
-                      f"largest gradient element, and the sum over {pair.positions} positions)", diagnosis or
-                      f"the gradient of {name} differs first (registration order): its forward or backward",
-                      excess, census(pair, outside, "gradients"))
+        what = (f"step {step}, gradient of {pair.where(name, i)}: theirs {b[i]:.6g}, zero2's {a[i]:.6g} "
+                f"(|difference| {abs(a[i] - b[i]):.3g} > tolerance {tolerance:.3g}: 1e-5 (1 + s) of the largest "
+                f"gradient element, and the sum over {pair.positions} positions)")
+        diagnosis = diagnose_gradients(pair, step, mine, theirs, tolerance)
+        # The loss is what is differentiated: where it differs by a pattern that names its cause, the gradients
+        # differ because of it, and that cause is the diagnosis.
+        record, their_record = pair.ref.steps[step - 1], pair.theirs.steps[step - 1]
+        loss_difference = abs(their_record["loss"] - record["loss"])
+        if loss_difference > loss_tolerance(record["loss"], step, pair.precision, pair.selected(step)):
+            named = diagnose_loss(pair, step, their_record["loss"], record["loss"], generic=False)
+            if named:
+                what += f"; the loss differs too: theirs {their_record['loss']:.9g}, zero2's {record['loss']:.9g}"
+                diagnosis = f"{named}; the gradients, its derivative, differ with it"
+        raise Failure(what, diagnosis or f"the gradient of {name} differs first (registration order): its forward "
+                                          f"or backward", max(e[1] for e in outside), census(pair, outside, "gradients"),
+                      excess)
     return worst, largest_difference / largest if largest else 0.0
+
+
+def gradient_region(pair, off, silent):
+    """(where, kind): where the shards outside the tolerance (off) lie, in ZeRO's terms: kind "all" (every
+    bucket and every rank), "buckets" (some buckets, on every rank), "ranks" (some ranks, in every bucket), or
+    "shards" (a list). silent: the shards whose gradient is below the tolerance on both sides, which agree
+    whatever was done to them (rows of the position embeddings no position reaches): a region is whole when
+    every shard of it that could differ does."""
+    N, count = pair.N, len(pair.layout["buckets"])
+    off = set(off)
+    buckets, ranks = sorted({b for b, _ in off}), sorted({r for _, r in off})
+    whole_buckets = all((b, r) in off or (b, r) in silent for b in buckets for r in range(N))
+    whole_ranks = all((b, r) in off or (b, r) in silent for b in range(count) for r in ranks)
+
+    def also(inside):  # the silent shards of the region, named
+        quiet = sorted(k for k in silent if inside(k))
+        return "" if not quiet else \
+            f" ({', '.join(f'bucket {b} rank {r}' for b, r in quiet[:4])}{' ...' if len(quiet) > 4 else ''}: a " \
+            f"gradient below the tolerance, which tells nothing)"
+    if whole_buckets and whole_ranks and len(buckets) == count and len(ranks) == N:
+        return "every bucket on every rank", "all"
+    if whole_buckets and len(buckets) < count:
+        names = [n for n, p in pair.params.items() if p["bucket"] in buckets]
+        return (f"bucket{'s' if len(buckets) > 1 else ''} {', '.join(map(str, buckets))} of {count} ({names[0]} ... "
+                f"{names[-1]}) on every rank{also(lambda k: k[0] in buckets)}, while the other buckets agree"), "buckets"
+    if whole_ranks and len(ranks) < N:
+        others = "the other ranks'" if N - len(ranks) > 1 else "the other rank's"
+        return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}'s shards of every bucket"
+                f"{also(lambda k: k[1] in ranks)}, "
+                f"while {others} agree"), "ranks"
+    listed = ", ".join(f"bucket {b} rank {r}" for b, r in sorted(off)[:6]) + (" ..." if len(off) > 6 else "")
+    return f"{len(off)} of {count * N} shards ({listed})", "shards"
+
+
+def diagnose_gradients(pair, step, mine, theirs, tolerance):
+    """The gradients differ: where (gradient_region), and the hypothesis that reproduces theirs there element
+    for element within the tolerance: zero (never reduced), a factor N or A (summed where averaged, or
+    averaged twice), zero2's gradient of the previous kept step (stale). Where none does, what was measured: a
+    least-squares slope of theirs on zero2's of 1 / N or 1 that does not fit every element is what one rank's
+    own micro-batches give alone (their part of the sum): a reduction that never ran. The traces hold no
+    rank's own gradient, so that one is measured, not reproduced."""
+    shards_mine, shards_theirs = pair.shard_views(mine), pair.shard_views(theirs)
+    off = sorted(k for k in shards_mine
+                 if np.abs(shards_theirs[k] - shards_mine[k]).max(initial=0.0) > tolerance)
+    if not off:
+        return None
+    silent = {k for k in shards_mine if max(np.abs(shards_mine[k]).max(initial=0.0),
+                                            np.abs(shards_theirs[k]).max(initial=0.0)) <= tolerance}
+    where, kind = gradient_region(pair, off, silent)
+    a = np.concatenate([shards_mine[k] for k in off])
+    t = np.concatenate([shards_theirs[k] for k in off])
+    if np.abs(t).max(initial=0.0) <= tolerance:
+        return (f"in {where}, theirs' gradients are zero: that reduction never ran, or its result never "
+                f"reached the gradient shard (a bucket whose last parameter's hook did not fire, or that was not "
+                f"flushed after backward; a rank that did not receive)")
+    N, A = pair.N, pair.A
+    for factor in sorted({f for f in (N, A) if f > 1}):
+        for k in (factor, 1 / factor):
+            if np.abs(t - k * a).max() <= max(k, 1.0) * tolerance:
+                named = factor_diagnosis(pair, k)
+                return named if kind == "all" else f"in {where}, {named}"
+    earlier = [s for s in pair.ref.parameter_steps if s < step and (("ref", "gradients", s) in pair._read)]
+    if earlier:
+        s = max(earlier)
+        old = pair.shard_views(pair.tensors("ref", "gradients", s))
+        if np.abs(t - np.concatenate([old[k] for k in off])).max() <= tolerance:
+            return (f"in {where}, theirs' gradients are zero2's of step {s}: stale, not recomputed or not reduced again "
+                    f"at step {step} (a buffer reused without being overwritten, or a reduction that sent the last "
+                    f"step's values)")
+    slope = float(np.dot(t, a) / np.dot(a, a)) if np.dot(a, a) > 0 else math.nan
+    correlation = float(np.dot(t, a) / math.sqrt(np.dot(t, t) * np.dot(a, a))) if np.dot(a, a) > 0 else math.nan
+    measured = (f"theirs is, at least squares, {slope:.3f} x zero2's there, with correlation {correlation:.3f} (1 "
+                f"would be a multiple of zero2's)")
+    if N > 1 and correlation < 0.999 and any(abs(slope - k) < 0.15 * k for k in (1 / N, 1.0)):
+        return (f"in {where}, {measured}: what one rank's own micro-batches give alone "
+                f"(their part of the sum{', divided by N' if abs(slope - 1 / N) < 0.15 / N else ''}), whose slope "
+                f"on the mean of N = {N} ranks' parts is {'1 / N' if abs(slope - 1 / N) < 0.15 / N else '1'}: that "
+                f"reduction did not run and each rank kept its local gradient (measured, not reproduced: the traces "
+                f"hold no rank's own gradient)")
+    return f"in {where}, {measured}; no known bug has this pattern"
 
 
 def rounded_to(values, precision):
@@ -844,7 +1005,9 @@ def check_parameters(pair, step, previous):
     since = f"step {previous}" if previous else "the initial weights"
     lr = pair.ref.steps[step - 1]["lr"]
     diagnosis, measured = None, None
-    if movement_excess > 1 and median <= median_tolerance and largest <= largest_tolerance:
+    if previous == step - 1:  # whole ranks' or buckets' shards stale: before the movement, which sees only that
+        diagnosis = diagnose_stale_shards(pair, theirs, mine, before, median_tolerance)
+    if diagnosis is None and movement_excess > 1 and median <= median_tolerance and largest <= largest_tolerance:
         diagnosis = diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, step, previous)
     if diagnosis is None and previous == step - 1:
         # The replay first: a variant of AdamW that reproduces theirs element for element, where AdamW as the
@@ -866,7 +1029,7 @@ def check_parameters(pair, step, previous):
                                     f"; the traces keep no parameters between steps {previous} and {step}: "
                                     f"keep every step's (--trace-params-every 1) to see the first update "
                                     f"that differs"))) + (f". {measured}" if measured else ""),
-                  excess, census(pair, outside, "parameters"))
+                  max(e[1] for e in outside), census(pair, outside, "parameters"), outside[0][1])
 
 
 def movement_share(theirs, mine, drift):
@@ -905,10 +1068,9 @@ def check(pair, counts):
     kept = sorted(s for s in pair.ref.parameter_steps if s in pair.theirs.parameter_steps)
     previous_kept = 0
     for step in range(1, len(pair.ref.steps) + 1):
-        check_step_scalars(pair, step, report)
+        gradients = check_step_scalars(pair, step, report, step in kept)
         counts["passed"] += 1
         if step in kept:
-            gradients = check_gradients(pair, step)
             worst_parameter = check_parameters(pair, step, previous_kept)
             report.append((step, f"after step {step}: {len(pair.params)} tensors: parameters"
                                  + ("" if gradients is None else
@@ -968,7 +1130,9 @@ def main(argv):
     except Failure as failure:
         print(f"FAIL {failure.what}")
         if failure.excess is not None:
-            print(f"margin: the difference is {failure.excess:.3g} x its tolerance")
+            first = "" if failure.first is None or failure.first == failure.excess else \
+                f" (the worst tensor's; the one named above: {failure.first:.3g} x)"
+            print(f"margin: the difference is {failure.excess:.3g} x its tolerance{first}")
         if failure.census:
             print(f"census: {failure.census}")
         print(f"diagnosis: {failure.diagnosis or 'no known bug has this pattern; the difference is above'}")

@@ -153,6 +153,26 @@ check_replayed_mistakes() {
   plant no-clipping "no gradient clipping" -e "s|$clipped|clipped = grad|"
   plant clip-by-local-norm "clipping by each rank's own shard's norm" \
     -e "s|$clipped|clipped = grad * min(1.0, clip / (grad.norm().item() + 1e-6)) if clip > 0 else grad|"
+  # The mistakes of the reduction, each confined to a bucket, a rank or a step after the first: the checker
+  # compares the gradients bucket by bucket and rank by rank before the loss and the norm, so each is named
+  # where it lies (notes/12, "Where first").
+  local reduced='^        own.append(summed / N)$'
+  plant last-bucket-zero "in bucket 6 of 7 (cls.predictions.transform.dense.weight ... cls.predictions.bias) on every rank, while the other buckets agree, theirs' gradients are zero" \
+    -e "s|$reduced|        own.append(summed / N if b is not layout.buckets[-1] else torch.zeros_like(summed))|"
+  plant last-bucket-local "what one rank's own micro-batches give alone (their part of the sum, divided by N)" \
+    -e "s|$reduced|        own.append(summed / N if b is not layout.buckets[-1] else bucket.view(N, -1)[r] / N)|"
+  plant norm-before-averaging "the norm was computed before dividing by N" \
+    -e 's|^    squares = (grad \* grad).sum()$|    squares = ((grad * N) * (grad * N)).sum()|'
+  # Rank 0 takes back only its own shards from step 3's all-gather: its copy of rank 1's shards stays stale.
+  plant rank-skips-all-gather-at-step-3 "the shards of rank(s) [1] (every bucket) still hold their values from before this step" \
+    -e 's|^        layout.params\[b\["offset"\]:b\["offset"\] + b\["padded_length"\]\] = torch.cat(shards)$|        if step == 3 and r == 0:\n            layout.params[b["offset"]:b["offset"] + b["shard_length"]] = shards[0]\n        else:\n            layout.params[b["offset"]:b["offset"] + b["padded_length"]] = torch.cat(shards)|'
+  # With A = 3 micro-steps (N = 2, so a factor names which): each micro-batch's loss divided by A again.
+  make_reference "$work/ref_every" --trace-params-every 1 --steps 6 --accum 3 ||
+    { fail "zero2's trace with A = 3 could not be made"; return; }
+  plant loss-over-A "= 1 / A: the loss is scaled by the number of micro-steps" \
+    -e 's|^\(                part = functions\["micro_batch_loss"\](logits, labels\[rows\], selected, N)\)$|\1 / A|'
+  plant not-averaged-at-A-3 "= N: the gradients were summed over the 2 ranks, not averaged" \
+    -e 's|^        own.append(summed / N)$|        own.append(summed)|'
 }
 
 # DeepSpeed's venv: the pinned versions from PyPI, made once. DeepSpeed's setup.py imports torch, so it is
