@@ -30,9 +30,11 @@ timeout 900 mpirun -n 2 "$trainer" $flags --trace "$work/trace" >/dev/null
 tests/peers/check_peer.sh torch "$build" >"$work/peer.log" 2>&1 || true
 {
   echo '```'
-  echo "\$ make check-peer PEER=torch"
-  grep -E '^(PASS|FAIL|SKIP)|^[0-9]+ passed' "$work/peer.log" | fold -w 110 -s
+  echo "\$ make check-peer PEER=torch     # its summary: the conformance table, then the count"
+  grep -E '^(FAIL|SKIP)|^[0-9]+ passed' "$work/peer.log" | fold -w 110 -s
   echo '```'
+  echo
+  sed -n '/^--- conformance$/,/^---$/p' "$work/peer.log" | sed '1d;$d'
 } >"$out/check_peer_torch"
 
 mistake=tests/lab_mistakes/torch-step.norm-own-shard.py

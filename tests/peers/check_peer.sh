@@ -38,19 +38,60 @@ make_reference() {  # make_reference DIR [FLAGS...]: zero2's trace at N = 2 (tes
 
 # check LABEL EXPECT REF THEIRS: tests/check_trace.py's verdict. EXPECT "agrees", or the words the
 # diagnosis must hold.
+#
+# Each verdict is also a row of the conformance table printed at the end (conformance_table): a correct peer's
+# closest call, a planted mistake's first failing check, its margin and whether it was named.
 check() {
-  local label=$1 expect=$2 status
+  local label=$1 expect=$2 status at margin
   /usr/bin/python3 tests/check_trace.py "$3" "$4" ${CHECK_FLAGS:-} > "$work/check.log" 2>&1
   status=$?
+  at=$(grep '^FAIL' "$work/check.log" | cut -c6- | cut -d: -f1 | cut -d';' -f1)
+  margin=$(sed -n 's/^margin: the difference is \([^ ]*\) x its tolerance.*/\1/p' "$work/check.log")
   if [ "$expect" = agrees ]; then
+    printf 'correct\t%s\t%s\t%s\t%s\n' "$label" \
+      "$(sed -n 's/.*the closest call: step [0-9]*, \([0-9.]*\) of the tolerance.*/\1/p' "$work/check.log")" \
+      "$(sed -n 's/.*the closest call: \(step [0-9]*\),.*/\1/p' "$work/check.log")" "$status" >> "$work/conformance.tsv"
     if [ $status = 0 ]; then pass "$label: $(grep '^PASS' "$work/check.log" | sed 's/^PASS: //')"
     else fail "$label: the checker says (exit $status):"; tail -n 4 "$work/check.log"; fi
   elif [ $status = 1 ] && grep '^diagnosis:' "$work/check.log" | grep -qF "$expect"; then
-    pass "$label: fails at $(grep '^FAIL' "$work/check.log" | cut -c6- | cut -d: -f1)$(sed -n 's/^margin: the difference is \(.*\) x its tolerance/ (\1 x the tolerance)/p' "$work/check.log"), diagnosed \"$expect\""
+    printf 'mistake\t%s\t%s\t%s\tyes\n' "$label" "$margin" "$at" >> "$work/conformance.tsv"
+    pass "$label: fails at $at (${margin} x the tolerance), diagnosed \"$expect\""
   else
+    printf 'mistake\t%s\t%s\t%s\t%s\n' "$label" "${margin:-inf}" "${at:-exit $status}" \
+      "$([ $status = 1 ] && echo no || echo "not failed")" >> "$work/conformance.tsv"
     fail "$label: expected a failure diagnosed \"$expect\"; the checker says (exit $status):"
     tail -n 4 "$work/check.log"
   fi
+}
+
+# conformance_table: the rows check() kept, as a table (notes/12 pastes it): the separation is the worst
+# correct peer's closest call against the weakest mistake's margin, each as a multiple of its tolerance.
+conformance_table() {
+  [ -s "$work/conformance.tsv" ] || return 0
+  /usr/bin/python3 - "$work/conformance.tsv" <<'PY'
+import sys
+import re
+rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1])]
+correct = [r for r in rows if r[0] == "correct"]
+mistakes = [r for r in rows if r[0] == "mistake"]
+number = lambda text: float(text) if text not in ("", "inf") else float("inf")
+# "step 1, gradient of NAME[i] (bucket b, rank r's shard at N = 2)" -> "step 1, gradients (bucket b, rank r)"
+short = lambda where: re.sub(r", (gradient of )?\S+\[[^\]]*\] \((bucket \d+), (rank \d+)'s shard at N = \d+\)",
+                             lambda m: f"{', gradients' if m.group(1) else ''} ({m.group(2)}, {m.group(3)})", where)
+print("| implementation | verdict | closest call or margin (x the tolerance) | where | named |")
+print("|---|---|---|---|---|")
+for _, label, closest, where, status in correct:
+    print(f"| {label} | {'agrees' if status == '0' else 'FAILS (exit ' + status + ')'} | {closest or '-'} | {where} | |")
+for _, label, margin, where, named in mistakes:
+    print(f"| {label} | fails | {margin} | {short(where)} | {named} |")
+if correct and mistakes:
+    worst = max(correct, key=lambda r: number(r[2]) if r[4] == "0" else float("inf"))
+    weakest = min(mistakes, key=lambda r: number(r[2]))
+    named = sum(r[4] == "yes" for r in mistakes)
+    print(f"\nseparation: the worst correct closest call {worst[2]} ({worst[1]}), the weakest mistake's margin "
+          f"{weakest[2]} ({weakest[1]}): {number(weakest[2]) / max(number(worst[2]), 1e-9):.3g} x apart; "
+          f"{named} of {len(mistakes)} mistakes named")
+PY
 }
 
 check_torch() {
@@ -237,5 +278,8 @@ case $peer in
   deepspeed) check_deepspeed ;;
   *) echo "check_peer.sh: PEER is torch or deepspeed (make check-peer PEER=...)"; echo "0 passed, 1 failed"; exit 2 ;;
 esac
+echo "--- conformance"
+conformance_table
+echo "---"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
