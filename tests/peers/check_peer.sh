@@ -219,8 +219,9 @@ check_deepspeed() {
   DEEPSPEED_VENV=$venv tests/peers/side_by_side.sh "$build" || fail "tests/peers/side_by_side.sh did not finish"
 }
 
-# FSDP's venv: the pinned versions from PyPI, made once. torch 2.7.1 because FSDP2 runs on the CPU only from
-# there (2.5.1: "FSDP requires CUDA for streams"; 2.6.0 fails in foreach_all_gather); FSDP1 runs on it too.
+# FSDP's venv: the pinned versions from PyPI, made once. torch 2.7.1 because FSDP2 runs on the CPU from there
+# (an earlier trial: 2.5.1 says "FSDP requires CUDA for streams", 2.6.0 fails in foreach_all_gather); FSDP1
+# runs on it too.
 # PyPI's torch is the CUDA build (the CPU wheels' index, download.pytorch.org, may not be reachable where PyPI
 # is); it runs on the CPU all the same.
 fsdp_venv() {

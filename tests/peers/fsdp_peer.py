@@ -27,7 +27,8 @@ FSDP2 and gloo's AVG. FSDP2 reduce-scatters fp32 and bf16 gradients with ReduceO
 reduce_scatter_tensor in torch 2.7.1 takes AVG and SUMS (no error, no warning): every gradient is N times
 the average, and so is the norm (the checker says "the gradients were summed over the 2 ranks, not
 averaged"). FSDP2's own knob for the divisor, set_reduce_scatter_divide_factor, builds NCCL's PreMulSum op,
-which gloo does not have. So the peer checks, once at start, what gloo's AVG does (a reduce-scatter of ones:
+which gloo does not refuse either: it sums and drops the factor (measured: a gradient of 4 where the average
+is 2). So the peer checks, once at start, what gloo's AVG does (a reduce-scatter of ones:
 1 is an average, N a sum), and where it sums divides each unit's reduce-scatter output by N in FSDP2's
 all-reduce hook (FSDPModule.set_all_reduce_hook, which runs on the reduce-scatter's output when there is no
 HSDP all-reduce): (g_0 + g_1) / 2, zero2's sum then division. --no-avg-workaround leaves the defect in, to
@@ -45,8 +46,8 @@ FSDP's is ShardedGradScaler: refused), a GPU (device_id cpu, gloo), CPU offload,
 (zero2 has no P_os+g+p to hold it to), gradient accumulation with FSDP's no_sync (FSDP1) and
 set_requires_gradient_sync (FSDP2) only.
 
-Versions: torch 2.7.1, which both FSDPs run on CPU (FSDP2 in torch 2.5.1 wants CUDA streams, in 2.6.0 it
-fails in foreach_all_gather), and transformers 4.46.3: .venv-fsdp, which `make check-peer PEER=fsdp` makes.
+Versions: torch 2.7.1, on which both FSDPs run on the CPU (an earlier trial, not repeated: FSDP2 in torch
+2.5.1 wants CUDA streams, in 2.6.0 it fails in foreach_all_gather), and transformers 4.46.3: .venv-fsdp, which `make check-peer PEER=fsdp` makes.
 
 How to run:
 
