@@ -15,6 +15,13 @@
 #              minutes). Runs in .venv-deepspeed, made here from PyPI when missing (torch 2.5.1, deepspeed
 #              0.16.9, transformers 4.46.3: 5.3 GB; DEEPSPEED_VENV=DIR uses another). Not in CI. Without
 #              PyPI: SKIP, with the reason.
+#   fsdp       zero2's traces replayed by PyTorch's FSDP (tests/peers/fsdp_peer.py): FSDP1 (SHARD_GRAD_OP) and
+#              FSDP2 (fully_shard, gloo's AVG-that-sums divided out) each pass tests/check_trace.py on the small
+#              trace (N = 2, 20 steps) and on BERT-mini's default size (4 steps), in fp32 and in bf16 (FSDP's
+#              mixed precision over an fp32 master); FSDP2 without the AVG workaround fails, diagnosed "summed
+#              over the 2 ranks". Runs in .venv-fsdp, made here from PyPI when missing (torch 2.7.1,
+#              transformers 4.46.3: 5.3 GB; FSDP_VENV=DIR uses another). Not in CI. Without PyPI: SKIP, with
+#              the reason.
 #
 # Ends with "N passed, M failed" (a SKIP counts in neither).
 set -u
@@ -273,10 +280,78 @@ check_deepspeed() {
   DEEPSPEED_VENV=$venv tests/peers/side_by_side.sh "$build" || fail "tests/peers/side_by_side.sh did not finish"
 }
 
+# FSDP's venv: the pinned versions from PyPI, made once. torch 2.7.1 because FSDP2 runs on the CPU from there
+# (an earlier trial: 2.5.1 says "FSDP requires CUDA for streams", 2.6.0 fails in foreach_all_gather); FSDP1
+# runs on it too.
+# PyPI's torch is the CUDA build (the CPU wheels' index, download.pytorch.org, may not be reachable where PyPI
+# is); it runs on the CPU all the same.
+fsdp_venv() {
+  local venv=$1 python=$1/bin/python
+  "$python" -c 'import torch, transformers
+assert (torch.__version__.split("+")[0], transformers.__version__) == ("2.7.1", "4.46.3")' >/dev/null 2>&1 && return 0
+  rm -rf "$venv"
+  echo "making $venv: torch 2.7.1, transformers 4.46.3 from PyPI (5.3 GB; minutes)"
+  if /usr/bin/python3 -m venv "$venv" >"$venv.log" 2>&1 &&
+     timeout 1800 "$python" -m pip install --disable-pip-version-check torch==2.7.1 transformers==4.46.3 >>"$venv.log" 2>&1; then
+    return 0
+  fi
+  rm -rf "$venv"
+  return 1
+}
+
+check_fsdp() {
+  local venv=${FSDP_VENV:-.venv-fsdp}
+  if ! fsdp_venv "$venv"; then
+    echo "SKIP: the FSDP peer needs $venv (torch 2.7.1 and transformers 4.46.3 from PyPI), which could not be made"
+    echo "      here: $(tail -n 1 "$venv.log" 2>/dev/null || echo "no $venv.log")"
+    return
+  fi
+  local python=$venv/bin/python peer=(tests/peers/fsdp_peer.py --nproc-per-node 2)
+  # The small trace (reference_trace.sh, 20 steps) and BERT-mini's default size (4 steps, as check_torch), in
+  # fp32 and bf16: a few seconds each.
+  make_reference "$work/ref" || { fail "zero2's reference trace could not be made"; return; }
+  make_reference "$work/ref_bf16" --precision bf16 || { fail "zero2's bf16 reference trace could not be made"; return; }
+  local precision
+  for precision in fp32 bf16; do
+    rm -rf "$work/ref_default_$precision"
+    if ! timeout 600 mpirun -n 2 "$trainer" --dropout 0 --steps 4 --trace-params-every 2 --precision "$precision" --quiet \
+           --trace "$work/ref_default_$precision" > "$work/reference.log" 2>&1; then
+      fail "zero2's $precision trace at the default size could not be made:"; tail -n 5 "$work/reference.log"; return
+    fi
+  done
+  local fsdp ref label
+  for fsdp in 1 2; do
+    for ref in ref "ref_bf16" ref_default_fp32 ref_default_bf16; do
+      case $ref in
+        ref) label="N = 2, fp32, 20 steps" ;;
+        ref_bf16) label="N = 2, bf16, 20 steps" ;;
+        ref_default_fp32) label="BERT-mini's default size, N = 2, fp32, 4 steps" ;;
+        ref_default_bf16) label="BERT-mini's default size, N = 2, bf16, 4 steps" ;;
+      esac
+      rm -rf "$work/theirs"
+      if timeout 900 "$python" "${peer[@]}" --fsdp "$fsdp" "$work/$ref" "$work/theirs" > "$work/peer.log" 2>&1; then
+        check "FSDP$fsdp peer ($label)" agrees "$work/$ref" "$work/theirs"
+      else
+        fail "FSDP$fsdp peer on $ref did not run:"; tail -n 5 "$work/peer.log"
+      fi
+    done
+  done
+  # gloo's reduce_scatter_tensor in torch 2.7.1 sums when asked to average: FSDP2 left with it reports twice
+  # zero2's gradients, and the checker must say so.
+  rm -rf "$work/theirs"
+  if timeout 900 "$python" "${peer[@]}" --fsdp 2 --no-avg-workaround "$work/ref" "$work/theirs" > "$work/peer.log" 2>&1; then
+    check "FSDP2 peer without the AVG workaround (gloo sums; N = 2, fp32)" "summed over the 2 ranks" "$work/ref" \
+      "$work/theirs"
+  else
+    fail "FSDP2 peer --no-avg-workaround did not run:"; tail -n 5 "$work/peer.log"
+  fi
+}
+
 case $peer in
   torch) check_torch ;;
   deepspeed) check_deepspeed ;;
-  *) echo "check_peer.sh: PEER is torch or deepspeed (make check-peer PEER=...)"; echo "0 passed, 1 failed"; exit 2 ;;
+  fsdp) check_fsdp ;;
+  *) echo "check_peer.sh: PEER is torch, deepspeed or fsdp (make check-peer PEER=...)"; echo "0 passed, 1 failed"; exit 2 ;;
 esac
 echo "--- conformance"
 conformance_table
