@@ -44,6 +44,8 @@
 #                 (fp32 and bf16, small and default size) and are checked; FSDP2 without its workaround for
 #                 gloo's AVG-that-sums must fail, diagnosed; makes .venv-fsdp from PyPI (5.3 GB) the first
 #                 time. Not in CI
+#   make check-peer PEER=large  the same peers (and zero2 --portable) on a model of 25.9M parameters, fp32
+#                 and bf16: the tolerances at 7.5x BERT-mini's size. Not in CI
 #   make notes    regenerate the measured tables in notes/
 #   make figures  regenerate the pictures in notes/figures/ (loss curve, memory over a step)
 #   make deps     install missing Debian packages (as root), or print the command

@@ -22,8 +22,12 @@
 #              over the 2 ranks". Runs in .venv-fsdp, made here from PyPI when missing (torch 2.7.1,
 #              transformers 4.46.3: 5.3 GB; FSDP_VENV=DIR uses another). Not in CI. Without PyPI: SKIP, with
 #              the reason.
+#   large      a model of 25.9M parameters (8 layers, hidden 512), fp32 and bf16, 3 steps: zero2 --portable,
+#              the torch peer (fp32) and, where .venv-fsdp is made, FSDP1 and FSDP2 all pass. Not in CI
+#              (about 5 minutes).
 #
-# Ends with "N passed, M failed" (a SKIP counts in neither).
+# Ends with a conformance table (every verdict: a correct peer's closest call, a planted mistake's margin and
+# whether it was named) and "N passed, M failed" (a SKIP counts in neither).
 set -u
 cd "$(dirname "$0")/../.."
 peer=${1:-}
@@ -347,11 +351,58 @@ check_fsdp() {
   fi
 }
 
+# A model of 25.9M parameters (8 layers, hidden 512, intermediate 2048; 7.5x BERT-mini's default): every
+# correct implementation at hand, fp32 and bf16, 3 steps all kept. The tolerances grow with the reductions
+# they cover (notes/12, "Tolerances"); this is where a tolerance that did not would fail a correct peer.
+# About 30 s a run on two cores; the FSDP peers where .venv-fsdp is already made (PEER=fsdp makes it).
+check_large() {
+  local flags=(--layers 8 --hidden 512 --heads 8 --intermediate 2048 --dropout 0 --steps 3 --trace-params-every 1)
+  local precision label
+  for precision in fp32 bf16; do
+    label="25.9M parameters, N = 2, $precision, 3 steps"
+    rm -rf "$work/large_$precision" "$work/theirs"
+    if ! timeout 1200 mpirun -n 2 "$trainer" "${flags[@]}" --precision "$precision" --quiet \
+           --trace "$work/large_$precision" > "$work/reference.log" 2>&1; then
+      fail "zero2's $precision trace of the large model could not be made:"; tail -n 5 "$work/reference.log"; return
+    fi
+    if timeout 1200 mpirun -n 2 "$trainer" "${flags[@]}" --precision "$precision" --portable --quiet \
+         --trace "$work/theirs" > "$work/peer.log" 2>&1; then
+      check "zero2 --portable, its own gemm ($label)" agrees "$work/large_$precision" "$work/theirs"
+    else
+      fail "zero2 --portable on the large model did not run:"; tail -n 5 "$work/peer.log"
+    fi
+    if [ "$precision" = fp32 ] && .venv-hf/bin/python -c 'import torch, transformers' 2>/dev/null; then
+      rm -rf "$work/theirs"
+      if timeout 1800 .venv-hf/bin/python tests/peers/torch_peer.py --nproc-per-node 2 --step zero-redundancy \
+           "$work/large_$precision" "$work/theirs" > "$work/peer.log" 2>&1; then
+        check "torch peer --step zero-redundancy ($label)" agrees "$work/large_$precision" "$work/theirs"
+      else
+        fail "the torch peer on the large model did not run:"; tail -n 5 "$work/peer.log"
+      fi
+    fi
+    local fsdp python=${FSDP_VENV:-.venv-fsdp}/bin/python
+    if ! "$python" -c 'import torch, transformers' 2>/dev/null; then
+      echo "SKIP the FSDP peers ($precision): no ${FSDP_VENV:-.venv-fsdp} (make check-peer PEER=fsdp makes it)"
+      continue
+    fi
+    for fsdp in 1 2; do
+      rm -rf "$work/theirs"
+      if timeout 1800 "$python" tests/peers/fsdp_peer.py --nproc-per-node 2 --fsdp "$fsdp" "$work/large_$precision" \
+           "$work/theirs" > "$work/peer.log" 2>&1; then
+        check "FSDP$fsdp peer ($label)" agrees "$work/large_$precision" "$work/theirs"
+      else
+        fail "the FSDP$fsdp peer on the large model did not run:"; tail -n 5 "$work/peer.log"
+      fi
+    done
+  done
+}
+
 case $peer in
   torch) check_torch ;;
   deepspeed) check_deepspeed ;;
   fsdp) check_fsdp ;;
-  *) echo "check_peer.sh: PEER is torch, deepspeed or fsdp (make check-peer PEER=...)"; echo "0 passed, 1 failed"; exit 2 ;;
+  large) check_large ;;
+  *) echo "check_peer.sh: PEER is torch, deepspeed, fsdp or large (make check-peer PEER=...)"; echo "0 passed, 1 failed"; exit 2 ;;
 esac
 echo "--- conformance"
 conformance_table
