@@ -970,7 +970,7 @@ class ConfigReader {
         refuse(full, json_text(entry) +
                          " is neither \"linear\" nor \"log\": DeepSpeed's WarmupCosineLR takes it and raises "
                          "UnboundLocalError at its first step (lr_schedules.py:832-837)");
-      else {  // lr_schedules.py WarmupLR.__init__ (:664-668): a warning, then the log warmup
+      else {  // lr_schedules.py WarmupLR.__init__ (:670-673): a warning, then the log warmup
         out_.flags.push_back({"--warmup-type", "log", full});
         out_.warnings.push_back("config key '" + full + "' is " + json_text(entry) +
                                 ", neither \"linear\" nor \"log\": DeepSpeed warns and warms up logarithmically, "

@@ -816,12 +816,12 @@ static double deepspeed_learning_rate(const Settings& s, long t) {
 // expression in DeepSpeed's order of operations, in double as Python's float.
 //
 // WarmupCosineLR (lr_schedules.py:774-870): the peak is the optimizer's lr
-// (org_lrs, :817); __init__ sets get_lr() at i = -1, which is 0 (:855-857);
-// W = max(2, warmup_num_steps) (:810); get_lr_ratio (:826-845): while i < W,
+// (org_lrs, :820); __init__ sets get_lr() at i = -1, which is 0 (:853-857);
+// W = max(2, warmup_num_steps) (:814); get_lr_ratio (:826-845): while i < W,
 // wmin + ((1 / ln W) ln(i + 1) or i / W) (1 - wmin); then, with r = i - W + 1
 // and T = S - W, max(0, cmin + (1 - cmin) (1 + cos(pi r / T)) / 2), with no
 // clamp past S (the cosine rises again). check_scheduler refuses S == W
-// (ZeroDivisionError at :842 in DeepSpeed). cos(pi r / T) has period 2|T| in
+// (ZeroDivisionError at :843 in DeepSpeed). cos(pi r / T) has period 2|T| in
 // the integer r, so r is first reduced mod 2|T| (exact): the argument stays
 // in [0, 2 pi], where cos_double holds its bound, and within the schedule
 // (r < 2T) it is DeepSpeed's own double, pi * r / T.
@@ -845,15 +845,15 @@ static double warmup_cosine_learning_rate(const Settings& s, long t) {
 
 // OneCycle (lr_schedules.py:371-630). __init__ sets cycle_min_lr at i = -1
 // (_initialize_lr, :495-499). total = first + second step sizes (second None:
-// the first's, :478-481), step_ratio = first / total (:482). While
+// the first's, :478-479), step_ratio = first / total (:482). While
 // i < total (get_lr, :584-590), _get_scale_factor (:528-537): b = i + 1,
 // cycle = floor(1 + b / total), x = 1 + b / total - cycle, scale x / ratio
 // when x <= ratio, else (x - 1) / (ratio - 1); the rate min + (max - min)
 // scale (_get_cycle_lr, :550-558). After, with d = i - total + 1
 // (_get_decay_lr, :570-582): min / (1 + decay_lr_rate (d / decay_step_size)),
 // or min itself when decay_step_size or decay_lr_rate is 0 (skip_lr_decay:
-// math.isclose(x, 0) is x == 0 at its default tolerances, :488-493, :503-504).
-// The stair counts are never read (:485-486 store them, nothing uses them).
+// math.isclose(x, 0) is x == 0 at its default tolerances, :487-492, :504-505).
+// The stair counts are never read (:483-484 store them, nothing uses them).
 struct OneCycleShape {
   double total, step_ratio;
 };
@@ -905,13 +905,13 @@ double learning_rate(const Settings& s, long t) {
 // OneCycle's momentum (cycle_momentum true, its default): the optimizer's
 // betas become (beta1, 0.99) (_initialize_momentum, :508-526, builds
 // (cycle_min_mom, 0.99) and (cycle_max_mom, 0.99), whatever the optimizer's
-// beta2 was), set in every step() after the rate (:618-621). __init__ sets
-// (cycle_min_mom, 0.99) at i = -1 (:519-521), although the cycle's formula
+// beta2 was), set in every step() after the rate (:618-624). __init__ sets
+// (cycle_min_mom, 0.99) at i = -1 (:521-523), although the cycle's formula
 // there would give cycle_max_mom. Then, while i < total, beta1 = max_mom -
 // (max_mom - min_mom) scale (_get_cycle_mom, :539-548), the inverse of the
 // rate's cycle; after, max_mom (1 + decay_mom_rate (d / decay_step_size)),
 // or max_mom when decay_step_size or decay_mom_rate is 0 (_get_decay_mom,
-// :560-568; skip_mom_decay, :488-493, :525-526). FusedAdam and
+// :560-568; skip_mom_decay, :487-492, :525-526). FusedAdam and
 // DeepSpeedCPUAdam read group['betas'] at each step, and their bias
 // correction is 1 - beta1^t with the step's beta1 (zero2.cu adamw_constants).
 bool betas_cycle(const Settings& s) {
@@ -941,7 +941,7 @@ static void check_scheduler(const Settings& s) {
   if (s.schedule_convention != "deepspeed") return;
   // WarmupCosineLR divides by T = S - W once i reaches W (lr_schedules.py:843:
   // ZeroDivisionError); refused before the run, since a longer or resumed run
-  // would get there. (S < W only warns in DeepSpeed, :816-818: the header says so.)
+  // would get there. (S < W only warns in DeepSpeed, :817-819: the header says so.)
   const long W = std::max(2l, s.warmup);
   if (s.scheduler == "WarmupCosineLR" && s.schedule_steps == W)
     fail(
