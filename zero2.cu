@@ -1213,8 +1213,7 @@ StepReport Engine::RankState::open_step() {
   report.beta1 = betas.first, report.beta2 = betas.second;
   // (The same range as check_options' for the fixed betas; a NaN fails it too.)
   if (!(report.beta1 >= 0 && report.beta1 < 1) || !(report.beta2 >= 0 && report.beta2 < 1))
-    usage_error("the betas schedule gave (%g, %g) for step %ld: each must be in [0, 1)", report.beta1, report.beta2,
-                t);
+    usage_error("the betas schedule gave (%g, %g) for step %ld: each must be in [0, 1)", report.beta1, report.beta2, t);
   return report;
 }
 

@@ -273,8 +273,8 @@ inline double cos_two_pi(double u) {
 inline double cos_double(double x) {
   if (x < 0) x = -x;
   const double k = std::floor(x * 0.6366197723675814 + 0.5);  // x / (pi/2), nearest; an integer < 2^20
-  const double r = ((x - k * 1.57079632673412561417e+00) - k * 6.07710050630396597660e-11) -
-                   k * 2.02226624871116645580e-21;
+  const double r =
+      ((x - k * 1.57079632673412561417e+00) - k * 6.07710050630396597660e-11) - k * 2.02226624871116645580e-21;
   const double r2 = r * r;
   constexpr double cos_terms[10] = {1.0,
                                     -1.0 / 2,

@@ -25,9 +25,7 @@ bert::Settings deepspeed(const std::string& scheduler) {
 std::string refusal(bert::Settings s, int world_size = 2) {
   try {
     bert::check_consistency(s, world_size);
-  } catch (const std::exception& error) {
-    return error.what();
-  }
+  } catch (const std::exception& error) { return error.what(); }
   return "";
 }
 
@@ -126,7 +124,8 @@ TEST_CASE("DeepSpeed's LRRangeTest, step by step: continuous and staircase") {
   CHECK(bert::learning_rate(s, 7) == 1.5);
 }
 
-TEST_CASE("DeepSpeed's schedulers: a WarmupCosineLR that divides by zero, and a OneCycle beta1 that reaches 1, refused") {
+TEST_CASE(
+    "DeepSpeed's schedulers: a WarmupCosineLR that divides by zero, and a OneCycle beta1 that reaches 1, refused") {
   bert::Settings s = deepspeed("WarmupCosineLR");
   s.steps = 20, s.warmup = 4, s.schedule_steps = 4;
   s.origins["--schedule-steps"] = "config:scheduler.params.total_num_steps";
@@ -179,9 +178,7 @@ TEST_CASE("DeepSpeed's schedulers' params: each out of its range refused, naming
     std::string message;
     try {
       bert::apply(s, c.flag, c.value, key);
-    } catch (const std::exception& error) {
-      message = error.what();
-    }
+    } catch (const std::exception& error) { message = error.what(); }
     CHECK_MESSAGE(message.find(key) != std::string::npos, c.flag, " ", c.value, ": ", message);
     CHECK_MESSAGE(message.find(c.says) != std::string::npos, c.flag, " ", c.value, ": ", message);
   }

@@ -562,12 +562,25 @@ void adopt_checkpoint(Settings& s, int world_size) {
   // had WarmupLR or WarmupDecayLR ("warmup"), the others' params unused at
   // their defaults (a fresh Settings' values).
   const json before_schedulers = recorded_values(Settings{});
-  const std::set<std::string> scheduler_keys = {
-      "scheduler",           "warmup_min_ratio",        "cos_min_ratio",           "cycle_min_lr",
-      "cycle_max_lr",        "decay_lr_rate",           "cycle_first_step_size",   "cycle_second_step_size",
-      "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size",  "cycle_momentum",
-      "cycle_min_mom",       "cycle_max_mom",           "decay_mom_rate",          "lr_range_test_min_lr",
-      "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase"};
+  const std::set<std::string> scheduler_keys = {"scheduler",
+                                                "warmup_min_ratio",
+                                                "cos_min_ratio",
+                                                "cycle_min_lr",
+                                                "cycle_max_lr",
+                                                "decay_lr_rate",
+                                                "cycle_first_step_size",
+                                                "cycle_second_step_size",
+                                                "cycle_first_stair_count",
+                                                "cycle_second_stair_count",
+                                                "decay_step_size",
+                                                "cycle_momentum",
+                                                "cycle_min_mom",
+                                                "cycle_max_mom",
+                                                "decay_mom_rate",
+                                                "lr_range_test_min_lr",
+                                                "lr_range_test_step_size",
+                                                "lr_range_test_step_rate",
+                                                "lr_range_test_staircase"};
   for (const RecordedSetting& setting : recorded_settings) {
     const bool unrecorded_schedule = std::string(setting.key) == "schedule_convention" && !saved.contains(setting.key);
     const bool unrecorded_scheduler = scheduler_keys.count(setting.key) && !saved.contains(setting.key);

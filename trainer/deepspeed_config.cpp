@@ -168,7 +168,6 @@ static const std::map<std::string, std::set<std::string>> scheduler_params = {
      {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase",
       "last_batch_iteration"}}};
 
-
 // Optimizer types DeepSpeed builds that are not AdamW: its own (runtime/
 // config.py DEEPSPEED_OPTIMIZERS, matched in any case) and torch.optim's
 // (engine.py _configure_basic_optimizer, getattr(torch.optim, name): the
@@ -979,7 +978,8 @@ class ConfigReader {
     } else if (param == "last_batch_iteration")
       must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
     else if (param == "cycle_momentum" || param == "lr_range_test_staircase") {
-      if (is_auto(entry) || !entry.is_boolean()) return refuse(full, "wants true or false (got " + json_text(entry) + ")");
+      if (is_auto(entry) || !entry.is_boolean())
+        return refuse(full, "wants true or false (got " + json_text(entry) + ")");
       out_.flags.push_back({param, entry.get<bool>() ? "1" : "0", full});
     } else {  // a number of WarmupCosineLR, OneCycle or LRRangeTest
       // None (JSON null) is DeepSpeed's default for these two: the first's value.
@@ -991,8 +991,9 @@ class ConfigReader {
       const std::string text = number(entry, full);
       if (!text.empty()) out_.flags.push_back({param, text, full});
       if (param == "cycle_first_stair_count" || param == "cycle_second_stair_count")
-        out_.notes.push_back(full + " has no effect: DeepSpeed's OneCycle stores it and never reads it "
-                                    "(lr_schedules.py:483-484), and neither does this trainer");
+        out_.notes.push_back(full +
+                             " has no effect: DeepSpeed's OneCycle stores it and never reads it "
+                             "(lr_schedules.py:483-484), and neither does this trainer");
     }
   }
   static bool scheduler_param_known(const std::string& param) {

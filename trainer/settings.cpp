@@ -462,13 +462,14 @@ static void choose_schedule(Settings& s, const ConfigReading& config, const std:
   // The schedule flags act on WarmupLR's and WarmupDecayLR's params, and
   // (but --decay) on WarmupCosineLR's; OneCycle and LRRangeTest have none of
   // them (their constructors would raise TypeError on each).
-  const bool other = config.scheduler == "WarmupCosineLR" || config.scheduler == "OneCycle" ||
-                     config.scheduler == "LRRangeTest";
+  const bool other =
+      config.scheduler == "WarmupCosineLR" || config.scheduler == "OneCycle" || config.scheduler == "LRRangeTest";
   for (const char* flag : {"--warmup", "--warmup-type", "--decay", "--schedule-steps"})
     if (other && flags.count(flag) && (std::string(flag) == "--decay" || config.scheduler != "WarmupCosineLR"))
-      fail("%s acts on DeepSpeed's WarmupLR / WarmupDecayLR%s, and the config's scheduler.type is \"%s\": give "
-           "its own params in the config",
-           flag, std::string(flag) == "--decay" ? "" : " / WarmupCosineLR", config.scheduler.c_str());
+      fail(
+          "%s acts on DeepSpeed's WarmupLR / WarmupDecayLR%s, and the config's scheduler.type is \"%s\": give "
+          "its own params in the config",
+          flag, std::string(flag) == "--decay" ? "" : " / WarmupCosineLR", config.scheduler.c_str());
   // WarmupDecayLR's and WarmupCosineLR's total_num_steps is a required
   // argument (lr_schedules.py:746-748, :797-799: no default): DeepSpeed
   // raises TypeError without it.

@@ -119,10 +119,10 @@ static json conventions(const Settings& s) {
        "m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t) (bias_correction; without it m and v), t the "
        "updates applied so far, lr = steps[].lr"},
       {"learning_rate", "steps[].lr is the rate of that step's update, whatever schedule gave it"},
-      {"betas",
-       betas_cycle(s) ? "steps[].betas are that update's (beta1, beta2), which DeepSpeed's OneCycle sets per step; "
-                        "optimizer.betas are the optimizer's own, which act in no update"
-                      : "optimizer.betas in every update"},
+      {"betas", betas_cycle(s)
+                    ? "steps[].betas are that update's (beta1, beta2), which DeepSpeed's OneCycle sets per step; "
+                      "optimizer.betas are the optimizer's own, which act in no update"
+                    : "optimizer.betas in every update"},
       {"dropout", s.dropout == 0
                       ? "0: a replay computes the same functions"
                       : "> 0: zero2 draws its masks from a hash of (seed, step, sample, layer, site, element), which "
@@ -193,16 +193,16 @@ static json step_record(const TracedStep& traced, bool betas_cycle) {
   json losses = json::array();
   for (float loss : traced.micro_batch_losses) losses.push_back(exact(loss));
   json record = {{"step", r.step},
-          {"lr", r.lr},
-          {"loss", exact(r.loss)},
-          {"loss_bits", float_bits(r.loss)},
-          {"grad_norm", exact(r.grad_norm)},
-          {"clip_coefficient", exact(r.clip_coefficient)},
-          {"loss_scale", r.loss_scale},
-          {"skipped", r.skipped},
-          {"selected", selected},
-          {"micro_batch_losses", losses},
-          {"micro_batch_selected", traced.micro_batch_selected}};
+                 {"lr", r.lr},
+                 {"loss", exact(r.loss)},
+                 {"loss_bits", float_bits(r.loss)},
+                 {"grad_norm", exact(r.grad_norm)},
+                 {"clip_coefficient", exact(r.clip_coefficient)},
+                 {"loss_scale", r.loss_scale},
+                 {"skipped", r.skipped},
+                 {"selected", selected},
+                 {"micro_batch_losses", losses},
+                 {"micro_batch_selected", traced.micro_batch_selected}};
   // (DeepSpeed's OneCycle sets Adam's betas every step: that step's pair.)
   if (betas_cycle) record["betas"] = {r.beta1, r.beta2};
   return record;
