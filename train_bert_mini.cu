@@ -1795,6 +1795,7 @@ void Training<Act>::train_step(long step) {
   run_.steps.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, run_.tokens_per_step / (ms / 1000.0),
                         report.loss_scale, report.skipped});
   StepRecord& record = run_.steps.back();
+  record.beta1 = report.beta1, record.beta2 = report.beta2;
   record.gemm_ms = (compute_->gemm_seconds() - gemm_seconds_before) * 1000.0;
   if (settings_.wall_clock_breakdown) {
     const typename Model<Act>::Times times = model_->take_times();

@@ -445,7 +445,7 @@ struct Engine::RankState {
   template <class Working>
   void chunk_largest_as(int b);
   float clip_coefficient(float grad_norm) const;
-  AdamWConstants adamw_constants(double lr, long t, float grad_scale) const;
+  AdamWConstants adamw_constants(const StepReport& report, long t, float grad_scale) const;
   struct StepOverShards;  // what the own-shards seam is lent: AdamW and the all-gather of a bucket
   void update_and_gather(StepReport& report);
   template <class Working>
@@ -1208,6 +1208,12 @@ StepReport Engine::RankState::open_step() {
   report.lr = options.lr_schedule ? options.lr_schedule(t) : options.lr;
   if (!std::isfinite(report.lr) || report.lr < 0)
     usage_error("the learning-rate schedule gave %g for step %ld: it must be finite and >= 0", report.lr, t);
+  const std::pair<double, double> betas =
+      options.betas_schedule ? options.betas_schedule(t) : std::make_pair(options.beta1, options.beta2);
+  report.beta1 = betas.first, report.beta2 = betas.second;
+  // (The same range as check_options' for the fixed betas; a NaN fails it too.)
+  if (!(report.beta1 >= 0 && report.beta1 < 1) || !(report.beta2 >= 0 && report.beta2 < 1))
+    usage_error("the betas schedule gave (%g, %g) for step %ld: each must be in [0, 1)", report.beta1, report.beta2, t);
   return report;
 }
 
@@ -1429,20 +1435,22 @@ float Engine::RankState::clip_coefficient(float grad_norm) const {
   return std::min(coefficient, 1.0f);
 }
 
-// torch.optim.AdamW's scalars, computed in double, for update t (1-based).
-AdamWConstants Engine::RankState::adamw_constants(double lr, long t, float grad_scale) const {
+// torch.optim.AdamW's scalars, computed in double, for update t (1-based),
+// with the step's rate and betas (open_step: a scheduler may set both).
+AdamWConstants Engine::RankState::adamw_constants(const StepReport& report, long t, float grad_scale) const {
   const EngineOptions& o = options;
+  const double lr = report.lr, beta1 = report.beta1, beta2 = report.beta2;
   AdamWConstants constants;
   constants.decay_factor = (float)(1.0 - lr * o.weight_decay);
-  constants.one_minus_beta1 = (float)(1.0 - o.beta1);
-  constants.beta2 = (float)o.beta2;
-  constants.one_minus_beta2 = (float)(1.0 - o.beta2);
+  constants.one_minus_beta1 = (float)(1.0 - beta1);
+  constants.beta2 = (float)beta2;
+  constants.one_minus_beta2 = (float)(1.0 - beta2);
   constants.eps = (float)o.eps;
   // Without bias correction the step is -lr and the divisor 1 (exact: v / 1 = v).
   // beta^t by repeated squaring (runtime/math.h's power_double), not libm's pow:
   // the same double on every machine.
-  constants.negative_step_size = (float)(o.bias_correction ? -lr / (1.0 - power_double(o.beta1, t)) : -lr);
-  constants.bias_correction2_sqrt = o.bias_correction ? (float)std::sqrt(1.0 - power_double(o.beta2, t)) : 1.0f;
+  constants.negative_step_size = (float)(o.bias_correction ? -lr / (1.0 - power_double(beta1, t)) : -lr);
+  constants.bias_correction2_sqrt = o.bias_correction ? (float)std::sqrt(1.0 - power_double(beta2, t)) : 1.0f;
   constants.grad_scale = grad_scale;
   return constants;
 }
@@ -1487,7 +1495,7 @@ Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketIn
 void Engine::RankState::update_and_gather(StepReport& report) {
   const long t = engine.optimizer_step_ + 1;
   const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
-  StepOverShards shards(*this, adamw_constants(report.lr, t, grad_scale));
+  StepOverShards shards(*this, adamw_constants(report, t, grad_scale));
   z2::update_and_gather(shards, buckets, stage);
   wait_for_all_gathers();
   engine.optimizer_step_ = t;

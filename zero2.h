@@ -65,6 +65,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 // Z2_HD marks code that runs on both backends: a function (written
@@ -143,6 +144,12 @@ struct EngineOptions {
   // Learning rate of optimizer step `step` (1-based, as torch counts); when
   // empty, `lr` is used throughout. This is the hook for warmup and decay.
   std::function<double(long step)> lr_schedule;
+  // Adam's (beta1, beta2) of optimizer step `step` (1-based), when a
+  // scheduler sets them per step (DeepSpeed's OneCycle with cycle_momentum:
+  // beta1 cycles, beta2 is 0.99; trainer/settings.cpp); when empty, beta1 and
+  // beta2 throughout. The bias corrections take the step's own betas, as
+  // torch's AdamW and DeepSpeed's FusedAdam do (1 - beta1^t with this beta1).
+  std::function<std::pair<double, double>(long step)> betas_schedule;
   // Mixed precision (notes/08): bf16 or fp16 working parameters and
   // gradients (2 bytes each), fp32 master weights and AdamW state. fp32: the
   // parameters are their own master copy.
@@ -211,6 +218,7 @@ struct StepReport {
   float grad_norm = 0;  // global L2 norm before clipping (unscaled; inf or NaN on an fp16 overflow)
   float clip_coefficient = 1;
   double lr = 0;          // the learning rate of the update (of the update it would have been, when skipped)
+  double beta1 = 0, beta2 = 0;  // Adam's betas of the update (EngineOptions::betas_schedule, or beta1 and beta2)
   double loss_scale = 1;  // the scale this step's gradients carry (fp16; 1 otherwise)
   bool skipped = false;   // fp16: a gradient overflowed on some rank, so no rank updated
 };

@@ -261,6 +261,47 @@ inline double cos_two_pi(double u) {
   return sign * (as_sine ? x * horner<0, 9>(sin_terms, x2) : horner<0, 9>(cos_terms, x2));
 }
 
+// cos x of a double |x| <= 2^20 (DeepSpeed's WarmupCosineLR, whose argument
+// pi r / T the caller keeps in [0, 2 pi]: trainer/settings.cpp). Cody and
+// Waite's reduction x = k pi/2 + r, k the nearest integer, with pi/2 in three
+// parts of 33 bits (fdlibm's pio2_1, pio2_2, pio2_3), so that k times each is
+// exact for k < 2^20 and the first subtraction is exact (Sterbenz); the other
+// two round by < 2^-54 of |r| <= pi/4 each, and the third part's tail
+// (pio2_3t, 8.5e-32) times k is < 1e-25. Then cos r or sin r by Taylor's
+// series to r^18 / r^19 as in cos_two_pi (< 3e-18 left), signed by the
+// quadrant k mod 4: within ~2.5e-16 of cos x absolutely (tests/test_math.cpp).
+inline double cos_double(double x) {
+  if (x < 0) x = -x;
+  const double k = std::floor(x * 0.6366197723675814 + 0.5);  // x / (pi/2), nearest; an integer < 2^20
+  const double r =
+      ((x - k * 1.57079632673412561417e+00) - k * 6.07710050630396597660e-11) - k * 2.02226624871116645580e-21;
+  const double r2 = r * r;
+  constexpr double cos_terms[10] = {1.0,
+                                    -1.0 / 2,
+                                    1.0 / 24,
+                                    -1.0 / 720,
+                                    1.0 / 40320,
+                                    -1.0 / 3628800,
+                                    1.0 / 479001600,
+                                    -1.0 / 87178291200.0,
+                                    1.0 / 20922789888000.0,
+                                    -1.0 / 6402373705728000.0};  // (-1)^j / (2j)!
+  constexpr double sin_terms[10] = {1.0,
+                                    -1.0 / 6,
+                                    1.0 / 120,
+                                    -1.0 / 5040,
+                                    1.0 / 362880,
+                                    -1.0 / 39916800,
+                                    1.0 / 6227020800.0,
+                                    -1.0 / 1307674368000.0,
+                                    1.0 / 355687428096000.0,
+                                    -1.0 / 121645100408832000.0};  // (-1)^j / (2j + 1)!
+  // cos(k pi/2 + r): cos r, -sin r, -cos r, sin r for k = 0, 1, 2, 3 mod 4.
+  const long quadrant = (long)k & 3;
+  const double value = (quadrant & 1) ? r * horner<0, 9>(sin_terms, r2) : horner<0, 9>(cos_terms, r2);
+  return quadrant == 1 || quadrant == 2 ? -value : value;
+}
+
 // base^exponent for an integer exponent >= 0 by repeated squaring (Adam's
 // bias corrections beta^t): multiplications only, the same on every machine,
 // where libm's pow is a different function per library (and per CPU: glibc

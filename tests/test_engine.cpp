@@ -251,14 +251,17 @@ TEST_CASE("AdamW matches torch.optim.AdamW's formulas computed in double") {
   // ulps of 1, far below 1e-6, while a wrong formula (bias correction, decay
   // on the bias, clipping, a lerp branch) moves them by ~1e-3.
   // beta1 = 0.8 and 0.3 take both branches of torch's lerp (weight 1 - beta1
-  // below and above 0.5).
+  // below and above 0.5); "beta1" -1 gives the betas per update through
+  // betas_schedule (DeepSpeed's OneCycle cycles beta1), and the reference
+  // takes each step's in its moments and bias corrections, as torch's AdamW
+  // and DeepSpeed's FusedAdam do (1 - beta1^t with that step's beta1).
   const size_t sizes[] = {300, 45};
   const bool decays[] = {true, false};
   const int steps = 6;
   for (const auto& backend : harness::backends())
     for (int stage : {0, 1, 2})
       for (int A : {1, 2})
-        for (double beta1 : {0.8, 0.3}) {
+        for (double beta1 : {0.8, 0.3, -1.0}) {
           z2::Compute& compute = *backend.compute;
           z2::Communicator& comm = *backend.deterministic;
           const int N = comm.world_size();
@@ -273,6 +276,8 @@ TEST_CASE("AdamW matches torch.optim.AdamW's formulas computed in double") {
           options.weight_decay = 0.3;
           options.clip = 2.0;
           options.lr_schedule = [](long t) { return 0.05 / (double)t; };
+          auto betas_of = [](long t) { return std::make_pair(0.85 - 0.05 * (double)(t % 3), 0.9 + 0.01 * (double)t); };
+          if (beta1 < 0) options.beta1 = 0.9, options.betas_schedule = betas_of;
           z2::Engine engine(compute, comm, options);
           std::vector<z2::ParameterId> ids;
           for (int p = 0; p < 2; ++p) ids.push_back(engine.add_parameter(p ? "bias" : "weight", sizes[p], decays[p]));
@@ -316,15 +321,17 @@ TEST_CASE("AdamW matches torch.optim.AdamW's formulas computed in double") {
             clipped_once |= coefficient < 1.0;
             norms_agree &= std::fabs(report.grad_norm - norm) <= 1e-5 * norm;
             const double lr = 0.05 / t;
+            const double b1 = beta1 < 0 ? betas_of(t).first : options.beta1,
+                         b2 = beta1 < 0 ? betas_of(t).second : options.beta2;
             k = 0;
             for (int p = 0; p < 2; ++p)
               for (size_t i = 0; i < sizes[p]; ++i, ++k) {
                 const double gk = g[k] * coefficient;
                 if (decays[p]) param[k] *= 1.0 - lr * options.weight_decay;
-                mean[k] = options.beta1 * mean[k] + (1 - options.beta1) * gk;
-                variance[k] = options.beta2 * variance[k] + (1 - options.beta2) * gk * gk;
-                const double m_hat = mean[k] / (1 - std::pow(options.beta1, t));
-                const double v_hat = variance[k] / (1 - std::pow(options.beta2, t));
+                mean[k] = b1 * mean[k] + (1 - b1) * gk;
+                variance[k] = b2 * variance[k] + (1 - b2) * gk * gk;
+                const double m_hat = mean[k] / (1 - std::pow(b1, t));
+                const double v_hat = variance[k] / (1 - std::pow(b2, t));
                 param[k] -= lr * m_hat / (std::sqrt(v_hat) + options.eps);
               }
           }

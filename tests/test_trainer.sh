@@ -1538,8 +1538,9 @@ cat > "$work/ds_many.json" <<'JSON'
  "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}, "bf16": {"enabled": false, "loss_scale": 0},
  "tensorboard": {"enabled": true, "output_path": "tb"}}
 JSON
-ds_refused "$work/ds_many.json" 11 "optimizer.type: \"Lamb\" is not supported" "optimizer.params.max_coeff: a DeepSpeed feature not implemented here" \
-  "scheduler.type: \"OneCycle\"" "scheduler.params.last_batch_iteration: 5" "zero_optimization.stage: 3 is not supported" \
+ds_refused "$work/ds_many.json" 12 "optimizer.type: \"Lamb\" is not supported" "optimizer.params.max_coeff: a DeepSpeed feature not implemented here" \
+  "scheduler.params.cycle_min_lr: missing: DeepSpeed's OneCycle has no default for it" "scheduler.params.cycle_max_lr: missing" \
+  "scheduler.params.last_batch_iteration: 5" "zero_optimization.stage: 3 is not supported" \
   "zero_optimization.overlap_comm: wants true or false" "gradient_predivide_factor: 2.0" "prescale_gradients: true" \
   "steps_per_print: wants an integer from 1" "trian_batch_size: not a DeepSpeed key" "fp16.fp16_master_weights_and_grads"
 grep -qF "tensorboard" "$work/bad_stderr" && fail "ds_many.json: an enabled tensorboard (logging only) was refused"
@@ -1547,14 +1548,13 @@ grep -qF "tensorboard" "$work/bad_stderr" && fail "ds_many.json: an enabled tens
 cat > "$work/ds_features.json" <<'JSON'
 {"sparse_attention": {"mode": "fixed"}, "pipeline": {"activation_checkpoint_interval": 1},
  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "min_coeff": 0.01, "momentum": 0.9}},
- "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.1}},
+ "scheduler": {"type": "WarmupLR", "params": {"warmup_min_ratio": 0.1}},
  "zero_optimization": {"stage": 2, "mics_shard_size": 4}}
 JSON
-ds_refused "$work/ds_features.json" 7 "sparse_attention: a DeepSpeed feature not implemented here" "pipeline: a DeepSpeed feature not implemented here" \
+ds_refused "$work/ds_features.json" 6 "sparse_attention: a DeepSpeed feature not implemented here" "pipeline: a DeepSpeed feature not implemented here" \
   "optimizer.params.min_coeff: a DeepSpeed feature not implemented here (Lamb's parameter; DeepSpeed's FusedAdam raises TypeError" \
   "optimizer.params.momentum: a DeepSpeed feature not implemented here (SGD's parameter" \
-  "scheduler.type: \"WarmupCosineLR\" is not supported: a DeepSpeed feature not implemented here" \
-  "scheduler.params.warmup_min_ratio: a DeepSpeed feature not implemented here (WarmupCosineLR's parameter)" \
+  "scheduler.params.warmup_min_ratio: not a parameter of WarmupLR (DeepSpeed's WarmupLR.__init__ raises TypeError on it; it is WarmupCosineLR's)" \
   "zero_optimization.mics_shard_size: 4 is not supported: a DeepSpeed feature not implemented here (MiCS)"
 grep -q "not a DeepSpeed key" "$work/bad_stderr" && fail "a DeepSpeed feature's key called not a DeepSpeed key: $(cat "$work/bad_stderr")"
 echo '{"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": false}}}' > "$work/ds_adam_l2.json"
@@ -1661,6 +1661,126 @@ PY
 )
 [ "$verdict" = ok ] && pass "rates as DeepSpeed's engine steps WarmupDecayLR (log, linear; 10, 4 and 13 steps) and WarmupLR (W = 1, 0), past an fp16-skipped step, and the scheduler a --warmup flag adds: each step's lr" ||
   fail "schedules: $verdict"
+# DeepSpeed's other three schedulers: each step's lr (and OneCycle's betas)
+# against tests/deepspeed_schedulers.py, a transcription of lr_schedules.py's
+# classes (v0.16.9) stepped on a stand-in optimizer as the engine steps them,
+# with Python's own math.cos / math.log (not the trainer's code); runs past
+# an fp16-skipped step, past total_num_steps, into OneCycle's decay.
+cosine='{"total_num_steps": 8, "warmup_num_steps": 3, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05, "warmup_type": "linear"}'
+cosine_log='{"total_num_steps": 9, "warmup_num_steps": 4}'
+one_cycle='{"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 3, "cycle_second_step_size": 2, "decay_step_size": 2, "decay_lr_rate": 0.5, "decay_mom_rate": 0.01}'
+one_cycle_plain='{"cycle_min_lr": 2e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 4, "cycle_momentum": false}'
+range_test='{"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 2, "lr_range_test_step_rate": 3, "lr_range_test_staircase": true}'
+range_test_default='{}'
+other_schedule() {  # name, params, out, optimizer block, more config
+  echo "{\"optimizer\": $4, \"scheduler\": {\"type\": \"$1\", \"params\": $2}${5:-}}" > "$work/ds_$3.json"
+}
+adamw='{"type": "AdamW", "params": {"lr": 2e-3}}'
+other_schedule WarmupCosineLR "$cosine" cosine "$adamw"
+other_schedule WarmupCosineLR "$cosine_log" cosine_log "$adamw"
+other_schedule OneCycle "$one_cycle" one_cycle "$adamw"
+other_schedule OneCycle "$one_cycle_plain" one_cycle_plain '{"type": "AdamW", "params": {"betas": [0.85, 0.95]}}'
+other_schedule LRRangeTest "$range_test" range_test "$adamw"
+other_schedule LRRangeTest "$range_test_default" range_test_default "$adamw"
+other_schedule OneCycle "$one_cycle" one_cycle_skips "$adamw" ', "fp16": {"enabled": true, "initial_scale_power": 18, "hysteresis": 1, "loss_scale_window": 3}'
+rates ds_cosine cosine --steps 12                 # past total_num_steps: the cosine rises again
+rates ds_cosine_log cosine_log --steps 9
+rates ds_one_cycle one_cycle --steps 12           # the cycle (5 iterations), then the decay
+rates ds_one_cycle_plain one_cycle_plain --steps 12
+rates ds_range_test range_test --steps 8
+rates ds_range_test_default range_test_default --steps 4
+rates ds_one_cycle_skips one_cycle_skips --steps 12
+verdict=""
+for case in "cosine WarmupCosineLR cosine 2e-3" "cosine_log WarmupCosineLR cosine_log 2e-3" \
+            "one_cycle OneCycle one_cycle 2e-3" "one_cycle_plain OneCycle one_cycle_plain 1e-3" \
+            "range_test LRRangeTest range_test 2e-3" "range_test_default LRRangeTest range_test_default 2e-3" \
+            "one_cycle_skips OneCycle one_cycle 2e-3"; do
+  set -- $case
+  if [ ! -f "$work/$1.json" ]; then verdict+="$1: no run; "; continue; fi
+  said=$(python3 tests/deepspeed_schedulers.py "$work/$1.json" "$2" "${!3}" "$4" 2>&1)
+  [ "$said" = ok ] || verdict+="$1: $said; "
+done
+[ "$(json_get "$work/one_cycle_skips.json" "any(s['skipped'] for s in d['steps'][1:])")" = True ] ||
+  verdict+="the fp16 OneCycle run skipped no step; "
+[ -z "$verdict" ] &&
+  pass "rates as DeepSpeed's engine steps WarmupCosineLR (linear, log; past total_num_steps), OneCycle (cycle and decay, beta1 per step, beta2 0.99; without momentum; past an fp16-skipped step) and LRRangeTest (staircase, defaults): each step's lr and betas as lr_schedules.py's own code gives them" ||
+  fail "other schedulers: $verdict"
+# The per-step betas reach AdamW, and the same AdamW with either spelling:
+# OneCycle with cycle_min_mom = cycle_max_mom = 0.9 sets (0.9, 0.99) at every
+# update, the bits of cycle_momentum false with the optimizer's betas (0.9,
+# 0.99); with its beta1 cycling the bits differ, and stage 2 offloaded
+# (the host's AdamW) gives the device loop's bits.
+flat='{"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2, "cycle_min_mom": 0.9, "cycle_max_mom": 0.9}'
+other_schedule OneCycle "$flat" flat_cycled "$adamw" ', "zero_optimization": {"stage": 2}'
+other_schedule OneCycle "${flat%\}}, \"cycle_momentum\": false}" flat_fixed '{"type": "AdamW", "params": {"betas": [0.9, 0.99]}}' ', "zero_optimization": {"stage": 2}'
+other_schedule OneCycle "$one_cycle" cycling "$adamw" ', "zero_optimization": {"stage": 2}'
+rates ds_flat_cycled flat_cycled --steps 6
+rates ds_flat_fixed flat_fixed --steps 6
+rates ds_cycling cycling --steps 6
+rates ds_cycling cycling_offload --steps 6 --offload-optimizer cpu
+verdict=$(python3 - "$work" <<'PY'
+import json, os, sys
+work = sys.argv[1]
+def load(name): return json.load(open(os.path.join(work, name + ".json")))
+try:
+    cycled, fixed, cycling, offload = (load(n) for n in ("flat_cycled", "flat_fixed", "cycling", "cycling_offload"))
+except Exception as e:
+    print(f"no run ({e})"); sys.exit()
+problems = []
+if cycled["final_params_hash"] != fixed["final_params_hash"]: problems.append("betas (0.9, 0.99) per step != the optimizer's (0.9, 0.99)")
+if any(s["betas"] != [0.9, 0.99] for s in cycled["steps"]): problems.append("flat cycle: betas not (0.9, 0.99)")
+if cycling["final_params_hash"] == cycled["final_params_hash"]: problems.append("a cycling beta1 changed no bit")
+if offload["final_params_hash"] != cycling["final_params_hash"] or offload["offload_optimizer"] != "cpu":
+    problems.append("offloaded AdamW with cycling betas != the device's")
+print("ok" if not problems else "; ".join(problems))
+PY
+)
+[ "$verdict" = ok ] && pass "OneCycle's betas reach AdamW: a flat cycle = the optimizer's (0.9, 0.99) bit for bit; cycling changes the bits; offloaded (stage 2, cpu) = not offloaded" ||
+  fail "OneCycle betas in AdamW: $verdict"
+# The header says each, and a resumed run keeps the scheduler (the checkpoint records it).
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_one_cycle.json" "${tiny[@]}" --steps 4 --save "$work/ck_cycle" > /dev/null 2>&1
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_one_cycle.json" --layers 1 --hidden 16 --heads 2 --intermediate 32 \
+  --seq 16 --max-positions 20 --steps 2 > "$work/ds_stdout" 2>&1
+grep -q "^  betas     (beta1, 0.99): beta1 0.9 down to 0.8 and back" "$work/ds_stdout" &&
+  grep -q "optimizer.params.lr 2e-3 has no effect: OneCycle sets every step's rate" "$work/ds_stdout" &&
+  pass "OneCycle's header: the rate's cycle, beta1's, and the optimizer's lr without effect" ||
+  fail "OneCycle header: $(grep -E 'optimizer|betas' "$work/ds_stdout" | head -c 400)"
+timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_cycle" --steps 12 --quiet --json "$work/ds_cycle_resumed.json" > "$work/log" 2>&1
+verdict=$(resumed_matches "$work/one_cycle.json" "$work/ds_cycle_resumed.json" 2>&1)
+[ "$verdict" = ok ] && pass "OneCycle: 4 steps saved, resumed with --steps 12 and no config: the 12-step run's bits (scheduler and betas from the checkpoint)" ||
+  fail "OneCycle resume: $verdict $(head -c 300 "$work/log")"
+bad_case "scheduler \"WarmupCosineLR\" contradicts the checkpoint's \"OneCycle\"" \
+  --load "$work/ck_cycle" --config "$work/ds_cosine.json" --steps 6
+# Bad params: refused, naming the key, before anything runs.
+other_schedule WarmupCosineLR '{"total_num_steps": 1000, "warmup_num_steps": 1000}' cosine_zero "$adamw"
+bad_case "config key 'scheduler.params.total_num_steps' 1000 equals the warmup's 1000 iterations (config key 'scheduler.params.warmup_num_steps' 1000" \
+  --config "$work/ds_cosine_zero.json" "${tiny[@]}" --steps 2
+other_schedule WarmupCosineLR '{"total_num_steps": 10, "warmup_type": "cosine"}' cosine_type "$adamw"
+ds_refused "$work/ds_cosine_type.json" 1 "scheduler.params.warmup_type: \"cosine\" is neither \"linear\" nor \"log\": DeepSpeed's WarmupCosineLR takes it and raises UnboundLocalError"
+other_schedule WarmupCosineLR '{"warmup_num_steps": 3}' cosine_no_total "$adamw"
+bad_case "config key 'scheduler.params.total_num_steps' is missing: DeepSpeed's WarmupCosineLR has no default for it" \
+  --config "$work/ds_cosine_no_total.json" "${tiny[@]}" --steps 2
+other_schedule WarmupCosineLR '{"total_num_steps": 10, "warmup_max_lr": 1e-3}' cosine_max "$adamw"
+ds_refused "$work/ds_cosine_max.json" 1 "scheduler.params.warmup_max_lr: not a parameter of WarmupCosineLR (DeepSpeed's WarmupCosineLR.__init__ raises TypeError on it; it is WarmupDecayLR, WarmupLR's)"
+bad_case "--decay acts on DeepSpeed's WarmupLR / WarmupDecayLR, and the config's scheduler.type is \"WarmupCosineLR\"" \
+  --config "$work/ds_cosine.json" "${tiny[@]}" --steps 2 --decay none
+bad_case "--warmup acts on DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR, and the config's scheduler.type is \"OneCycle\"" \
+  --config "$work/ds_one_cycle.json" "${tiny[@]}" --steps 2 --warmup 3
+for bad in "cycle_first_step_size|-4|wants an integer from 1" "cycle_first_step_size|0|wants an integer from 1" \
+           "decay_step_size|-1|wants an integer from 0" "decay_lr_rate|-0.5|wants a number from 0" \
+           "cycle_max_mom|1.0|wants a number from 0 to 1 (exclusive)" "cycle_second_step_size|2.5|wants an integer"; do
+  IFS='|' read -r key value says <<< "$bad"
+  other_schedule OneCycle "{\"cycle_min_lr\": 1e-4, \"cycle_max_lr\": 1e-3, \"$key\": $value}" one_bad "$adamw"
+  bad_case "scheduler.params.$key: wants" --config "$work/ds_one_bad.json" "${tiny[@]}" --steps 2
+  grep -qF "$says" "$work/bad_stderr" || fail "OneCycle $key $value: '$says' not said: $(head -c 300 "$work/bad_stderr")"
+done
+other_schedule OneCycle '{"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2, "decay_step_size": 1, "decay_mom_rate": 0.1}' one_beta "$adamw"
+bad_case "config key 'scheduler.params.decay_mom_rate' 0.1 takes OneCycle's beta1 to 1.0800000000000001 at update 7 of this run's 8" \
+  --config "$work/ds_one_beta.json" "${tiny[@]}" --steps 8
+other_schedule LRRangeTest '{"lr_range_test_step_size": 0}' range_zero "$adamw"
+bad_case "scheduler.params.lr_range_test_step_size: wants an integer from 1" --config "$work/ds_range_zero.json" "${tiny[@]}" --steps 2
+other_schedule LRRangeTest '{"lr_range_test_staircase": 1}' range_staircase "$adamw"
+ds_refused "$work/ds_range_staircase.json" 1 "scheduler.params.lr_range_test_staircase: wants true or false (got 1)"
 # No scheduler block: the optimizer's rate at every step (getting_started's
 # run above); without --config the trainer's own schedule, from step 1.
 timeout 120 mpirun -n 2 "$trainer" "${tiny[@]}" --steps 5 --warmup 2 --json "$work/ds_trainer_schedule.json" > /dev/null 2>&1

@@ -210,12 +210,34 @@ constexpr RecordedSetting recorded_settings[] = {
     // trainer's (adopt_checkpoint).
     {"schedule_convention", "schedule_convention",
      "the learning-rate schedule (the trainer's own, DeepSpeed's scheduler, or the optimizer's rate alone)"},
+    // Which of DeepSpeed's schedulers, before its params (a checkpoint from
+    // before these were recorded had WarmupLR or WarmupDecayLR: "warmup",
+    // and the others at their defaults, adopt_checkpoint).
+    {"scheduler", "scheduler", "the learning-rate schedule (DeepSpeed's scheduler type)"},
     {"lr", "--lr", "the learning-rate schedule"},
     {"warmup", "--warmup", "the learning-rate schedule"},
     {"schedule_steps", "--schedule-steps", "the learning-rate schedule (its decay ends there; --steps may change)"},
     {"warmup_type", "--warmup-type", "the learning-rate schedule"},
     {"decay", "--decay", "the learning-rate schedule"},
     {"warmup_min_lr", "warmup_min_lr", "the learning-rate schedule"},
+    {"warmup_min_ratio", "warmup_min_ratio", "the learning-rate schedule (WarmupCosineLR)"},
+    {"cos_min_ratio", "cos_min_ratio", "the learning-rate schedule (WarmupCosineLR)"},
+    {"cycle_min_lr", "cycle_min_lr", "the learning-rate schedule (OneCycle)"},
+    {"cycle_max_lr", "cycle_max_lr", "the learning-rate schedule (OneCycle)"},
+    {"decay_lr_rate", "decay_lr_rate", "the learning-rate schedule (OneCycle)"},
+    {"cycle_first_step_size", "cycle_first_step_size", "the learning-rate schedule (OneCycle)"},
+    {"cycle_second_step_size", "cycle_second_step_size", "the learning-rate schedule (OneCycle)"},
+    {"cycle_first_stair_count", "cycle_first_stair_count", "nothing (OneCycle never reads it), but it is recorded"},
+    {"cycle_second_stair_count", "cycle_second_stair_count", "nothing (OneCycle never reads it), but it is recorded"},
+    {"decay_step_size", "decay_step_size", "the learning-rate schedule (OneCycle)"},
+    {"cycle_momentum", "cycle_momentum", "the optimizer's beta1 (OneCycle cycles it)"},
+    {"cycle_min_mom", "cycle_min_mom", "the optimizer's beta1 (OneCycle)"},
+    {"cycle_max_mom", "cycle_max_mom", "the optimizer's beta1 (OneCycle)"},
+    {"decay_mom_rate", "decay_mom_rate", "the optimizer's beta1 (OneCycle)"},
+    {"lr_range_test_min_lr", "lr_range_test_min_lr", "the learning-rate schedule (LRRangeTest)"},
+    {"lr_range_test_step_size", "lr_range_test_step_size", "the learning-rate schedule (LRRangeTest)"},
+    {"lr_range_test_step_rate", "lr_range_test_step_rate", "the learning-rate schedule (LRRangeTest)"},
+    {"lr_range_test_staircase", "lr_range_test_staircase", "the learning-rate schedule (LRRangeTest)"},
     {"bias_correction", "bias_correction", "the optimizer"},
     // Whether the data's tail is held out (--eval-every > 0), not how often
     // evaluation runs: that may change (without --eval-every, the saved one).
@@ -254,6 +276,27 @@ static json recorded_values(const Settings& s) {
           {"decay", s.decay},
           {"warmup_min_lr", s.warmup_min_lr},
           {"schedule_convention", s.schedule_convention},
+          {"scheduler", s.scheduler},
+          {"warmup_min_ratio", s.warmup_min_ratio},
+          {"cos_min_ratio", s.cos_min_ratio},
+          {"cycle_min_lr", s.cycle_min_lr},
+          {"cycle_max_lr", s.cycle_max_lr},
+          {"decay_lr_rate", s.decay_lr_rate},
+          {"cycle_first_step_size", s.cycle_first_step_size},
+          // -1: None (the first's), recorded as the text the flag parser reads for it
+          {"cycle_second_step_size", s.cycle_second_step_size < 0 ? json("none") : json(s.cycle_second_step_size)},
+          {"cycle_first_stair_count", s.cycle_first_stair_count},
+          {"cycle_second_stair_count",
+           s.cycle_second_stair_count < 0 ? json("none") : json(s.cycle_second_stair_count)},
+          {"decay_step_size", s.decay_step_size},
+          {"cycle_momentum", s.cycle_momentum},
+          {"cycle_min_mom", s.cycle_min_mom},
+          {"cycle_max_mom", s.cycle_max_mom},
+          {"decay_mom_rate", s.decay_mom_rate},
+          {"lr_range_test_min_lr", s.lr_range_test_min_lr},
+          {"lr_range_test_step_size", s.lr_range_test_step_size},
+          {"lr_range_test_step_rate", s.lr_range_test_step_rate},
+          {"lr_range_test_staircase", s.lr_range_test_staircase},
           {"bias_correction", s.bias_correction},
           {"held_out", s.eval_every > 0},
           {"eval_every", s.eval_every},
@@ -515,9 +558,35 @@ void adopt_checkpoint(Settings& s, int world_size) {
   // Recorded since the schedule could be DeepSpeed's: before, every
   // checkpoint's rates were the trainer's own.
   const json zero2_schedule = "zero2";
+  // Recorded since DeepSpeed's other schedulers: a checkpoint without them
+  // had WarmupLR or WarmupDecayLR ("warmup"), the others' params unused at
+  // their defaults (a fresh Settings' values).
+  const json before_schedulers = recorded_values(Settings{});
+  const std::set<std::string> scheduler_keys = {"scheduler",
+                                                "warmup_min_ratio",
+                                                "cos_min_ratio",
+                                                "cycle_min_lr",
+                                                "cycle_max_lr",
+                                                "decay_lr_rate",
+                                                "cycle_first_step_size",
+                                                "cycle_second_step_size",
+                                                "cycle_first_stair_count",
+                                                "cycle_second_stair_count",
+                                                "decay_step_size",
+                                                "cycle_momentum",
+                                                "cycle_min_mom",
+                                                "cycle_max_mom",
+                                                "decay_mom_rate",
+                                                "lr_range_test_min_lr",
+                                                "lr_range_test_step_size",
+                                                "lr_range_test_step_rate",
+                                                "lr_range_test_staircase"};
   for (const RecordedSetting& setting : recorded_settings) {
     const bool unrecorded_schedule = std::string(setting.key) == "schedule_convention" && !saved.contains(setting.key);
-    const json& value = unrecorded_schedule ? zero2_schedule : index_field(saved, setting.key, file);
+    const bool unrecorded_scheduler = scheduler_keys.count(setting.key) && !saved.contains(setting.key);
+    const json& value = unrecorded_schedule    ? zero2_schedule
+                        : unrecorded_scheduler ? before_schedulers[setting.key]
+                                               : index_field(saved, setting.key, file);
     const bool given = std::string(setting.key) == "precision" ? precision_given : s.given.count(setting.flag) > 0;
     if (given) {
       if (std::string(setting.key) == "held_out" && current[setting.key] != value)

@@ -114,15 +114,19 @@ static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
                           "max_grad_norm", "fp32_optimizer_states"}},
     {"scheduler", {"type", "params"}},
     {"scheduler.params", {"warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps", "warmup_type",
-                          "last_batch_iteration"}}};
+                          "last_batch_iteration", "warmup_min_ratio", "cos_min_ratio", "cycle_min_lr",
+                          "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+                          "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size",
+                          "cycle_momentum", "cycle_min_mom", "cycle_max_mom", "decay_mom_rate",
+                          "lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                          "lr_range_test_staircase"}}};
 // clang-format on
 
-// Parameters of DeepSpeed's other optimizers and schedulers: in a block of
-// AdamW or WarmupLR, DeepSpeed passes them to a constructor that has no such
-// argument (TypeError), so they are refused, as belonging to a feature not
-// implemented here (deepspeed/ops/lamb/fused_lamb.py FusedLamb,
-// runtime/fp16/onebit/{adam,zoadam,lamb}.py, runtime/lr_schedules.py OneCycle,
-// LRRangeTest, WarmupCosineLR; torch.optim's Adagrad and SGD).
+// Parameters of DeepSpeed's other optimizers: in an AdamW block, DeepSpeed
+// passes them to a constructor that has no such argument (TypeError), so
+// they are refused, as belonging to a feature not implemented here
+// (deepspeed/ops/lamb/fused_lamb.py FusedLamb,
+// runtime/fp16/onebit/{adam,zoadam,lamb}.py; torch.optim's Adagrad and SGD).
 static const std::map<std::string, std::string> other_features_params = {
     {"max_coeff", "Lamb's"},
     {"min_coeff", "Lamb's"},
@@ -142,25 +146,27 @@ static const std::map<std::string, std::string> other_features_params = {
     {"initial_accumulator_value", "Adagrad's"},
     {"momentum", "SGD's"},
     {"dampening", "SGD's"},
-    {"nesterov", "SGD's"},
-    {"cycle_min_lr", "OneCycle's"},
-    {"cycle_max_lr", "OneCycle's"},
-    {"decay_lr_rate", "OneCycle's"},
-    {"cycle_first_step_size", "OneCycle's"},
-    {"cycle_second_step_size", "OneCycle's"},
-    {"cycle_first_stair_count", "OneCycle's"},
-    {"cycle_second_stair_count", "OneCycle's"},
-    {"decay_step_size", "OneCycle's"},
-    {"cycle_momentum", "OneCycle's"},
-    {"cycle_min_mom", "OneCycle's"},
-    {"cycle_max_mom", "OneCycle's"},
-    {"decay_mom_rate", "OneCycle's"},
-    {"lr_range_test_min_lr", "LRRangeTest's"},
-    {"lr_range_test_step_size", "LRRangeTest's"},
-    {"lr_range_test_step_rate", "LRRangeTest's"},
-    {"lr_range_test_staircase", "LRRangeTest's"},
-    {"warmup_min_ratio", "WarmupCosineLR's"},
-    {"cos_min_ratio", "WarmupCosineLR's"}};
+    {"nesterov", "SGD's"}};
+
+// The five schedulers of runtime/lr_schedules.py at v0.16.9 and their
+// constructors' arguments (each __init__'s signature: WarmupLR :655-661,
+// WarmupDecayLR :746-753, WarmupCosineLR :797-804, OneCycle :440-454,
+// LRRangeTest :312-318). A param of another type is refused: DeepSpeed's
+// constructor raises TypeError on it.
+static const std::map<std::string, std::set<std::string>> scheduler_params = {
+    {"WarmupLR", {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}},
+    {"WarmupDecayLR",
+     {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"}},
+    {"WarmupCosineLR",
+     {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+      "last_batch_iteration"}},
+    {"OneCycle",
+     {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+      "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom",
+      "cycle_max_mom", "decay_mom_rate", "last_batch_iteration"}},
+    {"LRRangeTest",
+     {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase",
+      "last_batch_iteration"}}};
 
 // Optimizer types DeepSpeed builds that are not AdamW: its own (runtime/
 // config.py DEEPSPEED_OPTIMIZERS, matched in any case) and torch.optim's
@@ -173,7 +179,6 @@ static const std::set<std::string> torch_optimizers = {
 // Scheduler types: DeepSpeed looks the name up exactly, in runtime/
 // lr_schedules.py, then in torch.optim.lr_scheduler (engine.py
 // _scheduler_from_config).
-static const std::set<std::string> deepspeed_other_schedulers = {"OneCycle", "LRRangeTest", "WarmupCosineLR"};
 static const std::set<std::string> torch_schedulers = {
     "LambdaLR",     "MultiplicativeLR",  "StepLR",       "MultiStepLR",       "ConstantLR",
     "LinearLR",     "ExponentialLR",     "PolynomialLR", "CosineAnnealingLR", "ChainedScheduler",
@@ -872,11 +877,14 @@ class ConfigReader {
     else unknown(full);
   }
 
-  // The scheduler (engine.py _scheduler_from_config): WarmupLR (warmup,
-  // then constant) and WarmupDecayLR (warmup, then linear decay to
-  // warmup_min_lr at total_num_steps), looked up by their exact names; the
-  // params are the constructor's arguments (runtime/lr_schedules.py). A block
-  // without "type" builds no scheduler (runtime/config.py get_scheduler_name).
+  // The scheduler (engine.py _scheduler_from_config, :1101-1114): WarmupLR
+  // (warmup, then constant), WarmupDecayLR (warmup, then linear decay to
+  // warmup_min_lr at total_num_steps), WarmupCosineLR (warmup, then a cosine
+  // to cos_min_ratio), OneCycle (a cycle of the rate and beta1, then a
+  // decay), LRRangeTest (a rising rate), looked up by their exact names; the
+  // params are the constructor's arguments (runtime/lr_schedules.py; the
+  // rates: trainer/settings.cpp). A block without "type" builds no scheduler
+  // (runtime/config.py get_scheduler_name).
   void scheduler(const std::string& key, const json& value) {
     if (!object(key, value)) return;
     if (!value.contains("type"))
@@ -890,26 +898,38 @@ class ConfigReader {
       if (inner != "params") ignored(name);
       else if (object(name, setting)) {
         for (auto& [param, entry] : setting.items()) scheduler_param(param, entry, name + "." + param);
-        out_.total_num_steps_missing = out_.scheduler == "WarmupDecayLR" && !setting.contains("total_num_steps");
       }
     }
-    if (!value.contains("params")) out_.total_num_steps_missing = out_.scheduler == "WarmupDecayLR";
+    // Constructor arguments without a default (TypeError in DeepSpeed when
+    // left out): WarmupDecayLR's and WarmupCosineLR's total_num_steps
+    // (judged with the flags: --schedule-steps gives it), OneCycle's
+    // cycle_min_lr and cycle_max_lr (lr_schedules.py:440-443).
+    const json params = value.contains("params") && value["params"].is_object() ? value["params"] : json::object();
+    out_.total_num_steps_missing = (out_.scheduler == "WarmupDecayLR" || out_.scheduler == "WarmupCosineLR") &&
+                                   !params.contains("total_num_steps");
+    if (out_.scheduler == "OneCycle")
+      for (const char* required : {"cycle_min_lr", "cycle_max_lr"})
+        if (!params.contains(required))
+          refuse(key + ".params." + required,
+                 "missing: DeepSpeed's OneCycle has no default for it (its constructor raises TypeError)");
   }
   void scheduler_type(const json& type) {
     if (!type.is_string()) return refuse("scheduler.type", "wants a string (got " + json_text(type) + ")");
     const std::string name = type.get<std::string>();
-    const std::string ours = "WarmupLR (warmup, then constant) or WarmupDecayLR (warmup, then linear decay)";
-    if (name == "WarmupLR" || name == "WarmupDecayLR") {
+    const std::string ours =
+        "WarmupLR (warmup, then constant), WarmupDecayLR (warmup, then linear decay), WarmupCosineLR, OneCycle or "
+        "LRRangeTest";
+    if (scheduler_params.count(name)) {
       out_.scheduler = name;
-      return out_.flags.push_back({"--decay", name == "WarmupLR" ? "none" : "linear", "scheduler.type"});
+      const bool warmup = name == "WarmupLR" || name == "WarmupDecayLR";
+      out_.flags.push_back({"scheduler", warmup ? "warmup" : name, "scheduler.type"});
+      if (warmup) out_.flags.push_back({"--decay", name == "WarmupLR" ? "none" : "linear", "scheduler.type"});
+      return;
     }
     std::string same_letters;
     for (const char* known : {"WarmupLR", "WarmupDecayLR", "OneCycle", "LRRangeTest", "WarmupCosineLR"})
       if (lower(known) == lower(name)) same_letters = known;
-    if (deepspeed_other_schedulers.count(name))
-      refuse("scheduler.type",
-             json_text(type) + " is not supported: a DeepSpeed feature not implemented here; " + ours);
-    else if (torch_schedulers.count(name))
+    if (torch_schedulers.count(name))
       refuse("scheduler.type", json_text(type) + " is not supported: DeepSpeed builds torch.optim.lr_scheduler." +
                                    name + " for it, which is not implemented here; " + ours);
     else if (!same_letters.empty())
@@ -921,21 +941,35 @@ class ConfigReader {
   }
   void scheduler_param(const std::string& param, const json& entry, const std::string& full) {
     const std::string type = out_.scheduler;
+    if (type.empty()) return;  // another type is refused already: its own params are not judged
+    if (!scheduler_params.at(type).count(param)) {
+      if (!scheduler_param_known(param)) return unknown(full);
+      std::string owners;
+      for (auto& [other, params] : scheduler_params)
+        if (params.count(param)) owners += (owners.empty() ? "" : ", ") + other;
+      if (param == "total_num_steps" && type == "WarmupLR")
+        return refuse(full,
+                      "WarmupLR holds the rate after its warmup and has no total_num_steps (DeepSpeed's WarmupLR "
+                      "rejects it too): WarmupDecayLR decays to warmup_min_lr at total_num_steps");
+      return refuse(full, "not a parameter of " + type + " (DeepSpeed's " + type +
+                              ".__init__ raises TypeError on it; it is " + owners + "'s)");
+    }
+    const bool warmup = type == "WarmupLR" || type == "WarmupDecayLR";
     if (param == "warmup_num_steps") set_number("--warmup", full, entry);
     else if (param == "warmup_max_lr") {
       if (is_auto(entry)) scheduler_lr_auto_ = true;
       else scheduler_lr_ = {"", number(entry, full), full};
     } else if (param == "warmup_min_lr") set_number("warmup_min_lr", full, entry);
-    else if (param == "total_num_steps" && type == "WarmupDecayLR") set_number("--schedule-steps", full, entry);
-    else if (param == "total_num_steps" && type == "WarmupLR")
-      refuse(full,
-             "WarmupLR holds the rate after its warmup and has no total_num_steps (DeepSpeed's WarmupLR "
-             "rejects it too): WarmupDecayLR decays to warmup_min_lr at total_num_steps");
+    else if (param == "total_num_steps") set_number("--schedule-steps", full, entry);
     else if (param == "warmup_type") {
       if (is_auto(entry)) out_.auto_flags.insert("--warmup-type");
       else if (entry == "linear" || entry == "log")
         out_.flags.push_back({"--warmup-type", entry.get<std::string>(), full});
-      else {  // lr_schedules.py WarmupLR.__init__: a warning, then the log warmup
+      else if (!warmup)  // WarmupCosineLR keeps it: get_lr_ratio leaves `ratio` unbound (lr_schedules.py:832-837)
+        refuse(full, json_text(entry) +
+                         " is neither \"linear\" nor \"log\": DeepSpeed's WarmupCosineLR takes it and raises "
+                         "UnboundLocalError at its first step (lr_schedules.py:832-837)");
+      else {  // lr_schedules.py WarmupLR.__init__ (:670-673): a warning, then the log warmup
         out_.flags.push_back({"--warmup-type", "log", full});
         out_.warnings.push_back("config key '" + full + "' is " + json_text(entry) +
                                 ", neither \"linear\" nor \"log\": DeepSpeed warns and warms up logarithmically, "
@@ -943,11 +977,29 @@ class ConfigReader {
       }
     } else if (param == "last_batch_iteration")
       must_be(full, entry, -1, "a schedule continues from a checkpoint with --load, not from a step number");
-    else if (other_features_params.count(param))
-      refuse(full, "a DeepSpeed feature not implemented here (" + other_features_params.at(param) + " parameter" +
-                       (type.empty() ? ")" : "; " + type + " raises TypeError on it)"));
-    else if (!type.empty()) unknown(full);
-    // (another type is refused already: its own params are not judged)
+    else if (param == "cycle_momentum" || param == "lr_range_test_staircase") {
+      if (is_auto(entry) || !entry.is_boolean())
+        return refuse(full, "wants true or false (got " + json_text(entry) + ")");
+      out_.flags.push_back({param, entry.get<bool>() ? "1" : "0", full});
+    } else {  // a number of WarmupCosineLR, OneCycle or LRRangeTest
+      // None (JSON null) is DeepSpeed's default for these two: the first's value.
+      if ((param == "cycle_second_step_size" || param == "cycle_second_stair_count") && entry.is_null())
+        return out_.flags.push_back({param, "none", full});
+      if (is_auto(entry))
+        return refuse(full, "\"auto\" is not filled for " + type +
+                                "'s own params (DeepSpeed would get the string): give a number");
+      const std::string text = number(entry, full);
+      if (!text.empty()) out_.flags.push_back({param, text, full});
+      if (param == "cycle_first_stair_count" || param == "cycle_second_stair_count")
+        out_.notes.push_back(full +
+                             " has no effect: DeepSpeed's OneCycle stores it and never reads it "
+                             "(lr_schedules.py:483-484), and neither does this trainer");
+    }
+  }
+  static bool scheduler_param_known(const std::string& param) {
+    for (auto& [type, params] : scheduler_params)
+      if (params.count(param)) return true;
+    return false;
   }
 
   // DeepSpeed's activation checkpointing (paper section 6.1's ZeRO-R, as
@@ -1021,8 +1073,16 @@ class ConfigReader {
   // WarmupLR sets every step's rate, the first one at construction, so the
   // optimizer's lr never acts); without one, the optimizer's lr. The clip:
   // gradient_clipping (an optimizer's max_grad_norm is refused above).
+  // WarmupCosineLR's peak is the optimizer's lr (lr_schedules.py:820,
+  // org_lrs), as without a scheduler; OneCycle and LRRangeTest set every
+  // step's rate from their own params, the first at construction (:497-499,
+  // :336-337), so the optimizer's lr never acts: said when the file gives it.
   void settle_learning_rate_and_clipping() {
-    if (!out_.scheduler.empty()) {
+    const std::string type = out_.scheduler;
+    if ((type == "OneCycle" || type == "LRRangeTest") && !optimizer_lr_.value.empty())
+      out_.notes.push_back(optimizer_lr_.key + " " + optimizer_lr_.value + " has no effect: " + type +
+                           " sets every step's rate, the first when it is built (as in DeepSpeed)");
+    if (type == "WarmupLR" || type == "WarmupDecayLR") {
       if (!scheduler_lr_.value.empty()) out_.flags.push_back({"--lr", scheduler_lr_.value, scheduler_lr_.key});
       else if (scheduler_lr_auto_) out_.auto_flags.insert("--lr");
       // Said when it differs from the peak the scheduler sets (its own, or its default 0.001).
@@ -1077,18 +1137,41 @@ class ConfigReader {
       const std::string built = torch_adam_            ? "torch.optim.AdamW"
                                 : offload_key_.empty() ? "FusedAdam"
                                                        : "DeepSpeedCPUAdam";
-      if (out_.scheduler.empty()) add("--lr", "0.001", built);
+      if (out_.scheduler != "WarmupLR" && out_.scheduler != "WarmupDecayLR") add("--lr", "0.001", built);
       add("--weight-decay", torch_adam_ ? "0.01" : "0", built);
       add("beta1", "0.9", built);
       add("beta2", "0.999", built);
       add("eps", "1e-08", built);
       add("bias_correction", "1", built);
     }
-    if (!out_.scheduler.empty()) {  // lr_schedules.py WarmupLR.__init__'s defaults
-      add("--lr", "0.001", out_.scheduler);
-      add("--warmup", "1000", out_.scheduler);
-      add("--warmup-type", "log", out_.scheduler);
-      add("warmup_min_lr", "0", out_.scheduler);
+    const std::string& type = out_.scheduler;
+    if (type == "WarmupLR" || type == "WarmupDecayLR") {  // lr_schedules.py WarmupLR.__init__'s defaults
+      add("--lr", "0.001", type);
+      add("--warmup", "1000", type);
+      add("--warmup-type", "log", type);
+      add("warmup_min_lr", "0", type);
+    } else if (type == "WarmupCosineLR") {  // WarmupCosineLR.__init__'s (:797-804)
+      add("--warmup", "1000", type);
+      add("--warmup-type", "log", type);
+      add("warmup_min_ratio", "0", type);
+      add("cos_min_ratio", "0.0001", type);
+    } else if (type == "OneCycle") {  // OneCycle.__init__'s (:440-454)
+      for (auto [flag, value] : {std::pair<const char*, const char*>{"decay_lr_rate", "0"},
+                                 {"cycle_first_step_size", "2000"},
+                                 {"cycle_second_step_size", "none"},
+                                 {"cycle_first_stair_count", "0"},
+                                 {"cycle_second_stair_count", "none"},
+                                 {"decay_step_size", "0"},
+                                 {"cycle_momentum", "1"},
+                                 {"cycle_min_mom", "0.8"},
+                                 {"cycle_max_mom", "0.9"},
+                                 {"decay_mom_rate", "0"}})
+        add(flag, value, type);
+    } else if (type == "LRRangeTest") {  // LRRangeTest.__init__'s (:312-318)
+      add("lr_range_test_min_lr", "0.001", type);
+      add("lr_range_test_step_size", "2000", type);
+      add("lr_range_test_step_rate", "1", type);
+      add("lr_range_test_staircase", "0", type);
     }
   }
 

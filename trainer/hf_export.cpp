@@ -207,7 +207,8 @@ void write_batch_dump(const Settings& settings, const ModelShape& shape, const T
   tensors.push_back({"labels", "I64", {dump.rows, T}, std::string((const char*)labels.data(), labels.size() * 8)});
   tensors.push_back(tensor_f32("loss", {}, &report.loss, 1));
   char text[7][40];
-  const double values[] = {report.lr,     settings.beta1,  settings.beta2, settings.eps, settings.weight_decay,
+  // The update's own betas (a scheduler may set them per step: OneCycle's), as its lr.
+  const double values[] = {report.lr,     report.beta1,  report.beta2, settings.eps, settings.weight_decay,
                            settings.clip, settings.dropout};
   for (int k = 0; k < 7; ++k) snprintf(text[k], sizeof text[k], "%.17g", values[k]);
   write_safetensors(settings.dump_dir + "/batch.safetensors", tensors,

@@ -234,7 +234,63 @@ static void print_deepspeed_schedule(const Settings& s) {
            s.steps, s.warmup_min_lr, s.warmup_min_lr == 0 ? " (no update at all)" : "");
 }
 
+// DeepSpeed's other three (trainer/settings.cpp, warmup_cosine_learning_rate
+// and the next two): the same iterations, update t at t - 2.
+static void print_deepspeed_other_schedule(const Settings& s) {
+  const char* adamw = s.bias_correction ? "AdamW" : "AdamW (no bias correction)";
+  if (s.scheduler == "WarmupCosineLR") {
+    const long W = std::max(2l, s.warmup), S = s.schedule_steps;
+    printf(
+        "  optimizer %s lr %g, DeepSpeed's WarmupCosineLR: warmup %ld iterations (%s) from %g x lr, then a cosine "
+        "to %g x lr at iteration %ld; update t at iteration t - 2 (update 1 at 0), weight decay %g, clip %g\n",
+        adamw, s.lr, W, s.warmup_type.c_str(), s.warmup_min_ratio, s.cos_min_ratio, S - 1, s.weight_decay, s.clip);
+    if (W > S)
+      printf(
+          "  WARNING   warmup_num_steps %ld is more than total_num_steps %ld (DeepSpeed only warns): the cosine "
+          "after the warmup runs over a negative length\n",
+          W, S);
+    // The cosine's least is at iteration S - 1 (update S + 1); past it the
+    // cosine rises again (lr_schedules.py:840-844 clamp nothing).
+    if (s.steps >= S + 2)
+      printf(
+          "  WARNING   updates %ld to %ld are past total_num_steps: DeepSpeed's cosine does not stop there, and the "
+          "rate rises again toward lr\n",
+          S + 2, s.steps);
+    return;
+  }
+  if (s.scheduler == "OneCycle") {
+    const long first = s.cycle_first_step_size,
+               second = s.cycle_second_step_size < 0 ? first : s.cycle_second_step_size;
+    std::string decay = s.decay_step_size == 0 || s.decay_lr_rate == 0
+                            ? "then cycle_min_lr"
+                            : "then cycle_min_lr / (1 + " + number_text(s.decay_lr_rate) + " x iterations past / " +
+                                  std::to_string(s.decay_step_size) + ")";
+    printf(
+        "  optimizer %s, DeepSpeed's OneCycle: lr %g up to %g over %ld iterations and back over %ld, %s; update t "
+        "at iteration t - 2 (update 1 at %g), weight decay %g, clip %g\n",
+        adamw, s.cycle_min_lr, s.cycle_max_lr, first, second, decay.c_str(), s.cycle_min_lr, s.weight_decay, s.clip);
+    if (s.cycle_momentum) {
+      const std::string after = s.decay_step_size == 0 || s.decay_mom_rate == 0
+                                    ? "then " + number_text(s.cycle_max_mom)
+                                    : "then " + number_text(s.cycle_max_mom) + " x (1 + " +
+                                          number_text(s.decay_mom_rate) + " x iterations past / " +
+                                          std::to_string(s.decay_step_size) + ")";
+      printf(
+          "  betas     (beta1, 0.99): beta1 %g down to %g and back, %s; update 1 at %g (OneCycle sets beta2 0.99: "
+          "the optimizer's betas (%g, %g) act in no update)\n",
+          s.cycle_max_mom, s.cycle_min_mom, after.c_str(), s.cycle_min_mom, s.beta1, s.beta2);
+    }
+    return;
+  }
+  printf(
+      "  optimizer %s, DeepSpeed's LRRangeTest: lr %g x (1 + %g x %s(iteration + 1) / %ld)); update t at "
+      "iteration t - 2 (update 1 at %g), weight decay %g, clip %g\n",
+      adamw, s.lr_range_test_min_lr, s.lr_range_test_step_rate, s.lr_range_test_staircase ? "floor(" : "(",
+      s.lr_range_test_step_size, s.lr_range_test_min_lr, s.weight_decay, s.clip);
+}
+
 static void print_schedule(const Settings& s) {
+  if (s.schedule_convention == "deepspeed" && s.scheduler != "warmup") return print_deepspeed_other_schedule(s);
   if (s.schedule_convention == "deepspeed") return print_deepspeed_schedule(s);
   if (s.schedule_convention == "zero2") return print_trainer_schedule(s);
   printf(
@@ -596,7 +652,26 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
                 {"warmup_min_lr", settings.warmup_min_lr},
                 {"decay", settings.decay},
                 {"schedule_steps", settings.schedule_steps},
-                {"convention", settings.schedule_convention}}},
+                {"convention", settings.schedule_convention},
+                {"scheduler", settings.scheduler},
+                {"warmup_min_ratio", settings.warmup_min_ratio},
+                {"cos_min_ratio", settings.cos_min_ratio},
+                {"cycle_min_lr", settings.cycle_min_lr},
+                {"cycle_max_lr", settings.cycle_max_lr},
+                {"decay_lr_rate", settings.decay_lr_rate},
+                {"cycle_first_step_size", settings.cycle_first_step_size},
+                {"cycle_second_step_size",  // null: None, the first's
+                 settings.cycle_second_step_size < 0 ? json(nullptr) : json(settings.cycle_second_step_size)},
+                {"decay_step_size", settings.decay_step_size},
+                {"cycle_momentum", settings.cycle_momentum},
+                {"cycle_min_mom", settings.cycle_min_mom},
+                {"cycle_max_mom", settings.cycle_max_mom},
+                {"decay_mom_rate", settings.decay_mom_rate},
+                {"lr_range_test_min_lr", settings.lr_range_test_min_lr},
+                {"lr_range_test_step_size", settings.lr_range_test_step_size},
+                {"lr_range_test_step_rate", settings.lr_range_test_step_rate},
+                {"lr_range_test_staircase", settings.lr_range_test_staircase},
+                {"betas_cycle", betas_cycle(settings)}}},
               {"optimizer",
                {{"betas", {settings.beta1, settings.beta2}},
                 {"eps", settings.eps},
@@ -615,6 +690,8 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
                      {"tokens_per_s", r.tokens_per_s},
                      {"loss_scale", r.loss_scale},
                      {"skipped", r.skipped}});
+    // The update's betas, when a scheduler sets them per step (OneCycle's momentum)
+    if (betas_cycle(settings)) steps.back()["betas"] = {r.beta1, r.beta2};
     if (settings.wall_clock_breakdown) {
       steps.back()["forward_ms"] = r.forward_ms;
       steps.back()["backward_ms"] = r.backward_ms;

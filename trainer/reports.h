@@ -26,6 +26,7 @@ struct StepRecord {
   double lr, ms, tokens_per_s;
   double loss_scale;  // the scale this step's gradients carried (fp16; 1 otherwise)
   bool skipped;       // fp16 overflow: no update
+  double beta1 = 0, beta2 = 0;  // Adam's betas of the update (a scheduler may set them per step)
   double forward_ms = 0, backward_ms = 0, optimizer_ms = 0;  // wall_clock_breakdown only
   double gemm_ms = 0;  // of ms, the time inside sgemm (cpu; 0 on cuda, where gemm only queues work)
 };

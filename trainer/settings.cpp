@@ -202,6 +202,31 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "eps") s.eps = parse_real(name, value, 1e-30, 1.0);
   else if (flag == "warmup_min_lr") s.warmup_min_lr = parse_real(name, value, 0.0, 10.0);
+  // DeepSpeed's scheduler and its params (trainer/deepspeed_config.cpp reads
+  // them): ranges where DeepSpeed would divide by zero or step at a negative
+  // rate; the checks across params are check_scheduler's.
+  else if (flag == "scheduler")
+    s.scheduler = parse_choice(name, value, {"warmup", "WarmupCosineLR", "OneCycle", "LRRangeTest"});
+  else if (flag == "warmup_min_ratio") s.warmup_min_ratio = parse_real(name, value, 0.0, 1.0);
+  else if (flag == "cos_min_ratio") s.cos_min_ratio = parse_real(name, value, 0.0, 1.0);
+  else if (flag == "cycle_min_lr") s.cycle_min_lr = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "cycle_max_lr") s.cycle_max_lr = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "decay_lr_rate") s.decay_lr_rate = parse_real(name, value, 0.0, 1e6);
+  else if (flag == "cycle_first_step_size") s.cycle_first_step_size = parse_integer(name, value, 1, big);
+  else if (flag == "cycle_second_step_size")  // "none": DeepSpeed's None, the first's
+    s.cycle_second_step_size = value == "none" ? -1 : parse_integer(name, value, 0, big);
+  else if (flag == "cycle_first_stair_count") s.cycle_first_stair_count = parse_integer(name, value, 0, big);
+  else if (flag == "cycle_second_stair_count")
+    s.cycle_second_stair_count = value == "none" ? -1 : parse_integer(name, value, 0, big);
+  else if (flag == "decay_step_size") s.decay_step_size = parse_integer(name, value, 0, big);
+  else if (flag == "cycle_momentum") s.cycle_momentum = parse_integer(name, value, 0, 1) != 0;
+  else if (flag == "cycle_min_mom") s.cycle_min_mom = parse_real(name, value, 0.0, 1.0, false);
+  else if (flag == "cycle_max_mom") s.cycle_max_mom = parse_real(name, value, 0.0, 1.0, false);
+  else if (flag == "decay_mom_rate") s.decay_mom_rate = parse_real(name, value, 0.0, 1e6);
+  else if (flag == "lr_range_test_min_lr") s.lr_range_test_min_lr = parse_real(name, value, 0.0, 10.0);
+  else if (flag == "lr_range_test_step_size") s.lr_range_test_step_size = parse_integer(name, value, 1, big);
+  else if (flag == "lr_range_test_step_rate") s.lr_range_test_step_rate = parse_real(name, value, 0.0, 1e6);
+  else if (flag == "lr_range_test_staircase") s.lr_range_test_staircase = parse_integer(name, value, 0, 1) != 0;
   else if (flag == "schedule_convention")
     s.schedule_convention = parse_choice(name, value, {"zero2", "deepspeed", "none"});
   else if (flag == "bias_correction") s.bias_correction = parse_integer(name, value, 0, 1) != 0;
@@ -281,7 +306,7 @@ optimizer: AdamW [optimizer.type "AdamW", or "Adam" with adam_w_mode true]
   --weight-decay WD          decoupled weight decay (0.01) [optimizer.params.weight_decay]
   --clip C                   global gradient-norm clip, 0: none (1.0) [gradient_clipping]
                              betas, eps, bias_correction: config only [optimizer.params.*]
-learning-rate schedule (DeepSpeed's WarmupDecayLR and WarmupLR) [scheduler]: without --config the
+learning-rate schedule (DeepSpeed's WarmupDecayLR and WarmupLR, and more) [scheduler]: without --config the
 trainer's own, counted from step 1; with --config DeepSpeed's, as its engine steps it (update t runs
 at the scheduler's iteration t - 2), or without a scheduler block the optimizer's lr at every step
 unless one of these flags adds one (notes/07)
@@ -293,6 +318,10 @@ unless one of these flags adds one (notes/07)
                              (linear) [scheduler.type WarmupDecayLR | WarmupLR]
   --schedule-steps K         where the decay ends (--steps) [scheduler.params.total_num_steps];
                              warmup_min_lr: config only [scheduler.params.warmup_min_lr]
+  config only: DeepSpeed's WarmupCosineLR (peak: the optimizer's lr; --warmup, --warmup-type and
+  --schedule-steps act on it; warmup_min_ratio, cos_min_ratio), OneCycle (cycle_* and decay_* params;
+  cycle_momentum, true by default, cycles Adam's beta1 and sets beta2 0.99) and LRRangeTest
+  (lr_range_test_*), at the same iterations [scheduler.type, scheduler.params]
 memory (ZeRO-R; notes/04, notes/05)
   --activations keep|recompute|offload  what forward leaves for backward (keep)
                              [activation_checkpointing.cpu_checkpointing true: offload]
@@ -430,12 +459,27 @@ static void choose_schedule(Settings& s, const ConfigReading& config, const std:
   }
   apply(s, "schedule_convention", "deepspeed");
   s.origins["schedule_convention"] = config.scheduler.empty() ? "flag:" + flag_added : "config:scheduler.type";
-  // WarmupDecayLR's total_num_steps is a required argument (lr_schedules.py
-  // WarmupDecayLR.__init__ has no default): DeepSpeed raises TypeError without it.
-  if (config.total_num_steps_missing && s.decay == "linear" && !flags.count("--schedule-steps"))
+  // The schedule flags act on WarmupLR's and WarmupDecayLR's params, and
+  // (but --decay) on WarmupCosineLR's; OneCycle and LRRangeTest have none of
+  // them (their constructors would raise TypeError on each).
+  const bool other =
+      config.scheduler == "WarmupCosineLR" || config.scheduler == "OneCycle" || config.scheduler == "LRRangeTest";
+  for (const char* flag : {"--warmup", "--warmup-type", "--decay", "--schedule-steps"})
+    if (other && flags.count(flag) && (std::string(flag) == "--decay" || config.scheduler != "WarmupCosineLR"))
+      fail(
+          "%s acts on DeepSpeed's WarmupLR / WarmupDecayLR%s, and the config's scheduler.type is \"%s\": give "
+          "its own params in the config",
+          flag, std::string(flag) == "--decay" ? "" : " / WarmupCosineLR", config.scheduler.c_str());
+  // WarmupDecayLR's and WarmupCosineLR's total_num_steps is a required
+  // argument (lr_schedules.py:746-748, :797-799: no default): DeepSpeed
+  // raises TypeError without it.
+  const std::string needs_total = config.scheduler == "WarmupCosineLR" ? "WarmupCosineLR" : "WarmupDecayLR";
+  if (config.total_num_steps_missing && (s.decay == "linear" || config.scheduler == "WarmupCosineLR") &&
+      !flags.count("--schedule-steps"))
     fail(
-        "config key 'scheduler.params.total_num_steps' is missing: DeepSpeed's WarmupDecayLR has no default for it "
-        "(its constructor raises TypeError). Give it, or \"auto\" (the run's --steps), or --schedule-steps");
+        "config key 'scheduler.params.total_num_steps' is missing: DeepSpeed's %s has no default for it "
+        "(its constructor raises TypeError). Give it, or \"auto\" (the run's --steps), or --schedule-steps",
+        needs_total.c_str());
   if (!config.scheduler.empty()) return;  // the block's own defaults are among config.defaults
   const std::string type = s.decay == "none" ? "WarmupLR" : "WarmupDecayLR";
   const std::string added = " (the scheduler the flags add)";
@@ -618,6 +662,8 @@ void check_offload(const Settings& s) {
       said_by(s, "--offload-optimizer", offload_value).c_str(), said_by(s, "--stage", "0").c_str());
 }
 
+static void check_scheduler(const Settings& s);  // below, with the schedules
+
 void check_consistency(Settings& s, int world_size) {
   if (s.steps == 0 && !s.export_only)
     fail("--steps wants an integer from 1 to %ld (0 only with --load: export a checkpoint without training)", 1l << 30);
@@ -654,6 +700,7 @@ void check_consistency(Settings& s, int world_size) {
          s.schedule_steps);
   }
   if (s.warmup < 0) s.warmup = s.schedule_steps / 10;
+  check_scheduler(s);
   if (s.eval_every > s.steps && !s.export_only)
     fail(
         "--eval-every %ld is more than --steps %ld: it would evaluate only at the end (give --eval-every %ld for that)",
@@ -765,10 +812,164 @@ static double deepspeed_learning_rate(const Settings& s, long t) {
   return s.warmup_min_lr + (s.lr - s.warmup_min_lr) * gamma;
 }
 
+// DeepSpeed's other three schedulers (lr_schedules.py at v0.16.9), at the
+// same iteration i = t - 2 as above (i = -1: the rate __init__ sets), each
+// expression in DeepSpeed's order of operations, in double as Python's float.
+//
+// WarmupCosineLR (lr_schedules.py:774-870): the peak is the optimizer's lr
+// (org_lrs, :820); __init__ sets get_lr() at i = -1, which is 0 (:853-857);
+// W = max(2, warmup_num_steps) (:814); get_lr_ratio (:826-845): while i < W,
+// wmin + ((1 / ln W) ln(i + 1) or i / W) (1 - wmin); then, with r = i - W + 1
+// and T = S - W, max(0, cmin + (1 - cmin) (1 + cos(pi r / T)) / 2), with no
+// clamp past S (the cosine rises again). check_scheduler refuses S == W
+// (ZeroDivisionError at :843 in DeepSpeed). cos(pi r / T) has period 2|T| in
+// the integer r, so r is first reduced mod 2|T| (exact): the argument stays
+// in [0, 2 pi], where cos_double holds its bound, and within the schedule
+// (r < 2T) it is DeepSpeed's own double, pi * r / T.
+static double warmup_cosine_learning_rate(const Settings& s, long t) {
+  const long i = t - 2;
+  if (i < 0) return 0.0;  // get_lr, last_batch_iteration < 0: [0.0]
+  const long W = std::max(2l, s.warmup);
+  double ratio;
+  if (i < W) {
+    ratio = s.warmup_type == "log" ? (1.0 / z2::log_double((double)W)) * z2::log_double((double)(i + 1))
+                                   : (double)i / (double)W;
+    ratio = s.warmup_min_ratio + ratio * (1.0 - s.warmup_min_ratio);
+  } else {
+    const long T = s.schedule_steps - W, period = 2 * std::labs(T);
+    const long r = (i - W + 1) % period;
+    const double cosine = z2::cos_double(3.141592653589793 * (double)r / (double)T);
+    ratio = std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * ((1.0 + cosine) / 2.0));
+  }
+  return s.lr * ratio;
+}
+
+// OneCycle (lr_schedules.py:371-630). __init__ sets cycle_min_lr at i = -1
+// (_initialize_lr, :495-499). total = first + second step sizes (second None:
+// the first's, :478-479), step_ratio = first / total (:482). While
+// i < total (get_lr, :584-590), _get_scale_factor (:528-537): b = i + 1,
+// cycle = floor(1 + b / total), x = 1 + b / total - cycle, scale x / ratio
+// when x <= ratio, else (x - 1) / (ratio - 1); the rate min + (max - min)
+// scale (_get_cycle_lr, :550-558). After, with d = i - total + 1
+// (_get_decay_lr, :570-582): min / (1 + decay_lr_rate (d / decay_step_size)),
+// or min itself when decay_step_size or decay_lr_rate is 0 (skip_lr_decay:
+// math.isclose(x, 0) is x == 0 at its default tolerances, :487-492, :504-505).
+// The stair counts are never read (:483-484 store them, nothing uses them).
+struct OneCycleShape {
+  double total, step_ratio;
+};
+static OneCycleShape one_cycle_shape(const Settings& s) {
+  const double first = (double)s.cycle_first_step_size,
+               second = s.cycle_second_step_size < 0 ? first : (double)s.cycle_second_step_size;
+  const double total = first + second;
+  return {total, first / total};
+}
+static double one_cycle_scale(const OneCycleShape& shape, long i) {
+  const double b = (double)(i + 1);
+  const double cycle = std::floor(1 + b / shape.total);
+  const double x = 1. + b / shape.total - cycle;
+  return x <= shape.step_ratio ? x / shape.step_ratio : (x - 1) / (shape.step_ratio - 1);
+}
+static double one_cycle_learning_rate(const Settings& s, long t) {
+  const long i = t - 2;
+  if (i < 0) return s.cycle_min_lr;
+  const OneCycleShape shape = one_cycle_shape(s);
+  if ((double)i < shape.total) return s.cycle_min_lr + (s.cycle_max_lr - s.cycle_min_lr) * one_cycle_scale(shape, i);
+  if (s.decay_step_size == 0 || s.decay_lr_rate == 0) return s.cycle_min_lr;
+  const double interval = (double)(i - (long)shape.total + 1) / (double)s.decay_step_size;
+  return s.cycle_min_lr / (1 + s.decay_lr_rate * interval);
+}
+
+// LRRangeTest (lr_schedules.py:273-368): __init__ sets lr_range_test_min_lr
+// at i = -1 (:336-337); then min_lr (1 + step_rate interval) (get_lr,
+// :345-350), interval = (i + 1) / step_size, or its floor with staircase
+// (:339-343). (At i = -1 the formula gives min_lr too.)
+static double lr_range_test_learning_rate(const Settings& s, long t) {
+  const long i = t - 2;
+  if (i < 0) return s.lr_range_test_min_lr;
+  double interval = (double)(i + 1) / (double)s.lr_range_test_step_size;
+  if (s.lr_range_test_staircase) interval = std::floor(interval);
+  return s.lr_range_test_min_lr * (1 + s.lr_range_test_step_rate * interval);
+}
+
 double learning_rate(const Settings& s, long t) {
   if (s.schedule_convention == "none") return s.lr;  // no scheduler: the optimizer's rate
-  if (s.schedule_convention == "deepspeed") return deepspeed_learning_rate(s, t);
+  if (s.schedule_convention == "deepspeed") {
+    if (s.scheduler == "WarmupCosineLR") return warmup_cosine_learning_rate(s, t);
+    if (s.scheduler == "OneCycle") return one_cycle_learning_rate(s, t);
+    if (s.scheduler == "LRRangeTest") return lr_range_test_learning_rate(s, t);
+    return deepspeed_learning_rate(s, t);
+  }
   return trainer_learning_rate(s, t);
+}
+
+// OneCycle's momentum (cycle_momentum true, its default): the optimizer's
+// betas become (beta1, 0.99) (_initialize_momentum, :508-526, builds
+// (cycle_min_mom, 0.99) and (cycle_max_mom, 0.99), whatever the optimizer's
+// beta2 was), set in every step() after the rate (:618-624). __init__ sets
+// (cycle_min_mom, 0.99) at i = -1 (:521-523), although the cycle's formula
+// there would give cycle_max_mom. Then, while i < total, beta1 = max_mom -
+// (max_mom - min_mom) scale (_get_cycle_mom, :539-548), the inverse of the
+// rate's cycle; after, max_mom (1 + decay_mom_rate (d / decay_step_size)),
+// or max_mom when decay_step_size or decay_mom_rate is 0 (_get_decay_mom,
+// :560-568; skip_mom_decay, :487-492, :525-526). FusedAdam and
+// DeepSpeedCPUAdam read group['betas'] at each step, and their bias
+// correction is 1 - beta1^t with the step's beta1 (zero2.cu adamw_constants).
+bool betas_cycle(const Settings& s) {
+  return s.schedule_convention == "deepspeed" && s.scheduler == "OneCycle" && s.cycle_momentum;
+}
+std::pair<double, double> adam_betas(const Settings& s, long t) {
+  if (!betas_cycle(s)) return {s.beta1, s.beta2};
+  const long i = t - 2;
+  if (i < 0) return {s.cycle_min_mom, 0.99};
+  const OneCycleShape shape = one_cycle_shape(s);
+  if ((double)i < shape.total)
+    return {s.cycle_max_mom - (s.cycle_max_mom - s.cycle_min_mom) * one_cycle_scale(shape, i), 0.99};
+  if (s.decay_step_size == 0 || s.decay_mom_rate == 0) return {s.cycle_max_mom, 0.99};
+  const double interval = (double)(i - (long)shape.total + 1) / (double)s.decay_step_size;
+  return {s.cycle_max_mom * (1 + s.decay_mom_rate * interval), 0.99};
+}
+
+// The checks across one DeepSpeed scheduler's params (each param's own range
+// is apply's), where DeepSpeed would raise or step with a beta1 Adam cannot
+// take. Said by where each value came from (said_by).
+static std::string real_text(double value) {
+  char text[32];
+  snprintf(text, sizeof text, "%g", value);
+  return text;
+}
+static void check_scheduler(const Settings& s) {
+  if (s.schedule_convention != "deepspeed") return;
+  // WarmupCosineLR divides by T = S - W once i reaches W (lr_schedules.py:843:
+  // ZeroDivisionError); refused before the run, since a longer or resumed run
+  // would get there. (S < W only warns in DeepSpeed, :817-819: the header says so.)
+  const long W = std::max(2l, s.warmup);
+  if (s.scheduler == "WarmupCosineLR" && s.schedule_steps == W)
+    fail(
+        "%s equals the warmup's %ld iterations (%s; DeepSpeed's WarmupCosineLR raises it to at least 2): its "
+        "cosine divides by total_num_steps - warmup_num_steps, so DeepSpeed raises ZeroDivisionError once the "
+        "warmup ends (lr_schedules.py:843). Give a total_num_steps other than %ld",
+        said_by(s, "--schedule-steps", std::to_string(s.schedule_steps)).c_str(), W,
+        said_by(s, "--warmup", std::to_string(s.warmup)).c_str(), W);
+  if (s.scheduler != "OneCycle" || !s.cycle_momentum || s.decay_step_size == 0 || s.decay_mom_rate == 0) return;
+  // OneCycle's momentum after the cycle grows as max_mom (1 + decay_mom_rate d
+  // / decay_step_size) (:560-568); DeepSpeed lets it pass 1, where Adam's m
+  // diverges. Refused at the first update of this run where it would.
+  const OneCycleShape shape = one_cycle_shape(s);
+  const long first_decay = (long)shape.total + 2;  // update t at iteration t - 2 >= total
+  if (s.steps < first_decay || adam_betas(s, s.steps).first < 1) return;
+  long low = first_decay, high = s.steps;  // beta1 grows with t: the first t where it reaches 1
+  while (low < high) {
+    const long middle = low + (high - low) / 2;
+    if (adam_betas(s, middle).first >= 1) high = middle;
+    else low = middle + 1;
+  }
+  fail(
+      "%s takes OneCycle's beta1 to %.17g at update %ld of this run's %ld (cycle_max_mom %g x (1 + decay_mom_rate x "
+      "iterations past the cycle / decay_step_size %ld), lr_schedules.py:560-568): Adam's beta1 must stay below 1. "
+      "Give a smaller decay_mom_rate, or fewer --steps",
+      said_by(s, "decay_mom_rate", real_text(s.decay_mom_rate)).c_str(), adam_betas(s, low).first, low, s.steps,
+      s.cycle_max_mom, s.decay_step_size);
 }
 
 z2::EngineOptions engine_options(const Settings& settings, z2::Precision precision) {
@@ -783,6 +984,7 @@ z2::EngineOptions engine_options(const Settings& settings, z2::Precision precisi
   options.beta1 = settings.beta1, options.beta2 = settings.beta2, options.eps = settings.eps;
   options.weight_decay = settings.weight_decay;
   options.lr_schedule = [settings](long t) { return learning_rate(settings, t); };
+  if (betas_cycle(settings)) options.betas_schedule = [settings](long t) { return adam_betas(settings, t); };
   options.precision = precision;
   options.accumulate_fp32 = settings.grad_accum_dtype == "fp32";
   options.loss_scaling = settings.loss_scaling;

@@ -12,6 +12,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "trainer/model_shape.h"
@@ -45,6 +46,27 @@ struct Settings {
   // flags next to a config); "none", the optimizer's rate at every step (a
   // config without a scheduler, as DeepSpeed holds it). Checkpoints record it.
   std::string schedule_convention = "zero2";
+  // Which of DeepSpeed's schedulers (runtime/lr_schedules.py at v0.16.9),
+  // with schedule_convention "deepspeed": "warmup" is WarmupLR or
+  // WarmupDecayLR by --decay (the settings above); WarmupCosineLR takes
+  // --warmup, --warmup-type and --schedule-steps (total_num_steps) with the
+  // two ratios below, its peak the optimizer's lr; OneCycle and LRRangeTest
+  // take their own params only. Config only; checkpoints record them all.
+  std::string scheduler = "warmup";
+  double warmup_min_ratio = 0.0, cos_min_ratio = 1e-4;  // WarmupCosineLR.__init__'s defaults
+  // OneCycle.__init__'s defaults (cycle_min_lr and cycle_max_lr have none: a
+  // config must give them). cycle_second_step_size -1: None, the first's;
+  // the stair counts are read and never used by DeepSpeed (lr_schedules.py
+  // _initialize_cycle stores them, nothing reads them), so too here.
+  double cycle_min_lr = 0, cycle_max_lr = 0, decay_lr_rate = 0;
+  long cycle_first_step_size = 2000, cycle_second_step_size = -1, decay_step_size = 0;
+  long cycle_first_stair_count = 0, cycle_second_stair_count = -1;
+  bool cycle_momentum = true;
+  double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0;
+  // LRRangeTest.__init__'s defaults.
+  double lr_range_test_min_lr = 1e-3, lr_range_test_step_rate = 1.0;
+  long lr_range_test_step_size = 2000;
+  bool lr_range_test_staircase = false;
   double warmup_min_lr = 0.0;
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01, clip = 1.0;
   bool bias_correction = true;  // Adam's 1 / (1 - beta^t); DeepSpeed's FusedAdam may turn it off
@@ -173,6 +195,11 @@ void agree_on_errors(MPI_Comm world, const std::function<void()>& checks,
 // schedule, DeepSpeed's WarmupLR or WarmupDecayLR, or constant, by
 // schedule_convention.
 double learning_rate(const Settings& s, long t);
+// Adam's (beta1, beta2) of the t-th applied update: the optimizer's, or
+// OneCycle's cycled beta1 with beta2 0.99 when cycle_momentum is on
+// (betas_cycle).
+std::pair<double, double> adam_betas(const Settings& s, long t);
+bool betas_cycle(const Settings& s);
 z2::EngineOptions engine_options(const Settings& settings, z2::Precision precision);
 ModelShape shape_of(const Settings& settings);
 ActivationMode mode_of(const Settings& settings);

@@ -119,6 +119,10 @@ static json conventions(const Settings& s) {
        "m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t) (bias_correction; without it m and v), t the "
        "updates applied so far, lr = steps[].lr"},
       {"learning_rate", "steps[].lr is the rate of that step's update, whatever schedule gave it"},
+      {"betas", betas_cycle(s)
+                    ? "steps[].betas are that update's (beta1, beta2), which DeepSpeed's OneCycle sets per step; "
+                      "optimizer.betas are the optimizer's own, which act in no update"
+                    : "optimizer.betas in every update"},
       {"dropout", s.dropout == 0
                       ? "0: a replay computes the same functions"
                       : "> 0: zero2 draws its masks from a hash of (seed, step, sample, layer, site, element), which "
@@ -182,23 +186,26 @@ static json layout_record(const z2::Engine& engine, const TensorShapes& tensor_s
            "buffer; a parameter's element i lies at its offset + i"}};
 }
 
-static json step_record(const TracedStep& traced) {
+static json step_record(const TracedStep& traced, bool betas_cycle) {
   const z2::StepReport& r = traced.report;
   long selected = 0;
   for (long count : traced.micro_batch_selected) selected += count;
   json losses = json::array();
   for (float loss : traced.micro_batch_losses) losses.push_back(exact(loss));
-  return {{"step", r.step},
-          {"lr", r.lr},
-          {"loss", exact(r.loss)},
-          {"loss_bits", float_bits(r.loss)},
-          {"grad_norm", exact(r.grad_norm)},
-          {"clip_coefficient", exact(r.clip_coefficient)},
-          {"loss_scale", r.loss_scale},
-          {"skipped", r.skipped},
-          {"selected", selected},
-          {"micro_batch_losses", losses},
-          {"micro_batch_selected", traced.micro_batch_selected}};
+  json record = {{"step", r.step},
+                 {"lr", r.lr},
+                 {"loss", exact(r.loss)},
+                 {"loss_bits", float_bits(r.loss)},
+                 {"grad_norm", exact(r.grad_norm)},
+                 {"clip_coefficient", exact(r.clip_coefficient)},
+                 {"loss_scale", r.loss_scale},
+                 {"skipped", r.skipped},
+                 {"selected", selected},
+                 {"micro_batch_losses", losses},
+                 {"micro_batch_selected", traced.micro_batch_selected}};
+  // (DeepSpeed's OneCycle sets Adam's betas every step: that step's pair.)
+  if (betas_cycle) record["betas"] = {r.beta1, r.beta2};
+  return record;
 }
 
 void RunTrace::finish(const ModelShape& shape, const TensorShapes& tensor_shapes, const z2::Engine& engine,
@@ -220,7 +227,7 @@ void RunTrace::finish(const ModelShape& shape, const TensorShapes& tensor_shapes
   for (size_t k = 0; k < parameter_steps_.size(); ++k)
     parameter_steps.push_back({{"step", parameter_steps_[k]}, {"gradients", (bool)has_gradients_[k]}});
   json records = json::array();
-  for (const TracedStep& traced : steps_) records.push_back(step_record(traced));
+  for (const TracedStep& traced : steps_) records.push_back(step_record(traced, betas_cycle(settings_)));
   const json config = config_text_.empty() ? json(nullptr) : parse_json(config_text_);
   const json trace = {
       {"format", trace_format},
