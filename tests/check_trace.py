@@ -182,6 +182,11 @@ def validate_reference(ref):
         if "selected" in record:
             require(is_int(record["selected"]) and record["selected"] >= 0, path, f"{where}.selected",
                     record["selected"], "a count")
+        if "betas" in record:  # a scheduler's betas of the update (DeepSpeed's OneCycle): the replay reads them
+            step_betas = record["betas"]
+            require(isinstance(step_betas, list) and len(step_betas) == 2
+                    and all(is_finite_number(b) and 0 <= b < 1 for b in step_betas), path, f"{where}.betas",
+                    step_betas, "two numbers in [0, 1)")
 
 
 def validate_layout(path, layout, world_size):
@@ -696,8 +701,9 @@ def replay_step(pair, step):
 
     flat = adamw_replay.Flat(pair.layout, pair.no_decay, pair.N)
     rates = [record["lr"] for record in ref.steps]
-    replays = [("AdamW as the trace states it", adamw_replay.Replay(flat, ref.optimizer, rates, {}), "")]
-    replays += [(name, adamw_replay.Replay(flat, ref.optimizer, rates, changes), words)
+    betas = [record["betas"] for record in ref.steps] if all("betas" in r for r in ref.steps) else None
+    replays = [("AdamW as the trace states it", adamw_replay.Replay(flat, ref.optimizer, rates, {}, betas), "")]
+    replays += [(name, adamw_replay.Replay(flat, ref.optimizer, rates, changes, betas), words)
                 for name, changes, words in adamw_replay.CATALOGUE]
     replays = [entry for entry in replays if entry[1].applies(step)]
     for t, (side, before_side) in enumerate(sources, start=1):

@@ -45,10 +45,12 @@ def clip_coefficient(clip, norm):
 #   swap_betas             b1 used for v and b2 for m
 #   lr_shift               the rate of step s + lr_shift used for step s's update
 #   clipping "global" (the whole gradient's norm), "none", "local" (each rank's own shard's norm)
+#   fixed_betas            the optimizer's betas in every update, where the trace's scheduler set them per
+#                          update (steps[].betas: DeepSpeed's OneCycle); applies only to such a trace
 # `words` is what the checker says when the variant reproduces theirs and the true step does not; each
 # variant's words are distinct, so tests/peers/check_peer.sh can find them in the diagnosis.
 TRUE = dict(decay="decoupled", eps="outside", correct_m=True, correct_v=True, swap_betas=False, lr_shift=0,
-            clipping="global")
+            clipping="global", fixed_betas=False)
 
 CATALOGUE = [
     ("L2-style weight decay", dict(decay="l2"),
@@ -79,6 +81,9 @@ CATALOGUE = [
     ("clipping by each rank's own shard's norm", dict(clipping="local"),
      "each rank scaled its shard by clip / (its own shard's norm + 1e-6), where the coefficient comes from the "
      "whole gradient's norm (sum every rank's squares before the square root)"),
+    ("the optimizer's betas, not the scheduler's", dict(fixed_betas=True),
+     "every update used optimizer.betas, where the trace's scheduler set each update's (steps[].betas: "
+     "DeepSpeed's OneCycle cycles beta1 and sets beta2 to 0.99); set the optimizer's betas every step"),
 ]
 
 
@@ -112,21 +117,25 @@ class Flat:
 class Replay:
     """One variant's AdamW, its state (m, v) carried from step 1 through every step fed to it."""
 
-    def __init__(self, flat, optimizer, rates, changes):
-        self.flat, self.settings, self.rates = flat, optimizer, rates
+    def __init__(self, flat, optimizer, rates, changes, betas=None):
+        # betas: each update's (beta1, beta2) where a scheduler sets them (DeepSpeed's OneCycle: the trace's
+        # steps[].betas), else None and the optimizer's throughout
+        self.flat, self.settings, self.rates, self.betas = flat, optimizer, rates, betas
         self.variant = dict(TRUE, **changes)
         self.m = np.zeros(flat.size, dtype=F32)
         self.v = np.zeros(flat.size, dtype=F32)
 
     def applies(self, step):
         """Whether the variant differs from the true step's formula here (its neighbouring rate exists)."""
-        return 1 <= step + self.variant["lr_shift"] <= len(self.rates)
+        return 1 <= step + self.variant["lr_shift"] <= len(self.rates) and \
+            (self.betas is not None or not self.variant["fixed_betas"])
 
     def step(self, t, params, grad, norm):
         """Update t (1-based) from `params` and the gradient before clipping `grad` (flat float32), `norm` the
         gradient's norm its producer recorded; advances m and v and returns the parameters after it."""
         variant, o = self.variant, self.settings
-        beta1, beta2 = o["betas"][::-1] if variant["swap_betas"] else o["betas"]
+        betas = self.betas[t - 1] if self.betas and not variant["fixed_betas"] else o["betas"]
+        beta1, beta2 = betas[::-1] if variant["swap_betas"] else betas
         lr = self.rates[t - 1 + variant["lr_shift"]]
         g = grad.copy()
         if variant["clipping"] == "global":

@@ -225,6 +225,25 @@ check_replayed_mistakes() {
     -e 's|^\(                part = functions\["micro_batch_loss"\](logits, labels\[rows\], selected, N)\)$|\1 / A|'
   plant not-averaged-at-A-3 "= N: the gradients were summed over the 2 ranks, not averaged" \
     -e 's|^        own.append(summed / N)$|        own.append(summed)|'
+  # DeepSpeed's OneCycle sets Adam's betas every update (beta1 cycles, beta2 0.99): the trace records them
+  # (steps[].betas), the peers set them, and a peer that keeps the optimizer's fixed betas is named.
+  echo '{"optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "scheduler": {"type": "OneCycle", "params":
+    {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 3, "cycle_second_step_size": 2,
+     "decay_step_size": 2, "decay_lr_rate": 0.5, "decay_mom_rate": 0.01}}}' > "$work/one_cycle.json"
+  make_reference "$work/ref_every" --trace-params-every 1 --steps 8 --config "$work/one_cycle.json" ||
+    { fail "zero2's trace with DeepSpeed's OneCycle could not be made"; return; }
+  local step
+  for step in zero-redundancy flat; do
+    rm -rf "$work/theirs"
+    if "$python" "$source" --nproc-per-node 2 --step "$step" "$work/ref_every" "$work/theirs" > "$work/peer.log" 2>&1; then
+      check "torch peer --step $step (OneCycle: betas per update, N = 2, fp32, 8 steps)" agrees "$work/ref_every" \
+        "$work/theirs"
+    else
+      fail "torch peer --step $step on the OneCycle trace did not run:"; tail -n 5 "$work/peer.log"
+    fi
+  done
+  plant fixed-betas-under-OneCycle "the optimizer's betas, not the scheduler's" \
+    -e '/^        stepper.betas = reference.steps\[step - 1\].get("betas")/d'
 }
 
 # DeepSpeed's venv: the pinned versions from PyPI, made once. DeepSpeed's setup.py imports torch, so it is

@@ -168,8 +168,9 @@ class ZeroRedundancyStep:
     def used_optimizer(self):
         """The settings torch's AdamW holds, for the trace (the checker compares them with zero2's)."""
         group = self.optimizer.param_groups[0]
-        return {"betas": list(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
-                "clip": self.clip, "no_weight_decay": self.no_decay_names}
+        # the betas it was built with: a OneCycle trace's steps[].betas replaced them update by update
+        return {"betas": list(self.optimizer.defaults["betas"]), "eps": group["eps"],
+                "weight_decay": group["weight_decay"], "clip": self.clip, "no_weight_decay": self.no_decay_names}
 
     def no_sync(self, last_micro_step):
         return contextlib.nullcontext() if last_micro_step else self.forward.no_sync()
@@ -177,9 +178,13 @@ class ZeroRedundancyStep:
     def gradients(self):
         return {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
 
+    betas = None  # this update's (beta1, beta2) where the trace's scheduler sets them (steps[].betas)
+
     def step(self, lr, step):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            if self.betas:  # torch's AdamW reads the group's betas every step, its bias corrections too
+                group["betas"] = tuple(self.betas)
         # The norm of the averaged gradient (every rank holds all of it after DDP); max_norm inf: norm only.
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip if self.clip > 0 else math.inf)
         self.optimizer.step()
@@ -205,9 +210,12 @@ class FlatStep:
     def gradients(self):
         return None   # the reduced gradient exists only after the step: gathered_gradients()
 
+    betas = None  # this update's (beta1, beta2) where the trace's scheduler sets them (steps[].betas)
+
     def step(self, lr, step):
         self.layout.gather_gradients()
-        norm, self.reduced = self.step_function(self.layout, lr, step, self.settings)
+        settings = dict(self.settings, betas=list(self.betas)) if self.betas else self.settings
+        norm, self.reduced = self.step_function(self.layout, lr, step, settings)
         return norm
 
     def gathered_gradients(self):
@@ -282,6 +290,7 @@ def replay(reference, out, step_kind, functions):
         keep = step in reference.parameter_steps
         gradients = stepper.gradients() if keep and step_kind == "zero-redundancy" else None
         lr = reference.steps[step - 1]["lr"]
+        stepper.betas = reference.steps[step - 1].get("betas")  # DeepSpeed's OneCycle cycles beta1 per step
         norm = stepper.step(lr, step)
         if keep and step_kind == "flat":
             gradients = stepper.gathered_gradients()
