@@ -1573,6 +1573,18 @@ bad_case "config key 'scheduler.params.total_num_steps' is missing: DeepSpeed's 
   --config "$work/ds_no_total.json" "${tiny[@]}" --steps 2
 echo '{"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.001, "warmup_num_steps": 1}}}' > "$work/ds_min_lr.json"
 bad_case "warmup_min_lr 0.01 is above the learning rate 0.001" --config "$work/ds_min_lr.json" "${tiny[@]}" --steps 2
+# "auto" beside an explicit rate (trlx's reward-model config): Hugging Face's Trainer fills both keys from one
+# learning_rate and refuses the file unless that equals the explicit value (fill_match); so does the trainer,
+# naming both, and runs it when --lr is the explicit value.
+echo '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 2}}}' > "$work/ds_auto_lr.json"
+bad_case "a learning rate in the config is \"auto\", which takes the run's rate (--lr 0.001 (the trainer's default, not given here)), but optimizer.params.lr is 1e-5: Hugging Face's Trainer fills both keys from its one learning_rate" \
+  --config "$work/ds_auto_lr.json" "${tiny[@]}" --steps 2
+bad_case "(--lr 0.002), but optimizer.params.lr is 1e-5" --config "$work/ds_auto_lr.json" "${tiny[@]}" --steps 2 --lr 2e-3
+if timeout 300 "$trainer" --config "$work/ds_auto_lr.json" "${tiny[@]}" --steps 3 --lr 1e-5 --json "$work/auto_lr.json" \
+     > /dev/null 2>&1 && python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); sys.exit(d["steps"][2]["lr"] != 1e-5)' \
+     "$work/auto_lr.json"; then
+  pass "an \"auto\" warmup_max_lr beside an explicit optimizer lr 1e-5 runs with --lr 1e-5, at that rate after the warmup"
+else fail "the \"auto\" warmup_max_lr with --lr 1e-5 did not run at 1e-5"; fi
 # Keys DeepSpeed never reads: a warning where DeepSpeed ignores them (the
 # top level, fp16 / bf16, a block without a type), refused where DeepSpeed
 # rejects them (zero_optimization) or where they are a near-miss of a real key.

@@ -1096,6 +1096,9 @@ class ConfigReader {
       else if (optimizer_lr_auto_) out_.auto_flags.insert("--lr");
     }
     if (!clipping_.value.empty()) out_.flags.push_back({"--clip", clipping_.value, clipping_.key});
+    out_.learning_rate_auto = optimizer_lr_auto_ || scheduler_lr_auto_;
+    for (const ConfigSetting& explicit_rate : {optimizer_lr_, scheduler_lr_})
+      if (!explicit_rate.value.empty()) out_.learning_rate_keys.push_back(explicit_rate);
   }
 
   // DeepSpeed's value for every setting the file leaves out; the command

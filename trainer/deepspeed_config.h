@@ -56,6 +56,13 @@ struct ConfigReading {
   // judged once the run's offload is known (a flag may change it).
   bool optimizer_typed = false;
   bool force_ds_cpu_optimizer = true;
+  // Hugging Face's Trainer fills optimizer.params.lr and
+  // scheduler.params.warmup_max_lr from one argument, learning_rate, and
+  // refuses a file whose explicit value of either differs from it (its
+  // fill_match). Where either says "auto", the explicit ones are held to the
+  // rate the run takes (trainer/settings.cpp check_learning_rate_auto).
+  bool learning_rate_auto = false;
+  std::vector<ConfigSetting> learning_rate_keys;  // the explicit ones of those two keys
 };
 // The file's settings, refused keys and notes (the file is read and parsed
 // here; the caller applies the flags and reports the refused keys).

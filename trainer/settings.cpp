@@ -518,6 +518,34 @@ static void check_client_optimizer_offload(Settings& s, const ConfigReading& con
       by.c_str());
 }
 
+static std::string said_by(const Settings& s, const std::string& flag, const std::string& value);
+
+// "auto" beside an explicit rate, as Hugging Face's Trainer judges it: it
+// fills optimizer.params.lr and scheduler.params.warmup_max_lr from one
+// learning_rate, and where the file gives one of them explicitly, that
+// value must equal learning_rate (integrations/deepspeed.py fill_match,
+// which collects every mismatch and raises ValueError). Here --lr is
+// learning_rate, so "auto" takes the run's rate, and an explicit value
+// that differs is refused with both named (trlx's reward-model config: an
+// explicit lr 1e-5 under a warmup_max_lr "auto" would otherwise train at
+// the trainer's 1e-3 without a word). Refused rather than resolved to the
+// explicit value: the same file under Hugging Face's Trainer fails, so a
+// run here that passed would train at a rate the file's users never had.
+static void check_learning_rate_auto(const Settings& s, const ConfigReading& config) {
+  if (!config.learning_rate_auto) return;
+  std::string differ;
+  for (const ConfigSetting& rate : config.learning_rate_keys)
+    if (std::strtod(rate.value.c_str(), nullptr) != s.lr)
+      differ += (differ.empty() ? "" : ", ") + rate.key + " is " + rate.value;
+  if (differ.empty()) return;
+  char rate[32];
+  std::snprintf(rate, sizeof rate, "%g", s.lr);
+  fail("a learning rate in the config is \"auto\", which takes the run's rate (%s), but %s: Hugging Face's Trainer "
+       "fills both keys from its one learning_rate and refuses a file whose explicit value differs from it "
+       "(fill_match). Give --lr %s, or write \"auto\" in its place",
+       said_by(s, "--lr", rate).c_str(), differ.c_str(), config.learning_rate_keys.front().value.c_str());
+}
+
 // What a config file means to DeepSpeed beyond its keys: the schedule, and
 // DeepSpeed's default for every setting it leaves out that no flag gives
 // (one it leaves to "auto" keeps the trainer's default). Defaults are not
@@ -626,6 +654,7 @@ Settings parse_command_line(int argc, char** argv) {
   check_plan_flags(settings);
   if (!settings.plan) check_offload(settings);  // --plan shows every stage, offloaded where it can be
   if (!settings.plan && !settings.config.empty()) check_client_optimizer_offload(settings, config);
+  if (!settings.config.empty()) check_learning_rate_auto(settings, config);
   check_trace_flags(settings);
   return settings;
 }
@@ -639,6 +668,7 @@ static std::string said_by(const Settings& s, const std::string& flag, const std
   if (origin.rfind("deepspeed_default:", 0) == 0)
     return flag.substr(2) + " " + value + " (DeepSpeed's default: the config names no " + flag.substr(2) + ")";
   if (origin == "checkpoint") return flag + " " + value + " (the checkpoint's, not given here)";
+  if (origin.rfind("trainer_default", 0) == 0) return flag + " " + value + " (the trainer's default, not given here)";
   return flag + " " + value;
 }
 
