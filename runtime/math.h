@@ -223,6 +223,35 @@ Z2_HD inline float log_fp32(float x) {
 // callers pass (0, 1] and [1, 2^31]).
 inline double log_double(double x) { return log_series<13>(x); }
 
+// Taylor's series of cos x and of sin x / x in x2 = x^2, to x^18 and x^19:
+// < 3e-18 left for |x| <= pi / 4, where both callers below use them.
+inline double cos_taylor(double x2) {
+  constexpr double terms[10] = {1.0,
+                                -1.0 / 2,
+                                1.0 / 24,
+                                -1.0 / 720,
+                                1.0 / 40320,
+                                -1.0 / 3628800,
+                                1.0 / 479001600,
+                                -1.0 / 87178291200.0,
+                                1.0 / 20922789888000.0,
+                                -1.0 / 6402373705728000.0};  // (-1)^j / (2j)!
+  return horner<0, 9>(terms, x2);
+}
+inline double sin_over_x_taylor(double x2) {
+  constexpr double terms[10] = {1.0,
+                                -1.0 / 6,
+                                1.0 / 120,
+                                -1.0 / 5040,
+                                1.0 / 362880,
+                                -1.0 / 39916800,
+                                1.0 / 6227020800.0,
+                                -1.0 / 1307674368000.0,
+                                1.0 / 355687428096000.0,
+                                -1.0 / 121645100408832000.0};  // (-1)^j / (2j + 1)!
+  return horner<0, 9>(terms, x2);
+}
+
 // cos(2 pi u) for u in [0, 1) (the angle of Box-Muller), in turns so that
 // the reduction is exact: cos(2 pi u) = cos(2 pi (1 - u)) = -cos(2 pi (1/2 - u))
 // = sin(2 pi (1/4 - u)), each subtraction exact for these u (multiples of
@@ -238,27 +267,7 @@ inline double cos_two_pi(double u) {
   const bool as_sine = u > 0.125;
   if (as_sine) u = 0.25 - u;
   const double x = 6.283185307179586 * u, x2 = x * x;
-  constexpr double cos_terms[10] = {1.0,
-                                    -1.0 / 2,
-                                    1.0 / 24,
-                                    -1.0 / 720,
-                                    1.0 / 40320,
-                                    -1.0 / 3628800,
-                                    1.0 / 479001600,
-                                    -1.0 / 87178291200.0,
-                                    1.0 / 20922789888000.0,
-                                    -1.0 / 6402373705728000.0};  // (-1)^j / (2j)!
-  constexpr double sin_terms[10] = {1.0,
-                                    -1.0 / 6,
-                                    1.0 / 120,
-                                    -1.0 / 5040,
-                                    1.0 / 362880,
-                                    -1.0 / 39916800,
-                                    1.0 / 6227020800.0,
-                                    -1.0 / 1307674368000.0,
-                                    1.0 / 355687428096000.0,
-                                    -1.0 / 121645100408832000.0};  // (-1)^j / (2j + 1)!
-  return sign * (as_sine ? x * horner<0, 9>(sin_terms, x2) : horner<0, 9>(cos_terms, x2));
+  return sign * (as_sine ? x * sin_over_x_taylor(x2) : cos_taylor(x2));
 }
 
 // cos x of a double |x| <= 2^20 (DeepSpeed's WarmupCosineLR, whose argument
@@ -276,29 +285,9 @@ inline double cos_double(double x) {
   const double r =
       ((x - k * 1.57079632673412561417e+00) - k * 6.07710050630396597660e-11) - k * 2.02226624871116645580e-21;
   const double r2 = r * r;
-  constexpr double cos_terms[10] = {1.0,
-                                    -1.0 / 2,
-                                    1.0 / 24,
-                                    -1.0 / 720,
-                                    1.0 / 40320,
-                                    -1.0 / 3628800,
-                                    1.0 / 479001600,
-                                    -1.0 / 87178291200.0,
-                                    1.0 / 20922789888000.0,
-                                    -1.0 / 6402373705728000.0};  // (-1)^j / (2j)!
-  constexpr double sin_terms[10] = {1.0,
-                                    -1.0 / 6,
-                                    1.0 / 120,
-                                    -1.0 / 5040,
-                                    1.0 / 362880,
-                                    -1.0 / 39916800,
-                                    1.0 / 6227020800.0,
-                                    -1.0 / 1307674368000.0,
-                                    1.0 / 355687428096000.0,
-                                    -1.0 / 121645100408832000.0};  // (-1)^j / (2j + 1)!
   // cos(k pi/2 + r): cos r, -sin r, -cos r, sin r for k = 0, 1, 2, 3 mod 4.
   const long quadrant = (long)k & 3;
-  const double value = (quadrant & 1) ? r * horner<0, 9>(sin_terms, r2) : horner<0, 9>(cos_terms, r2);
+  const double value = (quadrant & 1) ? r * sin_over_x_taylor(r2) : cos_taylor(r2);
   return quadrant == 1 || quadrant == 2 ? -value : value;
 }
 

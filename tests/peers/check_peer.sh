@@ -222,7 +222,7 @@ check_replayed_mistakes() {
   make_reference "$work/ref_every" --trace-params-every 1 --steps 6 --accum 3 ||
     { fail "zero2's trace with A = 3 could not be made"; return; }
   plant loss-over-A "= 1 / A: the loss is scaled by the number of micro-steps" \
-    -e 's|^\(                part = functions\["micro_batch_loss"\](logits, labels\[rows\], selected, N)\)$|\1 / A|'
+    -e 's|^\(            part = loss_of(logits, labels\[rows\], selected, N)\)$|\1 / A|'
   plant not-averaged-at-A-3 "= N: the gradients were summed over the 2 ranks, not averaged" \
     -e 's|^        own.append(summed / N)$|        own.append(summed)|'
   # DeepSpeed's OneCycle sets Adam's betas every update (beta1 cycles, beta2 0.99): the trace records them

@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_peer import launch, micro_batch_loss  # noqa: E402
+from torch_peer import forward_backward, launch, micro_batch_loss  # noqa: E402
 from trace_files import PeerTrace, Trace, TraceError  # noqa: E402
 
 FSDP1_PREFIX = "_fsdp_wrapped_module."
@@ -185,7 +185,9 @@ class FSDP2Step:
 def used_optimizer(stepper):
     """The settings torch's AdamW holds, for the trace (the checker compares them with zero2's)."""
     group = stepper.optimizer.param_groups[0]
-    return {"betas": list(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"],
+    # the betas it was built with: a OneCycle trace's steps[].betas replaced them update by update
+    return {"betas": list(stepper.optimizer.defaults["betas"]), "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
             "clip": stepper.clip, "no_weight_decay": sorted(stepper.settings["no_weight_decay"])}
 
 
@@ -231,26 +233,16 @@ def replay(reference, out, args):
                                       f"{torch.__version__}, transformers {transformers.__version__}, {N} ranks "
                                       f"on gloo") if rank == 0 else None
     for step in range(1, len(reference.steps) + 1):
-        input_ids, labels = (torch.from_numpy(np.array(a)) for a in reference.batch(step))
-        selected = int((labels != -100).sum())
-        loss = torch.zeros(())
-        for a in range(A):
-            m = a * N + rank                     # the micro-batch zero2's rank r computes at micro-step a
-            rows = slice(m * B, (m + 1) * B)
-            with stepper.no_sync(a == A - 1):
-                logits = stepper.forward(input_ids=input_ids[rows]).logits
-                # zero2's cross-entropy reads 16-bit logits and computes in fp32 (notes/08)
-                part = micro_batch_loss(logits.float(), labels[rows], selected, N)
-                part.backward()
-            loss += part.detach()
-        dist.all_reduce(loss)
-        loss /= N                                # the ranks' parts times N, so their mean is zero2's loss
+        # zero2's cross-entropy reads 16-bit logits and computes in fp32 (notes/08)
+        loss = forward_backward(reference, step, stepper, lambda logits, *rest: micro_batch_loss(logits.float(), *rest))
         keep = step in reference.parameter_steps
         gradients = stepper.gradients() if keep else None   # before clipping changes them
-        lr = reference.steps[step - 1]["lr"]
+        lr, betas = reference.steps[step - 1]["lr"], reference.steps[step - 1].get("betas")
         norm = stepper.clip_grad_norm()
         for group in stepper.optimizer.param_groups:
             group["lr"] = lr
+            if betas:  # DeepSpeed's OneCycle sets each update's betas (steps[].betas)
+                group["betas"] = tuple(betas)
         stepper.optimizer.step()
         stepper.optimizer.zero_grad(set_to_none=True)
         parameters = stepper.parameters() if keep else None  # every rank: gathering is collective

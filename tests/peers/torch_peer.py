@@ -262,6 +262,28 @@ def load_replacements(path):
     return {name: getattr(module, name) for name in ("sharded_step", "micro_batch_loss") if hasattr(module, name)}
 
 
+def forward_backward(reference, step, stepper, loss_of):
+    """Step `step`'s forward and backward on this rank's micro-batches, the gradients left in the model (or,
+    through stepper.no_sync, reduced at the last micro-step); returns the step's loss, zero2's: every rank's
+    parts summed, averaged over the ranks (each part carries N, DDP's convention: micro_batch_loss).
+    loss_of(logits, labels, selected_in_global_batch, world_size) is micro_batch_loss or a replacement."""
+    rank, N = dist.get_rank(), dist.get_world_size()
+    A, B = reference.run["accumulation_steps"], reference.run["micro_batch"]
+    input_ids, labels = (torch.from_numpy(np.array(a)) for a in reference.batch(step))
+    selected = int((labels != -100).sum())
+    loss = torch.zeros(())
+    for a in range(A):
+        m = a * N + rank                     # the micro-batch zero2's rank r computes at micro-step a
+        rows = slice(m * B, (m + 1) * B)
+        with stepper.no_sync(a == A - 1):
+            logits = stepper.forward(input_ids=input_ids[rows]).logits
+            part = loss_of(logits, labels[rows], selected, N)
+            part.backward()
+        loss += part.detach()
+    dist.all_reduce(loss)
+    return loss / N                          # what DDP's averaged loss is: the ranks' mean
+
+
 def replay(reference, out, step_kind, functions):
     from transformers import BertForMaskedLM
     rank, N = dist.get_rank(), dist.get_world_size()
@@ -274,19 +296,7 @@ def replay(reference, out, step_kind, functions):
     trace = PeerTrace(out, reference, f"tests/peers/torch_peer.py --step {step_kind}, torch {torch.__version__}, "
                                       f"{N} ranks on gloo") if rank == 0 else None
     for step in range(1, len(reference.steps) + 1):
-        input_ids, labels = (torch.from_numpy(np.array(a)) for a in reference.batch(step))
-        selected = int((labels != -100).sum())
-        loss = torch.zeros(())
-        for a in range(A):
-            m = a * N + rank                     # the micro-batch zero2's rank r computes at micro-step a
-            rows = slice(m * B, (m + 1) * B)
-            with stepper.no_sync(a == A - 1):
-                logits = stepper.forward(input_ids=input_ids[rows]).logits
-                part = functions["micro_batch_loss"](logits, labels[rows], selected, N)
-                part.backward()
-            loss += part.detach()
-        dist.all_reduce(loss)
-        loss /= N                                # what DDP's averaged loss is: the ranks' mean
+        loss = forward_backward(reference, step, stepper, functions["micro_batch_loss"])
         keep = step in reference.parameter_steps
         gradients = stepper.gradients() if keep and step_kind == "zero-redundancy" else None
         lr = reference.steps[step - 1]["lr"]
