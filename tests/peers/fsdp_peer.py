@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_peer import forward_backward, launch, micro_batch_loss  # noqa: E402
+from torch_peer import refuse_what_cannot_be_replayed as torch_peer_refusal  # noqa: E402
 from trace_files import PeerTrace, Trace, TraceError  # noqa: E402
 
 FSDP1_PREFIX = "_fsdp_wrapped_module."
@@ -192,19 +193,10 @@ def used_optimizer(stepper):
 
 
 def refuse_what_cannot_be_replayed(reference, world_size):
-    run, optimizer = reference.run, reference.optimizer
-    if run["world_size"] != world_size:
-        return f"the trace was made at N = {run['world_size']}; run this peer with --nproc-per-node {run['world_size']}"
-    if run["dropout"] != 0:
-        return (f"the trace's dropout is {run['dropout']}: zero2's masks come from its own hash, which torch does not "
-                f"draw; trace a run with --dropout 0")
-    if run["precision"] not in ("fp32", "bf16"):
-        return f"the trace is {run['precision']}; this peer replays fp32 and bf16 (the DeepSpeed peer replays fp16)"
-    if run.get("offload_optimizer"):
+    problem = torch_peer_refusal(reference, world_size, ("fp32", "bf16"), "the DeepSpeed peer replays fp16")
+    if problem is None and reference.run.get("offload_optimizer"):
         return "the trace's optimizer was offloaded (ZeRO-Offload); this peer replays FSDP without CPU offload"
-    if not optimizer["bias_correction"]:
-        return "the trace's AdamW has no bias correction; torch.optim.AdamW always corrects"
-    return None
+    return problem
 
 
 def replay(reference, out, args):

@@ -240,15 +240,17 @@ class FlatStep:
 # ----------------------------------------------------------------------------
 # The replay
 
-def refuse_what_cannot_be_replayed(reference, world_size):
+def refuse_what_cannot_be_replayed(reference, world_size, precisions=("fp32",), elsewhere="the DeepSpeed peer replays bf16"):
+    """Why this trace cannot be replayed by a peer of `precisions` at `world_size` ranks, or None. elsewhere:
+    which peer replays the other precisions."""
     run, optimizer = reference.run, reference.optimizer
     if run["world_size"] != world_size:
         return f"the trace was made at N = {run['world_size']}; run this peer with --nproc-per-node {run['world_size']}"
     if run["dropout"] != 0:
         return (f"the trace's dropout is {run['dropout']}: zero2's masks come from its own hash, which torch does not "
                 f"draw; trace a run with --dropout 0")
-    if run["precision"] != "fp32":
-        return f"the trace is {run['precision']}; this peer replays fp32 (the DeepSpeed peer replays bf16)"
+    if run["precision"] not in precisions:
+        return f"the trace is {run['precision']}; this peer replays {' and '.join(precisions)} ({elsewhere})"
     if not optimizer["bias_correction"]:
         return "the trace's AdamW has no bias correction; torch.optim.AdamW always corrects"
     return None
