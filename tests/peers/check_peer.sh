@@ -10,7 +10,7 @@
 #              "# expect:" line. In CI. Without .venv-hf (no PyPI): SKIP, with the reason.
 #   deepspeed  zero2's trace of the default BERT-mini (N = 2, fp32, stage 2, dropout 0, 20 steps) replayed by
 #              DeepSpeed's ZeRO-2 (tests/peers/deepspeed_peer.py) passes tests/check_trace.py; the same with
-#              the optimizer offloaded on both sides (ZeRO-Offload, notes/13); then zero2 and
+#              the optimizer offloaded on both sides (ZeRO-Offload, notes/13), and in bf16; then zero2 and
 #              DeepSpeed side by side (tests/peers/side_by_side.sh: tokens/s, memory, bytes sent, a few
 #              minutes). Runs in .venv-deepspeed, made here from PyPI when missing (torch 2.5.1, deepspeed
 #              0.16.9, transformers 4.46.3: 5.3 GB; DEEPSPEED_VENV=DIR uses another). Not in CI. Without
@@ -246,22 +246,28 @@ check_replayed_mistakes() {
     -e '/^        stepper.betas = reference.steps\[step - 1\].get("betas")/d'
 }
 
+# pinned_venv DIR WHAT CHECK INSTALL...: DIR made from PyPI unless its python already passes CHECK (a snippet
+# asserting the pinned versions); each INSTALL is one pip install's arguments, in order; WHAT names the versions.
+pinned_venv() {
+  local venv=$1 what=$2 check=$3 python=$1/bin/python install
+  shift 3
+  "$python" -c "$check" >/dev/null 2>&1 && return 0
+  rm -rf "$venv"
+  echo "making $venv: $what from PyPI (5.3 GB; minutes)"
+  /usr/bin/python3 -m venv "$venv" >"$venv.log" 2>&1 || { rm -rf "$venv"; return 1; }
+  for install in "$@"; do
+    # shellcheck disable=SC2086  # one install's arguments, split on purpose
+    timeout 1800 "$python" -m pip install --disable-pip-version-check $install >>"$venv.log" 2>&1 ||
+      { rm -rf "$venv"; return 1; }
+  done
+}
+
 # DeepSpeed's venv: the pinned versions from PyPI, made once. DeepSpeed's setup.py imports torch, so it is
 # built against the venv's own torch (--no-build-isolation) after torch and transformers are in.
 deepspeed_venv() {
-  local venv=$1 python=$1/bin/python
-  "$python" -c 'import torch, deepspeed, transformers
+  pinned_venv "$1" "torch 2.5.1, deepspeed 0.16.9, transformers 4.46.3" 'import torch, deepspeed, transformers
 assert (torch.__version__.split("+")[0], deepspeed.__version__, transformers.__version__) == ("2.5.1", "0.16.9", "4.46.3")' \
-    >/dev/null 2>&1 && return 0
-  rm -rf "$venv"
-  echo "making $venv: torch 2.5.1, deepspeed 0.16.9, transformers 4.46.3 from PyPI (5.3 GB; minutes)"
-  if /usr/bin/python3 -m venv "$venv" >"$venv.log" 2>&1 &&
-     timeout 1800 "$python" -m pip install --disable-pip-version-check torch==2.5.1 transformers==4.46.3 >>"$venv.log" 2>&1 &&
-     timeout 1800 "$python" -m pip install --disable-pip-version-check --no-build-isolation deepspeed==0.16.9 >>"$venv.log" 2>&1; then
-    return 0
-  fi
-  rm -rf "$venv"
-  return 1
+    "torch==2.5.1 transformers==4.46.3" "--no-build-isolation deepspeed==0.16.9"
 }
 
 check_deepspeed() {
@@ -287,6 +293,15 @@ check_deepspeed() {
   else
     fail "the DeepSpeed peer did not run:"; grep -v '^\[' "$work/peer.log" | tail -n 5
   fi
+  # bf16 (DeepSpeed's bf16 over ZeRO-2's fp32 partition; notes/08), the same run otherwise. About 30 s.
+  rm -rf "$work/ref" "$work/theirs"
+  if timeout 600 mpirun -n 2 "$trainer" --stage 2 --precision bf16 --dropout 0 --steps 20 --trace-params-every 10 \
+       --quiet --trace "$work/ref" >"$work/reference.log" 2>&1 &&
+     "$venv/bin/python" tests/peers/deepspeed_peer.py "$work/ref" "$work/theirs" >"$work/peer.log" 2>&1; then
+    check "DeepSpeed ZeRO-2 peer (BERT-mini, N = 2, bf16, 20 steps)" agrees "$work/ref" "$work/theirs"
+  else
+    fail "the DeepSpeed bf16 replay did not run:"; grep -v '^\[' "$work/reference.log" "$work/peer.log" | tail -n 5
+  fi
   # ZeRO-Offload both sides (notes/13): zero2's --offload-optimizer cpu against DeepSpeed's offload_optimizer
   # device cpu (its fp32 partition and torch's AdamW on the host), the same run otherwise. About 40 s.
   rm -rf "$work/ref" "$work/theirs"
@@ -309,17 +324,9 @@ check_deepspeed() {
 # PyPI's torch is the CUDA build (the CPU wheels' index, download.pytorch.org, may not be reachable where PyPI
 # is); it runs on the CPU all the same.
 fsdp_venv() {
-  local venv=$1 python=$1/bin/python
-  "$python" -c 'import torch, transformers
-assert (torch.__version__.split("+")[0], transformers.__version__) == ("2.7.1", "4.46.3")' >/dev/null 2>&1 && return 0
-  rm -rf "$venv"
-  echo "making $venv: torch 2.7.1, transformers 4.46.3 from PyPI (5.3 GB; minutes)"
-  if /usr/bin/python3 -m venv "$venv" >"$venv.log" 2>&1 &&
-     timeout 1800 "$python" -m pip install --disable-pip-version-check torch==2.7.1 transformers==4.46.3 >>"$venv.log" 2>&1; then
-    return 0
-  fi
-  rm -rf "$venv"
-  return 1
+  pinned_venv "$1" "torch 2.7.1, transformers 4.46.3" 'import torch, transformers
+assert (torch.__version__.split("+")[0], transformers.__version__) == ("2.7.1", "4.46.3")' \
+    "torch==2.7.1 transformers==4.46.3"
 }
 
 check_fsdp() {
