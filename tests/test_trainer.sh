@@ -1856,6 +1856,29 @@ timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_offs.json" --layers 1 --hi
   grep -q "^  config    activation_checkpointing: which activations are checkpointed is --activations here" "$work/ds_stdout" &&
   pass "DeepSpeed keys at their off values run; an all-false activation_checkpointing block keeps --activations keep and says why" ||
   fail "off-value keys: $(head -c 300 "$work/ds_stdout")"
+# comms_logger and flops_profiler only time and profile in DeepSpeed: enabled, a note each and the same bits;
+# CommsLoggerConfig forbids other fields (refused), the flops profiler's reader ignores them (a warning).
+cat > "$work/ds_loggers.json" <<'JSON'
+{"zero_optimization": {"stage": 2},
+ "comms_logger": {"enabled": true, "verbose": false, "prof_all": true, "debug": false, "prof_ops": ["all_reduce"]},
+ "flops_profiler": {"enabled": true, "profile_step": 2, "module_depth": -1, "top_modules": 1, "detailed": true,
+                    "output_file": null, "recompute_fwd_factor": 0.0, "note": "once"}}
+JSON
+echo '{"zero_optimization": {"stage": 2}}' > "$work/ds_no_loggers.json"
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_loggers.json" --layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 \
+  --max-positions 20 --steps 2 --json "$work/ds_loggers_run.json" > "$work/ds_stdout" 2>&1
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_no_loggers.json" "${tiny[@]}" --steps 2 --json "$work/ds_no_loggers_run.json" > /dev/null 2>&1
+grep -q "^  config    comms_logger.enabled true: DeepSpeed would time each collective (comm/comm.py timed_op" "$work/ds_stdout" &&
+  grep -q "^  config    flops_profiler.enabled true: DeepSpeed would profile step 2's forward on rank 0" "$work/ds_stdout" &&
+  grep -q "^  WARNING   config key 'flops_profiler.note' is not a key DeepSpeed reads" "$work/ds_stdout" &&
+  [ "$(json_get "$work/ds_loggers_run.json" "d['final_params_hash']")" = "$(json_get "$work/ds_no_loggers_run.json" "d['final_params_hash']")" ] &&
+  pass "comms_logger and flops_profiler enabled: a note each (an unknown profiler field warned about), the bits of the run without them" ||
+  fail "comms_logger / flops_profiler: $(grep -E 'comms|flops|error' "$work/ds_stdout" | head -c 400)"
+echo '{"comms_logger": {"enabled": true, "prof_al": true}, "flops_profiler": {"enabled": "yes", "profile_stp": 2, "top_modules": "3"}}' > "$work/ds_loggers_bad.json"
+ds_refused "$work/ds_loggers_bad.json" 4 "comms_logger.prof_al: not a field of DeepSpeed's CommsLoggerConfig (comm/config.py, a pydantic model that forbids other fields) (did you mean 'comms_logger.prof_all'?)" \
+  "flops_profiler.enabled: wants true or false (got \"yes\")" \
+  "flops_profiler.profile_stp: not a DeepSpeed key this trainer knows (did you mean 'flops_profiler.profile_step'?)" \
+  "flops_profiler.top_modules: wants an integer (got \"3\")"
 timeout 120 mpirun -n 2 "$trainer" --layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --max-positions 20 \
   --steps 6 --schedule-steps 4 > "$work/ds_stdout" 2>&1
 grep -q "^  WARNING   steps 5 to 6 are past the schedule's end: they train at warmup_min_lr = 0 (no update at all)" "$work/ds_stdout" &&
