@@ -1530,6 +1530,26 @@ ds_refused "$ds/bing_bert_lamb_64k_seq128.json" 4 "optimizer.type: \"Lamb\" is n
   "optimizer.params.max_coeff: a DeepSpeed feature not implemented here (Lamb's parameter)" \
   "optimizer.params.min_coeff: a DeepSpeed feature not implemented here (Lamb's parameter)" "sparse_attention: a DeepSpeed feature not implemented here"
 ds_refused "$ds/transformers_zero3.json" 2 "zero_optimization.stage: 3 is not supported" "zero_optimization.reduce_bucket_size: wants"
+# Issue 39's public ZeRO-2 configs (tests/ds_configs/README.md: each source, and what DeepSpeed 0.16.9 does with it).
+ds_runs qwen_finetune_zero2.json "d['stage'] == 2 and d['precision'] == 'fp32' and d['overlap'] and d['bucket'] == 200000000 and d['offload_optimizer'] == 'none' and d['schedule']['convention'] == 'deepspeed' and d['schedule']['decay'] == 'none' and d['schedule']['lr'] == 0.001 and $o['warmup'] == 'trainer_default:auto' and [s['lr'] for s in d['steps']] == [0.0, 0.0] and d['optimizer']['clip'] == 1 and $o['clip'] == 'trainer_default:auto'"
+ds_runs internvl_chat_zero2.json "d['stage'] == 2 and d['precision'] == 'fp32' and d['overlap'] and d['bucket'] == 100000000 and d['optimizer']['betas'] == [0.9, 0.999] and d['optimizer']['weight_decay'] == 0.01 and $o['weight_decay'] == 'trainer_default:auto' and d['optimizer']['clip'] == 1 and d['schedule']['convention'] == 'none' and all(s['lr'] == 0.001 for s in d['steps'])"
+ds_runs internvl_chat_zero2.json "d['precision'] == 'fp16' and d['steps'][0]['loss_scale'] == 2**32 and d['loss_scaling']['hysteresis'] == 2 and d['loss_scaling']['min_scale'] == 1" --precision fp16
+ds_runs internvl_seg_adam_zero2_fp16.json "d['stage'] == 2 and d['precision'] == 'fp16' and d['micro_batch'] == 8 and d['accum'] == 1 and d['steps'][0]['loss_scale'] == 2**32 and d['loss_scaling']['hysteresis'] == 1 and d['optimizer']['weight_decay'] == 0 and d['optimizer']['clip'] == 0 and all(s['lr'] == 4e-5 for s in d['steps']) and [w.split(\"'\")[1] for w in d['config_warnings']] == ['log']"
+ds_runs gan.json "d['stage'] == 0 and d['precision'] == 'fp32' and d['micro_batch'] == 32 and d['accum'] == 1 and d['optimizer']['betas'] == [0.5, 0.999] and d['optimizer']['weight_decay'] == 0 and $o['weight_decay'] == 'deepspeed_default:FusedAdam' and d['optimizer']['clip'] == 0 and d['schedule']['convention'] == 'none' and all(s['lr'] == 0.0002 for s in d['steps'])"
+ds_runs megatron_zero2_cpu_offload.json "d['stage'] == 2 and d['precision'] == 'fp16' and d['offload_optimizer'] == 'cpu' and $o['offload_optimizer'] == 'config:zero_optimization.cpu_offload' and d['optimizer']['clip'] == 1 and d['optimizer']['weight_decay'] == 0 and $o['weight_decay'] == 'deepspeed_default:DeepSpeedCPUAdam' and d['loss_scaling']['initial_scale_power'] == 16 and d['loss_scaling']['hysteresis'] == 2 and d['micro_batch'] == 8 and d['activations'] == 'keep'"
+ds_runs trlx_sft_gptj.json "d['stage'] == 2 and d['precision'] == 'fp16' and d['offload_optimizer'] == 'cpu' and d['optimizer']['betas'] == [0.9, 0.95] and d['optimizer']['weight_decay'] == 0 and d['optimizer']['clip'] == 0 and d['schedule']['lr'] == 1e-5 and $o['lr'] == 'config:scheduler.params.warmup_max_lr' and $o['warmup'] == 'trainer_default:auto' and d['micro_batch'] == 64 and [w.split(\"'\")[1] for w in d['config_warnings']] == ['fp16.opt_level']"
+ds_runs trlx_reward_model_gptj.json "d['stage'] == 2 and d['precision'] == 'fp16' and d['offload_optimizer'] == 'cpu' and d['schedule']['lr'] == 1e-5 and d['schedule']['warmup'] == 100 and d['schedule']['convention'] == 'deepspeed' and d['optimizer']['clip'] == 0 and d['micro_batch'] == 16 and d['loss_scaling']['min_scale'] == 1 and d['loss_scaling']['initial_scale_power'] == 16" --lr 1e-5
+bad_case "but optimizer.params.lr is 1e-5: Hugging Face's Trainer fills both keys from its one learning_rate" --config "$ds/trlx_reward_model_gptj.json" "${tiny[@]}" --steps 2
+ds_runs wenet_whisper_ds_stage2.json "d['stage'] == 2 and d['precision'] == 'bf16' and $o['precision'] == 'config:bf16.enabled' and d['optimizer']['clip'] == 5 and not d['overlap'] and d['micro_batch'] == 1 and d['offload_optimizer'] == 'none' and $o['lr'] == 'trainer_default' and d['schedule']['convention'] == 'none'"
+ds_runs wenet_s0_ds_stage2.json "d['stage'] == 2 and d['precision'] == 'fp32' and $o['precision'] == 'config:fp16.enabled' and d['optimizer']['clip'] == 0.0001 and d['overlap'] and d['bucket'] == 10000000 and d['activations'] == 'keep' and d['config_warnings'] == []"
+ds_runs ms_swift_zero2.json "d['stage'] == 2 and d['precision'] == 'fp32' and not d['overlap'] and d['bucket'] == 200000000 and d['optimizer']['clip'] == 1 and $o['clip'] == 'trainer_default:auto' and $o['lr'] == 'trainer_default' and d['schedule']['convention'] == 'none'"
+ds_runs ms_swift_zero2_autotp.json "d['stage'] == 2 and d['precision'] == 'fp32' and not d['overlap'] and d['optimizer']['clip'] == 1 and d['schedule']['convention'] == 'none'"
+ds_refused "$ds/axolotl_zero2_torch_compile.json" 2 "compile.backend: not a field of DeepSpeed 0.16.9's CompileConfig" "compile.disable: not a field of DeepSpeed 0.16.9's CompileConfig"
+ds_refused "$ds/megatron_zero_offload.json" 1 "optimizer.type: \"DeepSpeed_Adam\" is not an optimizer DeepSpeed knows (engine.py _do_sanity_check asserts _is_supported_optimizer"
+ds_refused "$ds/megatron_zero_offload_10b.json" 1 "zero_optimization.comm_overlap: not a DeepSpeed key this trainer knows (did you mean 'zero_optimization.overlap_comm'?)"
+for config in fastchat_s2 trlx_ppo_gptj_summarize ms_swift_zero2_offload; do  # ZeRO-Offload with the client's optimizer
+  bad_case "config key 'zero_optimization.offload_optimizer.device' offloads the optimizer, and the config file names no optimizer \"type\", so the optimizer is the client's" --config "$ds/$config.json" "${tiny[@]}" --steps 2
+done
 cat > "$work/ds_many.json" <<'JSON'
 {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}},
  "scheduler": {"type": "OneCycle", "params": {"last_batch_iteration": 5}},
@@ -1856,6 +1876,29 @@ timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_offs.json" --layers 1 --hi
   grep -q "^  config    activation_checkpointing: which activations are checkpointed is --activations here" "$work/ds_stdout" &&
   pass "DeepSpeed keys at their off values run; an all-false activation_checkpointing block keeps --activations keep and says why" ||
   fail "off-value keys: $(head -c 300 "$work/ds_stdout")"
+# comms_logger and flops_profiler only time and profile in DeepSpeed: enabled, a note each and the same bits;
+# CommsLoggerConfig forbids other fields (refused), the flops profiler's reader ignores them (a warning).
+cat > "$work/ds_loggers.json" <<'JSON'
+{"zero_optimization": {"stage": 2},
+ "comms_logger": {"enabled": true, "verbose": false, "prof_all": true, "debug": false, "prof_ops": ["all_reduce"]},
+ "flops_profiler": {"enabled": true, "profile_step": 2, "module_depth": -1, "top_modules": 1, "detailed": true,
+                    "output_file": null, "recompute_fwd_factor": 0.0, "note": "once"}}
+JSON
+echo '{"zero_optimization": {"stage": 2}}' > "$work/ds_no_loggers.json"
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_loggers.json" --layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 \
+  --max-positions 20 --steps 2 --json "$work/ds_loggers_run.json" > "$work/ds_stdout" 2>&1
+timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_no_loggers.json" "${tiny[@]}" --steps 2 --json "$work/ds_no_loggers_run.json" > /dev/null 2>&1
+grep -q "^  config    comms_logger.enabled true: DeepSpeed would time each collective (comm/comm.py timed_op" "$work/ds_stdout" &&
+  grep -q "^  config    flops_profiler.enabled true: DeepSpeed would profile step 2's forward on rank 0" "$work/ds_stdout" &&
+  grep -q "^  WARNING   config key 'flops_profiler.note' is not a key DeepSpeed reads" "$work/ds_stdout" &&
+  [ "$(json_get "$work/ds_loggers_run.json" "d['final_params_hash']")" = "$(json_get "$work/ds_no_loggers_run.json" "d['final_params_hash']")" ] &&
+  pass "comms_logger and flops_profiler enabled: a note each (an unknown profiler field warned about), the bits of the run without them" ||
+  fail "comms_logger / flops_profiler: $(grep -E 'comms|flops|error' "$work/ds_stdout" | head -c 400)"
+echo '{"comms_logger": {"enabled": true, "prof_al": true}, "flops_profiler": {"enabled": "yes", "profile_stp": 2, "top_modules": "3"}}' > "$work/ds_loggers_bad.json"
+ds_refused "$work/ds_loggers_bad.json" 4 "comms_logger.prof_al: not a field of DeepSpeed's CommsLoggerConfig (comm/config.py, a pydantic model that forbids other fields) (did you mean 'comms_logger.prof_all'?)" \
+  "flops_profiler.enabled: wants true or false (got \"yes\")" \
+  "flops_profiler.profile_stp: not a DeepSpeed key this trainer knows (did you mean 'flops_profiler.profile_step'?)" \
+  "flops_profiler.top_modules: wants an integer (got \"3\")"
 timeout 120 mpirun -n 2 "$trainer" --layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --max-positions 20 \
   --steps 6 --schedule-steps 4 > "$work/ds_stdout" 2>&1
 grep -q "^  WARNING   steps 5 to 6 are past the schedule's end: they train at warmup_min_lr = 0 (no update at all)" "$work/ds_stdout" &&

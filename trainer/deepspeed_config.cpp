@@ -104,6 +104,11 @@ static const std::map<std::string, std::vector<const char*>> deepspeed_names = {
     // zero/offload_config.py DeepSpeedZeroOffloadOptimizerConfig's fields (0.16.9).
     {"zero_optimization.offload_optimizer", {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
                                              "pipeline_write", "fast_init", "ratio"}},
+    // comm/config.py CommsLoggerConfig's and profiling/config.py
+    // DeepSpeedFlopsProfilerConfig's fields (0.16.9).
+    {"comms_logger", {"enabled", "prof_all", "prof_ops", "verbose", "debug"}},
+    {"flops_profiler", {"enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
+                        "output_file"}},
     // compile/config.py CompileConfig's fields (0.16.9).
     {"compile", {"deepcompile", "free_activation", "offload_activation", "offload_opt_states", "double_buffer",
                  "symmetric_memory", "debug_log", "offload_parameters", "sync_before_reduce", "sync_after_reduce",
@@ -208,7 +213,8 @@ class ConfigReader {
   static bool is_auto(const json& value) { return value.is_string() && value.get<std::string>() == "auto"; }
   void refuse(const std::string& key, const std::string& why) { out_.refused.push_back(key + ": " + why); }
   // The nearest name DeepSpeed knows in the key's block (edit distance 1
-  // or 2), with the block in front, or "" when none is that near.
+  // or 2, or the same words in another order: Megatron's comm_overlap for
+  // overlap_comm), with the block in front, or "" when none is that near.
   static std::string near_miss(const std::string& key) {
     const size_t dot = key.rfind('.');
     const std::string name = dot == std::string::npos ? key : key.substr(dot + 1);
@@ -223,6 +229,9 @@ class ConfigReader {
       const size_t distance = edit_distance(name, known);
       if (distance < best_distance && distance > 0) best_distance = distance, best = known;
     }
+    if (best.empty())
+      for (const char* known : names->second)
+        if (name != known && words(name) == words(known)) best = known;
     return best.empty() ? "" : (dot == std::string::npos ? "" : key.substr(0, dot + 1)) + best;
   }
   // A key of a block DeepSpeed validates (zero_optimization's pydantic model
@@ -244,6 +253,16 @@ class ConfigReader {
     if (!near_miss(key).empty()) return unknown(key);
     out_.warnings.push_back("config key '" + key + "' is " + (why.empty() ? "not a key DeepSpeed reads" : why) +
                             ": DeepSpeed ignores it, and so does this trainer");
+  }
+  // A name's words (split at '_'), sorted.
+  static std::vector<std::string> words(const std::string& name) {
+    std::vector<std::string> out(1);
+    for (char c : name) {
+      if (c == '_') out.emplace_back();
+      else out.back().push_back(c);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
   }
   static size_t edit_distance(const std::string& a, const std::string& b) {
     std::vector<size_t> row(b.size() + 1);
@@ -372,8 +391,8 @@ class ConfigReader {
     else if (key == "amp")
       switched_off(key, value, "apex AMP is not used: --precision bf16|fp16, or the bf16 / fp16 blocks");
     else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comet") monitor(key, value);
-    else if (key == "comms_logger" || key == "flops_profiler")
-      switched_off(key, value, "not implemented here: --json and --metrics record the run");
+    else if (key == "comms_logger") comms_logger(key, value);
+    else if (key == "flops_profiler") flops_profiler(key, value);
     else if (key == "compile") compile(key, value);
     else if (key == "elasticity" || key == "autotuning" || key == "data_efficiency" || key == "curriculum_learning" ||
              key == "hybrid_engine" || key == "eigenvalue" || key == "quantize_training" ||
@@ -443,6 +462,65 @@ class ConfigReader {
       out_.notes.push_back(key + ".enabled true: DeepSpeed would log the loss and its timers to " + key +
                            " on rank 0 (engine.py, MonitorMaster); zero2 does not (--json and --metrics record the "
                            "run); the training is the same");
+  }
+  // DeepSpeed's communication logger (comm/config.py: DeepSpeedCommsConfig
+  // builds CommsLoggerConfig(**block), a pydantic model that forbids other
+  // fields, whenever the block is present; engine.py DeepSpeedEngine.__init__
+  // hands it to dist.configure). Enabled, comm/comm.py timed_op times each
+  // collective, synchronizing the device after it, and log_summary prints
+  // the times when the client calls it: it changes no value a collective
+  // carries, so it is accepted with a note that zero2 does not log them.
+  void comms_logger(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "enabled" || inner == "prof_all" || inner == "verbose" || inner == "debug")
+        accept_boolean(name, setting);
+      else if (inner == "prof_ops") {
+        if (!setting.is_array() && !is_auto(setting)) refuse(name, "wants a list (got " + json_text(setting) + ")");
+      } else {
+        const std::string suggestion = near_miss(name);
+        refuse(name,
+               "not a field of DeepSpeed's CommsLoggerConfig (comm/config.py, a pydantic model that forbids "
+               "other fields)" +
+                   (suggestion.empty() ? "" : " (did you mean '" + suggestion + "'?)"));
+      }
+    }
+    if (value.value("enabled", json(false)) == true)
+      out_.notes.push_back(
+          "comms_logger.enabled true: DeepSpeed would time each collective (comm/comm.py timed_op, synchronizing "
+          "the device after it) for log_summary to print; zero2 does not (--json and --metrics record the run); "
+          "the training is the same");
+  }
+  // DeepSpeed's flops profiler (profiling/config.py
+  // DeepSpeedFlopsProfilerConfig: each field read with get_scalar_param, so
+  // an unknown one is ignored, not refused). Enabled, engine.py forward
+  // profiles the forward of step profile_step on rank 0 (FlopsProfiler
+  // counts each module's operations around the same calls) and prints it,
+  // and runtime/config.py turns wall_clock_breakdown on with it
+  // (wall_clock_breakdown | flops_profiler.enabled, where a non-boolean
+  // raises TypeError): no value changes, so it is accepted with a note.
+  void flops_profiler(const std::string& key, const json& value) {
+    if (!object(key, value)) return;
+    for (auto& [inner, setting] : value.items()) {
+      const std::string name = key + "." + inner;
+      if (inner == "enabled") {
+        if (!setting.is_boolean()) refuse(name, "wants true or false (got " + json_text(setting) + ")");
+      } else if (inner == "detailed") accept_boolean(name, setting);
+      else if (inner == "profile_step" || inner == "module_depth" || inner == "top_modules") {
+        if (!setting.is_number_integer()) refuse(name, "wants an integer (got " + json_text(setting) + ")");
+      } else if (inner == "recompute_fwd_factor") accept_number(name, setting);
+      else if (inner == "output_file") {
+        if (!setting.is_string() && !setting.is_null())
+          refuse(name, "wants a file name or null (got " + json_text(setting) + ")");
+      } else ignored(name);
+    }
+    if (value.value("enabled", json(false)) == true)
+      out_.notes.push_back("flops_profiler.enabled true: DeepSpeed would profile step " +
+                           json_text(value.value("profile_step", json(1))) +
+                           "'s forward on rank 0 and print its flops (engine.py forward, FlopsProfiler), and turn "
+                           "wall_clock_breakdown on (runtime/config.py); zero2 does neither (--wall-clock-breakdown "
+                           "times forward, backward and the step); the training is the same");
   }
   // DeepSpeed's AutoTP training (runtime/tensor_parallel/config.py
   // TPTrainingConfig, a pydantic model that forbids other fields): the
@@ -801,8 +879,9 @@ class ConfigReader {
                                    " for it, which is not implemented here; " + adamw);
     else
       refuse("optimizer.type", json_text(type) +
-                                   " is not an optimizer DeepSpeed knows (engine.py _configure_basic_optimizer looks "
-                                   "among its own and torch.optim's, by exact name); " +
+                                   " is not an optimizer DeepSpeed knows (engine.py _do_sanity_check asserts "
+                                   "_is_supported_optimizer: its own names, any case, or torch.optim's, by exact "
+                                   "name); " +
                                    adamw);
   }
   // One of the params: FusedAdam(lr, bias_correction, betas, eps,

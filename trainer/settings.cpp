@@ -574,7 +574,12 @@ static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
     if (!s.given.count(flag)) s.origins[flag] = "trainer_default:auto";
   // The precision: a block's "enabled", a flag, or DeepSpeed's fp32.
   if (!s.precision_given) {
-    const char* key = s.config_fp16_enabled >= 0 ? "fp16.enabled" : s.config_bf16_enabled >= 0 ? "bf16.enabled" : "";
+    // The block that is on decides (wenet's fp16 false beside bf16 true is bf16's); with none on, the first given.
+    const char* key = s.config_fp16_enabled == 1   ? "fp16.enabled"
+                      : s.config_bf16_enabled == 1 ? "bf16.enabled"
+                      : s.config_fp16_enabled >= 0 ? "fp16.enabled"
+                      : s.config_bf16_enabled >= 0 ? "bf16.enabled"
+                                                   : "";
     const bool left_to_auto = config.auto_flags.count("fp16.enabled") || config.auto_flags.count("bf16.enabled");
     s.origins["--precision"] = *key           ? std::string("config:") + key
                                : left_to_auto ? "trainer_default:auto"
