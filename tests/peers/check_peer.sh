@@ -225,6 +225,10 @@ check_replayed_mistakes() {
     -e 's|^\(            part = loss_of(logits, labels\[rows\], selected, N)\)$|\1 / A|'
   plant not-averaged-at-A-3 "= N: the gradients were summed over the 2 ranks, not averaged" \
     -e 's|^        own.append(summed / N)$|        own.append(summed)|'
+  # A forward pass that differs (ReLU for BERT's GELU): the gradients differ everywhere with scatter, as a
+  # reduction that never ran would make them, but the loss differs too, which points to the forward pass.
+  plant forward-relu "from the same weights and the same batch the loss differs, so the forward pass or the loss does" \
+    -e 's|^\(                                            attention_probs_dropout_prob=0.0\))$|\1, hidden_act="relu")|'
   # DeepSpeed's OneCycle sets Adam's betas every update (beta1 cycles, beta2 0.99): the trace records them
   # (steps[].betas), the peers set them, and a peer that keeps the optimizer's fixed betas is named.
   echo '{"optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}, "scheduler": {"type": "OneCycle", "params":
