@@ -524,6 +524,11 @@ def diagnose_norm(pair, step, theirs, mine, gradients_agree=False):
     if not mine:
         return None
     ratio = theirs / mine
+    scale = pair.ref.steps[step - 1].get("loss_scale")
+    if pair.precision == "fp16" and is_finite_number(scale) and scale > 1 and ratio_is(ratio, scale):
+        return (f"theirs is {ratio:.6g} x zero2's = the step's loss scale {scale:g}: the norm was taken of the "
+                f"gradient still carrying the loss scale, so the clip coefficient is off by it too (divide the "
+                f"scale out before the norm and the clip, as DeepSpeed's unscale_and_clip_grads does)")
     if gradients_agree:
         for factor, which in ((N, "N"), (A, "A")):
             if factor <= 1 or (which == "A" and A == N):

@@ -243,6 +243,22 @@ damaged moved_tensor theirs_fp32 'p = d + "/step_2/model.safetensors"; t = tenso
 fails "fp32: a tensor moved by 0.01, no AdamW mistake" "parameters after step 2, bert.encoder.layer.1.output.dense.weight" \
   "The replay named no mistake of AdamW" "$ref" "$work/moved_tensor"
 
+# fp16: the norm of a gradient still carrying the loss scale (DeepSpeed divides the scale out before its norm
+# and clip, unscale_and_clip_grads): theirs' recorded norm at step 2 is zero2's times that step's scale.
+made=yes
+for variant in ref theirs; do
+  extra=(); [ $variant = theirs ] && extra=(--portable)
+  tests/peers/reference_trace.sh "$trainer" "$work/${variant}_fp16" 2 --steps 4 --trace-params-every 2 --precision fp16 \
+    "${extra[@]}" > "$work/make.log" 2>&1 || { made=""; cat "$work/make.log"; }
+done
+if [ -n "$made" ]; then
+  agrees "fp16: zero2 --portable against zero2" "$work/ref_fp16" "$work/theirs_fp16"
+  damaged scaled_norm theirs_fp16 'j["steps"][1]["grad_norm"] *= j["steps"][1]["loss_scale"]'
+  fails "fp16: the norm taken before the loss scale is divided out" "step 2, grad norm" \
+    "= the step's loss scale 65536: the norm was taken of the gradient still carrying the loss scale" \
+    "$work/ref_fp16" "$work/scaled_norm"
+else fail "the fp16 traces could not be made"; fi
+
 echo "=== where first: gradients compared bucket by bucket and rank by rank, before the loss and the norm"
 # theirs' gradients at step 2 changed in one region, the rest of the trace untouched: the checker must fail at
 # the gradients (not at a loss or norm that agree), and name the region and what reproduces theirs there.
