@@ -318,6 +318,28 @@ check_deepspeed() {
   else
     fail "the ZeRO-Offload replay did not run:"; grep -v '^\[' "$work/reference.log" "$work/peer.log" | tail -n 5
   fi
+  # DeepSpeed's own schedulers choose the rates (deepspeed_peer.py --scheduler): zero2's OneCycle, with its
+  # beta1 cycle, and LRRangeTest against DeepSpeed's, rates and parameters at every step (the small model, 8
+  # steps, every step kept). WarmupCosineLR is not here: DeepSpeed's sets update 1's rate to 0 in the first
+  # parameter group only (lr_schedules.py update_lr zips the groups with get_lr's [0.0]), so with the decay
+  # and no-decay groups its biases and LayerNorm weights step at the full rate there (notes/07).
+  local schedule name
+  for schedule in '"OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 3,
+      "cycle_second_step_size": 2, "decay_step_size": 2, "decay_lr_rate": 0.5, "decay_mom_rate": 0.01}' \
+    '"LRRangeTest", "params": {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 2,
+      "lr_range_test_step_rate": 3, "lr_range_test_staircase": true}'; do
+    name=$(echo "$schedule" | cut -d'"' -f2)
+    echo "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 2e-3}}, \"scheduler\": {\"type\": $schedule}}" \
+      > "$work/$name.json"
+    rm -rf "$work/theirs"
+    if make_reference "$work/ref" --steps 8 --trace-params-every 1 --config "$work/$name.json" &&
+       "$venv/bin/python" tests/peers/deepspeed_peer.py --scheduler "$work/ref" "$work/theirs" >"$work/peer.log" 2>&1; then
+      check "DeepSpeed's own $name sets the rates (and betas) of its ZeRO-2 (N = 2, fp32, 8 steps)" agrees \
+        "$work/ref" "$work/theirs"
+    else
+      fail "the DeepSpeed replay with its own $name did not run:"; grep -v '^\[' "$work/peer.log" | tail -n 5
+    fi
+  done
   echo
   DEEPSPEED_VENV=$venv tests/peers/side_by_side.sh "$build" || fail "tests/peers/side_by_side.sh did not finish"
 }

@@ -171,6 +171,9 @@ def deepspeed_config(trace, world, own_scheduler=False):
                   "optimizer.params.bias_correction false: torch.optim.AdamW (DeepSpeed's optimizer here, "
                   "\"torch_adam\") always corrects the bias")
     params["torch_adam"] = True
+    # The defaults of what DeepSpeed would build (FusedAdam, or DeepSpeedCPUAdam under offload: weight_decay 0),
+    # where torch.optim.AdamW's own default is 0.01: a config without the key trains without decay.
+    params.setdefault("weight_decay", 0.0)
     params.setdefault("lr", trace.steps[0]["lr"] if trace.steps else 0.0)  # replaced before every step
     config["steps_per_print"] = 1 << 30  # DeepSpeed's progress lines off
     return config, source
@@ -386,7 +389,8 @@ def replay(trace, config, source, out, rank, world, own_scheduler=False):
                 writer.parameters(step, parameters, gradients if trace.parameter_steps[step] else None)
     if writer:
         adamw = engine.basic_optimizer.param_groups[0]  # the decaying group: what the optimizer was built with
-        writer.finish(optimizer={"betas": list(adamw["betas"]), "eps": adamw["eps"],
+        # the betas it was built with (DeepSpeed's OneCycle replaces the group's every update)
+        writer.finish(optimizer={"betas": list(engine.basic_optimizer.defaults["betas"]), "eps": adamw["eps"],
                                  "weight_decay": adamw["weight_decay"], "bias_correction": True,
                                  "clip": float(engine.gradient_clipping())},
                       world_size=world, accumulation_steps=accumulation,
