@@ -328,7 +328,7 @@ check_deepspeed() {
       "cycle_second_step_size": 2, "decay_step_size": 2, "decay_lr_rate": 0.5, "decay_mom_rate": 0.01}' \
     '"LRRangeTest", "params": {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 2,
       "lr_range_test_step_rate": 3, "lr_range_test_staircase": true}'; do
-    name=$(echo "$schedule" | cut -d'"' -f2)
+    name=$(echo "$schedule" | head -n 1 | cut -d'"' -f2)
     echo "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 2e-3}}, \"scheduler\": {\"type\": $schedule}}" \
       > "$work/$name.json"
     rm -rf "$work/theirs"
