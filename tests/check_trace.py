@@ -1068,18 +1068,21 @@ def check_parameters(pair, step, previous):
     i = outside[0][3]
     since = f"step {previous}" if previous else "the initial weights"
     lr = pair.ref.steps[step - 1]["lr"]
+    # In order of evidence: whole ranks' or buckets' shards stale (the movement would see only that some
+    # tensors did not move); a variant of AdamW that reproduces theirs element for element where AdamW as the
+    # trace states it does not (fp32; an AdamW that moves too little, m uncorrected, would read as not moved);
+    # a tensor that did not move; the patterns (a shard offset, decay on the wrong tensors), and what the
+    # replay measured.
     diagnosis, measured = None, None
-    if previous == step - 1:  # whole ranks' or buckets' shards stale: before the movement, which sees only that
+    if previous == step - 1:
         diagnosis = diagnose_stale_shards(pair, theirs, mine, before, median_tolerance)
+        if diagnosis is None:
+            diagnosis, measured = replay_step(pair, step)
     if diagnosis is None and movement_excess > 1:  # (None where theirs moved, only too far or too little)
         diagnosis = diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, step, previous)
     if diagnosis is None and previous == step - 1:
-        # The replay first: a variant of AdamW that reproduces theirs element for element, where AdamW as the
-        # trace states it does not, is stronger evidence than any pattern below; where none does, the patterns
-        # (stale shards, a shard offset, decay on the wrong tensors), and what the replay measured.
-        diagnosis, measured = replay_step(pair, step)
-        diagnosis = diagnosis or diagnose_parameters(pair, step, theirs, mine, before, lr,
-                                                     pair.ref.optimizer["weight_decay"], median_tolerance)
+        diagnosis = diagnose_parameters(pair, step, theirs, mine, before, lr, pair.ref.optimizer["weight_decay"],
+                                        median_tolerance)
     raise Failure(f"parameters after step {step}, {pair.where(name, i)}: theirs "
                   f"{theirs[name].reshape(-1)[i]:.9g}, zero2's {mine[name].reshape(-1)[i]:.9g}; "
                   f"over {name}: median |difference| {median:.3g} (tolerance {median_tolerance:.3g}), largest "
