@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_peer import forward_backward, launch, micro_batch_loss  # noqa: E402
+from torch_peer import forward_backward, join_group, micro_batch_loss  # noqa: E402
 from torch_peer import refuse_what_cannot_be_replayed as torch_peer_refusal  # noqa: E402
 from trace_files import PeerTrace, Trace, TraceError  # noqa: E402
 
@@ -258,11 +258,7 @@ def main():
                         help="a bf16 trace: the reduce-scatter's type (default bf16, zero2's)")
     parser.add_argument("--nproc-per-node", type=int, help="start this many ranks (without torchrun)")
     args = parser.parse_args()
-    if "RANK" not in os.environ:
-        launch(args.nproc_per_node or 1)
-    torch.set_num_threads(1)                     # one thread per rank: the ranks share the cores
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = join_group(args.nproc_per_node)
     try:
         reference = Trace(args.reference)
         problem = refuse_what_cannot_be_replayed(reference, dist.get_world_size())

@@ -346,6 +346,16 @@ def launch(ranks):
     sys.exit(status)
 
 
+def join_group(ranks):
+    """This process as one rank of a gloo group: without torchrun (no RANK), start `ranks` copies of this script
+    first (launch, which does not return here); one thread per rank, the ranks sharing the cores."""
+    if "RANK" not in os.environ:
+        launch(ranks or 1)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return dist.get_rank()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("reference", help="zero2's trace (train_bert_mini --trace DIR)")
@@ -354,11 +364,7 @@ def main():
     parser.add_argument("--replace", help="a file defining sharded_step and/or micro_batch_loss")
     parser.add_argument("--nproc-per-node", type=int, help="start this many ranks (without torchrun)")
     args = parser.parse_args()
-    if "RANK" not in os.environ:
-        launch(args.nproc_per_node or 1)
-    torch.set_num_threads(1)                     # one thread per rank: the ranks share the cores
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = join_group(args.nproc_per_node)
     functions = {"sharded_step": sharded_step, "micro_batch_loss": micro_batch_loss}
     try:
         reference = Trace(args.reference)
