@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_peer import forward_backward, join_group, micro_batch_loss  # noqa: E402
+from torch_peer import forward_backward, join_group, leave_group, micro_batch_loss  # noqa: E402
 from torch_peer import refuse_what_cannot_be_replayed as torch_peer_refusal  # noqa: E402
 from trace_files import PeerTrace, Trace, TraceError  # noqa: E402
 
@@ -267,13 +267,10 @@ def main():
     if problem:
         if rank == 0:
             print(f"fsdp_peer: error: {problem}", file=sys.stderr)
-        dist.destroy_process_group()
+        leave_group()
         sys.exit(2)
     replay(reference, args.out, args)
-    # Every rank leaves together, after rank 0 has written the trace: a gloo group torn down while another rank
-    # is still at work has ended a run with "terminate called without an active exception" (once in ~60 runs).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":
