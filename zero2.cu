@@ -1204,16 +1204,8 @@ StepReport Engine::RankState::open_step() {
   report.step = ++engine.steps_taken_;
   set_watchdog_context("optimizer step " + std::to_string(report.step) + " (its update)");
   report.loss_scale = engine.scaler_.scale();
-  const long t = engine.optimizer_step_ + 1;  // the update this step makes, unless it is skipped
-  report.lr = options.lr_schedule ? options.lr_schedule(t) : options.lr;
-  if (!std::isfinite(report.lr) || report.lr < 0)
-    usage_error("the learning-rate schedule gave %g for step %ld: it must be finite and >= 0", report.lr, t);
-  const std::pair<double, double> betas =
-      options.betas_schedule ? options.betas_schedule(t) : std::make_pair(options.beta1, options.beta2);
-  report.beta1 = betas.first, report.beta2 = betas.second;
-  // (The same range as check_options' for the fixed betas; a NaN fails it too.)
-  if (!(report.beta1 >= 0 && report.beta1 < 1) || !(report.beta2 >= 0 && report.beta2 < 1))
-    usage_error("the betas schedule gave (%g, %g) for step %ld: each must be in [0, 1)", report.beta1, report.beta2, t);
+  // The rate and betas of the update this step makes, unless it is skipped.
+  scheduled_settings(options, engine.optimizer_step_ + 1, report);  // runtime/option_checks.cpp
   return report;
 }
 

@@ -31,6 +31,7 @@ struct ModelStates {
 
 // What the engine refuses before it starts (runtime/option_checks.cpp).
 void check_engine_options(const EngineOptions& options);
+void scheduled_settings(const EngineOptions& options, long t, StepReport& report);  // update t's lr and betas
 void check_same_parameters(const std::vector<ParameterInfo>& parameters, Communicator& comm);  // collective
 void check_loss_scaling(const LossScaling& settings);
 void check_loss_scaler_state(const LossScalerState& state);

@@ -1,5 +1,6 @@
 // runtime/option_checks.cpp — what the engine refuses before it starts, each
-// with one message on every rank (usage_error): EngineOptions out of range,
+// with one message on every rank (usage_error): EngineOptions out of range
+// (and a schedule's rate or betas at each update),
 // ranks that registered different parameters, fp16 loss-scaling settings and
 // a restored loss-scaler state that no run reaches. The chapter (zero2.cu)
 // calls these where the options arrive; what they guard is taught there.
@@ -7,8 +8,12 @@
 #include "runtime/engine_state.h"
 
 #include <cmath>
+#include <utility>
 
 namespace z2 {
+
+// Adam's betas: in [0, 1) (a NaN fails it too).
+static bool beta_in_range(double beta) { return beta >= 0 && beta < 1; }
 
 void check_engine_options(const EngineOptions& o) {
   if (o.stage < 0 || o.stage > 2) usage_error("stage must be 0, 1 or 2 (got %d)", o.stage);
@@ -21,12 +26,25 @@ void check_engine_options(const EngineOptions& o) {
     usage_error("bucket size must be a positive number of elements (got %ld)", o.bucket_elements);
   if (o.accumulation_steps < 1)
     usage_error("gradient accumulation steps must be at least 1 (got %d)", o.accumulation_steps);
-  if (!(o.lr >= 0) || !(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1) || !(o.eps > 0) ||
+  if (!(o.lr >= 0) || !beta_in_range(o.beta1) || !beta_in_range(o.beta2) || !(o.eps > 0) ||
       !(o.weight_decay >= 0) || !(o.clip >= 0))
     usage_error(
         "AdamW settings out of range: lr %g >= 0, 0 <= beta1 %g < 1, 0 <= beta2 %g < 1, eps %g > 0, "
         "weight decay %g >= 0, clip %g >= 0",
         o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.clip);
+}
+
+// Update t's rate and betas, from the schedules where the options give them
+// (a scheduler may set both: DeepSpeed's OneCycle cycles beta1), held to the
+// ranges check_engine_options holds the fixed ones to.
+void scheduled_settings(const EngineOptions& o, long t, StepReport& report) {
+  report.lr = o.lr_schedule ? o.lr_schedule(t) : o.lr;
+  if (!std::isfinite(report.lr) || report.lr < 0)
+    usage_error("the learning-rate schedule gave %g for step %ld: it must be finite and >= 0", report.lr, t);
+  const std::pair<double, double> betas = o.betas_schedule ? o.betas_schedule(t) : std::make_pair(o.beta1, o.beta2);
+  report.beta1 = betas.first, report.beta2 = betas.second;
+  if (!beta_in_range(report.beta1) || !beta_in_range(report.beta2))
+    usage_error("the betas schedule gave (%g, %g) for step %ld: each must be in [0, 1)", report.beta1, report.beta2, t);
 }
 
 // Every rank must register the same parameters, or the buckets would not

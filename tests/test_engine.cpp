@@ -406,6 +406,15 @@ TEST_CASE("bad input: a clear error on every rank, no crash, no hang") {
     refusing.build();
     refused.initialize();
     CHECK_THROWS_WITH_AS(refused.train_step(0), doctest::Contains("learning-rate schedule gave -1"), z2::Error);
+    // And betas that reach 1 (a OneCycle whose momentum decay grows beta1 past it).
+    z2::EngineOptions beta_one;
+    beta_one.betas_schedule = [](long) { return std::make_pair(1.0, 0.99); };
+    z2::Engine refusing_betas(compute, comm, beta_one);
+    mlp::Model refused_betas(compute, refusing_betas, model_config());
+    refusing_betas.build();
+    refused_betas.initialize();
+    CHECK_THROWS_WITH_AS(refused_betas.train_step(0), doctest::Contains("betas schedule gave (1, 0.99) for step 1"),
+                         z2::Error);
 
     // Ranks that register different parameters: refused at build() on every
     // rank (with one rank there is nothing to disagree with).
