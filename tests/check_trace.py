@@ -584,20 +584,30 @@ def close_to(x, y, tolerance):
     return float(np.median(np.abs(x - y))) <= tolerance
 
 
-def diagnose_stale_shards(pair, theirs, mine, before, tolerance):
+class ShardUpdates:
+    """Each (bucket, rank) shard after a step, judged by its median against the tolerance: updated as zero2's
+    (fresh), still holding zero2's values from before the step (stale), or neither (other). A shard zero2 did not
+    move either (unused embedding rows, no decay) tells nothing and is in none. theirs, mine: {name: values
+    after the step}; before: zero2's after the step before."""
+
+    def __init__(self, pair, theirs, mine, before, tolerance):
+        self.theirs, self.mine, self.before = (pair.shard_views(v) for v in (theirs, mine, before))
+        self.fresh, self.stale, self.other = [], [], []
+        for key, values in self.theirs.items():
+            if close_to(self.mine[key], self.before[key], tolerance):
+                continue
+            if close_to(values, self.mine[key], tolerance):
+                self.fresh.append(key)
+            elif close_to(values, self.before[key], tolerance):
+                self.stale.append(key)
+            else:
+                self.other.append(key)
+
+
+def diagnose_stale_shards(pair, shards):
     """Whole ranks' or whole buckets' shards holding their values from before the step while the others are
-    updated: the all-gather's order or a bucket left out. theirs, mine: {name: values after the step}; before:
-    zero2's after the step before. Each shard is judged by its median, so one whose elements zero2 did not move
-    (unused embedding rows) tells nothing and is left out."""
-    shards_theirs, shards_mine, shards_before = (pair.shard_views(v) for v in (theirs, mine, before))
-    fresh, stale = [], []
-    for key, values in shards_theirs.items():
-        if close_to(shards_mine[key], shards_before[key], tolerance):
-            continue
-        if close_to(values, shards_mine[key], tolerance):
-            fresh.append(key)
-        elif close_to(values, shards_before[key], tolerance):
-            stale.append(key)
+    updated (shards: ShardUpdates): the all-gather's order or a bucket left out."""
+    fresh, stale = shards.fresh, shards.stale
     if not (stale and fresh):
         return None
     stale_ranks, fresh_ranks = sorted({r for _, r in stale}), sorted({r for _, r in fresh})
@@ -619,28 +629,16 @@ def diagnose_stale_shards(pair, theirs, mine, before, tolerance):
     return None
 
 
-def diagnose_parameters(pair, step, theirs, mine, before, lr, weight_decay, tolerance):
-    """theirs, mine: {name: values after `step`}; before: zero2's after step - 1 (the initial weights at 1)."""
-    # A whole update missing, or whole shards holding the values from before the update.
-    shards_theirs, shards_mine, shards_before = (pair.shard_views(v) for v in (theirs, mine, before))
-    fresh, stale, other = [], [], []
-    for key, values in shards_theirs.items():
-        if close_to(shards_mine[key], shards_before[key], tolerance):
-            continue  # zero2 did not move it either (unused rows, no decay): it cannot tell fresh from stale
-        if close_to(values, shards_mine[key], tolerance):
-            fresh.append(key)
-        elif close_to(values, shards_before[key], tolerance):
-            stale.append(key)
-        else:
-            other.append(key)
-    if stale and not fresh and not other:
+def diagnose_parameters(pair, step, theirs, mine, before, shards, lr, weight_decay, tolerance):
+    """theirs, mine: {name: values after `step`}; before: zero2's after step - 1 (the initial weights at 1);
+    shards: their ShardUpdates (whole ranks' or buckets' stale shards were judged before, diagnose_stale_shards)."""
+    # A whole update missing.
+    shards_theirs, shards_mine, shards_before = shards.theirs, shards.mine, shards.before
+    if shards.stale and not shards.fresh and not shards.other:
         return ("every parameter still holds its value from before this step: the update never reached the weights "
                 "(the optimizer stepped a copy, or the all-gather sent the parameters from before the update)")
-    named = diagnose_stale_shards(pair, theirs, mine, before, tolerance)
-    if named:
-        return named
     # A shard holding the neighbouring shard's values.
-    for key in other:
+    for key in shards.other:
         b, r = key
         for neighbour in ((b, (r + 1) % pair.N), (b, (r - 1) % pair.N)):
             if neighbour == key or neighbour not in shards_mine:
@@ -1073,16 +1071,17 @@ def check_parameters(pair, step, previous):
     # trace states it does not (fp32; an AdamW that moves too little, m uncorrected, would read as not moved);
     # a tensor that did not move; the patterns (a shard offset, decay on the wrong tensors), and what the
     # replay measured.
-    diagnosis, measured = None, None
+    diagnosis, measured, shards = None, None, None
     if previous == step - 1:
-        diagnosis = diagnose_stale_shards(pair, theirs, mine, before, median_tolerance)
+        shards = ShardUpdates(pair, theirs, mine, before, median_tolerance)
+        diagnosis = diagnose_stale_shards(pair, shards)
         if diagnosis is None:
             diagnosis, measured = replay_step(pair, step)
     if diagnosis is None and movement_excess > 1:  # (None where theirs moved, only too far or too little)
         diagnosis = diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, step, previous)
     if diagnosis is None and previous == step - 1:
-        diagnosis = diagnose_parameters(pair, step, theirs, mine, before, lr, pair.ref.optimizer["weight_decay"],
-                                        median_tolerance)
+        diagnosis = diagnose_parameters(pair, step, theirs, mine, before, shards, lr,
+                                        pair.ref.optimizer["weight_decay"], median_tolerance)
     raise Failure(f"parameters after step {step}, {pair.where(name, i)}: theirs "
                   f"{theirs[name].reshape(-1)[i]:.9g}, zero2's {mine[name].reshape(-1)[i]:.9g}; "
                   f"over {name}: median |difference| {median:.3g} (tolerance {median_tolerance:.3g}), largest "
