@@ -4,6 +4,7 @@
 #   trace_size           a BERT-mini trace of 200 steps at N = 2, and what each of its parts weighs
 #   check_peer_torch     make check-peer PEER=torch: the torch peer's two steps and the planted mistakes
 #   check_trace_failure  tests/check_trace.py's whole output on one planted mistake
+#   check_peer_fsdp, check_peer_large  make check-peer PEER=fsdp / PEER=large (SKIP without .venv-fsdp)
 #   deepspeed_check      make check-peer PEER=deepspeed's check, step by step (SKIP without .venv-deepspeed)
 #   deepspeed_side_by_side  its side by side (tests/peers/side_by_side.sh)
 set -eu
@@ -49,6 +50,23 @@ tests/peers/reference_trace.sh "$trainer" "$work/ref" 2
   /usr/bin/python3 tests/check_trace.py "$work/ref" "$work/theirs" | sed "s|$work/||g" | fold -w 110 -s || true
   echo '```'
 } >"$out/check_trace_failure"
+# check_peer_fsdp, check_peer_large: make check-peer PEER=fsdp and PEER=large, their conformance tables (SKIP
+# without .venv-fsdp, which PEER=fsdp makes from PyPI; PEER=large's torch peer runs in .venv-hf).
+for peer in fsdp large; do
+  if .venv-fsdp/bin/python -c 'import torch, transformers' >/dev/null 2>&1; then
+    tests/peers/check_peer.sh $peer "$build" >"$work/$peer.log" 2>&1 || true
+    {
+      echo '```'
+      echo "\$ make check-peer PEER=$peer     # its summary: the conformance table, then the count"
+      grep -E '^(FAIL|SKIP)|^[0-9]+ passed' "$work/$peer.log" | fold -w 110 -s
+      echo '```'
+      echo
+      sed -n '/^--- conformance$/,/^---$/p' "$work/$peer.log" | sed '1d;$d'
+    } >"$out/check_peer_$peer"
+  else
+    printf '```\nSKIP: no .venv-fsdp here (make check-peer PEER=fsdp makes it from PyPI)\n```\n' >"$out/check_peer_$peer"
+  fi
+done
 if .venv-deepspeed/bin/python -c 'import deepspeed' >/dev/null 2>&1; then
   tests/peers/check_peer.sh deepspeed "$build" >"$work/deepspeed.log" 2>&1 || true
   {
