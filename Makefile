@@ -18,11 +18,11 @@
 #   make plan     the memory plan (train_bert_mini --plan) of the default BERT-mini: bytes per rank
 #                 by category for stages 0/1/2 and N = 1 .. 1024
 #   make build-time BASE=REV  how long a fresh clone's make -j2 build/train_bert_mini takes at REV and
-#                 at HEAD, built alternately, and the ratio (tests/build_time.sh)
+#                 at HEAD, built alternately, and the ratio (measurements/build_time.sh)
 #   make paper-tables  the paper's Table 1 (7.5B, 128B, 1T) and Table 2's theoretical row from the
 #                 formula the ledger and --plan use
 #   make superlinear  tokens/s per rank at the largest micro-batch that fits a fixed memory per
-#                 rank, stages 0 and 2 at N = 1, 2, 4 (tests/superlinear.sh)
+#                 rank, stages 0 and 2 at N = 1, 2, 4 (demos/superlinear.sh)
 #   make verify   does this build compute zero2's reference bits? The small rows of tests/golden_bits.txt
 #                 in portable mode (--portable; notes/11), seconds after the build: "your build computes
 #                 ..." or the configuration that differs. VERIFY_BUILD=build-cpu checks the mpicxx build
@@ -159,7 +159,7 @@ objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
 # contraction): no bit changes. The chapter, the gemms and the model (.cu),
 # and tools that compute (math_accuracy), keep -O3.
 HOST_ONLY := $(filter %.cpp,$(ENGINE_SOURCES)) runtime/lab_checks.cpp $(TRAINER_SOURCES) $(filter %.cpp,$(TEST_SOURCES)) \
-             tests/demo_stages.cpp tests/watchdog_check.cpp tests/paper_table.cpp
+             demos/demo_stages.cpp tests/watchdog_check.cpp measurements/paper_table.cpp
 $(call objects,build,$(HOST_ONLY)) $(call objects,build-cpu,$(HOST_ONLY)): HOST_ONLY_FLAGS := -Og
 # Every object also depends on the headers it includes, as the compiler lists
 # them (-MMD: DIR/x.d beside DIR/x.o), and on this Makefile (its flags).
@@ -215,26 +215,26 @@ LIBS := $(BLAS_LIBS)
 endif
 build/test_zero2: $(call objects,build,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS) $(TRAINER_LIBS)
-build/demo_stages: $(call objects,build,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
+build/demo_stages: $(call objects,build,demos/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/train_bert_mini: $(call objects,build,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS) $(TRAINER_LIBS)
 # For notes/08 and notes/10 (make notes runs both): the 16-bit reduction's error
 # against DeepSpeed's, and the paper's Tables 1 and 2 from the ledger's formula.
-build/reduce_precision: $(call objects,build,tests/reduce_precision.cu trainer/embedded_corpus.cpp $(ENGINE_SOURCES))
+build/reduce_precision: $(call objects,build,measurements/reduce_precision.cu trainer/embedded_corpus.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
-build/paper_table: $(call objects,build,tests/paper_table.cpp $(ENGINE_SOURCES))
+build/paper_table: $(call objects,build,measurements/paper_table.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 # A desynchronized program, for the watchdog's roll call (tests/test_trainer.sh).
 build/watchdog_check: $(call objects,build,tests/watchdog_check.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 # exp / log / erf of zero2.h against libm's double functions, over every float
 # (make math-accuracy; notes/07 shows its table). Header-only: no engine object.
-build/math_accuracy: tests/math_accuracy.cpp Makefile
+build/math_accuracy: measurements/math_accuracy.cpp Makefile
 	@mkdir -p $(@D)
-	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) $< -o $@ -lpthread
+	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. $< -o $@ -lpthread
 # In which order this MPI adds the ranks' contributions (notes/06; make notes). Header-only.
-build/mpi_sum_order: tests/mpi_sum_order.cpp Makefile
+build/mpi_sum_order: measurements/mpi_sum_order.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) -I. $< -o $@
 # The 16-bit conversions as a filter, for tests/convert_check.py (torch's rounding).
@@ -257,7 +257,7 @@ build-cpu/%.o: %.cpp Makefile
 	$(MPICXX) $(CXXFLAGS) $(HOST_ONLY_FLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -c $< -o $@
 build-cpu/test_zero2: $(call objects,build-cpu,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
-build-cpu/demo_stages: $(call objects,build-cpu,tests/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
+build-cpu/demo_stages: $(call objects,build-cpu,demos/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/train_bert_mini: $(call objects,build-cpu,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
@@ -349,12 +349,12 @@ demo: deps all
 	$(RUN_ENV) timeout 300 mpirun -n 2 build/demo_stages
 
 bench: deps test-deps all cpu
-	$(RUN_ENV) tests/bench.sh build build-cpu
+	$(RUN_ENV) measurements/bench.sh build build-cpu
 
 # How long a fresh clone's `make -j2 build/train_bert_mini` takes at BASE and at
-# HEAD, built alternately (tests/build_time.sh): make build-time BASE=6c9a223
+# HEAD, built alternately (measurements/build_time.sh): make build-time BASE=6c9a223
 build-time: deps found
-	tests/build_time.sh $(if $(BASE),$(BASE),HEAD~1) $(if $(ROUNDS),$(ROUNDS),3)
+	measurements/build_time.sh $(if $(BASE),$(BASE),HEAD~1) $(if $(ROUNDS),$(ROUNDS),3)
 
 # Every float through exp_fp32, log_fp32 and erf_fp32 (a few minutes on 2 cores).
 math-accuracy: deps found build/math_accuracy
@@ -363,7 +363,7 @@ math-accuracy: deps found build/math_accuracy
 # Only the trainer is needed, built as `make run` builds it.
 fraglab: deps found
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
-	$(RUN_ENV) tests/fraglab.sh build
+	$(RUN_ENV) demos/fraglab.sh build
 
 plan: deps found
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
@@ -374,7 +374,7 @@ paper-tables: deps found build/paper_table
 
 superlinear: deps found
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
-	$(RUN_ENV) tests/superlinear.sh build
+	$(RUN_ENV) demos/superlinear.sh build
 
 test: deps test-deps hf-venv all
 	$(RUN_ENV) tests/run_tests.sh build

@@ -13,7 +13,7 @@
 #                       (notes/plot_memory.py)
 #   capacity_plan.json, capacity_measured_*.json   --plan of the default BERT-mini at N = 1, 2,
 #                       4, 8, 64 and one-step runs at N = 1, 2, 4 (their device peaks)
-#   superlinear.json    tests/superlinear.sh's rows
+#   superlinear.json    demos/superlinear.sh's rows
 #   capacity_by_stage.png, superlinear.png   (notes/plot_capacity.py)
 # The JSON and CSV files are kept beside the pictures, so the plot scripts can
 # redraw them without training again.
@@ -47,6 +47,6 @@ for ranks in 1 2 4; do
       --json notes/figures/capacity_measured_${stage}_${ranks}.json
   done
 done
-tests/superlinear.sh "$build" 104857600 notes/figures/superlinear.json > /dev/null
+demos/superlinear.sh "$build" 104857600 notes/figures/superlinear.json > /dev/null
 /usr/bin/python3 notes/plot_capacity.py notes/figures/capacity_plan.json notes/figures notes/figures/superlinear.json \
   notes/figures

@@ -59,8 +59,8 @@ model="--device cpu --hidden 512 --layers 16 --micro-batch 16 --bucket 65536 --s
 } >"$out/sum_order"
 
 # build_time (README): a fresh clone's make -j2 build/train_bert_mini against the
-# last single-file commit, built alternately (tests/build_time.sh; a few minutes).
-{ echo '```'; tests/build_time.sh 6c9a223 3; echo '```'; } >"$out/build_time"
+# last single-file commit, built alternately (measurements/build_time.sh; a few minutes).
+{ echo '```'; measurements/build_time.sh 6c9a223 3; echo '```'; } >"$out/build_time"
 
 # gradient_path (notes/00): the definitions one gradient passes through, and their lines.
 python3 notes/gradient_path.py >"$out/gradient_path"
@@ -127,7 +127,7 @@ PY
 
 # bert_bench: `make bench`; zero_r_bench: its ZeRO-R lines (notes/04).
 # With the g++ build beside it (make notes builds both), the per-core lines compare the two.
-tests/bench.sh "$build" $(test -x build-cpu/train_bert_mini && echo build-cpu) >"$out/bench_output"
+measurements/bench.sh "$build" $(test -x build-cpu/train_bert_mini && echo build-cpu) >"$out/bench_output"
 {
   echo '```'
   echo "\$ make bench"
@@ -238,7 +238,7 @@ for act in ("keep", "recompute", "offload"):
 PY
 
 # fraglab: `make fraglab` (notes/05).
-tests/fraglab.sh "$build" >"$out/fraglab"
+demos/fraglab.sh "$build" >"$out/fraglab"
 
 # oom_message: naive in a block the arena's measured need (tests/test_trainer.sh's case, N = 2).
 oom="--layers 3 --hidden 64 --heads 2 --intermediate 256 --seq 32 --micro-batch 4 --steps 2 --activations offload"
@@ -271,7 +271,7 @@ plan_block plan_largest --plan-world-sizes 1,4,64 --activations recompute --devi
 plan_block plan_readme --plan-world-sizes 1,4,64
 
 # superlinear (notes/10): make superlinear.
-tests/superlinear.sh "$build" >"$out/superlinear"
+demos/superlinear.sh "$build" >"$out/superlinear"
 
 # mixed_ledger: the bf16 runs made beside bert_ledger's.
 python3 - "$out" "$trainer" >"$out/mixed_ledger" <<'PY'
@@ -299,7 +299,7 @@ PY
 
 # mixed_reduction: the 16-bit reduction's error against DeepSpeed's, N = 2 and 4.
 {
-  echo "Measured by \`make notes\` (\`mpirun -n N $build/reduce_precision\`, tests/reduce_precision.cu): the"
+  echo "Measured by \`make notes\` (\`mpirun -n N $build/reduce_precision\`, measurements/reduce_precision.cu): the"
   echo "default BERT-mini's 16-bit gradients of N micro-batches (step 0; fp16 scaled by 2^16), summed both"
   echo "ways and compared element by element with the exact sum (float64). "Correctly rounded": within half"
   echo "an ulp of the exact sum; ulps are the 16-bit format's at the exact sum."

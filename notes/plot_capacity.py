@@ -9,7 +9,7 @@
                           (MEASURED_DIR/capacity_measured_<stage>_<N>.json, --json of one step)
   superlinear.png         aggregate tokens/s against N for stages 0 and 2 at the largest
                           micro-batch each fits in the same bytes per rank
-                          (SUPERLINEAR_JSON, written by tests/superlinear.sh), beside
+                          (SUPERLINEAR_JSON, written by demos/superlinear.sh), beside
                           linear scaling from stage 0 at N = 1
 """
 import json

@@ -307,7 +307,7 @@ inline double power_double(double base, long exponent) {
 // erf x = x P(t) for |x| < 4, t = x^2 / 8 - 1 in [-1, 1] (x^2 of a float is
 // exact in double), P the Chebyshev interpolant of degree 22 of
 // erf(sqrt u) / sqrt u on u in [0, 16], in powers of t (relative error
-// 3.6e-13; tests/fit_erf.py prints these). |x| >= 4: erf rounds to +-1.
+// 3.6e-13; measurements/fit_erf.py prints these). |x| >= 4: erf rounds to +-1.
 Z2_HD inline float erf_fp32(float x) {
   constexpr double coefficients[23] = {
       0x1.6a040781a4982p-2,  -0x1.69a0ccda54952p-3,  0x1.0dabaf061ddfcp-3,  -0x1.b92e95b20b5e1p-4,

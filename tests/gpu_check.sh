@@ -52,7 +52,7 @@
 #      BERT-mini at N = 1 (NCCL) in fp32 and bf16, to the byte; the arena in
 #      the plan's block trains; --alloc caching and --alloc cuda (cudaMalloc per
 #      tensor) give the arena's hash, and their peak reserved beside the
-#      arena's; make superlinear's table on the GPU (tests/superlinear.sh with
+#      arena's; make superlinear's table on the GPU (demos/superlinear.sh with
 #      --device cuda, 4 GiB per rank), tokens/s at the largest micro-batch;
 #  11. portable bits on the GPU (--portable: zero2's tiled CUDA gemm, notes/11):
 #      every row of tests/golden_bits.txt on the GPU (N = 2 over MPI sharing
@@ -342,7 +342,7 @@ print(('ok' if not bad else 'DIFFERS ' + ' '.join(bad)) + '; peak reserved arena
     failures=$((failures + 1))
   fi
 done
-if Z2_DEVICE=cuda timeout 240 tests/superlinear.sh build 4294967296 >/tmp/z2_superlinear.log 2>&1; then
+if Z2_DEVICE=cuda timeout 240 demos/superlinear.sh build 4294967296 >/tmp/z2_superlinear.log 2>&1; then
   cat /tmp/z2_superlinear.log
   note "superlinear on the GPU: $(grep -E '^\| 2 \| 4 ' /tmp/z2_superlinear.log | tr -s ' ')"
 else

@@ -3,7 +3,7 @@
 // the double-precision libm function of the same float (glibc's exp, log and
 // erf: within about 1 ulp of double, i.e. 2^-29 of a float ulp, so their
 // errors do not show at float resolution). Shared by tests/test_math.cpp (a
-// sample, in CI) and tests/math_accuracy.cpp (every float, for notes/07).
+// sample, in CI) and measurements/math_accuracy.cpp (every float, for notes/07).
 #pragma once
 
 #include <cmath>

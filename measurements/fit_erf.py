@@ -9,7 +9,7 @@ small (sum of |a_k| = 1.13), so Horner's rule in double is stable.
 The reference values are Python's math.erf (double, < 1 ulp of double);
 the fit's relative error is printed, and tests/test_math.cpp measures what
 the C++ function gives over float inputs.
-Run: /usr/bin/python3 tests/fit_erf.py
+Run: /usr/bin/python3 measurements/fit_erf.py
 """
 import math
 import numpy as np

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/fraglab.sh BUILD_DIR [TRACE_DIR] — `make fraglab`: how much device memory one
+# demos/fraglab.sh BUILD_DIR [TRACE_DIR] — `make fraglab`: how much device memory one
 # training step of the default BERT-mini needs, for every --activations mode
 # (keep, recompute, offload) and every allocator (arena, naive, caching: the
 # model of PyTorch's caching allocator); then the paper's 30% question.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/bench.sh BUILD_DIR [SECOND_BUILD_DIR] — `make bench`: throughput of the
+# measurements/bench.sh BUILD_DIR [SECOND_BUILD_DIR] — `make bench`: throughput of the
 # default BERT-mini (L=4 H=256 heads=4 F=1024 T=128, micro-batch 8 per rank,
 # dropout 0.1), figures from one run each, not a timed test:
 #   - one table: fp32 / bf16 / fp16 x stage 0 / 2 x N = 1, 2 ranks, tokens/s of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/superlinear.sh BUILD_DIR [LIMIT_BYTES [OUT_JSON]] — `make superlinear`: does the
+# demos/superlinear.sh BUILD_DIR [LIMIT_BYTES [OUT_JSON]] — `make superlinear`: does the
 # memory ZeRO frees buy throughput? The paper's claim (sections 1 and 10.3):
 # with model states partitioned, each device holds a larger batch, and a
 # larger batch runs each device closer to its peak, so throughput grows

@@ -1,4 +1,4 @@
-// tests/mpi_sum_order.cpp — in which order does this MPI library add the N
+// measurements/mpi_sum_order.cpp — in which order does this MPI library add the N
 // ranks' contributions in MPI_Allreduce and MPI_Reduce_scatter_block? For
 // notes/06 ("Why a library's sum changes with N"; make notes runs it at
 // N = 2, 3, 4). Each rank contributes random floats of mixed magnitudes, so

@@ -1,4 +1,4 @@
-// tests/math_accuracy.cpp — prints the accuracy of zero2's exp, log and erf
+// measurements/math_accuracy.cpp — prints the accuracy of zero2's exp, log and erf
 // (zero2.h) over every float input, or every stride-th (tests/math_accuracy.h
 // says against what). `make math-accuracy` runs it; notes/07 shows its table.
 //   build/math_accuracy [--stride S] [--threads T]
@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "math_accuracy.h"
+#include "tests/math_accuracy.h"
 
 int main(int argc, char** argv) {
   uint64_t stride = 1;

@@ -1,4 +1,4 @@
-// tests/demo_stages.cpp — `make run` until the BERT trainer lands: trains the
+// demos/demo_stages.cpp — `make run` until the BERT trainer lands: trains the
 // test MLP with stage 0, 1 and 2 on the same data, prints the loss of every
 // step, each stage's memory and communication ledger, and checks that the
 // three stages end with the same parameters, bit for bit.
@@ -19,7 +19,7 @@
 #include <cstring>
 #include <string>
 
-#include "mlp_model.h"
+#include "tests/mlp_model.h"  // the test MLP: MlpModel, its data and its loss
 
 namespace {
 
@@ -60,7 +60,7 @@ Arguments parse(int argc, char** argv) {
     else if (flag == "--layers") arguments.model.layers = (int)parse_number("--layers", value, 1, 1024);
     else if (flag == "--micro-batch")
       arguments.model.micro_batch = (int)parse_number("--micro-batch", value, 1, 1 << 16);
-    else z2::usage_error("unknown flag '%s' (see the comment at the top of tests/demo_stages.cpp)", flag.c_str());
+    else z2::usage_error("unknown flag '%s' (see the comment at the top of demos/demo_stages.cpp)", flag.c_str());
   }
   if (!arguments.markdown.empty() && arguments.markdown != "ledger" && arguments.markdown != "hashes")
     z2::usage_error("--markdown must be ledger or hashes (got '%s')", arguments.markdown.c_str());

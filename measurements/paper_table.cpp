@@ -1,4 +1,4 @@
-// tests/paper_table.cpp — the paper's Table 1 (model-state memory per device,
+// measurements/paper_table.cpp — the paper's Table 1 (model-state memory per device,
 // K = 12 mixed precision) for its 7.5B, 128B and 1T-parameter models, and the
 // theoretical columns of its Table 2 (the largest model a 32 GB device holds
 // at N = 64 without model parallelism), recomputed with
@@ -24,7 +24,7 @@
 #include <cstdio>
 #include <string>
 
-#include "../zero2.h"
+#include "zero2.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/build_time.sh BASE [ROUNDS] — how long `make -j2 build/train_bert_mini`
+# measurements/build_time.sh BASE [ROUNDS] — how long `make -j2 build/train_bert_mini`
 # takes from a fresh clone, for the commit BASE and for this checkout's HEAD,
 # side by side (make build-time BASE=REV). The two are built alternately
 # (BASE, HEAD, BASE, HEAD, ...: ROUNDS rounds, 2 by default), each in a new
@@ -9,7 +9,7 @@
 # time, and make -j2 uses both cores of a 2-core machine.
 set -eu
 cd "$(dirname "$0")/.."
-base=${1:?usage: tests/build_time.sh BASE [ROUNDS]}
+base=${1:?usage: measurements/build_time.sh BASE [ROUNDS]}
 rounds=${2:-2}
 head=$(git rev-parse --short HEAD)
 base=$(git rev-parse --short "$base")

@@ -1,4 +1,4 @@
-// tests/reduce_precision.cu — what a 16-bit gradient reduction costs in
+// measurements/reduce_precision.cu — what a 16-bit gradient reduction costs in
 // accuracy, measured on a real BERT-mini gradient (notes/08).
 //
 // Each of the N ranks computes the 16-bit gradient of its own micro-batch
@@ -21,7 +21,7 @@
 //
 //   mpirun -n 2 build/reduce_precision      (and -n 4; notes/generate.sh runs both)
 #define BERT_NO_MAIN
-#include "../train_bert_mini.cu"
+#include "train_bert_mini.cu"
 
 #include <cmath>
 
