@@ -58,7 +58,7 @@ model="--device cpu --hidden 512 --layers 16 --micro-batch 16 --bucket 65536 --s
   done
 } >"$out/sum_order"
 
-# build_time (README): a fresh clone's make -j2 build/train_bert_mini against the
+# build_time (notes/07, "Building"): a fresh clone's make -j2 build/train_bert_mini against the
 # last single-file commit, built alternately (measurements/build_time.sh; a few minutes).
 { echo '```'; measurements/build_time.sh 6c9a223 3; echo '```'; } >"$out/build_time"
 
@@ -106,6 +106,9 @@ PY
   timeout 900 mpirun -n 2 "$trainer" --device cpu --stage 2 --json "$out/run_fp32.json"
   echo '```'
 } >"$out/bert_run"
+# bert_run_excerpt (README): the same run's header, steps 1, 10 and 100 and its summary.
+{ awk '/^memory per rank/{exit} /^step/ && !/^step +(1|10|100)\//{next} {print}' "$out/bert_run"; echo '```'; } \
+  >"$out/bert_run_excerpt"
 
 # bert_reference: the PyTorch comparison on a dumped batch (as tests/test_trainer.sh runs it).
 {
@@ -260,7 +263,7 @@ need=$(python3 -c "import json; print(json.load(open('$out/oom.json'))['memory']
 # paper_table: the paper's Tables 1 and 2 (K = 12) from the ledger's formula.
 "$build/paper_table" >"$out/paper_table"
 
-# plan_example, plan_largest (notes/10), plan_readme (README): --plan's tables.
+# plan_example, plan_largest (notes/10): --plan's tables.
 plan_block() {  # NAME ARGS...: the command (fenced), then what it prints (markdown tables)
   local name=$1
   shift
@@ -268,7 +271,6 @@ plan_block() {  # NAME ARGS...: the command (fenced), then what it prints (markd
 }
 plan_block plan_example --plan-world-sizes 1,2,4,8,64,1024
 plan_block plan_largest --plan-world-sizes 1,4,64 --activations recompute --device-memory-limit 100000000
-plan_block plan_readme --plan-world-sizes 1,4,64
 
 # superlinear (notes/10): make superlinear.
 demos/superlinear.sh "$build" >"$out/superlinear"
@@ -356,7 +358,7 @@ PY
   echo '```'
 } >"$out/mixed_reference"
 
-# --- checkpoints (notes/09-checkpoints.md, README.md) ---------------------------------
+# --- checkpoints (notes/09-checkpoints.md) --------------------------------------------
 # checkpoint_resume: the default BERT-mini, 8 steps straight at (N, A, stage)
 # = (1, 4, 0); the same saved at step 4 by (4, 1, 2); step_4 loaded by (2, 2, 1)
 # and (1, 4, 0) (A from the checkpoint's N x A) and trained to step 8. In fp32
@@ -411,7 +413,7 @@ print(json.dumps(d, indent=1))" "$out/ck_fp32/step_4/index.json"
   echo '```'
 } | sed "s|$out/ck_fp32|ck|g" >"$out/checkpoint_layout"
 
-# --- DeepSpeed configs and --help (notes/07-bert-mini.md, README.md) ------------------
+# --- DeepSpeed configs and --help (notes/07-bert-mini.md) ------------------------------
 # config_refused: a public config with two keys this trainer cannot take, both
 # in one message; trainer_help: the --help text.
 {
@@ -430,7 +432,7 @@ print(json.dumps(d, indent=1))" "$out/ck_fp32/step_4/index.json"
   echo '```'
 } >"$out/trainer_help"
 
-# --- checking another implementation (notes/12-checking-other-implementations.md, README.md) ---
+# --- checking another implementation (notes/12-checking-other-implementations.md) ---
 # trace_size: a BERT-mini trace of 200 steps and what each part weighs; check_peer_torch: `make check-peer
 # PEER=torch` (the torch peer and the planted mistakes); check_trace_failure: the checker's whole output on
 # one planted mistake.
@@ -478,7 +480,7 @@ print(f"Psi_padded = {d['params_padded']:,} at N = 2. bf16 stage 2 without offlo
       f"and the host holds {d['memory']['host_model_states_bytes']:,}.")
 PY
 
-# --- reliability (README, "When something goes wrong") -------------------------------
+# --- reliability (notes/14-reliability.md) -------------------------------
 # reliability_messages: a rank stopped mid-run (the watchdog), ranks waiting for
 # different things (tests/watchdog_check.cpp), a full disk (a
 # 64 KiB tmpfs, when mount is allowed), an output that names an input.
@@ -655,7 +657,7 @@ make --no-print-directory labs >"$out/labs_output" 2>&1 || { cat "$out/labs_outp
   echo '```'
 } >"$out/labs_check"
 
-python3 - "$out" README.md notes/*.md notes/labs/README.md <<'PY'
+python3 - "$out" README.md notes/*.md notes/labs/README.md notes/gpu/README.md <<'PY'
 import os, re, sys
 blocks = sys.argv[1]
 for path in sys.argv[2:]:
