@@ -6,6 +6,7 @@
 // it (flags and config files, output files, the export, checkpoints, the
 // memory plan, the reports) is host-only C++ in trainer/, compiled once
 // instead of once per precision.
+// Layer: training, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 //
 // The model is Hugging Face's BertForMaskedLM (notes/07): byte-level
 // tokens, learned positions, one token type, post-LayerNorm blocks with GELU
@@ -81,16 +82,16 @@
 // defines: vocab_size and the special tokens, ModelShape, ActivationMode, TensorShapes;
 // declares the model's sizes this file defines (parameter_numels, activation_peak_bytes)
 #include "trainer/model_shape.h"
-// defines: Settings, fail, agree_on_errors, parse_command_line, check_consistency, usage_text,
+// defines: Settings, fail, agree_on_errors, first_bad_utf8, check_consistency, usage_text,
 // engine_options, shape_of, mode_of, allocator_of
 #include "trainer/settings.h"
-// defines: read_regular_file, first_bad_utf8, check_same_inputs
+// defines: read_regular_file, check_same_inputs
 #include "trainer/inputs.h"
 // defines: check_outputs, DirectoryLock (every output goes through write_output_file)
 #include "trainer/output_files.h"
 // defines: export_hf, BatchDump, write_batch_dump
 #include "trainer/hf_export.h"
-// defines: Sha256, sha256_hex, check_checkpoint_data, claim_save_directory, load_checkpoint,
+// defines: check_checkpoint_data, loaded_index_text, claim_save_directory, load_checkpoint,
 // save_checkpoint, adopt_checkpoint
 #include "trainer/checkpoints.h"
 // defines: memory_block (the fit check), run_plan (--plan)
@@ -101,6 +102,8 @@
 #include "trainer/trace.h"
 // defines: RunRecord, StepRecord, print_header, ProgressLog, print_summary, write_json, write_memory_trace
 #include "trainer/reports.h"
+// defines: parse_command_line (argv and --config into Settings)
+#include "trainer/command_line.h"
 
 namespace bert {
 
@@ -1677,7 +1680,8 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   run_.held_out_bytes = held_out_.size();
   run_.initial_weights_unused = initial_weights_.notes;
   // Every rank finds the same difference: the same message and exit everywhere.
-  if (world_size_ > 1) check_same_inputs(settings_, corpus_, initial_weights_.fingerprint, world_);
+  if (world_size_ > 1)
+    check_same_inputs(settings_, corpus_, loaded_index_text(settings_), initial_weights_.fingerprint, world_);
   // Rank 0 saves: it locks --save and looks at what it holds, before step 1.
   if (!settings_.save_dir.empty())
     agree_on_errors(
