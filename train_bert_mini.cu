@@ -60,8 +60,8 @@
 //              dropout, cross-entropy
 //   The model  parameters, activation memory (keep, recompute, offload),
 //              buffers, initialization, forward, backward
-//   Training   interrupts, the inputs, the run (setup, a step and what
-//              watches it, evaluation, the end); then main
+//   Training   interrupts, the inputs, the run (setup, a step, evaluation,
+//              the end); then main
 #include <time.h>
 
 #include <algorithm>
@@ -104,6 +104,8 @@
 #include "trainer/reports.h"
 // defines: parse_command_line (argv and --config into Settings)
 #include "trainer/command_line.h"
+// defines: StepObservers, ObservedModel, DrawnBatch, diverged (what watches a step)
+#include "trainer/step_observers.h"
 
 namespace bert {
 
@@ -1636,9 +1638,6 @@ inline void split_held_out(const Settings& settings, const std::string& corpus, 
 // loaded), run() the steps and the outputs. What the reports say is kept in
 // run_ (trainer/reports.h), which they read without the model.
 template <class Act>
-class StepObservers;  // what watches a step: after train_step
-
-template <class Act>
 class Training {
  public:
   Training(Settings settings, MPI_Comm world);
@@ -1664,7 +1663,7 @@ class Training {
   std::unique_ptr<DirectoryLock> trace_lock_;  // rank 0 with --trace: claimed before the engine, then the trace's
   std::unique_ptr<RunTrace> trace_;            // rank 0 with --trace
   // What watches each step: its time, the memory trace, the dump, the trace, the progress line.
-  std::unique_ptr<StepObservers<Act>> observers_;
+  std::unique_ptr<StepObservers> observers_;
   // --eval-every: the held-out tail of the data, and what training draws from.
   std::string training_text_, held_out_;
 };
@@ -1749,19 +1748,27 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   }
   run_.tokens_per_step = (long)world_size_ * settings_.accum * settings_.micro_batch * settings_.seq;
   run_.start_ledger = engine_->memory_ledger();
-  observers_ = std::make_unique<StepObservers<Act>>(settings_, world_, *compute_, *engine_, *model_, training_text_,
-                                                    run_, progress_, trace_.get());
+  // What the observers read of the model: its shapes, its phases' times, and
+  // the micro-batches the data draws (the dump's and the trace's).
+  ObservedModel observed{
+      model_->tensor_shapes(),
+      [this] {
+        const typename Model<Act>::Times times = model_->take_times();
+        return std::pair(times.forward_ms, times.backward_ms);
+      },
+      [this](long step, long m) {
+        Batch batch = make_batch(training_text_, settings_.seed, step, m, settings_.micro_batch, settings_.seq);
+        return DrawnBatch{std::move(batch.tokens), std::move(batch.labels), (long)batch.selected.size()};
+      }};
+  observers_ = std::make_unique<StepObservers>(settings_, world_, *compute_, *engine_, std::move(observed), run_,
+                                               progress_, trace_.get());
 }
-
-// An fp16 overflow skips a step (its loss may be inf); any other step whose
-// loss is not finite diverged.
-inline bool diverged(const z2::StepReport& report) { return !report.skipped && !std::isfinite(report.loss); }
 
 // One optimizer step: A micro-steps of forward and backward on this rank's
 // micro-batches, then the engine's step (the gradient reduced, clipped and
 // applied, the working parameters gathered). What watches it (its time,
-// --memory-trace, --dump-batch, --trace, the progress line) is the
-// observers' (below), at the three points where they read something.
+// --memory-trace, --dump-batch, --trace, the progress line) is
+// trainer/step_observers.h's, at the three points where it reads something.
 template <class Act>
 void Training<Act>::train_step(long step) {
   observers_->before_forward(step);
@@ -1780,163 +1787,6 @@ void Training<Act>::train_step(long step) {
   compute_->synchronize_all();
   observers_->after_update(step, report, losses);
   if (diverged(report)) fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
-}
-
-// --- what watches a step -----------------------------------------------------
-
-// What a training step leaves besides its update, none of which feeds back
-// into training: its time (and, with --wall-clock-breakdown, its phases'),
-// the first step's allocator events (--memory-trace), step 0's weights,
-// batch, loss and gradients (--dump-batch), the step in the trace (--trace),
-// the step's record for the reports, and its progress line. The step calls
-// it where something must be read while it is there: before forward (the
-// clock starts, the memory trace begins, the weights forward reads), before
-// the update (the reduced gradient, which the update consumes), and after.
-template <class Act>
-class StepObservers {
- public:
-  StepObservers(const Settings& settings, MPI_Comm world, z2::Compute& compute, z2::Engine& engine, Model<Act>& model,
-                const std::string& training_text, RunRecord& run, ProgressLog& progress, RunTrace* trace);
-  void before_forward(long step);
-  void before_update(long step);
-  // `losses`: this rank's micro-batches' shares of the step's loss, in order.
-  // A diverged step is timed and recorded and its memory trace written, but
-  // no dump, trace or progress line claims it: the step fails right after.
-  void after_update(long step, const z2::StepReport& report, const std::vector<float>& losses);
-
- private:
-  void trace_step(long step, const z2::StepReport& report, const std::vector<float>& losses);
-
-  const Settings& settings_;
-  MPI_Comm world_;
-  int rank_ = 0, world_size_ = 1;
-  z2::Compute& compute_;
-  z2::Engine& engine_;
-  Model<Act>& model_;
-  const std::string& training_text_;
-  RunRecord& run_;
-  ProgressLog& progress_;
-  RunTrace* trace_;  // rank 0 with --trace; null elsewhere
-  // The step being watched: when it and its update started, the gemm time
-  // before it, which outputs it makes, and the reduced gradient they keep.
-  std::chrono::steady_clock::time_point start_, optimizer_start_;
-  double gemm_seconds_before_ = 0;
-  bool dumping_ = false, tracing_memory_ = false;
-  std::vector<float> gradients_;
-  BatchDump dump_;  // step 0's (--dump-batch): what forward read
-};
-
-template <class Act>
-StepObservers<Act>::StepObservers(const Settings& settings, MPI_Comm world, z2::Compute& compute, z2::Engine& engine,
-                                  Model<Act>& model, const std::string& training_text, RunRecord& run,
-                                  ProgressLog& progress, RunTrace* trace)
-    : settings_(settings),
-      world_(world),
-      compute_(compute),
-      engine_(engine),
-      model_(model),
-      training_text_(training_text),
-      run_(run),
-      progress_(progress),
-      trace_(trace) {
-  MPI_Comm_rank(world_, &rank_);
-  MPI_Comm_size(world_, &world_size_);
-}
-
-template <class Act>
-void StepObservers<Act>::before_forward(long step) {
-  start_ = std::chrono::steady_clock::now();
-  gemm_seconds_before_ = compute_.gemm_seconds();
-  // This run's first step (a resumed run's too) and step 0 of a fresh run.
-  tracing_memory_ = run_.steps.empty() && !settings_.memory_trace.empty();
-  dumping_ = step == 0 && !settings_.dump_dir.empty();
-  if (tracing_memory_) compute_.set_tracing(true);
-  if (dumping_) dump_.weights = engine_.working_parameters_to_host();  // what forward reads (16-bit: as floats)
-}
-
-// The step's reduced gradient, before step() clips and applies it
-// (collective in stages 1 and 2, where each rank holds its shards of it).
-template <class Act>
-void StepObservers<Act>::before_update(long step) {
-  if (dumping_ || trace_keeps_parameters_after(settings_, step + 1)) gradients_ = engine_.gradients_to_host();
-  optimizer_start_ = std::chrono::steady_clock::now();
-}
-
-template <class Act>
-void StepObservers<Act>::after_update(long step, const z2::StepReport& report, const std::vector<float>& losses) {
-  const auto end = std::chrono::steady_clock::now();
-  if (tracing_memory_) {
-    compute_.set_tracing(false);
-    // Rank 0 writes; every rank learns whether it could (a full disk ends them all).
-    agree_on_errors(
-        world_,
-        [&] {
-          if (rank_ == 0) write_memory_trace(settings_.memory_trace, compute_.trace());
-        },
-        "the memory trace was written");
-  }
-  const double ms = std::chrono::duration<double, std::milli>(end - start_).count();
-  run_.steps.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, run_.tokens_per_step / (ms / 1000.0),
-                        report.loss_scale, report.skipped});
-  StepRecord& record = run_.steps.back();
-  record.beta1 = report.beta1, record.beta2 = report.beta2;
-  record.gemm_ms = (compute_.gemm_seconds() - gemm_seconds_before_) * 1000.0;
-  if (settings_.wall_clock_breakdown) {
-    const typename Model<Act>::Times times = model_.take_times();
-    record.forward_ms = times.forward_ms;
-    record.backward_ms = times.backward_ms;
-    record.optimizer_ms = std::chrono::duration<double, std::milli>(end - optimizer_start_).count();
-  }
-  if (diverged(report)) return;
-  if (dumping_) {
-    // This rank's micro-batches as forward read them (the same hashes drew them).
-    const int A = settings_.accum, B = settings_.micro_batch, T = settings_.seq;
-    for (int a = 0; a < A; ++a) {
-      const Batch batch = make_batch(training_text_, settings_.seed, step, engine_.micro_batch_index(a), B, T);
-      dump_.input_ids.insert(dump_.input_ids.end(), batch.tokens.begin(), batch.tokens.end());
-      dump_.labels.insert(dump_.labels.end(), batch.labels.begin(), batch.labels.end());
-      dump_.rows += B;
-    }
-    agree_on_errors(
-        world_,
-        [&] { write_batch_dump(settings_, run_.shape, model_.tensor_shapes(), engine_, dump_, report, gradients_); },
-        "the batch dump was written");
-  }
-  if (!settings_.trace_dir.empty()) trace_step(step, report, losses);
-  progress_.step(run_, engine_, report, ms, compute_.memory());
-  gradients_ = std::vector<float>();  // 4 Psi bytes, not held past the step
-}
-
-// --trace: what step `step` (0-based; the trace counts from 1) adds. Rank 0
-// gathers every rank's micro-batch losses and rebuilds the global batch
-// from the seed (the same hashes every rank drew its own micro-batches
-// from: nothing else crosses the wire); after the kept steps, the
-// parameters (a collective) and the gradient the step applied.
-template <class Act>
-void StepObservers<Act>::trace_step(long step, const z2::StepReport& report, const std::vector<float>& losses) {
-  const int N = world_size_, A = settings_.accum, B = settings_.micro_batch, T = settings_.seq;
-  std::vector<float> gathered((size_t)N * A);  // [rank][micro-step]
-  MPI_Request request;
-  Z2_MPI_CHECK(MPI_Igather(losses.data(), A, MPI_FLOAT, gathered.data(), A, MPI_FLOAT, 0, world_, &request));
-  z2::wait_request(&request, "the gather of the micro-batch losses for --trace");
-  std::vector<float> parameters;
-  if (trace_keeps_parameters_after(settings_, step + 1)) parameters = engine_.parameters_to_host();
-  agree_on_errors(
-      world_,
-      [&] {
-        if (rank_ != 0) return;
-        TracedStep traced{report, {}, {}};
-        for (long m = 0; m < (long)N * A; ++m) {  // rank m mod N computed it at micro-step m div N
-          const Batch batch = make_batch(training_text_, settings_.seed, step, m, B, T);
-          trace_->add_micro_batch(batch.tokens, batch.labels);
-          traced.micro_batch_losses.push_back(gathered[(size_t)(m % N) * A + m / N]);
-          traced.micro_batch_selected.push_back((long)batch.selected.size());
-        }
-        trace_->add_step(std::move(traced));
-        if (!parameters.empty())
-          trace_->write_parameters(step + 1, run_.shape, model_.tensor_shapes(), engine_, parameters, gradients_);
-      },
-      "the trace's step was written");
 }
 
 // The MLM loss on --eval-batches micro-batches of held-out windows, without
