@@ -138,7 +138,8 @@ ENGINE_SOURCES  := zero2.cu runtime/gemm.cu runtime/transfers.cpp runtime/checkp
 MODEL_SOURCE    := train_bert_mini.cu
 TRAINER_SOURCES := trainer/checkpoints.cpp trainer/json.cpp trainer/deepspeed_config.cpp trainer/reports.cpp \
                    trainer/hf_export.cpp trainer/trace.cpp trainer/hf_import.cpp trainer/plan.cpp trainer/settings.cpp \
-                   trainer/output_files.cpp trainer/inputs.cpp trainer/safetensors.cpp trainer/embedded_corpus.cpp
+                   trainer/output_files.cpp trainer/inputs.cpp trainer/safetensors.cpp trainer/command_line.cpp \
+                   trainer/step_observers.cpp trainer/embedded_corpus.cpp
 # What the trainer's plumbing links besides the engine's libraries: OpenSSL's
 # libcrypto, whose SHA-256 the checkpoints record (trainer/checkpoints.cpp).
 TRAINER_LIBS    := -lcrypto

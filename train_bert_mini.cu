@@ -6,6 +6,7 @@
 // it (flags and config files, output files, the export, checkpoints, the
 // memory plan, the reports) is host-only C++ in trainer/, compiled once
 // instead of once per precision.
+// Layer: training, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 //
 // The model is Hugging Face's BertForMaskedLM (notes/07): byte-level
 // tokens, learned positions, one token type, post-LayerNorm blocks with GELU
@@ -81,16 +82,16 @@
 // defines: vocab_size and the special tokens, ModelShape, ActivationMode, TensorShapes;
 // declares the model's sizes this file defines (parameter_numels, activation_peak_bytes)
 #include "trainer/model_shape.h"
-// defines: Settings, fail, agree_on_errors, parse_command_line, check_consistency, usage_text,
+// defines: Settings, fail, agree_on_errors, first_bad_utf8, check_consistency, usage_text,
 // engine_options, shape_of, mode_of, allocator_of
 #include "trainer/settings.h"
-// defines: read_regular_file, first_bad_utf8, check_same_inputs
+// defines: read_regular_file, check_same_inputs
 #include "trainer/inputs.h"
 // defines: check_outputs, DirectoryLock (every output goes through write_output_file)
 #include "trainer/output_files.h"
 // defines: export_hf, BatchDump, write_batch_dump
 #include "trainer/hf_export.h"
-// defines: Sha256, sha256_hex, check_checkpoint_data, claim_save_directory, load_checkpoint,
+// defines: check_checkpoint_data, loaded_index_text, claim_save_directory, load_checkpoint,
 // save_checkpoint, adopt_checkpoint
 #include "trainer/checkpoints.h"
 // defines: memory_block (the fit check), run_plan (--plan)
@@ -101,6 +102,10 @@
 #include "trainer/trace.h"
 // defines: RunRecord, StepRecord, print_header, ProgressLog, print_summary, write_json, write_memory_trace
 #include "trainer/reports.h"
+// defines: parse_command_line (argv and --config into Settings)
+#include "trainer/command_line.h"
+// defines: StepObservers, ObservedModel, DrawnBatch, diverged (what watches a step)
+#include "trainer/step_observers.h"
 
 namespace bert {
 
@@ -1640,8 +1645,6 @@ class Training {
 
  private:
   void train_step(long step);
-  void trace_step(long step, const z2::StepReport& report, const std::vector<float>& contributions,
-                  const std::vector<float>& gradients);
   float evaluate() const;
   void log_evaluation(long step);
 
@@ -1655,11 +1658,12 @@ class Training {
   std::unique_ptr<Model<Act>> model_;
   RunRecord run_;         // the device, the shape, the steps, evaluations and saves, for the reports
   ProgressLog progress_;  // the progress lines and --metrics
-  BatchDump dump_;        // step 0's (--dump-batch): what forward read
   std::unique_ptr<DirectoryLock> save_lock_;   // rank 0 with --save: held until the run ends
   InitialWeights initial_weights_;             // --init-hf's, until the engine holds them
   std::unique_ptr<DirectoryLock> trace_lock_;  // rank 0 with --trace: claimed before the engine, then the trace's
   std::unique_ptr<RunTrace> trace_;            // rank 0 with --trace
+  // What watches each step: its time, the memory trace, the dump, the trace, the progress line.
+  std::unique_ptr<StepObservers> observers_;
   // --eval-every: the held-out tail of the data, and what training draws from.
   std::string training_text_, held_out_;
 };
@@ -1677,7 +1681,8 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   run_.held_out_bytes = held_out_.size();
   run_.initial_weights_unused = initial_weights_.notes;
   // Every rank finds the same difference: the same message and exit everywhere.
-  if (world_size_ > 1) check_same_inputs(settings_, corpus_, initial_weights_.fingerprint, world_);
+  if (world_size_ > 1)
+    check_same_inputs(settings_, corpus_, loaded_index_text(settings_), initial_weights_.fingerprint, world_);
   // Rank 0 saves: it locks --save and looks at what it holds, before step 1.
   if (!settings_.save_dir.empty())
     agree_on_errors(
@@ -1743,110 +1748,45 @@ Training<Act>::Training(Settings settings, MPI_Comm world)
   }
   run_.tokens_per_step = (long)world_size_ * settings_.accum * settings_.micro_batch * settings_.seq;
   run_.start_ledger = engine_->memory_ledger();
+  // What the observers read of the model: its shapes, its phases' times, and
+  // the micro-batches the data draws (the dump's and the trace's).
+  ObservedModel observed{
+      model_->tensor_shapes(),
+      [this] {
+        const typename Model<Act>::Times times = model_->take_times();
+        return std::pair(times.forward_ms, times.backward_ms);
+      },
+      [this](long step, long m) {
+        Batch batch = make_batch(training_text_, settings_.seed, step, m, settings_.micro_batch, settings_.seq);
+        return DrawnBatch{std::move(batch.tokens), std::move(batch.labels), (long)batch.selected.size()};
+      }};
+  observers_ = std::make_unique<StepObservers>(settings_, world_, *compute_, *engine_, std::move(observed), run_,
+                                               progress_, trace_.get());
 }
 
-// One optimizer step: A micro-steps of forward and backward, the engine's
-// step, and what this step writes (trace, dump, progress line).
+// One optimizer step: A micro-steps of forward and backward on this rank's
+// micro-batches, then the engine's step (the gradient reduced, clipped and
+// applied, the working parameters gathered). What watches it (its time,
+// --memory-trace, --dump-batch, --trace, the progress line) is
+// trainer/step_observers.h's, at the three points where it reads something.
 template <class Act>
 void Training<Act>::train_step(long step) {
+  observers_->before_forward(step);
   const int A = settings_.accum, B = settings_.micro_batch, T = settings_.seq;
-  const auto start = std::chrono::steady_clock::now();
-  const double gemm_seconds_before = compute_->gemm_seconds();
   const long selected = global_selected_count(training_text_, settings_.seed, step, (long)world_size_ * A, B, T);
   // A global batch with no selected position has no loss; the scale 1/1 then
   // multiplies nothing (every gradient is zero).
   const float loss_scale = 1.0f / (float)std::max(1l, selected);
-  const bool first = run_.steps.empty();  // this run's first step (a resumed run's too)
-  const bool dumping = step == 0 && !settings_.dump_dir.empty();
-  const bool tracing_memory = first && !settings_.memory_trace.empty();
-  if (tracing_memory) compute_->set_tracing(true);
-  if (dumping) dump_.weights = engine_->working_parameters_to_host();  // what forward reads (16-bit: as floats)
-  std::vector<float> contributions;  // this rank's micro-batches' shares of the loss, for --trace
+  std::vector<float> losses;  // this rank's micro-batches' shares of the step's loss, in order
   for (int a = 0; a < A; ++a) {
     const long m = engine_->micro_batch_index(a);
-    const Batch batch = make_batch(training_text_, settings_.seed, step, m, B, T);
-    contributions.push_back(model_->run(batch, step, m, loss_scale, true));
-    if (dumping) {
-      dump_.input_ids.insert(dump_.input_ids.end(), batch.tokens.begin(), batch.tokens.end());
-      dump_.labels.insert(dump_.labels.end(), batch.labels.begin(), batch.labels.end());
-      dump_.rows += B;
-    }
+    losses.push_back(model_->run(make_batch(training_text_, settings_.seed, step, m, B, T), step, m, loss_scale, true));
   }
-  // The step's reduced gradient, before step() clips and applies it
-  // (collective in stages 1 and 2, where each rank holds its shards of it).
-  const bool trace_parameters = trace_keeps_parameters_after(settings_, step + 1);
-  std::vector<float> gradients;
-  if (dumping || trace_parameters) gradients = engine_->gradients_to_host();
-  const auto optimizer_start = std::chrono::steady_clock::now();
+  observers_->before_update(step);
   const z2::StepReport report = engine_->step();
   compute_->synchronize_all();
-  const auto end = std::chrono::steady_clock::now();
-  if (tracing_memory) {
-    compute_->set_tracing(false);
-    // Rank 0 writes; every rank learns whether it could (a full disk ends them all).
-    agree_on_errors(
-        world_,
-        [&] {
-          if (rank_ == 0) write_memory_trace(settings_.memory_trace, compute_->trace());
-        },
-        "the memory trace was written");
-  }
-  const double ms = std::chrono::duration<double, std::milli>(end - start).count();
-  run_.steps.push_back({report.step, report.loss, report.grad_norm, report.lr, ms, run_.tokens_per_step / (ms / 1000.0),
-                        report.loss_scale, report.skipped});
-  StepRecord& record = run_.steps.back();
-  record.beta1 = report.beta1, record.beta2 = report.beta2;
-  record.gemm_ms = (compute_->gemm_seconds() - gemm_seconds_before) * 1000.0;
-  if (settings_.wall_clock_breakdown) {
-    const typename Model<Act>::Times times = model_->take_times();
-    record.forward_ms = times.forward_ms;
-    record.backward_ms = times.backward_ms;
-    record.optimizer_ms = std::chrono::duration<double, std::milli>(end - optimizer_start).count();
-  }
-  // (An fp16 overflow skips the step instead: its loss may be inf.)
-  if (!report.skipped && !std::isfinite(report.loss))
-    fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
-  if (dumping)
-    agree_on_errors(
-        world_,
-        [&] { write_batch_dump(settings_, run_.shape, model_->tensor_shapes(), *engine_, dump_, report, gradients); },
-        "the batch dump was written");
-  if (!settings_.trace_dir.empty())
-    trace_step(step, report, contributions, gradients);  // (a `?:` with an empty vector copied it: 4 Psi more)
-  progress_.step(run_, *engine_, report, ms, compute_->memory());
-}
-
-// --trace: what step `step` (0-based; the trace counts from 1) adds. Rank 0
-// gathers every rank's micro-batch losses and rebuilds the global batch
-// from the seed (the same hashes every rank drew its own micro-batches
-// from: nothing else crosses the wire); after the kept steps, the
-// parameters (a collective) and the gradient the step applied.
-template <class Act>
-void Training<Act>::trace_step(long step, const z2::StepReport& report, const std::vector<float>& contributions,
-                               const std::vector<float>& gradients) {
-  const int N = world_size_, A = settings_.accum, B = settings_.micro_batch, T = settings_.seq;
-  std::vector<float> gathered((size_t)N * A);  // [rank][micro-step]
-  MPI_Request request;
-  Z2_MPI_CHECK(MPI_Igather(contributions.data(), A, MPI_FLOAT, gathered.data(), A, MPI_FLOAT, 0, world_, &request));
-  z2::wait_request(&request, "the gather of the micro-batch losses for --trace");
-  std::vector<float> parameters;
-  if (trace_keeps_parameters_after(settings_, step + 1)) parameters = engine_->parameters_to_host();
-  agree_on_errors(
-      world_,
-      [&] {
-        if (rank_ != 0) return;
-        TracedStep traced{report, {}, {}};
-        for (long m = 0; m < (long)N * A; ++m) {  // rank m mod N computed it at micro-step m div N
-          const Batch batch = make_batch(training_text_, settings_.seed, step, m, B, T);
-          trace_->add_micro_batch(batch.tokens, batch.labels);
-          traced.micro_batch_losses.push_back(gathered[(size_t)(m % N) * A + m / N]);
-          traced.micro_batch_selected.push_back((long)batch.selected.size());
-        }
-        trace_->add_step(std::move(traced));
-        if (!parameters.empty())
-          trace_->write_parameters(step + 1, run_.shape, model_->tensor_shapes(), *engine_, parameters, gradients);
-      },
-      "the trace's step was written");
+  observers_->after_update(step, report, losses);
+  if (diverged(report)) fail("the loss is %g at step %ld: training diverged (lower --lr?)", report.loss, report.step);
 }
 
 // The MLM loss on --eval-batches micro-batches of held-out windows, without

@@ -2,7 +2,6 @@
 #include "trainer/checkpoints.h"
 
 #include <fcntl.h>
-#include <openssl/evp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -44,42 +43,6 @@ namespace bert {
 // them: each rank reads the pieces of the files that overlap the runs it
 // owns (Engine::owned_state_runs), and no rank reads the whole state. The
 // 16-bit working weights are not stored: they are the master rounded.
-
-// --- SHA-256, OpenSSL's -------------------------------------------------------
-//
-// OpenSSL's libcrypto computes it (its EVP digest interface): the digest
-// FIPS 180-4 defines, the one index.json records for each rank file and
-// index.sha256 for the index, as `sha256sum -c` checks it.
-
-static std::string hex_digits(const unsigned char* digest, unsigned length) {
-  std::string text;
-  char pair[3];
-  for (unsigned k = 0; k < length; ++k) snprintf(pair, sizeof pair, "%02x", digest[k]), text += pair;
-  return text;
-}
-Sha256::Sha256() : context_(EVP_MD_CTX_new()) {
-  if (context_ == nullptr || EVP_DigestInit_ex(context_, EVP_sha256(), nullptr) != 1) {
-    EVP_MD_CTX_free(context_);
-    fail("OpenSSL's libcrypto could not start a SHA-256 digest");
-  }
-}
-Sha256::~Sha256() { EVP_MD_CTX_free(context_); }
-void Sha256::update(const void* data, size_t bytes) {
-  if (EVP_DigestUpdate(context_, data, bytes) != 1) fail("OpenSSL's libcrypto failed to digest %zu bytes", bytes);
-}
-std::string Sha256::hex() {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned length = 0;
-  if (EVP_DigestFinal_ex(context_, digest, &length) != 1) fail("OpenSSL's libcrypto failed to end a SHA-256 digest");
-  return hex_digits(digest, length);
-}
-std::string sha256_hex(const std::string& bytes) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned length = 0;
-  if (EVP_Digest(bytes.data(), bytes.size(), digest, &length, EVP_sha256(), nullptr) != 1)
-    fail("OpenSSL's libcrypto failed to digest %zu bytes", bytes.size());
-  return hex_digits(digest, length);
-}
 
 // --- the loaded index ---------------------------------------------------------
 

@@ -4,9 +4,8 @@
 // (only its parameters' names and shapes are, to check against), so all of
 // this is written once, not once per precision; defined in
 // trainer/checkpoints.cpp, which alone reads and writes an index.
+// Layer: formats, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
-
-#include <openssl/types.h>  // EVP_MD_CTX: OpenSSL's digest state (libcrypto computes the SHA-256)
 
 #include <cstddef>
 #include <memory>
@@ -18,22 +17,6 @@
 #include "zero2.h"
 
 namespace bert {
-
-// SHA-256 (FIPS 180-4), streamed: OpenSSL's, through its EVP interface.
-class Sha256 {
- public:
-  Sha256();
-  ~Sha256();
-  Sha256(const Sha256&) = delete;
-  Sha256& operator=(const Sha256&) = delete;
-  void update(const void* data, size_t bytes);
-  // The digest as 64 hex digits; the object is spent afterwards.
-  std::string hex();
-
- private:
-  EVP_MD_CTX* context_;
-};
-std::string sha256_hex(const std::string& bytes);
 
 // --load DIR, before anything else: the checkpoint's index read and
 // verified into s.checkpoint, and its settings into `s` (a recorded setting

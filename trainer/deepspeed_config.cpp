@@ -22,24 +22,6 @@
 
 namespace bert {
 
-// How deep a config's objects and arrays may nest. DeepSpeed's go 3 deep;
-// the JSON library recurses when it frees or prints a value, so a file
-// nested 100,000 deep would overflow the stack: we count before it parses.
-constexpr int max_config_depth = 16;
-
-// A NUL byte would end the text early for some readers; the depth is
-// counted before the JSON library sees the text.
-std::string read_config_text(const std::string& path) {
-  const std::string text = read_regular_file("the config file", path, 1 << 20);
-  const size_t nul = text.find('\0');
-  if (nul != std::string::npos) fail("the config file '%s' has a NUL byte at offset %zu", path.c_str(), nul);
-  const size_t deep = first_nesting_beyond(text, max_config_depth);
-  if (deep != std::string::npos)
-    fail("the config file '%s' nests objects and arrays more than %d deep (at offset %zu)", path.c_str(),
-         max_config_depth, deep);
-  return text;
-}
-
 // A JSON object's keys, once each: the JSON library keeps the last of two
 // equal keys silently, and a setting written twice is a mistake to name.
 static json parse_config_json(const std::string& path, const std::string& text) {
@@ -200,7 +182,7 @@ class ConfigReader {
     numbers_ = number_texts(text);  // valid JSON by now
     offload_key_ = offloading_key(config);  // before the optimizer's params, which it decides the constructor of
     for (auto& [key, value] : config.items()) top_level(key, value, config);
-    // The client's optimizer under offload is judged with the run's offload (trainer/settings.cpp).
+    // The client's optimizer under offload is judged with the run's offload (trainer/command_line.cpp).
     out_.optimizer_typed = optimizer_typed_;
     out_.force_ds_cpu_optimizer = config.value("zero_force_ds_cpu_optimizer", json(true)) != false;
     settle_learning_rate_and_clipping();
@@ -380,7 +362,7 @@ class ConfigReader {
   bool feature(const std::string& key, const json& value) {
     // The optimizer is AdamW, which ZeRO is tested with; offloaded, the same AdamW runs on the host (the role
     // of DeepSpeed's DeepSpeedCPUAdam). zero_force_ds_cpu_optimizer is judged with the run's offload
-    // (trainer/settings.cpp, check_client_optimizer_offload).
+    // (trainer/command_line.cpp, check_client_optimizer_offload).
     if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
     // The canonical tree sums gradients in fp32 and divides once (notes/06):
     // dividing before the reduction would round differently.
@@ -1182,7 +1164,7 @@ class ConfigReader {
 
   // DeepSpeed's value for every setting the file leaves out; the command
   // line applies each one that neither the file nor a flag gives and that
-  // the file does not leave to "auto" (trainer/settings.cpp). The key names,
+  // the file does not leave to "auto" (trainer/command_line.cpp). The key names,
   // shortly, where in DeepSpeed 0.16.9 the default is set: runtime/constants.py,
   // zero/config.py DeepSpeedZeroConfig, fp16/loss_scaler.py, the optimizer's
   // or the scheduler's constructor.
@@ -1214,7 +1196,7 @@ class ConfigReader {
     // weight decay is 0, torch.optim.AdamW's 1e-2 (engine.py
     // _configure_basic_optimizer builds the last for "torch_adam": true, the
     // second under offload; the command line's --offload-optimizer may
-    // change which: trainer/settings.cpp names the one the run has).
+    // change which: trainer/command_line.cpp names the one the run has).
     if (optimizer_typed_) {
       const std::string built = torch_adam_            ? "torch.optim.AdamW"
                                 : offload_key_.empty() ? "FusedAdam"

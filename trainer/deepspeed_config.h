@@ -3,8 +3,9 @@
 // what it leaves out, the keys refused with their reasons, the notes and
 // warnings for the header. Its own file because it is the
 // one place that knows DeepSpeed's keys, and the JSON library's reader with
-// them (trainer/deepspeed_config.cpp); the command line (trainer/settings.cpp)
-// applies what it returns.
+// them (trainer/deepspeed_config.cpp); the command line
+// (trainer/command_line.cpp) applies what it returns.
+// Layer: formats, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <set>
@@ -60,16 +61,12 @@ struct ConfigReading {
   // scheduler.params.warmup_max_lr from one argument, learning_rate, and
   // refuses a file whose explicit value of either differs from it (its
   // fill_match). Where either says "auto", the explicit ones are held to the
-  // rate the run takes (trainer/settings.cpp check_learning_rate_auto).
+  // rate the run takes (trainer/command_line.cpp check_learning_rate_auto).
   bool learning_rate_auto = false;
   std::vector<ConfigSetting> learning_rate_keys;  // the explicit ones of those two keys
 };
 // The file's settings, refused keys and notes (the file is read and parsed
 // here; the caller applies the flags and reports the refused keys).
 ConfigReading read_deepspeed_config(const std::string& path);
-// The config file as text, refused with its reason: not a regular file (a
-// FIFO would block), larger than a config can be, a NUL byte, nested too
-// deep. (Every rank fingerprints it: trainer/inputs.cpp.)
-std::string read_config_text(const std::string& path);
 
 }  // namespace bert

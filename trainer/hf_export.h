@@ -5,6 +5,7 @@
 // reference checks). Apart from the model, which hands over its parameters'
 // values and shapes and knows nothing of these formats; defined in
 // trainer/hf_export.cpp.
+// Layer: formats, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <cstdint>

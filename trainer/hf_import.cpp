@@ -11,7 +11,6 @@
 #include <cstring>
 #include <set>
 
-#include "trainer/checkpoints.h"
 #include "trainer/inputs.h"
 #include "trainer/json.h"
 #include "trainer/safetensors.h"

@@ -5,6 +5,7 @@
 // run started (notes/12). The reverse of trainer/hf_export.h; defined in
 // trainer/hf_import.cpp. The safetensors file itself is read by
 // trainer/safetensors.h.
+// Layer: formats, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <cstdint>

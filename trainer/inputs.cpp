@@ -1,9 +1,10 @@
 // trainer/inputs.cpp — reading the trainer's inputs (trainer/inputs.h): one
-// reader for every file the run takes, strict UTF-8, and the fingerprints
-// that show every rank reads the same files.
+// reader for every file the run takes, the config file's text, SHA-256, and
+// the fingerprints that show every rank reads the same files.
 #include "trainer/inputs.h"
 
 #include <fcntl.h>
+#include <openssl/evp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,8 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#include "trainer/checkpoints.h"
-#include "trainer/deepspeed_config.h"
+#include "trainer/json.h"
 
 namespace bert {
 
@@ -92,36 +92,58 @@ bool path_is_there(const std::string& path) {
   return lstat(path.c_str(), &info) == 0;
 }
 
-// The offset of the first byte of `text` that does not begin a well-formed
-// UTF-8 sequence (RFC 3629, Unicode's table 3-7), or npos. Strict: no
-// overlong forms (C0, C1; E0 80..9F; F0 80..8F), no surrogates (ED A0..BF),
-// nothing above U+10FFFF (F4 90.., F5..FF), no stray continuation bytes.
-size_t first_bad_utf8(const std::string& text) {
-  const size_t n = text.size();
-  for (size_t i = 0; i < n;) {
-    const unsigned char lead = (unsigned char)text[i];
-    if (lead < 0x80) {
-      ++i;
-      continue;
-    }
-    size_t length = 0;
-    unsigned char low = 0x80, high = 0xbf;  // the range allowed for the second byte
-    if (lead >= 0xc2 && lead <= 0xdf) length = 2;
-    else if (lead == 0xe0) length = 3, low = 0xa0;
-    else if ((lead >= 0xe1 && lead <= 0xec) || lead == 0xee || lead == 0xef) length = 3;
-    else if (lead == 0xed) length = 3, high = 0x9f;
-    else if (lead == 0xf0) length = 4, low = 0x90;
-    else if (lead >= 0xf1 && lead <= 0xf3) length = 4;
-    else if (lead == 0xf4) length = 4, high = 0x8f;
-    else return i;
-    if (i + length > n) return i;
-    const unsigned char second = (unsigned char)text[i + 1];
-    if (second < low || second > high) return i;
-    for (size_t k = 2; k < length; ++k)
-      if (((unsigned char)text[i + k] & 0xc0) != 0x80) return i;
-    i += length;
+// How deep a config's objects and arrays may nest. DeepSpeed's go 3 deep;
+// the JSON library recurses when it frees or prints a value, so a file
+// nested 100,000 deep would overflow the stack: we count before it parses.
+constexpr int max_config_depth = 16;
+
+// A NUL byte would end the text early for some readers; the depth is
+// counted before the JSON library sees the text.
+std::string read_config_text(const std::string& path) {
+  const std::string text = read_regular_file("the config file", path, 1 << 20);
+  const size_t nul = text.find('\0');
+  if (nul != std::string::npos) fail("the config file '%s' has a NUL byte at offset %zu", path.c_str(), nul);
+  const size_t deep = first_nesting_beyond(text, max_config_depth);
+  if (deep != std::string::npos)
+    fail("the config file '%s' nests objects and arrays more than %d deep (at offset %zu)", path.c_str(),
+         max_config_depth, deep);
+  return text;
+}
+
+// --- SHA-256, OpenSSL's -------------------------------------------------------
+//
+// OpenSSL's libcrypto computes it (its EVP digest interface): the digest
+// FIPS 180-4 defines, the one index.json records for each rank file and
+// index.sha256 for the index, as `sha256sum -c` checks it.
+
+static std::string hex_digits(const unsigned char* digest, unsigned length) {
+  std::string text;
+  char pair[3];
+  for (unsigned k = 0; k < length; ++k) snprintf(pair, sizeof pair, "%02x", digest[k]), text += pair;
+  return text;
+}
+Sha256::Sha256() : context_(EVP_MD_CTX_new()) {
+  if (context_ == nullptr || EVP_DigestInit_ex(context_, EVP_sha256(), nullptr) != 1) {
+    EVP_MD_CTX_free(context_);
+    fail("OpenSSL's libcrypto could not start a SHA-256 digest");
   }
-  return std::string::npos;
+}
+Sha256::~Sha256() { EVP_MD_CTX_free(context_); }
+void Sha256::update(const void* data, size_t bytes) {
+  if (EVP_DigestUpdate(context_, data, bytes) != 1) fail("OpenSSL's libcrypto failed to digest %zu bytes", bytes);
+}
+std::string Sha256::hex() {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned length = 0;
+  if (EVP_DigestFinal_ex(context_, digest, &length) != 1) fail("OpenSSL's libcrypto failed to end a SHA-256 digest");
+  return hex_digits(digest, length);
+}
+std::string sha256_hex(const std::string& bytes) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned length = 0;
+  if (EVP_Digest(bytes.data(), bytes.size(), digest, &length, EVP_sha256(), nullptr) != 1)
+    fail("OpenSSL's libcrypto failed to digest %zu bytes", bytes.size());
+  return hex_digits(digest, length);
 }
 
 // On several hosts every rank reads its own copy of --data, --config and
@@ -130,8 +152,8 @@ size_t first_bad_utf8(const std::string& text) {
 // sizes and SHA-256 go to every rank (one all-gather), so every rank finds
 // the same difference and stops with the same message, naming the ranks and
 // hosts that differ from rank 0.
-void check_same_inputs(const Settings& settings, const std::string& corpus, const FileFingerprint& initial_weights,
-                       MPI_Comm world) {
+void check_same_inputs(const Settings& settings, const std::string& corpus, const std::string& loaded_index,
+                       const FileFingerprint& initial_weights, MPI_Comm world) {
   constexpr int inputs = 4;  // --data (the corpus as read), --config, --load's index.json, --init-hf's weights
   struct Fingerprint {
     char host[MPI_MAX_PROCESSOR_NAME + 1];
@@ -144,9 +166,8 @@ void check_same_inputs(const Settings& settings, const std::string& corpus, cons
       [&] {  // reading the config again may fail on one host: agreed before the all-gather
         int length = 0;
         MPI_Get_processor_name(mine.host, &length);
-        const std::string index = loaded_index_text(settings);
         const std::string config = settings.config.empty() ? "" : read_config_text(settings.config);
-        const std::string* texts[inputs - 1] = {&corpus, &config, &index};
+        const std::string* texts[inputs - 1] = {&corpus, &config, &loaded_index};
         for (int k = 0; k < inputs - 1; ++k) {
           snprintf(mine.sha256[k], 65, "%s", sha256_hex(*texts[k]).c_str());
           mine.bytes[k] = (long)texts[k]->size();

@@ -6,6 +6,7 @@
 // parse_json and parse_json_events instead, and only build, read and
 // compare values themselves. (The model's file, train_bert_mini.cu,
 // includes no JSON at all.)
+// Layer: settings, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <nlohmann/json.hpp>

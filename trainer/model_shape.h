@@ -5,6 +5,7 @@
 // buffers they count); the plan, the reports, the export and the checkpoints
 // in trainer/ need these few facts and nothing else of it, so they compile
 // once, not once per precision of the model.
+// Layer: settings, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <cstddef>

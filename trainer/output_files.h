@@ -6,6 +6,7 @@
 // and --metrics, the one output that grows in place. Its own file because the
 // writing is the same for the summary, the export, the checkpoints and the
 // plan; defined in trainer/output_files.cpp.
+// Layer: inputs, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <string>

@@ -3,6 +3,7 @@
 // fit check before a run allocates its block. Apart from the model, whose
 // sizes it reads (trainer/model_shape.h), and from the engine, whose buffers
 // it lays out as Engine::build() would; defined in trainer/plan.cpp.
+// Layer: training, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <cstddef>

@@ -4,6 +4,7 @@
 // writes; the other ranks stay quiet. Apart from the model because a report
 // reads plain facts of the run (RunRecord), the settings and the engine, the
 // same in every precision: it is compiled once. Defined in trainer/reports.cpp.
+// Layer: training, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <chrono>

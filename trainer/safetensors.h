@@ -18,6 +18,7 @@
 //     still parses (its padding spaces keep the JSON valid) and would shift
 //     every tensor; this catches it.
 // A refusal names the file and the field, in one sentence.
+// Layer: formats, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <cstddef>

@@ -1,8 +1,9 @@
 // trainer/settings.cpp — the settings (trainer/settings.h): each flag's
-// parser and range, the command line with --config read first, --help, the
-// checks that need several settings at once, the ranks' agreement on an
-// error, and what the settings make for the engine and the model. The
-// DeepSpeed config file itself is read by trainer/deepspeed_config.cpp.
+// parser and range, strict UTF-8, --help, the checks that need several
+// settings at once, the ranks' agreement on an error, and what the settings
+// make for the engine and the model. The command line, with --config read
+// first, is trainer/command_line.cpp; the DeepSpeed config file itself is
+// read by trainer/deepspeed_config.cpp.
 #include "trainer/settings.h"
 
 #include <algorithm>
@@ -15,9 +16,6 @@
 #include <filesystem>
 #include <map>
 #include <utility>
-
-#include "trainer/deepspeed_config.h"
-#include "trainer/inputs.h"
 
 namespace bert {
 
@@ -56,6 +54,38 @@ static double parse_real(const std::string& flag, const std::string& text, doubl
   return value;
 }
 
+// The offset of the first byte of `text` that does not begin a well-formed
+// UTF-8 sequence (RFC 3629, Unicode's table 3-7), or npos. Strict: no
+// overlong forms (C0, C1; E0 80..9F; F0 80..8F), no surrogates (ED A0..BF),
+// nothing above U+10FFFF (F4 90.., F5..FF), no stray continuation bytes.
+size_t first_bad_utf8(const std::string& text) {
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char lead = (unsigned char)text[i];
+    if (lead < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t length = 0;
+    unsigned char low = 0x80, high = 0xbf;  // the range allowed for the second byte
+    if (lead >= 0xc2 && lead <= 0xdf) length = 2;
+    else if (lead == 0xe0) length = 3, low = 0xa0;
+    else if ((lead >= 0xe1 && lead <= 0xec) || lead == 0xee || lead == 0xef) length = 3;
+    else if (lead == 0xed) length = 3, high = 0x9f;
+    else if (lead == 0xf0) length = 4, low = 0x90;
+    else if (lead >= 0xf1 && lead <= 0xf3) length = 4;
+    else if (lead == 0xf4) length = 4, high = 0x8f;
+    else return i;
+    if (i + length > n) return i;
+    const unsigned char second = (unsigned char)text[i + 1];
+    if (second < low || second > high) return i;
+    for (size_t k = 2; k < length; ++k)
+      if (((unsigned char)text[i + k] & 0xc0) != 0x80) return i;
+    i += length;
+  }
+  return std::string::npos;
+}
+
 // A path's bytes for a message: a byte that is not UTF-8 as \xNN, so the
 // message itself stays text a terminal and a JSON reader can take.
 static std::string shown_path(const std::string& path) {
@@ -82,7 +112,7 @@ static std::string shown_path(const std::string& path) {
 // would fail when written, after training. Refused here, before anything
 // runs, is the one rule for every path flag (README, "When something goes
 // wrong").
-static std::string parse_path(const std::string& flag, const std::string& text) {
+std::string parse_path(const std::string& flag, const std::string& text) {
   if (text.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", flag.c_str());
   if (first_bad_utf8(text) != std::string::npos)
     fail(
@@ -234,7 +264,7 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else fail("unknown flag '%s' (train_bert_mini --help lists the flags)", flag.c_str());
 }
 
-// --- the command line --------------------------------------------------------
+// --- the precision, --help, and the checks across flags ----------------------
 
 // The precision, from --precision and a config's fp16 / bf16 blocks. A
 // config alone decides as DeepSpeed does; --precision alone decides; when
@@ -375,298 +405,9 @@ output
   --help                     this text
 )usage";
 
-// --trace and --init-hf against the flags they cannot go with (before --load reads anything).
-static void check_trace_flags(const Settings& s) {
-  // A peer replays a trace from step 1: its own AdamW state starts at zero,
-  // and a checkpoint's (m, v) are zero2's, in no form another framework reads.
-  if (!s.load_dir.empty() && !s.trace_dir.empty())
-    fail(
-        "--trace records a run from step 1, which another implementation replays from the initial weights; a "
-        "resumed run starts from a checkpoint's optimizer state instead: trace a fresh run (--init-hf DIR starts "
-        "it from given weights)");
-  if (!s.load_dir.empty() && !s.init_hf.empty())
-    fail("--init-hf '%s' and --load '%s' both give the weights to start from: give one", s.init_hf.c_str(),
-         s.load_dir.c_str());
-  if (s.trace_params_every > 0 && s.trace_dir.empty())
-    fail("--trace-params-every %ld is for --trace DIR (what the trace records): give --trace too",
-         s.trace_params_every);
-}
-
-void check_plan_flags(const Settings& s) {
-  if (!s.plan) {
-    if (!s.plan_world_sizes.empty()) fail("--plan-world-sizes is for --plan (the memory plan): give --plan too");
-    return;
-  }
-  for (auto [flag, value] : {std::pair<const char*, std::string>{"--save", s.save_dir},
-                             {"--load", s.load_dir},
-                             {"--init-hf", s.init_hf},
-                             {"--trace", s.trace_dir},
-                             {"--export-hf", s.export_dir},
-                             {"--dump-batch", s.dump_dir},
-                             {"--metrics", s.metrics},
-                             {"--memory-trace", s.memory_trace}})
-    if (!value.empty())
-      fail("--plan trains nothing, so %s '%s' would have nothing to %s: drop one of them", flag, value.c_str(),
-           std::string(flag) == "--load" || std::string(flag) == "--init-hf" ? "read" : "write");
-  if (s.alloc != "arena" && s.device_memory_limit > 0)
-    fail(
-        "--plan's largest sizes for --device-memory-limit are exact for --alloc arena only: %s's memory also "
-        "depends on where its holes fall (make fraglab measures it). Drop --alloc %s, or the limit",
-        s.alloc.c_str(), s.alloc.c_str());
-}
-
-// A config file's keys, as flags (their origin the key). A value out of
-// range counts as refused too: every problem of the file in one message.
-static void apply_config_keys(Settings& settings, ConfigReading& config, const std::string& path) {
-  for (auto& setting : config.flags) {
-    try {
-      apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
-      settings.origins[setting.flag] = "config:" + setting.key;
-    } catch (const z2::Error& error) {
-      const std::string said = error.what(), prefix = "config key '" + setting.key + "' ";
-      config.refused.push_back(setting.key + ": " + (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
-    }
-  }
-  if (!config.refused.empty()) {
-    std::string message = "the config file '" + path + "' has " + std::to_string(config.refused.size()) +
-                          (config.refused.size() == 1 ? " setting" : " settings") +
-                          " this trainer cannot take (notes/07 lists what each DeepSpeed key does here):";
-    for (auto& line : config.refused) message += "\n  " + line;
-    throw z2::Error(message);
-  }
-  settings.config_notes = config.notes;
-  settings.config_pinning_note = config.pinning_note;
-  settings.config_warnings = config.warnings;
-}
-
-// The schedule a config means, with the flags next to it: its scheduler
-// block (a schedule flag overrides that block's key), or, when it has none,
-// the scheduler the schedule flags describe (--decay's type, WarmupDecayLR
-// unless --decay none, over --schedule-steps or --steps; its other params
-// DeepSpeed's defaults), or else none at all: DeepSpeed then keeps the
-// optimizer's rate at every step (engine.py _configure_lr_scheduler builds
-// nothing). A convention that a config key or a flag chose is given (a
-// resumed run must agree with the checkpoint's); "none" is a default.
-static void choose_schedule(Settings& s, const ConfigReading& config, const std::map<std::string, std::string>& flags) {
-  std::string flag_added;
-  for (const char* flag : {"--warmup", "--warmup-type", "--decay", "--schedule-steps"})
-    if (flags.count(flag) && flag_added.empty()) flag_added = flag;
-  if (config.scheduler.empty() && flag_added.empty()) {
-    apply(s, "schedule_convention", "none");
-    s.given.erase("schedule_convention");
-    s.origins["schedule_convention"] = "deepspeed_default:no scheduler block";
-    return;
-  }
-  apply(s, "schedule_convention", "deepspeed");
-  s.origins["schedule_convention"] = config.scheduler.empty() ? "flag:" + flag_added : "config:scheduler.type";
-  // The schedule flags act on WarmupLR's and WarmupDecayLR's params, and
-  // (but --decay) on WarmupCosineLR's; OneCycle and LRRangeTest have none of
-  // them (their constructors would raise TypeError on each).
-  const bool other =
-      config.scheduler == "WarmupCosineLR" || config.scheduler == "OneCycle" || config.scheduler == "LRRangeTest";
-  for (const char* flag : {"--warmup", "--warmup-type", "--decay", "--schedule-steps"})
-    if (other && flags.count(flag) && (std::string(flag) == "--decay" || config.scheduler != "WarmupCosineLR"))
-      fail(
-          "%s acts on DeepSpeed's WarmupLR / WarmupDecayLR%s, and the config's scheduler.type is \"%s\": give "
-          "its own params in the config",
-          flag, std::string(flag) == "--decay" ? "" : " / WarmupCosineLR", config.scheduler.c_str());
-  // WarmupDecayLR's and WarmupCosineLR's total_num_steps is a required
-  // argument (lr_schedules.py:746-748, :797-799: no default): DeepSpeed
-  // raises TypeError without it.
-  const std::string needs_total = config.scheduler == "WarmupCosineLR" ? "WarmupCosineLR" : "WarmupDecayLR";
-  if (config.total_num_steps_missing && (s.decay == "linear" || config.scheduler == "WarmupCosineLR") &&
-      !flags.count("--schedule-steps"))
-    fail(
-        "config key 'scheduler.params.total_num_steps' is missing: DeepSpeed's %s has no default for it "
-        "(its constructor raises TypeError). Give it, or \"auto\" (the run's --steps), or --schedule-steps",
-        needs_total.c_str());
-  if (!config.scheduler.empty()) return;  // the block's own defaults are among config.defaults
-  const std::string type = s.decay == "none" ? "WarmupLR" : "WarmupDecayLR";
-  const std::string added = " (the scheduler the flags add)";
-  for (auto [flag, value] :
-       {std::pair<const char*, const char*>{"--warmup", "1000"}, {"--warmup-type", "log"}, {"warmup_min_lr", "0"}})
-    if (!s.given.count(flag)) {
-      apply(s, flag, value);
-      s.given.erase(flag);
-      s.origins[flag] = "deepspeed_default:" + type + added;
-    }
-}
-
-// ZeRO-Offload with the client's optimizer: a config without an optimizer
-// "type" trains the client's (here the trainer's AdamW), and under offload
-// DeepSpeed 0.16.9 raises ZeRORuntimeException for any client optimizer
-// but DeepSpeedCPUAdam unless zero_force_ds_cpu_optimizer is false
-// (engine.py _configure_optimizer; the key is read with get_scalar_param,
-// true by default). Judged with the run's offload: the file's, or a flag's
-// over it (--offload-optimizer none lifts it; cpu over a file without
-// offload asks for the same run DeepSpeed would refuse).
-static void check_client_optimizer_offload(Settings& s, const ConfigReading& config) {
-  if (s.offload_optimizer != "cpu" || config.optimizer_typed) return;
-  if (!config.force_ds_cpu_optimizer)
-    return s.config_notes.push_back(
-        "zero_force_ds_cpu_optimizer false: ZeRO-Offload steps the client's optimizer (the trainer's AdamW) on the "
-        "host, as DeepSpeed allows with that key");
-  const std::string origin = s.origins.count("--offload-optimizer") ? s.origins.at("--offload-optimizer") : "";
-  const std::string by = origin.rfind("config:", 0) == 0 ? "config key '" + origin.substr(7) + "'"
-                                                         : std::string("--offload-optimizer cpu");
-  fail(
-      "%s offloads the optimizer, and the config file names no optimizer \"type\", so the optimizer is the "
-      "client's (the trainer's AdamW, as DeepSpeed's would be the script's): DeepSpeed raises ZeRORuntimeException "
-      "for any client optimizer but DeepSpeedCPUAdam under ZeRO-Offload (engine.py _configure_optimizer; "
-      "zero_force_ds_cpu_optimizer is true by default). Give \"optimizer\": {\"type\": \"AdamW\"} (DeepSpeed then "
-      "builds DeepSpeedCPUAdam), or \"zero_force_ds_cpu_optimizer\": false",
-      by.c_str());
-}
-
-static std::string said_by(const Settings& s, const std::string& flag, const std::string& value);
-
-// "auto" beside an explicit rate, as Hugging Face's Trainer judges it: it
-// fills optimizer.params.lr and scheduler.params.warmup_max_lr from one
-// learning_rate, and where the file gives one of them explicitly, that
-// value must equal learning_rate (integrations/deepspeed.py fill_match,
-// which collects every mismatch and raises ValueError). Here --lr is
-// learning_rate, so "auto" takes the run's rate, and an explicit value
-// that differs is refused with both named (trlx's reward-model config: an
-// explicit lr 1e-5 under a warmup_max_lr "auto" would otherwise train at
-// the trainer's 1e-3 without a word). Refused rather than resolved to the
-// explicit value: the same file under Hugging Face's Trainer fails, so a
-// run here that passed would train at a rate the file's users never had.
-static void check_learning_rate_auto(const Settings& s, const ConfigReading& config) {
-  if (!config.learning_rate_auto) return;
-  std::string differ;
-  for (const ConfigSetting& rate : config.learning_rate_keys)
-    if (std::strtod(rate.value.c_str(), nullptr) != s.lr)
-      differ += (differ.empty() ? "" : ", ") + rate.key + " is " + rate.value;
-  if (differ.empty()) return;
-  char rate[32];
-  std::snprintf(rate, sizeof rate, "%g", s.lr);
-  fail("a learning rate in the config is \"auto\", which takes the run's rate (%s), but %s: Hugging Face's Trainer "
-       "fills both keys from its one learning_rate and refuses a file whose explicit value differs from it "
-       "(fill_match). Give --lr %s, or write \"auto\" in its place",
-       said_by(s, "--lr", rate).c_str(), differ.c_str(), config.learning_rate_keys.front().value.c_str());
-}
-
-// What a config file means to DeepSpeed beyond its keys: the schedule, and
-// DeepSpeed's default for every setting it leaves out that no flag gives
-// (one it leaves to "auto" keeps the trainer's default). Defaults are not
-// "given": a resumed run takes the checkpoint's value over them.
-static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
-                                    const std::map<std::string, std::string>& flags) {
-  choose_schedule(s, config, flags);
-  for (const ConfigSetting& deepspeed : config.defaults) {
-    if (s.given.count(deepspeed.flag)) continue;
-    if (config.auto_flags.count(deepspeed.flag)) {
-      s.origins[deepspeed.flag] = "trainer_default:auto";
-      continue;
-    }
-    apply(s, deepspeed.flag, deepspeed.value, "DeepSpeed's default for '" + deepspeed.flag + "'");
-    s.given.erase(deepspeed.flag);
-    // The optimizer DeepSpeed builds follows the run's offload, a flag's too
-    // (engine.py _configure_basic_optimizer: DeepSpeedCPUAdam under offload,
-    // FusedAdam without; their defaults are the same). --offload-optimizer's
-    // own default comes earlier in the list, so the setting is final here.
-    std::string where = deepspeed.key;
-    if (where == "FusedAdam" || where == "DeepSpeedCPUAdam")
-      where = s.offload_optimizer == "cpu" ? "DeepSpeedCPUAdam" : "FusedAdam";
-    s.origins[deepspeed.flag] = "deepspeed_default:" + where;
-  }
-  for (const std::string& flag : config.auto_flags)
-    if (!s.given.count(flag)) s.origins[flag] = "trainer_default:auto";
-  // The precision: a block's "enabled", a flag, or DeepSpeed's fp32.
-  if (!s.precision_given) {
-    // The block that is on decides (wenet's fp16 false beside bf16 true is bf16's); with none on, the first given.
-    const char* key = s.config_fp16_enabled == 1   ? "fp16.enabled"
-                      : s.config_bf16_enabled == 1 ? "bf16.enabled"
-                      : s.config_fp16_enabled >= 0 ? "fp16.enabled"
-                      : s.config_bf16_enabled >= 0 ? "bf16.enabled"
-                                                   : "";
-    const bool left_to_auto = config.auto_flags.count("fp16.enabled") || config.auto_flags.count("bf16.enabled");
-    s.origins["--precision"] = *key           ? std::string("config:") + key
-                               : left_to_auto ? "trainer_default:auto"
-                                              : "deepspeed_default:constants.py";
-  }
-  // Two of DeepSpeed's behaviours this trainer keeps its own rule for, said
-  // where they apply. At stage 0 DeepSpeed's fp16 is FP16_Optimizer (engine.py
-  // _configure_fp16_optimizer: from 2^initial_scale_power, 16 by default, no
-  // hysteresis); zero2 uses its ZeRO optimizer's scaler at every stage, so
-  // that every stage gives the same bits.
-  if (s.precision == "fp16" && s.stage == 0)
-    s.config_notes.push_back(
-        "fp16 at stage 0: DeepSpeed's FP16_Optimizer would start at 2^initial_scale_power (2^16 by default) and "
-        "halve on every overflow; this trainer keeps its ZeRO optimizer's loss scaler (shown above) at every stage");
-  // Without the key, DeepSpeed accumulates 16-bit gradients in their own
-  // type (engine.py get_data_types); zero2 keeps fp32, which keeps (N, A)
-  // invariance (notes/08). It matters where micro-steps accumulate.
-  const std::string deepspeed_accumulation = s.precision == "bf16" && s.stage == 0 ? "fp32" : s.precision;
-  const bool accumulates = s.accum > 1 || s.train_batch_size > 0;
-  if (!s.given.count("grad_accum_dtype") && deepspeed_accumulation != s.grad_accum_dtype && accumulates)
-    s.config_notes.push_back(
-        "data_types.grad_accum_dtype left out: gradients accumulate in fp32 (the trainer's "
-        "default); DeepSpeed would accumulate them in " +
-        deepspeed_accumulation + " (\"grad_accum_dtype\": \"" + deepspeed_accumulation + "\" asks for that)");
-}
-
-Settings parse_command_line(int argc, char** argv) {
-  Settings settings;
-  std::vector<std::pair<std::string, std::string>> flags;
-  const std::set<std::string> switches = {
-      "--quiet",          "--wall-clock-breakdown", "--plan", "--poison-activations", "--portable",
-      "--save-overwrite", "--allow-different-bits"};  // no value
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (switches.count(flag)) {
-      const bool on_off = flag == "--wall-clock-breakdown" || flag == "--portable";  // a config key sets these too
-      flags.push_back({flag, on_off ? "1" : ""});
-      continue;
-    }
-    if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
-    const size_t equals = flag.find('=');
-    if (equals != std::string::npos && switches.count(flag.substr(0, equals)))
-      fail("'%s': %s takes no value (write '%s' to switch it on%s)", flag.c_str(), flag.substr(0, equals).c_str(),
-           flag.substr(0, equals).c_str(),
-           flag.substr(0, equals) == "--portable" ? "; a config file's \"zero2_portable\": false switches it off" : "");
-    if (equals != std::string::npos)
-      fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), flag.substr(0, equals).c_str(),
-           flag.substr(equals + 1).c_str());
-    // A missing value shows as the next flag taking its place (negative
-    // numbers start with a single dash, so they still pass).
-    if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) fail("%s needs a value", flag.c_str());
-    flags.push_back({flag, argv[++i]});
-  }
-  ConfigReading config;
-  for (auto& [flag, value] : flags)
-    if (flag == "--config") {
-      settings.config = parse_path("--config", value);
-      config = read_deepspeed_config(value);
-      apply_config_keys(settings, config, value);
-    }
-  // A flag given twice: the last counts, as argparse (DeepSpeed's and
-  // Hugging Face's launchers) and most Unix tools do, so a script can keep
-  // its defaults in one array and append what a run changes. Not silently:
-  // the header names it. (A config file's key twice is refused instead: in
-  // a file it is a copy-paste mistake, not an override.)
-  std::map<std::string, std::string> seen;
-  for (auto& [flag, value] : flags) {
-    if (seen.count(flag) && !switches.count(flag))  // a switch twice is still on
-      settings.repeated_flags.push_back(flag + " given twice ('" + seen[flag] + "', then '" + value +
-                                        "'): the last counts");
-    seen[flag] = value;
-    if (flag == "--quiet") settings.quiet = true;
-    else apply(settings, flag, value), settings.origins[flag] = "flag:" + flag;
-  }
-  resolve_precision(settings);
-  if (!settings.config.empty()) apply_deepspeed_meaning(settings, config, seen);
-  check_plan_flags(settings);
-  if (!settings.plan) check_offload(settings);  // --plan shows every stage, offloaded where it can be
-  if (!settings.plan && !settings.config.empty()) check_client_optimizer_offload(settings, config);
-  if (!settings.config.empty()) check_learning_rate_auto(settings, config);
-  check_trace_flags(settings);
-  return settings;
-}
-
 // Where a setting came from, as a message names it: "--stage 0", "config key
 // 'zero_optimization.stage' 0", "DeepSpeed's default stage 0 (...)".
-static std::string said_by(const Settings& s, const std::string& flag, const std::string& value) {
+std::string said_by(const Settings& s, const std::string& flag, const std::string& value) {
   const auto found = s.origins.find(flag);
   const std::string origin = found == s.origins.end() ? "" : found->second;
   if (origin.rfind("config:", 0) == 0) return "config key '" + origin.substr(7) + "' " + value;

@@ -1,12 +1,15 @@
 // trainer/settings.h — the trainer's settings: every flag with its default,
-// the command line and --help, the checks that need several settings at once,
-// what the settings make for the engine and the model, and how a bad setting
-// ends the run (fail, agree_on_errors). Apart from the model
-// (train_bert_mini.cu), which reads the settings and never parses them.
-// Defined in trainer/settings.cpp.
+// each flag's parser and --help, the checks that need several settings at
+// once, what the settings make for the engine and the model, and how a bad
+// setting ends the run (fail, agree_on_errors). Apart from the model
+// (train_bert_mini.cu), which reads the settings and never parses them; the
+// command line that fills them is trainer/command_line.h. Defined in
+// trainer/settings.cpp.
+// Layer: settings, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <cstdarg>
+#include <cstddef>
 #include <functional>
 #include <map>
 #include <memory>
@@ -161,8 +164,16 @@ struct Settings {
   throw z2::Error(message);
 }
 
+// The offset of the first byte of `text` that does not begin a well-formed
+// UTF-8 sequence, or npos: the rule for every path a run records (JSON
+// holds only UTF-8) and for the corpus (train_bert_mini.cu, read_corpus).
+size_t first_bad_utf8(const std::string& text);
+
 // A flag's value as one of `choices`, or one message listing them.
 std::string parse_choice(const std::string& flag, const std::string& text, std::vector<std::string> choices);
+// A path flag's value: not empty, UTF-8 (the working directory too, for a
+// relative one), or one message saying which.
+std::string parse_path(const std::string& flag, const std::string& text);
 // One flag and its value (as text) into the settings. Config files and the
 // command line both end up here, so a value from either is checked the same way.
 void apply(Settings& s, const std::string& flag, const std::string& value, std::string name = "");
@@ -171,11 +182,10 @@ void resolve_precision(Settings& s);
 z2::Precision precision_of(const Settings& s);
 // What --help prints: every flag, its values and its default (Settings above).
 extern const char* const usage_text;
-// The flags --plan cannot honour: it trains nothing and reads no checkpoint.
-void check_plan_flags(const Settings& s);
-// The command line. --config is read first, whatever its position, so that
-// every flag given on the command line overrides the file.
-Settings parse_command_line(int argc, char** argv);
+// Where a setting came from, as a message names it (Settings::origins):
+// "--stage 0", "config key 'zero_optimization.stage' 0", "DeepSpeed's
+// default stage 0 (...)".
+std::string said_by(const Settings& s, const std::string& flag, const std::string& value);
 // Checks that need several settings at once (world size known).
 void check_consistency(Settings& s, int world_size);
 // Offloading the optimizer needs a ZeRO stage (1 or 2): refused at stage 0,

@@ -18,8 +18,8 @@
 #include <cstring>
 #include <utility>
 
-#include "trainer/deepspeed_config.h"
 #include "trainer/hf_export.h"
+#include "trainer/inputs.h"
 #include "trainer/json.h"
 
 namespace bert {

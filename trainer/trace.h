@@ -7,6 +7,7 @@
 // after step 1, every --trace-params-every steps and the last). Rank 0
 // writes it, through the one writer; the training loop hands it what it
 // gathered. Defined in trainer/trace.cpp; tests/check_trace.py reads it.
+// Layer: formats, of settings → inputs → formats → training (notes/07, "The trainer's layers").
 #pragma once
 
 #include <memory>
