@@ -141,7 +141,7 @@ TRAINER_SOURCES := trainer/checkpoints.cpp trainer/json.cpp trainer/deepspeed_co
                    trainer/output_files.cpp trainer/inputs.cpp trainer/safetensors.cpp trainer/command_line.cpp \
                    trainer/step_observers.cpp trainer/embedded_corpus.cpp
 # What the trainer's plumbing links besides the engine's libraries: OpenSSL's
-# libcrypto, whose SHA-256 the checkpoints record (trainer/checkpoints.cpp).
+# libcrypto, whose SHA-256 the checkpoints record (trainer/inputs.cpp).
 TRAINER_LIBS    := -lcrypto
 TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_gpu.cu tests/test_main.cpp \
                    tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp tests/test_checkpoint.cpp \

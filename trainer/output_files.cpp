@@ -21,7 +21,7 @@
 
 namespace bert {
 
-// --- output files (README, "When something goes wrong") ----------------------
+// --- output files (notes/14, "What it guards against") -----------------------
 //
 // Every file the trainer writes goes through write_output_file:
 //   0. the path must name nothing yet or a regular file; a symlink is

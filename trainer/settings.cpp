@@ -110,8 +110,8 @@ static std::string shown_path(const std::string& path) {
 // too). The run records paths in JSON (the summary, a checkpoint's index
 // holds --data's absolute path), which is UTF-8 only: a name that is not
 // would fail when written, after training. Refused here, before anything
-// runs, is the one rule for every path flag (README, "When something goes
-// wrong").
+// runs, is the one rule for every path flag (notes/14, "What it guards
+// against").
 std::string parse_path(const std::string& flag, const std::string& text) {
   if (text.empty()) fail("%s wants a path (got an empty one: an unset shell variable?)", flag.c_str());
   if (first_bad_utf8(text) != std::string::npos)
