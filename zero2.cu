@@ -447,10 +447,10 @@ struct Engine::RankState {
   float clip_coefficient(float grad_norm) const;
   AdamWConstants adamw_constants(const StepReport& report, long t, float grad_scale) const;
   struct StepOverShards;  // what the own-shards seam is lent: AdamW and the all-gather of a bucket
-  void update_and_gather(StepReport& report);
+  void apply_update(StepReport& report);
   template <class Working>
   void adamw_as(int b, const AdamWConstants& constants);
-  void start_all_gather(int b);
+  void gather_parameters(int b);
   void wait_for_all_gathers();
   void wait_for_offloaded_gradients();      // ZeRO-Offload: the copies down
   void take_host_master_from_parameters();  // ZeRO-Offload, fp32: the master's host copy
@@ -698,8 +698,8 @@ AccumulateInto Engine::RankState::accumulate_into(size_t result, size_t shard) {
   into.result = at(grads, result);
   for (size_t d = 0; d < accumulation.size(); ++d)
     into.stack.entries[d] = accumulation[d].data() + shard * accumulation_element;
-  into.step = engine.micro_step_;
-  into.steps = options.accumulation_steps;
+  into.micro_step = engine.micro_steps_done_;
+  into.micro_steps = options.accumulation_steps;
   return into;
 }
 
@@ -713,7 +713,7 @@ void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
     into.result = (char*)s.slot_buffer[b] + (size_t)s.rank * s.buckets[b].shard_length * s.element;
     into.offload_to = s.at(s.host_grads, keep);
   }
-  s.exchange->reduce_scatter(s.exchange->slot_of(b), s.slot_buffer[b], s.buckets[b].padded_length, into);
+  s.exchange->start_reduce_scatter(s.exchange->slot_of(b), s.slot_buffer[b], s.buckets[b].padded_length, into);
   rank_state.bucket_reduced[b] = 1;
   if (!rank_state.options.overlap) rank_state.exchange->finish_all();
 }
@@ -722,17 +722,17 @@ void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
 // its buckets are reduced from their slots, above.)
 void Engine::RankState::reduce_bucket(int b) {
   const BucketInfo& info = buckets[b];
-  const bool last_micro_step = engine.micro_step_ == options.accumulation_steps - 1;
+  const bool last_micro_step = engine.micro_steps_done_ == options.accumulation_steps - 1;
   // The own slice of the full buffer receives this rank's shard of the sum
   // (with ZeRO-Offload, P_os only, it then goes down to the host's copy).
   AccumulateInto into = accumulate_into(shard_begin(info, rank), info.shard_offset);
   if (offload) into.offload_to = at(host_grads, info.shard_offset);
   if (stage == 0 && last_micro_step) {
     // DP (paper 2.1): an all-reduce; every rank keeps the whole sum, 4 Psi (2 Psi mixed) of gradients.
-    exchange->all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
+    exchange->start_all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
   } else {
     // P_os (5.1), and DP's earlier micro-steps: reduce-scatter in place; the full gradient buffer stays.
-    exchange->reduce_scatter(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
+    exchange->start_reduce_scatter(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
   }
   bucket_reduced[b] = 1;
   if (!options.overlap) exchange->finish_all();
@@ -750,7 +750,7 @@ void Engine::progress() {
 void Engine::end_micro_step(float loss) {
   require_built("end_micro_step");
   RankState& rank_state = *rank_state_;
-  if (micro_step_ >= options_.accumulation_steps)
+  if (micro_steps_done_ >= options_.accumulation_steps)
     usage_error("end_micro_step: already %d micro-steps; call step()", options_.accumulation_steps);
   for (size_t id = 0; id < parameters_.size(); ++id)
     if (!rank_state.parameter_ready[id])
@@ -761,11 +761,11 @@ void Engine::end_micro_step(float loss) {
   // after everything the comm stream still does with them.
   compute_.record(rank_state.comm_done, compute_.comm_stream());
   compute_.wait(compute_.compute_stream(), rank_state.comm_done);
-  rank_state.micro_losses[micro_step_] = loss;
+  rank_state.micro_losses[micro_steps_done_] = loss;
   std::fill(rank_state.parameter_ready.begin(), rank_state.parameter_ready.end(), 0);
   std::fill(rank_state.bucket_ready_count.begin(), rank_state.bucket_ready_count.end(), 0);
   std::fill(rank_state.bucket_reduced.begin(), rank_state.bucket_reduced.end(), 0);
-  ++micro_step_;
+  ++micro_steps_done_;
 }
 
 // Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
@@ -793,7 +793,7 @@ void Engine::RankState::refuse_gradient_output(ParameterId id, Precision expecte
   if (expected != options.precision)
     usage_error("gradient_output: '%s' asked for as %s, but the engine trains in %s", parameters[id].name.c_str(),
                 to_string(expected), to_string(options.precision));
-  if (engine.micro_step_ >= options.accumulation_steps)
+  if (engine.micro_steps_done_ >= options.accumulation_steps)
     usage_error("gradient_output: all %d micro-steps of this optimizer step are done; call step() first",
                 options.accumulation_steps);
   if (parameter_ready[id])
@@ -922,7 +922,7 @@ void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const
   const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
   Wire* result = (Wire*)into.result;
   const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
-  const long step = into.step, steps = into.steps;
+  const long micro_step = into.micro_step, micro_steps = into.micro_steps;
   check_lab_ranks(ranks);
   compute.for_each(shard,
                    Z2_LOOP(i,
@@ -930,7 +930,7 @@ void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const
                              float value = sum_over_ranks(ranks, [&](long j) {
                                return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
                              });
-                             accumulate_micro_step(stack, step, steps, value, result, i);
+                             accumulate_micro_step(stack, micro_step, micro_steps, value, result, i);
                            }),
                    compute.comm_stream());
 }
@@ -940,9 +940,10 @@ void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInt
   const Wire* values = (const Wire*)reduced;
   Wire* result = (Wire*)into.result;
   const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
-  const long step = into.step, steps = into.steps;
-  compute.for_each(n, Z2_LOOP(i, { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); }),
-                   compute.comm_stream());
+  const long micro_step = into.micro_step, micro_steps = into.micro_steps;
+  compute.for_each(
+      n, Z2_LOOP(i, { accumulate_micro_step(stack, micro_step, micro_steps, to_float(values[i]), result, i); }),
+      compute.comm_stream());
 }
 // The kernel for the exchange's types: call(Wire{}, Accum{}).
 template <class Call>
@@ -1100,35 +1101,37 @@ struct MpiAllGather : MpiCollective {
 
 // Which collective carries a bucket: the chapter's own over MPI (above), or
 // the libraries' (NCCL, --collectives native: runtime/transfers.cpp).
-std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter(int slot, void* bucket, size_t padded,
-                                                                  const AccumulateInto& into, size_t* sent) {
+std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int slot, void* bucket, size_t padded,
+                                                                             const AccumulateInto& into, size_t* sent) {
   if (queue.world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
   if (use_nccl) return nccl_reduce_scatter(*this, slot, bucket, padded, into, sent);
   if (native) return mpi_native_reduce_scatter(*this, slot, bucket, padded, into, sent);
   return std::make_unique<MpiReduceScatter>(*this, slot, bucket, padded, into, sent);
 }
 
-std::unique_ptr<Collective> BucketExchange::Parts::all_gather(int slot, void* bucket, size_t padded, size_t* sent) {
+std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(int slot, void* bucket, size_t padded,
+                                                                         size_t* sent) {
   if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
   return std::make_unique<MpiAllGather>(*this, queue.slots[slot], bucket, padded, sent);
 }
 
 // The three collectives the engine calls: a transfer in the slot, started at once.
-void BucketExchange::reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
+void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   Parts& p = *parts_;
   Transfer* transfer = p.start(slot, padded, "reduce-scatter");
-  transfer->collectives.push_back(p.reduce_scatter(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
-  if (into.offload_to && into.step == into.steps - 1)  // the sum is final: down to the host optimizer
+  transfer->collectives.push_back(
+      p.reduce_scatter_collective(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
+  if (into.offload_to && into.micro_step == into.micro_steps - 1)  // the sum is final: down to the host optimizer
     transfer->collectives.push_back(
         std::make_unique<ShardToHost>(p, into.result, into.offload_to, padded / p.queue.world));
   progress();
 }
 
-void BucketExchange::all_gather(int slot, void* bucket, size_t padded) {
+void BucketExchange::start_all_gather(int slot, void* bucket, size_t padded) {
   Parts& p = *parts_;
   Transfer* transfer = p.start(slot, padded, "all-gather");
   if (p.queue.world > 1)  // one rank: nothing to send
-    transfer->collectives.push_back(p.all_gather(slot, bucket, padded, &p.comm.counters().all_gather));
+    transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, &p.comm.counters().all_gather));
   progress();
 }
 
@@ -1136,7 +1139,7 @@ void BucketExchange::all_gather(int slot, void* bucket, size_t padded) {
 // `into`, so an accumulation's last micro-step folds into it), then the
 // all-gather of the slices; with native collectives and nothing to
 // accumulate, the library's all-reduce.
-void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
+void BucketExchange::start_all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   Parts& p = *parts_;
   void* own = p.wire.at(bucket, (size_t)p.queue.rank * (padded / p.queue.world));
   AccumulateInto target = into;
@@ -1145,11 +1148,11 @@ void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const Acc
     usage_error("all_reduce: the reduced shard must land in the bucket's own slice, to be all-gathered from there");
   Transfer* transfer = p.start(slot, padded, "all-reduce");
   size_t* sent = &p.comm.counters().all_reduce;
-  if (p.native && p.queue.world > 1 && target.steps == 1) {
-    transfer->collectives.push_back(p.native_all_reduce(slot, bucket, padded, sent));
+  if (p.native && p.queue.world > 1 && target.micro_steps == 1) {
+    transfer->collectives.push_back(p.native_all_reduce_collective(slot, bucket, padded, sent));
   } else {
-    transfer->collectives.push_back(p.reduce_scatter(slot, bucket, padded, target, sent));
-    if (p.queue.world > 1) transfer->collectives.push_back(p.all_gather(slot, bucket, padded, sent));
+    transfer->collectives.push_back(p.reduce_scatter_collective(slot, bucket, padded, target, sent));
+    if (p.queue.world > 1) transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, sent));
   }
   progress();
 }
@@ -1191,21 +1194,21 @@ StepReport Engine::step() {
   report.clip_coefficient = rank_state.clip_coefficient(report.grad_norm);
   // AdamW on this rank's update regions (every bucket in DP, its shards in P_os and P_os+g),
   // then, in P_os and P_os+g, everyone's updated shards to everyone.
-  rank_state.update_and_gather(report);
+  rank_state.apply_update(report);
   return rank_state.close_step(report);
 }
 
 StepReport Engine::RankState::open_step() {
   const int A = options.accumulation_steps;
-  if (engine.micro_step_ != A)
-    usage_error("step() after %d micro-step(s); accumulation_steps is %d", engine.micro_step_, A);
+  if (engine.micro_steps_done_ != A)
+    usage_error("step() after %d micro-step(s); accumulation_steps is %d", engine.micro_steps_done_, A);
   StepReport report;
   report.loss = global_loss();
-  report.step = ++engine.steps_taken_;
+  report.step = ++engine.step_calls_;
   set_watchdog_context("optimizer step " + std::to_string(report.step) + " (its update)");
   report.loss_scale = engine.scaler_.scale();
   // The rate and betas of the update this step makes, unless it is skipped.
-  scheduled_settings(options, engine.optimizer_step_ + 1, report);  // runtime/option_checks.cpp
+  scheduled_settings(options, engine.updates_applied_ + 1, report);  // runtime/option_checks.cpp
   return report;
 }
 
@@ -1262,10 +1265,10 @@ bool Engine::RankState::overflow_skips_step(const std::vector<float>& local, Ste
       engine.scaler_.update(report.skipped);
     } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
   }
-  engine.micro_step_ = 0;  // every precision passes here: the next step's micro-steps start again
+  engine.micro_steps_done_ = 0;  // every precision passes here: the next step's micro-steps start again
   if (!report.skipped) return false;
   ++engine.skipped_steps_;
-  report.applied = engine.optimizer_step_;
+  report.applied = engine.updates_applied_;
   report.grad_norm = NAN;
   return true;
 }
@@ -1344,7 +1347,7 @@ float Engine::RankState::rescaled_squared_norm(const StepReport& report, float* 
   bool finite = true;
   const float largest = global_largest_magnitude(&finite);
   if (!finite)
-    usage_error(engine.optimizer_step_ == 0
+    usage_error(engine.updates_applied_ == 0
                     ? "a gradient is not finite (inf or NaN) in optimizer step %ld, before any update: the model "
                       "as initialized overflows on this data (the learning rate has not acted yet): look at "
                       "--dropout and the model sizes"
@@ -1466,7 +1469,7 @@ struct Engine::RankState::StepOverShards : OwnShards {
   void all_gather(int b) override {
     refuse_gather(b);
     gathered[b] = 1;
-    rank_state.start_all_gather(b);
+    rank_state.gather_parameters(b);
   }
   void refuse_update(int b) const;
   void refuse_gather(int b) const;
@@ -1484,13 +1487,13 @@ Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketIn
 // AdamW's constants for update t, the stage's step through the seam above,
 // and the wait for its all-gathers. One multiply per element folds the
 // clipping coefficient and fp16's 1/S into the gradient.
-void Engine::RankState::update_and_gather(StepReport& report) {
-  const long t = engine.optimizer_step_ + 1;
+void Engine::RankState::apply_update(StepReport& report) {
+  const long t = engine.updates_applied_ + 1;
   const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
   StepOverShards shards(*this, adamw_constants(report, t, grad_scale));
   z2::update_and_gather(shards, buckets, stage);
   wait_for_all_gathers();
-  engine.optimizer_step_ = t;
+  engine.updates_applied_ = t;
   report.applied = t;
 }
 
@@ -1551,8 +1554,8 @@ void Engine::RankState::upload_updated_shard(int b) {
 // Bucket b's parameters, in place, rank r's shard to every rank; and the
 // wait for every all-gather started, after which forward (on the compute
 // stream) may read them.
-void Engine::RankState::start_all_gather(int b) {
-  exchange->all_gather(exchange->acquire(b), at(params, buckets[b].offset), buckets[b].padded_length);
+void Engine::RankState::gather_parameters(int b) {
+  exchange->start_all_gather(exchange->acquire(b), at(params, buckets[b].offset), buckets[b].padded_length);
 }
 void Engine::RankState::wait_for_all_gathers() {
   exchange->finish_all();
@@ -1566,7 +1569,7 @@ void Engine::RankState::wait_for_all_gathers() {
 void Engine::all_gather_untracked() {
   RankState& rank_state = *rank_state_;
   if (options_.stage > 0)
-    for (int b = 0; b < (int)buckets_.size(); ++b) rank_state.start_all_gather(b);
+    for (int b = 0; b < (int)buckets_.size(); ++b) rank_state.gather_parameters(b);
   rank_state.wait_for_all_gathers();
   compute_.synchronize_all();
   rank_state.step_start_counters = comm_.counters();

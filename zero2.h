@@ -371,7 +371,7 @@ class Engine {
   long micro_batch_index(int a) const;
   int world_size() const;
   int rank() const;
-  int micro_steps_done() const { return micro_step_; }
+  int micro_steps_done() const { return micro_steps_done_; }
   // Buckets whose reduction started before end_micro_step() in the last
   // micro-step: all of them with overlap (or in stage 2), none without.
   int buckets_reduced_during_backward() const;
@@ -432,7 +432,7 @@ class Engine {
   std::string ledgers_json() const;
 
   const EngineOptions& options() const { return options_; }
-  long optimizer_steps() const { return optimizer_step_; }
+  long optimizer_steps() const { return updates_applied_; }
 
   // What this rank holds for the engine (zero2.cu, "The stage buffers"): its model-state
   // buffers, full or sharded by stage, its bucket exchange and the micro-step's
@@ -460,9 +460,11 @@ class Engine {
   std::vector<BucketInfo> buckets_;
   size_t canonical_elements_ = 0;
   bool built_ = false;
-  int micro_step_ = 0;
-  long optimizer_step_ = 0;  // updates applied (AdamW's t)
-  long steps_taken_ = 0;     // step() calls, skipped ones included
+  // Three counters, three names: micro-steps of the step under way, AdamW
+  // updates made (its t), step() calls (skipped ones included).
+  int micro_steps_done_ = 0;
+  long updates_applied_ = 0;
+  long step_calls_ = 0;
   long skipped_steps_ = 0;
   LossScaler scaler_;
   std::unique_ptr<RankState> rank_state_;
@@ -716,9 +718,9 @@ Z2_HD inline float perfect_tree_sum(float* leaves) {
 // The same tree, fed over time: the A micro-step results of one optimizer step
 // arrive one by one (notes/06, the interleaved assignment). `stack`
 // holds the open blocks of earlier micro-steps (at most floor(log2 A) of them,
-// one buffer each); `step` is this micro-step (0-based). Before the last step
-// the new value is pushed exactly as in canonical_tree_sum; at the last step
-// the stack is folded from the right into `result`.
+// one buffer each); `micro_step` is this one (0-based) of `micro_steps`.
+// Before the last the new value is pushed exactly as in canonical_tree_sum;
+// at the last the stack is folded from the right into `result`.
 // In mixed precision `value` is the fp32 sum of the ranks' 16-bit slices, the
 // blocks are fp32 (`Accum` = float, grad_accum_dtype "fp32") or 16-bit, and
 // `result` is the 16-bit gradient: with fp32 blocks the sums happen in fp32
@@ -729,15 +731,15 @@ struct AccumulationStackOf {
 };
 using AccumulationStack = AccumulationStackOf<float>;
 template <class Accum, class Result>
-Z2_HD inline void accumulate_micro_step(const AccumulationStackOf<Accum>& stack, long step, long steps, float value,
-                                        Result* result, size_t i) {
-  int depth = count_bits((unsigned long)step);  // open blocks before this push
-  if (step == steps - 1) {
+Z2_HD inline void accumulate_micro_step(const AccumulationStackOf<Accum>& stack, long micro_step, long micro_steps,
+                                        float value, Result* result, size_t i) {
+  int depth = count_bits((unsigned long)micro_step);  // open blocks before this push
+  if (micro_step == micro_steps - 1) {
     while (depth > 0) value = to_float(stack.entries[--depth][i]) + value;
     result[i] = from_float<Result>(value);
     return;
   }
-  for (unsigned long closed = (unsigned long)step; closed & 1ul; closed >>= 1)
+  for (unsigned long closed = (unsigned long)micro_step; closed & 1ul; closed >>= 1)
     value = to_float(stack.entries[--depth][i]) + value;
   stack.entries[depth][i] = from_float<Accum>(value);
 }
@@ -786,15 +788,15 @@ Z2_HD inline void adamw_update(const AdamWConstants& constants, bool decay, floa
 // ----------------------------------------------------------------------------
 // The bucket exchange (zero2.cu, "The reduce-scatter"; runtime/transfers.cpp)
 
-// Where the reduced shard of a bucket goes: straight into `result` (steps = 1),
-// or into the accumulation tree as micro-step `step` of `steps`
+// Where the reduced shard of a bucket goes: straight into `result` (micro_steps = 1),
+// or into the accumulation tree as micro-step `micro_step` of `micro_steps`
 // (accumulate_micro_step). `result` and the stack entries point at the
 // bucket's own region; `result` has the exchange's wire type (the gradient's
 // type), the entries its accumulation type.
 struct AccumulateInto {
   void* result = nullptr;
   AccumulationStackOf<void> stack{};
-  long step = 0, steps = 1;
+  long micro_step = 0, micro_steps = 1;
   // ZeRO-Offload: once the last micro-step's `result` is written, the same
   // transfer copies it ([padded / N] wire elements) to this host address, so
   // the slot it may lie in is not handed on before the copy has read it.
@@ -835,13 +837,13 @@ class BucketExchange {
   // Each collective runs in `slot` (from acquire) and frees it when finished.
   // `bucket` holds `padded` elements of the wire type.
   // reduce_scatter: the sum over ranks of `bucket`'s own slice, into `into`.
-  void reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into);
+  void start_reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into);
   // all_gather: in place, rank r's shard at r * shard (NCCL's layout).
-  void all_gather(int slot, void* bucket, size_t padded);
+  void start_all_gather(int slot, void* bucket, size_t padded);
   // all_reduce: in place. The reduce-scatter half goes through `into`, whose
   // result must be the bucket's own slice (so the final micro-step of an
   // accumulation can fold into it), then the slices are all-gathered.
-  void all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into);
+  void start_all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into);
 
   void progress();    // advance every transfer as far as it goes without blocking
   void finish_all();  // block until every transfer has finished

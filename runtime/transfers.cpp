@@ -133,8 +133,8 @@ void BucketExchange::Parts::copy_to_device(void* device, const void* host, size_
   compute.copy(device, host, wire.bytes(count), compute.comm_stream());
 }
 
-std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce(int slot, void* bucket, size_t padded,
-                                                                     size_t* sent) {
+std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce_collective(int slot, void* bucket, size_t padded,
+                                                                                size_t* sent) {
   if (use_nccl) return nccl_native_all_reduce(*this, bucket, padded, sent);
   return mpi_native_all_reduce(*this, slot, bucket, padded, sent);
 }

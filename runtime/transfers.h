@@ -156,10 +156,10 @@ struct BucketExchange::Parts {
   // MPI or NCCL, so the ledger counts traffic that happened, by the
   // collective that sent it (a reduce-scatter that quietly became an
   // all-reduce would show), in bytes of the wire type.
-  std::unique_ptr<Collective> reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into,
-                                             size_t* sent);
-  std::unique_ptr<Collective> all_gather(int slot, void* bucket, size_t padded, size_t* sent);
-  std::unique_ptr<Collective> native_all_reduce(int slot, void* bucket, size_t padded, size_t* sent);
+  std::unique_ptr<Collective> reduce_scatter_collective(int slot, void* bucket, size_t padded,
+                                                        const AccumulateInto& into, size_t* sent);
+  std::unique_ptr<Collective> all_gather_collective(int slot, void* bucket, size_t padded, size_t* sent);
+  std::unique_ptr<Collective> native_all_reduce_collective(int slot, void* bucket, size_t padded, size_t* sent);
   // --comm mpi on cuda: `count` elements from the device to pinned host
   // memory on the comm stream (MPI reads host memory), the copy's arrival
   // polled through the slot's event, and the way back.
