@@ -239,7 +239,8 @@ static int staging_slots(const EngineOptions& options) { return options.overlap 
 
 // ZeRO-Offload applies to stages 1 and 2 (the Engine refuses it in stage 0).
 static bool offload_optimizer(const EngineOptions& options) { return options.offload_optimizer && options.stage > 0; }
-static void move_optimizer_sizes_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard);
+static void move_optimizer_sizes_to_host(EngineBuffers& sizes, const EngineOptions& options,
+                                         size_t shard);  // offload.h
 
 // Staging elements (of the wire type): each slot holds a bucket's gradient
 // (stage 2) and the N - 1 shards the reduce-scatter receives.
@@ -284,26 +285,6 @@ EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const Engin
   return sizes;
 }
 
-// ZeRO-Offload (Ren et al. 2021, section 4): the own shard's optimizer state
-// leaves the device for pinned host memory, 16 Psi/N bytes there in every
-// precision: the fp32 master (fp32 too: the device's parameters are a copy
-// of it, as in DeepSpeed) 4 Psi/N, m and v 8 Psi/N, and what crosses the
-// bus, 4 Psi/N: the reduced gradient shard as it comes off the wire (fp32 4,
-// mixed 2) plus, mixed only, the updated shard rounded on its way up (2). The
-// device saves 12 Psi/N (fp32) or 14 Psi/N (mixed) in stage 2: its gradient
-// shard too, for the reduce-scatter leaves the sum in the slot it was taken
-// from and the copy down reads it there. Stage 1 keeps its full gradient.
-static void move_optimizer_sizes_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard) {
-  const size_t e = element_bytes(options.precision);
-  sizes.host_master = shard * sizeof(float);
-  sizes.host_moment = shard * sizeof(float);
-  sizes.host_grads = shard * e;
-  sizes.host_working = options.precision == Precision::fp32 ? 0 : shard * e;             // fp32 sends the master itself
-  sizes.host_chunk_sums = sizes.chunk_sums, sizes.host_decay_flags = sizes.decay_flags;  // the step's tables go along
-  sizes.master = sizes.moment = sizes.chunk_sums = sizes.decay_flags = 0;
-  if (options.stage == 2) sizes.grads = 0;
-}
-
 size_t EngineBuffers::model_states() const { return params + grads + master + 2 * moment; }
 size_t EngineBuffers::host_model_states() const { return host_master + 2 * host_moment + host_grads + host_working; }
 size_t EngineBuffers::live() const {
@@ -330,10 +311,7 @@ struct Engine::RankState {
   size_t element;               // their bytes: 4 or 2
   bool mixed;                   // bf16 or fp16: a separate fp32 master
   size_t accumulation_element;  // bytes of an accumulation block element
-  // ZeRO-Offload (stages 1, 2): master, m, v, the chunk sums and decay flags
-  // below are pinned host memory, the step's loops run on the host, and the
-  // host holds the reduced shard and (mixed) the updated one on its way up.
-  bool offload;
+  bool offload;                 // ZeRO-Offload (stages 1, 2): the step's home is the host (runtime/offload.h)
 
   DeviceArray<char> params;                     // [Psi_padded] working parameters, every stage (fp32: also the master)
   DeviceArray<char> grads;                      // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2, working type
@@ -344,7 +322,10 @@ struct Engine::RankState {
   DeviceArray<unsigned char> decay;             // [Psi_padded / norm_chunk] 1 = weight decay applies
   DeviceArray<char> host_grads;    // offload: [Psi_padded / N] the reduced shard, copied down (working type)
   DeviceArray<char> host_working;  // offload, mixed: [Psi_padded / N] the updated shard rounded, going up
-  bool host_master_stale = true;   // offload, fp32: the host master must be taken from the parameters
+  // Where the step finds its buffers and runs its loops (below: the device's; ZeRO-Offload's seam).
+  struct StepHome;
+  struct HostHome;  // runtime/offload.h
+  std::unique_ptr<StepHome> home;
   std::unique_ptr<BucketExchange> exchange;
   Event comm_done;
 
@@ -384,30 +365,6 @@ struct Engine::RankState {
   // each buffer. The chunk sums are indexed like the optimizer state.
   UpdateRegion region(int b) const { return update_region(buckets[b], stage, rank); }
   void* region_param(int b) { return at(params, region(b).parameter); }
-  // The reduced gradient of the region (stage 0: all-gathered); with offload, its copy on the host.
-  void* region_gradient(int b) { return offload ? at(host_grads, region(b).state) : at(grads, region(b).gradient); }
-  // The fp32 values AdamW updates: the parameters themselves in fp32 (with offload, the host's copy of them).
-  float* region_master(int b) {
-    return mixed || offload ? master.data() + region(b).state : (float*)params.data() + region(b).parameter;
-  }
-  // Where AdamW writes the rounded working copy (mixed only): the
-  // parameters, or with offload the host shard that goes up to them.
-  void* region_working(int b) {
-    if (!mixed) return nullptr;
-    return offload ? at(host_working, region(b).state) : region_param(b);
-  }
-  // The step's loops over the update region: kernels on the device, or
-  // with offload the same bodies as CPU loops on the host's state.
-  template <class Body>
-  void optimizer_loop(size_t n, Body body) {
-    if (offload) compute.for_each_on_host(n, body);
-    else compute.for_each(n, body);
-  }
-  template <class Body>
-  void optimizer_loop(size_t rows, size_t columns, Body body) {
-    if (offload) compute.for_each_on_host(rows, columns, body);
-    else compute.for_each(rows, columns, body);
-  }
   int check_bucket(int b, const char* what) const {  // b, once it is a bucket of the layout
     if (b < 0 || b >= (int)buckets.size())
       usage_error("%s: bucket %d out of range (the layout has %zu buckets)", what, b, buckets.size());
@@ -424,12 +381,16 @@ struct Engine::RankState {
   }
 
   // --- backward ("Backward", below) ---
+  void take_slot(int b);                 // stage 2: bucket b's slot, zeroed for backward
+  void reduce_slot(int b, size_t keep);  // stage 2: bucket b's reduce-scatter from its slot
+  AccumulateInto accumulate_into(size_t result, size_t shard);
+  void reduce_bucket(int b);   // stages 0/1: from the full gradient buffer
+  void reduce_buckets_left();  // end_micro_step: what backward did not reduce (stages 0/1)
+  // What the lab seams are lent, and what backward's calls refuse (runtime/lab_adapters.h).
+  struct SlotGradients;
+  struct StepOverShards;
   void refuse_gradient_output(ParameterId id, Precision expected) const;
   void refuse_gradient_ready(ParameterId id) const;
-  AccumulateInto accumulate_into(size_t result, size_t shard);
-  void reduce_bucket(int b);
-  void reduce_buckets_left();  // end_micro_step: what backward did not reduce (stages 0/1)
-  struct SlotGradients;        // what stage 2's hooks are lent: the slots and the gradient shard
 
   // --- the optimizer step, step by step ("The step"; Engine::step calls them in order) ---
   StepReport open_step();
@@ -446,18 +407,46 @@ struct Engine::RankState {
   void chunk_largest_as(int b);
   float clip_coefficient(float grad_norm) const;
   AdamWConstants adamw_constants(const StepReport& report, long t, float grad_scale) const;
-  struct StepOverShards;  // what the own-shards seam is lent: AdamW and the all-gather of a bucket
   void apply_update(StepReport& report);
+  void adamw(int b, const AdamWConstants& constants);
   template <class Working>
   void adamw_as(int b, const AdamWConstants& constants);
   void gather_parameters(int b);
   void wait_for_all_gathers();
-  void wait_for_offloaded_gradients();      // ZeRO-Offload: the copies down
-  void take_host_master_from_parameters();  // ZeRO-Offload, fp32: the master's host copy
-  void upload_updated_shard(int b);         // ZeRO-Offload: the updated shard up, before its all-gather
   StepReport close_step(const StepReport& report);
   void account_step();
 };
+
+// Where the optimizer step reads the reduced gradient and keeps the state it
+// updates, and where its loops run: on the device, in RankState's buffers
+// (here), or with ZeRO-Offload on pinned host copies (HostHome overrides
+// every hook: runtime/offload.h). The chapter calls each hook; none asks
+// which home it has. Indices are the update region's (region(b)).
+struct Engine::RankState::StepHome {
+  RankState& s;
+  explicit StepHome(RankState& state) : s(state) {}
+  virtual ~StepHome() = default;
+  virtual Place place() const { return Place::device; }  // where the step's loops run
+  // Bucket b's reduced gradient (stage 0: all-reduced, every rank the whole bucket).
+  virtual void* gradient(int b) { return s.at(s.grads, s.region(b).gradient); }
+  // The fp32 values AdamW updates: the parameters themselves in fp32, the master in mixed precision.
+  virtual float* master(int b) {
+    return s.mixed ? s.master.data() + s.region(b).state : (float*)s.params.data() + s.region(b).parameter;
+  }
+  // Where AdamW writes the rounded working copy (mixed only): the parameters.
+  virtual void* working(int b) { return s.mixed ? s.region_param(b) : nullptr; }
+  // build(): AdamW's state (m, v, mixed: the master), then the step's tables (chunk sums, decay flags).
+  virtual void allocate_state(const EngineBuffers& sizes);
+  virtual void allocate_tables(const EngineBuffers& sizes);
+  virtual void route(AccumulateInto& into, int b, size_t keep) {}  // where bucket b's final sum goes besides
+  virtual void wait_for_shards() {}                                // before the step reads the reduced shards
+  virtual void shard_updated(int b) {}  // bucket b updated: before its all-gather reads the parameters
+  virtual void parameters_written() {}  // the parameters were set from outside the step
+};
+}  // namespace z2
+#include "runtime/offload.h"       // HostHome: ZeRO-Offload's step on the host
+#include "runtime/lab_adapters.h"  // SlotGradients, StepOverShards: the seams' adapters, and the refusals
+namespace z2 {
 
 Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& options)
     : compute_(compute),
@@ -478,13 +467,10 @@ void Engine::build() {
   std::vector<size_t> numels;
   for (auto& p : parameters_) numels.push_back(p.numel);
   buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
-#if defined(Z2_LAB_BUILD)
-  check_lab_shards(buckets_, comm_.world_size());
-  check_lab_regions(buckets_, engine_buffers(buckets_, options_, comm_.world_size()), options_.stage,
-                    comm_.world_size());
-#endif
+  check_lab_layout(buckets_, options_, comm_.world_size());  // a lab build's shard_begin, update_region (lab_build.h)
   place_parameters(parameters_, buckets_);
   rank_state_.reset(new RankState(*this, compute_));
+  rank_state_->home = step_home(*rank_state_);  // ZeRO-Offload enters here: the step's home (runtime/offload.h)
   // The ledger's peaks are this engine's: start them from what exists now.
   compute_.reset_peaks();
   // Every size comes from engine_buffers(), the function --plan calls: what
@@ -500,16 +486,7 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
   // stage, and what each stage saves, are engine_buffers()' table.
   params = DeviceArray<char>(compute, sizes.params, MemoryKind::params);
   grads = DeviceArray<char>(compute, sizes.grads, MemoryKind::grads);
-  // ZeRO-Offload: the optimizer's buffers in pinned host memory (engine_buffers' host sizes).
-  const Place state_place = offload ? Place::host : Place::device;
-  const size_t master_bytes = offload ? sizes.host_master : sizes.master;
-  const size_t moment_bytes = offload ? sizes.host_moment : sizes.moment;
-  if (mixed || offload)
-    master = DeviceArray<float>(compute, master_bytes / sizeof(float), MemoryKind::master, state_place);
-  adam_m = DeviceArray<float>(compute, moment_bytes / sizeof(float), MemoryKind::optimizer, state_place);
-  adam_v = DeviceArray<float>(compute, moment_bytes / sizeof(float), MemoryKind::optimizer, state_place);
-  host_grads = DeviceArray<char>(compute, sizes.host_grads, MemoryKind::grads, Place::host);
-  host_working = DeviceArray<char>(compute, sizes.host_working, MemoryKind::params, Place::host);
+  home->allocate_state(sizes);  // m, v and (mixed) the master: on the device, or ZeRO-Offload's host
   // The accumulation tree's open blocks, each the size of this rank's shard
   // (fp32, or 16-bit with accumulate_fp32 off).
   for (size_t d = 0; d < sizes.accumulation_blocks; ++d)
@@ -523,10 +500,7 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
   // Bookkeeping: a norm chunk sum per chunk of the update region, and a
   // weight-decay flag per chunk of the padded buffer (a chunk never straddles
   // two parameters, so one flag per chunk is exact).
-  const size_t chunk_bytes = offload ? sizes.host_chunk_sums : sizes.chunk_sums;
-  const size_t flag_bytes = offload ? sizes.host_decay_flags : sizes.decay_flags;
-  chunk_sums = DeviceArray<float>(compute, chunk_bytes / sizeof(float), MemoryKind::bookkeeping, state_place);
-  decay = DeviceArray<unsigned char>(compute, flag_bytes, MemoryKind::bookkeeping, state_place);
+  home->allocate_tables(sizes);
   std::vector<unsigned char> decay_flags(decay.size(), 0);
   for (auto& p : engine.parameters_)
     for (size_t c = p.offset / norm_chunk; c < (p.offset + p.numel + norm_chunk - 1) / norm_chunk; ++c)
@@ -542,6 +516,17 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
   step_start_counters = comm.counters();
   allocations_at_step_start = compute.memory().allocations;
   pushes_at_step_start = compute.memory().pushes;
+}
+
+// The device's optimizer state: its bytes in each stage are engine_buffers()' table.
+void Engine::RankState::StepHome::allocate_state(const EngineBuffers& sizes) {
+  if (s.mixed) s.master = DeviceArray<float>(s.compute, sizes.master / sizeof(float), MemoryKind::master);
+  s.adam_m = DeviceArray<float>(s.compute, sizes.moment / sizeof(float), MemoryKind::optimizer);
+  s.adam_v = DeviceArray<float>(s.compute, sizes.moment / sizeof(float), MemoryKind::optimizer);
+}
+void Engine::RankState::StepHome::allocate_tables(const EngineBuffers& sizes) {
+  s.chunk_sums = DeviceArray<float>(s.compute, sizes.chunk_sums / sizeof(float), MemoryKind::bookkeeping);
+  s.decay = DeviceArray<unsigned char>(s.compute, sizes.decay_flags, MemoryKind::bookkeeping);
 }
 
 // The buffers as the runtime's host copies and checkpoints see them.
@@ -567,35 +552,6 @@ ModelStates Engine::model_states() const {
 // first.
 
 // --- stage 2's slots (the gradient-shards lab's seams) -------------------------
-
-// What the two hooks are lent: the exchange's slots and this rank's gradient
-// shard. Each call refuses what would break a later one, with a message
-// (the refusals are named here and written out at the end of this section).
-struct Engine::RankState::SlotGradients : GradientShards {
-  RankState& rank_state;
-  explicit SlotGradients(RankState& state) : rank_state(state) {}
-  bool holds_slot(int b) const override {
-    return rank_state.exchange->slot_of(rank_state.check_bucket(b, "holds_slot")) >= 0;
-  }
-  void take_slot(int b) override {
-    refuse_second_slot(b);
-    const int slot = rank_state.exchange->acquire(b);
-    rank_state.slot_buffer[b] = rank_state.exchange->open_bucket_buffer(slot, rank_state.buckets[b].padded_length);
-  }
-  void* slot_element(int b, size_t index) override {
-    refuse_outside_slot(b, index);
-    return (char*)rank_state.slot_buffer[b] + index * rank_state.element;
-  }
-  int handed_over(int b) const override {
-    return rank_state.bucket_ready_count[rank_state.check_bucket(b, "handed_over")];
-  }
-  void reduce_scatter(int b, size_t keep) override;
-
-  void refuse_second_slot(int b) const;
-  void refuse_outside_slot(int b, size_t index) const;
-  void refuse_storage_outside_slot(const ParameterInfo& p, const void* storage) const;
-  void refuse_early_reduce_scatter(int b, size_t keep) const;
-};
 
 void* Engine::parameter_storage(ParameterId id, Precision expected) {
   require_built("parameter");
@@ -628,6 +584,11 @@ Z2_LAB_SEAM void* stage2_gradient_output(GradientShards& shards, int bucket_inde
                                          size_t offset_in_bucket) {
   if (!shards.holds_slot(bucket_index)) shards.take_slot(bucket_index);
   return shards.slot_element(bucket_index, offset_in_bucket);
+}
+
+// A slot for bucket b (the exchange's, below), zeroed: backward writes it.
+void Engine::RankState::take_slot(int b) {
+  slot_buffer[b] = exchange->open_bucket_buffer(exchange->acquire(b), buckets[b].padded_length);
 }
 
 // Constant memory is the point of stage 2: at most slot_count buckets are in
@@ -703,19 +664,14 @@ AccumulateInto Engine::RankState::accumulate_into(size_t result, size_t shard) {
   return into;
 }
 
-void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
-  refuse_early_reduce_scatter(b, keep);
-  RankState& s = rank_state;
-  AccumulateInto into = s.accumulate_into(keep, keep);
-  if (s.offload) {
-    // ZeRO-Offload: no gradient shard on the device (2 Psi/N bytes fewer, 4 in fp32). The sum lands in
-    // the slot's own slice (each element read, then written: in place is safe) and goes down from there.
-    into.result = (char*)s.slot_buffer[b] + (size_t)s.rank * s.buckets[b].shard_length * s.element;
-    into.offload_to = s.at(s.host_grads, keep);
-  }
-  s.exchange->start_reduce_scatter(s.exchange->slot_of(b), s.slot_buffer[b], s.buckets[b].padded_length, into);
-  rank_state.bucket_reduced[b] = 1;
-  if (!rank_state.options.overlap) rank_state.exchange->finish_all();
+// P_os+g (5.2): the bucket's reduce-scatter from its slot; this rank's shard
+// of the sum is kept from element `keep` of the gradient shard [Psi_padded / N].
+void Engine::RankState::reduce_slot(int b, size_t keep) {
+  AccumulateInto into = accumulate_into(keep, keep);
+  home->route(into, b, keep);  // ZeRO-Offload: the sum goes down to the host (runtime/offload.h)
+  exchange->start_reduce_scatter(exchange->slot_of(b), slot_buffer[b], buckets[b].padded_length, into);
+  bucket_reduced[b] = 1;
+  if (!options.overlap) exchange->finish_all();
 }
 
 // Stages 0 and 1 reduce from the full gradient buffer. (Stage 2 has none:
@@ -724,9 +680,9 @@ void Engine::RankState::reduce_bucket(int b) {
   const BucketInfo& info = buckets[b];
   const bool last_micro_step = engine.micro_steps_done_ == options.accumulation_steps - 1;
   // The own slice of the full buffer receives this rank's shard of the sum
-  // (with ZeRO-Offload, P_os only, it then goes down to the host's copy).
+  // (with ZeRO-Offload it then goes down to the host's copy, in the same transfer).
   AccumulateInto into = accumulate_into(shard_begin(info, rank), info.shard_offset);
-  if (offload) into.offload_to = at(host_grads, info.shard_offset);
+  home->route(into, b, info.shard_offset);
   if (stage == 0 && last_micro_step) {
     // DP (paper 2.1): an all-reduce; every rank keeps the whole sum, 4 Psi (2 Psi mixed) of gradients.
     exchange->start_all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
@@ -783,83 +739,6 @@ void Engine::RankState::reduce_buckets_left() {
           b, engine.parameters_[buckets[b].first_parameter].name.c_str());
     reduce_bucket(b);
   }
-}
-
-// --- what backward's calls refuse (a model's call out of order) ---------------
-
-void Engine::RankState::refuse_gradient_output(ParameterId id, Precision expected) const {
-  const std::vector<ParameterInfo>& parameters = engine.parameters_;
-  if (id < 0 || id >= (int)parameters.size()) usage_error("gradient_output: id %d out of range", id);
-  if (expected != options.precision)
-    usage_error("gradient_output: '%s' asked for as %s, but the engine trains in %s", parameters[id].name.c_str(),
-                to_string(expected), to_string(options.precision));
-  if (engine.micro_steps_done_ >= options.accumulation_steps)
-    usage_error("gradient_output: all %d micro-steps of this optimizer step are done; call step() first",
-                options.accumulation_steps);
-  if (parameter_ready[id])
-    usage_error("gradient_output: '%s' was already handed over this micro-step", parameters[id].name.c_str());
-}
-
-void Engine::RankState::refuse_gradient_ready(ParameterId id) const {
-  const std::vector<ParameterInfo>& parameters = engine.parameters_;
-  if (id < 0 || id >= (int)parameters.size()) usage_error("gradient_ready: id %d out of range", id);
-  if (parameter_ready[id])
-    usage_error("gradient_ready: '%s' handed over twice in one micro-step", parameters[id].name.c_str());
-  if (stage == 2 && exchange->slot_of(parameters[id].bucket) < 0)
-    usage_error("gradient_ready: '%s' handed over without gradient_output()", parameters[id].name.c_str());
-}
-
-// --- what stage 2's hooks refuse (a seam's call out of order) -----------------
-
-void Engine::RankState::SlotGradients::refuse_second_slot(int b) const {
-  if (holds_slot(b))
-    usage_error(
-        "take_slot: bucket %d already holds a staging slot: a bucket takes one slot, at its first gradient, and "
-        "keeps it until its reduce-scatter has finished",
-        b);
-}
-
-void Engine::RankState::SlotGradients::refuse_outside_slot(int b, size_t index) const {
-  if (!holds_slot(b)) usage_error("slot_element: bucket %d holds no slot (take_slot first)", b);
-  const BucketInfo& bucket = rank_state.buckets[b];
-  if (index < bucket.padded_length) return;
-  // The likely mistake: the parameter's offset in the flat buffer where its offset in the bucket goes.
-  const bool flat = index >= bucket.offset && index - bucket.offset < bucket.padded_length;
-  usage_error("slot_element: element %zu of bucket %d, which has %zu%s", index, b, bucket.padded_length,
-              flat ? format_text(" (%zu looks like an offset in the flat buffer, where bucket %d begins at %zu: the "
-                                 "slot holds the bucket alone, so pass the offset within it, %zu)",
-                                 index, b, bucket.offset, index - bucket.offset)
-                         .c_str()
-                   : "");
-}
-
-void Engine::RankState::SlotGradients::refuse_storage_outside_slot(const ParameterInfo& p, const void* storage) const {
-  const BucketInfo& b = rank_state.buckets[p.bucket];
-  const char* slot = (const char*)rank_state.slot_buffer[p.bucket];
-  if (!holds_slot(p.bucket) || (const char*)storage < slot ||
-      (const char*)storage + p.numel * rank_state.element > slot + b.padded_length * rank_state.element)
-    usage_error("stage2_gradient_output: the gradient of '%s' (%zu elements) must lie in bucket %d's slot",
-                p.name.c_str(), p.numel, p.bucket);
-}
-
-void Engine::RankState::SlotGradients::refuse_early_reduce_scatter(int b, size_t keep) const {
-  const BucketInfo& info = rank_state.buckets[b];
-  const int parameters = info.end_parameter - info.first_parameter;
-  if (rank_state.bucket_reduced[b])
-    usage_error("reduce_scatter: bucket %d was reduce-scattered already in this micro-step", b);
-  if (!holds_slot(b)) usage_error("reduce_scatter: bucket %d holds no slot: nothing was written for it", b);
-  if (rank_state.bucket_ready_count[b] < parameters)
-    usage_error(
-        "reduce_scatter: bucket %d with %d of its %d gradients handed over: the others would be written after the "
-        "sum was taken. Backward hands a bucket's parameters over last first (in any order, in general): count them",
-        b, rank_state.bucket_ready_count[b], parameters);
-  // A student's `keep` may differ between ranks: agreed, so that no rank stops alone.
-  const size_t shard_elements = rank_state.engine.psi_padded() / rank_state.comm.world_size();
-  if (fails_on_any_rank(rank_state.comm, keep > shard_elements || info.shard_length > shard_elements - keep))
-    usage_error(
-        "reduce_scatter: bucket %d's shard of %zu elements kept from element %zu of a gradient shard of %zu on some "
-        "rank: stage 2 has no full gradient buffer (shard_begin places a shard in the full buffer)",
-        b, info.shard_length, keep, shard_elements);
 }
 
 // ----------------------------------------------------------------------------
@@ -1057,23 +936,6 @@ struct OneRankSum : Collective {
   }
 };
 
-// ZeRO-Offload: the reduced shard down to the host, as the last step of its
-// reduce-scatter's transfer (after the sum, on the comm stream), so it
-// overlaps the rest of backward and the slot waits for it. In mixed
-// precision 2 Psi/N bytes cross per step, 4 Psi/N in fp32.
-struct ShardToHost : Collective {
-  BucketExchange::Parts& exchange;
-  const void* shard;
-  void* host;
-  const size_t count;  // elements of the wire type
-  ShardToHost(BucketExchange::Parts& parts, const void* shard_, void* host_, size_t count_)
-      : exchange(parts), shard(shard_), host(host_), count(count_) {}
-  bool advance(Transfer&) override {
-    exchange.compute.copy(host, shard, exchange.wire.bytes(count), exchange.compute.comm_stream());
-    return true;
-  }
-};
-
 // The all-gather of a bucket over MPI: MPI's own, in place (rank r's shard
 // at r x shard, as NCCL lays it out); it only copies, so it is exact in
 // every mode. On cuda the own shard crosses to the host and the whole
@@ -1121,9 +983,9 @@ void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded,
   Transfer* transfer = p.start(slot, padded, "reduce-scatter");
   transfer->collectives.push_back(
       p.reduce_scatter_collective(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
-  if (into.offload_to && into.micro_step == into.micro_steps - 1)  // the sum is final: down to the host optimizer
+  if (into.copy_to_host && into.micro_step == into.micro_steps - 1)  // the final sum, also to the host (offload.h)
     transfer->collectives.push_back(
-        std::make_unique<ShardToHost>(p, into.result, into.offload_to, padded / p.queue.world));
+        std::make_unique<ShardToHost>(p, into.result, into.copy_to_host, padded / p.queue.world));
   progress();
 }
 
@@ -1177,8 +1039,8 @@ void BucketExchange::start_all_reduce(int slot, void* bucket, size_t padded, con
 
 // ZeRO-Offload runs this section on the host: the shards came down in their
 // reduce-scatters (ShardToHost), the loops below run as CPU loops on the
-// host's buffers (RankState::optimizer_loop) and each updated shard goes up
-// once computed (upload_updated_shard). Same loops, same values: same bits.
+// host's buffers (the step's home, StepHome) and each updated shard goes up
+// once computed (runtime/offload.h). Same loops, same values: same bits.
 
 // The step as the paper's optimizer sees it; each call below is one idea,
 // defined after it in the same order.
@@ -1186,8 +1048,7 @@ StepReport Engine::step() {
   require_built("step");
   RankState& rank_state = *rank_state_;
   StepReport report = rank_state.open_step();  // the global loss, the step's number and learning rate
-  // ZeRO-Offload: from here to the all-gathers the step runs on the host, on the shards copied down.
-  if (rank_state.offload) rank_state.wait_for_offloaded_gradients();
+  rank_state.home->wait_for_shards();          // ZeRO-Offload: the host's copies of them have come down
   const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank's reduced gradients
   if (rank_state.overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
   report.grad_norm = rank_state.global_norm(local, report);
@@ -1237,17 +1098,18 @@ std::vector<float> Engine::RankState::local_chunk_sums(float scale) {
 // or a power of two that keeps the squares from overflowing: see step()).
 template <class Working>
 void Engine::RankState::chunk_squares_as(int b, float scale) {
-  const Working* gradient = (const Working*)region_gradient(b);
+  const Working* gradient = (const Working*)home->gradient(b);
   float* sums = chunk_sums.data() + region(b).state / norm_chunk;
-  optimizer_loop(region(b).length / norm_chunk, Z2_LOOP(chunk, {
-                   const Working* values = gradient + chunk * norm_chunk;
-                   float squares[norm_chunk];  // the tree's leaves
-                   for (long k = 0; k < norm_chunk; ++k) {
-                     const float value = to_float(values[k]) * scale;  // exact: scale is a power of two (1 as a rule)
-                     squares[k] = value * value;
-                   }
-                   sums[chunk] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
-                 }));
+  compute.for_each_at(home->place(), region(b).length / norm_chunk, Z2_LOOP(chunk, {
+                        const Working* values = gradient + chunk * norm_chunk;
+                        float squares[norm_chunk];  // the tree's leaves
+                        for (long k = 0; k < norm_chunk; ++k) {
+                          const float value =
+                              to_float(values[k]) * scale;  // exact: scale is a power of two (1 as a rule)
+                          squares[k] = value * value;
+                        }
+                        sums[chunk] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
+                      }));
 }
 
 // fp16: overflow anywhere? (A chunk sum of finite fp16 values is finite:
@@ -1409,17 +1271,17 @@ float Engine::RankState::global_largest_magnitude(bool* finite) {
 // the same buffer: max is exact and order-free, so no tree is needed.
 template <class Working>
 void Engine::RankState::chunk_largest_as(int b) {
-  const Working* gradient = (const Working*)region_gradient(b);
+  const Working* gradient = (const Working*)home->gradient(b);
   float* largest = chunk_sums.data() + region(b).state / norm_chunk;
-  optimizer_loop(region(b).length / norm_chunk, Z2_LOOP(chunk, {
-                   float value = 0.0f;
-                   for (long k = 0; k < norm_chunk; ++k) {
-                     const float magnitude = fabsf(to_float(gradient[chunk * norm_chunk + k]));
-                     if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
-                     if (value != value) break;
-                   }
-                   largest[chunk] = value;
-                 }));
+  compute.for_each_at(home->place(), region(b).length / norm_chunk, Z2_LOOP(chunk, {
+                        float value = 0.0f;
+                        for (long k = 0; k < norm_chunk; ++k) {
+                          const float magnitude = fabsf(to_float(gradient[chunk * norm_chunk + k]));
+                          if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
+                          if (value != value) break;
+                        }
+                        largest[chunk] = value;
+                      }));
 }
 
 // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
@@ -1450,31 +1312,6 @@ AdamWConstants Engine::RankState::adamw_constants(const StepReport& report, long
   return constants;
 }
 
-// What update_and_gather (below) is lent: AdamW with this step's constants
-// on a bucket's update region, and the all-gather of a bucket's parameters
-// (16-bit working parameters in mixed precision: half the bytes): each
-// bucket once, its update first (the refusals: the end of this section).
-struct Engine::RankState::StepOverShards : OwnShards {
-  RankState& rank_state;
-  const AdamWConstants constants;
-  std::vector<char> updated = std::vector<char>(rank_state.buckets.size()), gathered = updated;  // this step
-  StepOverShards(RankState& state, const AdamWConstants& step_constants)
-      : rank_state(state), constants(step_constants) {}
-  void adamw(int b) override {
-    refuse_update(b);
-    updated[b] = 1;
-    rank_state.for_working_type([&](auto zero) { rank_state.adamw_as<decltype(zero)>(b, constants); });
-    if (rank_state.offload) rank_state.upload_updated_shard(b);  // ZeRO-Offload: back to the device's parameters
-  }
-  void all_gather(int b) override {
-    refuse_gather(b);
-    gathered[b] = 1;
-    rank_state.gather_parameters(b);
-  }
-  void refuse_update(int b) const;
-  void refuse_gather(int b) const;
-};
-
 // The optimizer step of each stage (the own-shards lab's second seam).
 Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketInfo>& buckets, int stage) {
   for (int b = 0; b < (int)buckets.size(); ++b) shards.adamw(b);  // this rank's update region of each bucket
@@ -1482,6 +1319,12 @@ Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketIn
   // P_os (5.1), P_os+g (5.2): each rank updated only its shards. The all-gather sends (N-1)/N Psi
   // elements, the second half of the all-reduce DP sends, so the volume is DP's (7.2.1).
   for (int b = 0; b < (int)buckets.size(); ++b) shards.all_gather(b);
+}
+
+// AdamW on bucket b's update region, in the working type.
+void Engine::RankState::adamw(int b, const AdamWConstants& constants) {
+  for_working_type([&](auto zero) { adamw_as<decltype(zero)>(b, constants); });
+  home->shard_updated(b);  // ZeRO-Offload: up to the device's parameters
 }
 
 // AdamW's constants for update t, the stage's step through the seam above,
@@ -1505,50 +1348,19 @@ void Engine::RankState::adamw_as(int b, const AdamWConstants& constants) {
   const unsigned char* decay_flags = decay.data();
   const UpdateRegion own = region(b);
   const size_t first_chunk = own.parameter / norm_chunk;
-  const Working* gradient = (const Working*)region_gradient(b);
-  float* param = region_master(b);
+  const Working* gradient = (const Working*)home->gradient(b);
+  float* param = home->master(b);
   float* exp_avg = adam_m.data() + own.state;  // torch's names for m and v
   float* exp_avg_sq = adam_v.data() + own.state;
-  Working* working = (Working*)region_working(b);
+  Working* working = (Working*)home->working(b);
   // A row per norm chunk (the decay flag is per chunk): the CPU loop reads
   // the flag once a chunk and vectorises the 32 updates of each.
-  optimizer_loop(own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
-                   const size_t i = chunk * norm_chunk + k;
-                   adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg, exp_avg_sq,
-                                i);
-                   if (working) working[i] = from_float<Working>(param[i]);
-                 }));
-}
-
-// ZeRO-Offload. The reduced shards came down inside their reduce-scatters
-// (ShardToHost): wait for those copies, and with them for backward, before
-// the host reads the shards and before anything is copied up over the
-// parameters backward read.
-void Engine::RankState::wait_for_offloaded_gradients() {
-  compute.synchronize_all();
-  if (!mixed && host_master_stale) take_host_master_from_parameters();
-}
-
-// fp32 keeps a host copy of its own shards as the master (without offload
-// the device's parameters are the master): taken from the parameters at the
-// first step after they were set from outside the step (a model's writes
-// between build() and step 1, parameters_from_host, a checkpoint loaded).
-// Writes through parameter() after step 1 are not seen, as in mixed
-// precision, offloaded or not (zero2.h, Engine::parameter_as).
-void Engine::RankState::take_host_master_from_parameters() {
-  for (int b = 0; b < (int)buckets.size(); ++b)
-    compute.copy(region_master(b), region_param(b), region(b).length * sizeof(float), compute.compute_stream());
-  compute.synchronize(compute.compute_stream());
-  host_master_stale = false;
-}
-
-// The updated shard of bucket b up to the device's parameters (mixed: its
-// rounded copy, 2 Psi/N bytes a step in all; fp32: the master itself, 4),
-// on the comm stream, where the bucket's all-gather follows it. The host
-// goes on to the next bucket's AdamW while this one crosses.
-void Engine::RankState::upload_updated_shard(int b) {
-  const void* updated = mixed ? region_working(b) : (const void*)region_master(b);
-  compute.copy(region_param(b), updated, region(b).length * element, compute.comm_stream());
+  compute.for_each_at(home->place(), own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
+                        const size_t i = chunk * norm_chunk + k;
+                        adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg,
+                                     exp_avg_sq, i);
+                        if (working) working[i] = from_float<Working>(param[i]);
+                      }));
 }
 
 // Bucket b's parameters, in place, rank r's shard to every rank; and the
@@ -1575,7 +1387,7 @@ void Engine::all_gather_untracked() {
   rank_state.step_start_counters = comm_.counters();
 }
 
-void Engine::parameters_written() { rank_state_->host_master_stale = true; }
+void Engine::parameters_written() { rank_state_->home->parameters_written(); }
 
 // Account the step in the ledgers and name the next one for the watchdog.
 StepReport Engine::RankState::close_step(const StepReport& report) {
@@ -1599,26 +1411,6 @@ void Engine::RankState::account_step() {
   pushes_last_step = memory.pushes - pushes_at_step_start;
   allocations_at_step_start = memory.allocations;
   pushes_at_step_start = memory.pushes;
-}
-
-// --- what the own-shards seam refuses (a call out of order) ------------------
-// The all-gather reads the shard while it runs, so an update after it would
-// race with it, and the other ranks could receive the old shard. (The order
-// of the calls is the same on every rank, so every rank refuses together.)
-
-void Engine::RankState::StepOverShards::refuse_update(int b) const {
-  rank_state.check_bucket(b, "adamw");
-  if (gathered[b])
-    usage_error(
-        "adamw: bucket %d's all-gather has already started: it would send the shard as it was before the "
-        "update (or half updated). Update a bucket, then all-gather it",
-        b);
-  if (updated[b]) usage_error("adamw: bucket %d was updated already in this step", b);
-}
-
-void Engine::RankState::StepOverShards::refuse_gather(int b) const {
-  rank_state.check_bucket(b, "all_gather");
-  if (gathered[b]) usage_error("all_gather: bucket %d was all-gathered already in this step", b);
 }
 
 // ----------------------------------------------------------------------------

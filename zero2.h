@@ -800,7 +800,7 @@ struct AccumulateInto {
   // ZeRO-Offload: once the last micro-step's `result` is written, the same
   // transfer copies it ([padded / N] wire elements) to this host address, so
   // the slot it may lie in is not handed on before the copy has read it.
-  void* offload_to = nullptr;
+  void* copy_to_host = nullptr;
   template <class Accum>
   AccumulationStackOf<Accum> stack_as() const {  // the open blocks as `Accum` elements
     AccumulationStackOf<Accum> typed;

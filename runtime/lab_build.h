@@ -52,4 +52,13 @@ inline bool fails_on_any_rank(Communicator& comm, bool fails) {
 void check_lab_shards(const std::vector<BucketInfo>& buckets, int world_size);
 void check_lab_regions(const std::vector<BucketInfo>& buckets, const EngineBuffers& sizes, int stage, int world_size);
 
+// Both, at build(), before anything is allocated (in a lab build; nothing otherwise).
+inline void check_lab_layout(const std::vector<BucketInfo>& buckets, const EngineOptions& options, int world_size) {
+#if defined(Z2_LAB_BUILD)
+  check_lab_shards(buckets, world_size);
+  check_lab_regions(buckets, engine_buffers(buckets, options, world_size), options.stage, world_size);
+#endif
+  (void)buckets, (void)options, (void)world_size;
+}
+
 }  // namespace z2
