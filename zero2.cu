@@ -13,10 +13,14 @@
 //   2. The stage buffers   what each stage keeps, full or sharded (DP, P_os, P_os+g)
 //   3. Backward            where a gradient is written, and stage 2's slots, each
 //                          bucket reduce-scattered as soon as it is complete
-//   4. The reduce-scatter  the blocking reference, the receiver's canonical-tree
-//                          sum, the transfer that carries a bucket, the all-gather
+//   4. The reduce-scatter  the blocking reference, the transfer that carries a
+//                          bucket, the receiver's canonical-tree sum, the micro-step's end
 //   5. The step            loss, global norm, fp16's overflow skip, clipping, AdamW
 //                          on the own shard, the all-gather of the updated shards
+// The path one gradient takes through them is in this order too, with two
+// seams beside it: runtime/offload.h (ZeRO-Offload's step on the host) and
+// runtime/lab_adapters.h (what the course labs' seams are lent, the refusals);
+// runtime/transfers.h holds the transfer queue's steps (notes/gradient_path.py).
 //   6. ZeRO-R's seams      the arena's books (M_D), the offload schedule (P_a+cpu)
 //   7. Resharding          which pieces of a checkpoint a rank reads, at any N
 //   8. The ledger          the formulas the measured bytes are held to
@@ -651,6 +655,24 @@ Z2_LAB_SEAM void stage2_gradient_ready(GradientShards& shards, int bucket_index,
   shards.reduce_scatter(bucket_index, bucket.shard_offset);
 }
 
+// P_os+g (5.2): the bucket's reduce-scatter from its slot; this rank's shard
+// of the sum is kept from element `keep` of the gradient shard [Psi_padded / N].
+void Engine::RankState::reduce_slot(int b, size_t keep) {
+  AccumulateInto into = accumulate_into(keep, keep);
+  home->route(into, b, keep);  // ZeRO-Offload: the sum goes down to the host (runtime/offload.h)
+  exchange->start_reduce_scatter(exchange->slot_of(b), slot_buffer[b], buckets[b].padded_length, into);
+  bucket_reduced[b] = 1;
+  if (!options.overlap) exchange->finish_all();
+}
+
+// The slot bucket b took (take_slot): its reduce-scatter runs in it.
+int BucketExchange::slot_of(int bucket) const {
+  const std::vector<Slot>& slots = parts_->queue.slots;
+  for (size_t k = 0; k < slots.size(); ++k)
+    if (slots[k].bucket == bucket) return (int)k;
+  return -1;
+}
+
 // Where a reduce-scatter leaves this rank's shard of the sum: element
 // `result` of the gradient buffer, by way of the accumulation tree's open
 // blocks, which are shard-sized in every stage (element `shard` of them).
@@ -662,16 +684,6 @@ AccumulateInto Engine::RankState::accumulate_into(size_t result, size_t shard) {
   into.micro_step = engine.micro_steps_done_;
   into.micro_steps = options.accumulation_steps;
   return into;
-}
-
-// P_os+g (5.2): the bucket's reduce-scatter from its slot; this rank's shard
-// of the sum is kept from element `keep` of the gradient shard [Psi_padded / N].
-void Engine::RankState::reduce_slot(int b, size_t keep) {
-  AccumulateInto into = accumulate_into(keep, keep);
-  home->route(into, b, keep);  // ZeRO-Offload: the sum goes down to the host (runtime/offload.h)
-  exchange->start_reduce_scatter(exchange->slot_of(b), slot_buffer[b], buckets[b].padded_length, into);
-  bucket_reduced[b] = 1;
-  if (!options.overlap) exchange->finish_all();
 }
 
 // Stages 0 and 1 reduce from the full gradient buffer. (Stage 2 has none:
@@ -699,48 +711,6 @@ int Engine::buckets_reduced_during_backward() const {
   return rank_state_->reduced_during_backward;
 }
 
-void Engine::progress() {
-  if (built_) rank_state_->exchange->progress();
-}
-
-void Engine::end_micro_step(float loss) {
-  require_built("end_micro_step");
-  RankState& rank_state = *rank_state_;
-  if (micro_steps_done_ >= options_.accumulation_steps)
-    usage_error("end_micro_step: already %d micro-steps; call step()", options_.accumulation_steps);
-  for (size_t id = 0; id < parameters_.size(); ++id)
-    if (!rank_state.parameter_ready[id])
-      usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
-  rank_state.reduce_buckets_left();
-  rank_state.exchange->finish_all();
-  // The next micro-step's backward overwrites the gradients: it must come
-  // after everything the comm stream still does with them.
-  compute_.record(rank_state.comm_done, compute_.comm_stream());
-  compute_.wait(compute_.compute_stream(), rank_state.comm_done);
-  rank_state.micro_losses[micro_steps_done_] = loss;
-  std::fill(rank_state.parameter_ready.begin(), rank_state.parameter_ready.end(), 0);
-  std::fill(rank_state.bucket_ready_count.begin(), rank_state.bucket_ready_count.end(), 0);
-  std::fill(rank_state.bucket_reduced.begin(), rank_state.bucket_reduced.end(), 0);
-  ++micro_steps_done_;
-}
-
-// Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
-// the order backward completes them. Stage 2 reduces every bucket during
-// backward, from its slot: one left means the hook never started it.
-void Engine::RankState::reduce_buckets_left() {
-  reduced_during_backward = 0;
-  for (char reduced : bucket_reduced) reduced_during_backward += reduced;
-  for (int b = (int)buckets.size() - 1; b >= 0; --b) {
-    if (bucket_reduced[b]) continue;
-    if (stage == 2)
-      usage_error(
-          "end_micro_step: bucket %d ('%s' ...) was never reduce-scattered: in stage 2 each bucket is "
-          "reduce-scattered from its slot as soon as its last gradient is handed over (stage2_gradient_ready)",
-          b, engine.parameters_[buckets[b].first_parameter].name.c_str());
-    reduce_bucket(b);
-  }
-}
-
 // ----------------------------------------------------------------------------
 // 4. The reduce-scatter: the blocking reference, the receiver's sum, the transfer
 //
@@ -754,11 +724,6 @@ void Engine::RankState::reduce_buckets_left() {
 // while a bucket is reduced); it is the reference the non-blocking exchange
 // below is tested against (tests/test_collectives.cpp) and the answer to the
 // reduce-scatter lab (notes/labs).
-
-// tree_sum (the seam of the tree-sum lab) over leaves in memory.
-Z2_LAB_SEAM float tree_sum(long n, const float* leaves) {
-  return canonical_tree_sum(n, [&](long k) { return leaves[k]; });
-}
 
 static int mpi_count(size_t elements, const char* what) {
   if (elements > (size_t)INT_MAX) usage_error("%s: %zu elements, more than MPI's int count holds", what, elements);
@@ -785,74 +750,24 @@ Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t s
   Z2_MPI_CHECK(MPI_Allgather(shard, count, MPI_FLOAT, bucket, count, MPI_FLOAT, comm));
 }
 
-// --- the receiver's sum (a kernel on the comm stream) -----------------------------
-
-// The same sum on the device, in any precision: element i of the own shard
-// is the canonical tree over the N ranks' slices, in fp32, handed to the
-// accumulation tree, which rounds the finished sum once (notes/08). Rank r
-// computed micro-batch a N + r, so this tree continued over the micro-steps
-// is the canonical tree over all N A micro-batches: the same bits at any
-// power-of-two N (notes/06). (sum_over_ranks: canonical_tree_sum, or in a
-// lab build the student's tree_sum; runtime/lab_build.h.)
-template <class Wire, class Accum>
-void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                                      const AccumulateInto& into) {
-  const int ranks = world, me = rank;
-  const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
-  Wire* result = (Wire*)into.result;
-  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
-  const long micro_step = into.micro_step, micro_steps = into.micro_steps;
-  check_lab_ranks(ranks);
-  compute.for_each(shard,
-                   Z2_LOOP(i,
-                           {
-                             float value = sum_over_ranks(ranks, [&](long j) {
-                               return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
-                             });
-                             accumulate_micro_step(stack, micro_step, micro_steps, value, result, i);
-                           }),
-                   compute.comm_stream());
-}
-// One value per element already reduced (one rank, or a native reduce-scatter).
-template <class Wire, class Accum>
-void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
-  const Wire* values = (const Wire*)reduced;
-  Wire* result = (Wire*)into.result;
-  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
-  const long micro_step = into.micro_step, micro_steps = into.micro_steps;
-  compute.for_each(
-      n, Z2_LOOP(i, { accumulate_micro_step(stack, micro_step, micro_steps, to_float(values[i]), result, i); }),
-      compute.comm_stream());
-}
-// The kernel for the exchange's types: call(Wire{}, Accum{}).
-template <class Call>
-static void for_exchange_types(const ShardSums& sums, Call call) {
-  switch (sums.wire.precision) {
-    case Precision::fp32: return call(float{}, float{});
-    case Precision::bf16:
-      if (sums.accumulate_fp32) return call(bfloat16{}, float{});
-      return call(bfloat16{}, bfloat16{});
-    case Precision::fp16:
-      if (sums.accumulate_fp32) return call(float16{}, float{});
-      return call(float16{}, float16{});
-  }
-}
-void ShardSums::sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
-  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
-    sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
-  });
-}
-void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& into) {
-  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
-    accumulate_as<decltype(wire_zero), decltype(accum_zero)>(values, n, into);
-  });
-}
-
 // --- the transfer that carries it: one bucket over MPI, as it runs ---------------
 
-// The engine trains with a non-blocking form of the reference above: each
-// progress() call (between layers) takes the bucket's steps as far as they
-// go without waiting (runtime/transfers.h: a transfer and its queue). On
+// The collectives the engine calls start a transfer in the slot at once
+// (the queue's steps: runtime/transfers.h); progress() moves it on.
+void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
+  Parts& p = *parts_;
+  Transfer* transfer = p.start(slot, padded, "reduce-scatter");
+  transfer->collectives.push_back(
+      p.reduce_scatter_collective(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
+  if (into.copy_to_host && into.micro_step == into.micro_steps - 1)  // the final sum, also to the host (offload.h)
+    transfer->collectives.push_back(
+        std::make_unique<ShardToHost>(p, into.result, into.copy_to_host, padded / p.queue.world));
+  progress();
+}
+
+// The chapter's own reduce-scatter over MPI, a non-blocking form of the
+// reference above: each progress() call (between layers) takes the bucket's
+// steps as far as they go without waiting (runtime/transfers.h). On
 // cuda with --comm mpi, MPI works on pinned host memory: the bucket crosses
 // to the host first, and the received slices come back before the sum.
 struct MpiReduceScatter : Collective {
@@ -936,33 +851,8 @@ struct OneRankSum : Collective {
   }
 };
 
-// The all-gather of a bucket over MPI: MPI's own, in place (rank r's shard
-// at r x shard, as NCCL lays it out); it only copies, so it is exact in
-// every mode. On cuda the own shard crosses to the host and the whole
-// bucket comes back (runtime/transfers.cpp: MpiCollective's steps).
-struct MpiAllGather : MpiCollective {
-  char* host;  // where MPI gathers: the bucket itself, or the slot's pinned copy
-  const size_t shard;
-  size_t* sent;
-  MpiAllGather(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded, size_t* sent_)
-      : MpiCollective(parts, s),
-        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        shard(padded / parts.queue.world),
-        sent(sent_) {
-    if (!parts.through_pinned_host) return;
-    const size_t own = (size_t)parts.queue.rank * shard;
-    to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
-    to_device = {bucket, host, padded};                                       // the whole bucket comes back
-  }
-  void post(MPI_Request* request) override {
-    const MPI_Datatype type = exchange.wire.mpi_type;
-    Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request));
-    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard);
-  }
-};
-
-// Which collective carries a bucket: the chapter's own over MPI (above), or
-// the libraries' (NCCL, --collectives native: runtime/transfers.cpp).
+// Which collective carries a bucket's reduce-scatter: the chapter's own over
+// MPI (above), or the libraries' (NCCL, --collectives native: runtime/transfers.cpp).
 std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int slot, void* bucket, size_t padded,
                                                                              const AccumulateInto& into, size_t* sent) {
   if (queue.world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
@@ -971,30 +861,67 @@ std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int
   return std::make_unique<MpiReduceScatter>(*this, slot, bucket, padded, into, sent);
 }
 
-std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(int slot, void* bucket, size_t padded,
-                                                                         size_t* sent) {
-  if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
-  return std::make_unique<MpiAllGather>(*this, queue.slots[slot], bucket, padded, sent);
+// --- the receiver's sum (a kernel on the comm stream) -----------------------------
+
+// The kernel for the exchange's types: call(Wire{}, Accum{}).
+template <class Call>
+static void for_exchange_types(const ShardSums& sums, Call call) {
+  switch (sums.wire.precision) {
+    case Precision::fp32: return call(float{}, float{});
+    case Precision::bf16:
+      if (sums.accumulate_fp32) return call(bfloat16{}, float{});
+      return call(bfloat16{}, bfloat16{});
+    case Precision::fp16:
+      if (sums.accumulate_fp32) return call(float16{}, float{});
+      return call(float16{}, float16{});
+  }
+}
+void ShardSums::sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
+  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
+    sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
+  });
+}
+void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& into) {
+  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
+    accumulate_as<decltype(wire_zero), decltype(accum_zero)>(values, n, into);
+  });
 }
 
-// The three collectives the engine calls: a transfer in the slot, started at once.
-void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
-  Parts& p = *parts_;
-  Transfer* transfer = p.start(slot, padded, "reduce-scatter");
-  transfer->collectives.push_back(
-      p.reduce_scatter_collective(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
-  if (into.copy_to_host && into.micro_step == into.micro_steps - 1)  // the final sum, also to the host (offload.h)
-    transfer->collectives.push_back(
-        std::make_unique<ShardToHost>(p, into.result, into.copy_to_host, padded / p.queue.world));
-  progress();
+// The same sum on the device, in any precision: element i of the own shard
+// is the canonical tree over the N ranks' slices, in fp32, handed to the
+// accumulation tree, which rounds the finished sum once (notes/08). Rank r
+// computed micro-batch a N + r, so this tree continued over the micro-steps
+// is the canonical tree over all N A micro-batches: the same bits at any
+// power-of-two N (notes/06). (sum_over_ranks, zero2.h: canonical_tree_sum, or
+// in a lab build the student's tree_sum.)
+template <class Wire, class Accum>
+void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
+                                      const AccumulateInto& into) {
+  const int ranks = world, me = rank;
+  const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
+  Wire* result = (Wire*)into.result;
+  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
+  const long micro_step = into.micro_step, micro_steps = into.micro_steps;
+  compute.for_each(shard,
+                   Z2_LOOP(i,
+                           {
+                             float value = sum_over_ranks(ranks, [&](long j) {
+                               return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
+                             });
+                             accumulate_micro_step(stack, micro_step, micro_steps, value, result, i);
+                           }),
+                   compute.comm_stream());
 }
-
-void BucketExchange::start_all_gather(int slot, void* bucket, size_t padded) {
-  Parts& p = *parts_;
-  Transfer* transfer = p.start(slot, padded, "all-gather");
-  if (p.queue.world > 1)  // one rank: nothing to send
-    transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, &p.comm.counters().all_gather));
-  progress();
+// One value per element already reduced (one rank, or a native reduce-scatter).
+template <class Wire, class Accum>
+void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
+  const Wire* values = (const Wire*)reduced;
+  Wire* result = (Wire*)into.result;
+  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
+  const long micro_step = into.micro_step, micro_steps = into.micro_steps;
+  compute.for_each(
+      n, Z2_LOOP(i, { accumulate_micro_step(stack, micro_step, micro_steps, to_float(values[i]), result, i); }),
+      compute.comm_stream());
 }
 
 // DP's all-reduce: the reduce-scatter into the bucket's own slice (through
@@ -1017,6 +944,55 @@ void BucketExchange::start_all_reduce(int slot, void* bucket, size_t padded, con
     if (p.queue.world > 1) transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, sent));
   }
   progress();
+}
+
+// --- every bucket reduced: the transfers move between layers, and finish --------
+
+// Between layers: every transfer in flight as far as it goes without waiting.
+void Engine::progress() {
+  if (built_) rank_state_->exchange->progress();
+}
+
+void BucketExchange::progress() { parts_->queue.progress(); }
+
+void Engine::end_micro_step(float loss) {
+  require_built("end_micro_step");
+  RankState& rank_state = *rank_state_;
+  if (micro_steps_done_ >= options_.accumulation_steps)
+    usage_error("end_micro_step: already %d micro-steps; call step()", options_.accumulation_steps);
+  for (size_t id = 0; id < parameters_.size(); ++id)
+    if (!rank_state.parameter_ready[id])
+      usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
+  rank_state.reduce_buckets_left();
+  rank_state.exchange->finish_all();
+  // The next micro-step's backward overwrites the gradients: it must come
+  // after everything the comm stream still does with them.
+  compute_.record(rank_state.comm_done, compute_.comm_stream());
+  compute_.wait(compute_.compute_stream(), rank_state.comm_done);
+  rank_state.micro_losses[micro_steps_done_] = loss;
+  std::fill(rank_state.parameter_ready.begin(), rank_state.parameter_ready.end(), 0);
+  std::fill(rank_state.bucket_ready_count.begin(), rank_state.bucket_ready_count.end(), 0);
+  std::fill(rank_state.bucket_reduced.begin(), rank_state.bucket_reduced.end(), 0);
+  ++micro_steps_done_;
+}
+
+void BucketExchange::finish_all() { parts_->queue.finish_all(); }
+
+// Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
+// the order backward completes them. Stage 2 reduces every bucket during
+// backward, from its slot: one left means the hook never started it.
+void Engine::RankState::reduce_buckets_left() {
+  reduced_during_backward = 0;
+  for (char reduced : bucket_reduced) reduced_during_backward += reduced;
+  for (int b = (int)buckets.size() - 1; b >= 0; --b) {
+    if (bucket_reduced[b]) continue;
+    if (stage == 2)
+      usage_error(
+          "end_micro_step: bucket %d ('%s' ...) was never reduce-scattered: in stage 2 each bucket is "
+          "reduce-scattered from its slot as soon as its last gradient is handed over (stage2_gradient_ready)",
+          b, engine.parameters_[buckets[b].first_parameter].name.c_str());
+    reduce_bucket(b);
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -1042,8 +1018,9 @@ void BucketExchange::start_all_reduce(int slot, void* bucket, size_t padded, con
 // host's buffers (the step's home, StepHome) and each updated shard goes up
 // once computed (runtime/offload.h). Same loops, same values: same bits.
 
-// The step as the paper's optimizer sees it; each call below is one idea,
-// defined after it in the same order.
+// The step as the paper's optimizer sees it; each call below is one idea.
+// The rank's steps are defined after it in the same order; the home's hook
+// (wait_for_shards) is with StepHome, after RankState (and in offload.h).
 StepReport Engine::step() {
   require_built("step");
   RankState& rank_state = *rank_state_;
@@ -1247,6 +1224,12 @@ float Engine::RankState::global_squared_norm(const std::vector<float>& local) {
   return tree_sum((long)canonical.size(), canonical.data());
 }
 
+// The canonical tree over leaves in memory (the tree-sum lab's seam): the
+// norm's chunk sums, the loss, the blocking reference's slices.
+Z2_LAB_SEAM float tree_sum(long n, const float* leaves) {
+  return canonical_tree_sum(n, [&](long k) { return leaves[k]; });
+}
+
 // The largest |g| over every rank's update region (collective); `finite`
 // says whether every element of the gradient is finite.
 float Engine::RankState::global_largest_magnitude(bool* finite) {
@@ -1292,6 +1275,19 @@ float Engine::RankState::clip_coefficient(float grad_norm) const {
   return std::min(coefficient, 1.0f);
 }
 
+// AdamW's constants for update t, the stage's step through the seam below,
+// and the wait for its all-gathers. One multiply per element folds the
+// clipping coefficient and fp16's 1/S into the gradient.
+void Engine::RankState::apply_update(StepReport& report) {
+  const long t = engine.updates_applied_ + 1;
+  const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
+  StepOverShards shards(*this, adamw_constants(report, t, grad_scale));
+  z2::update_and_gather(shards, buckets, stage);
+  wait_for_all_gathers();
+  engine.updates_applied_ = t;
+  report.applied = t;
+}
+
 // torch.optim.AdamW's scalars, computed in double, for update t (1-based),
 // with the step's rate and betas (open_step: a scheduler may set both).
 AdamWConstants Engine::RankState::adamw_constants(const StepReport& report, long t, float grad_scale) const {
@@ -1327,19 +1323,6 @@ void Engine::RankState::adamw(int b, const AdamWConstants& constants) {
   home->shard_updated(b);  // ZeRO-Offload: up to the device's parameters
 }
 
-// AdamW's constants for update t, the stage's step through the seam above,
-// and the wait for its all-gathers. One multiply per element folds the
-// clipping coefficient and fp16's 1/S into the gradient.
-void Engine::RankState::apply_update(StepReport& report) {
-  const long t = engine.updates_applied_ + 1;
-  const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
-  StepOverShards shards(*this, adamw_constants(report, t, grad_scale));
-  z2::update_and_gather(shards, buckets, stage);
-  wait_for_all_gathers();
-  engine.updates_applied_ = t;
-  report.applied = t;
-}
-
 // AdamW on bucket b's update region. fp32: the parameters are the master.
 // Mixed: the fp32 master is updated, then rounded once into the working
 // copy that forward reads and the all-gather sends.
@@ -1363,12 +1346,53 @@ void Engine::RankState::adamw_as(int b, const AdamWConstants& constants) {
                       }));
 }
 
-// Bucket b's parameters, in place, rank r's shard to every rank; and the
-// wait for every all-gather started, after which forward (on the compute
-// stream) may read them.
+// Bucket b's parameters, in place, rank r's shard to every rank: the
+// all-gather over MPI below, in the exchange's transfer queue.
 void Engine::RankState::gather_parameters(int b) {
   exchange->start_all_gather(exchange->acquire(b), at(params, buckets[b].offset), buckets[b].padded_length);
 }
+// The all-gather of a bucket over MPI: MPI's own, in place (rank r's shard
+// at r x shard, as NCCL lays it out); it only copies, so it is exact in
+// every mode. On cuda the own shard crosses to the host and the whole
+// bucket comes back (runtime/transfers.h: MpiCollective's steps).
+struct MpiAllGather : MpiCollective {
+  char* host;  // where MPI gathers: the bucket itself, or the slot's pinned copy
+  const size_t shard;
+  size_t* sent;
+  MpiAllGather(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded, size_t* sent_)
+      : MpiCollective(parts, s),
+        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
+        shard(padded / parts.queue.world),
+        sent(sent_) {
+    if (!parts.through_pinned_host) return;
+    const size_t own = (size_t)parts.queue.rank * shard;
+    to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
+    to_device = {bucket, host, padded};                                       // the whole bucket comes back
+  }
+  void post(MPI_Request* request) override {
+    const MPI_Datatype type = exchange.wire.mpi_type;
+    Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request));
+    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard);
+  }
+};
+
+// Which collective carries it: NCCL's, or the one above.
+std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(int slot, void* bucket, size_t padded,
+                                                                         size_t* sent) {
+  if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
+  return std::make_unique<MpiAllGather>(*this, queue.slots[slot], bucket, padded, sent);
+}
+
+void BucketExchange::start_all_gather(int slot, void* bucket, size_t padded) {
+  Parts& p = *parts_;
+  Transfer* transfer = p.start(slot, padded, "all-gather");
+  if (p.queue.world > 1)  // one rank: nothing to send
+    transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, &p.comm.counters().all_gather));
+  progress();
+}
+
+// The wait for every all-gather started, after which forward (on the
+// compute stream) may read the parameters.
 void Engine::RankState::wait_for_all_gathers() {
   exchange->finish_all();
   compute.record(comm_done, compute.comm_stream());

@@ -217,10 +217,10 @@ struct StepReport {
   float loss = 0;       // canonical-tree sum of the micro-batch loss contributions
   float grad_norm = 0;  // global L2 norm before clipping (unscaled; inf or NaN on an fp16 overflow)
   float clip_coefficient = 1;
-  double lr = 0;          // the learning rate of the update (of the update it would have been, when skipped)
+  double lr = 0;                // the learning rate of the update (of the update it would have been, when skipped)
   double beta1 = 0, beta2 = 0;  // Adam's betas of the update (EngineOptions::betas_schedule, or beta1 and beta2)
-  double loss_scale = 1;  // the scale this step's gradients carry (fp16; 1 otherwise)
-  bool skipped = false;   // fp16: a gradient overflowed on some rank, so no rank updated
+  double loss_scale = 1;        // the scale this step's gradients carry (fp16; 1 otherwise)
+  bool skipped = false;         // fp16: a gradient overflowed on some rank, so no rank updated
 };
 
 // What a loss scaler carries from step to step: a checkpoint holds it, and
@@ -697,22 +697,18 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
   return sum;
 }
 
-// canonical_tree_sum of a power-of-two count of leaves, by levels: the pairs
-// of leaves, then the pairs of pairs, ... A perfect tree has one shape, so
-// these are the same additions in the same order, written as loops the CPU
-// can vectorise (each level reads `from` and writes `to`, then they swap).
-// `leaves` [n] is overwritten.
-template <int n>
-Z2_HD inline float perfect_tree_sum(float* leaves) {
-  static_assert(n > 0 && (n & (n - 1)) == 0, "n must be a power of two");
-  float scratch[n / 2 > 0 ? n / 2 : 1];
-  float *from = leaves, *to = scratch;
-  for (int width = n / 2; width >= 1; width /= 2) {
-    for (int k = 0; k < width; ++k) to[k] = from[2 * k] + from[2 * k + 1];
-    float* swap = from;
-    from = to, to = swap;
-  }
-  return from[0];
+// The canonical tree over the N ranks' slices of one element (zero2.cu's
+// ShardSums): canonical_tree_sum, or in a lab build (notes/labs) the
+// student's tree_sum over the leaves, at most 64 (runtime/lab_build.h).
+template <class Leaf>
+Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {
+#if defined(Z2_LAB_BUILD)
+  float leaves[64];  // a lab build refuses more ranks (check_lab_layout)
+  for (long j = 0; j < ranks; ++j) leaves[j] = leaf(j);
+  return tree_sum(ranks, leaves);
+#else
+  return canonical_tree_sum(ranks, leaf);
+#endif
 }
 
 // The same tree, fed over time: the A micro-step results of one optimizer step
@@ -742,6 +738,24 @@ Z2_HD inline void accumulate_micro_step(const AccumulationStackOf<Accum>& stack,
   for (unsigned long closed = (unsigned long)micro_step; closed & 1ul; closed >>= 1)
     value = to_float(stack.entries[--depth][i]) + value;
   stack.entries[depth][i] = from_float<Accum>(value);
+}
+
+// canonical_tree_sum of a power-of-two count of leaves, by levels: the pairs
+// of leaves, then the pairs of pairs, ... A perfect tree has one shape, so
+// these are the same additions in the same order, written as loops the CPU
+// can vectorise (each level reads `from` and writes `to`, then they swap).
+// `leaves` [n] is overwritten.
+template <int n>
+Z2_HD inline float perfect_tree_sum(float* leaves) {
+  static_assert(n > 0 && (n & (n - 1)) == 0, "n must be a power of two");
+  float scratch[n / 2 > 0 ? n / 2 : 1];
+  float *from = leaves, *to = scratch;
+  for (int width = n / 2; width >= 1; width /= 2) {
+    for (int k = 0; k < width; ++k) to[k] = from[2 * k] + from[2 * k + 1];
+    float* swap = from;
+    from = to, to = swap;
+  }
+  return from[0];
 }
 
 // AdamW exactly as torch.optim.AdamW (single-tensor path, amsgrad off):
