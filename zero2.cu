@@ -388,7 +388,9 @@ struct Engine::RankState {
   void take_slot(int b);                 // stage 2: bucket b's slot, zeroed for backward
   void reduce_slot(int b, size_t keep);  // stage 2: bucket b's reduce-scatter from its slot
   AccumulateInto accumulate_into(size_t result, size_t shard);
-  void reduce_bucket(int b);   // stages 0/1: from the full gradient buffer
+  void reduce_bucket(int b);  // stages 0/1: from the full gradient buffer
+  void gradient_ready(ParameterId id);
+  void end_micro_step(int a, float loss);
   void reduce_buckets_left();  // end_micro_step: what backward did not reduce (stages 0/1)
   // What the lab seams are lent, and what backward's calls refuse (runtime/lab_adapters.h).
   struct SlotGradients;
@@ -402,7 +404,6 @@ struct Engine::RankState {
   std::vector<float> local_chunk_sums(float scale = 1.0f);
   template <class Working>
   void chunk_squares_as(int b, float scale);
-  bool overflow_skips_step(const std::vector<float>& local, StepReport& report);
   float global_norm(const std::vector<float>& local, const StepReport& report);
   float global_squared_norm(const std::vector<float>& local);
   float rescaled_squared_norm(const StepReport& report, float* scale_back);
@@ -417,6 +418,7 @@ struct Engine::RankState {
   void adamw_as(int b, const AdamWConstants& constants);
   void gather_parameters(int b);
   void wait_for_all_gathers();
+  void all_gather_untracked();
   StepReport close_step(const StepReport& report);
   void account_step();
 };
@@ -474,7 +476,6 @@ void Engine::build() {
   check_lab_layout(buckets_, options_, comm_.world_size());  // a lab build's shard_begin, update_region (lab_build.h)
   place_parameters(parameters_, buckets_);
   rank_state_.reset(new RankState(*this, compute_));
-  rank_state_->home = step_home(*rank_state_);  // ZeRO-Offload enters here: the step's home (runtime/offload.h)
   // The ledger's peaks are this engine's: start them from what exists now.
   compute_.reset_peaks();
   // Every size comes from engine_buffers(), the function --plan calls: what
@@ -486,6 +487,7 @@ void Engine::build() {
 
 // The buffers of build(), in the order the memory ledger lists them.
 void Engine::RankState::allocate(const EngineBuffers& sizes) {
+  home = step_home(*this);  // ZeRO-Offload enters here: the step's home, the host (runtime/offload.h)
   // Model states, the memory the paper's formulas count; their bytes in each
   // stage, and what each stage saves, are engine_buffers()' table.
   params = DeviceArray<char>(compute, sizes.params, MemoryKind::params);
@@ -626,23 +628,27 @@ void* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
 
 void Engine::gradient_ready(ParameterId id) {
   require_built("gradient_ready");
-  RankState& rank_state = *rank_state_;
-  rank_state.refuse_gradient_ready(id);
-  const ParameterInfo& p = parameters_[id];
-  rank_state.parameter_ready[id] = 1;
-  const BucketInfo& b = buckets_[p.bucket];
-  ++rank_state.bucket_ready_count[p.bucket];
-  if (rank_state.stage == 2) {
+  rank_state_->gradient_ready(id);
+}
+
+// The gradient handed over: counted in its bucket, and the bucket reduced when complete.
+void Engine::RankState::gradient_ready(ParameterId id) {
+  refuse_gradient_ready(id);
+  const ParameterInfo& p = engine.parameters_[id];
+  const BucketInfo& b = buckets[p.bucket];
+  parameter_ready[id] = 1;
+  ++bucket_ready_count[p.bucket];
+  if (stage == 2) {
     // P_os+g cannot wait for the end of backward: its slots must come back for
     // the next buckets, so a complete bucket is reduce-scattered at once.
-    RankState::SlotGradients slots(rank_state);
+    SlotGradients slots(*this);
     stage2_gradient_ready(slots, p.bucket, b, id);
-  } else if (options_.overlap && rank_state.bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
+  } else if (options.overlap && bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
     // Stages 0/1 with overlap reduce a complete bucket now; without it, at
     // end_micro_step, as a framework without gradient hooks would.
-    rank_state.reduce_bucket(p.bucket);
+    reduce_bucket(p.bucket);
   }
-  rank_state.exchange->progress();
+  exchange->progress();
 }
 
 // Complete once every parameter is in (backward hands them over in reverse
@@ -957,23 +963,27 @@ void BucketExchange::progress() { parts_->queue.progress(); }
 
 void Engine::end_micro_step(float loss) {
   require_built("end_micro_step");
-  RankState& rank_state = *rank_state_;
   if (micro_steps_done_ >= options_.accumulation_steps)
     usage_error("end_micro_step: already %d micro-steps; call step()", options_.accumulation_steps);
-  for (size_t id = 0; id < parameters_.size(); ++id)
-    if (!rank_state.parameter_ready[id])
-      usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
-  rank_state.reduce_buckets_left();
-  rank_state.exchange->finish_all();
+  rank_state_->end_micro_step(micro_steps_done_, loss);
+  ++micro_steps_done_;
+}
+
+// Micro-step a's end: every bucket reduced, its transfers finished.
+void Engine::RankState::end_micro_step(int a, float loss) {
+  for (size_t id = 0; id < parameter_ready.size(); ++id)
+    if (!parameter_ready[id])
+      usage_error("end_micro_step: no gradient was handed over for '%s'", engine.parameters_[id].name.c_str());
+  reduce_buckets_left();
+  exchange->finish_all();
   // The next micro-step's backward overwrites the gradients: it must come
   // after everything the comm stream still does with them.
-  compute_.record(rank_state.comm_done, compute_.comm_stream());
-  compute_.wait(compute_.compute_stream(), rank_state.comm_done);
-  rank_state.micro_losses[micro_steps_done_] = loss;
-  std::fill(rank_state.parameter_ready.begin(), rank_state.parameter_ready.end(), 0);
-  std::fill(rank_state.bucket_ready_count.begin(), rank_state.bucket_ready_count.end(), 0);
-  std::fill(rank_state.bucket_reduced.begin(), rank_state.bucket_reduced.end(), 0);
-  ++micro_steps_done_;
+  compute.record(comm_done, compute.comm_stream());
+  compute.wait(compute.compute_stream(), comm_done);
+  micro_losses[a] = loss;
+  std::fill(parameter_ready.begin(), parameter_ready.end(), 0);
+  std::fill(bucket_ready_count.begin(), bucket_ready_count.end(), 0);
+  std::fill(bucket_reduced.begin(), bucket_reduced.end(), 0);
 }
 
 void BucketExchange::finish_all() { parts_->queue.finish_all(); }
@@ -1025,14 +1035,16 @@ StepReport Engine::step() {
   require_built("step");
   RankState& rank_state = *rank_state_;
   StepReport report = rank_state.open_step();  // the global loss, the step's number and learning rate
-  rank_state.home->wait_for_shards();          // ZeRO-Offload: the host's copies of them have come down
+  step_calls_ = report.step;
+  rank_state.home->wait_for_shards();  // ZeRO-Offload: the host's copies of them have come down
   const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank's reduced gradients
-  if (rank_state.overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
+  if (overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
   report.grad_norm = rank_state.global_norm(local, report);
   report.clip_coefficient = rank_state.clip_coefficient(report.grad_norm);
   // AdamW on this rank's update regions (every bucket in DP, its shards in P_os and P_os+g),
   // then, in P_os and P_os+g, everyone's updated shards to everyone.
   rank_state.apply_update(report);
+  updates_applied_ = report.applied;
   return rank_state.close_step(report);
 }
 
@@ -1042,7 +1054,7 @@ StepReport Engine::RankState::open_step() {
     usage_error("step() after %d micro-step(s); accumulation_steps is %d", engine.micro_steps_done_, A);
   StepReport report;
   report.loss = global_loss();
-  report.step = ++engine.step_calls_;
+  report.step = engine.step_calls_ + 1;
   set_watchdog_context("optimizer step " + std::to_string(report.step) + " (its update)");
   report.loss_scale = engine.scaler_.scale();
   // The rate and betas of the update this step makes, unless it is skipped.
@@ -1093,21 +1105,21 @@ void Engine::RankState::chunk_squares_as(int b, float scale) {
 // 32 x 65504^2 < 2^37, so a non-finite chunk is a non-finite element.) Every
 // rank takes the same verdict and the scaler moves on it; a skipped step
 // updates nothing.
-bool Engine::RankState::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
-  if (options.precision == Precision::fp16) {
+bool Engine::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
+  if (options_.precision == Precision::fp16) {
     bool overflow = false;
     for (float sum : local) overflow |= !std::isfinite(sum);
-    report.skipped = comm.any_rank(overflow);
+    report.skipped = comm_.any_rank(overflow);
     // At the minimum scale update throws, on every rank; the run ends there,
     // so the message says where, counting steps as the progress lines do.
     try {
-      engine.scaler_.update(report.skipped);
+      scaler_.update(report.skipped);
     } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
   }
-  engine.micro_steps_done_ = 0;  // every precision passes here: the next step's micro-steps start again
+  micro_steps_done_ = 0;  // every precision passes here: the next step's micro-steps start again
   if (!report.skipped) return false;
-  ++engine.skipped_steps_;
-  report.applied = engine.updates_applied_;
+  ++skipped_steps_;
+  report.applied = updates_applied_;
   report.grad_norm = NAN;
   return true;
 }
@@ -1284,8 +1296,7 @@ void Engine::RankState::apply_update(StepReport& report) {
   StepOverShards shards(*this, adamw_constants(report, t, grad_scale));
   z2::update_and_gather(shards, buckets, stage);
   wait_for_all_gathers();
-  engine.updates_applied_ = t;
-  report.applied = t;
+  report.applied = t;  // the update step() counts
 }
 
 // torch.optim.AdamW's scalars, computed in double, for update t (1-based),
@@ -1402,13 +1413,13 @@ void Engine::RankState::wait_for_all_gathers() {
 // Every rank's update regions to every rank, as at the end of a step; not
 // training traffic, so the next step's ledger does not count it (after a
 // checkpoint is loaded: runtime/checkpoint_state.cpp).
-void Engine::all_gather_untracked() {
-  RankState& rank_state = *rank_state_;
-  if (options_.stage > 0)
-    for (int b = 0; b < (int)buckets_.size(); ++b) rank_state.gather_parameters(b);
-  rank_state.wait_for_all_gathers();
-  compute_.synchronize_all();
-  rank_state.step_start_counters = comm_.counters();
+void Engine::all_gather_untracked() { rank_state_->all_gather_untracked(); }
+void Engine::RankState::all_gather_untracked() {
+  if (stage > 0)
+    for (int b = 0; b < (int)buckets.size(); ++b) gather_parameters(b);
+  wait_for_all_gathers();
+  compute.synchronize_all();
+  step_start_counters = comm.counters();
 }
 
 void Engine::parameters_written() { rank_state_->home->parameters_written(); }

@@ -450,6 +450,8 @@ class Engine {
   // ledger (after a checkpoint is loaded): zero2.cu.
   ModelStates model_states() const;
   void all_gather_untracked();
+  // fp16's overflow check and the loss scale's move, at every step (zero2.cu, "The step").
+  bool overflow_skips_step(const std::vector<float>& local, StepReport& report);
   // The parameters were set from outside the step: with ZeRO-Offload in
   // fp32 the host's master copy is taken from them again at the next step.
   void parameters_written();
@@ -461,7 +463,9 @@ class Engine {
   size_t canonical_elements_ = 0;
   bool built_ = false;
   // Three counters, three names: micro-steps of the step under way, AdamW
-  // updates made (its t), step() calls (skipped ones included).
+  // updates made (its t), step() calls (skipped ones included). The Engine
+  // writes them and its layout; RankState (zero2.cu) reads them and writes
+  // only its own state, the buffers and the micro-step's bookkeeping.
   int micro_steps_done_ = 0;
   long updates_applied_ = 0;
   long step_calls_ = 0;
