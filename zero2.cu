@@ -283,7 +283,7 @@ EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const Engin
   sizes.accumulation_blocks = accumulation_blocks(options.accumulation_steps);
   sizes.accumulation_block = shard * (options.accumulate_fp32 ? sizeof(float) : e);
   sizes.staging = staging_elements(sizes.max_padded_bucket, world_size, staging_slots(options), stage == 2) * e;
-  sizes.chunk_sums = (stage == 0 ? padded : shard) / norm_chunk * sizeof(float);
+  sizes.chunk_sums = (stage == 0 ? padded : shard) / norm_chunk * sizeof(float);  // P_os (5.1): the own chunks, 1/N
   sizes.decay_flags = padded / norm_chunk;
   if (offload_optimizer(options)) move_optimizer_sizes_to_host(sizes, options, shard);
   return sizes;
@@ -303,7 +303,9 @@ size_t EngineBuffers::reserved() const {  // in a block: each buffer rounded up 
 
 // What this rank holds for the engine: the model-state buffers above, full
 // or sharded by stage, the bucket exchange, the micro-step's bookkeeping, and
-// the steps over them (defined in the sections that use them).
+// the steps over them (defined in the sections that use them). It reads the
+// Engine's layout and counters and writes only its own state; the Engine
+// writes its counters and the loss scale itself (Engine::step).
 struct Engine::RankState {
   Engine& engine;
   Compute& compute;
@@ -385,11 +387,12 @@ struct Engine::RankState {
   }
 
   // --- backward ("Backward", below) ---
-  void take_slot(int b);                 // stage 2: bucket b's slot, zeroed for backward
+  // --- backward and its buckets' reduction ("Backward", "The reduce-scatter"), in this order ---
+  void take_slot(int b);  // stage 2: bucket b's slot, zeroed for backward
+  void gradient_ready(ParameterId id);
   void reduce_slot(int b, size_t keep);  // stage 2: bucket b's reduce-scatter from its slot
   AccumulateInto accumulate_into(size_t result, size_t shard);
   void reduce_bucket(int b);  // stages 0/1: from the full gradient buffer
-  void gradient_ready(ParameterId id);
   void end_micro_step(int a, float loss);
   void reduce_buckets_left();  // end_micro_step: what backward did not reduce (stages 0/1)
   // What the lab seams are lent, and what backward's calls refuse (runtime/lab_adapters.h).
@@ -398,21 +401,22 @@ struct Engine::RankState {
   void refuse_gradient_output(ParameterId id, Precision expected) const;
   void refuse_gradient_ready(ParameterId id) const;
 
-  // --- the optimizer step, step by step ("The step"; Engine::step calls them in order) ---
+  // --- the optimizer step, step by step ("The step", defined in this order; Engine::step
+  // calls open_step, local_chunk_sums, global_norm, clip_coefficient, apply_update, close_step) ---
   StepReport open_step();
   float global_loss();
   std::vector<float> local_chunk_sums(float scale = 1.0f);
   template <class Working>
   void chunk_squares_as(int b, float scale);
   float global_norm(const std::vector<float>& local, const StepReport& report);
-  float global_squared_norm(const std::vector<float>& local);
   float rescaled_squared_norm(const StepReport& report, float* scale_back);
+  float global_squared_norm(const std::vector<float>& local);
   float global_largest_magnitude(bool* finite);
   template <class Working>
   void chunk_largest_as(int b);
   float clip_coefficient(float grad_norm) const;
-  AdamWConstants adamw_constants(const StepReport& report, long t, float grad_scale) const;
   void apply_update(StepReport& report);
+  AdamWConstants adamw_constants(const StepReport& report, long t, float grad_scale) const;
   void adamw(int b, const AdamWConstants& constants);
   template <class Working>
   void adamw_as(int b, const AdamWConstants& constants);
@@ -1415,7 +1419,7 @@ void Engine::RankState::wait_for_all_gathers() {
 // checkpoint is loaded: runtime/checkpoint_state.cpp).
 void Engine::all_gather_untracked() { rank_state_->all_gather_untracked(); }
 void Engine::RankState::all_gather_untracked() {
-  if (stage > 0)
+  if (stage > 0)  // P_os, P_os+g (5.1, 5.2): each rank holds only its shards updated; DP (2.1) holds them all
     for (int b = 0; b < (int)buckets.size(); ++b) gather_parameters(b);
   wait_for_all_gathers();
   compute.synchronize_all();
