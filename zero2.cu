@@ -46,8 +46,8 @@
 
 #include "zero2.h"                 // the API, the arithmetic of the stages, BucketExchange
 #include "runtime/engine_state.h"  // ModelStates: this rank's buffers as the runtime's host copies see them
-#include "runtime/lab_build.h"     // what a lab build changes: the sum over ranks, agreed checks
-#include "runtime/transfers.h"     // Slot, Transfer, TransferQueue, ShardSums, BucketExchange::Parts
+#include "runtime/lab_build.h"     // what a lab build checks: a student's layout, agreed refusals
+#include "runtime/transfers.h"     // Slot, Transfer, TransferQueue and its steps, ShardSums, Parts
 
 #include <algorithm>
 #include <climits>

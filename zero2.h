@@ -19,13 +19,16 @@
 //   zero2.cu                    the chapter on ZeRO-2: layout and shards, the stage
 //                               buffers, backward and stage 2's slots, the
 //                               reduce-scatter, the step, ZeRO-R's seams, the ledger
+//   runtime/offload.h           ZeRO-Offload's step on the host (part of zero2.cu: a seam)
+//   runtime/lab_adapters.h      what the lab seams are lent, the refusals (part of zero2.cu)
 //   runtime/errors.cpp          checks with file:line, usage errors, messages
 //   runtime/watchdog.cpp        every wait against a deadline, the roll call
 //   runtime/compute.cpp         the cpu | cuda backend: streams, events, copies
 //   runtime/allocators.cpp      direct, naive and caching memory (the arena's books are zero2.cu's)
 //   runtime/gemm.cu             OpenBLAS / cuBLAS, the 16-bit products, the portable gemm
 //   runtime/communicator.cpp    MPI and NCCL start-up, scalars, the memory per rank
-//   runtime/transfers.cpp       the transfer queue, native and NCCL collectives
+//   runtime/transfers.h         the transfer queue: its types and steps
+//   runtime/transfers.cpp       the slots' buffers, native and NCCL collectives
 //   runtime/host_copies.cpp     parameters and gradients to and from the host
 //   runtime/checkpoint_state.cpp  the optimizer state in canonical order, at any N
 //   runtime/ledger_report.cpp   the ledgers as a table and as JSON
@@ -804,7 +807,7 @@ Z2_HD inline void adamw_update(const AdamWConstants& constants, bool decay, floa
 }
 
 // ----------------------------------------------------------------------------
-// The bucket exchange (zero2.cu, "The reduce-scatter"; runtime/transfers.cpp)
+// The bucket exchange (zero2.cu, "The reduce-scatter"; runtime/transfers.h, .cpp)
 
 // Where the reduced shard of a bucket goes: straight into `result` (micro_steps = 1),
 // or into the accumulation tree as micro-step `micro_step` of `micro_steps`
