@@ -13,10 +13,14 @@
 //   2. The stage buffers   what each stage keeps, full or sharded (DP, P_os, P_os+g)
 //   3. Backward            where a gradient is written, and stage 2's slots, each
 //                          bucket reduce-scattered as soon as it is complete
-//   4. The reduce-scatter  the blocking reference, the receiver's canonical-tree
-//                          sum, the transfer that carries a bucket, the all-gather
+//   4. The reduce-scatter  the blocking reference, the transfer that carries a
+//                          bucket, the receiver's canonical-tree sum, the micro-step's end
 //   5. The step            loss, global norm, fp16's overflow skip, clipping, AdamW
 //                          on the own shard, the all-gather of the updated shards
+// The path one gradient takes through them is in this order too, with two
+// seams beside it: runtime/offload.h (ZeRO-Offload's step on the host) and
+// runtime/lab_adapters.h (what the course labs' seams are lent, the refusals);
+// runtime/transfers.h holds the transfer queue's steps (notes/gradient_path.py).
 //   6. ZeRO-R's seams      the arena's books (M_D), the offload schedule (P_a+cpu)
 //   7. Resharding          which pieces of a checkpoint a rank reads, at any N
 //   8. The ledger          the formulas the measured bytes are held to
@@ -42,8 +46,8 @@
 
 #include "zero2.h"                 // the API, the arithmetic of the stages, BucketExchange
 #include "runtime/engine_state.h"  // ModelStates: this rank's buffers as the runtime's host copies see them
-#include "runtime/lab_build.h"     // what a lab build changes: the sum over ranks, agreed checks
-#include "runtime/transfers.h"     // Slot, Transfer, TransferQueue, ShardSums, BucketExchange::Parts
+#include "runtime/lab_build.h"     // what a lab build checks: a student's layout, agreed refusals
+#include "runtime/transfers.h"     // Slot, Transfer, TransferQueue and its steps, ShardSums, Parts
 
 #include <algorithm>
 #include <climits>
@@ -239,7 +243,8 @@ static int staging_slots(const EngineOptions& options) { return options.overlap 
 
 // ZeRO-Offload applies to stages 1 and 2 (the Engine refuses it in stage 0).
 static bool offload_optimizer(const EngineOptions& options) { return options.offload_optimizer && options.stage > 0; }
-static void move_optimizer_sizes_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard);
+static void move_optimizer_sizes_to_host(EngineBuffers& sizes, const EngineOptions& options,
+                                         size_t shard);  // offload.h
 
 // Staging elements (of the wire type): each slot holds a bucket's gradient
 // (stage 2) and the N - 1 shards the reduce-scatter receives.
@@ -278,30 +283,10 @@ EngineBuffers engine_buffers(const std::vector<BucketInfo>& buckets, const Engin
   sizes.accumulation_blocks = accumulation_blocks(options.accumulation_steps);
   sizes.accumulation_block = shard * (options.accumulate_fp32 ? sizeof(float) : e);
   sizes.staging = staging_elements(sizes.max_padded_bucket, world_size, staging_slots(options), stage == 2) * e;
-  sizes.chunk_sums = (stage == 0 ? padded : shard) / norm_chunk * sizeof(float);
+  sizes.chunk_sums = (stage == 0 ? padded : shard) / norm_chunk * sizeof(float);  // P_os (5.1): the own chunks, 1/N
   sizes.decay_flags = padded / norm_chunk;
   if (offload_optimizer(options)) move_optimizer_sizes_to_host(sizes, options, shard);
   return sizes;
-}
-
-// ZeRO-Offload (Ren et al. 2021, section 4): the own shard's optimizer state
-// leaves the device for pinned host memory, 16 Psi/N bytes there in every
-// precision: the fp32 master (fp32 too: the device's parameters are a copy
-// of it, as in DeepSpeed) 4 Psi/N, m and v 8 Psi/N, and what crosses the
-// bus, 4 Psi/N: the reduced gradient shard as it comes off the wire (fp32 4,
-// mixed 2) plus, mixed only, the updated shard rounded on its way up (2). The
-// device saves 12 Psi/N (fp32) or 14 Psi/N (mixed) in stage 2: its gradient
-// shard too, for the reduce-scatter leaves the sum in the slot it was taken
-// from and the copy down reads it there. Stage 1 keeps its full gradient.
-static void move_optimizer_sizes_to_host(EngineBuffers& sizes, const EngineOptions& options, size_t shard) {
-  const size_t e = element_bytes(options.precision);
-  sizes.host_master = shard * sizeof(float);
-  sizes.host_moment = shard * sizeof(float);
-  sizes.host_grads = shard * e;
-  sizes.host_working = options.precision == Precision::fp32 ? 0 : shard * e;             // fp32 sends the master itself
-  sizes.host_chunk_sums = sizes.chunk_sums, sizes.host_decay_flags = sizes.decay_flags;  // the step's tables go along
-  sizes.master = sizes.moment = sizes.chunk_sums = sizes.decay_flags = 0;
-  if (options.stage == 2) sizes.grads = 0;
 }
 
 size_t EngineBuffers::model_states() const { return params + grads + master + 2 * moment; }
@@ -318,7 +303,9 @@ size_t EngineBuffers::reserved() const {  // in a block: each buffer rounded up 
 
 // What this rank holds for the engine: the model-state buffers above, full
 // or sharded by stage, the bucket exchange, the micro-step's bookkeeping, and
-// the steps over them (defined in the sections that use them).
+// the steps over them (defined in the sections that use them). It reads the
+// Engine's layout and counters and writes only its own state; the Engine
+// writes its counters and the loss scale itself (Engine::step).
 struct Engine::RankState {
   Engine& engine;
   Compute& compute;
@@ -330,10 +317,7 @@ struct Engine::RankState {
   size_t element;               // their bytes: 4 or 2
   bool mixed;                   // bf16 or fp16: a separate fp32 master
   size_t accumulation_element;  // bytes of an accumulation block element
-  // ZeRO-Offload (stages 1, 2): master, m, v, the chunk sums and decay flags
-  // below are pinned host memory, the step's loops run on the host, and the
-  // host holds the reduced shard and (mixed) the updated one on its way up.
-  bool offload;
+  bool offload;                 // ZeRO-Offload (stages 1, 2): the step's home is the host (runtime/offload.h)
 
   DeviceArray<char> params;                     // [Psi_padded] working parameters, every stage (fp32: also the master)
   DeviceArray<char> grads;                      // [Psi_padded] stages 0/1, [Psi_padded / N] stage 2, working type
@@ -344,7 +328,10 @@ struct Engine::RankState {
   DeviceArray<unsigned char> decay;             // [Psi_padded / norm_chunk] 1 = weight decay applies
   DeviceArray<char> host_grads;    // offload: [Psi_padded / N] the reduced shard, copied down (working type)
   DeviceArray<char> host_working;  // offload, mixed: [Psi_padded / N] the updated shard rounded, going up
-  bool host_master_stale = true;   // offload, fp32: the host master must be taken from the parameters
+  // Where the step finds its buffers and runs its loops (below: the device's; ZeRO-Offload's seam).
+  struct StepHome;
+  struct HostHome;  // runtime/offload.h
+  std::unique_ptr<StepHome> home;
   std::unique_ptr<BucketExchange> exchange;
   Event comm_done;
 
@@ -384,30 +371,6 @@ struct Engine::RankState {
   // each buffer. The chunk sums are indexed like the optimizer state.
   UpdateRegion region(int b) const { return update_region(buckets[b], stage, rank); }
   void* region_param(int b) { return at(params, region(b).parameter); }
-  // The reduced gradient of the region (stage 0: all-gathered); with offload, its copy on the host.
-  void* region_gradient(int b) { return offload ? at(host_grads, region(b).state) : at(grads, region(b).gradient); }
-  // The fp32 values AdamW updates: the parameters themselves in fp32 (with offload, the host's copy of them).
-  float* region_master(int b) {
-    return mixed || offload ? master.data() + region(b).state : (float*)params.data() + region(b).parameter;
-  }
-  // Where AdamW writes the rounded working copy (mixed only): the
-  // parameters, or with offload the host shard that goes up to them.
-  void* region_working(int b) {
-    if (!mixed) return nullptr;
-    return offload ? at(host_working, region(b).state) : region_param(b);
-  }
-  // The step's loops over the update region: kernels on the device, or
-  // with offload the same bodies as CPU loops on the host's state.
-  template <class Body>
-  void optimizer_loop(size_t n, Body body) {
-    if (offload) compute.for_each_on_host(n, body);
-    else compute.for_each(n, body);
-  }
-  template <class Body>
-  void optimizer_loop(size_t rows, size_t columns, Body body) {
-    if (offload) compute.for_each_on_host(rows, columns, body);
-    else compute.for_each(rows, columns, body);
-  }
   int check_bucket(int b, const char* what) const {  // b, once it is a bucket of the layout
     if (b < 0 || b >= (int)buckets.size())
       usage_error("%s: bucket %d out of range (the layout has %zu buckets)", what, b, buckets.size());
@@ -424,40 +387,76 @@ struct Engine::RankState {
   }
 
   // --- backward ("Backward", below) ---
+  // --- backward and its buckets' reduction ("Backward", "The reduce-scatter"), in this order ---
+  void take_slot(int b);  // stage 2: bucket b's slot, zeroed for backward
+  void gradient_ready(ParameterId id);
+  void reduce_slot(int b, size_t keep);  // stage 2: bucket b's reduce-scatter from its slot
+  AccumulateInto accumulate_into(size_t result, size_t shard);
+  void reduce_bucket(int b);  // stages 0/1: from the full gradient buffer
+  void end_micro_step(int a, float loss);
+  void reduce_buckets_left();  // end_micro_step: what backward did not reduce (stages 0/1)
+  // What the lab seams are lent, and what backward's calls refuse (runtime/lab_adapters.h).
+  struct SlotGradients;
+  struct StepOverShards;
   void refuse_gradient_output(ParameterId id, Precision expected) const;
   void refuse_gradient_ready(ParameterId id) const;
-  AccumulateInto accumulate_into(size_t result, size_t shard);
-  void reduce_bucket(int b);
-  void reduce_buckets_left();  // end_micro_step: what backward did not reduce (stages 0/1)
-  struct SlotGradients;        // what stage 2's hooks are lent: the slots and the gradient shard
 
-  // --- the optimizer step, step by step ("The step"; Engine::step calls them in order) ---
+  // --- the optimizer step, step by step ("The step", defined in this order; Engine::step
+  // calls open_step, local_chunk_sums, global_norm, clip_coefficient, apply_update, close_step) ---
   StepReport open_step();
   float global_loss();
   std::vector<float> local_chunk_sums(float scale = 1.0f);
   template <class Working>
   void chunk_squares_as(int b, float scale);
-  bool overflow_skips_step(const std::vector<float>& local, StepReport& report);
   float global_norm(const std::vector<float>& local, const StepReport& report);
-  float global_squared_norm(const std::vector<float>& local);
   float rescaled_squared_norm(const StepReport& report, float* scale_back);
+  float global_squared_norm(const std::vector<float>& local);
   float global_largest_magnitude(bool* finite);
   template <class Working>
   void chunk_largest_as(int b);
   float clip_coefficient(float grad_norm) const;
+  void apply_update(StepReport& report);
   AdamWConstants adamw_constants(const StepReport& report, long t, float grad_scale) const;
-  struct StepOverShards;  // what the own-shards seam is lent: AdamW and the all-gather of a bucket
-  void update_and_gather(StepReport& report);
+  void adamw(int b, const AdamWConstants& constants);
   template <class Working>
   void adamw_as(int b, const AdamWConstants& constants);
-  void start_all_gather(int b);
+  void gather_parameters(int b);
   void wait_for_all_gathers();
-  void wait_for_offloaded_gradients();      // ZeRO-Offload: the copies down
-  void take_host_master_from_parameters();  // ZeRO-Offload, fp32: the master's host copy
-  void upload_updated_shard(int b);         // ZeRO-Offload: the updated shard up, before its all-gather
+  void all_gather_untracked();
   StepReport close_step(const StepReport& report);
   void account_step();
 };
+
+// Where the optimizer step reads the reduced gradient and keeps the state it
+// updates, and where its loops run: on the device, in RankState's buffers
+// (here), or with ZeRO-Offload on pinned host copies (HostHome overrides
+// every hook: runtime/offload.h). The chapter calls each hook; none asks
+// which home it has. Indices are the update region's (region(b)).
+struct Engine::RankState::StepHome {
+  RankState& s;
+  explicit StepHome(RankState& state) : s(state) {}
+  virtual ~StepHome() = default;
+  virtual Place place() const { return Place::device; }  // where the step's loops run
+  // Bucket b's reduced gradient (stage 0: all-reduced, every rank the whole bucket).
+  virtual void* gradient(int b) { return s.at(s.grads, s.region(b).gradient); }
+  // The fp32 values AdamW updates: the parameters themselves in fp32, the master in mixed precision.
+  virtual float* master(int b) {
+    return s.mixed ? s.master.data() + s.region(b).state : (float*)s.params.data() + s.region(b).parameter;
+  }
+  // Where AdamW writes the rounded working copy (mixed only): the parameters.
+  virtual void* working(int b) { return s.mixed ? s.region_param(b) : nullptr; }
+  // build(): AdamW's state (m, v, mixed: the master), then the step's tables (chunk sums, decay flags).
+  virtual void allocate_state(const EngineBuffers& sizes);
+  virtual void allocate_tables(const EngineBuffers& sizes);
+  virtual void route(AccumulateInto& into, int b, size_t keep) {}  // where bucket b's final sum goes besides
+  virtual void wait_for_shards() {}                                // before the step reads the reduced shards
+  virtual void shard_updated(int b) {}  // bucket b updated: before its all-gather reads the parameters
+  virtual void parameters_written() {}  // the parameters were set from outside the step
+};
+}  // namespace z2
+#include "runtime/offload.h"       // HostHome: ZeRO-Offload's step on the host
+#include "runtime/lab_adapters.h"  // SlotGradients, StepOverShards: the seams' adapters, and the refusals
+namespace z2 {
 
 Engine::Engine(Compute& compute, Communicator& comm, const EngineOptions& options)
     : compute_(compute),
@@ -478,11 +477,7 @@ void Engine::build() {
   std::vector<size_t> numels;
   for (auto& p : parameters_) numels.push_back(p.numel);
   buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
-#if defined(Z2_LAB_BUILD)
-  check_lab_shards(buckets_, comm_.world_size());
-  check_lab_regions(buckets_, engine_buffers(buckets_, options_, comm_.world_size()), options_.stage,
-                    comm_.world_size());
-#endif
+  check_lab_layout(buckets_, options_, comm_.world_size());  // a lab build's shard_begin, update_region (lab_build.h)
   place_parameters(parameters_, buckets_);
   rank_state_.reset(new RankState(*this, compute_));
   // The ledger's peaks are this engine's: start them from what exists now.
@@ -496,20 +491,12 @@ void Engine::build() {
 
 // The buffers of build(), in the order the memory ledger lists them.
 void Engine::RankState::allocate(const EngineBuffers& sizes) {
+  home = step_home(*this);  // ZeRO-Offload enters here: the step's home, the host (runtime/offload.h)
   // Model states, the memory the paper's formulas count; their bytes in each
   // stage, and what each stage saves, are engine_buffers()' table.
   params = DeviceArray<char>(compute, sizes.params, MemoryKind::params);
   grads = DeviceArray<char>(compute, sizes.grads, MemoryKind::grads);
-  // ZeRO-Offload: the optimizer's buffers in pinned host memory (engine_buffers' host sizes).
-  const Place state_place = offload ? Place::host : Place::device;
-  const size_t master_bytes = offload ? sizes.host_master : sizes.master;
-  const size_t moment_bytes = offload ? sizes.host_moment : sizes.moment;
-  if (mixed || offload)
-    master = DeviceArray<float>(compute, master_bytes / sizeof(float), MemoryKind::master, state_place);
-  adam_m = DeviceArray<float>(compute, moment_bytes / sizeof(float), MemoryKind::optimizer, state_place);
-  adam_v = DeviceArray<float>(compute, moment_bytes / sizeof(float), MemoryKind::optimizer, state_place);
-  host_grads = DeviceArray<char>(compute, sizes.host_grads, MemoryKind::grads, Place::host);
-  host_working = DeviceArray<char>(compute, sizes.host_working, MemoryKind::params, Place::host);
+  home->allocate_state(sizes);  // m, v and (mixed) the master: on the device, or ZeRO-Offload's host
   // The accumulation tree's open blocks, each the size of this rank's shard
   // (fp32, or 16-bit with accumulate_fp32 off).
   for (size_t d = 0; d < sizes.accumulation_blocks; ++d)
@@ -523,10 +510,7 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
   // Bookkeeping: a norm chunk sum per chunk of the update region, and a
   // weight-decay flag per chunk of the padded buffer (a chunk never straddles
   // two parameters, so one flag per chunk is exact).
-  const size_t chunk_bytes = offload ? sizes.host_chunk_sums : sizes.chunk_sums;
-  const size_t flag_bytes = offload ? sizes.host_decay_flags : sizes.decay_flags;
-  chunk_sums = DeviceArray<float>(compute, chunk_bytes / sizeof(float), MemoryKind::bookkeeping, state_place);
-  decay = DeviceArray<unsigned char>(compute, flag_bytes, MemoryKind::bookkeeping, state_place);
+  home->allocate_tables(sizes);
   std::vector<unsigned char> decay_flags(decay.size(), 0);
   for (auto& p : engine.parameters_)
     for (size_t c = p.offset / norm_chunk; c < (p.offset + p.numel + norm_chunk - 1) / norm_chunk; ++c)
@@ -542,6 +526,17 @@ void Engine::RankState::allocate(const EngineBuffers& sizes) {
   step_start_counters = comm.counters();
   allocations_at_step_start = compute.memory().allocations;
   pushes_at_step_start = compute.memory().pushes;
+}
+
+// The device's optimizer state: its bytes in each stage are engine_buffers()' table.
+void Engine::RankState::StepHome::allocate_state(const EngineBuffers& sizes) {
+  if (s.mixed) s.master = DeviceArray<float>(s.compute, sizes.master / sizeof(float), MemoryKind::master);
+  s.adam_m = DeviceArray<float>(s.compute, sizes.moment / sizeof(float), MemoryKind::optimizer);
+  s.adam_v = DeviceArray<float>(s.compute, sizes.moment / sizeof(float), MemoryKind::optimizer);
+}
+void Engine::RankState::StepHome::allocate_tables(const EngineBuffers& sizes) {
+  s.chunk_sums = DeviceArray<float>(s.compute, sizes.chunk_sums / sizeof(float), MemoryKind::bookkeeping);
+  s.decay = DeviceArray<unsigned char>(s.compute, sizes.decay_flags, MemoryKind::bookkeeping);
 }
 
 // The buffers as the runtime's host copies and checkpoints see them.
@@ -567,35 +562,6 @@ ModelStates Engine::model_states() const {
 // first.
 
 // --- stage 2's slots (the gradient-shards lab's seams) -------------------------
-
-// What the two hooks are lent: the exchange's slots and this rank's gradient
-// shard. Each call refuses what would break a later one, with a message
-// (the refusals are named here and written out at the end of this section).
-struct Engine::RankState::SlotGradients : GradientShards {
-  RankState& rank_state;
-  explicit SlotGradients(RankState& state) : rank_state(state) {}
-  bool holds_slot(int b) const override {
-    return rank_state.exchange->slot_of(rank_state.check_bucket(b, "holds_slot")) >= 0;
-  }
-  void take_slot(int b) override {
-    refuse_second_slot(b);
-    const int slot = rank_state.exchange->acquire(b);
-    rank_state.slot_buffer[b] = rank_state.exchange->open_bucket_buffer(slot, rank_state.buckets[b].padded_length);
-  }
-  void* slot_element(int b, size_t index) override {
-    refuse_outside_slot(b, index);
-    return (char*)rank_state.slot_buffer[b] + index * rank_state.element;
-  }
-  int handed_over(int b) const override {
-    return rank_state.bucket_ready_count[rank_state.check_bucket(b, "handed_over")];
-  }
-  void reduce_scatter(int b, size_t keep) override;
-
-  void refuse_second_slot(int b) const;
-  void refuse_outside_slot(int b, size_t index) const;
-  void refuse_storage_outside_slot(const ParameterInfo& p, const void* storage) const;
-  void refuse_early_reduce_scatter(int b, size_t keep) const;
-};
 
 void* Engine::parameter_storage(ParameterId id, Precision expected) {
   require_built("parameter");
@@ -630,6 +596,11 @@ Z2_LAB_SEAM void* stage2_gradient_output(GradientShards& shards, int bucket_inde
   return shards.slot_element(bucket_index, offset_in_bucket);
 }
 
+// A slot for bucket b (the exchange's, below), zeroed: backward writes it.
+void Engine::RankState::take_slot(int b) {
+  slot_buffer[b] = exchange->open_bucket_buffer(exchange->acquire(b), buckets[b].padded_length);
+}
+
 // Constant memory is the point of stage 2: at most slot_count buckets are in
 // flight, and a bucket that needs a slot waits for the oldest transfer.
 int BucketExchange::acquire(int bucket) {
@@ -661,23 +632,27 @@ void* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
 
 void Engine::gradient_ready(ParameterId id) {
   require_built("gradient_ready");
-  RankState& rank_state = *rank_state_;
-  rank_state.refuse_gradient_ready(id);
-  const ParameterInfo& p = parameters_[id];
-  rank_state.parameter_ready[id] = 1;
-  const BucketInfo& b = buckets_[p.bucket];
-  ++rank_state.bucket_ready_count[p.bucket];
-  if (rank_state.stage == 2) {
+  rank_state_->gradient_ready(id);
+}
+
+// The gradient handed over: counted in its bucket, and the bucket reduced when complete.
+void Engine::RankState::gradient_ready(ParameterId id) {
+  refuse_gradient_ready(id);
+  const ParameterInfo& p = engine.parameters_[id];
+  const BucketInfo& b = buckets[p.bucket];
+  parameter_ready[id] = 1;
+  ++bucket_ready_count[p.bucket];
+  if (stage == 2) {
     // P_os+g cannot wait for the end of backward: its slots must come back for
     // the next buckets, so a complete bucket is reduce-scattered at once.
-    RankState::SlotGradients slots(rank_state);
+    SlotGradients slots(*this);
     stage2_gradient_ready(slots, p.bucket, b, id);
-  } else if (options_.overlap && rank_state.bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
+  } else if (options.overlap && bucket_ready_count[p.bucket] == b.end_parameter - b.first_parameter) {
     // Stages 0/1 with overlap reduce a complete bucket now; without it, at
     // end_micro_step, as a framework without gradient hooks would.
-    rank_state.reduce_bucket(p.bucket);
+    reduce_bucket(p.bucket);
   }
-  rank_state.exchange->progress();
+  exchange->progress();
 }
 
 // Complete once every parameter is in (backward hands them over in reverse
@@ -690,6 +665,24 @@ Z2_LAB_SEAM void stage2_gradient_ready(GradientShards& shards, int bucket_index,
   shards.reduce_scatter(bucket_index, bucket.shard_offset);
 }
 
+// P_os+g (5.2): the bucket's reduce-scatter from its slot; this rank's shard
+// of the sum is kept from element `keep` of the gradient shard [Psi_padded / N].
+void Engine::RankState::reduce_slot(int b, size_t keep) {
+  AccumulateInto into = accumulate_into(keep, keep);
+  home->route(into, b, keep);  // ZeRO-Offload: the sum goes down to the host (runtime/offload.h)
+  exchange->start_reduce_scatter(exchange->slot_of(b), slot_buffer[b], buckets[b].padded_length, into);
+  bucket_reduced[b] = 1;
+  if (!options.overlap) exchange->finish_all();
+}
+
+// The slot bucket b took (take_slot): its reduce-scatter runs in it.
+int BucketExchange::slot_of(int bucket) const {
+  const std::vector<Slot>& slots = parts_->queue.slots;
+  for (size_t k = 0; k < slots.size(); ++k)
+    if (slots[k].bucket == bucket) return (int)k;
+  return -1;
+}
+
 // Where a reduce-scatter leaves this rank's shard of the sum: element
 // `result` of the gradient buffer, by way of the accumulation tree's open
 // blocks, which are shard-sized in every stage (element `shard` of them).
@@ -698,41 +691,26 @@ AccumulateInto Engine::RankState::accumulate_into(size_t result, size_t shard) {
   into.result = at(grads, result);
   for (size_t d = 0; d < accumulation.size(); ++d)
     into.stack.entries[d] = accumulation[d].data() + shard * accumulation_element;
-  into.step = engine.micro_step_;
-  into.steps = options.accumulation_steps;
+  into.micro_step = engine.micro_steps_done_;
+  into.micro_steps = options.accumulation_steps;
   return into;
-}
-
-void Engine::RankState::SlotGradients::reduce_scatter(int b, size_t keep) {
-  refuse_early_reduce_scatter(b, keep);
-  RankState& s = rank_state;
-  AccumulateInto into = s.accumulate_into(keep, keep);
-  if (s.offload) {
-    // ZeRO-Offload: no gradient shard on the device (2 Psi/N bytes fewer, 4 in fp32). The sum lands in
-    // the slot's own slice (each element read, then written: in place is safe) and goes down from there.
-    into.result = (char*)s.slot_buffer[b] + (size_t)s.rank * s.buckets[b].shard_length * s.element;
-    into.offload_to = s.at(s.host_grads, keep);
-  }
-  s.exchange->reduce_scatter(s.exchange->slot_of(b), s.slot_buffer[b], s.buckets[b].padded_length, into);
-  rank_state.bucket_reduced[b] = 1;
-  if (!rank_state.options.overlap) rank_state.exchange->finish_all();
 }
 
 // Stages 0 and 1 reduce from the full gradient buffer. (Stage 2 has none:
 // its buckets are reduced from their slots, above.)
 void Engine::RankState::reduce_bucket(int b) {
   const BucketInfo& info = buckets[b];
-  const bool last_micro_step = engine.micro_step_ == options.accumulation_steps - 1;
+  const bool last_micro_step = engine.micro_steps_done_ == options.accumulation_steps - 1;
   // The own slice of the full buffer receives this rank's shard of the sum
-  // (with ZeRO-Offload, P_os only, it then goes down to the host's copy).
+  // (with ZeRO-Offload it then goes down to the host's copy, in the same transfer).
   AccumulateInto into = accumulate_into(shard_begin(info, rank), info.shard_offset);
-  if (offload) into.offload_to = at(host_grads, info.shard_offset);
+  home->route(into, b, info.shard_offset);
   if (stage == 0 && last_micro_step) {
     // DP (paper 2.1): an all-reduce; every rank keeps the whole sum, 4 Psi (2 Psi mixed) of gradients.
-    exchange->all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
+    exchange->start_all_reduce(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
   } else {
     // P_os (5.1), and DP's earlier micro-steps: reduce-scatter in place; the full gradient buffer stays.
-    exchange->reduce_scatter(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
+    exchange->start_reduce_scatter(exchange->acquire(b), at(grads, info.offset), info.padded_length, into);
   }
   bucket_reduced[b] = 1;
   if (!options.overlap) exchange->finish_all();
@@ -741,125 +719,6 @@ void Engine::RankState::reduce_bucket(int b) {
 int Engine::buckets_reduced_during_backward() const {
   require_built("buckets_reduced_during_backward");
   return rank_state_->reduced_during_backward;
-}
-
-void Engine::progress() {
-  if (built_) rank_state_->exchange->progress();
-}
-
-void Engine::end_micro_step(float loss) {
-  require_built("end_micro_step");
-  RankState& rank_state = *rank_state_;
-  if (micro_step_ >= options_.accumulation_steps)
-    usage_error("end_micro_step: already %d micro-steps; call step()", options_.accumulation_steps);
-  for (size_t id = 0; id < parameters_.size(); ++id)
-    if (!rank_state.parameter_ready[id])
-      usage_error("end_micro_step: no gradient was handed over for '%s'", parameters_[id].name.c_str());
-  rank_state.reduce_buckets_left();
-  rank_state.exchange->finish_all();
-  // The next micro-step's backward overwrites the gradients: it must come
-  // after everything the comm stream still does with them.
-  compute_.record(rank_state.comm_done, compute_.comm_stream());
-  compute_.wait(compute_.compute_stream(), rank_state.comm_done);
-  rank_state.micro_losses[micro_step_] = loss;
-  std::fill(rank_state.parameter_ready.begin(), rank_state.parameter_ready.end(), 0);
-  std::fill(rank_state.bucket_ready_count.begin(), rank_state.bucket_ready_count.end(), 0);
-  std::fill(rank_state.bucket_reduced.begin(), rank_state.bucket_reduced.end(), 0);
-  ++micro_step_;
-}
-
-// Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
-// the order backward completes them. Stage 2 reduces every bucket during
-// backward, from its slot: one left means the hook never started it.
-void Engine::RankState::reduce_buckets_left() {
-  reduced_during_backward = 0;
-  for (char reduced : bucket_reduced) reduced_during_backward += reduced;
-  for (int b = (int)buckets.size() - 1; b >= 0; --b) {
-    if (bucket_reduced[b]) continue;
-    if (stage == 2)
-      usage_error(
-          "end_micro_step: bucket %d ('%s' ...) was never reduce-scattered: in stage 2 each bucket is "
-          "reduce-scattered from its slot as soon as its last gradient is handed over (stage2_gradient_ready)",
-          b, engine.parameters_[buckets[b].first_parameter].name.c_str());
-    reduce_bucket(b);
-  }
-}
-
-// --- what backward's calls refuse (a model's call out of order) ---------------
-
-void Engine::RankState::refuse_gradient_output(ParameterId id, Precision expected) const {
-  const std::vector<ParameterInfo>& parameters = engine.parameters_;
-  if (id < 0 || id >= (int)parameters.size()) usage_error("gradient_output: id %d out of range", id);
-  if (expected != options.precision)
-    usage_error("gradient_output: '%s' asked for as %s, but the engine trains in %s", parameters[id].name.c_str(),
-                to_string(expected), to_string(options.precision));
-  if (engine.micro_step_ >= options.accumulation_steps)
-    usage_error("gradient_output: all %d micro-steps of this optimizer step are done; call step() first",
-                options.accumulation_steps);
-  if (parameter_ready[id])
-    usage_error("gradient_output: '%s' was already handed over this micro-step", parameters[id].name.c_str());
-}
-
-void Engine::RankState::refuse_gradient_ready(ParameterId id) const {
-  const std::vector<ParameterInfo>& parameters = engine.parameters_;
-  if (id < 0 || id >= (int)parameters.size()) usage_error("gradient_ready: id %d out of range", id);
-  if (parameter_ready[id])
-    usage_error("gradient_ready: '%s' handed over twice in one micro-step", parameters[id].name.c_str());
-  if (stage == 2 && exchange->slot_of(parameters[id].bucket) < 0)
-    usage_error("gradient_ready: '%s' handed over without gradient_output()", parameters[id].name.c_str());
-}
-
-// --- what stage 2's hooks refuse (a seam's call out of order) -----------------
-
-void Engine::RankState::SlotGradients::refuse_second_slot(int b) const {
-  if (holds_slot(b))
-    usage_error(
-        "take_slot: bucket %d already holds a staging slot: a bucket takes one slot, at its first gradient, and "
-        "keeps it until its reduce-scatter has finished",
-        b);
-}
-
-void Engine::RankState::SlotGradients::refuse_outside_slot(int b, size_t index) const {
-  if (!holds_slot(b)) usage_error("slot_element: bucket %d holds no slot (take_slot first)", b);
-  const BucketInfo& bucket = rank_state.buckets[b];
-  if (index < bucket.padded_length) return;
-  // The likely mistake: the parameter's offset in the flat buffer where its offset in the bucket goes.
-  const bool flat = index >= bucket.offset && index - bucket.offset < bucket.padded_length;
-  usage_error("slot_element: element %zu of bucket %d, which has %zu%s", index, b, bucket.padded_length,
-              flat ? format_text(" (%zu looks like an offset in the flat buffer, where bucket %d begins at %zu: the "
-                                 "slot holds the bucket alone, so pass the offset within it, %zu)",
-                                 index, b, bucket.offset, index - bucket.offset)
-                         .c_str()
-                   : "");
-}
-
-void Engine::RankState::SlotGradients::refuse_storage_outside_slot(const ParameterInfo& p, const void* storage) const {
-  const BucketInfo& b = rank_state.buckets[p.bucket];
-  const char* slot = (const char*)rank_state.slot_buffer[p.bucket];
-  if (!holds_slot(p.bucket) || (const char*)storage < slot ||
-      (const char*)storage + p.numel * rank_state.element > slot + b.padded_length * rank_state.element)
-    usage_error("stage2_gradient_output: the gradient of '%s' (%zu elements) must lie in bucket %d's slot",
-                p.name.c_str(), p.numel, p.bucket);
-}
-
-void Engine::RankState::SlotGradients::refuse_early_reduce_scatter(int b, size_t keep) const {
-  const BucketInfo& info = rank_state.buckets[b];
-  const int parameters = info.end_parameter - info.first_parameter;
-  if (rank_state.bucket_reduced[b])
-    usage_error("reduce_scatter: bucket %d was reduce-scattered already in this micro-step", b);
-  if (!holds_slot(b)) usage_error("reduce_scatter: bucket %d holds no slot: nothing was written for it", b);
-  if (rank_state.bucket_ready_count[b] < parameters)
-    usage_error(
-        "reduce_scatter: bucket %d with %d of its %d gradients handed over: the others would be written after the "
-        "sum was taken. Backward hands a bucket's parameters over last first (in any order, in general): count them",
-        b, rank_state.bucket_ready_count[b], parameters);
-  // A student's `keep` may differ between ranks: agreed, so that no rank stops alone.
-  const size_t shard_elements = rank_state.engine.psi_padded() / rank_state.comm.world_size();
-  if (fails_on_any_rank(rank_state.comm, keep > shard_elements || info.shard_length > shard_elements - keep))
-    usage_error(
-        "reduce_scatter: bucket %d's shard of %zu elements kept from element %zu of a gradient shard of %zu on some "
-        "rank: stage 2 has no full gradient buffer (shard_begin places a shard in the full buffer)",
-        b, info.shard_length, keep, shard_elements);
 }
 
 // ----------------------------------------------------------------------------
@@ -875,11 +734,6 @@ void Engine::RankState::SlotGradients::refuse_early_reduce_scatter(int b, size_t
 // while a bucket is reduced); it is the reference the non-blocking exchange
 // below is tested against (tests/test_collectives.cpp) and the answer to the
 // reduce-scatter lab (notes/labs).
-
-// tree_sum (the seam of the tree-sum lab) over leaves in memory.
-Z2_LAB_SEAM float tree_sum(long n, const float* leaves) {
-  return canonical_tree_sum(n, [&](long k) { return leaves[k]; });
-}
 
 static int mpi_count(size_t elements, const char* what) {
   if (elements > (size_t)INT_MAX) usage_error("%s: %zu elements, more than MPI's int count holds", what, elements);
@@ -906,73 +760,24 @@ Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t s
   Z2_MPI_CHECK(MPI_Allgather(shard, count, MPI_FLOAT, bucket, count, MPI_FLOAT, comm));
 }
 
-// --- the receiver's sum (a kernel on the comm stream) -----------------------------
-
-// The same sum on the device, in any precision: element i of the own shard
-// is the canonical tree over the N ranks' slices, in fp32, handed to the
-// accumulation tree, which rounds the finished sum once (notes/08). Rank r
-// computed micro-batch a N + r, so this tree continued over the micro-steps
-// is the canonical tree over all N A micro-batches: the same bits at any
-// power-of-two N (notes/06). (sum_over_ranks: canonical_tree_sum, or in a
-// lab build the student's tree_sum; runtime/lab_build.h.)
-template <class Wire, class Accum>
-void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                                      const AccumulateInto& into) {
-  const int ranks = world, me = rank;
-  const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
-  Wire* result = (Wire*)into.result;
-  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
-  const long step = into.step, steps = into.steps;
-  check_lab_ranks(ranks);
-  compute.for_each(shard,
-                   Z2_LOOP(i,
-                           {
-                             float value = sum_over_ranks(ranks, [&](long j) {
-                               return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
-                             });
-                             accumulate_micro_step(stack, step, steps, value, result, i);
-                           }),
-                   compute.comm_stream());
-}
-// One value per element already reduced (one rank, or a native reduce-scatter).
-template <class Wire, class Accum>
-void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
-  const Wire* values = (const Wire*)reduced;
-  Wire* result = (Wire*)into.result;
-  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
-  const long step = into.step, steps = into.steps;
-  compute.for_each(n, Z2_LOOP(i, { accumulate_micro_step(stack, step, steps, to_float(values[i]), result, i); }),
-                   compute.comm_stream());
-}
-// The kernel for the exchange's types: call(Wire{}, Accum{}).
-template <class Call>
-static void for_exchange_types(const ShardSums& sums, Call call) {
-  switch (sums.wire.precision) {
-    case Precision::fp32: return call(float{}, float{});
-    case Precision::bf16:
-      if (sums.accumulate_fp32) return call(bfloat16{}, float{});
-      return call(bfloat16{}, bfloat16{});
-    case Precision::fp16:
-      if (sums.accumulate_fp32) return call(float16{}, float{});
-      return call(float16{}, float16{});
-  }
-}
-void ShardSums::sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
-  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
-    sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
-  });
-}
-void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& into) {
-  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
-    accumulate_as<decltype(wire_zero), decltype(accum_zero)>(values, n, into);
-  });
-}
-
 // --- the transfer that carries it: one bucket over MPI, as it runs ---------------
 
-// The engine trains with a non-blocking form of the reference above: each
-// progress() call (between layers) takes the bucket's steps as far as they
-// go without waiting (runtime/transfers.h: a transfer and its queue). On
+// The collectives the engine calls start a transfer in the slot at once
+// (the queue's steps: runtime/transfers.h); progress() moves it on.
+void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
+  Parts& p = *parts_;
+  Transfer* transfer = p.start(slot, padded, "reduce-scatter");
+  transfer->collectives.push_back(
+      p.reduce_scatter_collective(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
+  if (into.copy_to_host && into.micro_step == into.micro_steps - 1)  // the final sum, also to the host (offload.h)
+    transfer->collectives.push_back(
+        std::make_unique<ShardToHost>(p, into.result, into.copy_to_host, padded / p.queue.world));
+  progress();
+}
+
+// The chapter's own reduce-scatter over MPI, a non-blocking form of the
+// reference above: each progress() call (between layers) takes the bucket's
+// steps as far as they go without waiting (runtime/transfers.h). On
 // cuda with --comm mpi, MPI works on pinned host memory: the bucket crosses
 // to the host first, and the received slices come back before the sum.
 struct MpiReduceScatter : Collective {
@@ -1056,87 +861,84 @@ struct OneRankSum : Collective {
   }
 };
 
-// ZeRO-Offload: the reduced shard down to the host, as the last step of its
-// reduce-scatter's transfer (after the sum, on the comm stream), so it
-// overlaps the rest of backward and the slot waits for it. In mixed
-// precision 2 Psi/N bytes cross per step, 4 Psi/N in fp32.
-struct ShardToHost : Collective {
-  BucketExchange::Parts& exchange;
-  const void* shard;
-  void* host;
-  const size_t count;  // elements of the wire type
-  ShardToHost(BucketExchange::Parts& parts, const void* shard_, void* host_, size_t count_)
-      : exchange(parts), shard(shard_), host(host_), count(count_) {}
-  bool advance(Transfer&) override {
-    exchange.compute.copy(host, shard, exchange.wire.bytes(count), exchange.compute.comm_stream());
-    return true;
-  }
-};
-
-// The all-gather of a bucket over MPI: MPI's own, in place (rank r's shard
-// at r x shard, as NCCL lays it out); it only copies, so it is exact in
-// every mode. On cuda the own shard crosses to the host and the whole
-// bucket comes back (runtime/transfers.cpp: MpiCollective's steps).
-struct MpiAllGather : MpiCollective {
-  char* host;  // where MPI gathers: the bucket itself, or the slot's pinned copy
-  const size_t shard;
-  size_t* sent;
-  MpiAllGather(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded, size_t* sent_)
-      : MpiCollective(parts, s),
-        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        shard(padded / parts.queue.world),
-        sent(sent_) {
-    if (!parts.through_pinned_host) return;
-    const size_t own = (size_t)parts.queue.rank * shard;
-    to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
-    to_device = {bucket, host, padded};                                       // the whole bucket comes back
-  }
-  void post(MPI_Request* request) override {
-    const MPI_Datatype type = exchange.wire.mpi_type;
-    Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request));
-    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard);
-  }
-};
-
-// Which collective carries a bucket: the chapter's own over MPI (above), or
-// the libraries' (NCCL, --collectives native: runtime/transfers.cpp).
-std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter(int slot, void* bucket, size_t padded,
-                                                                  const AccumulateInto& into, size_t* sent) {
+// Which collective carries a bucket's reduce-scatter: the chapter's own over
+// MPI (above), or the libraries' (NCCL, --collectives native: runtime/transfers.cpp).
+std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int slot, void* bucket, size_t padded,
+                                                                             const AccumulateInto& into, size_t* sent) {
   if (queue.world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
   if (use_nccl) return nccl_reduce_scatter(*this, slot, bucket, padded, into, sent);
   if (native) return mpi_native_reduce_scatter(*this, slot, bucket, padded, into, sent);
   return std::make_unique<MpiReduceScatter>(*this, slot, bucket, padded, into, sent);
 }
 
-std::unique_ptr<Collective> BucketExchange::Parts::all_gather(int slot, void* bucket, size_t padded, size_t* sent) {
-  if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
-  return std::make_unique<MpiAllGather>(*this, queue.slots[slot], bucket, padded, sent);
+// --- the receiver's sum (a kernel on the comm stream) -----------------------------
+
+// The kernel for the exchange's types: call(Wire{}, Accum{}).
+template <class Call>
+static void for_exchange_types(const ShardSums& sums, Call call) {
+  switch (sums.wire.precision) {
+    case Precision::fp32: return call(float{}, float{});
+    case Precision::bf16:
+      if (sums.accumulate_fp32) return call(bfloat16{}, float{});
+      return call(bfloat16{}, bfloat16{});
+    case Precision::fp16:
+      if (sums.accumulate_fp32) return call(float16{}, float{});
+      return call(float16{}, float16{});
+  }
+}
+void ShardSums::sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
+  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
+    sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
+  });
+}
+void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& into) {
+  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
+    accumulate_as<decltype(wire_zero), decltype(accum_zero)>(values, n, into);
+  });
 }
 
-// The three collectives the engine calls: a transfer in the slot, started at once.
-void BucketExchange::reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
-  Parts& p = *parts_;
-  Transfer* transfer = p.start(slot, padded, "reduce-scatter");
-  transfer->collectives.push_back(p.reduce_scatter(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
-  if (into.offload_to && into.step == into.steps - 1)  // the sum is final: down to the host optimizer
-    transfer->collectives.push_back(
-        std::make_unique<ShardToHost>(p, into.result, into.offload_to, padded / p.queue.world));
-  progress();
+// The same sum on the device, in any precision: element i of the own shard
+// is the canonical tree over the N ranks' slices, in fp32, handed to the
+// accumulation tree, which rounds the finished sum once (notes/08). Rank r
+// computed micro-batch a N + r, so this tree continued over the micro-steps
+// is the canonical tree over all N A micro-batches: the same bits at any
+// power-of-two N (notes/06). (sum_over_ranks, zero2.h: canonical_tree_sum, or
+// in a lab build the student's tree_sum.)
+template <class Wire, class Accum>
+void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
+                                      const AccumulateInto& into) {
+  const int ranks = world, me = rank;
+  const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
+  Wire* result = (Wire*)into.result;
+  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
+  const long micro_step = into.micro_step, micro_steps = into.micro_steps;
+  compute.for_each(shard,
+                   Z2_LOOP(i,
+                           {
+                             float value = sum_over_ranks(ranks, [&](long j) {
+                               return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
+                             });
+                             accumulate_micro_step(stack, micro_step, micro_steps, value, result, i);
+                           }),
+                   compute.comm_stream());
 }
-
-void BucketExchange::all_gather(int slot, void* bucket, size_t padded) {
-  Parts& p = *parts_;
-  Transfer* transfer = p.start(slot, padded, "all-gather");
-  if (p.queue.world > 1)  // one rank: nothing to send
-    transfer->collectives.push_back(p.all_gather(slot, bucket, padded, &p.comm.counters().all_gather));
-  progress();
+// One value per element already reduced (one rank, or a native reduce-scatter).
+template <class Wire, class Accum>
+void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
+  const Wire* values = (const Wire*)reduced;
+  Wire* result = (Wire*)into.result;
+  const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
+  const long micro_step = into.micro_step, micro_steps = into.micro_steps;
+  compute.for_each(
+      n, Z2_LOOP(i, { accumulate_micro_step(stack, micro_step, micro_steps, to_float(values[i]), result, i); }),
+      compute.comm_stream());
 }
 
 // DP's all-reduce: the reduce-scatter into the bucket's own slice (through
 // `into`, so an accumulation's last micro-step folds into it), then the
 // all-gather of the slices; with native collectives and nothing to
 // accumulate, the library's all-reduce.
-void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
+void BucketExchange::start_all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   Parts& p = *parts_;
   void* own = p.wire.at(bucket, (size_t)p.queue.rank * (padded / p.queue.world));
   AccumulateInto target = into;
@@ -1145,13 +947,66 @@ void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const Acc
     usage_error("all_reduce: the reduced shard must land in the bucket's own slice, to be all-gathered from there");
   Transfer* transfer = p.start(slot, padded, "all-reduce");
   size_t* sent = &p.comm.counters().all_reduce;
-  if (p.native && p.queue.world > 1 && target.steps == 1) {
-    transfer->collectives.push_back(p.native_all_reduce(slot, bucket, padded, sent));
+  if (p.native && p.queue.world > 1 && target.micro_steps == 1) {
+    transfer->collectives.push_back(p.native_all_reduce_collective(slot, bucket, padded, sent));
   } else {
-    transfer->collectives.push_back(p.reduce_scatter(slot, bucket, padded, target, sent));
-    if (p.queue.world > 1) transfer->collectives.push_back(p.all_gather(slot, bucket, padded, sent));
+    transfer->collectives.push_back(p.reduce_scatter_collective(slot, bucket, padded, target, sent));
+    if (p.queue.world > 1) transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, sent));
   }
   progress();
+}
+
+// --- every bucket reduced: the transfers move between layers, and finish --------
+
+// Between layers: every transfer in flight as far as it goes without waiting.
+void Engine::progress() {
+  if (built_) rank_state_->exchange->progress();
+}
+
+void BucketExchange::progress() { parts_->queue.progress(); }
+
+void Engine::end_micro_step(float loss) {
+  require_built("end_micro_step");
+  if (micro_steps_done_ >= options_.accumulation_steps)
+    usage_error("end_micro_step: already %d micro-steps; call step()", options_.accumulation_steps);
+  rank_state_->end_micro_step(micro_steps_done_, loss);
+  ++micro_steps_done_;
+}
+
+// Micro-step a's end: every bucket reduced, its transfers finished.
+void Engine::RankState::end_micro_step(int a, float loss) {
+  for (size_t id = 0; id < parameter_ready.size(); ++id)
+    if (!parameter_ready[id])
+      usage_error("end_micro_step: no gradient was handed over for '%s'", engine.parameters_[id].name.c_str());
+  reduce_buckets_left();
+  exchange->finish_all();
+  // The next micro-step's backward overwrites the gradients: it must come
+  // after everything the comm stream still does with them.
+  compute.record(comm_done, compute.comm_stream());
+  compute.wait(compute.compute_stream(), comm_done);
+  micro_losses[a] = loss;
+  std::fill(parameter_ready.begin(), parameter_ready.end(), 0);
+  std::fill(bucket_ready_count.begin(), bucket_ready_count.end(), 0);
+  std::fill(bucket_reduced.begin(), bucket_reduced.end(), 0);
+}
+
+void BucketExchange::finish_all() { parts_->queue.finish_all(); }
+
+// Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
+// the order backward completes them. Stage 2 reduces every bucket during
+// backward, from its slot: one left means the hook never started it.
+void Engine::RankState::reduce_buckets_left() {
+  reduced_during_backward = 0;
+  for (char reduced : bucket_reduced) reduced_during_backward += reduced;
+  for (int b = (int)buckets.size() - 1; b >= 0; --b) {
+    if (bucket_reduced[b]) continue;
+    if (stage == 2)
+      usage_error(
+          "end_micro_step: bucket %d ('%s' ...) was never reduce-scattered: in stage 2 each bucket is "
+          "reduce-scattered from its slot as soon as its last gradient is handed over (stage2_gradient_ready)",
+          b, engine.parameters_[buckets[b].first_parameter].name.c_str());
+    reduce_bucket(b);
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -1174,38 +1029,40 @@ void BucketExchange::all_reduce(int slot, void* bucket, size_t padded, const Acc
 
 // ZeRO-Offload runs this section on the host: the shards came down in their
 // reduce-scatters (ShardToHost), the loops below run as CPU loops on the
-// host's buffers (RankState::optimizer_loop) and each updated shard goes up
-// once computed (upload_updated_shard). Same loops, same values: same bits.
+// host's buffers (the step's home, StepHome) and each updated shard goes up
+// once computed (runtime/offload.h). Same loops, same values: same bits.
 
-// The step as the paper's optimizer sees it; each call below is one idea,
-// defined after it in the same order.
+// The step as the paper's optimizer sees it; each call below is one idea.
+// The rank's steps are defined after it in the same order; the home's hook
+// (wait_for_shards) is with StepHome, after RankState (and in offload.h).
 StepReport Engine::step() {
   require_built("step");
   RankState& rank_state = *rank_state_;
   StepReport report = rank_state.open_step();  // the global loss, the step's number and learning rate
-  // ZeRO-Offload: from here to the all-gathers the step runs on the host, on the shards copied down.
-  if (rank_state.offload) rank_state.wait_for_offloaded_gradients();
+  step_calls_ = report.step;
+  rank_state.home->wait_for_shards();  // ZeRO-Offload: the host's copies of them have come down
   const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank's reduced gradients
-  if (rank_state.overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
+  if (overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
   report.grad_norm = rank_state.global_norm(local, report);
   report.clip_coefficient = rank_state.clip_coefficient(report.grad_norm);
   // AdamW on this rank's update regions (every bucket in DP, its shards in P_os and P_os+g),
   // then, in P_os and P_os+g, everyone's updated shards to everyone.
-  rank_state.update_and_gather(report);
+  rank_state.apply_update(report);
+  updates_applied_ = report.applied;
   return rank_state.close_step(report);
 }
 
 StepReport Engine::RankState::open_step() {
   const int A = options.accumulation_steps;
-  if (engine.micro_step_ != A)
-    usage_error("step() after %d micro-step(s); accumulation_steps is %d", engine.micro_step_, A);
+  if (engine.micro_steps_done_ != A)
+    usage_error("step() after %d micro-step(s); accumulation_steps is %d", engine.micro_steps_done_, A);
   StepReport report;
   report.loss = global_loss();
-  report.step = ++engine.steps_taken_;
+  report.step = engine.step_calls_ + 1;
   set_watchdog_context("optimizer step " + std::to_string(report.step) + " (its update)");
   report.loss_scale = engine.scaler_.scale();
   // The rate and betas of the update this step makes, unless it is skipped.
-  scheduled_settings(options, engine.optimizer_step_ + 1, report);  // runtime/option_checks.cpp
+  scheduled_settings(options, engine.updates_applied_ + 1, report);  // runtime/option_checks.cpp
   return report;
 }
 
@@ -1234,38 +1091,39 @@ std::vector<float> Engine::RankState::local_chunk_sums(float scale) {
 // or a power of two that keeps the squares from overflowing: see step()).
 template <class Working>
 void Engine::RankState::chunk_squares_as(int b, float scale) {
-  const Working* gradient = (const Working*)region_gradient(b);
+  const Working* gradient = (const Working*)home->gradient(b);
   float* sums = chunk_sums.data() + region(b).state / norm_chunk;
-  optimizer_loop(region(b).length / norm_chunk, Z2_LOOP(chunk, {
-                   const Working* values = gradient + chunk * norm_chunk;
-                   float squares[norm_chunk];  // the tree's leaves
-                   for (long k = 0; k < norm_chunk; ++k) {
-                     const float value = to_float(values[k]) * scale;  // exact: scale is a power of two (1 as a rule)
-                     squares[k] = value * value;
-                   }
-                   sums[chunk] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
-                 }));
+  compute.for_each_at(home->place(), region(b).length / norm_chunk, Z2_LOOP(chunk, {
+                        const Working* values = gradient + chunk * norm_chunk;
+                        float squares[norm_chunk];  // the tree's leaves
+                        for (long k = 0; k < norm_chunk; ++k) {
+                          const float value =
+                              to_float(values[k]) * scale;  // exact: scale is a power of two (1 as a rule)
+                          squares[k] = value * value;
+                        }
+                        sums[chunk] = perfect_tree_sum<norm_chunk>(squares);  // = canonical_tree_sum over the squares
+                      }));
 }
 
 // fp16: overflow anywhere? (A chunk sum of finite fp16 values is finite:
 // 32 x 65504^2 < 2^37, so a non-finite chunk is a non-finite element.) Every
 // rank takes the same verdict and the scaler moves on it; a skipped step
 // updates nothing.
-bool Engine::RankState::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
-  if (options.precision == Precision::fp16) {
+bool Engine::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
+  if (options_.precision == Precision::fp16) {
     bool overflow = false;
     for (float sum : local) overflow |= !std::isfinite(sum);
-    report.skipped = comm.any_rank(overflow);
+    report.skipped = comm_.any_rank(overflow);
     // At the minimum scale update throws, on every rank; the run ends there,
     // so the message says where, counting steps as the progress lines do.
     try {
-      engine.scaler_.update(report.skipped);
+      scaler_.update(report.skipped);
     } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
   }
-  engine.micro_step_ = 0;  // every precision passes here: the next step's micro-steps start again
+  micro_steps_done_ = 0;  // every precision passes here: the next step's micro-steps start again
   if (!report.skipped) return false;
-  ++engine.skipped_steps_;
-  report.applied = engine.optimizer_step_;
+  ++skipped_steps_;
+  report.applied = updates_applied_;
   report.grad_norm = NAN;
   return true;
 }
@@ -1344,7 +1202,7 @@ float Engine::RankState::rescaled_squared_norm(const StepReport& report, float* 
   bool finite = true;
   const float largest = global_largest_magnitude(&finite);
   if (!finite)
-    usage_error(engine.optimizer_step_ == 0
+    usage_error(engine.updates_applied_ == 0
                     ? "a gradient is not finite (inf or NaN) in optimizer step %ld, before any update: the model "
                       "as initialized overflows on this data (the learning rate has not acted yet): look at "
                       "--dropout and the model sizes"
@@ -1382,6 +1240,12 @@ float Engine::RankState::global_squared_norm(const std::vector<float>& local) {
   return tree_sum((long)canonical.size(), canonical.data());
 }
 
+// The canonical tree over leaves in memory (the tree-sum lab's seam): the
+// norm's chunk sums, the loss, the blocking reference's slices.
+Z2_LAB_SEAM float tree_sum(long n, const float* leaves) {
+  return canonical_tree_sum(n, [&](long k) { return leaves[k]; });
+}
+
 // The largest |g| over every rank's update region (collective); `finite`
 // says whether every element of the gradient is finite.
 float Engine::RankState::global_largest_magnitude(bool* finite) {
@@ -1406,17 +1270,17 @@ float Engine::RankState::global_largest_magnitude(bool* finite) {
 // the same buffer: max is exact and order-free, so no tree is needed.
 template <class Working>
 void Engine::RankState::chunk_largest_as(int b) {
-  const Working* gradient = (const Working*)region_gradient(b);
+  const Working* gradient = (const Working*)home->gradient(b);
   float* largest = chunk_sums.data() + region(b).state / norm_chunk;
-  optimizer_loop(region(b).length / norm_chunk, Z2_LOOP(chunk, {
-                   float value = 0.0f;
-                   for (long k = 0; k < norm_chunk; ++k) {
-                     const float magnitude = fabsf(to_float(gradient[chunk * norm_chunk + k]));
-                     if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
-                     if (value != value) break;
-                   }
-                   largest[chunk] = value;
-                 }));
+  compute.for_each_at(home->place(), region(b).length / norm_chunk, Z2_LOOP(chunk, {
+                        float value = 0.0f;
+                        for (long k = 0; k < norm_chunk; ++k) {
+                          const float magnitude = fabsf(to_float(gradient[chunk * norm_chunk + k]));
+                          if (magnitude > value || magnitude != magnitude) value = magnitude;  // a NaN stays
+                          if (value != value) break;
+                        }
+                        largest[chunk] = value;
+                      }));
 }
 
 // Clipping as torch.nn.utils.clip_grad_norm_: coefficient = clip / (norm +
@@ -1425,6 +1289,18 @@ float Engine::RankState::clip_coefficient(float grad_norm) const {
   if (options.clip <= 0) return 1.0f;
   const float coefficient = (float)options.clip / (grad_norm + 1e-6f);
   return std::min(coefficient, 1.0f);
+}
+
+// AdamW's constants for update t, the stage's step through the seam below,
+// and the wait for its all-gathers. One multiply per element folds the
+// clipping coefficient and fp16's 1/S into the gradient.
+void Engine::RankState::apply_update(StepReport& report) {
+  const long t = engine.updates_applied_ + 1;
+  const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
+  StepOverShards shards(*this, adamw_constants(report, t, grad_scale));
+  z2::update_and_gather(shards, buckets, stage);
+  wait_for_all_gathers();
+  report.applied = t;  // the update step() counts
 }
 
 // torch.optim.AdamW's scalars, computed in double, for update t (1-based),
@@ -1447,31 +1323,6 @@ AdamWConstants Engine::RankState::adamw_constants(const StepReport& report, long
   return constants;
 }
 
-// What update_and_gather (below) is lent: AdamW with this step's constants
-// on a bucket's update region, and the all-gather of a bucket's parameters
-// (16-bit working parameters in mixed precision: half the bytes): each
-// bucket once, its update first (the refusals: the end of this section).
-struct Engine::RankState::StepOverShards : OwnShards {
-  RankState& rank_state;
-  const AdamWConstants constants;
-  std::vector<char> updated = std::vector<char>(rank_state.buckets.size()), gathered = updated;  // this step
-  StepOverShards(RankState& state, const AdamWConstants& step_constants)
-      : rank_state(state), constants(step_constants) {}
-  void adamw(int b) override {
-    refuse_update(b);
-    updated[b] = 1;
-    rank_state.for_working_type([&](auto zero) { rank_state.adamw_as<decltype(zero)>(b, constants); });
-    if (rank_state.offload) rank_state.upload_updated_shard(b);  // ZeRO-Offload: back to the device's parameters
-  }
-  void all_gather(int b) override {
-    refuse_gather(b);
-    gathered[b] = 1;
-    rank_state.start_all_gather(b);
-  }
-  void refuse_update(int b) const;
-  void refuse_gather(int b) const;
-};
-
 // The optimizer step of each stage (the own-shards lab's second seam).
 Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketInfo>& buckets, int stage) {
   for (int b = 0; b < (int)buckets.size(); ++b) shards.adamw(b);  // this rank's update region of each bucket
@@ -1481,17 +1332,10 @@ Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketIn
   for (int b = 0; b < (int)buckets.size(); ++b) shards.all_gather(b);
 }
 
-// AdamW's constants for update t, the stage's step through the seam above,
-// and the wait for its all-gathers. One multiply per element folds the
-// clipping coefficient and fp16's 1/S into the gradient.
-void Engine::RankState::update_and_gather(StepReport& report) {
-  const long t = engine.optimizer_step_ + 1;
-  const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
-  StepOverShards shards(*this, adamw_constants(report, t, grad_scale));
-  z2::update_and_gather(shards, buckets, stage);
-  wait_for_all_gathers();
-  engine.optimizer_step_ = t;
-  report.applied = t;
+// AdamW on bucket b's update region, in the working type.
+void Engine::RankState::adamw(int b, const AdamWConstants& constants) {
+  for_working_type([&](auto zero) { adamw_as<decltype(zero)>(b, constants); });
+  home->shard_updated(b);  // ZeRO-Offload: up to the device's parameters
 }
 
 // AdamW on bucket b's update region. fp32: the parameters are the master.
@@ -1502,58 +1346,68 @@ void Engine::RankState::adamw_as(int b, const AdamWConstants& constants) {
   const unsigned char* decay_flags = decay.data();
   const UpdateRegion own = region(b);
   const size_t first_chunk = own.parameter / norm_chunk;
-  const Working* gradient = (const Working*)region_gradient(b);
-  float* param = region_master(b);
+  const Working* gradient = (const Working*)home->gradient(b);
+  float* param = home->master(b);
   float* exp_avg = adam_m.data() + own.state;  // torch's names for m and v
   float* exp_avg_sq = adam_v.data() + own.state;
-  Working* working = (Working*)region_working(b);
+  Working* working = (Working*)home->working(b);
   // A row per norm chunk (the decay flag is per chunk): the CPU loop reads
   // the flag once a chunk and vectorises the 32 updates of each.
-  optimizer_loop(own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
-                   const size_t i = chunk * norm_chunk + k;
-                   adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg, exp_avg_sq,
-                                i);
-                   if (working) working[i] = from_float<Working>(param[i]);
-                 }));
+  compute.for_each_at(home->place(), own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
+                        const size_t i = chunk * norm_chunk + k;
+                        adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg,
+                                     exp_avg_sq, i);
+                        if (working) working[i] = from_float<Working>(param[i]);
+                      }));
 }
 
-// ZeRO-Offload. The reduced shards came down inside their reduce-scatters
-// (ShardToHost): wait for those copies, and with them for backward, before
-// the host reads the shards and before anything is copied up over the
-// parameters backward read.
-void Engine::RankState::wait_for_offloaded_gradients() {
-  compute.synchronize_all();
-  if (!mixed && host_master_stale) take_host_master_from_parameters();
+// Bucket b's parameters, in place, rank r's shard to every rank: the
+// all-gather over MPI below, in the exchange's transfer queue.
+void Engine::RankState::gather_parameters(int b) {
+  exchange->start_all_gather(exchange->acquire(b), at(params, buckets[b].offset), buckets[b].padded_length);
+}
+// The all-gather of a bucket over MPI: MPI's own, in place (rank r's shard
+// at r x shard, as NCCL lays it out); it only copies, so it is exact in
+// every mode. On cuda the own shard crosses to the host and the whole
+// bucket comes back (runtime/transfers.h: MpiCollective's steps).
+struct MpiAllGather : MpiCollective {
+  char* host;  // where MPI gathers: the bucket itself, or the slot's pinned copy
+  const size_t shard;
+  size_t* sent;
+  MpiAllGather(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded, size_t* sent_)
+      : MpiCollective(parts, s),
+        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
+        shard(padded / parts.queue.world),
+        sent(sent_) {
+    if (!parts.through_pinned_host) return;
+    const size_t own = (size_t)parts.queue.rank * shard;
+    to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
+    to_device = {bucket, host, padded};                                       // the whole bucket comes back
+  }
+  void post(MPI_Request* request) override {
+    const MPI_Datatype type = exchange.wire.mpi_type;
+    Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request));
+    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard);
+  }
+};
+
+// Which collective carries it: NCCL's, or the one above.
+std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(int slot, void* bucket, size_t padded,
+                                                                         size_t* sent) {
+  if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
+  return std::make_unique<MpiAllGather>(*this, queue.slots[slot], bucket, padded, sent);
 }
 
-// fp32 keeps a host copy of its own shards as the master (without offload
-// the device's parameters are the master): taken from the parameters at the
-// first step after they were set from outside the step (a model's writes
-// between build() and step 1, parameters_from_host, a checkpoint loaded).
-// Writes through parameter() after step 1 are not seen, as in mixed
-// precision, offloaded or not (zero2.h, Engine::parameter_as).
-void Engine::RankState::take_host_master_from_parameters() {
-  for (int b = 0; b < (int)buckets.size(); ++b)
-    compute.copy(region_master(b), region_param(b), region(b).length * sizeof(float), compute.compute_stream());
-  compute.synchronize(compute.compute_stream());
-  host_master_stale = false;
+void BucketExchange::start_all_gather(int slot, void* bucket, size_t padded) {
+  Parts& p = *parts_;
+  Transfer* transfer = p.start(slot, padded, "all-gather");
+  if (p.queue.world > 1)  // one rank: nothing to send
+    transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, &p.comm.counters().all_gather));
+  progress();
 }
 
-// The updated shard of bucket b up to the device's parameters (mixed: its
-// rounded copy, 2 Psi/N bytes a step in all; fp32: the master itself, 4),
-// on the comm stream, where the bucket's all-gather follows it. The host
-// goes on to the next bucket's AdamW while this one crosses.
-void Engine::RankState::upload_updated_shard(int b) {
-  const void* updated = mixed ? region_working(b) : (const void*)region_master(b);
-  compute.copy(region_param(b), updated, region(b).length * element, compute.comm_stream());
-}
-
-// Bucket b's parameters, in place, rank r's shard to every rank; and the
-// wait for every all-gather started, after which forward (on the compute
-// stream) may read them.
-void Engine::RankState::start_all_gather(int b) {
-  exchange->all_gather(exchange->acquire(b), at(params, buckets[b].offset), buckets[b].padded_length);
-}
+// The wait for every all-gather started, after which forward (on the
+// compute stream) may read the parameters.
 void Engine::RankState::wait_for_all_gathers() {
   exchange->finish_all();
   compute.record(comm_done, compute.comm_stream());
@@ -1563,16 +1417,16 @@ void Engine::RankState::wait_for_all_gathers() {
 // Every rank's update regions to every rank, as at the end of a step; not
 // training traffic, so the next step's ledger does not count it (after a
 // checkpoint is loaded: runtime/checkpoint_state.cpp).
-void Engine::all_gather_untracked() {
-  RankState& rank_state = *rank_state_;
-  if (options_.stage > 0)
-    for (int b = 0; b < (int)buckets_.size(); ++b) rank_state.start_all_gather(b);
-  rank_state.wait_for_all_gathers();
-  compute_.synchronize_all();
-  rank_state.step_start_counters = comm_.counters();
+void Engine::all_gather_untracked() { rank_state_->all_gather_untracked(); }
+void Engine::RankState::all_gather_untracked() {
+  if (stage > 0)  // P_os, P_os+g (5.1, 5.2): each rank holds only its shards updated; DP (2.1) holds them all
+    for (int b = 0; b < (int)buckets.size(); ++b) gather_parameters(b);
+  wait_for_all_gathers();
+  compute.synchronize_all();
+  step_start_counters = comm.counters();
 }
 
-void Engine::parameters_written() { rank_state_->host_master_stale = true; }
+void Engine::parameters_written() { rank_state_->home->parameters_written(); }
 
 // Account the step in the ledgers and name the next one for the watchdog.
 StepReport Engine::RankState::close_step(const StepReport& report) {
@@ -1596,26 +1450,6 @@ void Engine::RankState::account_step() {
   pushes_last_step = memory.pushes - pushes_at_step_start;
   allocations_at_step_start = memory.allocations;
   pushes_at_step_start = memory.pushes;
-}
-
-// --- what the own-shards seam refuses (a call out of order) ------------------
-// The all-gather reads the shard while it runs, so an update after it would
-// race with it, and the other ranks could receive the old shard. (The order
-// of the calls is the same on every rank, so every rank refuses together.)
-
-void Engine::RankState::StepOverShards::refuse_update(int b) const {
-  rank_state.check_bucket(b, "adamw");
-  if (gathered[b])
-    usage_error(
-        "adamw: bucket %d's all-gather has already started: it would send the shard as it was before the "
-        "update (or half updated). Update a bucket, then all-gather it",
-        b);
-  if (updated[b]) usage_error("adamw: bucket %d was updated already in this step", b);
-}
-
-void Engine::RankState::StepOverShards::refuse_gather(int b) const {
-  rank_state.check_bucket(b, "all_gather");
-  if (gathered[b]) usage_error("all_gather: bucket %d was all-gathered already in this step", b);
 }
 
 // ----------------------------------------------------------------------------

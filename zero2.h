@@ -19,13 +19,16 @@
 //   zero2.cu                    the chapter on ZeRO-2: layout and shards, the stage
 //                               buffers, backward and stage 2's slots, the
 //                               reduce-scatter, the step, ZeRO-R's seams, the ledger
+//   runtime/offload.h           ZeRO-Offload's step on the host (part of zero2.cu: a seam)
+//   runtime/lab_adapters.h      what the lab seams are lent, the refusals (part of zero2.cu)
 //   runtime/errors.cpp          checks with file:line, usage errors, messages
 //   runtime/watchdog.cpp        every wait against a deadline, the roll call
 //   runtime/compute.cpp         the cpu | cuda backend: streams, events, copies
 //   runtime/allocators.cpp      direct, naive and caching memory (the arena's books are zero2.cu's)
 //   runtime/gemm.cu             OpenBLAS / cuBLAS, the 16-bit products, the portable gemm
 //   runtime/communicator.cpp    MPI and NCCL start-up, scalars, the memory per rank
-//   runtime/transfers.cpp       the transfer queue, native and NCCL collectives
+//   runtime/transfers.h         the transfer queue: its types and steps
+//   runtime/transfers.cpp       the slots' buffers, native and NCCL collectives
 //   runtime/host_copies.cpp     parameters and gradients to and from the host
 //   runtime/checkpoint_state.cpp  the optimizer state in canonical order, at any N
 //   runtime/ledger_report.cpp   the ledgers as a table and as JSON
@@ -217,10 +220,10 @@ struct StepReport {
   float loss = 0;       // canonical-tree sum of the micro-batch loss contributions
   float grad_norm = 0;  // global L2 norm before clipping (unscaled; inf or NaN on an fp16 overflow)
   float clip_coefficient = 1;
-  double lr = 0;          // the learning rate of the update (of the update it would have been, when skipped)
+  double lr = 0;                // the learning rate of the update (of the update it would have been, when skipped)
   double beta1 = 0, beta2 = 0;  // Adam's betas of the update (EngineOptions::betas_schedule, or beta1 and beta2)
-  double loss_scale = 1;  // the scale this step's gradients carry (fp16; 1 otherwise)
-  bool skipped = false;   // fp16: a gradient overflowed on some rank, so no rank updated
+  double loss_scale = 1;        // the scale this step's gradients carry (fp16; 1 otherwise)
+  bool skipped = false;         // fp16: a gradient overflowed on some rank, so no rank updated
 };
 
 // What a loss scaler carries from step to step: a checkpoint holds it, and
@@ -371,7 +374,7 @@ class Engine {
   long micro_batch_index(int a) const;
   int world_size() const;
   int rank() const;
-  int micro_steps_done() const { return micro_step_; }
+  int micro_steps_done() const { return micro_steps_done_; }
   // Buckets whose reduction started before end_micro_step() in the last
   // micro-step: all of them with overlap (or in stage 2), none without.
   int buckets_reduced_during_backward() const;
@@ -432,7 +435,7 @@ class Engine {
   std::string ledgers_json() const;
 
   const EngineOptions& options() const { return options_; }
-  long optimizer_steps() const { return optimizer_step_; }
+  long optimizer_steps() const { return updates_applied_; }
 
   // What this rank holds for the engine (zero2.cu, "The stage buffers"): its model-state
   // buffers, full or sharded by stage, its bucket exchange and the micro-step's
@@ -450,6 +453,8 @@ class Engine {
   // ledger (after a checkpoint is loaded): zero2.cu.
   ModelStates model_states() const;
   void all_gather_untracked();
+  // fp16's overflow check and the loss scale's move, at every step (zero2.cu, "The step").
+  bool overflow_skips_step(const std::vector<float>& local, StepReport& report);
   // The parameters were set from outside the step: with ZeRO-Offload in
   // fp32 the host's master copy is taken from them again at the next step.
   void parameters_written();
@@ -460,9 +465,13 @@ class Engine {
   std::vector<BucketInfo> buckets_;
   size_t canonical_elements_ = 0;
   bool built_ = false;
-  int micro_step_ = 0;
-  long optimizer_step_ = 0;  // updates applied (AdamW's t)
-  long steps_taken_ = 0;     // step() calls, skipped ones included
+  // Three counters, three names: micro-steps of the step under way, AdamW
+  // updates made (its t), step() calls (skipped ones included). The Engine
+  // writes them and its layout; RankState (zero2.cu) reads them and writes
+  // only its own state, the buffers and the micro-step's bookkeeping.
+  int micro_steps_done_ = 0;
+  long updates_applied_ = 0;
+  long step_calls_ = 0;
   long skipped_steps_ = 0;
   LossScaler scaler_;
   std::unique_ptr<RankState> rank_state_;
@@ -695,6 +704,49 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
   return sum;
 }
 
+// The canonical tree over the N ranks' slices of one element (zero2.cu's
+// ShardSums): canonical_tree_sum, or in a lab build (notes/labs) the
+// student's tree_sum over the leaves, at most 64 (runtime/lab_build.h).
+template <class Leaf>
+Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {
+#if defined(Z2_LAB_BUILD)
+  float leaves[64];  // a lab build refuses more ranks (check_lab_layout)
+  for (long j = 0; j < ranks; ++j) leaves[j] = leaf(j);
+  return tree_sum(ranks, leaves);
+#else
+  return canonical_tree_sum(ranks, leaf);
+#endif
+}
+
+// The same tree, fed over time: the A micro-step results of one optimizer step
+// arrive one by one (notes/06, the interleaved assignment). `stack`
+// holds the open blocks of earlier micro-steps (at most floor(log2 A) of them,
+// one buffer each); `micro_step` is this one (0-based) of `micro_steps`.
+// Before the last the new value is pushed exactly as in canonical_tree_sum;
+// at the last the stack is folded from the right into `result`.
+// In mixed precision `value` is the fp32 sum of the ranks' 16-bit slices, the
+// blocks are fp32 (`Accum` = float, grad_accum_dtype "fp32") or 16-bit, and
+// `result` is the 16-bit gradient: with fp32 blocks the sums happen in fp32
+// and only the finished sum is rounded, once (notes/08).
+template <class Accum = float>
+struct AccumulationStackOf {
+  Accum* entries[32];  // entries[d][i]: element i of open block d (A < 2^32)
+};
+using AccumulationStack = AccumulationStackOf<float>;
+template <class Accum, class Result>
+Z2_HD inline void accumulate_micro_step(const AccumulationStackOf<Accum>& stack, long micro_step, long micro_steps,
+                                        float value, Result* result, size_t i) {
+  int depth = count_bits((unsigned long)micro_step);  // open blocks before this push
+  if (micro_step == micro_steps - 1) {
+    while (depth > 0) value = to_float(stack.entries[--depth][i]) + value;
+    result[i] = from_float<Result>(value);
+    return;
+  }
+  for (unsigned long closed = (unsigned long)micro_step; closed & 1ul; closed >>= 1)
+    value = to_float(stack.entries[--depth][i]) + value;
+  stack.entries[depth][i] = from_float<Accum>(value);
+}
+
 // canonical_tree_sum of a power-of-two count of leaves, by levels: the pairs
 // of leaves, then the pairs of pairs, ... A perfect tree has one shape, so
 // these are the same additions in the same order, written as loops the CPU
@@ -711,35 +763,6 @@ Z2_HD inline float perfect_tree_sum(float* leaves) {
     from = to, to = swap;
   }
   return from[0];
-}
-
-// The same tree, fed over time: the A micro-step results of one optimizer step
-// arrive one by one (notes/06, the interleaved assignment). `stack`
-// holds the open blocks of earlier micro-steps (at most floor(log2 A) of them,
-// one buffer each); `step` is this micro-step (0-based). Before the last step
-// the new value is pushed exactly as in canonical_tree_sum; at the last step
-// the stack is folded from the right into `result`.
-// In mixed precision `value` is the fp32 sum of the ranks' 16-bit slices, the
-// blocks are fp32 (`Accum` = float, grad_accum_dtype "fp32") or 16-bit, and
-// `result` is the 16-bit gradient: with fp32 blocks the sums happen in fp32
-// and only the finished sum is rounded, once (notes/08).
-template <class Accum = float>
-struct AccumulationStackOf {
-  Accum* entries[32];  // entries[d][i]: element i of open block d (A < 2^32)
-};
-using AccumulationStack = AccumulationStackOf<float>;
-template <class Accum, class Result>
-Z2_HD inline void accumulate_micro_step(const AccumulationStackOf<Accum>& stack, long step, long steps, float value,
-                                        Result* result, size_t i) {
-  int depth = count_bits((unsigned long)step);  // open blocks before this push
-  if (step == steps - 1) {
-    while (depth > 0) value = to_float(stack.entries[--depth][i]) + value;
-    result[i] = from_float<Result>(value);
-    return;
-  }
-  for (unsigned long closed = (unsigned long)step; closed & 1ul; closed >>= 1)
-    value = to_float(stack.entries[--depth][i]) + value;
-  stack.entries[depth][i] = from_float<Accum>(value);
 }
 
 // AdamW exactly as torch.optim.AdamW (single-tensor path, amsgrad off):
@@ -784,21 +807,21 @@ Z2_HD inline void adamw_update(const AdamWConstants& constants, bool decay, floa
 }
 
 // ----------------------------------------------------------------------------
-// The bucket exchange (zero2.cu, "The reduce-scatter"; runtime/transfers.cpp)
+// The bucket exchange (zero2.cu, "The reduce-scatter"; runtime/transfers.h, .cpp)
 
-// Where the reduced shard of a bucket goes: straight into `result` (steps = 1),
-// or into the accumulation tree as micro-step `step` of `steps`
+// Where the reduced shard of a bucket goes: straight into `result` (micro_steps = 1),
+// or into the accumulation tree as micro-step `micro_step` of `micro_steps`
 // (accumulate_micro_step). `result` and the stack entries point at the
 // bucket's own region; `result` has the exchange's wire type (the gradient's
 // type), the entries its accumulation type.
 struct AccumulateInto {
   void* result = nullptr;
   AccumulationStackOf<void> stack{};
-  long step = 0, steps = 1;
+  long micro_step = 0, micro_steps = 1;
   // ZeRO-Offload: once the last micro-step's `result` is written, the same
   // transfer copies it ([padded / N] wire elements) to this host address, so
   // the slot it may lie in is not handed on before the copy has read it.
-  void* offload_to = nullptr;
+  void* copy_to_host = nullptr;
   template <class Accum>
   AccumulationStackOf<Accum> stack_as() const {  // the open blocks as `Accum` elements
     AccumulationStackOf<Accum> typed;
@@ -835,13 +858,13 @@ class BucketExchange {
   // Each collective runs in `slot` (from acquire) and frees it when finished.
   // `bucket` holds `padded` elements of the wire type.
   // reduce_scatter: the sum over ranks of `bucket`'s own slice, into `into`.
-  void reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into);
+  void start_reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into);
   // all_gather: in place, rank r's shard at r * shard (NCCL's layout).
-  void all_gather(int slot, void* bucket, size_t padded);
+  void start_all_gather(int slot, void* bucket, size_t padded);
   // all_reduce: in place. The reduce-scatter half goes through `into`, whose
   // result must be the bucket's own slice (so the final micro-step of an
   // accumulation can fold into it), then the slices are all-gathered.
-  void all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into);
+  void start_all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into);
 
   void progress();    // advance every transfer as far as it goes without blocking
   void finish_all();  // block until every transfer has finished

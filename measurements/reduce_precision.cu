@@ -115,7 +115,7 @@ void measure(const char* name, int rank, int ranks) {
     z2::BucketExchange exchange(compute, world, padded, 1, false, z2::precision_of<T>());
     z2::AccumulateInto into;
     into.result = reduced_shard.data();
-    exchange.reduce_scatter(exchange.acquire(0), bucket.data(), padded, into);
+    exchange.start_reduce_scatter(exchange.acquire(0), bucket.data(), padded, into);
     exchange.finish_all();
   }
   Z2_MPI_CHECK(MPI_Gather(reduced_shard.data(), (int)shard, MPI_UINT16_T, reduced.data(), (int)shard, MPI_UINT16_T, 0,

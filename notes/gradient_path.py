@@ -1,59 +1,106 @@
 #!/usr/bin/python3
 """notes/gradient_path.py — how many lines a reader reads to follow one
-gradient through zero2 (notes/00, "Following one gradient"): from where
-backward writes it, through its bucket's reduce-scatter and the step, to
-the all-gather of the updated shard, in stage 2 over MPI (the default run).
+gradient through zero2 (notes/00, "Following one gradient"): from where it
+lives and where backward writes it, through its bucket's reduce-scatter
+(the transfer that carries it included) and the step, to the all-gather of
+the updated shard, in stage 2 over MPI (the default run: fp32, the
+deterministic collectives, no offload).
 
-Each entry is a definition in zero2.cu or zero2.h, in the order the
-gradient meets it; a definition counts from the comment above it to its
-closing brace. Prints a Markdown table (file, what, lines, the lines
-themselves) and the total. Run from the repository's top folder:
+Each entry is a definition, in the order the reader meets it; a definition
+counts from the comment above it to its closing brace, and once (a later
+call to one already read is not read again). Left out, and named where
+they are called: the compute backend's calls (Compute: copies, events,
+loops, like MPI's own calls), the refusals and the adapters the lab seams
+are lent (runtime/lab_adapters.h: the course's checks, not ZeRO's), the
+hooks of ZeRO-Offload's step (runtime/offload.h), the loss (beside the
+gradient), fp16's loss scale and the norm's rescaling (not taken in fp32),
+and the ledger's accounting.
+
+Prints a Markdown table (file, what, lines, where; "back" marks a
+definition that lies before the reader's last position in its file), then
+the totals: definitions, lines, files, backward jumps and file changes.
+Run from the repository's top folder:
 
     python3 notes/gradient_path.py
 """
 import re
 import sys
 
+CU, H, T = "zero2.cu", "zero2.h", "runtime/transfers.h"
 # (file, the text its definition line starts with, what it is)
 PATH = [
-    ("zero2.cu", "void* Engine::gradient_storage(", "where backward writes a gradient"),
-    ("zero2.cu", "Z2_LAB_SEAM void* stage2_gradient_output(", "stage 2: the bucket's slot (seam)"),
-    ("zero2.cu", "struct Engine::RankState::SlotGradients : GradientShards {", "the slots lent to the seams"),
-    ("zero2.cu", "int BucketExchange::acquire(", "a slot for the bucket: at most staging_slots (2) in flight"),
-    ("zero2.cu", "void* BucketExchange::open_bucket_buffer(", "the slot zeroed for backward"),
-    ("zero2.cu", "void Engine::gradient_ready(", "the gradient handed over"),
-    ("zero2.cu", "Z2_LAB_SEAM void stage2_gradient_ready(", "the bucket complete: reduce-scatter (seam)"),
-    ("zero2.cu", "void Engine::RankState::SlotGradients::reduce_scatter(", "the own shard kept"),
-    ("zero2.cu", "AccumulateInto Engine::RankState::accumulate_into(", "where the sum goes"),
-    ("zero2.cu", "void BucketExchange::reduce_scatter(", "a transfer in the slot"),
-    ("zero2.cu", "std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter(", "which collective carries it"),
-    ("zero2.cu", "struct MpiReduceScatter : Collective {", "the slices over MPI, step by step"),
-    ("zero2.cu", "void ShardSums::sum_and_accumulate_as(", "the receiver's canonical-tree sum"),
-    ("zero2.h", "Z2_HD inline float canonical_tree_sum(", "the canonical tree"),
-    ("zero2.h", "Z2_HD inline void accumulate_micro_step(", "gradient accumulation"),
-    ("zero2.cu", "void Engine::end_micro_step(", "every bucket reduced"),
-    ("zero2.cu", "StepReport Engine::step() {", "the step, call by call"),
-    ("zero2.cu", "StepReport Engine::RankState::open_step() {", "the learning rate of this update"),
-    ("zero2.cu", "std::vector<float> Engine::RankState::local_chunk_sums(", "the own shard's squares"),
-    ("zero2.cu", "void Engine::RankState::chunk_squares_as(", "a norm chunk's squares"),
-    ("zero2.h", "Z2_HD inline float perfect_tree_sum(", "the tree inside a chunk"),
-    ("zero2.cu", "bool Engine::RankState::overflow_skips_step(", "fp16: an overflow skips the step"),
-    ("zero2.cu", "float Engine::RankState::global_norm(", "the global norm"),
-    ("zero2.cu", "float Engine::RankState::global_squared_norm(", "every rank's chunks, in canonical order"),
-    ("zero2.cu", "float Engine::RankState::clip_coefficient(", "clipping"),
-    ("zero2.cu", "void Engine::RankState::update_and_gather(", "AdamW, then the all-gather"),
-    ("zero2.cu", "AdamWConstants Engine::RankState::adamw_constants(", "AdamW's scalars"),
-    ("zero2.cu", "struct Engine::RankState::StepOverShards : OwnShards {", "what the own-shards seam is lent"),
-    ("zero2.cu", "Z2_LAB_SEAM void update_and_gather(", "the stage's step (seam)"),
-    ("zero2.cu", "Z2_LAB_SEAM UpdateRegion update_region(", "the own shard in each buffer (seam)"),
-    ("zero2.cu", "Z2_LAB_SEAM size_t shard_begin(", "where a rank's shard begins (seam)"),
-    ("zero2.cu", "void Engine::RankState::adamw_as(", "AdamW on the own shard"),
-    ("zero2.h", "Z2_HD inline void adamw_update(", "AdamW, element by element"),
-    ("zero2.cu", "void Engine::RankState::start_all_gather(", "the updated shard to every rank"),
-    ("zero2.cu", "void BucketExchange::all_gather(", "a transfer in the slot"),
-    ("zero2.cu", "std::unique_ptr<Collective> BucketExchange::Parts::all_gather(", "which collective carries it"),
-    ("zero2.cu", "struct MpiAllGather : MpiCollective {", "MPI's all-gather"),
-    ("zero2.cu", "void Engine::RankState::wait_for_all_gathers() {", "forward may read the parameters"),
+    (CU, "Z2_LAB_SEAM size_t shard_begin(", "where a rank's shard begins (seam)"),
+    (CU, "Z2_LAB_SEAM UpdateRegion update_region(", "the own shard in each buffer (seam)"),
+    (CU, "  char* at(DeviceArray<char>& buffer, size_t index)", "a rank's buffers: an element's address"),
+    (CU, "  UpdateRegion region(int b) const", "the rank's update region of a bucket"),
+    (CU, "  void* region_param(int b)", "its parameters"),
+    (CU, "  void for_working_type(Call call) {", "a kernel for the working type"),
+    (CU, "struct Engine::RankState::StepHome {", "where the step finds its buffers and runs"),
+    (CU, "void* Engine::gradient_storage(", "where backward writes a gradient"),
+    (CU, "Z2_LAB_SEAM void* stage2_gradient_output(", "stage 2: the bucket's slot (seam)"),
+    (CU, "void Engine::RankState::take_slot(", "a slot taken, zeroed"),
+    (CU, "int BucketExchange::acquire(", "a slot for the bucket: at most staging_slots (2) in flight"),
+    (T, "struct Slot {", "a slot's buffers"),
+    (T, "struct WireType {", "the element type on the wire"),
+    (T, "Z2_HD inline size_t received_index(", "which received slice is rank j's"),
+    (T, "struct Collective {", "one collective's steps"),
+    (T, "struct Transfer {", "a transfer: a bucket's collectives in a slot"),
+    (T, "struct TransferQueue {", "the transfers in flight"),
+    (T, "struct ShardSums {", "the receiver's sums"),
+    (T, "struct BucketExchange::Parts {", "the exchange's parts"),
+    (T, "inline int TransferQueue::free_slot(", "a free slot"),
+    (T, "inline bool Transfer::requests_done(", "a transfer's MPI requests done?"),
+    (T, "inline void TransferQueue::finish(", "the oldest transfer finished"),
+    (T, "inline void TransferQueue::retire_finished(", "its slot back"),
+    (CU, "void* BucketExchange::open_bucket_buffer(", "the slot zeroed for backward"),
+    (CU, "void Engine::gradient_ready(", "the gradient handed over"),
+    (CU, "void Engine::RankState::gradient_ready(", "counted in its bucket"),
+    (CU, "Z2_LAB_SEAM void stage2_gradient_ready(", "the bucket complete: reduce-scatter (seam)"),
+    (CU, "void Engine::RankState::reduce_slot(", "the bucket's reduce-scatter from its slot"),
+    (CU, "int BucketExchange::slot_of(", "the bucket's slot"),
+    (CU, "AccumulateInto Engine::RankState::accumulate_into(", "where the sum goes"),
+    (CU, "void BucketExchange::start_reduce_scatter(", "a transfer in the slot"),
+    (T, "inline Transfer* BucketExchange::Parts::start(", "the transfer started"),
+    (T, "inline Transfer* TransferQueue::start(", "after what the compute stream wrote"),
+    (CU, "struct MpiReduceScatter : Collective {", "the slices over MPI, step by step"),
+    (CU, "std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(", "which collective carries it"),
+    (CU, "static void for_exchange_types(", "the kernel for the exchange's types"),
+    (CU, "void ShardSums::sum_and_accumulate(", "the receiver's sum"),
+    (CU, "void ShardSums::sum_and_accumulate_as(", "the receiver's canonical-tree sum, a kernel"),
+    (H, "Z2_HD inline float canonical_tree_sum(", "the canonical tree"),
+    (H, "Z2_HD inline float sum_over_ranks(", "the tree over the ranks' slices"),
+    (H, "Z2_HD inline void accumulate_micro_step(", "gradient accumulation"),
+    (CU, "void Engine::progress(", "between layers"),
+    (CU, "void BucketExchange::progress(", "every transfer moved on"),
+    (T, "inline void TransferQueue::progress(", "as far as each goes without waiting"),
+    (CU, "void Engine::end_micro_step(", "the micro-step's end"),
+    (CU, "void Engine::RankState::end_micro_step(", "every bucket reduced"),
+    (CU, "void BucketExchange::finish_all(", "every transfer finished"),
+    (T, "inline void TransferQueue::finish_all(", "the queue emptied"),
+    (CU, "void Engine::RankState::reduce_buckets_left(", "none left (stage 2)"),
+    (CU, "StepReport Engine::step() {", "the step, call by call"),
+    (CU, "StepReport Engine::RankState::open_step() {", "the learning rate of this update"),
+    (CU, "std::vector<float> Engine::RankState::local_chunk_sums(", "the own shard's squares"),
+    (CU, "void Engine::RankState::chunk_squares_as(", "a norm chunk's squares"),
+    (H, "Z2_HD inline float perfect_tree_sum(", "the tree inside a chunk"),
+    (CU, "bool Engine::overflow_skips_step(", "fp16: an overflow skips the step"),
+    (CU, "float Engine::RankState::global_norm(", "the global norm"),
+    (CU, "float Engine::RankState::global_squared_norm(", "every rank's chunks, in canonical order"),
+    (CU, "Z2_LAB_SEAM float tree_sum(", "the canonical tree over them (seam)"),
+    (CU, "float Engine::RankState::clip_coefficient(", "clipping"),
+    (CU, "void Engine::RankState::apply_update(", "AdamW, then the all-gather"),
+    (CU, "AdamWConstants Engine::RankState::adamw_constants(", "AdamW's scalars"),
+    (CU, "Z2_LAB_SEAM void update_and_gather(", "the stage's step (seam)"),
+    (CU, "void Engine::RankState::adamw(", "AdamW on a bucket"),
+    (CU, "void Engine::RankState::adamw_as(", "AdamW on the own shard"),
+    (H, "Z2_HD inline void adamw_update(", "AdamW, element by element"),
+    (CU, "void Engine::RankState::gather_parameters(", "the updated shard to every rank"),
+    (CU, "struct MpiAllGather : MpiCollective {", "MPI's all-gather"),
+    (CU, "std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(", "which collective carries it"),
+    (CU, "void BucketExchange::start_all_gather(", "a transfer in the slot"),
+    (T, "struct MpiCollective : Collective {", "an MPI collective's steps"),
+    (T, "inline bool MpiCollective::advance(", "as it runs"),
+    (CU, "void Engine::RankState::wait_for_all_gathers() {", "forward may read the parameters"),
 ]
 
 
@@ -64,7 +111,7 @@ def definition(lines, start_text):
     if len(starts) != 1:
         sys.exit(f"gradient_path.py: '{start_text}' starts {len(starts)} lines (want exactly 1)")
     first = last = starts[0]
-    while first > 0 and (lines[first - 1].startswith("//") or lines[first - 1].startswith("template")):
+    while first > 0 and lines[first - 1].lstrip().startswith(("//", "template")):
         first -= 1
     depth, opened = 0, False
     for k in range(last, len(lines)):
@@ -77,18 +124,26 @@ def definition(lines, start_text):
 
 
 def main():
-    files = {name: open(name).read().split("\n") for name in ("zero2.cu", "zero2.h")}
+    files = {name: open(name).read().split("\n") for name in sorted({entry[0] for entry in PATH})}
     print("| | file | what | lines | where |")
     print("|---|---|---|---|---|")
-    total = 0
+    total = jumps = changes = 0
+    position = {}  # file -> the last line the reader read there
+    previous = None
     for k, (name, start, what) in enumerate(PATH, 1):
         first, last = definition(files[name], start)
         count = last - first + 1
         total += count
-        shown = re.sub(r"\s*[({]\s*$", "", start).replace("Z2_LAB_SEAM ", "").replace("Z2_HD inline ", "")
-        print(f"| {k} | {name} | {what}: `{shown}` | {count} | {first}-{last} |")
-    print(f"\n{len(PATH)} definitions, {total} lines in all (zero2.cu has {len(files['zero2.cu'])} lines, "
-          f"zero2.h {len(files['zero2.h'])}).")
+        back = first < position.get(name, 0)
+        jumps += back
+        changes += previous is not None and name != previous
+        position[name], previous = max(position.get(name, 0), last), name
+        shown = re.sub(r"\s*[({]\s*$", "", start.strip())
+        shown = shown.replace("Z2_LAB_SEAM ", "").replace("Z2_HD inline ", "").replace("inline ", "")
+        print(f"| {k} | {name} | {what}: `{shown}` | {count} | {first}-{last}{' back' if back else ''} |")
+    sizes = ", ".join(f"{name} {len(text)}" for name, text in files.items())
+    print(f"\n{len(PATH)} definitions, {total} lines in {len(files)} files ({sizes} lines long); "
+          f"{jumps} backward jumps, {changes} file changes.")
 
 
 if __name__ == "__main__":

@@ -258,17 +258,17 @@ OptimizerState Engine::state_range_to_host(size_t begin, size_t end) {
 }
 
 TrainingProgress Engine::training_progress() const {
-  return {steps_taken_, optimizer_step_, skipped_steps_, scaler_.state()};
+  return {step_calls_, updates_applied_, skipped_steps_, scaler_.state()};
 }
 
 void Engine::restore_training_progress(const TrainingProgress& progress) {
-  if (micro_step_ != 0)
-    usage_error("restore_training_progress: in the middle of a step (%d micro-steps done)", micro_step_);
-  steps_taken_ = progress.steps_taken;
-  optimizer_step_ = progress.applied;
+  if (micro_steps_done_ != 0)
+    usage_error("restore_training_progress: in the middle of a step (%d micro-steps done)", micro_steps_done_);
+  step_calls_ = progress.steps_taken;
+  updates_applied_ = progress.applied;
   skipped_steps_ = progress.skipped;
   scaler_.restore(progress.scaler);
-  set_watchdog_context("optimizer step " + std::to_string(steps_taken_ + 1));
+  set_watchdog_context("optimizer step " + std::to_string(step_calls_ + 1));
 }
 
 }  // namespace z2

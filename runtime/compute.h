@@ -92,6 +92,12 @@ struct Event {
 enum class Allocator { direct, arena, naive, caching };
 const char* to_string(Allocator allocator);
 
+// Where a DeviceArray lives: device memory, or (ZeRO-Offload's optimizer
+// state) pinned host memory, counted in the ledger's host column. The
+// name says what most of them are; Place::host is the exception, and the
+// engine's members say where each one lives.
+enum class Place { device, host };
+
 // Thrown when the block cannot serve a request. The message says what was
 // asked, how much is free, in how many pieces, and the largest piece. Every
 // rank makes the same requests in the same order (the trainer sees to it), so
@@ -259,6 +265,18 @@ class Compute {
   void for_each_on_host(size_t n, Body body);
   template <class Body>
   void for_each_on_host(size_t rows, size_t columns, Body body);
+  // Either, by where the data is: kernels on the device's buffers, CPU loops
+  // on host memory (the optimizer step's loops, with or without ZeRO-Offload).
+  template <class Body>
+  void for_each_at(Place place, size_t n, Body body) {
+    if (place == Place::host) for_each_on_host(n, body);
+    else for_each(n, body);
+  }
+  template <class Body>
+  void for_each_at(Place place, size_t rows, size_t columns, Body body) {
+    if (place == Place::host) for_each_on_host(rows, columns, body);
+    else for_each(rows, columns, body);
+  }
   // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
   // cpu rows outer and columns inner; on cuda one thread per cell. As for
   // any kernel, no cell may read what another cell writes (the CPU loop tells
@@ -317,11 +335,6 @@ bool portable_gemm_has_lanes(int lanes);
 void portable_gemm_cpu(int lanes, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
                        int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
-// Where a DeviceArray lives: device memory, or (ZeRO-Offload's optimizer
-// state) pinned host memory, counted in the ledger's host column. The
-// name says what most of them are; Place::host is the exception, and the
-// engine's members say where each one lives.
-enum class Place { device, host };
 // A typed, owning array: frees itself, counts itself in the ledger.
 template <class T>
 class DeviceArray {

@@ -112,7 +112,7 @@ void Engine::parameters_from_host(const std::vector<float>& canonical) {
 
 std::vector<float> Engine::gradients_to_host() {
   require_built("gradients_to_host");
-  if (micro_step_ != options_.accumulation_steps)
+  if (micro_steps_done_ != options_.accumulation_steps)
     usage_error("gradients_to_host: only after all %d micro-steps and before step()", options_.accumulation_steps);
   compute_.synchronize_all();
   // Each bucket's update region holds its reduced gradient: the whole bucket
@@ -136,7 +136,7 @@ std::vector<float> Engine::gradients_to_host() {
 
 std::vector<float> Engine::gradient_buffer_to_host() {
   require_built("gradient_buffer_to_host");
-  if (micro_step_ != options_.accumulation_steps)
+  if (micro_steps_done_ != options_.accumulation_steps)
     usage_error("gradient_buffer_to_host: only after all %d micro-steps and before step()",
                 options_.accumulation_steps);
   compute_.synchronize_all();

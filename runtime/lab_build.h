@@ -2,7 +2,8 @@
 // lab`; notes/labs), kept out of the chapter's code (private to zero2.cu).
 // A lab build is host-only and replaces a seam with a student's function, so
 //   - the exchange's sum over ranks goes through the student's tree_sum
-//     (the engine then trains with it), at most 64 ranks' slices;
+//     (the engine then trains with it: zero2.h's sum_over_ranks), at most
+//     64 ranks' slices (checked at build(), check_lab_layout);
 //   - a value a student's seam computed may be wrong on some ranks only, so
 //     the ranks agree before any stops (one rank stopping alone would leave
 //     the others waiting in a collective);
@@ -14,26 +15,6 @@
 #include "zero2.h"
 
 namespace z2 {
-
-// The canonical tree over the N ranks' slices of one element (zero2.cu's
-// ShardSums): canonical_tree_sum, or in a lab build tree_sum over the leaves.
-template <class Leaf>
-Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {
-#if defined(Z2_LAB_BUILD)
-  float leaves[64];  // a lab build refuses more ranks (check_lab_ranks)
-  for (long j = 0; j < ranks; ++j) leaves[j] = leaf(j);
-  return tree_sum(ranks, leaves);
-#else
-  return canonical_tree_sum(ranks, leaf);
-#endif
-}
-
-inline void check_lab_ranks(int ranks) {
-#if defined(Z2_LAB_BUILD)
-  if (ranks > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", ranks);
-#endif
-  (void)ranks;
-}
 
 // `fails` as every rank sees it: in a lab build, agreed across the ranks.
 inline bool fails_on_any_rank(Communicator& comm, bool fails) {
@@ -51,5 +32,16 @@ inline bool fails_on_any_rank(Communicator& comm, bool fails) {
 // collective or AdamW writing past a buffer.
 void check_lab_shards(const std::vector<BucketInfo>& buckets, int world_size);
 void check_lab_regions(const std::vector<BucketInfo>& buckets, const EngineBuffers& sizes, int stage, int world_size);
+
+// Both, at build(), before anything is allocated (in a lab build; nothing otherwise).
+inline void check_lab_layout(const std::vector<BucketInfo>& buckets, const EngineOptions& options, int world_size) {
+#if defined(Z2_LAB_BUILD)
+  // sum_over_ranks (zero2.h) sums the slices through the student's tree_sum, over at most 64 leaves.
+  if (world_size > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", world_size);
+  check_lab_shards(buckets, world_size);
+  check_lab_regions(buckets, engine_buffers(buckets, options, world_size), options.stage, world_size);
+#endif
+  (void)buckets, (void)options, (void)world_size;
+}
 
 }  // namespace z2

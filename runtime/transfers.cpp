@@ -1,6 +1,6 @@
 // runtime/transfers.cpp — the machinery that carries buckets (runtime/transfers.h
-// says how a transfer advances): the queue of transfers in flight, with its
-// tickets and what it tells the watchdog; the exchange's slots; the staging
+// says how a transfer advances, and holds the queue's steps): what the queue
+// tells the watchdog; the exchange's slots; the staging
 // through pinned host memory; and the collectives other than the chapter's
 // own (zero2.cu, "The reduce-scatter"): the libraries' native ones over MPI,
 // and every one over NCCL. Host code: NCCL's calls only enqueue work on the
@@ -15,33 +15,7 @@
 
 namespace z2 {
 
-bool Transfer::requests_done() {
-  if (requests.empty()) return true;
-  int done = 0;
-  Z2_MPI_CHECK(MPI_Testall((int)requests.size(), requests.data(), &done, MPI_STATUSES_IGNORE));
-  if (done) requests.clear(), peers.clear();
-  return done != 0;
-}
-
 // --- the queue ------------------------------------------------------------------
-
-Transfer* TransferQueue::start(int slot, const std::string& what) {
-  if (slot < 0 || slot >= (int)slots.size()) usage_error("bucket collective: slot %d out of range", slot);
-  if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
-  transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
-  Transfer* transfer = transfers.back().get();
-  transfer->slot = slot;
-  transfer->what = what;
-  slots[slot].running = true;
-  compute.record(ready, compute.compute_stream());
-  compute.wait(compute.comm_stream(), ready);
-  return transfer;
-}
-
-// wait_until yields between polls: ranks often share cores, 4 ranks on 2 here.
-void TransferQueue::finish(Transfer& transfer) {
-  wait_until([&] { return transfer.advance(); }, [&] { return describe_waiting(transfer); });
-}
 
 // What a transfer is still waiting for: the ranks whose point-to-point
 // slices have not come (or not been taken), or a collective of all ranks.
@@ -69,38 +43,6 @@ std::string TransferQueue::describe_waiting(Transfer& transfer) {
   return text;
 }
 
-// Transfers leave the queue oldest first. A finished younger one waits for
-// the older: slots come back in the order they were taken, and the oldest
-// transfer is always the one to finish when a slot is needed.
-void TransferQueue::retire_finished() {
-  while (!transfers.empty() && transfers.front()->finished()) {
-    Slot& slot = slots[transfers.front()->slot];
-    // Everything the transfer queued is on the comm stream before this
-    // event: whoever reuses the slot's buffers on the compute stream waits
-    // for it on the GPU, not on the host.
-    compute.record(slot.done, compute.comm_stream());
-    slot.running = false;
-    slot.bucket = -1;
-    transfers.pop_front();
-  }
-}
-
-void TransferQueue::progress() {
-  for (auto& transfer : transfers) transfer->advance();
-  retire_finished();
-}
-
-void TransferQueue::finish_all() {
-  for (auto& transfer : transfers) finish(*transfer);
-  retire_finished();
-}
-
-int TransferQueue::free_slot() const {
-  for (size_t s = 0; s < slots.size(); ++s)
-    if (slots[s].bucket < 0 && !slots[s].running) return (int)s;
-  return -1;
-}
-
 // --- the exchange's parts ---------------------------------------------------------
 
 BucketExchange::Parts::Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks)
@@ -113,16 +55,6 @@ BucketExchange::Parts::Parts(Compute& c, Communicator& communicator, Precision w
       queue(c, communicator.rank(), communicator.world_size()),
       sums{c, communicator.rank(), communicator.world_size(), wire, fp32_blocks} {}
 
-Transfer* BucketExchange::Parts::start(int slot, size_t padded, const char* collective) {
-  const int world = queue.world;
-  if (padded > max_padded || padded % world != 0)
-    usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
-  if (padded > (size_t)INT_MAX)  // MPI counts are int
-    usage_error("a bucket of %zu elements is more than MPI can count (2^31 - 1): split the parameter", padded);
-  const int bucket = slot >= 0 && slot < (int)queue.slots.size() ? queue.slots[slot].bucket : -1;
-  return queue.start(slot, std::string("the ") + collective + " of bucket " + std::to_string(bucket));
-}
-
 void BucketExchange::Parts::copy_to_host(Slot& slot, void* host, const void* device, size_t count) {
   // A slot has one transfer at a time, so the slot's event is this transfer's.
   compute.copy(host, device, wire.bytes(count), compute.comm_stream());
@@ -133,39 +65,10 @@ void BucketExchange::Parts::copy_to_device(void* device, const void* host, size_
   compute.copy(device, host, wire.bytes(count), compute.comm_stream());
 }
 
-std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce(int slot, void* bucket, size_t padded,
-                                                                     size_t* sent) {
+std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce_collective(int slot, void* bucket, size_t padded,
+                                                                                size_t* sent) {
   if (use_nccl) return nccl_native_all_reduce(*this, bucket, padded, sent);
   return mpi_native_all_reduce(*this, slot, bucket, padded, sent);
-}
-
-bool MpiCollective::advance(Transfer& transfer) {
-  switch (phase) {
-    case Phase::copy_to_host:
-      if (to_host.count > 0) exchange.copy_to_host(slot, to_host.host, to_host.device, to_host.count);
-      phase = Phase::wait_for_copy;
-      [[fallthrough]];
-    case Phase::wait_for_copy:
-      if (to_host.count > 0 && !exchange.copied_to_host(slot)) return false;
-      phase = Phase::post;
-      [[fallthrough]];
-    case Phase::post:  // every rank starts its collectives in one order: this one's ticket must be next
-      if (!exchange.queue.may_post(ticket)) return false;
-      transfer.requests.resize(1);
-      transfer.peers.assign(1, -1);
-      post(&transfer.requests[0]);
-      exchange.queue.posted();
-      phase = Phase::wait_for_collective;
-      [[fallthrough]];
-    case Phase::wait_for_collective:
-      if (!transfer.requests_done()) return false;
-      phase = Phase::copy_back;
-      [[fallthrough]];
-    case Phase::copy_back:
-      if (to_device.count > 0) exchange.copy_to_device(to_device.device, to_device.host, to_device.count);
-      arrived();
-  }
-  return true;
 }
 
 // --- the libraries' own collectives over MPI (--collectives native) ----------------
@@ -373,14 +276,5 @@ BucketExchange::~BucketExchange() {
   p.compute.destroy_event(p.queue.ready);
 }
 
-int BucketExchange::slot_of(int bucket) const {
-  const std::vector<Slot>& slots = parts_->queue.slots;
-  for (size_t k = 0; k < slots.size(); ++k)
-    if (slots[k].bucket == bucket) return (int)k;
-  return -1;
-}
-
-void BucketExchange::progress() { parts_->queue.progress(); }
-void BucketExchange::finish_all() { parts_->queue.finish_all(); }
 
 }  // namespace z2

@@ -11,13 +11,17 @@
 // in flight each time the engine calls progress(): that is how MPI transfers
 // move while backward computes (MPICH progresses only inside MPI calls).
 //
-// The chapter's own collectives are in zero2.cu ("The reduce-scatter"): the
-// deterministic reduce-scatter over MPI and the all-gather over MPI, with the
-// receiver's sums. transfers.cpp holds the queue and the rest: the
+// The chapter's own collectives are in zero2.cu ("The reduce-scatter", "The
+// step"): the deterministic reduce-scatter over MPI and the all-gather over
+// MPI, with the receiver's sums. This header holds the types and the steps
+// of the queue a bucket goes through (after the types, in the order a
+// bucket meets them: the chapter's path reads them here); transfers.cpp the
+// rest: the watchdog's description of a wait, the slots' buffers, the
 // libraries' native collectives (--collectives native: faster, their
 // summation order is the library's) and every collective over NCCL.
 #pragma once
 
+#include <climits>
 #include <deque>
 
 #include "zero2.h"
@@ -156,10 +160,10 @@ struct BucketExchange::Parts {
   // MPI or NCCL, so the ledger counts traffic that happened, by the
   // collective that sent it (a reduce-scatter that quietly became an
   // all-reduce would show), in bytes of the wire type.
-  std::unique_ptr<Collective> reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into,
-                                             size_t* sent);
-  std::unique_ptr<Collective> all_gather(int slot, void* bucket, size_t padded, size_t* sent);
-  std::unique_ptr<Collective> native_all_reduce(int slot, void* bucket, size_t padded, size_t* sent);
+  std::unique_ptr<Collective> reduce_scatter_collective(int slot, void* bucket, size_t padded,
+                                                        const AccumulateInto& into, size_t* sent);
+  std::unique_ptr<Collective> all_gather_collective(int slot, void* bucket, size_t padded, size_t* sent);
+  std::unique_ptr<Collective> native_all_reduce_collective(int slot, void* bucket, size_t padded, size_t* sent);
   // --comm mpi on cuda: `count` elements from the device to pinned host
   // memory on the comm stream (MPI reads host memory), the copy's arrival
   // polled through the slot's event, and the way back.
@@ -167,6 +171,85 @@ struct BucketExchange::Parts {
   bool copied_to_host(const Slot& slot);
   void copy_to_device(void* device, const void* host, size_t count);
 };
+
+// --- the queue's steps, in the order a bucket meets them -------------------------
+// A slot for a bucket (BucketExchange::acquire): a free one, or the oldest
+// transfer finished to free its slot.
+
+inline int TransferQueue::free_slot() const {
+  for (size_t s = 0; s < slots.size(); ++s)
+    if (slots[s].bucket < 0 && !slots[s].running) return (int)s;
+  return -1;
+}
+
+inline bool Transfer::requests_done() {
+  if (requests.empty()) return true;
+  int done = 0;
+  Z2_MPI_CHECK(MPI_Testall((int)requests.size(), requests.data(), &done, MPI_STATUSES_IGNORE));
+  if (done) requests.clear(), peers.clear();
+  return done != 0;
+}
+
+// wait_until yields between polls: ranks often share cores, 4 ranks on 2 here.
+inline void TransferQueue::finish(Transfer& transfer) {
+  wait_until([&] { return transfer.advance(); }, [&] { return describe_waiting(transfer); });
+}
+
+// Transfers leave the queue oldest first. A finished younger one waits for
+// the older: slots come back in the order they were taken, and the oldest
+// transfer is always the one to finish when a slot is needed.
+inline void TransferQueue::retire_finished() {
+  while (!transfers.empty() && transfers.front()->finished()) {
+    Slot& slot = slots[transfers.front()->slot];
+    // Everything the transfer queued is on the comm stream before this
+    // event: whoever reuses the slot's buffers on the compute stream waits
+    // for it on the GPU, not on the host.
+    compute.record(slot.done, compute.comm_stream());
+    slot.running = false;
+    slot.bucket = -1;
+    transfers.pop_front();
+  }
+}
+
+// A collective started (BucketExchange::start_reduce_scatter and the others):
+// a transfer in the slot, after what the compute stream wrote so far.
+
+inline Transfer* BucketExchange::Parts::start(int slot, size_t padded, const char* collective) {
+  const int world = queue.world;
+  if (padded > max_padded || padded % world != 0)
+    usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
+  if (padded > (size_t)INT_MAX)  // MPI counts are int
+    usage_error("a bucket of %zu elements is more than MPI can count (2^31 - 1): split the parameter", padded);
+  const int bucket = slot >= 0 && slot < (int)queue.slots.size() ? queue.slots[slot].bucket : -1;
+  return queue.start(slot, std::string("the ") + collective + " of bucket " + std::to_string(bucket));
+}
+
+inline Transfer* TransferQueue::start(int slot, const std::string& what) {
+  if (slot < 0 || slot >= (int)slots.size()) usage_error("bucket collective: slot %d out of range", slot);
+  if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
+  transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
+  Transfer* transfer = transfers.back().get();
+  transfer->slot = slot;
+  transfer->what = what;
+  slots[slot].running = true;
+  compute.record(ready, compute.compute_stream());
+  compute.wait(compute.comm_stream(), ready);
+  return transfer;
+}
+
+// Between layers, and at the end of the micro-step (end_micro_step).
+
+inline void TransferQueue::progress() {
+  for (auto& transfer : transfers) transfer->advance();
+  retire_finished();
+}
+
+inline void TransferQueue::finish_all() {
+  for (auto& transfer : transfers) finish(*transfer);
+  retire_finished();
+}
+
+// --- the all-gather's steps: an MPI collective of all ranks --------------------------
 
 // An MPI collective of all ranks on one bucket (the all-gather, the native
 // reduce-scatter and all-reduce), in the order it runs: on cuda the part of
@@ -191,6 +274,35 @@ struct MpiCollective : Collective {
   virtual void post(MPI_Request* request) = 0;  // the MPI call, nonblocking
   virtual void arrived() {}
 };
+
+inline bool MpiCollective::advance(Transfer& transfer) {
+  switch (phase) {
+    case Phase::copy_to_host:
+      if (to_host.count > 0) exchange.copy_to_host(slot, to_host.host, to_host.device, to_host.count);
+      phase = Phase::wait_for_copy;
+      [[fallthrough]];
+    case Phase::wait_for_copy:
+      if (to_host.count > 0 && !exchange.copied_to_host(slot)) return false;
+      phase = Phase::post;
+      [[fallthrough]];
+    case Phase::post:  // every rank starts its collectives in one order: this one's ticket must be next
+      if (!exchange.queue.may_post(ticket)) return false;
+      transfer.requests.resize(1);
+      transfer.peers.assign(1, -1);
+      post(&transfer.requests[0]);
+      exchange.queue.posted();
+      phase = Phase::wait_for_collective;
+      [[fallthrough]];
+    case Phase::wait_for_collective:
+      if (!transfer.requests_done()) return false;
+      phase = Phase::copy_back;
+      [[fallthrough]];
+    case Phase::copy_back:
+      if (to_device.count > 0) exchange.copy_to_device(to_device.device, to_device.host, to_device.count);
+      arrived();
+  }
+  return true;
+}
 
 // The collectives transfers.cpp builds: the libraries' native ones over MPI,
 // and every one over NCCL (one step each: NCCL orders its work on the comm

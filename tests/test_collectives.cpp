@@ -127,7 +127,7 @@ TEST_CASE("deterministic reduce-scatter equals the serial canonical-tree sum and
         z2::AccumulateInto into;
         into.result = results.back().data();
         // All buckets in flight at once, through `slots` slots.
-        exchange.reduce_scatter(exchange.acquire(b), buckets.back().data(), padded, into);
+        exchange.start_reduce_scatter(exchange.acquire(b), buckets.back().data(), padded, into);
       }
       exchange.finish_all();
       compute.synchronize_all();
@@ -168,7 +168,7 @@ TEST_CASE("all-gather puts every rank's shard everywhere, and all-reduce = reduc
       z2::DeviceArray<float> gathered(compute, padded, z2::MemoryKind::activations);
       compute.copy(gathered.data(), host.data(), padded * sizeof(float), compute.compute_stream());
       const size_t before = comm->counters().all_gather;
-      exchange.all_gather(exchange.acquire(0), gathered.data(), padded);
+      exchange.start_all_gather(exchange.acquire(0), gathered.data(), padded);
       exchange.finish_all();
       compute.synchronize_all();
       compute.copy(host.data(), gathered.data(), padded * sizeof(float), compute.compute_stream());
@@ -186,7 +186,7 @@ TEST_CASE("all-gather puts every rank's shard everywhere, and all-reduce = reduc
       }
       z2::DeviceArray<float> bucket(compute, padded, z2::MemoryKind::activations);
       compute.copy(bucket.data(), mine.data(), padded * sizeof(float), compute.compute_stream());
-      exchange.all_reduce(exchange.acquire(1), bucket.data(), padded, z2::AccumulateInto{});
+      exchange.start_all_reduce(exchange.acquire(1), bucket.data(), padded, z2::AccumulateInto{});
       exchange.finish_all();
       compute.synchronize_all();
       compute.copy(reduced.data(), bucket.data(), padded * sizeof(float), compute.compute_stream());
@@ -220,7 +220,7 @@ TEST_CASE("many all-reduces in flight: MPI collectives start in the same order o
         buckets.emplace_back(compute, padded, z2::MemoryKind::activations);
         compute.copy(buckets.back().data(), mine.data(), padded * sizeof(float), compute.compute_stream());
         compute.synchronize(compute.compute_stream());
-        exchange.all_reduce(exchange.acquire(b), buckets.back().data(), padded, z2::AccumulateInto{});
+        exchange.start_all_reduce(exchange.acquire(b), buckets.back().data(), padded, z2::AccumulateInto{});
       }
       exchange.finish_all();
       compute.synchronize_all();
@@ -256,7 +256,7 @@ TEST_CASE("accumulating A reduce-scatters equals the canonical tree over the N*A
       std::vector<z2::DeviceArray<float>> blocks;
       z2::AccumulateInto into;
       into.result = result.data();
-      into.steps = A;
+      into.micro_steps = A;
       for (int d = 0; (2 << d) <= A; ++d) {
         blocks.emplace_back(compute, shard, z2::MemoryKind::activations);
         into.stack.entries[d] = blocks.back().data();
@@ -265,8 +265,8 @@ TEST_CASE("accumulating A reduce-scatters equals the canonical tree over the N*A
       for (int a = 0; a < A; ++a) {
         for (size_t i = 0; i < padded; ++i) mine[i] = bucket_value(a * N + me, 5, i, length);
         compute.copy(bucket.data(), mine.data(), padded * sizeof(float), compute.compute_stream());
-        into.step = a;
-        exchange.reduce_scatter(exchange.acquire(0), bucket.data(), padded, into);
+        into.micro_step = a;
+        exchange.start_reduce_scatter(exchange.acquire(0), bucket.data(), padded, into);
         exchange.finish_all();
         compute.synchronize_all();
       }
@@ -301,7 +301,7 @@ TEST_CASE("native collectives agree with the deterministic ones within rounding"
       compute.copy(bucket.data(), mine.data(), padded * sizeof(float), compute.compute_stream());
       z2::AccumulateInto into;
       into.result = result.data();
-      exchange.reduce_scatter(exchange.acquire(0), bucket.data(), padded, into);
+      exchange.start_reduce_scatter(exchange.acquire(0), bucket.data(), padded, into);
       exchange.finish_all();
       compute.synchronize_all();
       outputs.emplace_back(shard);
@@ -309,7 +309,7 @@ TEST_CASE("native collectives agree with the deterministic ones within rounding"
       compute.synchronize(compute.compute_stream());
       // And the native all-reduce, against the same bound.
       compute.copy(bucket.data(), mine.data(), padded * sizeof(float), compute.compute_stream());
-      exchange.all_reduce(exchange.acquire(1), bucket.data(), padded, z2::AccumulateInto{});
+      exchange.start_all_reduce(exchange.acquire(1), bucket.data(), padded, z2::AccumulateInto{});
       exchange.finish_all();
       compute.synchronize_all();
       outputs.emplace_back(padded);

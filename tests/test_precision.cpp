@@ -281,7 +281,7 @@ std::vector<float> reduce_micro_steps(z2::Compute& compute, z2::Communicator& co
   std::vector<z2::DeviceArray<char>> blocks;
   z2::AccumulateInto into;
   into.result = result.data();
-  into.steps = A;
+  into.micro_steps = A;
   for (int d = 0; (2 << d) <= A; ++d) {
     blocks.emplace_back(compute, shard * (fp32_blocks ? 4 : sizeof(T)), z2::MemoryKind::activations);
     into.stack.entries[d] = blocks.back().data();
@@ -292,8 +292,8 @@ std::vector<float> reduce_micro_steps(z2::Compute& compute, z2::Communicator& co
     for (size_t i = 0; i < padded; ++i) mine[i] = leaf<T>(a * N + me, 7, i, length);
     std::vector<T> bits = narrow_all<T>(mine);
     compute.copy(bucket.data(), bits.data(), padded * sizeof(T), compute.compute_stream());
-    into.step = a;
-    exchange.reduce_scatter(exchange.acquire(0), bucket.data(), padded, into);
+    into.micro_step = a;
+    exchange.start_reduce_scatter(exchange.acquire(0), bucket.data(), padded, into);
     exchange.finish_all();
     compute.synchronize_all();
   }
@@ -389,7 +389,7 @@ TEST_CASE("16-bit all-gather moves the bits unchanged; native 16-bit reduce-scat
       z2::DeviceArray<uint16_t> bucket(compute, padded, z2::MemoryKind::activations);
       compute.copy(bucket.data(), mine.data(), padded * 2, compute.compute_stream());
       const size_t before = backend.deterministic->counters().all_gather;
-      exchange.all_gather(exchange.acquire(0), bucket.data(), padded);
+      exchange.start_all_gather(exchange.acquire(0), bucket.data(), padded);
       exchange.finish_all();
       compute.synchronize_all();
       std::vector<uint16_t> got(padded);
@@ -417,7 +417,7 @@ TEST_CASE("16-bit all-gather moves the bits unchanged; native 16-bit reduce-scat
         compute.copy(input.data(), values.data(), padded * 2, compute.compute_stream());
         z2::AccumulateInto into;
         into.result = result.data();
-        reducer.reduce_scatter(reducer.acquire(0), input.data(), padded, into);
+        reducer.start_reduce_scatter(reducer.acquire(0), input.data(), padded, into);
         reducer.finish_all();
         compute.synchronize_all();
         std::vector<uint16_t> bits(shard);
