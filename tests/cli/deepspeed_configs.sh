@@ -45,6 +45,8 @@ rates() {  # config, out, flags...
 other_schedule() {  # name, params, out, optimizer block, more config
   echo "{\"optimizer\": $4, \"scheduler\": {\"type\": \"$1\", \"params\": $2}${5:-}}" > "$work/ds_$3.json"
 }
+# The schedulers' params (other_schedulers, betas_reach_adamw, bad_schedule_params).
+cosine='{"total_num_steps": 8, "warmup_num_steps": 3, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05, "warmup_type": "linear"}'
 cosine_log='{"total_num_steps": 9, "warmup_num_steps": 4}'
 one_cycle='{"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 3, "cycle_second_step_size": 2, "decay_step_size": 2, "decay_lr_rate": 0.5, "decay_mom_rate": 0.01}'
 one_cycle_plain='{"cycle_min_lr": 2e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 4, "cycle_momentum": false}'
@@ -282,7 +284,6 @@ deepspeed_rates() {
 # with Python's own math.cos / math.log (not the trainer's code); runs past
 # an fp16-skipped step, past total_num_steps, into OneCycle's decay.
 other_schedulers() {
-  cosine='{"total_num_steps": 8, "warmup_num_steps": 3, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05, "warmup_type": "linear"}'
   other_schedule WarmupCosineLR "$cosine" cosine "$adamw"
   other_schedule WarmupCosineLR "$cosine_log" cosine_log "$adamw"
   other_schedule OneCycle "$one_cycle" one_cycle "$adamw"
