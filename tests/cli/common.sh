@@ -7,7 +7,8 @@
 #   pass / fail MESSAGE         count one check ("PASS ..." / "FAIL ..." lines)
 #   finish                      the plain closing line "N passed, M failed"; exit 1 if any failed
 #   quick / all NAME            run the group of checks NAME (a function): `quick` always, `all` not under
-#                               Z2_QUICK=1 (`make test`; `make test-all` and the file run alone run both)
+#                               Z2_QUICK=1 (`make test`; `make test-all` and the file run alone run both);
+#                               quick_only NAME: under Z2_QUICK=1 alone (a cheaper stand-in for an `all` group)
 #   add_summary LOG LABEL       add a Python checker's own "N passed, M failed" line to the counts
 #   json_get FILE EXPR          a Python expression over the JSON file, read as d
 #   py FILE FUNCTION ARGS...    a function of tests/cli/FILE.py (the suite's Python, one file per capability)
@@ -39,6 +40,9 @@ finish() {
 quick() { "$1"; }
 all() {
   if [ -n "${Z2_QUICK:-}" ]; then echo "    ($1: make test-all)"; else "$1"; fi
+}
+quick_only() {  # only under Z2_QUICK=1: a cheaper stand-in for a group that `all` runs
+  if [ -n "${Z2_QUICK:-}" ]; then "$1"; fi
 }
 add_summary() {  # LOG LABEL: the log's last "N passed, M failed" line added in; none is one failure
   local line
