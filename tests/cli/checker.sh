@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# tests/test_checker.sh BUILD_DIR — tests/check_trace.py on damaged traces and on peers that must fail or pass
-# (notes/12, "Tolerances" and "Bad input"). Runnable alone (bash tests/test_checker.sh build-cpu); called by
-# tests/run_tests.sh after the trainer's tests. Ends with the plain line "N passed, M failed".
+# tests/cli/checker.sh BUILD_DIR — tests/check_trace.py on damaged traces and on peers that must fail or pass
+# (notes/12, "Tolerances" and "Bad input"). Runnable alone (tests/cli/checker.sh build-cpu, or
+# make test ONLY=checker); tests/run_tests.sh runs it after the command line's files. Ends with the plain line
+# "N passed, M failed".
 #
 # It makes its own small traces with BUILD_DIR/train_bert_mini (tests/peers/reference_trace.sh's model, a
 # few steps: seconds each), and builds every damaged trace from a good one with a few lines of Python:
@@ -16,21 +17,11 @@
 #                 zero-redundancy and flat, when .venv-hf has transformers) pass, the closest call printed.
 #
 # CHECKER=path runs another checker (an old one, to watch these checks fail on it).
-set -u
-cd "$(dirname "$0")/.."
-build=${1:-build}
-trainer="$build/train_bert_mini"
+source "$(dirname "$0")/common.sh" "$@"
 checker=${CHECKER:-tests/check_trace.py}
-python=/usr/bin/python3
-export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
-passed=0
-failed=0
-pass() { echo "PASS $*"; passed=$((passed + 1)); }
-fail() { echo "FAIL $*"; failed=$((failed + 1)); }
-[ -x "$trainer" ] || { echo "no $trainer: build it first (make)"; echo "0 passed, 1 failed"; exit 1; }
-"$python" -c 'import numpy' 2>/dev/null || { echo "SKIP: $python has no numpy (make test-deps)"; echo "0 passed, 0 failed"; exit 0; }
-work=$(mktemp -d /tmp/z2_checker.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+python=$PYTHON
+export OMP_NUM_THREADS=1
+"$python" -c 'import numpy' 2>/dev/null || { echo "SKIP: $python has no numpy (make test-deps)"; finish; }
 
 # --- the good traces ------------------------------------------------------------------------------------
 # fp32: zero2 (OpenBLAS) and zero2 --portable (its own gemm: another summation order), 6 steps, kept 1, 2, 4, 6.
@@ -98,21 +89,7 @@ agrees() {
 # tests/peers/trace_files.py), raw(path, header, data) (a safetensors file with any header), np, os.
 damaged() {
   rm -rf "${work:?}/$1"; cp -r "$work/$2" "$work/$1"
-  "$python" - "$work/$1" "$3" <<'EOF' || echo "    (the damage to $1 could not be made)"
-import json, os, struct, sys
-sys.path.insert(0, "tests/peers")
-import numpy as np
-from trace_files import read_safetensors as tensors, write_safetensors as save
-d, code = sys.argv[1], sys.argv[2]
-def raw(path, header, data=b""):
-    text = json.dumps(header).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + data)
-j = json.load(open(os.path.join(d, "trace.json")))
-exec(code)
-if j is not None:
-    json.dump(j, open(os.path.join(d, "trace.json"), "w"))
-EOF
+  py checker damage "$work/$1" "$3" || echo "    (the damage to $1 could not be made)"
 }
 
 ref=$work/ref_fp32
@@ -292,7 +269,7 @@ def in_shards(g, f):
             flat[s] = f(b, r, flat[s], before[s])
     return {q["name"]: flat[q["offset"]:q["offset"] + q["numel"]].reshape(q["shape"]).copy() for q in L["parameters"]}
 p = d + "/step_2/gradients.safetensors"'
-buckets=$("$python" -c 'import json, sys; print(len(json.load(open(sys.argv[1] + "/trace.json"))["layout"]["buckets"]))' "$ref")
+buckets=$(json_get "$ref/trace.json" "len(d['layout']['buckets'])")
 damaged bucket_zero theirs_fp32 "$shards"'
 save(p, in_shards(tensors(p), lambda b, r, v, w: v * 0 if b == len(L["buckets"]) - 1 else v))'
 fails "the last bucket never reduced (zero)" "step 2, gradient of" \
@@ -326,5 +303,4 @@ else
   echo "SKIP the torch peers: $peer_python has no torch and transformers (make hf-venv); make check-peer PEER=torch runs them"
 fi
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+finish
