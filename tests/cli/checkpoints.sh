@@ -34,16 +34,20 @@ resume() {
     for N in 1 2 4; do
       for stage in 0 1 2; do
         dir="$work/ck_${precision}_${N}_${stage}"
-        if ! timeout 120 mpirun -n $N "$trainer" "${ck[@]}" $(precision_flags $precision) --stage $stage --accum $((4 / N)) \
+        if ! timeout 120 mpirun -n $N "$trainer" "${ck[@]}" $(precision_flags $precision) --stage $stage \
+          --accum $((4 / N)) \
              --steps 8 --save-every 4 --save "$dir" --json "$dir.straight.json" > "$work/log" 2>&1; then
           bad="$bad (N=$N stage $stage: save run failed: $(head -c 200 "$work/log"))"; continue
         fi
-        timeout 120 mpirun -n $N "$trainer" --load "$dir/step_4" --stage $stage --quiet --json "$dir.resumed.json" > "$work/log" 2>&1
+        timeout 120 mpirun -n $N "$trainer" --load "$dir/step_4" --stage $stage \
+          --quiet --json "$dir.resumed.json" > "$work/log" 2>&1
         verdict=$(resumed_matches "$dir.straight.json" "$dir.resumed.json" $([ $precision = fp16 ] && echo skips) 2>&1)
-        if [ "$verdict" = ok ]; then matched=$((matched + 1)); else bad="$bad (N=$N stage $stage: $verdict $(head -c 200 "$work/log"))"; fi
+        if [ "$verdict" = ok ]; then matched=$((matched + 1)); else \
+          bad="$bad (N=$N stage $stage: $verdict $(head -c 200 "$work/log"))"; fi
       done
     done
-    [ -z "$bad" ] && pass "$precision: 4 steps, save, load, 4 more = 8 straight, at N = 1, 2, 4 x stages 0, 1, 2 ($matched runs)" ||
+    [ -z "$bad" ] && pass "$precision: 4 steps, save, load, 4 more = 8 straight, at N = 1, 2, 4 x stages 0, 1, 2" \
+      "($matched runs)" ||
       fail "$precision resume:$bad"
   done
 }
@@ -52,16 +56,19 @@ resume() {
 # so every resumed run above equals every straight one.
 one_hash_per_precision() {
   distinct=$(for f in "$work"/ck_*_*_*.straight.json; do echo "$(basename "$f" | cut -d_ -f2) $(json_get "$f" "d['final_params_hash']")"; done | sort -u | wc -l)
-  [ "$distinct" -eq 3 ] && pass "straight runs: one hash per precision over every N and stage" || fail "straight runs: $distinct (precision, hash) pairs, want 3"
+  [ "$distinct" -eq 3 ] && pass "straight runs: one hash per precision over every N and stage" || fail "straight" \
+    "runs: $distinct (precision, hash) pairs, want 3"
 }
 
 # Activations (a legitimate change on resume): saved with keep, resumed with offload.
 activations_on_resume() {
   for precision in fp32 bf16 fp16; do
     dir="$work/ck_${precision}_2_2"
-    timeout 120 mpirun -n 2 "$trainer" --load "$dir/step_4" --activations offload --quiet --json "$dir.offload.json" > "$work/log" 2>&1
+    timeout 120 mpirun -n 2 "$trainer" --load "$dir/step_4" --activations offload \
+      --quiet --json "$dir.offload.json" > "$work/log" 2>&1
     verdict=$(resumed_matches "$dir.straight.json" "$dir.offload.json" 2>&1)
-    [ "$verdict" = ok ] && pass "$precision: saved with --activations keep, resumed with offload: the same bits" || fail "$precision offload resume: $verdict"
+    [ "$verdict" = ok ] && pass "$precision: saved with --activations keep, resumed with offload: the same bits" || \
+      fail "$precision offload resume: $verdict"
   done
 }
 
@@ -73,19 +80,23 @@ reshard() {
     for move in "4_2 2 1" "4_2 1 0" "1_0 4 2"; do
       set -- $move
       dir="$work/ck_${precision}_$1"
-      timeout 120 mpirun -n $2 "$trainer" --load "$dir/step_4" --stage $3 --quiet --json "$work/reshard.json" > "$work/log" 2>&1
+      timeout 120 mpirun -n $2 "$trainer" --load "$dir/step_4" --stage $3 \
+        --quiet --json "$work/reshard.json" > "$work/log" 2>&1
       verdict=$(resumed_matches "$dir.straight.json" "$work/reshard.json" 2>&1)
       [ "$verdict" = ok ] || bad="$bad (from $1 to N=$2 stage $3: $verdict $(head -c 200 "$work/log"))"
     done
-    [ -z "$bad" ] && pass "$precision reshard: (4,1,2) -> (2,2,1) and (1,4,0), (1,4,0) -> (4,1,2): the same bits" || fail "$precision reshard:$bad"
+    [ -z "$bad" ] && pass "$precision reshard: (4,1,2) -> (2,2,1) and (1,4,0), (1,4,0) -> (4,1,2): the same bits" || \
+      fail "$precision reshard:$bad"
   done
 }
 
 # Checkpoints saved at different N and stages hold the same bits, and an
 # independent reader (numpy only) rebuilds the full tensors from them.
 independent_reader() {
-  if $PYTHON tests/read_checkpoint.py "$work/ck_fp32_4_2/step_8" --same-as "$work/ck_fp32_1_0/step_8" > "$work/log" 2>&1 &&
-     $PYTHON tests/read_checkpoint.py "$work/ck_bf16_2_1/step_4" --same-as "$work/ck_bf16_4_0/step_4" >> "$work/log" 2>&1; then
+  if $PYTHON tests/read_checkpoint.py "$work/ck_fp32_4_2/step_8" --same-as "$work/ck_fp32_1_0/step_8" \
+    > "$work/log" 2>&1 &&
+     $PYTHON tests/read_checkpoint.py "$work/ck_bf16_2_1/step_4" --same-as "$work/ck_bf16_4_0/step_4" \
+       >> "$work/log" 2>&1; then
     pass "read_checkpoint.py: saved at (4,1,2) = saved at (1,4,0), bit for bit (fp32; bf16 likewise)"
   else fail "read_checkpoint.py --same-as: $(head -c 400 "$work/log")"; fi
 }
@@ -93,20 +104,26 @@ independent_reader() {
 # Consolidation (zero_to_fp32's job, in the trainer): --load --steps 0 --export-hf
 # equals the trainer's own export at that step, byte for byte; the reader agrees.
 consolidation() {
-  timeout 120 mpirun -n 4 "$trainer" "${ck[@]}" --steps 8 --save "$work/ck_export" --export-hf "$work/own_export" > /dev/null 2>&1
-  timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_export" --steps 0 --export-hf "$work/consolidated" --quiet > "$work/log" 2>&1
+  timeout 120 mpirun -n 4 "$trainer" "${ck[@]}" --steps 8 --save "$work/ck_export" \
+    --export-hf "$work/own_export" > /dev/null 2>&1
+  timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_export" --steps 0 --export-hf "$work/consolidated" \
+    --quiet > "$work/log" 2>&1
   if cmp -s "$work/own_export/model.safetensors" "$work/consolidated/model.safetensors" &&
      cmp -s "$work/own_export/config.json" "$work/consolidated/config.json" &&
-     $PYTHON tests/read_checkpoint.py "$work/ck_export/step_8" --compare "$work/own_export" > "$work/reader.log" 2>&1; then
-    pass "consolidation: --load (saved by 4 ranks) --steps 0 at N=1 = the run's own export, byte for byte; read_checkpoint.py agrees"
+     $PYTHON tests/read_checkpoint.py "$work/ck_export/step_8" --compare "$work/own_export" \
+       > "$work/reader.log" 2>&1; then
+    pass "consolidation: --load (saved by 4 ranks) --steps 0 at N=1 = the run's own export, byte for byte;" \
+      "read_checkpoint.py agrees"
   else fail "consolidation: $(head -c 300 "$work/log") $(head -c 300 "$work/reader.log")"; fi
 }
 
 # --save-keep 2 with a save every 2 steps of 8: step_6 and step_8 remain; latest names step_8.
 save_keep() {
-  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 --save "$work/ck_keep" --json "$work/ck_keep.json" > /dev/null 2>&1
+  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 --save "$work/ck_keep" \
+    --json "$work/ck_keep.json" > /dev/null 2>&1
   kept=$(ls "$work/ck_keep" | tr '\n' ' ')
-  [ "$kept" = "latest step_6 step_8 " ] && [ "$(cat "$work/ck_keep/latest")" = step_8 ] && pass "--save-keep 2: $kept" ||
+  [ "$kept" = "latest step_6 step_8 " ] && [ "$(cat "$work/ck_keep/latest")" = step_8 ] && pass "--save-keep 2:" \
+    "$kept" ||
     fail "--save-keep 2 left: $kept"
 }
 
@@ -114,7 +131,8 @@ save_keep() {
 header_says() {
   timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_fp32_4_2" --save "$work/ck_said" --stage 1 > "$work/log" 2>&1
   if grep -q "^  loaded    $work/ck_fp32_4_2/step_8: step 8 of 8, saved by 4 rank(s) x accumulation 1, stage 2, fp32" "$work/log" &&
-     grep -q "^  saved                    $work/ck_said/step_8/ (" "$work/log" && grep -q "steps trained            none" "$work/log"; then
+     grep -q "^  saved                    $work/ck_said/step_8/ (" "$work/log" && grep \
+       -q "steps trained            none" "$work/log"; then
     pass "the header says what was loaded, the summary what was saved"
   else fail "loaded/saved lines: $(grep -E 'loaded|saved|trained' "$work/log" | head -c 300)"; fi
 }
@@ -126,7 +144,8 @@ damaged_checkpoints() {
   damaged; truncate -s -100 "$work/damaged/step_4/rank_00001.safetensors"
   bad_case "rank_00001.safetensors' has 82,752 bytes; its index says 82,852 (cut short" --load "$work/damaged/step_4"
   damaged; py common flip_middle_bit "$work/damaged/step_4/rank_00002.safetensors"
-  bad_case "rank_00002.safetensors' is damaged: its SHA-256 is not the one its index records" --load "$work/damaged/step_4"
+  bad_case "rank_00002.safetensors' is damaged: its SHA-256 is not the one its index records" \
+    --load "$work/damaged/step_4"
   damaged; rm "$work/damaged/step_4/rank_00003.safetensors"
   bad_case "cannot open the checkpoint file '$work/damaged/step_4/rank_00003.safetensors'" --load "$work/damaged/step_4"
   damaged; rm "$work/damaged/step_4/index.json"
@@ -158,7 +177,8 @@ damaged_checkpoints() {
 # ZERO2_TEST_FAULT, rank 1's second file): latest still names step 4, which
 # loads and continues to the straight run's bits.
 killed_mid_save() {
-  ZERO2_TEST_FAULT="kill 2 1" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 4 --save "$work/ck_killed" > /dev/null 2>&1
+  ZERO2_TEST_FAULT="kill 2 1" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 4 \
+    --save "$work/ck_killed" > /dev/null 2>&1
   status=$?
   timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_killed" --quiet --json "$work/after_kill.json" > "$work/log" 2>&1
   verdict=$(resumed_matches "$work/ck_keep.json" "$work/after_kill.json" 2>&1)  # the same run, never killed
@@ -167,10 +187,13 @@ killed_mid_save() {
   # .step_8.incomplete (the next save removes that directory whole), never
   # outside it.
   stray=$(find "$work/ck_killed" -name '*zero2-tmp*' -not -path '*/.step_8.incomplete/*')
-  if [ $status -ne 0 ] && [ "$(cat "$work/ck_killed/latest")" = step_4 ] && [ ! -e "$work/ck_killed/step_8" ] && [ "$verdict" = ok ] &&
+  if [ $status -ne 0 ] && [ "$(cat "$work/ck_killed/latest")" = step_4 ] && [ ! -e "$work/ck_killed/step_8" ] && \
+    [ "$verdict" = ok ] &&
      [ -d "$work/ck_killed/.step_8.incomplete" ] && [ -z "$stray" ]; then
-    pass "a rank killed mid-save: exit $status, latest = step_4, no step_8 (only .step_8.incomplete), no temporary outside it; resuming gives the straight bits"
-  else fail "killed save: exit $status, latest $(cat "$work/ck_killed/latest"), $verdict, step_8 $([ -e "$work/ck_killed/step_8" ] && echo exists || echo absent), .step_8.incomplete $([ -d "$work/ck_killed/.step_8.incomplete" ] && echo exists || echo absent), temporaries outside it: ${stray:-none}"; fi
+    pass "a rank killed mid-save: exit $status, latest = step_4, no step_8 (only .step_8.incomplete), no temporary" \
+      "outside it; resuming gives the straight bits"
+  else fail "killed save: exit $status, latest $(cat "$work/ck_killed/latest"), $verdict, step_8" \
+    "$([ -e "$work/ck_killed/step_8" ] && echo exists || echo absent), .step_8.incomplete $([ -d "$work/ck_killed/.step_8.incomplete" ] && echo exists || echo absent), temporaries outside it: ${stray:-none}"; fi
   # The next save into that directory clears what the killed one left.
   timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_killed" --steps 0 --save "$work/ck_killed" > "$work/log" 2>&1
   [ -z "$(ls -A "$work/ck_killed" | grep incomplete)" ] && pass "the next save removes .step_8.incomplete" ||
@@ -179,13 +202,15 @@ killed_mid_save() {
   # writing the replacement of step_8: step_8 is still the old complete one,
   # latest still loads it; unkilled, the replacement holds the same bits.
   rm -rf "$work/ck_redo"; cp -r "$work/ck_keep" "$work/ck_redo"
-  ZERO2_TEST_FAULT="kill 1 1" timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_redo/step_6" --save "$work/ck_redo" > /dev/null 2>&1
+  ZERO2_TEST_FAULT="kill 1 1" timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_redo/step_6" \
+    --save "$work/ck_redo" > /dev/null 2>&1
   status=$?
   timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_redo" --steps 0 --json "$work/redo_load.json" > "$work/log" 2>&1
   loads=$?
   timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_redo/step_6" --save "$work/ck_redo" > /dev/null 2>&1
   if [ $status -ne 0 ] && [ $loads -eq 0 ] && [ "$(cat "$work/ck_redo/latest")" = step_8 ] &&
-     $PYTHON tests/read_checkpoint.py "$work/ck_redo/step_8" --same-as "$work/ck_keep/step_8" > "$work/reader.log" 2>&1 &&
+     $PYTHON tests/read_checkpoint.py "$work/ck_redo/step_8" --same-as "$work/ck_keep/step_8" \
+       > "$work/reader.log" 2>&1 &&
      [ -z "$(ls -A "$work/ck_redo" | grep incomplete)" ]; then
     pass "a re-save of step_8 killed midway leaves the old step_8 loadable; done at N=1, the same bits"
   else fail "re-save: exit $status, load $loads, $(head -c 200 "$work/log") $(head -c 200 "$work/reader.log")"; fi
@@ -198,10 +223,12 @@ killed_mid_save() {
 # from the step saved last, says which, and gives the straight run's bits.
 killed_before_latest() {
   rm -rf "$work/ck_nolatest"
-  ZERO2_TEST_FAULT="kill 4 0" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 4 --save "$work/ck_nolatest" > /dev/null 2>&1
+  ZERO2_TEST_FAULT="kill 4 0" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 4 \
+    --save "$work/ck_nolatest" > /dev/null 2>&1
   status=$?
   left=$(ls "$work/ck_nolatest" | tr '\n' ' ')
-  bad_case "continue that run with --load $work/ck_nolatest," "${ck[@]}" --steps 8 --save-every 4 --save "$work/ck_nolatest"
+  bad_case "continue that run with --load $work/ck_nolatest," "${ck[@]}" --steps 8 --save-every 4 \
+    --save "$work/ck_nolatest"
   suggested=$(grep -o -- "continue that run with --load [^,]*" "$work/bad_stderr" | sed 's/^continue that run with //')
   timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 4 --save "$work/ck_nolatest" $suggested \
     --json "$work/nolatest.json" > "$work/log" 2>&1
@@ -210,21 +237,27 @@ killed_before_latest() {
   if [ $status -ne 0 ] && [ "$left" = "step_4 " ] && [ -n "$suggested" ] && [ $resumed -eq 0 ] && [ "$verdict" = ok ] &&
      grep -qF "note: '$work/ck_nolatest' has no latest (a save was stopped before it wrote it): took step_4" "$work/log" &&
      [ "$(cat "$work/ck_nolatest/latest")" = step_8 ]; then
-    pass "killed before the first latest: left $left; the rerun's refusal names '$suggested', which resumes from step_4 (said), the straight bits"
-  else fail "killed before latest: exit $status, left '$left', suggested '$suggested', resumed exit $resumed, $verdict: $(head -c 300 "$work/log")"; fi
+    pass "killed before the first latest: left $left; the rerun's refusal names '$suggested', which resumes from" \
+      "step_4 (said), the straight bits"
+  else fail "killed before latest: exit $status, left '$left', suggested '$suggested', resumed exit $resumed," \
+    "$verdict: $(head -c 300 "$work/log")"; fi
   # Killed at the second save's latest (rank 0's 8th file): latest names
   # step_2, step_4 is complete. --load DIR takes step_4 and says so.
   rm -rf "$work/ck_oldlatest"
-  ZERO2_TEST_FAULT="kill 8 0" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 --save "$work/ck_oldlatest" > /dev/null 2>&1
+  ZERO2_TEST_FAULT="kill 8 0" timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 \
+    --save "$work/ck_oldlatest" > /dev/null 2>&1
   status=$?
   left="$(ls "$work/ck_oldlatest" | tr '\n' ' ')latest = $(cat "$work/ck_oldlatest/latest")"
-  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_oldlatest" --quiet --json "$work/oldlatest.json" > "$work/log" 2>&1
+  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_oldlatest" \
+    --quiet --json "$work/oldlatest.json" > "$work/log" 2>&1
   verdict=$(resumed_matches "$work/ck_keep.json" "$work/oldlatest.json" 2>&1)
   took=$(json_get "$work/oldlatest.json" "d['checkpoint']['loaded']['step']" 2>&1)
-  if [ $status -ne 0 ] && [ "$left" = "latest step_2 step_4 latest = step_2" ] && [ "$took" = 4 ] && [ "$verdict" = ok ] &&
+  if [ $status -ne 0 ] && [ "$left" = "latest step_2 step_4 latest = step_2" ] && [ "$took" = 4 ] && \
+    [ "$verdict" = ok ] &&
      grep -qF "note: '$work/ck_oldlatest/latest' names step_2, but step_4 of the same run was saved after it" "$work/log"; then
     pass "killed before latest moved to step_4: --load DIR takes step_4 (said), the straight bits"
-  else fail "killed before latest moved: exit $status, left '$left', took step $took, $verdict: $(head -c 300 "$work/log")"; fi
+  else fail "killed before latest moved: exit $status, left '$left', took step $took, $verdict:" \
+    "$(head -c 300 "$work/log")"; fi
 }
 
 # A run resumed from an earlier step into the same --save (step_6 of
@@ -239,7 +272,8 @@ resumed_branch() {
   if [ $status -eq 0 ] && [ "$(ls "$work/ck_branch" | tr '\n' ' ')" = "latest step_6 step_7 step_8 " ] &&
      [ "$(cat "$work/ck_branch/latest")" = step_7 ] && [ "$took" = 7 ] && ! grep -q "note:\|took step" "$work/log"; then
     pass "resumed from step_6 into the same --save: latest names step_7, --load DIR loads it, not the abandoned step_8"
-  else fail "resumed branch: exit $status, $(ls "$work/ck_branch" | tr '\n' ' '), latest $(cat "$work/ck_branch/latest"), took step $took: $(head -c 300 "$work/log")"; fi
+  else fail "resumed branch: exit $status, $(ls "$work/ck_branch" | tr '\n' ' '), latest" \
+    "$(cat "$work/ck_branch/latest"), took step $took: $(head -c 300 "$work/log")"; fi
 }
 
 # A user's file in .step_2.incomplete, where this run would write its step
@@ -254,7 +288,8 @@ user_incomplete() {
   [ ! -e "$work/userinc_metrics" ] && [ "$(ls -A "$work/ck_userinc" | tr '\n' ' ')" = ".step_2.incomplete " ] &&
     [ "$(cat "$work/ck_userinc/.step_2.incomplete/notes.txt")" = mine ] &&
     pass "a user's file in .step_2.incomplete: refused before step 1, nothing trained or saved, the file kept" ||
-    fail "user's .step_2.incomplete: metrics $([ -e "$work/userinc_metrics" ] && echo written || echo absent), left $(ls -A "$work/ck_userinc" | tr '\n' ' ')"
+    fail "user's .step_2.incomplete: metrics $([ -e "$work/userinc_metrics" ] && echo written || echo absent), left" \
+      "$(ls -A "$work/ck_userinc" | tr '\n' ' ')"
 }
 
 # Pruning keeps the steps saved last, not the highest numbers: resumed from
@@ -263,20 +298,25 @@ user_incomplete() {
 # step_9, and prunes the abandoned step_8 (saved before both).
 prune_order() {
   rm -rf "$work/ck_prune_order"
-  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 --save-keep 3 --save "$work/ck_prune_order" > /dev/null 2>&1
-  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_prune_order/step_4" --steps 9 --save-every 3 --save "$work/ck_prune_order" \
+  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 8 --save-every 2 --save-keep 3 \
+    --save "$work/ck_prune_order" > /dev/null 2>&1
+  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_prune_order/step_4" --steps 9 --save-every 3 \
+    --save "$work/ck_prune_order" \
     > "$work/log" 2>&1
   kept=$(ls "$work/ck_prune_order" | tr '\n' ' ')
-  [ "$kept" = "latest step_6 step_9 " ] && pass "--save-keep 2 after a resume from step_4: kept $kept(saved last), not the abandoned step_8" ||
+  [ "$kept" = "latest step_6 step_9 " ] && pass "--save-keep 2 after a resume from step_4: kept $kept(saved last)," \
+    "not the abandoned step_8" ||
     fail "pruning order: kept $kept $(head -c 200 "$work/log")"
 }
 
 # What a review found (each was a wrong result or a raw error before).
 # An export that records nothing may run at any N, even one that cannot split the batch:
 review_findings() {
-  timeout 120 mpirun -n 3 "$trainer" --load "$work/ck_export" --steps 0 --export-hf "$work/consolidated3" --quiet > "$work/log" 2>&1
+  timeout 120 mpirun -n 3 "$trainer" --load "$work/ck_export" --steps 0 --export-hf "$work/consolidated3" \
+    --quiet > "$work/log" 2>&1
   cmp -s "$work/own_export/model.safetensors" "$work/consolidated3/model.safetensors" &&
-    pass "--load (4 x 1) --steps 0 --export-hf at N=3: the same export" || fail "export at N=3: $(head -c 300 "$work/log")"
+    pass "--load (4 x 1) --steps 0 --export-hf at N=3: the same export" || fail "export at N=3:" \
+      "$(head -c 300 "$work/log")"
   # ...but a re-slice records N x A, so it keeps the global batch.
   bad_case "the global batch must stay the same" --load "$good" --steps 0 --accum 3 --save "$work/no_reslice"
   # --steps 0 --save alone (no --json, no export) re-slices at this N.
@@ -286,13 +326,17 @@ review_findings() {
     fail "re-slice: $(head -c 200 "$work/log") $(head -c 200 "$work/reader.log")"
   # A consistent DeepSpeed train_batch_size on resume (2 x 2 x 2 = 8 = the saved 4 x 1 x 2).
   echo '{"train_batch_size": 8}' > "$work/tbs8.json"
-  timeout 120 mpirun -n 2 "$trainer" --load "$good/step_4" --config "$work/tbs8.json" --quiet --json "$work/tbs.json" > "$work/log" 2>&1
+  timeout 120 mpirun -n 2 "$trainer" --load "$good/step_4" --config "$work/tbs8.json" \
+    --quiet --json "$work/tbs.json" > "$work/log" 2>&1
   verdict=$(resumed_matches "$good.straight.json" "$work/tbs.json" 2>&1)
-  [ "$verdict" = ok ] && pass "resume with a consistent train_batch_size: the same bits" || fail "train_batch_size resume: $verdict $(head -c 200 "$work/log")"
+  [ "$verdict" = ok ] && pass "resume with a consistent train_batch_size: the same bits" || fail "train_batch_size" \
+    "resume: $verdict $(head -c 200 "$work/log")"
   # 16-bit accumulation rounds per micro-step: another A would change the bits.
   echo '{"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "bf16"}}' > "$work/bf16_accum.json"
-  timeout 120 mpirun -n 1 "$trainer" "${ck[@]}" --config "$work/bf16_accum.json" --accum 4 --steps 2 --save "$work/ck_bf16_accum" > /dev/null 2>&1
-  bad_ranks=4 bad_case "accumulates gradients in bf16 (data_types.grad_accum_dtype), which rounds after every micro-step" \
+  timeout 120 mpirun -n 1 "$trainer" "${ck[@]}" --config "$work/bf16_accum.json" --accum 4 --steps 2 \
+    --save "$work/ck_bf16_accum" > /dev/null 2>&1
+  bad_ranks=4 bad_case \
+    "accumulates gradients in bf16 (data_types.grad_accum_dtype), which rounds after every micro-step" \
     --load "$work/ck_bf16_accum"
 }
 
@@ -316,30 +360,40 @@ index_flips() {
   flips=""
   for key in lr weight_decay beta2 seed dropout eps clip schedule_steps warmup loss_scale applied numel bytes; do
     damaged; py common flip_digit "$work/damaged/step_4/index.json" $key
-    bad_ranks=1 bad_case "index.json' is damaged: its SHA-256 is not the one" --load "$work/damaged/step_4" > "$work/flip.log"
-    grep -q "^PASS" "$work/flip.log" && passed=$((passed - 1)) || { failed=$((failed - 1)); flips="$flips $key: $(cat "$work/flip.log")"; }
+    bad_ranks=1 bad_case "index.json' is damaged: its SHA-256 is not the one" \
+      --load "$work/damaged/step_4" > "$work/flip.log"
+    grep -q "^PASS" "$work/flip.log" && passed=$((passed - 1)) || { failed=$((failed - 1)); \
+      flips="$flips $key: $(cat "$work/flip.log")"; }
   done
   damaged; sed -i 's/^./x/' "$work/damaged/step_4/index.sha256"
-  bad_ranks=1 bad_case "index.json' is damaged: its SHA-256 is not the one" --load "$work/damaged/step_4" > "$work/flip.log"
-  grep -q "^PASS" "$work/flip.log" && passed=$((passed - 1)) || { failed=$((failed - 1)); flips="$flips index.sha256: $(cat "$work/flip.log")"; }
-  [ -z "$flips" ] && pass "one-bit flips of lr, weight decay, beta2, seed, dropout, eps, clip, schedule steps, warmup, the loss scale, AdamW's t, a parameter's numel, a file's size in index.json, and of index.sha256: each refused as damage" ||
+  bad_ranks=1 bad_case "index.json' is damaged: its SHA-256 is not the one" \
+    --load "$work/damaged/step_4" > "$work/flip.log"
+  grep -q "^PASS" "$work/flip.log" && passed=$((passed - 1)) || { failed=$((failed - 1)); \
+    flips="$flips index.sha256: $(cat "$work/flip.log")"; }
+  [ -z "$flips" ] && pass "one-bit flips of lr, weight decay, beta2, seed, dropout, eps, clip, schedule steps," \
+    "warmup, the loss scale, AdamW's t, a parameter's numel, a file's size in index.json, and of index.sha256: each refused as damage" ||
     fail "index flips:$flips"
   damaged; rm "$work/damaged/step_4/index.sha256"
-  bad_case "index.json' is damaged: '$work/damaged/step_4/index.sha256', which records its SHA-256, is missing" --load "$work/damaged/step_4"
+  bad_case "index.json' is damaged: '$work/damaged/step_4/index.sha256', which records its SHA-256, is missing" \
+    --load "$work/damaged/step_4"
   sed -i 's/"version": 2/"version": 1/' "$work/damaged/step_4/index.json"
-  bad_case "was written by an earlier zero2 (checkpoint version 1, whose index.json has no SHA-256 of its own" --load "$work/damaged/step_4"
+  bad_case "was written by an earlier zero2 (checkpoint version 1, whose index.json has no SHA-256 of its own" \
+    --load "$work/damaged/step_4"
 }
 
 # A loss scale no training reaches (the digest made anew): damage, not divergence.
 impossible_loss_scale() {
-  index_edit "d['progress']['loss_scale'] = 1e308" "progress.loss_scale 1e+308 cannot come from training (fp32 trains at loss scale 1)"
-  damaged_from="$work/ck_fp16_2_2" index_edit "d['progress']['loss_scale'] = 1000.0" "progress.loss_scale 1000.0 cannot come from training (the dynamic scale is a power of two"
+  index_edit "d['progress']['loss_scale'] = 1e308" \
+    "progress.loss_scale 1e+308 cannot come from training (fp32 trains at loss scale 1)"
+  damaged_from="$work/ck_fp16_2_2" index_edit "d['progress']['loss_scale'] = 1000.0" \
+    "progress.loss_scale 1000.0 cannot come from training (the dynamic scale is a power of two"
 }
 
 # latest as a symlink loop, or holding a NUL byte: said as such.
 odd_latest() {
   damaged; ln -sfn latest "$work/damaged/latest"
-  bad_case "'$work/damaged/latest' cannot be read: Too many levels of symbolic links (a symlink loop" --load "$work/damaged"
+  bad_case "'$work/damaged/latest' cannot be read: Too many levels of symbolic links (a symlink loop" \
+    --load "$work/damaged"
   damaged; printf 'step_8\0step_4' > "$work/damaged/latest"
   bad_case "'$work/damaged/latest' holds a NUL byte (at byte 6)" --load "$work/damaged"
 }
@@ -348,17 +402,24 @@ odd_latest() {
 # (2, 3), N = 3 (A = 2) is refused, naming the splits that keep the bits;
 # N = 1 (A = 6) keeps them; --allow-different-bits runs N = 3, recorded.
 summation_tree() {
-  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --accum 3 --steps 2 --save-every 1 --save "$work/ck_2x3" --json "$work/ck_2x3.json" > /dev/null 2>&1
-  bad_ranks=3 bad_case "resuming at N = 3 (A = 2) sums each step's 6 micro-batches in another tree than the checkpoint's run at N = 2 (A = 3)" \
+  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --accum 3 --steps 2 --save-every 1 --save "$work/ck_2x3" \
+    --json "$work/ck_2x3.json" > /dev/null 2>&1
+  bad_ranks=3 bad_case \
+    "resuming at N = 3 (A = 2) sums each step's 6 micro-batches in another tree than the checkpoint's run at N = 2 (A = 3)" \
     --load "$work/ck_2x3/step_1"
   grep -qF "Splits that keep them: N = 1 (A = 6), N = 2 (A = 3), N = 6 (A = 1); or give --allow-different-bits" "$work/bad_stderr" &&
-    pass "the refused N = 3 resume names the splits that keep the bits" || fail "N = 3 refusal: $(cat "$work/bad_stderr")"
-  timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_2x3/step_1" --quiet --json "$work/ck_2x3_n1.json" > "$work/log" 2>&1
+    pass "the refused N = 3 resume names the splits that keep the bits" || fail "N = 3 refusal:" \
+      "$(cat "$work/bad_stderr")"
+  timeout 120 mpirun -n 1 "$trainer" --load "$work/ck_2x3/step_1" \
+    --quiet --json "$work/ck_2x3_n1.json" > "$work/log" 2>&1
   verdict=$(resumed_matches "$work/ck_2x3.json" "$work/ck_2x3_n1.json" 2>&1)
-  [ "$verdict" = ok ] && pass "saved at (2, 3), resumed at (1, 6): the same bits" || fail "(2, 3) -> (1, 6): $verdict $(head -c 200 "$work/log")"
-  timeout 120 mpirun -n 3 "$trainer" --load "$work/ck_2x3/step_1" --allow-different-bits --quiet --json "$work/ck_2x3_n3.json" > "$work/log" 2>&1 &&
+  [ "$verdict" = ok ] && pass "saved at (2, 3), resumed at (1, 6): the same bits" || fail "(2, 3) -> (1, 6): $verdict" \
+    "$(head -c 200 "$work/log")"
+  timeout 120 mpirun -n 3 "$trainer" --load "$work/ck_2x3/step_1" \
+    --allow-different-bits --quiet --json "$work/ck_2x3_n3.json" > "$work/log" 2>&1 &&
     [ "$(json_get "$work/ck_2x3_n3.json" "(d['checkpoint']['allow_different_bits'], d['checkpoint']['loaded']['same_summation_tree'])")" = "(True, False)" ] &&
-    pass "--allow-different-bits resumes at N = 3, and the JSON records it" || fail "--allow-different-bits: $(head -c 300 "$work/log")"
+    pass "--allow-different-bits resumes at N = 3, and the JSON records it" || fail "--allow-different-bits:" \
+      "$(head -c 300 "$work/log")"
 }
 
 # Two runs saving into one directory: the second is refused before step 1
@@ -376,11 +437,13 @@ busy_directory() {
 # stopped halfway through its file (ZERO2_TEST_FAULT) while the step's
 # directory is removed, then continued.
 vanished_step() {
-  ZERO2_TEST_FAULT="stop 1 1" timeout 60 mpirun -n 2 "$trainer" "${ck[@]}" --steps 1 --save "$work/ck_vanish" > "$work/vanish.log" 2>&1 &
+  ZERO2_TEST_FAULT="stop 1 1" timeout 60 mpirun -n 2 "$trainer" "${ck[@]}" --steps 1 --save "$work/ck_vanish" \
+    > "$work/vanish.log" 2>&1 &
   job=$!
   stopped=""
   for k in $(seq 1 400); do
-    for p in $(pgrep -f "^$trainer .*$work/ck_vanish"); do [ "$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)" = T ] && stopped=$p; done
+    for p in $(pgrep -f "^$trainer .*$work/ck_vanish"); do [ "$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)" = T \
+      ] && stopped=$p; done
     [ -n "$stopped" ] && break
     sleep 0.05
   done
@@ -388,7 +451,8 @@ vanished_step() {
   [ -n "$stopped" ] && kill -CONT "$stopped"
   wait $job
   status=$?
-  [ $status -ne 0 ] && grep -q "another run saving into the same directory at the same time is the likely cause" "$work/vanish.log" &&
+  [ $status -ne 0 ] && grep -q "another run saving into the same directory at the same time is the likely cause" \
+    "$work/vanish.log" &&
     pass "a step removed under a save: exit $status, the message names a concurrent saver" ||
     fail "vanished step: exit $status, stopped rank '${stopped}': $(head -c 300 "$work/vanish.log")"
 }
@@ -398,11 +462,15 @@ vanished_step() {
 # none of the other run's.
 another_runs_checkpoints() {
   damaged; before_other=$(cd "$work/damaged" && find . -type f | sort | xargs sha256sum | sha256sum)
-  bad_case "--save '$work/damaged' holds checkpoints of another run ($work/damaged/step_4)" "${ck[@]}" --steps 2 --save-keep 1 --save "$work/damaged"
+  bad_case "--save '$work/damaged' holds checkpoints of another run ($work/damaged/step_4)" "${ck[@]}" --steps 2 \
+    --save-keep 1 --save "$work/damaged"
   [ "$(cd "$work/damaged" && find . -type f | sort | xargs sha256sum | sha256sum)" = "$before_other" ] &&
-    pass "the refused new run left the other run's checkpoints as they were" || fail "the refused new run changed $work/damaged"
-  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 2 --save-keep 1 --save "$work/damaged" --save-overwrite > "$work/log" 2>&1 &&
-    [ "$(ls "$work/damaged" | tr '\n' ' ')" = "latest step_2 step_4 step_8 " ] && [ "$(cat "$work/damaged/latest")" = step_2 ] &&
+    pass "the refused new run left the other run's checkpoints as they were" || fail "the refused new run changed" \
+      "$work/damaged"
+  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 2 --save-keep 1 --save "$work/damaged" \
+    --save-overwrite > "$work/log" 2>&1 &&
+    [ "$(ls "$work/damaged" | tr '\n' ' ')" = "latest step_2 step_4 step_8 " ] && \
+      [ "$(cat "$work/damaged/latest")" = step_2 ] &&
     pass "--save-overwrite: latest names the new run's step_2, the other run's steps stay" ||
     fail "--save-overwrite: $(ls "$work/damaged" | tr '\n' ' ') $(head -c 200 "$work/log")"
 }
@@ -415,10 +483,13 @@ pruning_user_files() {
   mkdir "$work/ck_user/step_1"; echo mine > "$work/ck_user/step_1/notes.txt"; echo mine > "$work/ck_user/step_4"
   bad_case "'$work/ck_user/step_4' is not a checkpoint of this run (not a directory), and this run may save step 4 there" \
     --load "$work/ck_user" --steps 4 --save "$work/ck_user"
-  [ "$(cat "$work/ck_user/step_4")" = mine ] && pass "the plain file step_4 is left as it was" || fail "step_4 was changed"
+  [ "$(cat "$work/ck_user/step_4")" = mine ] && pass "the plain file step_4 is left as it was" || fail "step_4 was" \
+    "changed"
   rm "$work/ck_user/step_4"
-  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_user" --steps 4 --save-every 1 --save-keep 1 --save "$work/ck_user" > "$work/log" 2>&1 &&
-    [ "$(ls "$work/ck_user" | tr '\n' ' ')" = "latest step_1 step_4 " ] && [ "$(cat "$work/ck_user/step_1/notes.txt")" = mine ] &&
+  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_user" --steps 4 --save-every 1 --save-keep 1 \
+    --save "$work/ck_user" > "$work/log" 2>&1 &&
+    [ "$(ls "$work/ck_user" | tr '\n' ' ')" = "latest step_1 step_4 " ] && \
+      [ "$(cat "$work/ck_user/step_1/notes.txt")" = mine ] &&
     pass "--save-keep 1 pruned this run's step_2 and step_3, not the user's step_1/notes.txt" ||
     fail "pruning with a user's step_1: $(ls "$work/ck_user" | tr '\n' ' ') $(head -c 200 "$work/log")"
 }
@@ -426,7 +497,8 @@ pruning_user_files() {
 # A directory named like a step but too large for a number is not one.
 stray_step() {
   mkdir -p "$work/ck_odd/step_99999999999999999999"
-  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 2 --save "$work/ck_odd" --json "$work/odd.json" > "$work/log" 2>&1 &&
+  timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" --steps 2 --save "$work/ck_odd" --json "$work/odd.json" \
+    > "$work/log" 2>&1 &&
     [ -f "$work/odd.json" ] && [ -d "$work/ck_odd/step_99999999999999999999" ] &&
     pass "a stray step_99999999999999999999 is left alone" || fail "stray step directory: $(head -c 200 "$work/log")"
 }
@@ -457,7 +529,8 @@ sigterm() {
   }
   long=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --warmup 1
         --log-every 100 --steps 3000)
-  timeout 120 mpirun -n 2 "$trainer" "${long[@]}" --save "$work/ck_term" --json "$work/term.json" > "$work/term_stdout" 2>&1 &
+  timeout 120 mpirun -n 2 "$trainer" "${long[@]}" --save "$work/ck_term" --json "$work/term.json" \
+    > "$work/term_stdout" 2>&1 &
   job=$!
   # SIGTERM to every rank, as a scheduler's cancel (scancel) sends it.
   send_when_running TERM "$work/term_stdout" "^$trainer .*$work/ck_term"
@@ -467,9 +540,11 @@ sigterm() {
   timeout 120 mpirun -n 2 "$trainer" "${long[@]}" --quiet --json "$work/term_straight.json" > /dev/null 2>&1
   verdict=$(resumed_matches "$work/term_straight.json" "$work/term_resumed.json" 2>&1)
   stopped_at=$(json_get "$work/term.json" "str(d['interrupted']) + ' ' + str(d['checkpoint']['saved'][-1]['step'])" 2>&1)
-  if [ $status -eq 143 ] && [ "${stopped_at%% *}" = SIGTERM ] && [ "$(cat "$work/ck_term/latest")" = "step_${stopped_at##* }" ] &&
+  if [ $status -eq 143 ] && [ "${stopped_at%% *}" = SIGTERM ] && [ "$(cat "$work/ck_term/latest")" \
+    = "step_${stopped_at##* }" ] &&
      [ "${stopped_at##* }" -lt 3000 ] && [ "$verdict" = ok ]; then
-    pass "SIGTERM at step ${stopped_at##* } of 3000: exit 143, saved, JSON interrupted; resumed = uninterrupted, bit for bit"
+    pass "SIGTERM at step ${stopped_at##* } of 3000: exit 143, saved, JSON interrupted; resumed = uninterrupted, bit" \
+      "for bit"
   else fail "SIGTERM: exit $status, '$stopped_at', $verdict $(head -c 200 "$work/log")"; fi
 }
 
@@ -480,8 +555,10 @@ sigint() {
   send_when_running INT "$work/int_stdout" "^$trainer .*$work/ck_int"
   wait $job
   status=$?
-  [ $status -eq 130 ] && [ -e "$work/ck_int/latest" ] && grep -q "interrupted .* by SIGINT after step" "$work/int_stdout" &&
-    pass "SIGINT: exit 130, saved $(cat "$work/ck_int/latest")" || fail "SIGINT: exit $status, latest: $(cat "$work/ck_int/latest" 2>&1)"
+  [ $status -eq 130 ] && [ -e "$work/ck_int/latest" ] && grep -q "interrupted .* by SIGINT after step" \
+    "$work/int_stdout" &&
+    pass "SIGINT: exit 130, saved $(cat "$work/ck_int/latest")" || fail "SIGINT: exit $status, latest:" \
+      "$(cat "$work/ck_int/latest" 2>&1)"
 }
 
 # A signal to mpirun: MPICH's launcher forwards it to the ranks, which stop

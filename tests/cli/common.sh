@@ -124,7 +124,8 @@ bad_case() {
     fail "$label: crashed: $(head -c 300 "$work/bad_stderr")"
   elif [ "$messages" != 1 ]; then
     fail "$label: $messages error messages (want exactly 1): $(head -c 300 "$work/bad_stderr")"
-  elif ! grep -qF -- "$expect" "$work/bad_stderr"; then fail "$label: message lacks '$expect': $(cat "$work/bad_stderr")"
+  elif ! grep -qF -- "$expect" "$work/bad_stderr"; then fail "$label: message lacks '$expect':" \
+    "$(cat "$work/bad_stderr")"
   elif [ -e "$out" ] || [ -e "$work/no" ] || [ -n "$(find "$work" -name '*zero2-tmp*' | head -n 1)" ]; then
     fail "$label: left an output file or a temporary"
   else

@@ -37,7 +37,8 @@ ln -s "$PWD/.venv-hf" "$scratch/tree/.venv-hf" 2>/dev/null
 files=(stages ledgers bad_input torch_reference zero_r precision reliability checkpoints deepspeed_configs hugging_face
        metrics plan portable traces offload)
 summary() { grep -E '^[0-9]+ passed, [0-9]+ failed$' "$1" | tail -n 1; }
-checks() { local line; line=$(summary "$1"); [ -n "$line" ] && echo $(( ${line%% *} + $(echo "$line" | cut -d' ' -f3) )); }
+checks() { local line; line=$(summary "$1"); [ -n "$line" ] && echo \
+  $(( ${line%% *} + $(echo "$line" | cut -d' ' -f3) )); }
 for name in "${files[@]}" checker; do
   echo "running tests/cli/$name.sh $build ..."
   "tests/cli/$name.sh" "$build" > "$scratch/$name.log" 2>&1
@@ -45,7 +46,8 @@ done
 
 # The markers' running counts, differenced: the checks (passed + failed) of each old section.
 mapfile -t marks < <(grep -E '^@@ ' "$scratch/old.log")
-printf '\n%-4s %-48s %7s   %-28s %7s\n' "" "old section (tests/test_trainer.sh at $old_commit)" "checks" "new file (tests/cli)" "checks"
+printf '\n%-4s %-48s %7s   %-28s %7s\n' "" "old section (tests/test_trainer.sh at $old_commit)" "checks" \
+  "new file (tests/cli)" "checks"
 old_total=0 new_total=0
 for k in $(seq 0 $((${#marks[@]} - 2))); do
   read -r _ section p0 f0 <<< "${marks[$k]}"

@@ -54,7 +54,8 @@ bad_input() {
     "config key 'zero_optimization.offload_optimizer.device' offloads the optimizer, and the config file names no optimizer \"type\""
   echo '{"zero_optimization": {"stage": 2, "cpu_offload": true}, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}' \
     > "$work/offload_fp16_master.json"
-  bad_case "fp16.fp16_master_weights_and_grads: true is not supported" "${small[@]}" --config "$work/offload_fp16_master.json"
+  bad_case "fp16.fp16_master_weights_and_grads: true is not supported" "${small[@]}" \
+    --config "$work/offload_fp16_master.json"
 }
 
 # A host that cannot hold the offloaded optimizer: refused before anything is allocated, the host's share
@@ -83,7 +84,8 @@ plan_host_bytes() {
       --quiet "${tiny[@]}" > /dev/null 2>&1 || { echo "bad: --plan $precision failed"; continue; }
     json_get "$work/offload_plan.json" "'ok' if all(r['host_model_states_bytes'] == r['host_model_states_formula_bytes'] == (16 * r['psi_padded'] // r['world_size'] if r['stage'] else 0) and r['model_states_bytes'] == r['model_states_formula_bytes'] and (r['stage'] != 2 or r['model_states_bytes'] == r['params_bytes']) for r in d['plan']) else 'bad $precision: ' + str([(r['stage'], r['world_size'], r['host_model_states_bytes'], r['model_states_bytes']) for r in d['plan']])"
   done | sort -u)
-  [ "$verdict" = ok ] && pass "--plan --offload-optimizer cpu: host 16 Psi/N and device model states = their formulas, fp32 and bf16, stages 0/1/2, N = 1, 2, 4" ||
+  [ "$verdict" = ok ] && pass "--plan --offload-optimizer cpu: host 16 Psi/N and device model states = their" \
+    "formulas, fp32 and bf16, stages 0/1/2, N = 1, 2, 4" ||
     fail "offload plan: $verdict"
 }
 
@@ -103,11 +105,13 @@ same_bits() {
       fp16) same_bits_run "fp16 (overflowing) stage 2 N=2, no offload" 2 "$work/offload_ref_fp16.json" \
               --config "$work/fp16_skips.json" --accum 2 --steps 8 --stage 2;;
     esac
-    extra=(); [ $precision = fp16 ] && extra=(--config "$work/fp16_skips.json" --steps 8) || extra=(--precision $precision)
+    extra=(); [ $precision = fp16 ] && extra=(--config "$work/fp16_skips.json" --steps 8) || \
+      extra=(--precision $precision)
     for stage in 1 2; do
       for overlap in 0 1; do
         same_bits_run "$precision offload N=2 A=2 stage=$stage overlap=$overlap" 2 \
-          "$work/offload_${precision}_2_${stage}_${overlap}.json" "${extra[@]}" --accum 2 --stage $stage --overlap $overlap \
+          "$work/offload_${precision}_2_${stage}_${overlap}.json" "${extra[@]}" --accum 2 --stage $stage \
+            --overlap $overlap \
           --offload-optimizer cpu
       done
     done
@@ -119,20 +123,23 @@ same_bits() {
   skips=$(for f in "$work"/offload_ref_fp16.json "$work"/offload_fp16_*.json; do
     json_get "$f" "[s['step'] for s in d['steps'] if s['skipped']]"; done | sort -u)
   [ "$(echo "$skips" | wc -l)" = 1 ] && [ "$skips" != "[]" ] &&
-    pass "fp16 with offload skips the steps it skips without ($skips)" || fail "fp16 skipped steps differ with offload: $skips"
+    pass "fp16 with offload skips the steps it skips without ($skips)" || fail "fp16 skipped steps differ with" \
+      "offload: $skips"
 }
 
 # The ledger in --json: the host's bytes equal 16 Psi/N, the device's model
 # states model_states_formula(..., offload), measured and recomputed here.
 offload_ledger() {
   verdict=$(py offload ledger "$work"/offload_*_2_*_1.json "$work"/offload_*_1.json "$work"/offload_*_4.json)
-  case "$verdict" in ok*) pass "offload ledger: host = 16 Psi/N, device = 4 Psi / 2 Psi (stage 1: twice), by category, ${verdict#ok }";;
+  case "$verdict" in ok*) pass "offload ledger: host = 16 Psi/N, device = 4 Psi / 2 Psi (stage 1: twice), by" \
+    "category, ${verdict#ok }";;
     *) fail "offload ledger: $verdict";; esac
 }
 
 # The header: both shares beside their formulas, equal.
 header() {
-  timeout 120 mpirun -n 2 "$trainer" "${tiny[@]:0:${#tiny[@]}-1}" --precision bf16 --offload-optimizer cpu > "$work/log" 2>&1
+  timeout 120 mpirun -n 2 "$trainer" "${tiny[@]:0:${#tiny[@]}-1}" --precision bf16 \
+    --offload-optimizer cpu > "$work/log" 2>&1
   grep -q "^  model states on the device per rank: [0-9,]* bytes; formula 2 Psi = [0-9,]* (equal)" "$work/log" &&
     grep -q "^  offloaded to the host per rank: [0-9,]* bytes; formula 16 Psi/N = [0-9,]* (equal)" "$work/log" &&
     grep -q "^  offload   optimizer to the host (ZeRO-Offload)" "$work/log" &&
@@ -152,8 +159,10 @@ pinning_note() {
   done
   grep -q "pin_memory false (DeepSpeed 0.16.9's default): zero2 pins" "$work/pin_cpu.log" &&
     ! grep -q "zero2 pins" "$work/pin_none.log" && ! grep -q "error" "$work/pin_none.log" &&
-    pass "the header's pinning note only where the run offloads (the config's cpu, not --offload-optimizer none over it)" ||
-    fail "pinning note: with cpu $(grep -c 'zero2 pins' "$work/pin_cpu.log"), with none $(grep -c 'zero2 pins' "$work/pin_none.log")"
+    pass "the header's pinning note only where the run offloads (the config's cpu, not --offload-optimizer none over" \
+      "it)" ||
+    fail "pinning note: with cpu $(grep -c 'zero2 pins' "$work/pin_cpu.log"), with none" \
+      "$(grep -c 'zero2 pins' "$work/pin_none.log")"
 }
 
 # Checkpoints: saved without offload (as checkpoints.sh saves them), resumed with it; saved with it,
@@ -162,18 +171,21 @@ checkpoints_both_ways() {
   for precision in fp32 bf16 fp16; do
     dir="$work/ck_${precision}_2_2"
     saved_without_offload $precision
-    timeout 120 mpirun -n 2 "$trainer" --load "$dir/step_4" --offload-optimizer cpu --quiet --json "$dir.to_offload.json" \
+    timeout 120 mpirun -n 2 "$trainer" --load "$dir/step_4" --offload-optimizer cpu \
+      --quiet --json "$dir.to_offload.json" \
       > "$work/log" 2>&1
     verdict=$(resumed_matches "$dir.straight.json" "$dir.to_offload.json" 2>&1)
     [ "$verdict" = ok ] && pass "$precision: saved without offload, resumed with it: the same bits" ||
       fail "$precision resume into offload: $verdict $(head -c 200 "$work/log")"
     odir="$work/ck_offload_${precision}"
-    timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" $(precision_flags $precision) --stage 1 --accum 2 --steps 8 --save-every 4 \
+    timeout 120 mpirun -n 2 "$trainer" "${ck[@]}" $(precision_flags $precision) --stage 1 --accum 2 \
+      --steps 8 --save-every 4 \
       --save "$odir" --offload-optimizer cpu > "$work/log" 2>&1
     timeout 120 mpirun -n 2 "$trainer" --load "$odir/step_4" --stage 2 --offload-optimizer none --quiet \
       --json "$odir.resumed.json" > "$work/log" 2>&1
     verdict=$(resumed_matches "$dir.straight.json" "$odir.resumed.json" $([ $precision = fp16 ] && echo skips) 2>&1)
-    [ "$verdict" = ok ] && pass "$precision: saved with offload (stage 1), resumed without it (stage 2): the same bits" ||
+    [ "$verdict" = ok ] && pass "$precision: saved with offload (stage 1), resumed without it (stage 2): the same" \
+      "bits" ||
       fail "$precision resume out of offload: $verdict $(head -c 200 "$work/log")"
   done
 }
@@ -186,7 +198,8 @@ checkpoint_files() {
       --offload-optimizer $offload --save "$work/ck_files_$offload" > "$work/log" 2>&1
   done
   verdict=$(py offload same_checkpoint "$work/ck_files_none/step_2" "$work/ck_files_cpu/step_2")
-  case "$verdict" in ok*) pass "a checkpoint saved with offload: the files of one saved without it (${verdict#ok }; the index but its run_id and the offload setting)";;
+  case "$verdict" in ok*) pass "a checkpoint saved with offload: the files of one saved without it (${verdict#ok };" \
+    "the index but its run_id and the offload setting)";;
     *) fail "checkpoint files with offload: $verdict";; esac
 }
 
@@ -194,16 +207,19 @@ checkpoint_files() {
 trace_files() {
   trace_flags=("${tiny[@]}" --dropout 0 --stage 2 --precision bf16 --trace-params-every 1)
   timeout 120 mpirun -n 2 "$trainer" "${trace_flags[@]}" --trace "$work/trace_plain" > "$work/log" 2>&1
-  timeout 120 mpirun -n 2 "$trainer" "${trace_flags[@]}" --offload-optimizer cpu --trace "$work/trace_offload" >> "$work/log" 2>&1
+  timeout 120 mpirun -n 2 "$trainer" "${trace_flags[@]}" --offload-optimizer cpu \
+    --trace "$work/trace_offload" >> "$work/log" 2>&1
   same=yes
-  [ "$(cd "$work/trace_plain" 2>/dev/null && find . -type f | sort)" = "$(cd "$work/trace_offload" 2>/dev/null && find . -type f | sort)" ] ||
+  [ "$(cd "$work/trace_plain" 2>/dev/null && find . -type f | sort)" \
+    = "$(cd "$work/trace_offload" 2>/dev/null && find . -type f | sort)" ] ||
     same="no (not the same files)"
   for file in $(cd "$work/trace_plain" 2>/dev/null && find . -type f ! -name trace.json); do
     cmp -s "$work/trace_plain/$file" "$work/trace_offload/$file" || same="no ($file)"
   done
   [ -d "$work/trace_plain/step_3" ] && [ "$same" = yes ] &&
     [ "$(json_get "$work/trace_offload/trace.json" "d['run']['offload_optimizer']")" = True ] &&
-    pass "--trace with offload: the files of the trace without it (parameters and gradients at every step), offload recorded" ||
+    pass "--trace with offload: the files of the trace without it (parameters and gradients at every step), offload" \
+      "recorded" ||
     fail "offload trace: the same files: $same $(tail -c 300 "$work/log")"
 }
 
@@ -213,10 +229,14 @@ inherit_on_resume() {
     > "$work/log" 2>&1
   saved_without_offload bf16
   verdict=$(resumed_matches "$work/ck_bf16_2_2.straight.json" "$work/ck_inherit.json" 2>&1)
-  [ "$verdict" = ok ] && [ "$(json_get "$work/ck_inherit.json" "d['offload_optimizer'] + ' ' + d['settings_origin']['offload_optimizer']")" = "cpu checkpoint" ] &&
+  [ "$verdict" = ok ] && \
+    [ "$(json_get "$work/ck_inherit.json" "d['offload_optimizer'] + ' ' + d['settings_origin']['offload_optimizer']")" \
+    = "cpu checkpoint" ] &&
     pass "--load without --offload-optimizer: offloaded as saved (settings_origin: checkpoint), the same bits" ||
-    fail "offload not continued from the checkpoint: $verdict $(json_get "$work/ck_inherit.json" "d['offload_optimizer'], d['settings_origin'].get('offload_optimizer')" 2>&1 | head -c 200)"
-  bad_case "--offload-optimizer cpu (the checkpoint's, not given here) with --stage 0" --load "$work/ck_offload_bf16/step_4" --stage 0
+    fail "offload not continued from the checkpoint: $verdict" \
+      "$(json_get "$work/ck_inherit.json" "d['offload_optimizer'], d['settings_origin'].get('offload_optimizer')" 2>&1 | head -c 200)"
+  bad_case "--offload-optimizer cpu (the checkpoint's, not given here) with --stage 0" \
+    --load "$work/ck_offload_bf16/step_4" --stage 0
 }
 
 quick same_bits

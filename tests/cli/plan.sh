@@ -19,7 +19,8 @@ echo "=== --plan: the plan against the measured ledger to the byte; the largest 
 plan_against_ledger() {
   verdict=$(py plan against_ledger "$trainer" "$work" "${tiny[@]}")
   case "$verdict" in
-    ok*) pass "--plan = the measured ledger to the byte: ${verdict#ok } values (10 categories, and the arena's reserved block), 3 precisions x 3 activation modes x stages 0/1/2 x N = 1, 2, 4, with A = 1, 2, 4, overlap off, naive, caching, 16-bit accumulation, and a config's train_batch_size (A by N)" ;;
+    ok*) pass "--plan = the measured ledger to the byte: ${verdict#ok } values (10 categories, and the arena's" \
+      "reserved block), 3 precisions x 3 activation modes x stages 0/1/2 x N = 1, 2, 4, with A = 1, 2, 4, overlap off, naive, caching, 16-bit accumulation, and a config's train_batch_size (A by N)" ;;
     *) fail "--plan against the ledger: $verdict" ;;
   esac
 }
@@ -39,7 +40,8 @@ arena_block() {
     timeout 120 mpirun -n "$ranks" "$trainer" "${tiny[@]}" --steps 1 --stage "$stage" "$@" \
       --device-memory-limit $((block - 256)) > "$work/log" 2>&1
     local status=$?
-    if [ $status -ne 0 ] && grep -q "out of device memory" "$work/log" && [ "$(grep -c 'error:' "$work/log")" = 1 ]; then
+    if [ $status -ne 0 ] && grep -q "out of device memory" "$work/log" && \
+      [ "$(grep -c 'error:' "$work/log")" = 1 ]; then
       pass "$label: the plan's arena block ($block bytes) trains, 256 bytes less runs out of memory"
     else fail "$label: $((block - 256)) bytes: exit $status, $(head -c 200 "$work/log")"; fi
   }
@@ -53,7 +55,8 @@ arena_block() {
 largest() {
   "$trainer" --plan --plan-world-sizes 4 --json "$work/plan.json" --quiet "${tiny[@]}" > /dev/null 2>&1
   limit=$(json_get "$work/plan.json" "[r['arena_block_bytes'] * 3 // 2 for r in d['plan'] if r['stage'] == 2][0]")
-  "$trainer" --plan --plan-world-sizes 1,2,4 --device-memory-limit "$limit" --json "$work/largest.json" --quiet "${tiny[@]}" \
+  "$trainer" --plan --plan-world-sizes 1,2,4 --device-memory-limit "$limit" --json "$work/largest.json" \
+    --quiet "${tiny[@]}" \
     > /dev/null 2>&1
   for probe in "0 1" "2 1" "0 4" "2 4"; do
     set -- $probe
@@ -62,22 +65,27 @@ largest() {
       flag=--${what//_/-}
       answer=$(json_get "$work/largest.json" "[r['$what'] for r in d['largest'] if r['stage'] == $stage and r['world_size'] == $ranks][0]")
       common=("${tiny[@]}" --steps 1 --stage "$stage" --device-memory-limit "$limit")
-      if [ "$answer" -lt 1 ]; then fail "largest $what at stage $stage, N = $ranks: the plan says none fits"; continue; fi
+      if [ "$answer" -lt 1 ]; then fail "largest $what at stage $stage, N = $ranks: the plan says none" \
+        "fits"; continue; fi
       timeout 120 mpirun -n "$ranks" "$trainer" "${common[@]}" "$flag" "$answer" > "$work/log" 2>&1
       fits=$?
       timeout 120 mpirun -n "$ranks" "$trainer" "${common[@]}" "$flag" $((answer + 1)) > "$work/log_above" 2>&1
       above=$?
       if [ $fits -eq 0 ] && [ $above -ne 0 ] && grep -q "out of device memory" "$work/log_above"; then
-        pass "largest $what for a $limit-byte limit, stage $stage, N = $ranks: $answer trains, $((answer + 1)) runs out of memory"
+        pass "largest $what for a $limit-byte limit, stage $stage, N = $ranks: $answer trains, $((answer + 1)) runs" \
+          "out of memory"
       else
-        fail "largest $what at stage $stage, N = $ranks: $answer exit $fits ($(head -c 150 "$work/log")), $((answer + 1)) exit $above ($(head -c 150 "$work/log_above"))"
+        fail "largest $what at stage $stage, N = $ranks: $answer exit $fits ($(head -c 150 "$work/log"))," \
+          "$((answer + 1)) exit $above ($(head -c 150 "$work/log_above"))"
       fi
     done
   done
   # ZeRO's point, in the plan's numbers: stage 2 at N = 4 fits more than stage 0.
-  json_get "$work/largest.json" "[(r['stage'], r['world_size'], r['micro_batch']) for r in d['largest']]" > "$work/largest.txt"
+  json_get "$work/largest.json" "[(r['stage'], r['world_size'], r['micro_batch']) for r in d['largest']]" \
+    > "$work/largest.txt"
   more=$(json_get "$work/largest.json" "{(r['stage'], r['world_size']): r['micro_batch'] for r in d['largest']}[(2, 4)] > {(r['stage'], r['world_size']): r['micro_batch'] for r in d['largest']}[(0, 4)]")
-  [ "$more" = True ] && pass "the plan: stage 2 at N = 4 holds a larger micro-batch than stage 0 in the same limit ($(cat "$work/largest.txt"))" ||
+  [ "$more" = True ] && pass "the plan: stage 2 at N = 4 holds a larger micro-batch than stage 0 in the same limit" \
+    "($(cat "$work/largest.txt"))" ||
     fail "stage 2 does not hold more than stage 0: $(cat "$work/largest.txt")"
 }
 
@@ -90,14 +98,16 @@ bad_input() {
   bad_case "in increasing order" --plan "${tiny[@]}" --plan-world-sizes 4,2
   bad_case "exact for --alloc arena only" --plan "${tiny[@]}" --alloc naive --device-memory-limit 1000000
   bad_case "exact for --alloc arena only" --plan "${tiny[@]}" --alloc caching --device-memory-limit 1000000
-  bad_case "--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU" "${tiny[@]}" --device cpu --alloc cuda
+  bad_case "--alloc cuda is cudaMalloc and cudaFree for every tensor: it needs a GPU" "${tiny[@]}" \
+    --device cpu --alloc cuda
   bad_case "--device-memory-limit 4,096 holds nothing" --plan "${tiny[@]}" --device-memory-limit 4096
   bad_case "--hidden 30 is not divisible by --heads 4" --plan "${tiny[@]}" --hidden 30 --heads 4
   # (bad_case gives --json, which --plan --quiet writes to: this one runs alone)
   timeout 60 mpirun -n 2 "$trainer" --plan --quiet > "$work/log" 2>&1
   status=$?
   [ $status -eq 2 ] && [ "$(grep -c 'would print nothing' "$work/log")" = 1 ] &&
-    pass "bad input [--plan --quiet]: one message, exit 2" || fail "--plan --quiet: exit $status, $(head -c 200 "$work/log")"
+    pass "bad input [--plan --quiet]: one message, exit 2" || fail "--plan --quiet: exit $status," \
+      "$(head -c 200 "$work/log")"
   bad_case "write '--stage 2'" --plan --stage=2
 }
 
@@ -152,8 +162,10 @@ oom_killer_case() {
      --hidden 2048 --heads 16 --intermediate 8192 --seq 32 --micro-batch 1 --steps 1 --quiet) > "$work/log" 2>&1
   status=$? took=$(( ($(date +%s%N) - start) / 1000000 ))
   if [ $status -eq 2 ] && [ "$(grep -c 'error:' "$work/log")" = 1 ] &&
-     grep -q "19,861,069,312 bytes of the plan.*for building the initial parameters" "$work/log" && [ $took -lt 10000 ]; then
-    pass "memory check: the 24-layer run a 20 GB machine cannot hold is refused in $took ms: $(grep -o 'needs [0-9,]* bytes' "$work/log"), the plan's 19,861,069,312 and the host's copies"
+     grep -q "19,861,069,312 bytes of the plan.*for building the initial parameters" "$work/log" && \
+       [ $took -lt 10000 ]; then
+    pass "memory check: the 24-layer run a 20 GB machine cannot hold is refused in $took ms:" \
+      "$(grep -o 'needs [0-9,]* bytes' "$work/log"), the plan's 19,861,069,312 and the host's copies"
   else fail "memory check, 24 layers: exit $status in $took ms, $(head -c 300 "$work/log")"; fi
   ZERO2_MEMORY_LIMIT=1e9 bad_case "ZERO2_MEMORY_LIMIT='1e9' is not a number of bytes" "${tiny[@]}" --device cpu
 }
@@ -169,13 +181,15 @@ peak_within_need() {
   peak_of() { py plan peak_of "$@"; }
   rm -rf "$work/peak_init"
   "$trainer" "${medium[@]}" --export-hf "$work/peak_init" > /dev/null 2>&1
-  for option in "--trace $work/peak_trace" "--init-hf $work/peak_init" "--save $work/peak_save" "--offload-optimizer cpu"; do
+  for option in "--trace $work/peak_trace" "--init-hf $work/peak_init" "--save $work/peak_save" \
+    "--offload-optimizer cpu"; do
     rm -rf "$work/peak_trace" "$work/peak_save"
     need=$(ZERO2_MEMORY_LIMIT=1 "$trainer" "${medium[@]}" $option 2>&1 | grep -o 'needs [0-9,]* bytes' | tr -dc '0-9')
     rm -rf "$work/peak_trace" "$work/peak_save"
     peak=$(peak_of "$trainer" "${medium[@]}" $option)
     if [ -n "$need" ] && [ "$peak" != failed ] && [ "$peak" -le "$need" ]; then
-      pass "memory check, ${option%% *}: the peak resident $peak bytes is within the need $need ($(( peak * 100 / need ))%)"
+      pass "memory check, ${option%% *}: the peak resident $peak bytes is within the need $need" \
+        "($(( peak * 100 / need ))%)"
     else fail "memory check, ${option%% *}: peak ${peak:-?} above the need ${need:-?}"; fi
   done
 }

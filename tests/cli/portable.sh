@@ -55,10 +55,13 @@ kernels() {
   Z2_PORTABLE_LANES=3 bad_case "Z2_PORTABLE_LANES=3: this build's portable CPU schedules have" "${small[@]}" --portable
   distinct_portable=$(printf '%s\n' "${portable_seen[@]}" | sort -u)
   [ ${#default_seen[@]} -ge 2 ] && [ -z "${default_seen[failed]:-}" ] &&
-    pass "default mode: the forced OpenBLAS kernels give ${#default_seen[@]} different hashes (the bits follow the machine)" ||
-    fail "default mode: the forced OpenBLAS kernels gave ${#default_seen[@]} hash(es): ${!default_seen[*]} (nothing to show)"
+    pass "default mode: the forced OpenBLAS kernels give ${#default_seen[@]} different hashes (the bits follow the" \
+      "machine)" ||
+    fail "default mode: the forced OpenBLAS kernels gave ${#default_seen[@]} hash(es): ${!default_seen[*]} (nothing" \
+      "to show)"
   [ "$(echo "$distinct_portable" | wc -l)" = 1 ] && [ "$distinct_portable" = "$golden_first" ] &&
-    pass "portable mode: one hash under every OpenBLAS kernel, glibc mask and zero2 schedule ($portable_lanes), the golden table's ($golden_first)" ||
+    pass "portable mode: one hash under every OpenBLAS kernel, glibc mask and zero2 schedule ($portable_lanes), the" \
+      "golden table's ($golden_first)" ||
     fail "portable mode: $(echo $distinct_portable) under the variants, the golden table has $golden_first"
 }
 
@@ -68,7 +71,8 @@ cross_build() {
   if [ -x "$other_build/train_bert_mini" ]; then
     ours=$(tiny_bits "$trainer" "" --portable --precision bf16)
     theirs=$(tiny_bits "$other_build/train_bert_mini" "" --portable --precision bf16)
-    [ "$ours" = "$theirs" ] && [ "$ours" != failed ] && pass "portable bf16: $build and $other_build give the same bits ($ours)" ||
+    [ "$ours" = "$theirs" ] && [ "$ours" != failed ] && pass "portable bf16: $build and $other_build give the same" \
+      "bits ($ours)" ||
       fail "portable bf16: $build gives $ours, $other_build $theirs"
   else
     echo "    ($other_build/train_bert_mini not built: the cross-build check is the golden table's alone)"
@@ -83,7 +87,8 @@ config_key() {
   echo '{}' > "$work/empty.json.cfg"
   by_flag=$(tiny_bits "$trainer" "" --config "$work/empty.json.cfg" --portable)
   by_key=$(tiny_bits "$trainer" "" --config "$work/portable.json.cfg")
-  [ "$by_key" = "$by_flag" ] && [ "$by_key" != failed ] && [ "$(json_get "$work/portable.json" "d['portable']")" = True ] &&
+  [ "$by_key" = "$by_flag" ] && [ "$by_key" != failed ] && \
+    [ "$(json_get "$work/portable.json" "d['portable']")" = True ] &&
     pass "config \"zero2_portable\": true = --portable ($by_key)" ||
     fail "config zero2_portable: $by_key, --portable $by_flag"
   echo '{"zero2_portable": "yes"}' > "$work/portable_bad.json"
@@ -99,16 +104,20 @@ config_key() {
 # before portable mode) loads in the default mode; a damaged record is named.
 portable_resume() {
   golden_n2=$(grep -v '^#' "tests/golden_bits.txt" | grep '^tiny fp32, N=2, A=2 ' | awk -F'|' '{gsub(/ /, "", $5); print $5}')
-  if timeout 120 mpirun -n 2 "$trainer" "${portable_tiny[@]}" --accum 2 --portable --save "$work/portable_ck" --save-keep 3 \
+  if timeout 120 mpirun -n 2 "$trainer" "${portable_tiny[@]}" --accum 2 \
+    --portable --save "$work/portable_ck" --save-keep 3 \
        --save-every 2 > "$work/log" 2>&1 &&
-     timeout 120 mpirun -n 4 "$trainer" --load "$work/portable_ck/step_2" --stage 1 --quiet --json "$work/resumed.json" \
+     timeout 120 mpirun -n 4 "$trainer" --load "$work/portable_ck/step_2" --stage 1 \
+       --quiet --json "$work/resumed.json" \
        > "$work/log" 2>&1; then
     resumed=$(json_get "$work/resumed.json" "d['final_params_hash'] + ' ' + str(d['portable'])")
-    [ "$resumed" = "$golden_n2 True" ] && pass "portable: saved at step 2 (N=2 A=2), resumed at N=4 stage 1 = the golden straight run ($resumed)" ||
+    [ "$resumed" = "$golden_n2 True" ] && pass "portable: saved at step 2 (N=2 A=2), resumed at N=4 stage 1 = the" \
+      "golden straight run ($resumed)" ||
       fail "portable resume: $resumed, the golden straight run $golden_n2"
   py common edit_json "$work/portable_ck/step_2/index.json" "del d['settings']['portable']"
     (cd "$work/portable_ck/step_2" && sha256sum index.json > index.sha256)  # edited on purpose: its digest made anew
-    timeout 120 mpirun -n 4 "$trainer" --load "$work/portable_ck/step_2" --quiet --json "$work/resumed.json" > "$work/log" 2>&1 &&
+    timeout 120 mpirun -n 4 "$trainer" --load "$work/portable_ck/step_2" --quiet --json "$work/resumed.json" \
+      > "$work/log" 2>&1 &&
       [ "$(json_get "$work/resumed.json" "d['portable']")" = False ] &&
       pass "portable: a checkpoint without the record loads in the default mode" ||
       fail "portable: a checkpoint without settings.portable: $(head -c 300 "$work/log")"
@@ -137,7 +146,8 @@ golden_table() {  # [--all]: tests/verify.sh's small rows, or every row
       DIFFERS|FAILED) fail "golden table: $word $rest";;
     esac
   done < "$work/verify.log"
-  [ $verify_status -eq 0 ] && pass "golden table: $(tail -n 1 "$work/verify.log")" || fail "golden table: $(tail -n 1 "$work/verify.log")"
+  [ $verify_status -eq 0 ] && pass "golden table: $(tail -n 1 "$work/verify.log")" || fail "golden table:" \
+    "$(tail -n 1 "$work/verify.log")"
 }
 
 golden_planted() {
@@ -170,7 +180,8 @@ portable_matrix() {
           *) continue;;
         esac
         same_bits_run "portable $precision N=2 stage 2 --activations $activations --alloc $alloc (poisoned)" 2 \
-          "$work/portable_matrix.json" --portable --precision $precision --accum 2 --stage 2 --activations $activations \
+          "$work/portable_matrix.json" --portable --precision $precision --accum 2 --stage 2 \
+            --activations $activations \
           --alloc $alloc --poison-activations
       done
     done

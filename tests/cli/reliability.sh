@@ -32,7 +32,8 @@ full_disk() {
       elif [ "$messages" != 1 ] || ! grep -q "No space left on device" "$work/full_stderr"; then
         fail "full disk, $label, N=$ranks: $(head -c 300 "$work/full_stderr")"
       elif [ -n "$left" ]; then fail "full disk, $label, N=$ranks: left $left"
-      else pass "full disk, $label, N=$ranks: exit $status on every rank, nothing left -> $(sed 's/^train_bert_mini: error: //' "$work/full_stderr" | head -c 90)"; fi
+      else pass "full disk, $label, N=$ranks: exit $status on every rank, nothing left ->" \
+        "$(sed 's/^train_bert_mini: error: //' "$work/full_stderr" | head -c 90)"; fi
     }
     for N in 1 2 4; do
       full_case "--json" $N --json "$full/out.json"
@@ -63,7 +64,8 @@ concurrent_exports() {
     py reliability one_export "$work/shared_export" || mixed=$((mixed + 1))
   done
   leftovers=$(find "$work/shared_export" -name '*zero2-tmp*' | wc -l)
-  [ $mixed -eq 0 ] && [ "$leftovers" -eq 0 ] && pass "20 pairs of concurrent exports into one directory: never mixed, no temporaries left" ||
+  [ $mixed -eq 0 ] && [ "$leftovers" -eq 0 ] && pass "20 pairs of concurrent exports into one directory: never mixed," \
+    "no temporaries left" ||
     fail "concurrent exports: $mixed bad (x1000: a run failed), $leftovers temporaries left"
 }
 
@@ -78,7 +80,8 @@ outputs_naming_inputs() {
   bad_case "--export-hf's config.json '$work/export_over_config/config.json' is the --config file" "${small[@]}" \
     --config "$work/export_over_config/config.json" --export-hf "$work/export_over_config"
   bad_case "name the same file" "${small[@]}" --json "$work/twice.json" --memory-trace "$work/twice.json"
-  [ "$(cat "$work/corpus.txt" | head -c 9)" = "The quick" ] && [ "$(cat "$work/ds.json")" = '{"gradient_clipping": 1.0}' ] &&
+  [ "$(cat "$work/corpus.txt" | head -c 9)" = "The quick" ] && [ "$(cat "$work/ds.json")" \
+    = '{"gradient_clipping": 1.0}' ] &&
     pass "the inputs named as outputs are unchanged" || fail "an input was overwritten"
 }
 
@@ -97,29 +100,37 @@ outputs_not_files() {
     py reliability bind_socket "$nodes/socket"
     ln -s null "$nodes/link_to_device"
     ln -s nowhere.json "$nodes/dangling.json"
-    bad_case "--json '$nodes/null' is a character device: zero2 writes only regular files" "${small[@]}" --json "$nodes/null"
+    bad_case "--json '$nodes/null' is a character device: zero2 writes only regular files" "${small[@]}" \
+      --json "$nodes/null"
     bad_case "--metrics '$nodes/fifo' is a FIFO" "${small[@]}" --metrics "$nodes/fifo"
     bad_case "--memory-trace '$nodes/socket' is a socket" "${small[@]}" --memory-trace "$nodes/socket"
     bad_case "(a symlink to '$nodes/null') is a character device" "${small[@]}" --json "$nodes/link_to_device"
-    bad_case "--json '$nodes/dangling.json' is a symlink that leads to no file" "${small[@]}" --json "$nodes/dangling.json"
-    bad_case "--export-hf's config.json '$nodes/export/config.json' is a character device" "${small[@]}" --export-hf "$nodes/export"
-    bad_ranks=1 bad_case "--dump-batch's batch.safetensors '$nodes/dump/batch.safetensors' is a character device" "${small[@]}" --dump-batch "$nodes/dump"
+    bad_case "--json '$nodes/dangling.json' is a symlink that leads to no file" "${small[@]}" \
+      --json "$nodes/dangling.json"
+    bad_case "--export-hf's config.json '$nodes/export/config.json' is a character device" "${small[@]}" \
+      --export-hf "$nodes/export"
+    bad_ranks=1 bad_case "--dump-batch's batch.safetensors '$nodes/dump/batch.safetensors' is a character device" \
+      "${small[@]}" --dump-batch "$nodes/dump"
     bad_case "--save's latest '$nodes/save/latest' is a character device" "${small[@]}" --save "$nodes/save"
     bad_case "--save '$nodes/null' is a character device, not a directory" "${small[@]}" --save "$nodes/null"
     kinds=$(cd "$nodes" && stat -c '%n %F' null fifo socket link_to_device dangling.json export/config.json dump/batch.safetensors save/latest | tr '\n' ',')
     want="null character special file,fifo fifo,socket socket,link_to_device symbolic link,dangling.json symbolic link,"
     want+="export/config.json character special file,dump/batch.safetensors character special file,save/latest character special file,"
-    [ "$kinds" = "$want" ] && [ -z "$(ls "$nodes/export" "$nodes/dump" | grep -v -e config.json -e batch.safetensors -e '^$' -e ':$')" ] &&
-      pass "every output refused as a device, FIFO, socket or dangling link is left as it was" || fail "outputs that are not files: now $kinds"
+    [ "$kinds" = "$want" ] && \
+      [ -z "$(ls "$nodes/export" "$nodes/dump" | grep -v -e config.json -e batch.safetensors -e '^$' -e ':$')" ] &&
+      pass "every output refused as a device, FIFO, socket or dangling link is left as it was" || fail "outputs that" \
+        "are not files: now $kinds"
   else
     echo "SKIP device nodes as outputs: mknod is not allowed here ($(head -c 120 "$work/mknod.err"))"
   fi
   echo '{"kept": "the old contents"}' > "$nodes/target.json"
   ln -s target.json "$nodes/link.json"
-  if timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --json "$nodes/link.json" > "$work/log" 2>&1 && [ -L "$nodes/link.json" ] &&
+  if timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --json "$nodes/link.json" > "$work/log" 2>&1 && \
+    [ -L "$nodes/link.json" ] &&
      grep -q final_params_hash "$nodes/target.json" && [ -z "$(ls -A "$nodes" | grep zero2-tmp)" ]; then
     pass "--json through a symlink: the target is written, the link stays a link"
-  else fail "--json through a symlink: $(ls -l "$nodes/link.json") $(head -c 200 "$nodes/target.json") $(head -c 200 "$work/log")"; fi
+  else fail "--json through a symlink: $(ls -l "$nodes/link.json") $(head -c 200 "$nodes/target.json")" \
+    "$(head -c 200 "$work/log")"; fi
 }
 
 # The checkpoint being loaded is an input, every file of it: an output in its
@@ -129,13 +140,19 @@ outputs_not_files() {
 checkpoint_as_input() {
   timeout 60 "$trainer" "${tiny_run[@]}" --steps 2 --save "$work/ck_input" > /dev/null 2>&1
   ck_before=$(cd "$work/ck_input" && find . -type f | sort | xargs sha256sum | sha256sum)
-  bad_ranks=1 bad_case "--json '$work/ck_input/step_2/index.json' is inside the checkpoint it loads" --load "$work/ck_input/step_2" --json "$work/ck_input/step_2/index.json"
-  bad_ranks=1 bad_case "--json '$work/ck_input/latest' is the --load checkpoint's latest file" --load "$work/ck_input" --json "$work/ck_input/latest"
-  bad_ranks=1 bad_case "--metrics '$work/ck_input/step_2/rank_00000.safetensors' is inside the checkpoint it loads" --load "$work/ck_input" --metrics "$work/ck_input/step_2/rank_00000.safetensors"
-  bad_ranks=1 bad_case "--memory-trace '$work/ck_input/step_2/index.json' is inside" --load "$work/ck_input/step_2" --memory-trace "$work/ck_input/step_2/index.json"
-  bad_ranks=1 bad_case "--export-hf '$work/ck_input/step_2' is inside the checkpoint it loads" --load "$work/ck_input" --steps 0 --export-hf "$work/ck_input/step_2"
+  bad_ranks=1 bad_case "--json '$work/ck_input/step_2/index.json' is inside the checkpoint it loads" \
+    --load "$work/ck_input/step_2" --json "$work/ck_input/step_2/index.json"
+  bad_ranks=1 bad_case "--json '$work/ck_input/latest' is the --load checkpoint's latest file" --load "$work/ck_input" \
+    --json "$work/ck_input/latest"
+  bad_ranks=1 bad_case "--metrics '$work/ck_input/step_2/rank_00000.safetensors' is inside the checkpoint it loads" \
+    --load "$work/ck_input" --metrics "$work/ck_input/step_2/rank_00000.safetensors"
+  bad_ranks=1 bad_case "--memory-trace '$work/ck_input/step_2/index.json' is inside" --load "$work/ck_input/step_2" \
+    --memory-trace "$work/ck_input/step_2/index.json"
+  bad_ranks=1 bad_case "--export-hf '$work/ck_input/step_2' is inside the checkpoint it loads" --load "$work/ck_input" \
+    --steps 0 --export-hf "$work/ck_input/step_2"
   [ "$(cd "$work/ck_input" && find . -type f | sort | xargs sha256sum | sha256sum)" = "$ck_before" ] &&
-    pass "the checkpoint named by the refused outputs is unchanged" || fail "a refused output changed the checkpoint it loads"
+    pass "the checkpoint named by the refused outputs is unchanged" || fail "a refused output changed the checkpoint" \
+      "it loads"
 }
 
 # Paths that are not UTF-8 (the run records paths in JSON, which holds only
@@ -143,21 +160,26 @@ checkpoint_as_input() {
 # working directory's name counts for a relative path.
 non_utf8_paths() {
   cp "$work/corpus.txt" "$work/bad"$'\xff'".txt"
-  bad_case 'the path is not UTF-8 (the byte shown as \xff)' "${small[@]}" --data "$work/bad"$'\xff'".txt" --save "$work/ck_utf8"
+  bad_case 'the path is not UTF-8 (the byte shown as \xff)' "${small[@]}" --data "$work/bad"$'\xff'".txt" \
+    --save "$work/ck_utf8"
   bad_case 'the path is not UTF-8' "${small[@]}" --json "$work/out"$'\xfe'".json"
   mkdir -p "$work/cwd"$'\xff'
   relative_trainer=$trainer trainer=$(realpath "$trainer")  # (not a subshell: its pass or fail would not count)
-  cd "$work/cwd"$'\xff' && bad_case "is not UTF-8; the run records absolute paths" "${small[@]}" --memory-trace trace.csv
+  cd "$work/cwd"$'\xff' && bad_case "is not UTF-8; the run records absolute paths" "${small[@]}" \
+    --memory-trace trace.csv
   cd - > /dev/null && trainer=$relative_trainer
-  [ ! -e "$work/ck_utf8" ] && [ -z "$(ls -A "$work/cwd"$'\xff')" ] && pass "refused paths that are not UTF-8: nothing made" ||
+  [ ! -e "$work/ck_utf8" ] && [ -z "$(ls -A "$work/cwd"$'\xff')" ] && pass "refused paths that are not UTF-8: nothing" \
+    "made" ||
     fail "a refused non-UTF-8 run made $(ls -A "$work/ck_utf8" "$work/cwd"$'\xff' 2>&1 | head -c 200)"
 
   # --metrics on resume: the first run's lines stay; a marker line says where
 }
 
 metrics_on_resume() {
-  timeout 60 "$trainer" "${tiny_run[@]}" --steps 4 --save-every 2 --log-every 1 --save "$work/ck_metrics" --metrics "$work/resumed.jsonl" > /dev/null 2>&1
-  timeout 60 "$trainer" --load "$work/ck_metrics/step_2" --log-every 1 --quiet --metrics "$work/resumed.jsonl" > "$work/log" 2>&1
+  timeout 60 "$trainer" "${tiny_run[@]}" --steps 4 --save-every 2 --log-every 1 --save "$work/ck_metrics" \
+    --metrics "$work/resumed.jsonl" > /dev/null 2>&1
+  timeout 60 "$trainer" --load "$work/ck_metrics/step_2" --log-every 1 \
+    --quiet --metrics "$work/resumed.jsonl" > "$work/log" 2>&1
   lines=$(py reliability metrics_steps "$work/resumed.jsonl" 2>&1)
   [ "$lines" = "1 2 3 4 2R 3 4" ] && pass "--metrics on resume: appended after a resumed_from line ($lines)" ||
     fail "--metrics on resume: steps $lines $(head -c 200 "$work/log")"
@@ -166,11 +188,15 @@ metrics_on_resume() {
 # The same file or directory named two ways, before it exists (a relative
 # path against an absolute one), and outputs that name each other's directory.
 paths_named_twice() {
-  bad_ranks=1 bad_case "name the same directory" "${small[@]}" --export-hf "$work/new_same" --dump-batch "$(realpath --relative-to=. "$work")/new_same"
-  bad_case "name the same file" "${small[@]}" --json "$work/new_twice.json" --memory-trace "$(realpath --relative-to=. "$work")/./new_twice.json"
+  bad_ranks=1 bad_case "name the same directory" "${small[@]}" --export-hf "$work/new_same" \
+    --dump-batch "$(realpath --relative-to=. "$work")/new_same"
+  bad_case "name the same file" "${small[@]}" --json "$work/new_twice.json" \
+    --memory-trace "$(realpath --relative-to=. "$work")/./new_twice.json"
   bad_case "--json and --export-hf name the same path" "${small[@]}" --export-hf "$work/new_dir" --json "$work/new_dir"
-  bad_ranks=1 bad_case "--memory-trace and --dump-batch name the same path" "${small[@]}" --dump-batch "$work/new_dump" --memory-trace "$work/new_dump"
-  [ ! -e "$work/new_same" ] && [ ! -e "$work/new_dir" ] && pass "refused outputs: no directory created" || fail "a refused output's directory was created"
+  bad_ranks=1 bad_case "--memory-trace and --dump-batch name the same path" "${small[@]}" \
+    --dump-batch "$work/new_dump" --memory-trace "$work/new_dump"
+  [ ! -e "$work/new_same" ] && [ ! -e "$work/new_dir" ] && pass "refused outputs: no directory created" || fail "a" \
+    "refused output's directory was created"
 }
 
 # What would fail only after training, refused before it: a directory where
@@ -178,7 +204,8 @@ paths_named_twice() {
 # path (an unset shell variable); a timeout too short for a healthy wait.
 refused_before_training() {
   mkdir -p "$work/export_with_dir/model.safetensors"
-  bad_case "--export-hf's model.safetensors '$work/export_with_dir/model.safetensors' is a directory" "${small[@]}" --export-hf "$work/export_with_dir"
+  bad_case "--export-hf's model.safetensors '$work/export_with_dir/model.safetensors' is a directory" "${small[@]}" \
+    --export-hf "$work/export_with_dir"
   bad_case "more than the 255 a file name may have" "${small[@]}" --json "$work/$(printf 'n%.0s' $(seq 1 256)).json"
   for flag in --data --config --json --export-hf --dump-batch --memory-trace; do
     bad_case "$flag wants a path (got an empty one" "${small[@]}" $flag ""
@@ -186,13 +213,15 @@ refused_before_training() {
   bad_case "--timeout wants a number from 1 to" "${small[@]}" --timeout 0.5
   # A name of 250 bytes is legal: its temporary's name must be too.
   legal_name="$work/$(printf 'l%.0s' $(seq 1 245)).json"
-  if timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --json "$legal_name" > "$work/log" 2>&1 && [ -s "$legal_name" ]; then
+  if timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --json "$legal_name" > "$work/log" 2>&1 && \
+    [ -s "$legal_name" ]; then
     pass "a 250-byte file name is written"
   else fail "a 250-byte file name: $(head -c 200 "$work/log")"; fi
   # A file that is replaced keeps its permissions.
   echo '{}' > "$work/private.json" && chmod 600 "$work/private.json"
   timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --json "$work/private.json" > /dev/null 2>&1
-  [ "$(stat -c %a "$work/private.json")" = 600 ] && [ "$(head -c 1 "$work/private.json")" = "{" ] && grep -q final_params_hash "$work/private.json" &&
+  [ "$(stat -c %a "$work/private.json")" = 600 ] && [ "$(head -c 1 "$work/private.json")" = "{" ] && grep \
+    -q final_params_hash "$work/private.json" &&
     pass "a replaced output keeps its mode (600)" || fail "a replaced output: mode $(stat -c %a "$work/private.json")"
 }
 
@@ -205,7 +234,8 @@ config_on_one_rank() {
     --config "$work/missing.json" > /dev/null 2> "$work/rank1_stderr"
   status=$?
   took=$(($(date +%s) - start))
-  if [ $status -eq 2 ] && [ $took -lt 20 ] && grep -q "cannot open the config file .* (on rank 1)" "$work/rank1_stderr"; then
+  if [ $status -eq 2 ] && [ $took -lt 20 ] && grep -q "cannot open the config file .* (on rank 1)" \
+    "$work/rank1_stderr"; then
     pass "a config missing on rank 1 only: exit 2 in ${took} s, '(on rank 1)'"
   else fail "a config missing on rank 1 only: exit $status after ${took} s: $(head -c 300 "$work/rank1_stderr")"; fi
 }
@@ -218,11 +248,13 @@ config_numbers() {
   echo '{"train_batch_size": 18446744073709551616}' > "$work/beyond_u64.json"
   echo '{"zero_optimization": {"reduce_bucket_size": 1e-5}}' > "$work/tiny_bucket.json"
   echo '{"gradient_clipping": 1e400}' > "$work/beyond_double.json"
-  echo '{"zero_optimization": {"reduce_bucket_size": 5e8}, "train_micro_batch_size_per_gpu": 2.0}' > "$work/exponent_ints.json"
+  echo '{"zero_optimization": {"reduce_bucket_size": 5e8}, "train_micro_batch_size_per_gpu": 2.0}' \
+    > "$work/exponent_ints.json"
   bad_case "fp16.loss_scale: wants a number from 0 to 1e+30 (got '1e39')" "${small[@]}" --config "$work/big_scale.json"
   bad_case "(got '18446744073709551616')" "${small[@]}" --config "$work/beyond_u64.json"
   bad_case "(got '1e-5')" "${small[@]}" --config "$work/tiny_bucket.json"
-  bad_case "the config file '$work/beyond_double.json' is not valid JSON" "${small[@]}" --config "$work/beyond_double.json"
+  bad_case "the config file '$work/beyond_double.json' is not valid JSON" "${small[@]}" \
+    --config "$work/beyond_double.json"
   if timeout 60 "$trainer" "${tiny_run[@]}" --steps 1 --config "$work/exponent_ints.json" > "$work/log" 2>&1; then
     pass "config: reduce_bucket_size 5e8 and micro batch 2.0 are integers"
   else fail "config: 5e8 / 2.0 refused: $(head -c 200 "$work/log")"; fi
@@ -235,10 +267,12 @@ export_lock() {
   flock "$work/locked" sleep 30 &
   holder=$!
   sleep 0.5
-  timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --export-hf "$work/locked" --timeout 2 > /dev/null 2> "$work/lock_stderr"
+  timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --export-hf "$work/locked" --timeout 2 > /dev/null \
+    2> "$work/lock_stderr"
   status=$?
   kill $holder 2>/dev/null; wait $holder 2>/dev/null
-  if [ $status -eq 3 ] && grep -q "for the lock on the directory '$work/locked' (another process" "$work/lock_stderr" && grep -q "every rank answered" "$work/lock_stderr"; then
+  if [ $status -eq 3 ] && grep -q "for the lock on the directory '$work/locked' (another process" "$work/lock_stderr" \
+    && grep -q "every rank answered" "$work/lock_stderr"; then
     pass "an export directory locked by another process: the watchdog names the lock"
   else fail "locked export directory: exit $status: $(head -c 300 "$work/lock_stderr")"; fi
 }
@@ -248,12 +282,15 @@ export_lock() {
 # under a final name; a killed export has its weights but no config.json
 # (written last: an export without it is incomplete, by design).
 interrupted_writes() {
-  ZERO2_TEST_FAULT="stop 1" timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --export-hf "$work/stopped_export" --timeout 2 > /dev/null 2> "$work/fault_stderr"
+  ZERO2_TEST_FAULT="stop 1" timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --export-hf "$work/stopped_export" \
+    --timeout 2 > /dev/null 2> "$work/fault_stderr"
   status=$?
   pkill -9 -f "stopped_export" 2>/dev/null
-  if [ $status -eq 3 ] && [ -z "$(ls -A "$work/stopped_export")" ]; then pass "a rank stopped mid-write: exit 3, the directory empty (no temporary)"
+  if [ $status -eq 3 ] && [ -z "$(ls -A "$work/stopped_export")" ]; then pass "a rank stopped mid-write: exit 3, the" \
+    "directory empty (no temporary)"
   else fail "a rank stopped mid-write: exit $status, left: $(ls -A "$work/stopped_export" | head -c 200)"; fi
-  ZERO2_TEST_FAULT="kill 2" timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --export-hf "$work/killed_export" > /dev/null 2>&1
+  ZERO2_TEST_FAULT="kill 2" timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" \
+    --export-hf "$work/killed_export" > /dev/null 2>&1
   status=$?
   whole=$(py reliability whole_safetensors "$work/killed_export/model.safetensors" 2>&1)
   if [ $status -ne 0 ] && [ "$(ls -A "$work/killed_export")" = "model.safetensors" ] && [ "$whole" = whole ]; then
@@ -268,7 +305,8 @@ inputs_not_files() {
   bad_case "is not a regular file" "${small[@]}" --data /dev/zero
   bad_case "is not a regular file" "${small[@]}" --config "$work/fifo"
   for bytes in '\xc0\x80' '\xe0\x80\x80' '\xed\xa0\x80' '\xf4\x90\x80\x80' '\xf5\x80\x80\x80' '\x80'; do
-    { printf 'plain text before the bad bytes %.0s' $(seq 1 3); printf "$bytes"; printf ' and after'; } > "$work/bad_utf8.txt"
+    { printf 'plain text before the bad bytes %.0s' $(seq 1 3); printf "$bytes"; printf ' and after'; } \
+      > "$work/bad_utf8.txt"
     bad_case "is not UTF-8 text (an ill-formed sequence at offset 96" "${small[@]}" --data "$work/bad_utf8.txt"
   done
 }
@@ -311,9 +349,11 @@ numbers() {
   # at every site; at 0.97 whether they overflow depends on the masks: seeds
   # 1, 2, 3 give first-step norms of 2e7, 6e27 and 9e6 there, above 1e22 at
   # 0.99): the norm is still finite, and every step reports it.
-  if timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --steps 5 --dropout 0.99 --json "$work/dropout.json" > "$work/log" 2>&1; then
+  if timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --steps 5 --dropout 0.99 --json "$work/dropout.json" \
+    > "$work/log" 2>&1; then
     verdict=$(json_get "$work/dropout.json" "'ok' if all(s['grad_norm'] is not None and s['grad_norm'] > 0 for s in d['steps']) and max(s['grad_norm'] for s in d['steps']) > 1.8e19 else 'bad ' + str([s['grad_norm'] for s in d['steps']])")
-    case "$verdict" in ok*) pass "dropout 0.99: every gradient norm finite, the largest beyond sqrt(FLT_MAX)";; *) fail "dropout 0.99: $verdict";; esac
+    case "$verdict" in ok*) pass "dropout 0.99: every gradient norm finite, the largest beyond sqrt(FLT_MAX)";; *) \
+      fail "dropout 0.99: $verdict";; esac
   else
     fail "dropout 0.99: exit non-zero: $(head -c 300 "$work/log")"
   fi
@@ -340,9 +380,11 @@ stopped_rank() {
   took=$(($(date +%s) - stopped_at))
   pkill -9 -f "$marker" 2>/dev/null
   if [ -z "$victim" ]; then fail "stopped rank: no process with PMI_RANK=2 found to stop"
-  elif [ $status -ne 0 ] && [ $status -ne 124 ] && [ $took -le 14 ] && grep -q "watchdog: waited 3 s for" "$work/stopped_stderr" \
+  elif [ $status -ne 0 ] && [ $status -ne 124 ] && [ $took -le 14 ] && grep -q "watchdog: waited 3 s for" \
+    "$work/stopped_stderr" \
        && grep -q "roll call (1 s): rank 2 did not answer" "$work/stopped_stderr"; then
-    pass "stopped rank: the job ended ${took} s after the stop, exit $status: $(grep -m 1 'roll call' "$work/stopped_stderr" | sed 's/^\[zero2\] *//' | head -c 120)"
+    pass "stopped rank: the job ended ${took} s after the stop, exit $status:" \
+      "$(grep -m 1 'roll call' "$work/stopped_stderr" | sed 's/^\[zero2\] *//' | head -c 120)"
   else
     fail "stopped rank: exit $status after ${took} s: $(head -c 600 "$work/stopped_stderr")"
   fi

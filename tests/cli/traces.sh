@@ -20,7 +20,8 @@ trace_run() {  # trace_run DIR N FLAGS...: a trace of the tiny run at N ranks, i
   local dir=$1 ranks=$2
   shift 2
   rm -rf "$dir" "$dir.json"
-  timeout 300 mpirun -n "$ranks" "$trainer" "${traced[@]}" --trace-params-every 2 "$@" --trace "$dir" --json "$dir.json" \
+  timeout 300 mpirun -n "$ranks" "$trainer" "${traced[@]}" --trace-params-every 2 "$@" --trace "$dir" \
+    --json "$dir.json" \
     > "$work/log" 2>&1 ||
     { echo "    trace run failed: $(tail -c 300 "$work/log")"; return 1; }
 }
@@ -52,7 +53,8 @@ same_traces() {
     same_trace "trace at N = $1, A = $2, stage $3 (global batch 4 x 1)" "$work/trace_$1_$2_$3" "$work/trace_split_ref"
   done
   for stage in 0 1; do
-    trace_run "$work/trace_stage$stage" 2 --stage $stage && same_trace "trace at stage $stage, N = 2" "$work/trace_stage$stage" "$work/trace_ref"
+    trace_run "$work/trace_stage$stage" 2 --stage $stage && same_trace "trace at stage $stage, N = 2" \
+      "$work/trace_stage$stage" "$work/trace_ref"
   done
 }
 
@@ -71,12 +73,14 @@ trace_against_outputs() {
 trace_against_dump() {
   [ -n "$trace_ok" ] || return  # (the reference trace could not be made)
   rm -rf "$work/trace_dump" "$work/trace_n1"
-  timeout 120 "$trainer" "${traced[@]}" --accum 2 --dump-batch "$work/trace_dump" --trace "$work/trace_n1" > "$work/log" 2>&1
+  timeout 120 "$trainer" "${traced[@]}" --accum 2 --dump-batch "$work/trace_dump" \
+    --trace "$work/trace_n1" > "$work/log" 2>&1
   dump_check=$(py traces against_dump "$work/trace_n1" "$work/trace_dump")
   # (The batch is rebuilt for the trace on rank 0 from the seed, the dump's is what the micro-steps read;
   # at N = 1 both gradients come from one gathered vector: this checks the trace's names and shapes, the
   # gather itself is checked by the traces' equality across N above.)
-  [ "$dump_check" = ok ] && pass "trace at N = 1, A = 2: step 1's batch is the one the micro-steps read (--dump-batch's), its gradients are named and shaped as the dump's; the micro-batches' selected counts and losses add up" ||
+  [ "$dump_check" = ok ] && pass "trace at N = 1, A = 2: step 1's batch is the one the micro-steps read" \
+    "(--dump-batch's), its gradients are named and shaped as the dump's; the micro-batches' selected counts and losses add up" ||
     fail "trace against --dump-batch: $dump_check"
 }
 
@@ -95,7 +99,8 @@ init_hf() {
     set -- $hashes
     if cmp -s "$work/init_${precision}0/initial/model.safetensors" "$work/seed5/model.safetensors" && [ "$1" = "$2" ] &&
        [ "$1" != "$(json_get "$work/trace_stage0.json" "d['final_params_hash']")" ]; then
-      pass "--init-hf $precision: the run starts from the given weights bit for bit, and stages 0 and 2 end at one hash ($1)"
+      pass "--init-hf $precision: the run starts from the given weights bit for bit, and stages 0 and 2 end at one" \
+        "hash ($1)"
     else fail "--init-hf $precision: initial weights or hashes differ ($hashes)"; fi
   done
 }
@@ -107,9 +112,12 @@ checker() {
   for precision in fp32 bf16; do
     trace_run "$work/ck_$precision" 2 --precision $precision --steps 8 &&
     trace_run "$work/ck_${precision}_portable" 2 --precision $precision --steps 8 --portable
-    if "$PYTHON" tests/check_trace.py "$work/ck_$precision" "$work/ck_${precision}_portable" > "$work/check.log" 2>&1; then
-      pass "checker, $precision: zero2 with its own gemm (--portable) agrees with zero2 with OpenBLAS: $(grep '^PASS' "$work/check.log" | cut -c7-120)"
-    else fail "checker, $precision: --portable against OpenBLAS: $(grep -E '^FAIL|^diagnosis' "$work/check.log" | head -c 400)"; fi
+    if "$PYTHON" tests/check_trace.py "$work/ck_$precision" "$work/ck_${precision}_portable" \
+      > "$work/check.log" 2>&1; then
+      pass "checker, $precision: zero2 with its own gemm (--portable) agrees with zero2 with OpenBLAS:" \
+        "$(grep '^PASS' "$work/check.log" | cut -c7-120)"
+    else fail "checker, $precision: --portable against OpenBLAS:" \
+      "$(grep -E '^FAIL|^diagnosis' "$work/check.log" | head -c 400)"; fi
   done
   trace_run "$work/ck_lr" 2 --steps 8 --lr 2e-3
   "$PYTHON" tests/check_trace.py "$work/ck_fp32" "$work/ck_lr" > "$work/check.log" 2>&1
@@ -155,7 +163,8 @@ checker_bad_input() {
   trace_run "$work/ck_dropout" 2 --steps 2 --dropout 0.1
   "$PYTHON" tests/check_trace.py "$work/ck_dropout" "$work/ck_fp32" > "$work/check.log" 2>&1
   check_status=$?
-  [ $check_status = 2 ] && grep -qF "run.dropout is 0.1: zero2's dropout masks come from its own hash" "$work/check.log" &&
+  [ $check_status = 2 ] && grep -qF "run.dropout is 0.1: zero2's dropout masks come from its own hash" \
+    "$work/check.log" &&
     pass "checker: a reference traced with dropout is refused (its masks cannot be replayed), exit 2" ||
     fail "checker: a dropout reference: exit $check_status, $(head -c 300 "$work/check.log")"
 }
@@ -187,7 +196,8 @@ trace_lock() {
       "${small[@]}" --trace "$work/t_locked"
   else echo "    (the lock on an empty --trace directory was not caught in time: the lock case is left to the rounds below)"; fi
   [ -n "$holder" ] && kill -CONT "$holder" 2>/dev/null
-  wait $run && [ -f "$work/t_locked/trace.json" ] && pass "the run holding --trace's lock goes on and writes its trace" ||
+  wait $run && [ -f "$work/t_locked/trace.json" ] && pass "the run holding --trace's lock goes on and writes its" \
+    "trace" ||
     fail "the run holding --trace's lock did not finish its trace"
 }
 
@@ -207,9 +217,12 @@ trace_race() {
     refused=$(cat "$work/race_big.log" "$work/race_small.log" | grep -cE "is being written by another run|is not empty")
     if { [ $big_status = 0 ] && [ $small_status != 0 ] && [ "$hidden" = 256 ]; } ||
        { [ $small_status = 0 ] && [ $big_status != 0 ] && [ "$hidden" = 16 ]; }; then
-      [ "$refused" = 1 ] && pass "two runs into one new --trace (round $round): exactly one proceeds (BERT-mini exit $big_status, the small run $small_status), the trace is the winner's, the other refused" ||
-        fail "two runs into one --trace (round $round): the loser's message: $(cat "$work/race_big.log" "$work/race_small.log" | head -c 300)"
-    else fail "two runs into one --trace (round $round): BERT-mini exit $big_status, the small run $small_status, the trace's hidden ${hidden:-none}"; fi
+      [ "$refused" = 1 ] && pass "two runs into one new --trace (round $round): exactly one proceeds (BERT-mini exit" \
+        "$big_status, the small run $small_status), the trace is the winner's, the other refused" ||
+        fail "two runs into one --trace (round $round): the loser's message:" \
+          "$(cat "$work/race_big.log" "$work/race_small.log" | head -c 300)"
+    else fail "two runs into one --trace (round $round): BERT-mini exit $big_status, the small run $small_status, the" \
+      "trace's hidden ${hidden:-none}"; fi
   done
 }
 
@@ -225,9 +238,11 @@ bad_input_more() {
 init_hf_refused() {
   [ -n "$trace_ok" ] || return  # (the reference trace could not be made)
   small_init=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 1)
-  bad_case "config.json's num_hidden_layers is 2, this run's --layers is 3: give --layers 2" "${small_init[@]}" --layers 3 \
+  bad_case "config.json's num_hidden_layers is 2, this run's --layers is 3: give --layers 2" \
+    "${small_init[@]}" --layers 3 \
     --init-hf "$work/seed5"
-  bad_case "config.json's hidden_size is 32, this run's --hidden is 64" "${small_init[@]}" --hidden 64 --init-hf "$work/seed5"
+  bad_case "config.json's hidden_size is 32, this run's --hidden is 64" "${small_init[@]}" --hidden 64 \
+    --init-hf "$work/seed5"
   # Hand-made directories: a tensor of the wrong shape, one missing, one unknown, an untied decoder, a pickle.
   init_dir() {  # init_dir NAME PYTHON: seed5's export with its tensors `t` changed by PYTHON
     rm -rf "$work/$1"; cp -r "$work/seed5" "$work/$1"
@@ -237,7 +252,8 @@ init_hf_refused() {
   bad_case "bert.encoder.layer.1.intermediate.dense.weight has shape [32, 64], this run's is [64, 32]" \
     "${small_init[@]}" --init-hf "$work/wrong_shape"
   init_dir missing_tensor 'del t["bert.encoder.layer.0.output.LayerNorm.bias"]'
-  bad_case "has no tensor bert.encoder.layer.0.output.LayerNorm.bias (shape [32])" "${small_init[@]}" --init-hf "$work/missing_tensor"
+  bad_case "has no tensor bert.encoder.layer.0.output.LayerNorm.bias (shape [32])" "${small_init[@]}" \
+    --init-hf "$work/missing_tensor"
   init_dir unknown_tensor 't["bert.encoder.layer.2.output.dense.weight"] = np.zeros((32, 64), np.float32)'
   bad_case "holds bert.encoder.layer.2.output.dense.weight [32, 64], which BertForMaskedLM has no parameter for" \
     "${small_init[@]}" --init-hf "$work/unknown_tensor"
@@ -246,7 +262,8 @@ init_hf_refused() {
     --init-hf "$work/untied"
   init_dir f64 't["cls.predictions.bias"] = t["cls.predictions.bias"].astype(np.float64)'
   bad_case "tensor 'cls.predictions.bias' is F64" "${small_init[@]}" --init-hf "$work/f64"
-  rm -rf "$work/pickle"; mkdir -p "$work/pickle"; cp "$work/seed5/config.json" "$work/pickle/"; : > "$work/pickle/pytorch_model.bin"
+  rm -rf "$work/pickle"; mkdir -p "$work/pickle"; cp "$work/seed5/config.json" "$work/pickle/"; : \
+    > "$work/pickle/pytorch_model.bin"
   bad_case "but a pytorch_model.bin" "${small_init[@]}" --init-hf "$work/pickle"
   # model.safetensors read as untrusted input (trainer/safetensors.h; tests/test_safetensors.cpp has the
   # whole corpus): a header length 4 bytes short (its padding keeps the JSON valid, every tensor would shift
@@ -261,7 +278,8 @@ init_hf_refused() {
   raw_dir trailing 'b += b"\0" * 4'
   bad_case "the rest belongs to no tensor" "${small_init[@]}" --init-hf "$work/trailing"
   raw_dir twice 'h = b"{\"cls.predictions.bias\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}," + header[1:]; b = struct.pack("<Q", len(h)) + h + data'
-  bad_case "its header has the key 'cls.predictions.bias' twice in one object" "${small_init[@]}" --init-hf "$work/twice"
+  bad_case "its header has the key 'cls.predictions.bias' twice in one object" "${small_init[@]}" \
+    --init-hf "$work/twice"
   init_dir nan 'x = t["bert.encoder.layer.1.attention.self.query.bias"].copy(); x[5] = np.nan; t["bert.encoder.layer.1.attention.self.query.bias"] = x'
   bad_case "nan/model.safetensors': tensor 'bert.encoder.layer.1.attention.self.query.bias' element 5 [5] is nan: weights to start from must be finite" \
     "${small_init[@]}" --init-hf "$work/nan"
@@ -275,7 +293,8 @@ init_hf_refused() {
     config_dir hidden "$written"
     bad_case "config.json's hidden_size is $written, not a positive integer (BertConfig's sizes are ints); this run's --hidden is 32" \
       "${small_init[@]}" --init-hf "$work/hidden"
-    if grep -qF -- "give --hidden" "$work/bad_stderr"; then fail "--init-hf hidden_size $written: advice to give a flag value"; fi
+    if grep -qF -- "give --hidden" "$work/bad_stderr"; then fail "--init-hf hidden_size $written: advice to give a" \
+      "flag value"; fi
   done
   # Absent: BertConfig's default is named as the default (it was called "not a positive integer"), and
   # the advice is the flag value that matches it.
@@ -298,7 +317,8 @@ init_hf_refused() {
   bad_case "--init-hf's config.json '$work/links/config.json' cannot be read: Too many levels of symbolic links (a symlink loop" \
     "${small_init[@]}" --init-hf "$work/links"
   # A save that also holds the tied names and the pre-training heads (pooler, NSP) is taken, the heads named unused.
-  init_dir pretraining 't["cls.predictions.decoder.weight"] = t["bert.embeddings.word_embeddings.weight"]; t["bert.pooler.dense.bias"] = np.zeros(32, np.float32); t["cls.predictions.transform.dense.bias"] = t["cls.predictions.transform.dense.bias"].astype(np.float16)'
+  init_dir pretraining \
+    't["cls.predictions.decoder.weight"] = t["bert.embeddings.word_embeddings.weight"]; t["bert.pooler.dense.bias"] = np.zeros(32, np.float32); t["cls.predictions.transform.dense.bias"] = t["cls.predictions.transform.dense.bias"].astype(np.float16)'
   if timeout 60 "$trainer" "${small_init[@]}" --init-hf "$work/pretraining" > "$work/log" 2>&1 &&
      grep -qF "not used, as from_pretrained leaves them: bert.pooler.dense.bias" "$work/log"; then
     pass "--init-hf: a tied duplicate, a pooler and an F16 tensor are taken; the header names what is not used"
