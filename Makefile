@@ -61,7 +61,7 @@
 # --- what we need from Debian -------------------------------------------------
 # To build and train (libssl-dev: OpenSSL's libcrypto, whose SHA-256 the
 # checkpoints record). python3-torch (with numpy) is the independent reference
-# the tests and the benchmark compare with, so only `make test`, `bench` and
+# the tests and the benchmark compare with, so only `make test` (and test-all), `bench` and
 # `notes` ask for it; matplotlib only draws the figures (`make figures`).
 PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev libssl-dev
 TEST_PACKAGES := python3-torch python3-numpy python3-venv

@@ -26,6 +26,18 @@ def ledger(*paths):
     print("ok %d runs" % len(paths) if not problems else "; ".join(problems[:3]))
 
 
+def plan_rows(path, precision):
+    """--plan with offload: every row's host bytes = 16 Psi/N (0 at stage 0) = its formula, the device's model
+    states = their formula, and stage 2's device holds the working parameters alone."""
+    d = json.load(open(path))
+    ok = all(r["host_model_states_bytes"] == r["host_model_states_formula_bytes"]
+             == (16 * r["psi_padded"] // r["world_size"] if r["stage"] else 0)
+             and r["model_states_bytes"] == r["model_states_formula_bytes"]
+             and (r["stage"] != 2 or r["model_states_bytes"] == r["params_bytes"]) for r in d["plan"])
+    print("ok" if ok else f"bad {precision}: " + str([(r["stage"], r["world_size"], r["host_model_states_bytes"],
+                                                       r["model_states_bytes"]) for r in d["plan"]]))
+
+
 def without_run_id(value):
     """The index without its run_id, and without the offload setting, which a resumed run continues with
     (notes/13)."""
