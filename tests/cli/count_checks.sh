@@ -53,7 +53,8 @@ for k in $(seq 0 $((${#marks[@]} - 2))); do
   read -r _ section p0 f0 <<< "${marks[$k]}"
   read -r _ _ p1 f1 <<< "${marks[$((k + 1))]}"
   old=$(( (p1 + f1) - (p0 + f0) ))
-  title=$(git show "$old_commit:tests/test_trainer.sh" | grep -E "^# --- $section\. " | sed -E 's/^# --- [0-9]+\. //; s/ -+$//' | cut -c1-44)
+  title=$(git show "$old_commit:tests/test_trainer.sh" | grep -E "^# --- $section\. " |
+    sed -E 's/^# --- [0-9]+\. //; s/ -+$//' | cut -c1-44)
   name=${files[$((section - 1))]}
   new=$(checks "$scratch/$name.log")
   printf '%-4s %-48s %7s   %-28s %7s\n' "§$section" "$title" "$old" "$name.sh" "${new:-?}"

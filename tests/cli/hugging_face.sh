@@ -8,7 +8,8 @@ round_trip() {
   echo "=== Hugging Face: AutoTokenizer, AutoModelForMaskedLM, pipeline('fill-mask') on the export"
   hf_python=.venv-hf/bin/python  # made by make test (hf-venv): transformers 4.39.3 on Debian's torch
   if ! [ -x "$hf_python" ] || ! "$hf_python" -c 'import transformers' 2>/dev/null; then
-    echo "SKIP the Hugging Face round trip: no $hf_python with transformers ($(tail -n 1 .venv-hf.log 2>/dev/null || echo 'make hf-venv was not run'))"
+    echo "SKIP the Hugging Face round trip: no $hf_python with transformers" \
+      "($(tail -n 1 .venv-hf.log 2>/dev/null || echo 'make hf-venv was not run'))"
   else
     rm -rf "$work/hf_dump"
     if timeout 120 "$trainer" --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 32 \

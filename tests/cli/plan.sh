@@ -63,7 +63,8 @@ largest() {
     stage=$1 ranks=$2
     for what in micro_batch layers; do
       flag=--${what//_/-}
-      answer=$(json_get "$work/largest.json" "[r['$what'] for r in d['largest'] if r['stage'] == $stage and r['world_size'] == $ranks][0]")
+      answer=$(json_get "$work/largest.json" \
+        "[r['$what'] for r in d['largest'] if r['stage'] == $stage and r['world_size'] == $ranks][0]")
       common=("${tiny[@]}" --steps 1 --stage "$stage" --device-memory-limit "$limit")
       if [ "$answer" -lt 1 ]; then fail "largest $what at stage $stage, N = $ranks: the plan says none" \
         "fits"; continue; fi
@@ -83,7 +84,8 @@ largest() {
   # ZeRO's point, in the plan's numbers: stage 2 at N = 4 fits more than stage 0.
   json_get "$work/largest.json" "[(r['stage'], r['world_size'], r['micro_batch']) for r in d['largest']]" \
     > "$work/largest.txt"
-  more=$(json_get "$work/largest.json" "{(r['stage'], r['world_size']): r['micro_batch'] for r in d['largest']}[(2, 4)] > {(r['stage'], r['world_size']): r['micro_batch'] for r in d['largest']}[(0, 4)]")
+  more=$(json_get "$work/largest.json" \
+    "(lambda b: b[(2, 4)] > b[(0, 4)])({(r['stage'], r['world_size']): r['micro_batch'] for r in d['largest']})")
   [ "$more" = True ] && pass "the plan: stage 2 at N = 4 holds a larger micro-batch than stage 0 in the same limit" \
     "($(cat "$work/largest.txt"))" ||
     fail "stage 2 does not hold more than stage 0: $(cat "$work/largest.txt")"
@@ -177,7 +179,8 @@ oom_killer_case() {
 # issue 35, --trace peaked at 1.27 x the need (its copies were not counted,
 # and a `?:` copied its gradient once more), --init-hf likewise.
 peak_within_need() {
-  medium=(--device cpu --layers 4 --hidden 1024 --heads 16 --intermediate 4096 --seq 32 --micro-batch 1 --steps 1 --quiet)
+  medium=(--device cpu --layers 4 --hidden 1024 --heads 16 --intermediate 4096 --seq 32 --micro-batch 1 --steps 1
+          --quiet)
   peak_of() { py plan peak_of "$@"; }
   rm -rf "$work/peak_init"
   "$trainer" "${medium[@]}" --export-hf "$work/peak_init" > /dev/null 2>&1

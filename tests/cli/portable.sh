@@ -20,7 +20,8 @@ tiny_bits() {  # tiny_bits TRAINER ENV_ASSIGNMENT FLAGS...: "hash last-loss-bits
   fi
 }
 # The golden table's first row: its hash and last loss bits.
-golden_first=$(grep -v '^#' "tests/golden_bits.txt" | head -n 1 | awk -F'|' '{gsub(/ /, "", $5); gsub(/ /, "", $6); print $5 " " $6}')
+golden_first=$(grep -v '^#' "tests/golden_bits.txt" | head -n 1 |
+  awk -F'|' '{gsub(/ /, "", $5); gsub(/ /, "", $6); print $5 " " $6}')
 
 # OpenBLAS's kernel, forced (each is an sgemm with its own blocking and order;
 # Sandybridge and Nehalem have no FMA), its thread count (the Haswell kernel
@@ -103,7 +104,8 @@ config_key() {
 # table's bits for the straight run; a checkpoint without the record (from
 # before portable mode) loads in the default mode; a damaged record is named.
 portable_resume() {
-  golden_n2=$(grep -v '^#' "tests/golden_bits.txt" | grep '^tiny fp32, N=2, A=2 ' | awk -F'|' '{gsub(/ /, "", $5); print $5}')
+  golden_n2=$(grep -v '^#' "tests/golden_bits.txt" | grep '^tiny fp32, N=2, A=2 ' |
+    awk -F'|' '{gsub(/ /, "", $5); print $5}')
   if timeout 120 mpirun -n 2 "$trainer" "${portable_tiny[@]}" --accum 2 \
     --portable --save "$work/portable_ck" --save-keep 3 \
        --save-every 2 > "$work/log" 2>&1 &&

@@ -113,9 +113,11 @@ outputs_not_files() {
       "${small[@]}" --dump-batch "$nodes/dump"
     bad_case "--save's latest '$nodes/save/latest' is a character device" "${small[@]}" --save "$nodes/save"
     bad_case "--save '$nodes/null' is a character device, not a directory" "${small[@]}" --save "$nodes/null"
-    kinds=$(cd "$nodes" && stat -c '%n %F' null fifo socket link_to_device dangling.json export/config.json dump/batch.safetensors save/latest | tr '\n' ',')
+    kinds=$(cd "$nodes" && stat -c '%n %F' null fifo socket link_to_device dangling.json export/config.json \
+      dump/batch.safetensors save/latest | tr '\n' ',')
     want="null character special file,fifo fifo,socket socket,link_to_device symbolic link,dangling.json symbolic link,"
-    want+="export/config.json character special file,dump/batch.safetensors character special file,save/latest character special file,"
+    want+="export/config.json character special file,dump/batch.safetensors character special file,"
+    want+="save/latest character special file,"
     [ "$kinds" = "$want" ] && \
       [ -z "$(ls "$nodes/export" "$nodes/dump" | grep -v -e config.json -e batch.safetensors -e '^$' -e ':$')" ] &&
       pass "every output refused as a device, FIFO, socket or dangling link is left as it was" || fail "outputs that" \
@@ -351,7 +353,9 @@ numbers() {
   # 0.99): the norm is still finite, and every step reports it.
   if timeout 60 mpirun -n 2 "$trainer" "${tiny_run[@]}" --steps 5 --dropout 0.99 --json "$work/dropout.json" \
     > "$work/log" 2>&1; then
-    verdict=$(json_get "$work/dropout.json" "'ok' if all(s['grad_norm'] is not None and s['grad_norm'] > 0 for s in d['steps']) and max(s['grad_norm'] for s in d['steps']) > 1.8e19 else 'bad ' + str([s['grad_norm'] for s in d['steps']])")
+    verdict=$(json_get "$work/dropout.json" "('ok' if all(s['grad_norm'] is not None and s['grad_norm'] > 0
+      for s in d['steps']) and max(s['grad_norm'] for s in d['steps']) > 1.8e19
+      else 'bad ' + str([s['grad_norm'] for s in d['steps']]))")
     case "$verdict" in ok*) pass "dropout 0.99: every gradient norm finite, the largest beyond sqrt(FLT_MAX)";; *) \
       fail "dropout 0.99: $verdict";; esac
   else
