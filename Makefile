@@ -5,9 +5,15 @@
 #   make cpu      force the mpicxx-only build (into build-cpu/)
 #   make run      train BERT-mini with stage 2 on 2 ranks on the embedded corpus
 #   make demo     the engine demo: the three stages on the test MLP, 2 ranks
-#   make test     the doctest suite under mpirun -n 1, 2, 4 (build/)
-#   make test-cpu the same suite for the mpicxx-only build (build-cpu/), less the trainer checks
-#                 of build-independent logic (TEST_CPU_SKIP)
+#   make test     the quick suite (build/, minutes): the doctest suite under mpirun -n 1, 2, 4, then one check
+#                 per claim of the README through the command line (each tests/cli/*.sh file's quick checks)
+#                 and the trace checker (tests/run_tests.sh; Z2_QUICK=1)
+#   make test-all every check: the doctest suite and every tests/cli/*.sh file whole (what CI runs)
+#   make test ONLY=checkpoints  (or ONLY="plan traces", and make test-all ONLY=...) only those: doctest,
+#                 a file of tests/cli (stages, ledgers, bad_input, checkpoints, ...; the table in
+#                 tests/run_tests.sh) or checker. A file also runs alone: tests/cli/checkpoints.sh build
+#   make test-cpu the mpicxx-only build (build-cpu/) where its code differs from build/'s: the doctest suite
+#                 once (N = 2) and the quick checks of the capabilities that compute bits (TEST_CPU_ONLY)
 #   make sanitize the cpu build with AddressSanitizer and UBSan (build-sanitize/): the doctest suite
 #                 at N = 1, 2, a short trainer matrix and 20 s of fuzzing the safetensors reader
 #                 (tests/sanitize.sh)
@@ -55,7 +61,7 @@
 # --- what we need from Debian -------------------------------------------------
 # To build and train (libssl-dev: OpenSSL's libcrypto, whose SHA-256 the
 # checkpoints record). python3-torch (with numpy) is the independent reference
-# the tests and the benchmark compare with, so only `make test`, `bench` and
+# the tests and the benchmark compare with, so only `make test` (and test-all), `bench` and
 # `notes` ask for it; matplotlib only draws the figures (`make figures`).
 PACKAGES := mpich libmpich-dev doctest-dev libopenblas-dev nlohmann-json3-dev libssl-dev
 TEST_PACKAGES := python3-torch python3-numpy python3-venv
@@ -178,7 +184,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run verify golden lab labs demo bench check-trace check-peer build-time math-accuracy fraglab plan paper-tables superlinear test test-cpu sanitize notes figures deps test-deps figure-deps sanitize-deps hf-venv found clean
+.PHONY: all cpu run verify golden lab labs demo bench check-trace check-peer build-time math-accuracy fraglab plan paper-tables superlinear test test-all test-cpu sanitize notes figures deps test-deps figure-deps sanitize-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
      build-cpu/watchdog_check
@@ -226,7 +232,7 @@ build/reduce_precision: $(call objects,build,measurements/reduce_precision.cu tr
 	$(MPICXX) $^ -o $@ $(LIBS)
 build/paper_table: $(call objects,build,measurements/paper_table.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
-# A desynchronized program, for the watchdog's roll call (tests/test_trainer.sh).
+# A desynchronized program, for the watchdog's roll call (tests/cli/reliability.sh).
 build/watchdog_check: $(call objects,build,tests/watchdog_check.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
 # exp / log / erf of zero2.h against libm's double functions, over every float
@@ -377,17 +383,25 @@ superlinear: deps found
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini
 	$(RUN_ENV) demos/superlinear.sh build
 
+# The README's test command: the quick suite (Z2_QUICK=1: each file's `quick` checks). ONLY= (from the
+# command line, through the environment) picks parts of the suite, here and in test-all.
 test: deps test-deps hf-venv all
+	$(RUN_ENV) Z2_QUICK=1 tests/run_tests.sh build
+
+test-all: deps test-deps hf-venv all
 	$(RUN_ENV) tests/run_tests.sh build
 
-# The mpicxx-only build: the whole doctest suite, and the trainer's tests
-# but those of its writers, inputs, config, export, metrics, planning and
-# trace logic, and ZeRO-Offload's command line (its engine runs in both doctest suites),
-# the same source in both builds (tests/test_trainer.sh, at its top),
-# which `make test` runs. TEST_CPU_SKIP= runs them too.
-TEST_CPU_SKIP ?= 7 9 10 11 12 14 15
-test-cpu: deps test-deps hf-venv cpu
-	$(RUN_ENV) Z2_TRAINER_SKIP="$(TEST_CPU_SKIP)" tests/run_tests.sh build-cpu
+# The mpicxx-only build computes with the same sources as build/ without a GPU, but compiled by g++
+# instead of nvcc (the .cu files: the chapter, the gemms, the model) and without Z2_HAVE_CUDA (the
+# allocators, the communicator): what it must prove is that it computes the same bits. The doctest
+# suite once at N = 2 (the engine's matrices, checkpoints and offload in process), and the quick checks of
+# the capabilities that compute bits: the stage matrix, ZeRO-R (the allocators), the 16-bit precisions,
+# and portable mode (the golden table's small rows, `make verify VERIFY_BUILD=build-cpu`). The trainer's
+# plumbing (trainer/*.cpp: writers, inputs, configs, plan, traces) is one compile of one source in both
+# builds, which `make test` and `make test-all` check.
+TEST_CPU_ONLY := doctest stages zero_r precision portable
+test-cpu: deps test-deps cpu
+	$(RUN_ENV) Z2_QUICK=1 Z2_DOCTEST_RANKS=2 ONLY="$(TEST_CPU_ONLY)" tests/run_tests.sh build-cpu
 
 # Checking another implementation against zero2 (notes/12). The checker needs numpy alone; the torch
 # peer Debian's torch and the Hugging Face venv (hf-venv); the DeepSpeed peer a venv of its own, which

@@ -110,7 +110,7 @@ PY
 { awk '/^memory per rank/{exit} /^step/ && !/^step +(1|10|100)\//{next} {print}' "$out/bert_run"; echo '```'; } \
   >"$out/bert_run_excerpt"
 
-# bert_reference: the PyTorch comparison on a dumped batch (as tests/test_trainer.sh runs it).
+# bert_reference: the PyTorch comparison on a dumped batch (as tests/cli/torch_reference.sh runs it).
 {
   echo '```'
   flags="--layers 2 --hidden 64 --heads 4 --intermediate 128 --seq 32 --max-positions 40 --micro-batch 4 --accum 2 --steps 1 --dropout 0 --clip 0.5 --seed 3"
@@ -243,7 +243,7 @@ PY
 # fraglab: `make fraglab` (notes/05).
 demos/fraglab.sh "$build" >"$out/fraglab"
 
-# oom_message: naive in a block the arena's measured need (tests/test_trainer.sh's case, N = 2).
+# oom_message: naive in a block the arena's measured need (tests/cli/zero_r.sh's case, N = 2).
 oom="--layers 3 --hidden 64 --heads 2 --intermediate 256 --seq 32 --micro-batch 4 --steps 2 --activations offload"
 timeout 300 mpirun -n 2 "$trainer" --device cpu $oom --alloc arena --quiet --json "$out/oom.json"
 need=$(python3 -c "import json; print(json.load(open('$out/oom.json'))['memory']['reserved_bytes'])")
@@ -345,7 +345,7 @@ for p, d in runs.items():
           f"{d.get('skipped_steps', 0)} | {d.get('loss_scale', 1):g} | {d['time']['step_ms_median']:.0f} | `{d['final_params_hash']}` |")
 PY
 
-# mixed_reference: one bf16 and one fp16 step against fp64 and torch.autocast (as tests/test_trainer.sh runs it).
+# mixed_reference: one bf16 and one fp16 step against fp64 and torch.autocast (as tests/cli/precision.sh runs it).
 {
   echo '```'
   flags="--layers 2 --hidden 64 --heads 4 --intermediate 128 --seq 32 --max-positions 40 --micro-batch 4 --accum 2 --steps 1 --dropout 0 --clip 0.5 --seed 3"

@@ -1,6 +1,6 @@
 """DeepSpeed 0.16.9's WarmupCosineLR, OneCycle and LRRangeTest, transcribed
 from deepspeed/runtime/lr_schedules.py at tag v0.16.9 (line numbers below),
-method by method, for tests/test_trainer.sh: it steps them on a stand-in
+method by method, for tests/cli/deepspeed_configs.sh: it steps them on a stand-in
 optimizer as DeepSpeed's engine does (the constructor sets update 1's rate,
 engine.py _take_model_step calls step() after each applied update, :2322)
 and compares each step's lr, and OneCycle's betas, with a trainer run's --json.

@@ -17,7 +17,7 @@
 #      NCCL as well as MPI, N = 2 and 4 run over MPI sharing the GPU (NCCL
 #      refuses two ranks on one GPU); every suite includes the bitwise stage
 #      matrix on the CUDA backend;
-#      the suite ends with tests/test_trainer.sh: the BERT-mini stage matrix
+#      the suite goes on with tests/cli/'s files: the BERT-mini stage matrix
 #      through the command line (N = 1, 2, 4 x stage x overlap, on the GPU),
 #      the ledgers and the bad-input list (the PyTorch comparison is skipped:
 #      the GPU image has no python3-torch);
@@ -147,7 +147,7 @@ fi
 python3 -c 'import numpy' 2>/dev/null || [ ! -d /tmp/z2deps/usr/lib/python3/dist-packages ] ||
   export PYTHONPATH=/tmp/z2deps/usr/lib/python3/dist-packages${PYTHONPATH:+:$PYTHONPATH}
 export OPENBLAS_NUM_THREADS=1
-export Z2_NO_TORCH=1  # no python3-torch on the GPU image: test_trainer.sh skips that part, saying so
+export Z2_NO_TORCH=1  # no python3-torch on the GPU image: tests/cli skips those checks, saying so
 
 # --- 2. build ---------------------------------------------------------------------
 t=$(date +%s)

@@ -1,63 +1,106 @@
 #!/usr/bin/env bash
-# tests/run_tests.sh BUILD_DIR — run the doctest suite under mpirun -n 1, 2, 4,
-# each run under a timeout, then the trainer's command-line tests
-# (tests/test_trainer.sh) and the trace checker's (tests/test_checker.sh), and
-# end with one plain line: "N passed, M failed" (doctest test cases summed
-# over the three runs plus the trainer's and the checker's checks; a run that
-# dies or times out without its summary counts as one failed).
+# tests/run_tests.sh BUILD_DIR — the test suite: the doctest suite (the engine and the model in process)
+# under mpirun -n 1, 2, 4, then the trainer through its command line, one file per capability
+# (tests/cli/*.sh), then the trace checker (tests/cli/checker.sh); each under its own time limit (the table
+# below), and one plain closing line "N passed, M failed": doctest's test cases summed over its runs plus
+# every file's checks (a run or a file that dies or times out without its summary counts as one failed).
+#
+#   ONLY="checkpoints plan"  run only these (the names in the table; make test ONLY=...)
+#   Z2_QUICK=1               `make test`: each file's quick checks, one per claim the README makes (a file's
+#                            `quick` groups); without it (`make test-all`) every check
+#   Z2_DOCTEST_RANKS="2"     the world sizes of the doctest runs (default "1 2 4"; make test-cpu: 2)
+#
+# A file runs alone too: tests/cli/checkpoints.sh build-cpu (every check; Z2_QUICK=1 for the quick ones).
 set -u
 build=${1:-build}
-binary="$build/test_zero2"
-[ -x "$binary" ] || { echo "no $binary: build it first (make)"; echo "0 passed, 1 failed"; exit 1; }
+cd "$(dirname "$0")/.."
 # Several ranks on few cores: one OpenBLAS thread each.
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 
+# name              time limit (s)  what it checks
+suite="
+doctest             300   the engine and the model in process (tests/test_*.cpp, .cu), per mpirun
+stages              120   the stage matrix through the command line: N x stage x overlap, one set of bits
+ledgers              60   the JSON summary's ledgers against the paper's formulas
+bad_input           180   bad input: one message, a non-zero exit, nothing written
+torch_reference     120   PyTorch's loss, gradients and AdamW step on a dumped batch
+zero_r              240   ZeRO-R: every --activations x --alloc gives the matrix's bits; out of memory
+precision           240   bf16 and fp16: the matrix, the ledgers, fp16's skipped steps, accuracy
+reliability         300   full disks, odd inputs and outputs, a stopped rank and the watchdog
+checkpoints         400   resume and reshard bit for bit, damaged checkpoints, killed saves, signals
+deepspeed_configs   300   real DeepSpeed configs, DeepSpeed's defaults and schedulers
+hugging_face        120   the export read by Hugging Face transformers
+metrics              60   --metrics and --eval-every
+plan                480   --plan against the measured ledger, the arena's block, the memory check
+portable            300   --portable's bits under every kernel, in both builds; the golden table
+traces              240   --trace's bits at every stage and split; --init-hf; check_trace.py on them
+offload             180   ZeRO-Offload: the bits without it, checkpoints both ways, the ledger
+checker             300   tests/check_trace.py on damaged traces and on peers that must fail or pass
+"
+names=$(echo "$suite" | awk 'NF { print $1 }')
+limit_of() { echo "$suite" | awk -v name="$1" '$1 == name { print $2 }'; }
+only=${ONLY:-$names}
+for name in $only; do
+  if [ -z "$(limit_of "$name")" ]; then
+    echo "run_tests: ONLY names '$name'; the names are:" $names
+    echo "0 passed, 1 failed"
+    exit 2
+  fi
+done
+wanted() { [[ " $(echo $only) " == *" $1 "* ]]; }
+[ -n "${Z2_QUICK:-}" ] && echo "=== quick (make test): one check per claim; make test-all runs every check"
+
 passed=0
 failed=0
-for ranks in 1 2 4; do
-  echo "=== $binary under mpirun -n $ranks"
-  log=$(mktemp)
-  start=$(date +%s)
-  timeout 300 mpirun -n "$ranks" "$binary" 2>&1 | tee "$log"
-  status=${PIPESTATUS[0]}
-  summary=$(grep -E '^\[doctest\] test cases:' "$log" | tail -n 1)
-  if [ -n "$summary" ]; then
-    run_passed=$(echo "$summary" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+')
-    run_failed=$(echo "$summary" | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+')
-  else
-    run_passed=0
-    run_failed=1
-  fi
-  if [ "$status" -ne 0 ] && [ "$run_failed" -eq 0 ]; then run_failed=1; fi  # died after the summary
-  [ "$status" -eq 124 ] && echo "=== mpirun -n $ranks timed out after 300 s"
-  echo "=== mpirun -n $ranks: $run_passed passed, $run_failed failed, exit $status, $(($(date +%s) - start)) s"
-  passed=$((passed + run_passed))
-  failed=$((failed + run_failed))
-  rm -f "$log"
-done
-# A test script with its own plain summary line ("N passed, M failed"),
-# under a timeout, added in; a script that ends without one counts as one failed.
-run_script() {  # run_script LABEL TIMEOUT SCRIPT
-  local label=$1 limit=$2 script=$3 log start line
-  echo "=== $script $build"
-  log=$(mktemp)
-  start=$(date +%s)
-  timeout "$limit" "$script" "$build" 2>&1 | tee "$log"
+add() {  # LABEL LOG STATUS START: add the log's "N passed, M failed" line; none (or a non-zero exit
+         # after a clean summary) is one failure
+  local label=$1 log=$2 status=$3 start=$4 line
   line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -n 1)
   if [ -n "$line" ]; then
     passed=$((passed + $(echo "$line" | cut -d' ' -f1)))
     failed=$((failed + $(echo "$line" | cut -d' ' -f3)))
+    if [ "$status" -ne 0 ] && [ "$(echo "$line" | cut -d' ' -f3)" -eq 0 ]; then failed=$((failed + 1)); fi
   else
     failed=$((failed + 1))
   fi
-  echo "=== $label: ${line:-no summary}, $(($(date +%s) - start)) s"
-  rm -f "$log"
+  [ "$status" -eq 124 ] && echo "=== $label timed out"
+  echo "=== $label: ${line:-no summary}, exit $status, $(($(date +%s) - start)) s"
 }
-# The trainer through its command line (stage matrix, ledgers, bad input,
-# PyTorch reference), then the trace checker (tests/check_trace.py) on
-# damaged traces and on peers that must fail or pass.
-run_script "trainer tests" 1200 tests/test_trainer.sh
-run_script "checker tests" 600 tests/test_checker.sh
+
+# The doctest suite: its own summary, turned into the plain line.
+if wanted doctest; then
+  binary="$build/test_zero2"
+  if [ ! -x "$binary" ]; then
+    echo "=== no $binary: build it first (make)"; failed=$((failed + 1))
+  fi
+  for ranks in ${Z2_DOCTEST_RANKS:-1 2 4}; do
+    [ -x "$binary" ] || break
+    echo "=== $binary under mpirun -n $ranks"
+    log=$(mktemp)
+    start=$(date +%s)
+    timeout "$(limit_of doctest)" mpirun -n "$ranks" "$binary" 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    summary=$(grep -E '^\[doctest\] test cases:' "$log" | tail -n 1)
+    if [ -n "$summary" ]; then
+      echo "$(echo "$summary" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+') passed," \
+           "$(echo "$summary" | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+') failed" >> "$log"
+    fi
+    add "mpirun -n $ranks" "$log" "$status" "$start"
+    rm -f "$log"
+  done
+fi
+
+# The files: tests/cli/NAME.sh BUILD_DIR, each ending with its plain line.
+for name in $names; do
+  [ "$name" = doctest ] && continue
+  wanted "$name" || continue
+  echo "=== tests/cli/$name.sh $build"
+  log=$(mktemp)
+  start=$(date +%s)
+  timeout "$(limit_of "$name")" "tests/cli/$name.sh" "$build" 2>&1 | tee "$log"
+  add "$name" "$log" "${PIPESTATUS[0]}" "$start"
+  rm -f "$log"
+done
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -11,7 +11,7 @@
 // (same bits, ledger peak = formula), offload's measured bound, and the
 // arena's stack order on loss-only and full micro-steps.
 // The stage matrix, the bad-input list and the PyTorch reference run through
-// the real command line in tests/test_trainer.sh.
+// the real command line in tests/cli/ (stages.sh, zero_r.sh).
 #define BERT_NO_MAIN
 #include "../train_bert_mini.cu"
 

@@ -10,7 +10,7 @@
 //      as the run that never stopped, in fp32, bf16 and fp16 (with skipped
 //      steps and scale changes after K).
 // The trainer's files, index and damaged checkpoints are tested through the
-// command line (tests/test_trainer.sh, section 8).
+// command line (tests/cli/checkpoints.sh).
 #include <algorithm>
 #include <cstring>
 

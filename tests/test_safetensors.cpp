@@ -8,7 +8,7 @@
 //      the same verdict from the header and offsets alone.
 // Rank-local and cheap: every rank reads the same files and agrees.
 // The reader inside the trainer (--init-hf, a checkpoint's rank files) is
-// tested through the command line (tests/test_trainer.sh, sections 8 and 14).
+// tested through the command line (tests/cli/checkpoints.sh and traces.sh).
 #include <filesystem>
 #include <fstream>
 #include <iterator>

@@ -3,7 +3,7 @@
 // case PyTorch's desync report is for). Rank 0 waits for a message rank 1
 // never sends; every other rank waits in a barrier rank 0 never joins. Each
 // rank's deadline passes; its roll call must find every rank answering and
-// say what each waits for (tests/test_trainer.sh checks the text). The
+// say what each waits for (tests/cli/reliability.sh checks the text). The
 // stopped-rank case (a rank that does not answer) is the trainer's own test.
 //   mpirun -n 3 build/watchdog_check SECONDS     (exits 3 by MPI_Abort, on purpose)
 #include <cstdio>
