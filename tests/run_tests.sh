@@ -36,6 +36,7 @@ portable            300   --portable's bits under every kernel, in both builds; 
 traces              240   --trace's bits at every stage and split; --init-hf; check_trace.py on them
 offload             180   ZeRO-Offload: the bits without it, checkpoints both ways, the ledger
 checker             300   tests/check_trace.py on damaged traces and on peers that must fail or pass
+include_layers       60   trainer/'s includes form layers (settings -> inputs -> formats -> training), no cycle
 "
 names=$(echo "$suite" | awk 'NF { print $1 }')
 limit_of() { echo "$suite" | awk -v name="$1" '$1 == name { print $2 }'; }
@@ -90,14 +91,16 @@ if wanted doctest; then
   done
 fi
 
-# The files: tests/cli/NAME.sh BUILD_DIR, each ending with its plain line.
+# The files: tests/cli/NAME.sh BUILD_DIR (or NAME.py, a check of the sources), each ending with its plain line.
 for name in $names; do
   [ "$name" = doctest ] && continue
   wanted "$name" || continue
-  echo "=== tests/cli/$name.sh $build"
   log=$(mktemp)
   start=$(date +%s)
-  timeout "$(limit_of "$name")" "tests/cli/$name.sh" "$build" 2>&1 | tee "$log"
+  file="tests/cli/$name.sh"
+  [ -f "$file" ] || file="tests/cli/$name.py"  # a check of the sources alone, in Python
+  echo "=== $file $build"
+  timeout "$(limit_of "$name")" "$file" "$build" 2>&1 | tee "$log"
   add "$name" "$log" "${PIPESTATUS[0]}" "$start"
   rm -f "$log"
 done

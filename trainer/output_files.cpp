@@ -60,7 +60,7 @@ static std::string unique_temporary(const std::string& directory, const std::str
 // For tests only: ZERO2_TEST_FAULT="stop K" or "kill K" stops (SIGSTOP) or
 // kills (SIGKILL) this process halfway through writing its K-th output
 // file (1-based, counted per process), to show what a failure mid-write
-// leaves (tests/test_trainer.sh); "kill K R" does it on rank R only.
+// leaves (tests/cli/reliability.sh); "kill K R" does it on rank R only.
 // Unset, it costs one getenv per file.
 static void fault_for_tests(int file_number) {
   const char* fault = std::getenv("ZERO2_TEST_FAULT");

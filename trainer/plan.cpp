@@ -22,7 +22,7 @@ namespace bert {
 // buffers are z2::engine_buffers() over z2::lay_out_buckets() of the model's
 // parameter_numels() (what Engine::build() allocates), the activations are
 // activation_peak_bytes() (what the model opens and closes, phase by phase).
-// tests/test_trainer.sh holds every category to the measured ledger, to the
+// tests/cli/plan.sh holds every category to the measured ledger, to the
 // byte. The arena's block is the same sum with each buffer rounded up to 256
 // bytes, as the arena serves it: the smallest --device-memory-limit that
 // trains. naive's block also depends on where its holes fall (make fraglab

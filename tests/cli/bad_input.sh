@@ -26,7 +26,7 @@ core() {
 help_lists_every_flag() {
   local help_status=0 missing=""
   timeout 60 mpirun -n 2 "$trainer" --help > "$work/help.txt" 2>&1 || help_status=$?
-  for flag in $(grep -oE 'flag == "--[a-z-]+"' trainer/settings.cpp | grep -oE -- '--[a-z-]+' | sort -u); do
+  for flag in $(grep -ohE 'flag == "--[a-z-]+"' trainer/settings.cpp trainer/command_line.cpp | grep -oE -- '--[a-z-]+' | sort -u); do
     grep -q -- "$flag" "$work/help.txt" || missing="$missing $flag"
   done
   if [ $help_status -eq 0 ] && [ -z "$missing" ] && [ "$(grep -c '^usage:' "$work/help.txt")" -eq 1 ]; then

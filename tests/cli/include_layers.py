@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""tests/include_layers.py [--root DIR] [BUILD]: the trainer's includes form layers.
+"""tests/cli/include_layers.py [--root DIR] [BUILD]: the trainer's includes form layers.
 
 trainer/ is layered (notes/07, "The trainer's layers"), lowest first:
 
@@ -50,7 +50,7 @@ def read_sources(root):
 
 
 def main(argv):
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     if "--root" in argv:
         root = argv[argv.index("--root") + 1]
     texts = read_sources(root)
