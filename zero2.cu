@@ -776,74 +776,46 @@ void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded,
 }
 
 // The chapter's own reduce-scatter over MPI, a non-blocking form of the
-// reference above: each progress() call (between layers) takes the bucket's
-// steps as far as they go without waiting (runtime/transfers.h). On
-// cuda with --comm mpi, MPI works on pinned host memory: the bucket crosses
-// to the host first, and the received slices come back before the sum.
-struct MpiReduceScatter : Collective {
-  BucketExchange::Parts& exchange;
-  Slot& slot;
-  char* bucket;
-  const size_t padded;
+// reference above, in an MPI collective's steps (runtime/transfers.h): each
+// progress() call (between layers) takes them as far as they go without
+// waiting. On cuda with --comm mpi, MPI works on pinned host memory: the
+// bucket crosses to the host first, and the received slices come back before the sum.
+struct MpiReduceScatter : MpiCollective {
+  char *bucket, *send, *receive;  // send, receive: the bucket and the slot's receive buffer, or their pinned copies
+  const size_t shard;
   const AccumulateInto into;
   size_t* sent;
   const int tag = exchange.queue.next_tag();  // point-to-point slices match by (source, tag): no ticket needed
-  enum class Phase { copy_to_host, wait_for_copy, send_slices, wait_for_slices, copy_back, sum };
-  Phase phase = Phase::copy_to_host;
-  MpiReduceScatter(BucketExchange::Parts& parts, int slot_index, void* bucket_, size_t padded_,
-                   const AccumulateInto& into_, size_t* sent_)
-      : exchange(parts),
-        slot(parts.queue.slots[slot_index]),
+  MpiReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket_, size_t padded, const AccumulateInto& into_,
+                   size_t* sent_)
+      : MpiCollective(parts, s, /*of_all_ranks=*/false),
         bucket((char*)bucket_),
-        padded(padded_),
+        send(parts.through_pinned_host ? s.host_send : bucket),
+        receive(parts.through_pinned_host ? s.host_receive : s.receive),
+        shard(padded / parts.queue.world),
         into(into_),
-        sent(sent_) {}
-
-  bool advance(Transfer& transfer) override {
+        sent(sent_) {
+    if (!parts.through_pinned_host) return;
+    to_host = {bucket, send, padded};
+    to_device = {s.receive, receive, (size_t)(parts.queue.world - 1) * shard};
+  }
+  // Slice j of the bucket to rank j; rank j's slice of this rank's shard from rank j.
+  void post(Transfer& transfer) override {
     const WireType& wire = exchange.wire;
-    const MPI_Datatype type = wire.mpi_type;
-    const MPI_Comm mpi = exchange.comm.mpi();
-    const int world = exchange.queue.world, rank = exchange.queue.rank;
-    const size_t shard = padded / world;
-    const bool staged = exchange.through_pinned_host;  // then MPI sends and receives the slot's pinned copies
-    char* send = staged ? slot.host_send : bucket;
-    char* receive = staged ? slot.host_receive : slot.receive;
-    switch (phase) {
-      case Phase::copy_to_host:
-        if (staged) exchange.copy_to_host(slot, send, bucket, padded);
-        phase = Phase::wait_for_copy;
-        [[fallthrough]];
-      case Phase::wait_for_copy:
-        if (staged && !exchange.copied_to_host(slot)) return false;
-        phase = Phase::send_slices;
-        [[fallthrough]];
-      case Phase::send_slices:  // slice j of the bucket to rank j; rank j's slice of this rank's shard from rank j
-        for (int j = 0; j < world; ++j) {
-          if (j == rank) continue;  // the own slice stays: it is read in place by the sum
-          const int count = (int)shard;
-          transfer.requests.emplace_back();
-          Z2_MPI_CHECK(MPI_Irecv(wire.at(receive, received_index(j, rank) * shard), count, type, j, tag, mpi,
-                                 &transfer.requests.back()));
-          transfer.requests.emplace_back();
-          Z2_MPI_CHECK(
-              MPI_Isend(wire.at(send, (size_t)j * shard), count, type, j, tag, mpi, &transfer.requests.back()));
-          transfer.peers.insert(transfer.peers.end(), {j, j});
-          *sent += wire.bytes(shard);  // N - 1 slices of Psi_b / N: what a ring reduce-scatter sends
-        }
-        phase = Phase::wait_for_slices;
-        [[fallthrough]];
-      case Phase::wait_for_slices:  // MPICH moves them only inside MPI calls: each progress() tests
-        if (!transfer.requests_done()) return false;
-        phase = Phase::copy_back;
-        [[fallthrough]];
-      case Phase::copy_back:
-        if (staged) exchange.copy_to_device(slot.receive, receive, (size_t)(world - 1) * shard);
-        phase = Phase::sum;
-        [[fallthrough]];
-      case Phase::sum:  // the canonical tree over the N slices (after the copy back: one comm stream)
-        exchange.sums.sum_and_accumulate(shard, wire.at(bucket, (size_t)rank * shard), slot.receive, into);
+    const int world = exchange.queue.world, rank = exchange.queue.rank, count = (int)shard;
+    for (int j = 0; j < world; ++j) {
+      if (j == rank) continue;  // the own slice stays: it is read in place by the sum
+      Z2_MPI_CHECK(MPI_Irecv(wire.at(receive, received_index(j, rank) * shard), count, wire.mpi_type, j, tag,
+                             exchange.comm.mpi(), request(transfer, j)));
+      Z2_MPI_CHECK(MPI_Isend(wire.at(send, (size_t)j * shard), count, wire.mpi_type, j, tag, exchange.comm.mpi(),
+                             request(transfer, j)));
+      *sent += wire.bytes(shard);  // N - 1 slices of Psi_b / N: what a ring reduce-scatter sends
     }
-    return true;
+  }
+  // The canonical tree over the N slices (after the copy back: one comm stream).
+  void arrived() override {
+    exchange.sums.sum_and_accumulate(shard, exchange.wire.at(bucket, (size_t)exchange.queue.rank * shard),
+                                     slot.receive, into);
   }
 };
 
@@ -868,7 +840,7 @@ std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int
   if (queue.world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
   if (use_nccl) return nccl_reduce_scatter(*this, slot, bucket, padded, into, sent);
   if (native) return mpi_native_reduce_scatter(*this, slot, bucket, padded, into, sent);
-  return std::make_unique<MpiReduceScatter>(*this, slot, bucket, padded, into, sent);
+  return std::make_unique<MpiReduceScatter>(*this, queue.slots[slot], bucket, padded, into, sent);
 }
 
 // --- the receiver's sum (a kernel on the comm stream) -----------------------------
@@ -1384,9 +1356,9 @@ struct MpiAllGather : MpiCollective {
     to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
     to_device = {bucket, host, padded};                                       // the whole bucket comes back
   }
-  void post(MPI_Request* request) override {
+  void post(Transfer& transfer) override {
     const MPI_Datatype type = exchange.wire.mpi_type;
-    Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request));
+    Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request(transfer)));
     *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard);
   }
 };

@@ -62,7 +62,9 @@ PATH = [
     (CU, "void BucketExchange::start_reduce_scatter(", "a transfer in the slot"),
     (T, "inline Transfer* BucketExchange::Parts::start(", "the transfer started"),
     (T, "inline Transfer* TransferQueue::start(", "after what the compute stream wrote"),
-    (CU, "struct MpiReduceScatter : Collective {", "the slices over MPI, step by step"),
+    (T, "struct MpiCollective : Collective {", "an MPI collective's steps"),
+    (T, "inline bool MpiCollective::advance(", "as it runs"),
+    (CU, "struct MpiReduceScatter : MpiCollective {", "the slices over MPI, as an MPI collective"),
     (CU, "std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(", "which collective carries it"),
     (CU, "static void for_exchange_types(", "the kernel for the exchange's types"),
     (CU, "void ShardSums::sum_and_accumulate(", "the receiver's sum"),
@@ -98,8 +100,6 @@ PATH = [
     (CU, "struct MpiAllGather : MpiCollective {", "MPI's all-gather"),
     (CU, "std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(", "which collective carries it"),
     (CU, "void BucketExchange::start_all_gather(", "a transfer in the slot"),
-    (T, "struct MpiCollective : Collective {", "an MPI collective's steps"),
-    (T, "inline bool MpiCollective::advance(", "as it runs"),
     (CU, "void Engine::RankState::wait_for_all_gathers() {", "forward may read the parameters"),
 ]
 

@@ -93,10 +93,10 @@ struct MpiNativeReduceScatter : MpiCollective {
     to_host = {bucket, send, padded};
     to_device = {s.receive, receive, shard};
   }
-  void post(MPI_Request* request) override {
+  void post(Transfer& transfer) override {
     const Communicator& comm = exchange.comm;
     Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, exchange.wire.mpi_type,
-                                           comm.sum_op(exchange.wire.precision), comm.mpi(), request));
+                                           comm.sum_op(exchange.wire.precision), comm.mpi(), request(transfer)));
     *sent += (size_t)(comm.world_size() - 1) * exchange.wire.bytes(shard);
   }
   void arrived() override { exchange.sums.accumulate(slot.receive, shard, into); }
@@ -113,10 +113,10 @@ struct MpiNativeAllReduce : MpiCollective {
         sent(sent_) {
     if (parts.through_pinned_host) to_host = to_device = {bucket, host, padded};
   }
-  void post(MPI_Request* request) override {
+  void post(Transfer& transfer) override {
     const Communicator& comm = exchange.comm;
     Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, exchange.wire.mpi_type,
-                                comm.sum_op(exchange.wire.precision), comm.mpi(), request));
+                                comm.sum_op(exchange.wire.precision), comm.mpi(), request(transfer)));
     *sent += 2 * (size_t)(comm.world_size() - 1) * exchange.wire.bytes(padded / comm.world_size());
   }
 };

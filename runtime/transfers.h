@@ -237,25 +237,14 @@ inline Transfer* TransferQueue::start(int slot, const std::string& what) {
   return transfer;
 }
 
-// Between layers, and at the end of the micro-step (end_micro_step).
+// --- an MPI collective's steps (the reduce-scatter's slices, the all-gather) ----------
 
-inline void TransferQueue::progress() {
-  for (auto& transfer : transfers) transfer->advance();
-  retire_finished();
-}
-
-inline void TransferQueue::finish_all() {
-  for (auto& transfer : transfers) finish(*transfer);
-  retire_finished();
-}
-
-// --- the all-gather's steps: an MPI collective of all ranks --------------------------
-
-// An MPI collective of all ranks on one bucket (the all-gather, the native
-// reduce-scatter and all-reduce), in the order it runs: on cuda the part of
-// the bucket MPI reads crosses to pinned host memory first (to_host), the
-// collective is posted when its ticket is next (post), its request is waited
-// for, what MPI wrote comes back (to_device), and arrived() does what follows.
+// A collective over MPI on one bucket (the chapter's reduce-scatter and
+// all-gather, the native ones), in the order it runs: on cuda the part of
+// the bucket MPI reads crosses to pinned host memory first (to_host), its
+// requests are posted (post; a collective of all ranks when its ticket is
+// next), waited for, what MPI wrote comes back (to_device), and arrived()
+// does what follows.
 struct MpiCollective : Collective {
   struct Span {
     void* device = nullptr;
@@ -265,14 +254,21 @@ struct MpiCollective : Collective {
   BucketExchange::Parts& exchange;
   Slot& slot;
   Span to_host, to_device;  // set by the collective when it is staged (--comm mpi on cuda)
-  const long ticket;
-  enum class Phase { copy_to_host, wait_for_copy, post, wait_for_collective, copy_back };
+  const long ticket;        // -1: point-to-point, matched by (source, tag), in no order
+  enum class Phase { copy_to_host, wait_for_copy, post, wait_for_requests, copy_back };
   Phase phase = Phase::copy_to_host;
 
-  MpiCollective(BucketExchange::Parts& parts, Slot& s) : exchange(parts), slot(s), ticket(parts.queue.take_ticket()) {}
+  MpiCollective(BucketExchange::Parts& parts, Slot& s, bool of_all_ranks = true)
+      : exchange(parts), slot(s), ticket(of_all_ranks ? parts.queue.take_ticket() : -1) {}
   bool advance(Transfer& transfer) final;
-  virtual void post(MPI_Request* request) = 0;  // the MPI call, nonblocking
+  virtual void post(Transfer& transfer) = 0;  // the MPI calls, nonblocking, each through request()
   virtual void arrived() {}
+  // A new request of the transfer, exchanged with `peer` (-1: all ranks).
+  MPI_Request* request(Transfer& transfer, int peer = -1) {
+    transfer.peers.push_back(peer);
+    transfer.requests.emplace_back();
+    return &transfer.requests.back();
+  }
 };
 
 inline bool MpiCollective::advance(Transfer& transfer) {
@@ -286,14 +282,12 @@ inline bool MpiCollective::advance(Transfer& transfer) {
       phase = Phase::post;
       [[fallthrough]];
     case Phase::post:  // every rank starts its collectives in one order: this one's ticket must be next
-      if (!exchange.queue.may_post(ticket)) return false;
-      transfer.requests.resize(1);
-      transfer.peers.assign(1, -1);
-      post(&transfer.requests[0]);
-      exchange.queue.posted();
-      phase = Phase::wait_for_collective;
+      if (ticket >= 0 && !exchange.queue.may_post(ticket)) return false;
+      post(transfer);
+      if (ticket >= 0) exchange.queue.posted();
+      phase = Phase::wait_for_requests;
       [[fallthrough]];
-    case Phase::wait_for_collective:
+    case Phase::wait_for_requests:  // MPICH moves them only inside MPI calls: each progress() tests
       if (!transfer.requests_done()) return false;
       phase = Phase::copy_back;
       [[fallthrough]];
@@ -302,6 +296,18 @@ inline bool MpiCollective::advance(Transfer& transfer) {
       arrived();
   }
   return true;
+}
+
+// Between layers, and at the end of the micro-step (end_micro_step).
+
+inline void TransferQueue::progress() {
+  for (auto& transfer : transfers) transfer->advance();
+  retire_finished();
+}
+
+inline void TransferQueue::finish_all() {
+  for (auto& transfer : transfers) finish(*transfer);
+  retire_finished();
 }
 
 // The collectives transfers.cpp builds: the libraries' native ones over MPI,
