@@ -47,7 +47,7 @@
 #include "zero2.h"                 // the API, the arithmetic of the stages, BucketExchange
 #include "runtime/engine_state.h"  // ModelStates: this rank's buffers as the runtime's host copies see them
 #include "runtime/lab_build.h"     // what a lab build checks: a student's layout, agreed refusals
-#include "runtime/transfers.h"     // Slot, Transfer, TransferQueue and its steps, ShardSums, Parts
+#include "runtime/transfers.h"     // Slot, Transfer, Parts (slots, transfers in flight, sums) and its steps
 
 #include <algorithm>
 #include <climits>
@@ -301,6 +301,16 @@ size_t EngineBuffers::reserved() const {  // in a block: each buffer rounded up 
          block_round(decay_flags);
 }
 
+// A kernel for a precision's type: call(T{}) with T float, bfloat16 or float16.
+template <class Call>
+void for_precision(Precision precision, Call call) {
+  switch (precision) {
+    case Precision::fp32: return call(float{});
+    case Precision::bf16: return call(bfloat16{});
+    case Precision::fp16: return call(float16{});
+  }
+}
+
 // What this rank holds for the engine: the model-state buffers above, full
 // or sharded by stage, the bucket exchange, the micro-step's bookkeeping, and
 // the steps over them (defined in the sections that use them). It reads the
@@ -376,16 +386,6 @@ struct Engine::RankState {
       usage_error("%s: bucket %d out of range (the layout has %zu buckets)", what, b, buckets.size());
     return b;
   }
-  // A kernel over the working type: call(Working{}) with float, bfloat16 or float16.
-  template <class Call>
-  void for_working_type(Call call) {
-    switch (precision) {
-      case Precision::fp32: return call(float{});
-      case Precision::bf16: return call(bfloat16{});
-      case Precision::fp16: return call(float16{});
-    }
-  }
-
   // --- backward ("Backward", below) ---
   // --- backward and its buckets' reduction ("Backward", "The reduce-scatter"), in this order ---
   void take_slot(int b);  // stage 2: bucket b's slot, zeroed for backward
@@ -604,28 +604,28 @@ void Engine::RankState::take_slot(int b) {
 // Constant memory is the point of stage 2: at most slot_count buckets are in
 // flight, and a bucket that needs a slot waits for the oldest transfer.
 int BucketExchange::acquire(int bucket) {
-  TransferQueue& queue = parts_->queue;
-  int slot = queue.free_slot();
-  while (slot < 0 && !queue.transfers.empty()) {
-    queue.finish(*queue.transfers.front());
-    queue.retire_finished();
-    slot = queue.free_slot();
+  Parts& p = *parts_;
+  int slot = p.free_slot();
+  while (slot < 0 && !p.transfers.empty()) {
+    p.finish(*p.transfers.front());
+    p.retire_finished();
+    slot = p.free_slot();
   }
   if (slot < 0)
     usage_error(
         "all %zu staging slot(s) are held by buckets not yet handed over (bucket %d is open) when bucket %d "
         "needs one: hand over every gradient of a bucket before starting the next",
-        queue.slots.size(), queue.slots[0].bucket, bucket);
-  queue.slots[slot].bucket = bucket;
+        p.slots.size(), p.slots[0].bucket, bucket);
+  p.slots[slot].bucket = bucket;
   return slot;
 }
 
 void* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
   Parts& p = *parts_;
-  char* buffer = p.queue.slots.at(slot).bucket_gradients;
+  char* buffer = p.slots.at(slot).bucket_gradients;
   if (!buffer) usage_error("open_bucket_buffer: this exchange was made without bucket buffers");
   // The slot's previous transfer may still read the buffer on the comm stream.
-  p.compute.wait(p.compute.compute_stream(), p.queue.slots[slot].done);
+  p.compute.wait(p.compute.compute_stream(), p.slots[slot].done);
   p.compute.fill_zero(buffer, p.wire.bytes(padded), p.compute.compute_stream());
   return buffer;
 }
@@ -677,7 +677,7 @@ void Engine::RankState::reduce_slot(int b, size_t keep) {
 
 // The slot bucket b took (take_slot): its reduce-scatter runs in it.
 int BucketExchange::slot_of(int bucket) const {
-  const std::vector<Slot>& slots = parts_->queue.slots;
+  const std::vector<Slot>& slots = parts_->slots;
   for (size_t k = 0; k < slots.size(); ++k)
     if (slots[k].bucket == bucket) return (int)k;
   return -1;
@@ -771,7 +771,7 @@ void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded,
       p.reduce_scatter_collective(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
   if (into.copy_to_host && into.micro_step == into.micro_steps - 1)  // the final sum, also to the host (offload.h)
     transfer->collectives.push_back(
-        std::make_unique<ShardToHost>(p, into.result, into.copy_to_host, padded / p.queue.world));
+        std::make_unique<ShardToHost>(p, into.result, into.copy_to_host, padded / p.world));
   progress();
 }
 
@@ -785,24 +785,24 @@ struct MpiReduceScatter : MpiCollective {
   const size_t shard;
   const AccumulateInto into;
   size_t* sent;
-  const int tag = exchange.queue.next_tag();  // point-to-point slices match by (source, tag): no ticket needed
+  const int tag = exchange.next_tag();  // point-to-point slices match by (source, tag): no ticket needed
   MpiReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket_, size_t padded, const AccumulateInto& into_,
                    size_t* sent_)
       : MpiCollective(parts, s, /*of_all_ranks=*/false),
         bucket((char*)bucket_),
         send(parts.through_pinned_host ? s.host_send : bucket),
         receive(parts.through_pinned_host ? s.host_receive : s.receive),
-        shard(padded / parts.queue.world),
+        shard(padded / parts.world),
         into(into_),
         sent(sent_) {
     if (!parts.through_pinned_host) return;
     to_host = {bucket, send, padded};
-    to_device = {s.receive, receive, (size_t)(parts.queue.world - 1) * shard};
+    to_device = {s.receive, receive, (size_t)(parts.world - 1) * shard};
   }
   // Slice j of the bucket to rank j; rank j's slice of this rank's shard from rank j.
   void post(Transfer& transfer) override {
     const WireType& wire = exchange.wire;
-    const int world = exchange.queue.world, rank = exchange.queue.rank, count = (int)shard;
+    const int world = exchange.world, rank = exchange.rank, count = (int)shard;
     for (int j = 0; j < world; ++j) {
       if (j == rank) continue;  // the own slice stays: it is read in place by the sum
       Z2_MPI_CHECK(MPI_Irecv(wire.at(receive, received_index(j, rank) * shard), count, wire.mpi_type, j, tag,
@@ -814,7 +814,7 @@ struct MpiReduceScatter : MpiCollective {
   }
   // The canonical tree over the N slices (after the copy back: one comm stream).
   void arrived() override {
-    exchange.sums.sum_and_accumulate(shard, exchange.wire.at(bucket, (size_t)exchange.queue.rank * shard),
+    exchange.sum_and_accumulate(shard, exchange.wire.at(bucket, (size_t)exchange.rank * shard),
                                      slot.receive, into);
   }
 };
@@ -828,7 +828,7 @@ struct OneRankSum : Collective {
   OneRankSum(BucketExchange::Parts& parts, void* bucket_, size_t padded_, const AccumulateInto& into_)
       : exchange(parts), bucket(bucket_), padded(padded_), into(into_) {}
   bool advance(Transfer&) override {
-    exchange.sums.accumulate(bucket, padded, into);
+    exchange.accumulate(bucket, padded, into);
     return true;
   }
 };
@@ -837,33 +837,29 @@ struct OneRankSum : Collective {
 // MPI (above), or the libraries' (NCCL, --collectives native: runtime/transfers.cpp).
 std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int slot, void* bucket, size_t padded,
                                                                              const AccumulateInto& into, size_t* sent) {
-  if (queue.world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
+  if (world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
   if (use_nccl) return nccl_reduce_scatter(*this, slot, bucket, padded, into, sent);
   if (native) return mpi_native_reduce_scatter(*this, slot, bucket, padded, into, sent);
-  return std::make_unique<MpiReduceScatter>(*this, queue.slots[slot], bucket, padded, into, sent);
+  return std::make_unique<MpiReduceScatter>(*this, slots[slot], bucket, padded, into, sent);
 }
 
 // --- the receiver's sum (a kernel on the comm stream) -----------------------------
 
-// The kernel for the exchange's types: call(Wire{}, Accum{}).
+// The kernel for the exchange's types: call(Wire{}, Accum{}), Accum fp32
+// or (accumulate_fp32 off) the wire type.
 template <class Call>
-static void for_exchange_types(const ShardSums& sums, Call call) {
-  switch (sums.wire.precision) {
-    case Precision::fp32: return call(float{}, float{});
-    case Precision::bf16:
-      if (sums.accumulate_fp32) return call(bfloat16{}, float{});
-      return call(bfloat16{}, bfloat16{});
-    case Precision::fp16:
-      if (sums.accumulate_fp32) return call(float16{}, float{});
-      return call(float16{}, float16{});
-  }
+static void for_exchange_types(const BucketExchange::Parts& parts, Call call) {
+  for_precision(parts.wire.precision, [&](auto wire_zero) {
+    if (parts.accumulate_fp32) return call(wire_zero, float{});
+    return call(wire_zero, wire_zero);
+  });
 }
-void ShardSums::sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
+void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
   for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
     sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
   });
 }
-void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& into) {
+void BucketExchange::Parts::accumulate(const void* values, size_t n, const AccumulateInto& into) {
   for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
     accumulate_as<decltype(wire_zero), decltype(accum_zero)>(values, n, into);
   });
@@ -877,7 +873,7 @@ void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& i
 // power-of-two N (notes/06). (sum_over_ranks, zero2.h: canonical_tree_sum, or
 // in a lab build the student's tree_sum.)
 template <class Wire, class Accum>
-void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
+void BucketExchange::Parts::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
                                       const AccumulateInto& into) {
   const int ranks = world, me = rank;
   const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
@@ -896,7 +892,7 @@ void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const
 }
 // One value per element already reduced (one rank, or a native reduce-scatter).
 template <class Wire, class Accum>
-void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
+void BucketExchange::Parts::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
   const Wire* values = (const Wire*)reduced;
   Wire* result = (Wire*)into.result;
   const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
@@ -912,18 +908,18 @@ void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInt
 // accumulate, the library's all-reduce.
 void BucketExchange::start_all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   Parts& p = *parts_;
-  void* own = p.wire.at(bucket, (size_t)p.queue.rank * (padded / p.queue.world));
+  void* own = p.wire.at(bucket, (size_t)p.rank * (padded / p.world));
   AccumulateInto target = into;
   if (!target.result) target.result = own;
   if (target.result != own)
     usage_error("all_reduce: the reduced shard must land in the bucket's own slice, to be all-gathered from there");
   Transfer* transfer = p.start(slot, padded, "all-reduce");
   size_t* sent = &p.comm.counters().all_reduce;
-  if (p.native && p.queue.world > 1 && target.micro_steps == 1) {
+  if (p.native && p.world > 1 && target.micro_steps == 1) {
     transfer->collectives.push_back(p.native_all_reduce_collective(slot, bucket, padded, sent));
   } else {
     transfer->collectives.push_back(p.reduce_scatter_collective(slot, bucket, padded, target, sent));
-    if (p.queue.world > 1) transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, sent));
+    if (p.world > 1) transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, sent));
   }
   progress();
 }
@@ -935,7 +931,11 @@ void Engine::progress() {
   if (built_) rank_state_->exchange->progress();
 }
 
-void BucketExchange::progress() { parts_->queue.progress(); }
+// Every transfer in flight as far as it goes without waiting, the finished ones retired.
+void BucketExchange::progress() {
+  for (auto& transfer : parts_->transfers) transfer->advance();
+  parts_->retire_finished();
+}
 
 void Engine::end_micro_step(float loss) {
   require_built("end_micro_step");
@@ -962,7 +962,11 @@ void Engine::RankState::end_micro_step(int a, float loss) {
   std::fill(bucket_reduced.begin(), bucket_reduced.end(), 0);
 }
 
-void BucketExchange::finish_all() { parts_->queue.finish_all(); }
+// Every transfer in flight finished, oldest first, and retired.
+void BucketExchange::finish_all() {
+  for (auto& transfer : parts_->transfers) parts_->finish(*transfer);
+  parts_->retire_finished();
+}
 
 // Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
 // the order backward completes them. Stage 2 reduces every bucket during
@@ -1051,7 +1055,7 @@ float Engine::RankState::global_loss() {
 // The sum of squares of every norm chunk of this rank's update region, on the host.
 std::vector<float> Engine::RankState::local_chunk_sums(float scale) {
   for (int b = 0; b < (int)buckets.size(); ++b)
-    for_working_type([&](auto zero) { chunk_squares_as<decltype(zero)>(b, scale); });
+    for_precision(precision, [&](auto zero) { chunk_squares_as<decltype(zero)>(b, scale); });
   std::vector<float> local(chunk_sums.size());
   compute.copy(local.data(), chunk_sums.data(), local.size() * sizeof(float), compute.compute_stream());
   compute.synchronize(compute.compute_stream());
@@ -1222,7 +1226,7 @@ Z2_LAB_SEAM float tree_sum(long n, const float* leaves) {
 // says whether every element of the gradient is finite.
 float Engine::RankState::global_largest_magnitude(bool* finite) {
   for (int b = 0; b < (int)buckets.size(); ++b)
-    for_working_type([&](auto zero) { chunk_largest_as<decltype(zero)>(b); });
+    for_precision(precision, [&](auto zero) { chunk_largest_as<decltype(zero)>(b); });
   std::vector<float> local(chunk_sums.size());
   compute.copy(local.data(), chunk_sums.data(), local.size() * sizeof(float), compute.compute_stream());
   compute.synchronize(compute.compute_stream());
@@ -1306,7 +1310,7 @@ Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketIn
 
 // AdamW on bucket b's update region, in the working type.
 void Engine::RankState::adamw(int b, const AdamWConstants& constants) {
-  for_working_type([&](auto zero) { adamw_as<decltype(zero)>(b, constants); });
+  for_precision(precision, [&](auto zero) { adamw_as<decltype(zero)>(b, constants); });
   home->shard_updated(b);  // ZeRO-Offload: up to the device's parameters
 }
 
@@ -1349,17 +1353,17 @@ struct MpiAllGather : MpiCollective {
   MpiAllGather(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded, size_t* sent_)
       : MpiCollective(parts, s),
         host(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        shard(padded / parts.queue.world),
+        shard(padded / parts.world),
         sent(sent_) {
     if (!parts.through_pinned_host) return;
-    const size_t own = (size_t)parts.queue.rank * shard;
+    const size_t own = (size_t)parts.rank * shard;
     to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
     to_device = {bucket, host, padded};                                       // the whole bucket comes back
   }
   void post(Transfer& transfer) override {
     const MPI_Datatype type = exchange.wire.mpi_type;
     Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request(transfer)));
-    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard);
+    *sent += (size_t)(exchange.world - 1) * exchange.wire.bytes(shard);
   }
 };
 
@@ -1367,13 +1371,13 @@ struct MpiAllGather : MpiCollective {
 std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(int slot, void* bucket, size_t padded,
                                                                          size_t* sent) {
   if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
-  return std::make_unique<MpiAllGather>(*this, queue.slots[slot], bucket, padded, sent);
+  return std::make_unique<MpiAllGather>(*this, slots[slot], bucket, padded, sent);
 }
 
 void BucketExchange::start_all_gather(int slot, void* bucket, size_t padded) {
   Parts& p = *parts_;
   Transfer* transfer = p.start(slot, padded, "all-gather");
-  if (p.queue.world > 1)  // one rank: nothing to send
+  if (p.world > 1)  // one rank: nothing to send
     transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, &p.comm.counters().all_gather));
   progress();
 }

@@ -705,7 +705,7 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
 }
 
 // The canonical tree over the N ranks' slices of one element (zero2.cu's
-// ShardSums): canonical_tree_sum, or in a lab build (notes/labs) the
+// receiver's sum): canonical_tree_sum, or in a lab build (notes/labs) the
 // student's tree_sum over the leaves, at most 64 (runtime/lab_build.h).
 template <class Leaf>
 Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {

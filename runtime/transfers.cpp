@@ -19,7 +19,7 @@ namespace z2 {
 
 // What a transfer is still waiting for: the ranks whose point-to-point
 // slices have not come (or not been taken), or a collective of all ranks.
-std::string TransferQueue::describe_waiting(Transfer& transfer) {
+std::string BucketExchange::Parts::describe_waiting(Transfer& transfer) {
   std::vector<int> missing;
   bool collective = false;
   for (size_t k = 0; k < transfer.requests.size(); ++k) {
@@ -48,12 +48,13 @@ std::string TransferQueue::describe_waiting(Transfer& transfer) {
 BucketExchange::Parts::Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks)
     : compute(c),
       comm(communicator),
+      rank(communicator.rank()),
+      world(communicator.world_size()),
       wire(w),
+      accumulate_fp32(fp32_blocks),
       native(communicator.collectives() == Collectives::native),
       use_nccl(communicator.backend() == CommBackend::nccl),
-      through_pinned_host(communicator.backend() == CommBackend::mpi && c.on_cuda()),
-      queue(c, communicator.rank(), communicator.world_size()),
-      sums{c, communicator.rank(), communicator.world_size(), wire, fp32_blocks} {}
+      through_pinned_host(communicator.backend() == CommBackend::mpi && c.on_cuda()) {}
 
 void BucketExchange::Parts::copy_to_host(Slot& slot, void* host, const void* device, size_t count) {
   // A slot has one transfer at a time, so the slot's event is this transfer's.
@@ -86,7 +87,7 @@ struct MpiNativeReduceScatter : MpiCollective {
       : MpiCollective(parts, s),
         send(parts.through_pinned_host ? s.host_send : (char*)bucket),
         receive(parts.through_pinned_host ? s.host_receive : s.receive),
-        shard(padded / parts.queue.world),
+        shard(padded / parts.world),
         into(into_),
         sent(sent_) {
     if (!parts.through_pinned_host) return;
@@ -99,7 +100,7 @@ struct MpiNativeReduceScatter : MpiCollective {
                                            comm.sum_op(exchange.wire.precision), comm.mpi(), request(transfer)));
     *sent += (size_t)(comm.world_size() - 1) * exchange.wire.bytes(shard);
   }
-  void arrived() override { exchange.sums.accumulate(slot.receive, shard, into); }
+  void arrived() override { exchange.accumulate(slot.receive, shard, into); }
 };
 
 struct MpiNativeAllReduce : MpiCollective {
@@ -124,12 +125,12 @@ struct MpiNativeAllReduce : MpiCollective {
 
 std::unique_ptr<Collective> mpi_native_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket,
                                                       size_t padded, const AccumulateInto& into, size_t* sent) {
-  return std::make_unique<MpiNativeReduceScatter>(exchange, exchange.queue.slots[slot], bucket, padded, into, sent);
+  return std::make_unique<MpiNativeReduceScatter>(exchange, exchange.slots[slot], bucket, padded, into, sent);
 }
 
 std::unique_ptr<Collective> mpi_native_all_reduce(BucketExchange::Parts& exchange, int slot, void* bucket,
                                                   size_t padded, size_t* sent) {
-  return std::make_unique<MpiNativeAllReduce>(exchange, exchange.queue.slots[slot], bucket, padded, sent);
+  return std::make_unique<MpiNativeAllReduce>(exchange, exchange.slots[slot], bucket, padded, sent);
 }
 
 // --- NCCL: each collective one step on the comm stream ------------------------------
@@ -152,7 +153,7 @@ struct NcclCollective : Collective {
   size_t* sent;
   NcclCollective(BucketExchange::Parts& parts, void* bucket_, size_t padded_, size_t* sent_)
       : exchange(parts), bucket(bucket_), padded(padded_), sent(sent_) {}
-  size_t shard() const { return padded / exchange.queue.world; }
+  size_t shard() const { return padded / exchange.world; }
   ncclComm_t nccl() const { return (ncclComm_t)exchange.comm.nccl(); }
   cudaStream_t stream() const { return (cudaStream_t)exchange.compute.comm_stream().handle; }
 };
@@ -165,11 +166,11 @@ struct NcclReduceScatter : NcclCollective {
       : NcclCollective(parts, bucket_, padded_, sent_), received(received_), into(into_) {}
   bool advance(Transfer&) override {
     const WireType& wire = exchange.wire;
-    const int world = exchange.queue.world, rank = exchange.queue.rank;
+    const int world = exchange.world, rank = exchange.rank;
     if (exchange.native) {
       Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard(), nccl_type(wire), ncclSum, nccl(), stream()));
       *sent += (size_t)(world - 1) * wire.bytes(shard());  // what a ring sends
-      exchange.sums.accumulate(received, shard(), into);
+      exchange.accumulate(received, shard(), into);
       return true;
     }
     Z2_NCCL_CHECK(ncclGroupStart());
@@ -181,7 +182,7 @@ struct NcclReduceScatter : NcclCollective {
       *sent += wire.bytes(shard());
     }
     Z2_NCCL_CHECK(ncclGroupEnd());
-    exchange.sums.sum_and_accumulate(shard(), wire.at(bucket, (size_t)rank * shard()), received, into);
+    exchange.sum_and_accumulate(shard(), wire.at(bucket, (size_t)rank * shard()), received, into);
     return true;
   }
 };
@@ -189,9 +190,9 @@ struct NcclReduceScatter : NcclCollective {
 struct NcclAllGather : NcclCollective {
   using NcclCollective::NcclCollective;
   bool advance(Transfer&) override {
-    Z2_NCCL_CHECK(ncclAllGather(exchange.wire.at(bucket, (size_t)exchange.queue.rank * shard()), bucket, shard(),
+    Z2_NCCL_CHECK(ncclAllGather(exchange.wire.at(bucket, (size_t)exchange.rank * shard()), bucket, shard(),
                                 nccl_type(exchange.wire), nccl(), stream()));
-    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard());
+    *sent += (size_t)(exchange.world - 1) * exchange.wire.bytes(shard());
     return true;
   }
 };
@@ -200,7 +201,7 @@ struct NcclAllReduce : NcclCollective {
   using NcclCollective::NcclCollective;
   bool advance(Transfer&) override {
     Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, nccl_type(exchange.wire), ncclSum, nccl(), stream()));
-    *sent += 2 * (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard());
+    *sent += 2 * (size_t)(exchange.world - 1) * exchange.wire.bytes(shard());
     return true;
   }
 };
@@ -208,7 +209,7 @@ struct NcclAllReduce : NcclCollective {
 
 std::unique_ptr<Collective> nccl_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket, size_t padded,
                                                 const AccumulateInto& into, size_t* sent) {
-  return std::make_unique<NcclReduceScatter>(exchange, bucket, exchange.queue.slots[slot].receive, padded, into, sent);
+  return std::make_unique<NcclReduceScatter>(exchange, bucket, exchange.slots[slot].receive, padded, into, sent);
 }
 std::unique_ptr<Collective> nccl_all_gather(BucketExchange::Parts& exchange, void* bucket, size_t padded,
                                             size_t* sent) {
@@ -256,9 +257,9 @@ BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_
     slot.done = compute.create_event();
     slot.copied = compute.create_event();
     compute.record(slot.done, compute.comm_stream());
-    p.queue.slots.push_back(slot);
+    p.slots.push_back(slot);
   }
-  p.queue.ready = compute.create_event();
+  p.ready = compute.create_event();
 }
 
 BucketExchange::~BucketExchange() {
@@ -267,13 +268,13 @@ BucketExchange::~BucketExchange() {
   // errors stop every rank at the same place, so the others finish too.
   finish_all();
   p.compute.synchronize_all();
-  for (auto& slot : p.queue.slots) {
+  for (auto& slot : p.slots) {
     p.compute.destroy_event(slot.done);
     p.compute.destroy_event(slot.copied);
     p.compute.release_host_pinned(slot.host_send);
     p.compute.release_host_pinned(slot.host_receive);
   }
-  p.compute.destroy_event(p.queue.ready);
+  p.compute.destroy_event(p.ready);
 }
 
 

@@ -85,10 +85,20 @@ struct Transfer {
   bool requests_done();
 };
 
-// The transfers in flight, oldest first, each in its slot.
-struct TransferQueue {
+// The exchange: its slots, the transfers in flight (oldest first, each in
+// its slot), the receiver's sums, and how a collective is chosen for the
+// backend (zero2.cu: the chapter's own over MPI; the others from transfers.cpp).
+struct BucketExchange::Parts {
   Compute& compute;
+  Communicator& comm;
   const int rank, world;
+  const WireType wire;
+  const bool accumulate_fp32;      // the accumulation tree's blocks in fp32 (else the wire type)
+  const bool native;               // --collectives native
+  const bool use_nccl;             // --comm nccl
+  const bool through_pinned_host;  // --comm mpi with --device cuda
+  size_t max_padded = 0;
+  DeviceArray<char> staging;  // slots x (bucket gradients + receive)
   std::vector<Slot> slots;
   std::deque<std::unique_ptr<Transfer>> transfers;
   Event ready;       // "the compute stream got this far"
@@ -100,9 +110,9 @@ struct TransferQueue {
   // same order on every rank, and may only run when its ticket is next.
   long next_ticket = 0, next_to_post = 0;
 
-  TransferQueue(Compute& c, int rank_, int world_) : compute(c), rank(rank_), world(world_) {}
-  // A new transfer in `slot`, after everything the compute stream wrote so far.
-  Transfer* start(int slot, const std::string& what);
+  Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks);
+  // The transfer of one collective on a bucket of `padded` elements, in `slot`.
+  Transfer* start(int slot, size_t padded, const char* collective);
   long take_ticket() { return next_ticket++; }
   bool may_post(long ticket) const { return ticket == next_to_post; }
   void posted() { ++next_to_post; }
@@ -113,49 +123,7 @@ struct TransferQueue {
   void finish(Transfer& transfer);
   std::string describe_waiting(Transfer& transfer);
   void retire_finished();
-  void progress();
-  void finish_all();
   int free_slot() const;
-};
-
-// The receiver's sums (kernels on the comm stream; zero2.cu): the N slices
-// of this rank's shard summed in canonical order, in fp32, handed to the
-// accumulation tree (which rounds the finished sum to the wire type once);
-// or one value per element already reduced (one rank, or a native
-// reduce-scatter).
-struct ShardSums {
-  Compute& compute;
-  const int rank, world;
-  const WireType wire;
-  const bool accumulate_fp32;  // the accumulation tree's blocks in fp32 (else the wire type)
-  // `own` is this rank's own slice (never sent), `received` the N-1 others.
-  void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into);
-  void accumulate(const void* values, size_t n, const AccumulateInto& into);
-  template <class Wire, class Accum>
-  void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                             const AccumulateInto& into);
-  template <class Wire, class Accum>
-  void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into);
-};
-
-// The exchange: its slots, the queue, the sums, and how a collective is
-// chosen for the backend (zero2.cu: the chapter's own over MPI; the others
-// from transfers.cpp).
-struct BucketExchange::Parts {
-  Compute& compute;
-  Communicator& comm;
-  const WireType wire;
-  const bool native;               // --collectives native
-  const bool use_nccl;             // --comm nccl
-  const bool through_pinned_host;  // --comm mpi with --device cuda
-  size_t max_padded = 0;
-  DeviceArray<char> staging;  // slots x (bucket gradients + receive)
-  TransferQueue queue;
-  ShardSums sums;
-
-  Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks);
-  // The transfer of one collective on a bucket of `padded` elements, in `slot`.
-  Transfer* start(int slot, size_t padded, const char* collective);
   // Each collective adds the bytes it sends to `sent` at the moment it calls
   // MPI or NCCL, so the ledger counts traffic that happened, by the
   // collective that sent it (a reduce-scatter that quietly became an
@@ -164,6 +132,18 @@ struct BucketExchange::Parts {
                                                         const AccumulateInto& into, size_t* sent);
   std::unique_ptr<Collective> all_gather_collective(int slot, void* bucket, size_t padded, size_t* sent);
   std::unique_ptr<Collective> native_all_reduce_collective(int slot, void* bucket, size_t padded, size_t* sent);
+  // The receiver's sums (kernels on the comm stream; zero2.cu): the N slices
+  // of this rank's shard (`own` its own slice, never sent; `received` the
+  // N-1 others) summed in canonical order, in fp32, handed to the
+  // accumulation tree (which rounds the finished sum to the wire type once);
+  // or one value per element already reduced (one rank, a native reduce-scatter).
+  void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into);
+  void accumulate(const void* values, size_t n, const AccumulateInto& into);
+  template <class Wire, class Accum>
+  void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
+                             const AccumulateInto& into);
+  template <class Wire, class Accum>
+  void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into);
   // --comm mpi on cuda: `count` elements from the device to pinned host
   // memory on the comm stream (MPI reads host memory), the copy's arrival
   // polled through the slot's event, and the way back.
@@ -176,7 +156,7 @@ struct BucketExchange::Parts {
 // A slot for a bucket (BucketExchange::acquire): a free one, or the oldest
 // transfer finished to free its slot.
 
-inline int TransferQueue::free_slot() const {
+inline int BucketExchange::Parts::free_slot() const {
   for (size_t s = 0; s < slots.size(); ++s)
     if (slots[s].bucket < 0 && !slots[s].running) return (int)s;
   return -1;
@@ -191,14 +171,14 @@ inline bool Transfer::requests_done() {
 }
 
 // wait_until yields between polls: ranks often share cores, 4 ranks on 2 here.
-inline void TransferQueue::finish(Transfer& transfer) {
+inline void BucketExchange::Parts::finish(Transfer& transfer) {
   wait_until([&] { return transfer.advance(); }, [&] { return describe_waiting(transfer); });
 }
 
 // Transfers leave the queue oldest first. A finished younger one waits for
 // the older: slots come back in the order they were taken, and the oldest
 // transfer is always the one to finish when a slot is needed.
-inline void TransferQueue::retire_finished() {
+inline void BucketExchange::Parts::retire_finished() {
   while (!transfers.empty() && transfers.front()->finished()) {
     Slot& slot = slots[transfers.front()->slot];
     // Everything the transfer queued is on the comm stream before this
@@ -215,22 +195,16 @@ inline void TransferQueue::retire_finished() {
 // a transfer in the slot, after what the compute stream wrote so far.
 
 inline Transfer* BucketExchange::Parts::start(int slot, size_t padded, const char* collective) {
-  const int world = queue.world;
   if (padded > max_padded || padded % world != 0)
     usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
   if (padded > (size_t)INT_MAX)  // MPI counts are int
     usage_error("a bucket of %zu elements is more than MPI can count (2^31 - 1): split the parameter", padded);
-  const int bucket = slot >= 0 && slot < (int)queue.slots.size() ? queue.slots[slot].bucket : -1;
-  return queue.start(slot, std::string("the ") + collective + " of bucket " + std::to_string(bucket));
-}
-
-inline Transfer* TransferQueue::start(int slot, const std::string& what) {
   if (slot < 0 || slot >= (int)slots.size()) usage_error("bucket collective: slot %d out of range", slot);
   if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
   transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
   Transfer* transfer = transfers.back().get();
   transfer->slot = slot;
-  transfer->what = what;
+  transfer->what = std::string("the ") + collective + " of bucket " + std::to_string(slots[slot].bucket);
   slots[slot].running = true;
   compute.record(ready, compute.compute_stream());
   compute.wait(compute.comm_stream(), ready);
@@ -259,7 +233,7 @@ struct MpiCollective : Collective {
   Phase phase = Phase::copy_to_host;
 
   MpiCollective(BucketExchange::Parts& parts, Slot& s, bool of_all_ranks = true)
-      : exchange(parts), slot(s), ticket(of_all_ranks ? parts.queue.take_ticket() : -1) {}
+      : exchange(parts), slot(s), ticket(of_all_ranks ? parts.take_ticket() : -1) {}
   bool advance(Transfer& transfer) final;
   virtual void post(Transfer& transfer) = 0;  // the MPI calls, nonblocking, each through request()
   virtual void arrived() {}
@@ -282,9 +256,9 @@ inline bool MpiCollective::advance(Transfer& transfer) {
       phase = Phase::post;
       [[fallthrough]];
     case Phase::post:  // every rank starts its collectives in one order: this one's ticket must be next
-      if (ticket >= 0 && !exchange.queue.may_post(ticket)) return false;
+      if (ticket >= 0 && !exchange.may_post(ticket)) return false;
       post(transfer);
-      if (ticket >= 0) exchange.queue.posted();
+      if (ticket >= 0) exchange.posted();
       phase = Phase::wait_for_requests;
       [[fallthrough]];
     case Phase::wait_for_requests:  // MPICH moves them only inside MPI calls: each progress() tests
@@ -296,18 +270,6 @@ inline bool MpiCollective::advance(Transfer& transfer) {
       arrived();
   }
   return true;
-}
-
-// Between layers, and at the end of the micro-step (end_micro_step).
-
-inline void TransferQueue::progress() {
-  for (auto& transfer : transfers) transfer->advance();
-  retire_finished();
-}
-
-inline void TransferQueue::finish_all() {
-  for (auto& transfer : transfers) finish(*transfer);
-  retire_finished();
 }
 
 // The collectives transfers.cpp builds: the libraries' native ones over MPI,
