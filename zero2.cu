@@ -1018,7 +1018,9 @@ StepReport Engine::step() {
   step_calls_ = report.step;
   rank_state.home->wait_for_shards();  // ZeRO-Offload: the host's copies of them have come down
   const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank's reduced gradients
-  if (overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
+  const bool skipped = options_.precision == Precision::fp16 && overflow_skips_step(local, report);  // fp16 only
+  micro_steps_done_ = 0;  // the next step's micro-steps start again
+  if (skipped) return rank_state.close_step(report);
   report.grad_norm = rank_state.global_norm(local, report);
   report.clip_coefficient = rank_state.clip_coefficient(report.grad_norm);
   // AdamW on this rank's update regions (every bucket in DP, its shards in P_os and P_os+g),
@@ -1086,17 +1088,14 @@ void Engine::RankState::chunk_squares_as(int b, float scale) {
 // rank takes the same verdict and the scaler moves on it; a skipped step
 // updates nothing.
 bool Engine::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
-  if (options_.precision == Precision::fp16) {
-    bool overflow = false;
-    for (float sum : local) overflow |= !std::isfinite(sum);
-    report.skipped = comm_.any_rank(overflow);
-    // At the minimum scale update throws, on every rank; the run ends there,
-    // so the message says where, counting steps as the progress lines do.
-    try {
-      scaler_.update(report.skipped);
-    } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
-  }
-  micro_steps_done_ = 0;  // every precision passes here: the next step's micro-steps start again
+  bool overflow = false;
+  for (float sum : local) overflow |= !std::isfinite(sum);
+  report.skipped = comm_.any_rank(overflow);
+  // At the minimum scale update throws, on every rank; the run ends there,
+  // so the message says where, counting steps as the progress lines do.
+  try {
+    scaler_.update(report.skipped);
+  } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
   if (!report.skipped) return false;
   ++skipped_steps_;
   report.applied = updates_applied_;

@@ -13,7 +13,8 @@ they are called: the compute backend's calls (Compute: copies, events,
 loops, like MPI's own calls), the refusals and the adapters the lab seams
 are lent (runtime/lab_adapters.h: the course's checks, not ZeRO's), the
 hooks of ZeRO-Offload's step (runtime/offload.h), the loss (beside the
-gradient), fp16's loss scale and the norm's rescaling (not taken in fp32),
+gradient), fp16's overflow check and loss scale and the norm's rescaling
+(not taken in fp32),
 and the ledger's accounting.
 
 Prints a Markdown table (file, what, lines, where; "back" marks a
@@ -80,7 +81,6 @@ PATH = [
     (CU, "std::vector<float> Engine::RankState::local_chunk_sums(", "the own shard's squares"),
     (CU, "void Engine::RankState::chunk_squares_as(", "a norm chunk's squares"),
     (H, "Z2_HD inline float perfect_tree_sum(", "the tree inside a chunk"),
-    (CU, "bool Engine::overflow_skips_step(", "fp16: an overflow skips the step"),
     (CU, "float Engine::RankState::global_norm(", "the global norm"),
     (CU, "float Engine::RankState::global_squared_norm(", "every rank's chunks, in canonical order"),
     (CU, "Z2_LAB_SEAM float tree_sum(", "the canonical tree over them (seam)"),
