@@ -778,27 +778,25 @@ void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded,
 // The chapter's own reduce-scatter over MPI, a non-blocking form of the
 // reference above, in an MPI collective's steps (runtime/transfers.h): each
 // progress() call (between layers) takes them as far as they go without
-// waiting. On cuda with --comm mpi, MPI works on pinned host memory: the
-// bucket crosses to the host first, and the received slices come back before the sum.
+// waiting. MPI sends from `send` and receives into `receive`: the bucket and
+// the slot's receive buffer, or (--comm mpi on cuda) their pinned copies.
 struct MpiReduceScatter : MpiCollective {
-  char *bucket, *send, *receive;  // send, receive: the bucket and the slot's receive buffer, or their pinned copies
+  Slot& slot;
+  char *bucket, *send, *receive;
   const size_t shard;
   const AccumulateInto into;
   size_t* sent;
   const int tag = exchange.next_tag();  // point-to-point slices match by (source, tag): no ticket needed
-  MpiReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket_, size_t padded, const AccumulateInto& into_,
-                   size_t* sent_)
-      : MpiCollective(parts, s, /*of_all_ranks=*/false),
+  MpiReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket_, void* send_, void* receive_, size_t padded,
+                   const AccumulateInto& into_, size_t* sent_)
+      : MpiCollective(parts, /*of_all_ranks=*/false),
+        slot(s),
         bucket((char*)bucket_),
-        send(parts.through_pinned_host ? s.host_send : bucket),
-        receive(parts.through_pinned_host ? s.host_receive : s.receive),
+        send((char*)send_),
+        receive((char*)receive_),
         shard(padded / parts.world),
         into(into_),
-        sent(sent_) {
-    if (!parts.through_pinned_host) return;
-    to_host = {bucket, send, padded};
-    to_device = {s.receive, receive, (size_t)(parts.world - 1) * shard};
-  }
+        sent(sent_) {}
   // Slice j of the bucket to rank j; rank j's slice of this rank's shard from rank j.
   void post(Transfer& transfer) override {
     const WireType& wire = exchange.wire;
@@ -840,7 +838,14 @@ std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int
   if (world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
   if (use_nccl) return nccl_reduce_scatter(*this, slot, bucket, padded, into, sent);
   if (native) return mpi_native_reduce_scatter(*this, slot, bucket, padded, into, sent);
-  return std::make_unique<MpiReduceScatter>(*this, slots[slot], bucket, padded, into, sent);
+  Slot& s = slots[slot];
+  if (!through_pinned_host)
+    return std::make_unique<MpiReduceScatter>(*this, s, bucket, bucket, s.receive, padded, into, sent);
+  // --comm mpi on cuda: the bucket down to its pinned copy, the slices back up before the sum (transfers.cpp)
+  return staged_through_host(
+      *this, s, {bucket, s.host_send, padded},
+      std::make_unique<MpiReduceScatter>(*this, s, bucket, s.host_send, s.host_receive, padded, into, sent),
+      {s.receive, s.host_receive, (size_t)(world - 1) * (padded / world)});
 }
 
 // --- the receiver's sum (a kernel on the comm stream) -----------------------------
@@ -854,7 +859,8 @@ static void for_exchange_types(const BucketExchange::Parts& parts, Call call) {
     return call(wire_zero, wire_zero);
   });
 }
-void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
+void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, const void* received,
+                                               const AccumulateInto& into) {
   for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
     sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
   });
@@ -1343,22 +1349,13 @@ void Engine::RankState::gather_parameters(int b) {
 }
 // The all-gather of a bucket over MPI: MPI's own, in place (rank r's shard
 // at r x shard, as NCCL lays it out); it only copies, so it is exact in
-// every mode. On cuda the own shard crosses to the host and the whole
-// bucket comes back (runtime/transfers.h: MpiCollective's steps).
+// every mode (runtime/transfers.h: MpiCollective's steps).
 struct MpiAllGather : MpiCollective {
-  char* host;  // where MPI gathers: the bucket itself, or the slot's pinned copy
+  char* host;  // where MPI gathers: the bucket itself, or (--comm mpi on cuda) the slot's pinned copy
   const size_t shard;
   size_t* sent;
-  MpiAllGather(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded, size_t* sent_)
-      : MpiCollective(parts, s),
-        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        shard(padded / parts.world),
-        sent(sent_) {
-    if (!parts.through_pinned_host) return;
-    const size_t own = (size_t)parts.rank * shard;
-    to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
-    to_device = {bucket, host, padded};                                       // the whole bucket comes back
-  }
+  MpiAllGather(BucketExchange::Parts& parts, void* host_, size_t padded, size_t* sent_)
+      : MpiCollective(parts), host((char*)host_), shard(padded / parts.world), sent(sent_) {}
   void post(Transfer& transfer) override {
     const MPI_Datatype type = exchange.wire.mpi_type;
     Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request(transfer)));
@@ -1370,7 +1367,13 @@ struct MpiAllGather : MpiCollective {
 std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(int slot, void* bucket, size_t padded,
                                                                          size_t* sent) {
   if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
-  return std::make_unique<MpiAllGather>(*this, slots[slot], bucket, padded, sent);
+  if (!through_pinned_host) return std::make_unique<MpiAllGather>(*this, bucket, padded, sent);
+  // --comm mpi on cuda: the own shard down to the pinned copy, the whole bucket back up (transfers.cpp)
+  Slot& s = slots[slot];
+  const size_t own = (size_t)rank * (padded / world);
+  return staged_through_host(*this, s, {wire.at(bucket, own), wire.at(s.host_send, own), padded / world},
+                             std::make_unique<MpiAllGather>(*this, s.host_send, padded, sent),
+                             {bucket, s.host_send, padded});
 }
 
 void BucketExchange::start_all_gather(int slot, void* bucket, size_t padded) {

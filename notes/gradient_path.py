@@ -61,7 +61,6 @@ PATH = [
     (CU, "void BucketExchange::start_reduce_scatter(", "a transfer in the slot"),
     (T, "inline Transfer* BucketExchange::Parts::start(", "the transfer started, after what the compute stream wrote"),
     (T, "struct MpiCollective : Collective {", "an MPI collective's steps"),
-    (T, "inline bool MpiCollective::advance(", "as it runs"),
     (CU, "struct MpiReduceScatter : MpiCollective {", "the slices over MPI, as an MPI collective"),
     (CU, "std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(", "which collective carries it"),
     (CU, "static void for_exchange_types(", "the kernel for the exchange's types"),

@@ -56,14 +56,49 @@ BucketExchange::Parts::Parts(Compute& c, Communicator& communicator, Precision w
       use_nccl(communicator.backend() == CommBackend::nccl),
       through_pinned_host(communicator.backend() == CommBackend::mpi && c.on_cuda()) {}
 
-void BucketExchange::Parts::copy_to_host(Slot& slot, void* host, const void* device, size_t count) {
-  // A slot has one transfer at a time, so the slot's event is this transfer's.
-  compute.copy(host, device, wire.bytes(count), compute.comm_stream());
-  compute.record(slot.copied, compute.comm_stream());
-}
-bool BucketExchange::Parts::copied_to_host(const Slot& slot) { return compute.query(slot.copied); }
-void BucketExchange::Parts::copy_to_device(void* device, const void* host, size_t count) {
-  compute.copy(device, host, wire.bytes(count), compute.comm_stream());
+// --- --comm mpi on cuda: an MPI collective on pinned host copies ---------------------
+
+namespace {
+struct StagedThroughHost : Collective {
+  BucketExchange::Parts& exchange;
+  Slot& slot;
+  const HostCopy down, up;
+  std::unique_ptr<MpiCollective> mpi;
+  enum class Phase { copy_to_host, wait_for_copy, run, copy_back };
+  Phase phase = Phase::copy_to_host;
+  StagedThroughHost(BucketExchange::Parts& parts, Slot& s, HostCopy down_, std::unique_ptr<MpiCollective> mpi_,
+                    HostCopy up_)
+      : exchange(parts), slot(s), down(down_), up(up_), mpi(std::move(mpi_)) {}
+  bool advance(Transfer& transfer) override {
+    Compute& compute = exchange.compute;
+    switch (phase) {
+      case Phase::copy_to_host:  // on the comm stream; a slot has one transfer at a time, so its event is this one's
+        if (down.count > 0) {
+          compute.copy(down.host, down.device, exchange.wire.bytes(down.count), compute.comm_stream());
+          compute.record(slot.copied, compute.comm_stream());
+        }
+        phase = Phase::wait_for_copy;
+        [[fallthrough]];
+      case Phase::wait_for_copy:
+        if (down.count > 0 && !compute.query(slot.copied)) return false;
+        phase = Phase::run;
+        [[fallthrough]];
+      case Phase::run:
+        if (!mpi->moved(transfer)) return false;
+        phase = Phase::copy_back;
+        [[fallthrough]];
+      case Phase::copy_back:
+        if (up.count > 0) compute.copy(up.device, up.host, exchange.wire.bytes(up.count), compute.comm_stream());
+        mpi->arrived();
+    }
+    return true;
+  }
+};
+}  // namespace
+
+std::unique_ptr<Collective> staged_through_host(BucketExchange::Parts& exchange, Slot& slot, HostCopy down,
+                                                std::unique_ptr<MpiCollective> mpi, HostCopy up) {
+  return std::make_unique<StagedThroughHost>(exchange, slot, down, std::move(mpi), up);
 }
 
 std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce_collective(int slot, void* bucket, size_t padded,
@@ -78,22 +113,20 @@ std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce_collective(
 
 namespace {
 struct MpiNativeReduceScatter : MpiCollective {
+  Slot& slot;
   char *send, *receive;  // the bucket and the slot's receive buffer, or their pinned copies
   const size_t shard;
   const AccumulateInto into;
   size_t* sent;
-  MpiNativeReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded,
+  MpiNativeReduceScatter(BucketExchange::Parts& parts, Slot& s, void* send_, void* receive_, size_t padded,
                          const AccumulateInto& into_, size_t* sent_)
-      : MpiCollective(parts, s),
-        send(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        receive(parts.through_pinned_host ? s.host_receive : s.receive),
+      : MpiCollective(parts),
+        slot(s),
+        send((char*)send_),
+        receive((char*)receive_),
         shard(padded / parts.world),
         into(into_),
-        sent(sent_) {
-    if (!parts.through_pinned_host) return;
-    to_host = {bucket, send, padded};
-    to_device = {s.receive, receive, shard};
-  }
+        sent(sent_) {}
   void post(Transfer& transfer) override {
     const Communicator& comm = exchange.comm;
     Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, exchange.wire.mpi_type,
@@ -107,13 +140,8 @@ struct MpiNativeAllReduce : MpiCollective {
   char* host;  // the bucket, or its pinned copy
   const size_t padded;
   size_t* sent;
-  MpiNativeAllReduce(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded_, size_t* sent_)
-      : MpiCollective(parts, s),
-        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        padded(padded_),
-        sent(sent_) {
-    if (parts.through_pinned_host) to_host = to_device = {bucket, host, padded};
-  }
+  MpiNativeAllReduce(BucketExchange::Parts& parts, void* host_, size_t padded_, size_t* sent_)
+      : MpiCollective(parts), host((char*)host_), padded(padded_), sent(sent_) {}
   void post(Transfer& transfer) override {
     const Communicator& comm = exchange.comm;
     Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, exchange.wire.mpi_type,
@@ -125,12 +153,23 @@ struct MpiNativeAllReduce : MpiCollective {
 
 std::unique_ptr<Collective> mpi_native_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket,
                                                       size_t padded, const AccumulateInto& into, size_t* sent) {
-  return std::make_unique<MpiNativeReduceScatter>(exchange, exchange.slots[slot], bucket, padded, into, sent);
+  Slot& s = exchange.slots[slot];
+  if (!exchange.through_pinned_host)
+    return std::make_unique<MpiNativeReduceScatter>(exchange, s, bucket, s.receive, padded, into, sent);
+  const size_t shard = padded / exchange.world;
+  return staged_through_host(
+      exchange, s, {bucket, s.host_send, padded},
+      std::make_unique<MpiNativeReduceScatter>(exchange, s, s.host_send, s.host_receive, padded, into, sent),
+      {s.receive, s.host_receive, shard});
 }
 
 std::unique_ptr<Collective> mpi_native_all_reduce(BucketExchange::Parts& exchange, int slot, void* bucket,
                                                   size_t padded, size_t* sent) {
-  return std::make_unique<MpiNativeAllReduce>(exchange, exchange.slots[slot], bucket, padded, sent);
+  if (!exchange.through_pinned_host) return std::make_unique<MpiNativeAllReduce>(exchange, bucket, padded, sent);
+  Slot& s = exchange.slots[slot];
+  return staged_through_host(exchange, s, {bucket, s.host_send, padded},
+                             std::make_unique<MpiNativeAllReduce>(exchange, s.host_send, padded, sent),
+                             {bucket, s.host_send, padded});
 }
 
 // --- NCCL: each collective one step on the comm stream ------------------------------

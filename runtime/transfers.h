@@ -35,7 +35,7 @@ namespace z2 {
 struct Slot {
   char* bucket_gradients = nullptr;  // [max padded bucket]   stage 2: backward writes here
   char* receive = nullptr;           // [(N-1) x max shard]  slices from the other ranks
-  char* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda
+  char* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda (staged_through_host)
   char* host_receive = nullptr;      // [(N-1) x max shard]  pinned, --comm mpi on cuda
   Event done;                        // recorded on the comm stream when its transfer ends
   Event copied;                      // its transfer's device-to-host copy has finished
@@ -144,12 +144,6 @@ struct BucketExchange::Parts {
                              const AccumulateInto& into);
   template <class Wire, class Accum>
   void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into);
-  // --comm mpi on cuda: `count` elements from the device to pinned host
-  // memory on the comm stream (MPI reads host memory), the copy's arrival
-  // polled through the slot's event, and the way back.
-  void copy_to_host(Slot& slot, void* host, const void* device, size_t count);
-  bool copied_to_host(const Slot& slot);
-  void copy_to_device(void* device, const void* host, size_t count);
 };
 
 // --- the queue's steps, in the order a bucket meets them -------------------------
@@ -214,27 +208,35 @@ inline Transfer* BucketExchange::Parts::start(int slot, size_t padded, const cha
 // --- an MPI collective's steps (the reduce-scatter's slices, the all-gather) ----------
 
 // A collective over MPI on one bucket (the chapter's reduce-scatter and
-// all-gather, the native ones), in the order it runs: on cuda the part of
-// the bucket MPI reads crosses to pinned host memory first (to_host), its
-// requests are posted (post; a collective of all ranks when its ticket is
-// next), waited for, what MPI wrote comes back (to_device), and arrived()
-// does what follows.
+// all-gather, the native ones), in the order it runs: its requests are
+// posted (post; a collective of all ranks only when its ticket is next),
+// waited for, and arrived() does what follows. (With --comm mpi on cuda it
+// runs on pinned host copies, between the copies there and back:
+// staged_through_host, runtime/transfers.cpp.)
 struct MpiCollective : Collective {
-  struct Span {
-    void* device = nullptr;
-    void* host = nullptr;
-    size_t count = 0;  // elements; 0: nothing to copy
-  };
   BucketExchange::Parts& exchange;
-  Slot& slot;
-  Span to_host, to_device;  // set by the collective when it is staged (--comm mpi on cuda)
-  const long ticket;        // -1: point-to-point, matched by (source, tag), in no order
-  enum class Phase { copy_to_host, wait_for_copy, post, wait_for_requests, copy_back };
-  Phase phase = Phase::copy_to_host;
+  const long ticket;     // -1: point-to-point, matched by (source, tag), in no order
+  bool waiting = false;  // posted: its requests are in flight
 
-  MpiCollective(BucketExchange::Parts& parts, Slot& s, bool of_all_ranks = true)
-      : exchange(parts), slot(s), ticket(of_all_ranks ? parts.take_ticket() : -1) {}
-  bool advance(Transfer& transfer) final;
+  MpiCollective(BucketExchange::Parts& parts, bool of_all_ranks = true)
+      : exchange(parts), ticket(of_all_ranks ? parts.take_ticket() : -1) {}
+  bool advance(Transfer& transfer) final {
+    if (!moved(transfer)) return false;
+    arrived();
+    return true;
+  }
+  // Posted once it may be (every rank starts its collectives in one order:
+  // this one's ticket must be next), then done once its requests are
+  // (MPICH moves them only inside MPI calls: each progress() tests).
+  bool moved(Transfer& transfer) {
+    if (!waiting) {
+      if (ticket >= 0 && !exchange.may_post(ticket)) return false;
+      post(transfer);
+      if (ticket >= 0) exchange.posted();
+      waiting = true;
+    }
+    return transfer.requests_done();
+  }
   virtual void post(Transfer& transfer) = 0;  // the MPI calls, nonblocking, each through request()
   virtual void arrived() {}
   // A new request of the transfer, exchanged with `peer` (-1: all ranks).
@@ -245,32 +247,17 @@ struct MpiCollective : Collective {
   }
 };
 
-inline bool MpiCollective::advance(Transfer& transfer) {
-  switch (phase) {
-    case Phase::copy_to_host:
-      if (to_host.count > 0) exchange.copy_to_host(slot, to_host.host, to_host.device, to_host.count);
-      phase = Phase::wait_for_copy;
-      [[fallthrough]];
-    case Phase::wait_for_copy:
-      if (to_host.count > 0 && !exchange.copied_to_host(slot)) return false;
-      phase = Phase::post;
-      [[fallthrough]];
-    case Phase::post:  // every rank starts its collectives in one order: this one's ticket must be next
-      if (ticket >= 0 && !exchange.may_post(ticket)) return false;
-      post(transfer);
-      if (ticket >= 0) exchange.posted();
-      phase = Phase::wait_for_requests;
-      [[fallthrough]];
-    case Phase::wait_for_requests:  // MPICH moves them only inside MPI calls: each progress() tests
-      if (!transfer.requests_done()) return false;
-      phase = Phase::copy_back;
-      [[fallthrough]];
-    case Phase::copy_back:
-      if (to_device.count > 0) exchange.copy_to_device(to_device.device, to_device.host, to_device.count);
-      arrived();
-  }
-  return true;
-}
+// --comm mpi on cuda: MPI reads and writes pinned host memory. `down` (the
+// part of the bucket MPI reads) crosses to the slot's pinned copies first,
+// `mpi` runs on those copies, and `up` (what MPI wrote) comes back before
+// its arrived(). Each is `count` elements of the wire type; 0: no copy.
+struct HostCopy {
+  void* device = nullptr;
+  void* host = nullptr;
+  size_t count = 0;
+};
+std::unique_ptr<Collective> staged_through_host(BucketExchange::Parts& exchange, Slot& slot, HostCopy down,
+                                                std::unique_ptr<MpiCollective> mpi, HostCopy up);
 
 // The collectives transfers.cpp builds: the libraries' native ones over MPI,
 // and every one over NCCL (one step each: NCCL orders its work on the comm
