@@ -826,7 +826,7 @@ struct OneRankSum : Collective {
   OneRankSum(BucketExchange::Parts& parts, void* bucket_, size_t padded_, const AccumulateInto& into_)
       : exchange(parts), bucket(bucket_), padded(padded_), into(into_) {}
   bool advance(Transfer&) override {
-    exchange.accumulate(bucket, padded, into);
+    accumulate_reduced(exchange, bucket, padded, into);
     return true;
   }
 };
@@ -865,11 +865,6 @@ void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, co
     sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
   });
 }
-void BucketExchange::Parts::accumulate(const void* values, size_t n, const AccumulateInto& into) {
-  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
-    accumulate_as<decltype(wire_zero), decltype(accum_zero)>(values, n, into);
-  });
-}
 
 // The same sum on the device, in any precision: element i of the own shard
 // is the canonical tree over the N ranks' slices, in fp32, handed to the
@@ -880,7 +875,7 @@ void BucketExchange::Parts::accumulate(const void* values, size_t n, const Accum
 // in a lab build the student's tree_sum.)
 template <class Wire, class Accum>
 void BucketExchange::Parts::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                                      const AccumulateInto& into) {
+                                                  const AccumulateInto& into) {
   const int ranks = world, me = rank;
   const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
   Wire* result = (Wire*)into.result;
@@ -898,7 +893,7 @@ void BucketExchange::Parts::sum_and_accumulate_as(size_t shard, const void* own_
 }
 // One value per element already reduced (one rank, or a native reduce-scatter).
 template <class Wire, class Accum>
-void BucketExchange::Parts::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
+static void accumulate_as(Compute& compute, const void* reduced, size_t n, const AccumulateInto& into) {
   const Wire* values = (const Wire*)reduced;
   Wire* result = (Wire*)into.result;
   const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
@@ -906,6 +901,11 @@ void BucketExchange::Parts::accumulate_as(const void* reduced, size_t n, const A
   compute.for_each(
       n, Z2_LOOP(i, { accumulate_micro_step(stack, micro_step, micro_steps, to_float(values[i]), result, i); }),
       compute.comm_stream());
+}
+void accumulate_reduced(BucketExchange::Parts& exchange, const void* values, size_t n, const AccumulateInto& into) {
+  for_exchange_types(exchange, [&](auto wire_zero, auto accum_zero) {
+    accumulate_as<decltype(wire_zero), decltype(accum_zero)>(exchange.compute, values, n, into);
+  });
 }
 
 // DP's all-reduce: the reduce-scatter into the bucket's own slice (through
@@ -922,7 +922,7 @@ void BucketExchange::start_all_reduce(int slot, void* bucket, size_t padded, con
   Transfer* transfer = p.start(slot, padded, "all-reduce");
   size_t* sent = &p.comm.counters().all_reduce;
   if (p.native && p.world > 1 && target.micro_steps == 1) {
-    transfer->collectives.push_back(p.native_all_reduce_collective(slot, bucket, padded, sent));
+    transfer->collectives.push_back(native_all_reduce_collective(p, slot, bucket, padded, sent));
   } else {
     transfer->collectives.push_back(p.reduce_scatter_collective(slot, bucket, padded, target, sent));
     if (p.world > 1) transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, sent));

@@ -101,10 +101,10 @@ std::unique_ptr<Collective> staged_through_host(BucketExchange::Parts& exchange,
   return std::make_unique<StagedThroughHost>(exchange, slot, down, std::move(mpi), up);
 }
 
-std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce_collective(int slot, void* bucket, size_t padded,
-                                                                                size_t* sent) {
-  if (use_nccl) return nccl_native_all_reduce(*this, bucket, padded, sent);
-  return mpi_native_all_reduce(*this, slot, bucket, padded, sent);
+std::unique_ptr<Collective> native_all_reduce_collective(BucketExchange::Parts& exchange, int slot, void* bucket,
+                                                         size_t padded, size_t* sent) {
+  if (exchange.use_nccl) return nccl_native_all_reduce(exchange, bucket, padded, sent);
+  return mpi_native_all_reduce(exchange, slot, bucket, padded, sent);
 }
 
 // --- the libraries' own collectives over MPI (--collectives native) ----------------
@@ -133,7 +133,7 @@ struct MpiNativeReduceScatter : MpiCollective {
                                            comm.sum_op(exchange.wire.precision), comm.mpi(), request(transfer)));
     *sent += (size_t)(comm.world_size() - 1) * exchange.wire.bytes(shard);
   }
-  void arrived() override { exchange.accumulate(slot.receive, shard, into); }
+  void arrived() override { accumulate_reduced(exchange, slot.receive, shard, into); }
 };
 
 struct MpiNativeAllReduce : MpiCollective {
@@ -209,7 +209,7 @@ struct NcclReduceScatter : NcclCollective {
     if (exchange.native) {
       Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard(), nccl_type(wire), ncclSum, nccl(), stream()));
       *sent += (size_t)(world - 1) * wire.bytes(shard());  // what a ring sends
-      exchange.accumulate(received, shard(), into);
+      accumulate_reduced(exchange, received, shard(), into);
       return true;
     }
     Z2_NCCL_CHECK(ncclGroupStart());

@@ -131,19 +131,14 @@ struct BucketExchange::Parts {
   std::unique_ptr<Collective> reduce_scatter_collective(int slot, void* bucket, size_t padded,
                                                         const AccumulateInto& into, size_t* sent);
   std::unique_ptr<Collective> all_gather_collective(int slot, void* bucket, size_t padded, size_t* sent);
-  std::unique_ptr<Collective> native_all_reduce_collective(int slot, void* bucket, size_t padded, size_t* sent);
-  // The receiver's sums (kernels on the comm stream; zero2.cu): the N slices
+  // The receiver's sum (a kernel on the comm stream; zero2.cu): the N slices
   // of this rank's shard (`own` its own slice, never sent; `received` the
   // N-1 others) summed in canonical order, in fp32, handed to the
-  // accumulation tree (which rounds the finished sum to the wire type once);
-  // or one value per element already reduced (one rank, a native reduce-scatter).
+  // accumulation tree (which rounds the finished sum to the wire type once).
   void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into);
-  void accumulate(const void* values, size_t n, const AccumulateInto& into);
   template <class Wire, class Accum>
   void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
                              const AccumulateInto& into);
-  template <class Wire, class Accum>
-  void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into);
 };
 
 // --- the queue's steps, in the order a bucket meets them -------------------------
@@ -258,6 +253,13 @@ struct HostCopy {
 };
 std::unique_ptr<Collective> staged_through_host(BucketExchange::Parts& exchange, Slot& slot, HostCopy down,
                                                 std::unique_ptr<MpiCollective> mpi, HostCopy up);
+
+// One value per element already reduced (one rank, a native reduce-scatter)
+// into the accumulation tree, on the comm stream (zero2.cu).
+void accumulate_reduced(BucketExchange::Parts& exchange, const void* values, size_t n, const AccumulateInto& into);
+// DP's all-reduce with --collectives native and nothing to accumulate: NCCL's or MPI's (transfers.cpp).
+std::unique_ptr<Collective> native_all_reduce_collective(BucketExchange::Parts& exchange, int slot, void* bucket,
+                                                         size_t padded, size_t* sent);
 
 // The collectives transfers.cpp builds: the libraries' native ones over MPI,
 // and every one over NCCL (one step each: NCCL orders its work on the comm
