@@ -831,6 +831,16 @@ struct OneRankSum : Collective {
   }
 };
 
+// --comm mpi on cuda: the same reduce-scatter on the slot's pinned copies,
+// the bucket down to them, the slices back up before the sum (runtime/transfers.cpp).
+static std::unique_ptr<Collective> staged_reduce_scatter(BucketExchange::Parts& p, Slot& s, void* bucket,
+                                                         size_t padded, const AccumulateInto& into, size_t* sent) {
+  return staged_through_host(
+      p, s, {bucket, s.host_send, padded},
+      std::make_unique<MpiReduceScatter>(p, s, bucket, s.host_send, s.host_receive, padded, into, sent),
+      {s.receive, s.host_receive, (size_t)(p.world - 1) * (padded / p.world)});
+}
+
 // Which collective carries a bucket's reduce-scatter: the chapter's own over
 // MPI (above), or the libraries' (NCCL, --collectives native: runtime/transfers.cpp).
 std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int slot, void* bucket, size_t padded,
@@ -839,13 +849,8 @@ std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int
   if (use_nccl) return nccl_reduce_scatter(*this, slot, bucket, padded, into, sent);
   if (native) return mpi_native_reduce_scatter(*this, slot, bucket, padded, into, sent);
   Slot& s = slots[slot];
-  if (!through_pinned_host)
-    return std::make_unique<MpiReduceScatter>(*this, s, bucket, bucket, s.receive, padded, into, sent);
-  // --comm mpi on cuda: the bucket down to its pinned copy, the slices back up before the sum (transfers.cpp)
-  return staged_through_host(
-      *this, s, {bucket, s.host_send, padded},
-      std::make_unique<MpiReduceScatter>(*this, s, bucket, s.host_send, s.host_receive, padded, into, sent),
-      {s.receive, s.host_receive, (size_t)(world - 1) * (padded / world)});
+  if (through_pinned_host) return staged_reduce_scatter(*this, s, bucket, padded, into, sent);  // --comm mpi on cuda
+  return std::make_unique<MpiReduceScatter>(*this, s, bucket, bucket, s.receive, padded, into, sent);
 }
 
 // --- the receiver's sum (a kernel on the comm stream) -----------------------------
@@ -1363,17 +1368,22 @@ struct MpiAllGather : MpiCollective {
   }
 };
 
+// --comm mpi on cuda: the same all-gather in the slot's pinned copy, the own
+// shard down to it, the whole bucket back up (runtime/transfers.cpp).
+static std::unique_ptr<Collective> staged_all_gather(BucketExchange::Parts& p, Slot& s, void* bucket, size_t padded,
+                                                     size_t* sent) {
+  const size_t own = (size_t)p.rank * (padded / p.world);
+  return staged_through_host(p, s, {p.wire.at(bucket, own), p.wire.at(s.host_send, own), padded / p.world},
+                             std::make_unique<MpiAllGather>(p, s.host_send, padded, sent),
+                             {bucket, s.host_send, padded});
+}
+
 // Which collective carries it: NCCL's, or the one above.
 std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(int slot, void* bucket, size_t padded,
                                                                          size_t* sent) {
   if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
-  if (!through_pinned_host) return std::make_unique<MpiAllGather>(*this, bucket, padded, sent);
-  // --comm mpi on cuda: the own shard down to the pinned copy, the whole bucket back up (transfers.cpp)
-  Slot& s = slots[slot];
-  const size_t own = (size_t)rank * (padded / world);
-  return staged_through_host(*this, s, {wire.at(bucket, own), wire.at(s.host_send, own), padded / world},
-                             std::make_unique<MpiAllGather>(*this, s.host_send, padded, sent),
-                             {bucket, s.host_send, padded});
+  if (through_pinned_host) return staged_all_gather(*this, slots[slot], bucket, padded, sent);  // --comm mpi on cuda
+  return std::make_unique<MpiAllGather>(*this, bucket, padded, sent);
 }
 
 void BucketExchange::start_all_gather(int slot, void* bucket, size_t padded) {
