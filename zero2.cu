@@ -786,7 +786,7 @@ struct MpiReduceScatter : MpiCollective {
   const size_t shard;
   const AccumulateInto into;
   size_t* sent;
-  const int tag = exchange.next_tag();  // point-to-point slices match by (source, tag): no ticket needed
+  const int tag = exchange.sequence++ % 32768;  // point-to-point slices match by (source, tag): no ticket needed
   MpiReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket_, void* send_, void* receive_, size_t padded,
                    const AccumulateInto& into_, size_t* sent_)
       : MpiCollective(parts, /*of_all_ranks=*/false),
@@ -864,12 +864,6 @@ static void for_exchange_types(const BucketExchange::Parts& parts, Call call) {
     return call(wire_zero, wire_zero);
   });
 }
-void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, const void* received,
-                                               const AccumulateInto& into) {
-  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
-    sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
-  });
-}
 
 // The same sum on the device, in any precision: element i of the own shard
 // is the canonical tree over the N ranks' slices, in fp32, handed to the
@@ -879,23 +873,30 @@ void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, co
 // power-of-two N (notes/06). (sum_over_ranks, zero2.h: canonical_tree_sum, or
 // in a lab build the student's tree_sum.)
 template <class Wire, class Accum>
-void BucketExchange::Parts::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                                                  const AccumulateInto& into) {
-  const int ranks = world, me = rank;
+static void sum_and_accumulate_as(BucketExchange::Parts& p, size_t shard, const void* own_slice,
+                                  const void* received_slices, const AccumulateInto& into) {
+  const int ranks = p.world, me = p.rank;
   const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
   Wire* result = (Wire*)into.result;
   const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
   const long micro_step = into.micro_step, micro_steps = into.micro_steps;
-  compute.for_each(shard,
-                   Z2_LOOP(i,
-                           {
-                             float value = sum_over_ranks(ranks, [&](long j) {
-                               return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
-                             });
-                             accumulate_micro_step(stack, micro_step, micro_steps, value, result, i);
-                           }),
-                   compute.comm_stream());
+  p.compute.for_each(shard,
+                     Z2_LOOP(i,
+                             {
+                               float value = sum_over_ranks(ranks, [&](long j) {
+                                 return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
+                               });
+                               accumulate_micro_step(stack, micro_step, micro_steps, value, result, i);
+                             }),
+                     p.compute.comm_stream());
 }
+void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, const void* received,
+                                               const AccumulateInto& into) {
+  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
+    sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(*this, shard, own, received, into);
+  });
+}
+
 // One value per element already reduced (one rank, or a native reduce-scatter).
 template <class Wire, class Accum>
 static void accumulate_as(Compute& compute, const void* reduced, size_t n, const AccumulateInto& into) {

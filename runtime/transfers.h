@@ -102,7 +102,10 @@ struct BucketExchange::Parts {
   std::vector<Slot> slots;
   std::deque<std::unique_ptr<Transfer>> transfers;
   Event ready;       // "the compute stream got this far"
-  int sequence = 0;  // MPI tags: transfers start in the same order everywhere
+  // MPI tags, in the order transfers start (the same everywhere): they need
+  // only tell apart transfers in flight (at most a few), and the standard
+  // promises tags up to 32767 on every implementation.
+  int sequence = 0;
   // MPI requires every rank to start its collectives on a communicator in the
   // same order. Transfers advance independently (one may wait on its
   // point-to-point slices or a host copy while a younger one is ready), so
@@ -113,12 +116,6 @@ struct BucketExchange::Parts {
   Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks);
   // The transfer of one collective on a bucket of `padded` elements, in `slot`.
   Transfer* start(int slot, size_t padded, const char* collective);
-  long take_ticket() { return next_ticket++; }
-  bool may_post(long ticket) const { return ticket == next_to_post; }
-  void posted() { ++next_to_post; }
-  // MPI tags need only tell apart transfers in flight (at most a few); the
-  // standard promises tags up to 32767 on every implementation.
-  int next_tag() { return sequence++ % 32768; }
   // Blocking: poll until done, against the watchdog's deadline.
   void finish(Transfer& transfer);
   std::string describe_waiting(Transfer& transfer);
@@ -136,9 +133,6 @@ struct BucketExchange::Parts {
   // N-1 others) summed in canonical order, in fp32, handed to the
   // accumulation tree (which rounds the finished sum to the wire type once).
   void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into);
-  template <class Wire, class Accum>
-  void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                             const AccumulateInto& into);
 };
 
 // --- the queue's steps, in the order a bucket meets them -------------------------
@@ -214,7 +208,7 @@ struct MpiCollective : Collective {
   bool waiting = false;  // posted: its requests are in flight
 
   MpiCollective(BucketExchange::Parts& parts, bool of_all_ranks = true)
-      : exchange(parts), ticket(of_all_ranks ? parts.take_ticket() : -1) {}
+      : exchange(parts), ticket(of_all_ranks ? parts.next_ticket++ : -1) {}
   bool advance(Transfer& transfer) final {
     if (!moved(transfer)) return false;
     arrived();
@@ -225,9 +219,9 @@ struct MpiCollective : Collective {
   // (MPICH moves them only inside MPI calls: each progress() tests).
   bool moved(Transfer& transfer) {
     if (!waiting) {
-      if (ticket >= 0 && !exchange.may_post(ticket)) return false;
+      if (ticket >= 0 && ticket != exchange.next_to_post) return false;
       post(transfer);
-      if (ticket >= 0) exchange.posted();
+      if (ticket >= 0) ++exchange.next_to_post;
       waiting = true;
     }
     return transfer.requests_done();
