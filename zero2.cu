@@ -20,7 +20,7 @@
 // The path one gradient takes through them is in this order too, with two
 // seams beside it: runtime/offload.h (ZeRO-Offload's step on the host) and
 // runtime/lab_adapters.h (what the course labs' seams are lent, the refusals);
-// runtime/transfers.h holds the transfer queue's steps (notes/gradient_path.py).
+// runtime/transfers.h holds the exchange's steps and MPI's (notes/gradient_path.py).
 //   6. ZeRO-R's seams      the arena's books (M_D), the offload schedule (P_a+cpu)
 //   7. Resharding          which pieces of a checkpoint a rank reads, at any N
 //   8. The ledger          the formulas the measured bytes are held to
@@ -28,7 +28,7 @@
 // What it leaves out: parameter partitioning (P_p, "stage 3"), and the
 // machinery it runs on, which is in runtime/ (zero2.h lists each file): errors
 // and the watchdog, the compute backend and its allocators, the gemms, the
-// communicator, the transfer queue with the libraries' native collectives,
+// communicator, the bucket exchange's transfers with the libraries' native collectives,
 // host copies, checkpoint state, the ledgers' printing. Mixed precision (bf16,
 // fp16 with loss scaling; notes/08) is the same code: the working type is a
 // template parameter of the kernels below. ZeRO-R's activation checkpointing
@@ -763,7 +763,7 @@ Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t s
 // --- the transfer that carries it: one bucket over MPI, as it runs ---------------
 
 // The collectives the engine calls start a transfer in the slot at once
-// (the queue's steps: runtime/transfers.h); progress() moves it on.
+// (the exchange's steps: runtime/transfers.h); progress() moves it on.
 void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   Parts& p = *parts_;
   Transfer* transfer = p.start(slot, padded, "reduce-scatter");

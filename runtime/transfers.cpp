@@ -1,6 +1,6 @@
 // runtime/transfers.cpp — the machinery that carries buckets (runtime/transfers.h
-// says how a transfer advances, and holds the queue's steps): what the queue
-// tells the watchdog; the exchange's slots; the staging
+// says how a transfer advances, and holds the exchange's steps): what a
+// waiting transfer tells the watchdog; the exchange's slots; the staging
 // through pinned host memory; and the collectives other than the chapter's
 // own (zero2.cu, "The reduce-scatter"): the libraries' native ones over MPI,
 // and every one over NCCL. Host code: NCCL's calls only enqueue work on the
@@ -15,7 +15,7 @@
 
 namespace z2 {
 
-// --- the queue ------------------------------------------------------------------
+// --- what a transfer waits for ------------------------------------------------------
 
 // What a transfer is still waiting for: the ranks whose point-to-point
 // slices have not come (or not been taken), or a collective of all ranks.

@@ -1,24 +1,26 @@
 // runtime/transfers.h — what carries a bucket between ranks (private to
 // zero2.cu and runtime/transfers.cpp): the staging slots, the element type on
-// the wire, a transfer and the queue of transfers in flight, the receiver's
-// sums, and the parts a BucketExchange is made of.
+// the wire, a transfer, and the parts a BucketExchange is made of (its slots,
+// the transfers in flight, the receiver's sum), then an MPI collective's steps.
 //
 // A transfer moves one bucket through one collective (an all-reduce: two, a
 // reduce-scatter and then an all-gather) in one slot. Each collective is
 // written as the steps it takes, in the order it takes them; advance() goes
 // as far as it can without waiting (for an MPI request, a CUDA event, a
-// ticket) and the next call resumes there. The queue advances every transfer
-// in flight each time the engine calls progress(): that is how MPI transfers
-// move while backward computes (MPICH progresses only inside MPI calls).
+// ticket) and the next call resumes there. BucketExchange::progress advances
+// every transfer in flight each time the engine calls progress(): that is how
+// MPI transfers move while backward computes (MPICH progresses only inside
+// MPI calls).
 //
 // The chapter's own collectives are in zero2.cu ("The reduce-scatter", "The
 // step"): the deterministic reduce-scatter over MPI and the all-gather over
-// MPI, with the receiver's sums. This header holds the types and the steps
-// of the queue a bucket goes through (after the types, in the order a
-// bucket meets them: the chapter's path reads them here); transfers.cpp the
-// rest: the watchdog's description of a wait, the slots' buffers, the
-// libraries' native collectives (--collectives native: faster, their
-// summation order is the library's) and every collective over NCCL.
+// MPI, with the receiver's sum. This header holds the types and the steps a
+// bucket goes through (after the types, in the order a bucket meets them:
+// the chapter's path reads them here); transfers.cpp the rest: the
+// watchdog's description of a wait, the slots' buffers, the staging through
+// pinned host memory (--comm mpi on cuda), the libraries' native collectives
+// (--collectives native: faster, their summation order is the library's)
+// and every collective over NCCL.
 #pragma once
 
 #include <climits>
@@ -135,7 +137,7 @@ struct BucketExchange::Parts {
   void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into);
 };
 
-// --- the queue's steps, in the order a bucket meets them -------------------------
+// --- the exchange's steps, in the order a bucket meets them ------------------------
 // A slot for a bucket (BucketExchange::acquire): a free one, or the oldest
 // transfer finished to free its slot.
 
