@@ -812,8 +812,7 @@ struct MpiReduceScatter : MpiCollective {
   }
   // The canonical tree over the N slices (after the copy back: one comm stream).
   void arrived() override {
-    exchange.sum_and_accumulate(shard, exchange.wire.at(bucket, (size_t)exchange.rank * shard),
-                                     slot.receive, into);
+    exchange.sum_and_accumulate(shard, exchange.wire.at(bucket, (size_t)exchange.rank * shard), slot.receive, into);
   }
 };
 
