@@ -48,7 +48,6 @@ PATH = [
     (T, "struct Transfer {", "a transfer: a bucket's collectives in a slot"),
     (T, "struct BucketExchange::Parts {", "the exchange: slots, transfers in flight, sums"),
     (T, "inline int BucketExchange::Parts::free_slot(", "a free slot"),
-    (T, "inline bool Transfer::requests_done(", "a transfer's MPI requests done?"),
     (T, "inline void BucketExchange::Parts::finish(", "the oldest transfer finished"),
     (T, "inline void BucketExchange::Parts::retire_finished(", "its slot back"),
     (CU, "void* BucketExchange::open_bucket_buffer(", "the slot zeroed for backward"),

@@ -83,8 +83,6 @@ struct Transfer {
     while (!finished() && collectives[next]->advance(*this)) ++next;
     return finished();
   }
-  // Whether every request posted so far has completed (then they are cleared).
-  bool requests_done();
 };
 
 // The exchange: its slots, the transfers in flight (oldest first, each in
@@ -103,7 +101,7 @@ struct BucketExchange::Parts {
   DeviceArray<char> staging;  // slots x (bucket gradients + receive)
   std::vector<Slot> slots;
   std::deque<std::unique_ptr<Transfer>> transfers;
-  Event ready;       // "the compute stream got this far"
+  Event ready;  // "the compute stream got this far"
   // MPI tags, in the order transfers start (the same everywhere): they need
   // only tell apart transfers in flight (at most a few), and the standard
   // promises tags up to 32767 on every implementation.
@@ -145,14 +143,6 @@ inline int BucketExchange::Parts::free_slot() const {
   for (size_t s = 0; s < slots.size(); ++s)
     if (slots[s].bucket < 0 && !slots[s].running) return (int)s;
   return -1;
-}
-
-inline bool Transfer::requests_done() {
-  if (requests.empty()) return true;
-  int done = 0;
-  Z2_MPI_CHECK(MPI_Testall((int)requests.size(), requests.data(), &done, MPI_STATUSES_IGNORE));
-  if (done) requests.clear(), peers.clear();
-  return done != 0;
 }
 
 // wait_until yields between polls: ranks often share cores, 4 ranks on 2 here.
@@ -218,7 +208,8 @@ struct MpiCollective : Collective {
   }
   // Posted once it may be (every rank starts its collectives in one order:
   // this one's ticket must be next), then done once its requests are
-  // (MPICH moves them only inside MPI calls: each progress() tests).
+  // (MPICH moves them only inside MPI calls: each progress() tests), which
+  // then leave the transfer.
   bool moved(Transfer& transfer) {
     if (!waiting) {
       if (ticket >= 0 && ticket != exchange.next_to_post) return false;
@@ -226,7 +217,11 @@ struct MpiCollective : Collective {
       if (ticket >= 0) ++exchange.next_to_post;
       waiting = true;
     }
-    return transfer.requests_done();
+    if (transfer.requests.empty()) return true;
+    int done = 0;
+    Z2_MPI_CHECK(MPI_Testall((int)transfer.requests.size(), transfer.requests.data(), &done, MPI_STATUSES_IGNORE));
+    if (done) transfer.requests.clear(), transfer.peers.clear();
+    return done != 0;
   }
   virtual void post(Transfer& transfer) = 0;  // the MPI calls, nonblocking, each through request()
   virtual void arrived() {}
