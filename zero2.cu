@@ -386,7 +386,7 @@ struct Engine::RankState {
       usage_error("%s: bucket %d out of range (the layout has %zu buckets)", what, b, buckets.size());
     return b;
   }
-  // --- backward ("Backward", below) ---
+
   // --- backward and its buckets' reduction ("Backward", "The reduce-scatter"), in this order ---
   void take_slot(int b);  // stage 2: bucket b's slot, zeroed for backward
   void gradient_ready(ParameterId id);
