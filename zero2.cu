@@ -20,7 +20,7 @@
 // The path one gradient takes through them is in this order too, with two
 // seams beside it: runtime/offload.h (ZeRO-Offload's step on the host) and
 // runtime/lab_adapters.h (what the course labs' seams are lent, the refusals);
-// runtime/transfers.h holds the transfer queue's steps (notes/gradient_path.py).
+// runtime/transfers.h holds the exchange's steps and MPI's (notes/gradient_path.py).
 //   6. ZeRO-R's seams      the arena's books (M_D), the offload schedule (P_a+cpu)
 //   7. Resharding          which pieces of a checkpoint a rank reads, at any N
 //   8. The ledger          the formulas the measured bytes are held to
@@ -28,7 +28,7 @@
 // What it leaves out: parameter partitioning (P_p, "stage 3"), and the
 // machinery it runs on, which is in runtime/ (zero2.h lists each file): errors
 // and the watchdog, the compute backend and its allocators, the gemms, the
-// communicator, the transfer queue with the libraries' native collectives,
+// communicator, the bucket exchange's transfers with the libraries' native collectives,
 // host copies, checkpoint state, the ledgers' printing. Mixed precision (bf16,
 // fp16 with loss scaling; notes/08) is the same code: the working type is a
 // template parameter of the kernels below. ZeRO-R's activation checkpointing
@@ -47,7 +47,7 @@
 #include "zero2.h"                 // the API, the arithmetic of the stages, BucketExchange
 #include "runtime/engine_state.h"  // ModelStates: this rank's buffers as the runtime's host copies see them
 #include "runtime/lab_build.h"     // what a lab build checks: a student's layout, agreed refusals
-#include "runtime/transfers.h"     // Slot, Transfer, TransferQueue and its steps, ShardSums, Parts
+#include "runtime/transfers.h"     // Slot, Transfer, Parts (slots, transfers in flight, sums) and its steps
 
 #include <algorithm>
 #include <climits>
@@ -301,6 +301,16 @@ size_t EngineBuffers::reserved() const {  // in a block: each buffer rounded up 
          block_round(decay_flags);
 }
 
+// A kernel for a precision's type: call(T{}) with T float, bfloat16 or float16.
+template <class Call>
+void for_precision(Precision precision, Call call) {
+  switch (precision) {
+    case Precision::fp32: return call(float{});
+    case Precision::bf16: return call(bfloat16{});
+    case Precision::fp16: return call(float16{});
+  }
+}
+
 // What this rank holds for the engine: the model-state buffers above, full
 // or sharded by stage, the bucket exchange, the micro-step's bookkeeping, and
 // the steps over them (defined in the sections that use them). It reads the
@@ -376,17 +386,7 @@ struct Engine::RankState {
       usage_error("%s: bucket %d out of range (the layout has %zu buckets)", what, b, buckets.size());
     return b;
   }
-  // A kernel over the working type: call(Working{}) with float, bfloat16 or float16.
-  template <class Call>
-  void for_working_type(Call call) {
-    switch (precision) {
-      case Precision::fp32: return call(float{});
-      case Precision::bf16: return call(bfloat16{});
-      case Precision::fp16: return call(float16{});
-    }
-  }
 
-  // --- backward ("Backward", below) ---
   // --- backward and its buckets' reduction ("Backward", "The reduce-scatter"), in this order ---
   void take_slot(int b);  // stage 2: bucket b's slot, zeroed for backward
   void gradient_ready(ParameterId id);
@@ -604,28 +604,28 @@ void Engine::RankState::take_slot(int b) {
 // Constant memory is the point of stage 2: at most slot_count buckets are in
 // flight, and a bucket that needs a slot waits for the oldest transfer.
 int BucketExchange::acquire(int bucket) {
-  TransferQueue& queue = parts_->queue;
-  int slot = queue.free_slot();
-  while (slot < 0 && !queue.transfers.empty()) {
-    queue.finish(*queue.transfers.front());
-    queue.retire_finished();
-    slot = queue.free_slot();
+  Parts& p = *parts_;
+  int slot = p.free_slot();
+  while (slot < 0 && !p.transfers.empty()) {
+    p.finish(*p.transfers.front());
+    p.retire_finished();
+    slot = p.free_slot();
   }
   if (slot < 0)
     usage_error(
         "all %zu staging slot(s) are held by buckets not yet handed over (bucket %d is open) when bucket %d "
         "needs one: hand over every gradient of a bucket before starting the next",
-        queue.slots.size(), queue.slots[0].bucket, bucket);
-  queue.slots[slot].bucket = bucket;
+        p.slots.size(), p.slots[0].bucket, bucket);
+  p.slots[slot].bucket = bucket;
   return slot;
 }
 
 void* BucketExchange::open_bucket_buffer(int slot, size_t padded) {
   Parts& p = *parts_;
-  char* buffer = p.queue.slots.at(slot).bucket_gradients;
+  char* buffer = p.slots.at(slot).bucket_gradients;
   if (!buffer) usage_error("open_bucket_buffer: this exchange was made without bucket buffers");
   // The slot's previous transfer may still read the buffer on the comm stream.
-  p.compute.wait(p.compute.compute_stream(), p.queue.slots[slot].done);
+  p.compute.wait(p.compute.compute_stream(), p.slots[slot].done);
   p.compute.fill_zero(buffer, p.wire.bytes(padded), p.compute.compute_stream());
   return buffer;
 }
@@ -677,7 +677,7 @@ void Engine::RankState::reduce_slot(int b, size_t keep) {
 
 // The slot bucket b took (take_slot): its reduce-scatter runs in it.
 int BucketExchange::slot_of(int bucket) const {
-  const std::vector<Slot>& slots = parts_->queue.slots;
+  const std::vector<Slot>& slots = parts_->slots;
   for (size_t k = 0; k < slots.size(); ++k)
     if (slots[k].bucket == bucket) return (int)k;
   return -1;
@@ -763,7 +763,7 @@ Z2_LAB_SEAM void all_gather_blocking(const float* shard, float* bucket, size_t s
 // --- the transfer that carries it: one bucket over MPI, as it runs ---------------
 
 // The collectives the engine calls start a transfer in the slot at once
-// (the queue's steps: runtime/transfers.h); progress() moves it on.
+// (the exchange's steps: runtime/transfers.h); progress() moves it on.
 void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   Parts& p = *parts_;
   Transfer* transfer = p.start(slot, padded, "reduce-scatter");
@@ -771,79 +771,48 @@ void BucketExchange::start_reduce_scatter(int slot, void* bucket, size_t padded,
       p.reduce_scatter_collective(slot, bucket, padded, into, &p.comm.counters().reduce_scatter));
   if (into.copy_to_host && into.micro_step == into.micro_steps - 1)  // the final sum, also to the host (offload.h)
     transfer->collectives.push_back(
-        std::make_unique<ShardToHost>(p, into.result, into.copy_to_host, padded / p.queue.world));
+        std::make_unique<ShardToHost>(p, into.result, into.copy_to_host, padded / p.world));
   progress();
 }
 
 // The chapter's own reduce-scatter over MPI, a non-blocking form of the
-// reference above: each progress() call (between layers) takes the bucket's
-// steps as far as they go without waiting (runtime/transfers.h). On
-// cuda with --comm mpi, MPI works on pinned host memory: the bucket crosses
-// to the host first, and the received slices come back before the sum.
-struct MpiReduceScatter : Collective {
-  BucketExchange::Parts& exchange;
+// reference above, in an MPI collective's steps (runtime/transfers.h): each
+// progress() call (between layers) takes them as far as they go without
+// waiting. MPI sends from `send` and receives into `receive`: the bucket and
+// the slot's receive buffer, or (--comm mpi on cuda) their pinned copies.
+struct MpiReduceScatter : MpiCollective {
   Slot& slot;
-  char* bucket;
-  const size_t padded;
+  char *bucket, *send, *receive;
+  const size_t shard;
   const AccumulateInto into;
   size_t* sent;
-  const int tag = exchange.queue.next_tag();  // point-to-point slices match by (source, tag): no ticket needed
-  enum class Phase { copy_to_host, wait_for_copy, send_slices, wait_for_slices, copy_back, sum };
-  Phase phase = Phase::copy_to_host;
-  MpiReduceScatter(BucketExchange::Parts& parts, int slot_index, void* bucket_, size_t padded_,
+  const int tag = exchange.sequence++ % 32768;  // point-to-point slices match by (source, tag): no ticket needed
+  MpiReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket_, void* send_, void* receive_, size_t padded,
                    const AccumulateInto& into_, size_t* sent_)
-      : exchange(parts),
-        slot(parts.queue.slots[slot_index]),
+      : MpiCollective(parts, /*of_all_ranks=*/false),
+        slot(s),
         bucket((char*)bucket_),
-        padded(padded_),
+        send((char*)send_),
+        receive((char*)receive_),
+        shard(padded / parts.world),
         into(into_),
         sent(sent_) {}
-
-  bool advance(Transfer& transfer) override {
+  // Slice j of the bucket to rank j; rank j's slice of this rank's shard from rank j.
+  void post(Transfer& transfer) override {
     const WireType& wire = exchange.wire;
-    const MPI_Datatype type = wire.mpi_type;
-    const MPI_Comm mpi = exchange.comm.mpi();
-    const int world = exchange.queue.world, rank = exchange.queue.rank;
-    const size_t shard = padded / world;
-    const bool staged = exchange.through_pinned_host;  // then MPI sends and receives the slot's pinned copies
-    char* send = staged ? slot.host_send : bucket;
-    char* receive = staged ? slot.host_receive : slot.receive;
-    switch (phase) {
-      case Phase::copy_to_host:
-        if (staged) exchange.copy_to_host(slot, send, bucket, padded);
-        phase = Phase::wait_for_copy;
-        [[fallthrough]];
-      case Phase::wait_for_copy:
-        if (staged && !exchange.copied_to_host(slot)) return false;
-        phase = Phase::send_slices;
-        [[fallthrough]];
-      case Phase::send_slices:  // slice j of the bucket to rank j; rank j's slice of this rank's shard from rank j
-        for (int j = 0; j < world; ++j) {
-          if (j == rank) continue;  // the own slice stays: it is read in place by the sum
-          const int count = (int)shard;
-          transfer.requests.emplace_back();
-          Z2_MPI_CHECK(MPI_Irecv(wire.at(receive, received_index(j, rank) * shard), count, type, j, tag, mpi,
-                                 &transfer.requests.back()));
-          transfer.requests.emplace_back();
-          Z2_MPI_CHECK(
-              MPI_Isend(wire.at(send, (size_t)j * shard), count, type, j, tag, mpi, &transfer.requests.back()));
-          transfer.peers.insert(transfer.peers.end(), {j, j});
-          *sent += wire.bytes(shard);  // N - 1 slices of Psi_b / N: what a ring reduce-scatter sends
-        }
-        phase = Phase::wait_for_slices;
-        [[fallthrough]];
-      case Phase::wait_for_slices:  // MPICH moves them only inside MPI calls: each progress() tests
-        if (!transfer.requests_done()) return false;
-        phase = Phase::copy_back;
-        [[fallthrough]];
-      case Phase::copy_back:
-        if (staged) exchange.copy_to_device(slot.receive, receive, (size_t)(world - 1) * shard);
-        phase = Phase::sum;
-        [[fallthrough]];
-      case Phase::sum:  // the canonical tree over the N slices (after the copy back: one comm stream)
-        exchange.sums.sum_and_accumulate(shard, wire.at(bucket, (size_t)rank * shard), slot.receive, into);
+    const int world = exchange.world, rank = exchange.rank, count = (int)shard;
+    for (int j = 0; j < world; ++j) {
+      if (j == rank) continue;  // the own slice stays: it is read in place by the sum
+      Z2_MPI_CHECK(MPI_Irecv(wire.at(receive, received_index(j, rank) * shard), count, wire.mpi_type, j, tag,
+                             exchange.comm.mpi(), request(transfer, j)));
+      Z2_MPI_CHECK(MPI_Isend(wire.at(send, (size_t)j * shard), count, wire.mpi_type, j, tag, exchange.comm.mpi(),
+                             request(transfer, j)));
+      *sent += wire.bytes(shard);  // N - 1 slices of Psi_b / N: what a ring reduce-scatter sends
     }
-    return true;
+  }
+  // The canonical tree over the N slices (after the copy back: one comm stream).
+  void arrived() override {
+    exchange.sum_and_accumulate(shard, exchange.wire.at(bucket, (size_t)exchange.rank * shard), slot.receive, into);
   }
 };
 
@@ -856,44 +825,42 @@ struct OneRankSum : Collective {
   OneRankSum(BucketExchange::Parts& parts, void* bucket_, size_t padded_, const AccumulateInto& into_)
       : exchange(parts), bucket(bucket_), padded(padded_), into(into_) {}
   bool advance(Transfer&) override {
-    exchange.sums.accumulate(bucket, padded, into);
+    accumulate_reduced(exchange, bucket, padded, into);
     return true;
   }
 };
+
+// --comm mpi on cuda: the same reduce-scatter on the slot's pinned copies,
+// the bucket down to them, the slices back up before the sum (runtime/transfers.cpp).
+static std::unique_ptr<Collective> staged_reduce_scatter(BucketExchange::Parts& p, Slot& s, void* bucket,
+                                                         size_t padded, const AccumulateInto& into, size_t* sent) {
+  return staged_through_host(
+      p, s, {bucket, s.host_send, padded},
+      std::make_unique<MpiReduceScatter>(p, s, bucket, s.host_send, s.host_receive, padded, into, sent),
+      {s.receive, s.host_receive, (size_t)(p.world - 1) * (padded / p.world)});
+}
 
 // Which collective carries a bucket's reduce-scatter: the chapter's own over
 // MPI (above), or the libraries' (NCCL, --collectives native: runtime/transfers.cpp).
 std::unique_ptr<Collective> BucketExchange::Parts::reduce_scatter_collective(int slot, void* bucket, size_t padded,
                                                                              const AccumulateInto& into, size_t* sent) {
-  if (queue.world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
+  if (world == 1) return std::make_unique<OneRankSum>(*this, bucket, padded, into);
   if (use_nccl) return nccl_reduce_scatter(*this, slot, bucket, padded, into, sent);
   if (native) return mpi_native_reduce_scatter(*this, slot, bucket, padded, into, sent);
-  return std::make_unique<MpiReduceScatter>(*this, slot, bucket, padded, into, sent);
+  Slot& s = slots[slot];
+  if (through_pinned_host) return staged_reduce_scatter(*this, s, bucket, padded, into, sent);  // --comm mpi on cuda
+  return std::make_unique<MpiReduceScatter>(*this, s, bucket, bucket, s.receive, padded, into, sent);
 }
 
 // --- the receiver's sum (a kernel on the comm stream) -----------------------------
 
-// The kernel for the exchange's types: call(Wire{}, Accum{}).
+// The kernel for the exchange's types: call(Wire{}, Accum{}), Accum fp32
+// or (accumulate_fp32 off) the wire type.
 template <class Call>
-static void for_exchange_types(const ShardSums& sums, Call call) {
-  switch (sums.wire.precision) {
-    case Precision::fp32: return call(float{}, float{});
-    case Precision::bf16:
-      if (sums.accumulate_fp32) return call(bfloat16{}, float{});
-      return call(bfloat16{}, bfloat16{});
-    case Precision::fp16:
-      if (sums.accumulate_fp32) return call(float16{}, float{});
-      return call(float16{}, float16{});
-  }
-}
-void ShardSums::sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into) {
-  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
-    sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(shard, own, received, into);
-  });
-}
-void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& into) {
-  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
-    accumulate_as<decltype(wire_zero), decltype(accum_zero)>(values, n, into);
+static void for_exchange_types(const BucketExchange::Parts& parts, Call call) {
+  for_precision(parts.wire.precision, [&](auto wire_zero) {
+    if (parts.accumulate_fp32) return call(wire_zero, float{});
+    return call(wire_zero, wire_zero);
   });
 }
 
@@ -905,26 +872,33 @@ void ShardSums::accumulate(const void* values, size_t n, const AccumulateInto& i
 // power-of-two N (notes/06). (sum_over_ranks, zero2.h: canonical_tree_sum, or
 // in a lab build the student's tree_sum.)
 template <class Wire, class Accum>
-void ShardSums::sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                                      const AccumulateInto& into) {
-  const int ranks = world, me = rank;
+static void sum_and_accumulate_as(BucketExchange::Parts& p, size_t shard, const void* own_slice,
+                                  const void* received_slices, const AccumulateInto& into) {
+  const int ranks = p.world, me = p.rank;
   const Wire *own = (const Wire*)own_slice, *received = (const Wire*)received_slices;
   Wire* result = (Wire*)into.result;
   const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
   const long micro_step = into.micro_step, micro_steps = into.micro_steps;
-  compute.for_each(shard,
-                   Z2_LOOP(i,
-                           {
-                             float value = sum_over_ranks(ranks, [&](long j) {
-                               return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
-                             });
-                             accumulate_micro_step(stack, micro_step, micro_steps, value, result, i);
-                           }),
-                   compute.comm_stream());
+  p.compute.for_each(shard,
+                     Z2_LOOP(i,
+                             {
+                               float value = sum_over_ranks(ranks, [&](long j) {
+                                 return to_float(j == me ? own[i] : received[received_index(j, me) * shard + i]);
+                               });
+                               accumulate_micro_step(stack, micro_step, micro_steps, value, result, i);
+                             }),
+                     p.compute.comm_stream());
 }
+void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, const void* received,
+                                               const AccumulateInto& into) {
+  for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
+    sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(*this, shard, own, received, into);
+  });
+}
+
 // One value per element already reduced (one rank, or a native reduce-scatter).
 template <class Wire, class Accum>
-void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInto& into) {
+static void accumulate_as(Compute& compute, const void* reduced, size_t n, const AccumulateInto& into) {
   const Wire* values = (const Wire*)reduced;
   Wire* result = (Wire*)into.result;
   const AccumulationStackOf<Accum> stack = into.stack_as<Accum>();
@@ -933,6 +907,11 @@ void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInt
       n, Z2_LOOP(i, { accumulate_micro_step(stack, micro_step, micro_steps, to_float(values[i]), result, i); }),
       compute.comm_stream());
 }
+void accumulate_reduced(BucketExchange::Parts& exchange, const void* values, size_t n, const AccumulateInto& into) {
+  for_exchange_types(exchange, [&](auto wire_zero, auto accum_zero) {
+    accumulate_as<decltype(wire_zero), decltype(accum_zero)>(exchange.compute, values, n, into);
+  });
+}
 
 // DP's all-reduce: the reduce-scatter into the bucket's own slice (through
 // `into`, so an accumulation's last micro-step folds into it), then the
@@ -940,18 +919,18 @@ void ShardSums::accumulate_as(const void* reduced, size_t n, const AccumulateInt
 // accumulate, the library's all-reduce.
 void BucketExchange::start_all_reduce(int slot, void* bucket, size_t padded, const AccumulateInto& into) {
   Parts& p = *parts_;
-  void* own = p.wire.at(bucket, (size_t)p.queue.rank * (padded / p.queue.world));
+  void* own = p.wire.at(bucket, (size_t)p.rank * (padded / p.world));
   AccumulateInto target = into;
   if (!target.result) target.result = own;
   if (target.result != own)
     usage_error("all_reduce: the reduced shard must land in the bucket's own slice, to be all-gathered from there");
   Transfer* transfer = p.start(slot, padded, "all-reduce");
   size_t* sent = &p.comm.counters().all_reduce;
-  if (p.native && p.queue.world > 1 && target.micro_steps == 1) {
-    transfer->collectives.push_back(p.native_all_reduce_collective(slot, bucket, padded, sent));
+  if (p.native && p.world > 1 && target.micro_steps == 1) {
+    transfer->collectives.push_back(native_all_reduce_collective(p, slot, bucket, padded, sent));
   } else {
     transfer->collectives.push_back(p.reduce_scatter_collective(slot, bucket, padded, target, sent));
-    if (p.queue.world > 1) transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, sent));
+    if (p.world > 1) transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, sent));
   }
   progress();
 }
@@ -963,7 +942,11 @@ void Engine::progress() {
   if (built_) rank_state_->exchange->progress();
 }
 
-void BucketExchange::progress() { parts_->queue.progress(); }
+// Every transfer in flight as far as it goes without waiting, the finished ones retired.
+void BucketExchange::progress() {
+  for (auto& transfer : parts_->transfers) transfer->advance();
+  parts_->retire_finished();
+}
 
 void Engine::end_micro_step(float loss) {
   require_built("end_micro_step");
@@ -990,7 +973,11 @@ void Engine::RankState::end_micro_step(int a, float loss) {
   std::fill(bucket_reduced.begin(), bucket_reduced.end(), 0);
 }
 
-void BucketExchange::finish_all() { parts_->queue.finish_all(); }
+// Every transfer in flight finished, oldest first, and retired.
+void BucketExchange::finish_all() {
+  for (auto& transfer : parts_->transfers) parts_->finish(*transfer);
+  parts_->retire_finished();
+}
 
 // Buckets not reduced yet (stages 0/1 without overlap): last bucket first,
 // the order backward completes them. Stage 2 reduces every bucket during
@@ -1042,7 +1029,9 @@ StepReport Engine::step() {
   step_calls_ = report.step;
   rank_state.home->wait_for_shards();  // ZeRO-Offload: the host's copies of them have come down
   const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank's reduced gradients
-  if (overflow_skips_step(local, report)) return rank_state.close_step(report);  // fp16's overflow
+  const bool skipped = options_.precision == Precision::fp16 && overflow_skips_step(local, report);  // fp16 only
+  micro_steps_done_ = 0;  // the next step's micro-steps start again
+  if (skipped) return rank_state.close_step(report);
   report.grad_norm = rank_state.global_norm(local, report);
   report.clip_coefficient = rank_state.clip_coefficient(report.grad_norm);
   // AdamW on this rank's update regions (every bucket in DP, its shards in P_os and P_os+g),
@@ -1079,7 +1068,7 @@ float Engine::RankState::global_loss() {
 // The sum of squares of every norm chunk of this rank's update region, on the host.
 std::vector<float> Engine::RankState::local_chunk_sums(float scale) {
   for (int b = 0; b < (int)buckets.size(); ++b)
-    for_working_type([&](auto zero) { chunk_squares_as<decltype(zero)>(b, scale); });
+    for_precision(precision, [&](auto zero) { chunk_squares_as<decltype(zero)>(b, scale); });
   std::vector<float> local(chunk_sums.size());
   compute.copy(local.data(), chunk_sums.data(), local.size() * sizeof(float), compute.compute_stream());
   compute.synchronize(compute.compute_stream());
@@ -1110,17 +1099,14 @@ void Engine::RankState::chunk_squares_as(int b, float scale) {
 // rank takes the same verdict and the scaler moves on it; a skipped step
 // updates nothing.
 bool Engine::overflow_skips_step(const std::vector<float>& local, StepReport& report) {
-  if (options_.precision == Precision::fp16) {
-    bool overflow = false;
-    for (float sum : local) overflow |= !std::isfinite(sum);
-    report.skipped = comm_.any_rank(overflow);
-    // At the minimum scale update throws, on every rank; the run ends there,
-    // so the message says where, counting steps as the progress lines do.
-    try {
-      scaler_.update(report.skipped);
-    } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
-  }
-  micro_steps_done_ = 0;  // every precision passes here: the next step's micro-steps start again
+  bool overflow = false;
+  for (float sum : local) overflow |= !std::isfinite(sum);
+  report.skipped = comm_.any_rank(overflow);
+  // At the minimum scale update throws, on every rank; the run ends there,
+  // so the message says where, counting steps as the progress lines do.
+  try {
+    scaler_.update(report.skipped);
+  } catch (const Error& error) { throw Error("optimizer step " + std::to_string(report.step) + ": " + error.what()); }
   if (!report.skipped) return false;
   ++skipped_steps_;
   report.applied = updates_applied_;
@@ -1250,7 +1236,7 @@ Z2_LAB_SEAM float tree_sum(long n, const float* leaves) {
 // says whether every element of the gradient is finite.
 float Engine::RankState::global_largest_magnitude(bool* finite) {
   for (int b = 0; b < (int)buckets.size(); ++b)
-    for_working_type([&](auto zero) { chunk_largest_as<decltype(zero)>(b); });
+    for_precision(precision, [&](auto zero) { chunk_largest_as<decltype(zero)>(b); });
   std::vector<float> local(chunk_sums.size());
   compute.copy(local.data(), chunk_sums.data(), local.size() * sizeof(float), compute.compute_stream());
   compute.synchronize(compute.compute_stream());
@@ -1334,7 +1320,7 @@ Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketIn
 
 // AdamW on bucket b's update region, in the working type.
 void Engine::RankState::adamw(int b, const AdamWConstants& constants) {
-  for_working_type([&](auto zero) { adamw_as<decltype(zero)>(b, constants); });
+  for_precision(precision, [&](auto zero) { adamw_as<decltype(zero)>(b, constants); });
   home->shard_updated(b);  // ZeRO-Offload: up to the device's parameters
 }
 
@@ -1368,40 +1354,42 @@ void Engine::RankState::gather_parameters(int b) {
 }
 // The all-gather of a bucket over MPI: MPI's own, in place (rank r's shard
 // at r x shard, as NCCL lays it out); it only copies, so it is exact in
-// every mode. On cuda the own shard crosses to the host and the whole
-// bucket comes back (runtime/transfers.h: MpiCollective's steps).
+// every mode (runtime/transfers.h: MpiCollective's steps).
 struct MpiAllGather : MpiCollective {
-  char* host;  // where MPI gathers: the bucket itself, or the slot's pinned copy
+  char* host;  // where MPI gathers: the bucket itself, or (--comm mpi on cuda) the slot's pinned copy
   const size_t shard;
   size_t* sent;
-  MpiAllGather(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded, size_t* sent_)
-      : MpiCollective(parts, s),
-        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        shard(padded / parts.queue.world),
-        sent(sent_) {
-    if (!parts.through_pinned_host) return;
-    const size_t own = (size_t)parts.queue.rank * shard;
-    to_host = {parts.wire.at(bucket, own), parts.wire.at(host, own), shard};  // the own shard goes out
-    to_device = {bucket, host, padded};                                       // the whole bucket comes back
-  }
-  void post(MPI_Request* request) override {
+  MpiAllGather(BucketExchange::Parts& parts, void* host_, size_t padded, size_t* sent_)
+      : MpiCollective(parts), host((char*)host_), shard(padded / parts.world), sent(sent_) {}
+  void post(Transfer& transfer) override {
     const MPI_Datatype type = exchange.wire.mpi_type;
-    Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request));
-    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard);
+    Z2_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, host, (int)shard, type, exchange.comm.mpi(), request(transfer)));
+    *sent += (size_t)(exchange.world - 1) * exchange.wire.bytes(shard);
   }
 };
+
+// --comm mpi on cuda: the same all-gather in the slot's pinned copy, the own
+// shard down to it, the whole bucket back up (runtime/transfers.cpp).
+static std::unique_ptr<Collective> staged_all_gather(BucketExchange::Parts& p, Slot& s, void* bucket, size_t padded,
+                                                     size_t* sent) {
+  const size_t own = (size_t)p.rank * (padded / p.world);
+  return staged_through_host(p, s, {p.wire.at(bucket, own), p.wire.at(s.host_send, own), padded / p.world},
+                             std::make_unique<MpiAllGather>(p, s.host_send, padded, sent),
+                             {bucket, s.host_send, padded});
+}
 
 // Which collective carries it: NCCL's, or the one above.
 std::unique_ptr<Collective> BucketExchange::Parts::all_gather_collective(int slot, void* bucket, size_t padded,
                                                                          size_t* sent) {
   if (use_nccl) return nccl_all_gather(*this, bucket, padded, sent);
-  return std::make_unique<MpiAllGather>(*this, queue.slots[slot], bucket, padded, sent);
+  if (through_pinned_host) return staged_all_gather(*this, slots[slot], bucket, padded, sent);  // --comm mpi on cuda
+  return std::make_unique<MpiAllGather>(*this, bucket, padded, sent);
 }
 
 void BucketExchange::start_all_gather(int slot, void* bucket, size_t padded) {
   Parts& p = *parts_;
   Transfer* transfer = p.start(slot, padded, "all-gather");
-  if (p.queue.world > 1)  // one rank: nothing to send
+  if (p.world > 1)  // one rank: nothing to send
     transfer->collectives.push_back(p.all_gather_collective(slot, bucket, padded, &p.comm.counters().all_gather));
   progress();
 }

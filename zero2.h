@@ -27,8 +27,8 @@
 //   runtime/allocators.cpp      direct, naive and caching memory (the arena's books are zero2.cu's)
 //   runtime/gemm.cu             OpenBLAS / cuBLAS, the 16-bit products, the portable gemm
 //   runtime/communicator.cpp    MPI and NCCL start-up, scalars, the memory per rank
-//   runtime/transfers.h         the transfer queue: its types and steps
-//   runtime/transfers.cpp       the slots' buffers, native and NCCL collectives
+//   runtime/transfers.h         the bucket exchange: its types and steps, an MPI collective's
+//   runtime/transfers.cpp       the slots' buffers, pinned staging, native and NCCL collectives
 //   runtime/host_copies.cpp     parameters and gradients to and from the host
 //   runtime/checkpoint_state.cpp  the optimizer state in canonical order, at any N
 //   runtime/ledger_report.cpp   the ledgers as a table and as JSON
@@ -705,7 +705,7 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
 }
 
 // The canonical tree over the N ranks' slices of one element (zero2.cu's
-// ShardSums): canonical_tree_sum, or in a lab build (notes/labs) the
+// receiver's sum): canonical_tree_sum, or in a lab build (notes/labs) the
 // student's tree_sum over the leaves, at most 64 (runtime/lab_build.h).
 template <class Leaf>
 Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {

@@ -1,6 +1,6 @@
 // runtime/transfers.cpp — the machinery that carries buckets (runtime/transfers.h
-// says how a transfer advances, and holds the queue's steps): what the queue
-// tells the watchdog; the exchange's slots; the staging
+// says how a transfer advances, and holds the exchange's steps): what a
+// waiting transfer tells the watchdog; the exchange's slots; the staging
 // through pinned host memory; and the collectives other than the chapter's
 // own (zero2.cu, "The reduce-scatter"): the libraries' native ones over MPI,
 // and every one over NCCL. Host code: NCCL's calls only enqueue work on the
@@ -15,11 +15,11 @@
 
 namespace z2 {
 
-// --- the queue ------------------------------------------------------------------
+// --- what a transfer waits for ------------------------------------------------------
 
 // What a transfer is still waiting for: the ranks whose point-to-point
 // slices have not come (or not been taken), or a collective of all ranks.
-std::string TransferQueue::describe_waiting(Transfer& transfer) {
+std::string BucketExchange::Parts::describe_waiting(Transfer& transfer) {
   std::vector<int> missing;
   bool collective = false;
   for (size_t k = 0; k < transfer.requests.size(); ++k) {
@@ -48,27 +48,63 @@ std::string TransferQueue::describe_waiting(Transfer& transfer) {
 BucketExchange::Parts::Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks)
     : compute(c),
       comm(communicator),
+      rank(communicator.rank()),
+      world(communicator.world_size()),
       wire(w),
+      accumulate_fp32(fp32_blocks),
       native(communicator.collectives() == Collectives::native),
       use_nccl(communicator.backend() == CommBackend::nccl),
-      through_pinned_host(communicator.backend() == CommBackend::mpi && c.on_cuda()),
-      queue(c, communicator.rank(), communicator.world_size()),
-      sums{c, communicator.rank(), communicator.world_size(), wire, fp32_blocks} {}
+      through_pinned_host(communicator.backend() == CommBackend::mpi && c.on_cuda()) {}
 
-void BucketExchange::Parts::copy_to_host(Slot& slot, void* host, const void* device, size_t count) {
-  // A slot has one transfer at a time, so the slot's event is this transfer's.
-  compute.copy(host, device, wire.bytes(count), compute.comm_stream());
-  compute.record(slot.copied, compute.comm_stream());
-}
-bool BucketExchange::Parts::copied_to_host(const Slot& slot) { return compute.query(slot.copied); }
-void BucketExchange::Parts::copy_to_device(void* device, const void* host, size_t count) {
-  compute.copy(device, host, wire.bytes(count), compute.comm_stream());
+// --- --comm mpi on cuda: an MPI collective on pinned host copies ---------------------
+
+namespace {
+struct StagedThroughHost : Collective {
+  BucketExchange::Parts& exchange;
+  Slot& slot;
+  const HostCopy down, up;
+  std::unique_ptr<MpiCollective> mpi;
+  enum class Phase { copy_to_host, wait_for_copy, run, copy_back };
+  Phase phase = Phase::copy_to_host;
+  StagedThroughHost(BucketExchange::Parts& parts, Slot& s, HostCopy down_, std::unique_ptr<MpiCollective> mpi_,
+                    HostCopy up_)
+      : exchange(parts), slot(s), down(down_), up(up_), mpi(std::move(mpi_)) {}
+  bool advance(Transfer& transfer) override {
+    Compute& compute = exchange.compute;
+    switch (phase) {
+      case Phase::copy_to_host:  // on the comm stream; a slot has one transfer at a time, so its event is this one's
+        if (down.count > 0) {
+          compute.copy(down.host, down.device, exchange.wire.bytes(down.count), compute.comm_stream());
+          compute.record(slot.copied, compute.comm_stream());
+        }
+        phase = Phase::wait_for_copy;
+        [[fallthrough]];
+      case Phase::wait_for_copy:
+        if (down.count > 0 && !compute.query(slot.copied)) return false;
+        phase = Phase::run;
+        [[fallthrough]];
+      case Phase::run:
+        if (!mpi->moved(transfer)) return false;
+        phase = Phase::copy_back;
+        [[fallthrough]];
+      case Phase::copy_back:
+        if (up.count > 0) compute.copy(up.device, up.host, exchange.wire.bytes(up.count), compute.comm_stream());
+        mpi->arrived();
+    }
+    return true;
+  }
+};
+}  // namespace
+
+std::unique_ptr<Collective> staged_through_host(BucketExchange::Parts& exchange, Slot& slot, HostCopy down,
+                                                std::unique_ptr<MpiCollective> mpi, HostCopy up) {
+  return std::make_unique<StagedThroughHost>(exchange, slot, down, std::move(mpi), up);
 }
 
-std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce_collective(int slot, void* bucket, size_t padded,
-                                                                                size_t* sent) {
-  if (use_nccl) return nccl_native_all_reduce(*this, bucket, padded, sent);
-  return mpi_native_all_reduce(*this, slot, bucket, padded, sent);
+std::unique_ptr<Collective> native_all_reduce_collective(BucketExchange::Parts& exchange, int slot, void* bucket,
+                                                         size_t padded, size_t* sent) {
+  if (exchange.use_nccl) return nccl_native_all_reduce(exchange, bucket, padded, sent);
+  return mpi_native_all_reduce(exchange, slot, bucket, padded, sent);
 }
 
 // --- the libraries' own collectives over MPI (--collectives native) ----------------
@@ -77,46 +113,39 @@ std::unique_ptr<Collective> BucketExchange::Parts::native_all_reduce_collective(
 
 namespace {
 struct MpiNativeReduceScatter : MpiCollective {
+  Slot& slot;
   char *send, *receive;  // the bucket and the slot's receive buffer, or their pinned copies
   const size_t shard;
   const AccumulateInto into;
   size_t* sent;
-  MpiNativeReduceScatter(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded,
+  MpiNativeReduceScatter(BucketExchange::Parts& parts, Slot& s, void* send_, void* receive_, size_t padded,
                          const AccumulateInto& into_, size_t* sent_)
-      : MpiCollective(parts, s),
-        send(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        receive(parts.through_pinned_host ? s.host_receive : s.receive),
-        shard(padded / parts.queue.world),
+      : MpiCollective(parts),
+        slot(s),
+        send((char*)send_),
+        receive((char*)receive_),
+        shard(padded / parts.world),
         into(into_),
-        sent(sent_) {
-    if (!parts.through_pinned_host) return;
-    to_host = {bucket, send, padded};
-    to_device = {s.receive, receive, shard};
-  }
-  void post(MPI_Request* request) override {
+        sent(sent_) {}
+  void post(Transfer& transfer) override {
     const Communicator& comm = exchange.comm;
     Z2_MPI_CHECK(MPI_Ireduce_scatter_block(send, receive, (int)shard, exchange.wire.mpi_type,
-                                           comm.sum_op(exchange.wire.precision), comm.mpi(), request));
+                                           comm.sum_op(exchange.wire.precision), comm.mpi(), request(transfer)));
     *sent += (size_t)(comm.world_size() - 1) * exchange.wire.bytes(shard);
   }
-  void arrived() override { exchange.sums.accumulate(slot.receive, shard, into); }
+  void arrived() override { accumulate_reduced(exchange, slot.receive, shard, into); }
 };
 
 struct MpiNativeAllReduce : MpiCollective {
   char* host;  // the bucket, or its pinned copy
   const size_t padded;
   size_t* sent;
-  MpiNativeAllReduce(BucketExchange::Parts& parts, Slot& s, void* bucket, size_t padded_, size_t* sent_)
-      : MpiCollective(parts, s),
-        host(parts.through_pinned_host ? s.host_send : (char*)bucket),
-        padded(padded_),
-        sent(sent_) {
-    if (parts.through_pinned_host) to_host = to_device = {bucket, host, padded};
-  }
-  void post(MPI_Request* request) override {
+  MpiNativeAllReduce(BucketExchange::Parts& parts, void* host_, size_t padded_, size_t* sent_)
+      : MpiCollective(parts), host((char*)host_), padded(padded_), sent(sent_) {}
+  void post(Transfer& transfer) override {
     const Communicator& comm = exchange.comm;
     Z2_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, host, (int)padded, exchange.wire.mpi_type,
-                                comm.sum_op(exchange.wire.precision), comm.mpi(), request));
+                                comm.sum_op(exchange.wire.precision), comm.mpi(), request(transfer)));
     *sent += 2 * (size_t)(comm.world_size() - 1) * exchange.wire.bytes(padded / comm.world_size());
   }
 };
@@ -124,12 +153,23 @@ struct MpiNativeAllReduce : MpiCollective {
 
 std::unique_ptr<Collective> mpi_native_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket,
                                                       size_t padded, const AccumulateInto& into, size_t* sent) {
-  return std::make_unique<MpiNativeReduceScatter>(exchange, exchange.queue.slots[slot], bucket, padded, into, sent);
+  Slot& s = exchange.slots[slot];
+  if (!exchange.through_pinned_host)
+    return std::make_unique<MpiNativeReduceScatter>(exchange, s, bucket, s.receive, padded, into, sent);
+  const size_t shard = padded / exchange.world;
+  return staged_through_host(
+      exchange, s, {bucket, s.host_send, padded},
+      std::make_unique<MpiNativeReduceScatter>(exchange, s, s.host_send, s.host_receive, padded, into, sent),
+      {s.receive, s.host_receive, shard});
 }
 
 std::unique_ptr<Collective> mpi_native_all_reduce(BucketExchange::Parts& exchange, int slot, void* bucket,
                                                   size_t padded, size_t* sent) {
-  return std::make_unique<MpiNativeAllReduce>(exchange, exchange.queue.slots[slot], bucket, padded, sent);
+  if (!exchange.through_pinned_host) return std::make_unique<MpiNativeAllReduce>(exchange, bucket, padded, sent);
+  Slot& s = exchange.slots[slot];
+  return staged_through_host(exchange, s, {bucket, s.host_send, padded},
+                             std::make_unique<MpiNativeAllReduce>(exchange, s.host_send, padded, sent),
+                             {bucket, s.host_send, padded});
 }
 
 // --- NCCL: each collective one step on the comm stream ------------------------------
@@ -152,7 +192,7 @@ struct NcclCollective : Collective {
   size_t* sent;
   NcclCollective(BucketExchange::Parts& parts, void* bucket_, size_t padded_, size_t* sent_)
       : exchange(parts), bucket(bucket_), padded(padded_), sent(sent_) {}
-  size_t shard() const { return padded / exchange.queue.world; }
+  size_t shard() const { return padded / exchange.world; }
   ncclComm_t nccl() const { return (ncclComm_t)exchange.comm.nccl(); }
   cudaStream_t stream() const { return (cudaStream_t)exchange.compute.comm_stream().handle; }
 };
@@ -165,11 +205,11 @@ struct NcclReduceScatter : NcclCollective {
       : NcclCollective(parts, bucket_, padded_, sent_), received(received_), into(into_) {}
   bool advance(Transfer&) override {
     const WireType& wire = exchange.wire;
-    const int world = exchange.queue.world, rank = exchange.queue.rank;
+    const int world = exchange.world, rank = exchange.rank;
     if (exchange.native) {
       Z2_NCCL_CHECK(ncclReduceScatter(bucket, received, shard(), nccl_type(wire), ncclSum, nccl(), stream()));
       *sent += (size_t)(world - 1) * wire.bytes(shard());  // what a ring sends
-      exchange.sums.accumulate(received, shard(), into);
+      accumulate_reduced(exchange, received, shard(), into);
       return true;
     }
     Z2_NCCL_CHECK(ncclGroupStart());
@@ -181,7 +221,7 @@ struct NcclReduceScatter : NcclCollective {
       *sent += wire.bytes(shard());
     }
     Z2_NCCL_CHECK(ncclGroupEnd());
-    exchange.sums.sum_and_accumulate(shard(), wire.at(bucket, (size_t)rank * shard()), received, into);
+    exchange.sum_and_accumulate(shard(), wire.at(bucket, (size_t)rank * shard()), received, into);
     return true;
   }
 };
@@ -189,9 +229,9 @@ struct NcclReduceScatter : NcclCollective {
 struct NcclAllGather : NcclCollective {
   using NcclCollective::NcclCollective;
   bool advance(Transfer&) override {
-    Z2_NCCL_CHECK(ncclAllGather(exchange.wire.at(bucket, (size_t)exchange.queue.rank * shard()), bucket, shard(),
+    Z2_NCCL_CHECK(ncclAllGather(exchange.wire.at(bucket, (size_t)exchange.rank * shard()), bucket, shard(),
                                 nccl_type(exchange.wire), nccl(), stream()));
-    *sent += (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard());
+    *sent += (size_t)(exchange.world - 1) * exchange.wire.bytes(shard());
     return true;
   }
 };
@@ -200,7 +240,7 @@ struct NcclAllReduce : NcclCollective {
   using NcclCollective::NcclCollective;
   bool advance(Transfer&) override {
     Z2_NCCL_CHECK(ncclAllReduce(bucket, bucket, padded, nccl_type(exchange.wire), ncclSum, nccl(), stream()));
-    *sent += 2 * (size_t)(exchange.queue.world - 1) * exchange.wire.bytes(shard());
+    *sent += 2 * (size_t)(exchange.world - 1) * exchange.wire.bytes(shard());
     return true;
   }
 };
@@ -208,7 +248,7 @@ struct NcclAllReduce : NcclCollective {
 
 std::unique_ptr<Collective> nccl_reduce_scatter(BucketExchange::Parts& exchange, int slot, void* bucket, size_t padded,
                                                 const AccumulateInto& into, size_t* sent) {
-  return std::make_unique<NcclReduceScatter>(exchange, bucket, exchange.queue.slots[slot].receive, padded, into, sent);
+  return std::make_unique<NcclReduceScatter>(exchange, bucket, exchange.slots[slot].receive, padded, into, sent);
 }
 std::unique_ptr<Collective> nccl_all_gather(BucketExchange::Parts& exchange, void* bucket, size_t padded,
                                             size_t* sent) {
@@ -256,9 +296,9 @@ BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_
     slot.done = compute.create_event();
     slot.copied = compute.create_event();
     compute.record(slot.done, compute.comm_stream());
-    p.queue.slots.push_back(slot);
+    p.slots.push_back(slot);
   }
-  p.queue.ready = compute.create_event();
+  p.ready = compute.create_event();
 }
 
 BucketExchange::~BucketExchange() {
@@ -267,13 +307,13 @@ BucketExchange::~BucketExchange() {
   // errors stop every rank at the same place, so the others finish too.
   finish_all();
   p.compute.synchronize_all();
-  for (auto& slot : p.queue.slots) {
+  for (auto& slot : p.slots) {
     p.compute.destroy_event(slot.done);
     p.compute.destroy_event(slot.copied);
     p.compute.release_host_pinned(slot.host_send);
     p.compute.release_host_pinned(slot.host_receive);
   }
-  p.compute.destroy_event(p.queue.ready);
+  p.compute.destroy_event(p.ready);
 }
 
 

@@ -1,24 +1,26 @@
 // runtime/transfers.h — what carries a bucket between ranks (private to
 // zero2.cu and runtime/transfers.cpp): the staging slots, the element type on
-// the wire, a transfer and the queue of transfers in flight, the receiver's
-// sums, and the parts a BucketExchange is made of.
+// the wire, a transfer, and the parts a BucketExchange is made of (its slots,
+// the transfers in flight, the receiver's sum), then an MPI collective's steps.
 //
 // A transfer moves one bucket through one collective (an all-reduce: two, a
 // reduce-scatter and then an all-gather) in one slot. Each collective is
 // written as the steps it takes, in the order it takes them; advance() goes
 // as far as it can without waiting (for an MPI request, a CUDA event, a
-// ticket) and the next call resumes there. The queue advances every transfer
-// in flight each time the engine calls progress(): that is how MPI transfers
-// move while backward computes (MPICH progresses only inside MPI calls).
+// ticket) and the next call resumes there. BucketExchange::progress advances
+// every transfer in flight each time the engine calls progress(): that is how
+// MPI transfers move while backward computes (MPICH progresses only inside
+// MPI calls).
 //
 // The chapter's own collectives are in zero2.cu ("The reduce-scatter", "The
 // step"): the deterministic reduce-scatter over MPI and the all-gather over
-// MPI, with the receiver's sums. This header holds the types and the steps
-// of the queue a bucket goes through (after the types, in the order a
-// bucket meets them: the chapter's path reads them here); transfers.cpp the
-// rest: the watchdog's description of a wait, the slots' buffers, the
-// libraries' native collectives (--collectives native: faster, their
-// summation order is the library's) and every collective over NCCL.
+// MPI, with the receiver's sum. This header holds the types and the steps a
+// bucket goes through (after the types, in the order a bucket meets them:
+// the chapter's path reads them here); transfers.cpp the rest: the
+// watchdog's description of a wait, the slots' buffers, the staging through
+// pinned host memory (--comm mpi on cuda), the libraries' native collectives
+// (--collectives native: faster, their summation order is the library's)
+// and every collective over NCCL.
 #pragma once
 
 #include <climits>
@@ -35,7 +37,7 @@ namespace z2 {
 struct Slot {
   char* bucket_gradients = nullptr;  // [max padded bucket]   stage 2: backward writes here
   char* receive = nullptr;           // [(N-1) x max shard]  slices from the other ranks
-  char* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda
+  char* host_send = nullptr;         // [max padded bucket]   pinned, --comm mpi on cuda (staged_through_host)
   char* host_receive = nullptr;      // [(N-1) x max shard]  pinned, --comm mpi on cuda
   Event done;                        // recorded on the comm stream when its transfer ends
   Event copied;                      // its transfer's device-to-host copy has finished
@@ -81,18 +83,29 @@ struct Transfer {
     while (!finished() && collectives[next]->advance(*this)) ++next;
     return finished();
   }
-  // Whether every request posted so far has completed (then they are cleared).
-  bool requests_done();
 };
 
-// The transfers in flight, oldest first, each in its slot.
-struct TransferQueue {
+// The exchange: its slots, the transfers in flight (oldest first, each in
+// its slot), the receiver's sums, and how a collective is chosen for the
+// backend (zero2.cu: the chapter's own over MPI; the others from transfers.cpp).
+struct BucketExchange::Parts {
   Compute& compute;
+  Communicator& comm;
   const int rank, world;
+  const WireType wire;
+  const bool accumulate_fp32;      // the accumulation tree's blocks in fp32 (else the wire type)
+  const bool native;               // --collectives native
+  const bool use_nccl;             // --comm nccl
+  const bool through_pinned_host;  // --comm mpi with --device cuda
+  size_t max_padded = 0;
+  DeviceArray<char> staging;  // slots x (bucket gradients + receive)
   std::vector<Slot> slots;
   std::deque<std::unique_ptr<Transfer>> transfers;
-  Event ready;       // "the compute stream got this far"
-  int sequence = 0;  // MPI tags: transfers start in the same order everywhere
+  Event ready;  // "the compute stream got this far"
+  // MPI tags, in the order transfers start (the same everywhere): they need
+  // only tell apart transfers in flight (at most a few), and the standard
+  // promises tags up to 32767 on every implementation.
+  int sequence = 0;
   // MPI requires every rank to start its collectives on a communicator in the
   // same order. Transfers advance independently (one may wait on its
   // point-to-point slices or a host copy while a younger one is ready), so
@@ -100,62 +113,14 @@ struct TransferQueue {
   // same order on every rank, and may only run when its ticket is next.
   long next_ticket = 0, next_to_post = 0;
 
-  TransferQueue(Compute& c, int rank_, int world_) : compute(c), rank(rank_), world(world_) {}
-  // A new transfer in `slot`, after everything the compute stream wrote so far.
-  Transfer* start(int slot, const std::string& what);
-  long take_ticket() { return next_ticket++; }
-  bool may_post(long ticket) const { return ticket == next_to_post; }
-  void posted() { ++next_to_post; }
-  // MPI tags need only tell apart transfers in flight (at most a few); the
-  // standard promises tags up to 32767 on every implementation.
-  int next_tag() { return sequence++ % 32768; }
+  Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks);
+  // The transfer of one collective on a bucket of `padded` elements, in `slot`.
+  Transfer* start(int slot, size_t padded, const char* collective);
   // Blocking: poll until done, against the watchdog's deadline.
   void finish(Transfer& transfer);
   std::string describe_waiting(Transfer& transfer);
   void retire_finished();
-  void progress();
-  void finish_all();
   int free_slot() const;
-};
-
-// The receiver's sums (kernels on the comm stream; zero2.cu): the N slices
-// of this rank's shard summed in canonical order, in fp32, handed to the
-// accumulation tree (which rounds the finished sum to the wire type once);
-// or one value per element already reduced (one rank, or a native
-// reduce-scatter).
-struct ShardSums {
-  Compute& compute;
-  const int rank, world;
-  const WireType wire;
-  const bool accumulate_fp32;  // the accumulation tree's blocks in fp32 (else the wire type)
-  // `own` is this rank's own slice (never sent), `received` the N-1 others.
-  void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into);
-  void accumulate(const void* values, size_t n, const AccumulateInto& into);
-  template <class Wire, class Accum>
-  void sum_and_accumulate_as(size_t shard, const void* own_slice, const void* received_slices,
-                             const AccumulateInto& into);
-  template <class Wire, class Accum>
-  void accumulate_as(const void* reduced, size_t n, const AccumulateInto& into);
-};
-
-// The exchange: its slots, the queue, the sums, and how a collective is
-// chosen for the backend (zero2.cu: the chapter's own over MPI; the others
-// from transfers.cpp).
-struct BucketExchange::Parts {
-  Compute& compute;
-  Communicator& comm;
-  const WireType wire;
-  const bool native;               // --collectives native
-  const bool use_nccl;             // --comm nccl
-  const bool through_pinned_host;  // --comm mpi with --device cuda
-  size_t max_padded = 0;
-  DeviceArray<char> staging;  // slots x (bucket gradients + receive)
-  TransferQueue queue;
-  ShardSums sums;
-
-  Parts(Compute& c, Communicator& communicator, Precision w, bool fp32_blocks);
-  // The transfer of one collective on a bucket of `padded` elements, in `slot`.
-  Transfer* start(int slot, size_t padded, const char* collective);
   // Each collective adds the bytes it sends to `sent` at the moment it calls
   // MPI or NCCL, so the ledger counts traffic that happened, by the
   // collective that sent it (a reduce-scatter that quietly became an
@@ -163,42 +128,32 @@ struct BucketExchange::Parts {
   std::unique_ptr<Collective> reduce_scatter_collective(int slot, void* bucket, size_t padded,
                                                         const AccumulateInto& into, size_t* sent);
   std::unique_ptr<Collective> all_gather_collective(int slot, void* bucket, size_t padded, size_t* sent);
-  std::unique_ptr<Collective> native_all_reduce_collective(int slot, void* bucket, size_t padded, size_t* sent);
-  // --comm mpi on cuda: `count` elements from the device to pinned host
-  // memory on the comm stream (MPI reads host memory), the copy's arrival
-  // polled through the slot's event, and the way back.
-  void copy_to_host(Slot& slot, void* host, const void* device, size_t count);
-  bool copied_to_host(const Slot& slot);
-  void copy_to_device(void* device, const void* host, size_t count);
+  // The receiver's sum (a kernel on the comm stream; zero2.cu): the N slices
+  // of this rank's shard (`own` its own slice, never sent; `received` the
+  // N-1 others) summed in canonical order, in fp32, handed to the
+  // accumulation tree (which rounds the finished sum to the wire type once).
+  void sum_and_accumulate(size_t shard, const void* own, const void* received, const AccumulateInto& into);
 };
 
-// --- the queue's steps, in the order a bucket meets them -------------------------
+// --- the exchange's steps, in the order a bucket meets them ------------------------
 // A slot for a bucket (BucketExchange::acquire): a free one, or the oldest
 // transfer finished to free its slot.
 
-inline int TransferQueue::free_slot() const {
+inline int BucketExchange::Parts::free_slot() const {
   for (size_t s = 0; s < slots.size(); ++s)
     if (slots[s].bucket < 0 && !slots[s].running) return (int)s;
   return -1;
 }
 
-inline bool Transfer::requests_done() {
-  if (requests.empty()) return true;
-  int done = 0;
-  Z2_MPI_CHECK(MPI_Testall((int)requests.size(), requests.data(), &done, MPI_STATUSES_IGNORE));
-  if (done) requests.clear(), peers.clear();
-  return done != 0;
-}
-
 // wait_until yields between polls: ranks often share cores, 4 ranks on 2 here.
-inline void TransferQueue::finish(Transfer& transfer) {
+inline void BucketExchange::Parts::finish(Transfer& transfer) {
   wait_until([&] { return transfer.advance(); }, [&] { return describe_waiting(transfer); });
 }
 
 // Transfers leave the queue oldest first. A finished younger one waits for
 // the older: slots come back in the order they were taken, and the oldest
 // transfer is always the one to finish when a slot is needed.
-inline void TransferQueue::retire_finished() {
+inline void BucketExchange::Parts::retire_finished() {
   while (!transfers.empty() && transfers.front()->finished()) {
     Slot& slot = slots[transfers.front()->slot];
     // Everything the transfer queued is on the comm stream before this
@@ -215,94 +170,87 @@ inline void TransferQueue::retire_finished() {
 // a transfer in the slot, after what the compute stream wrote so far.
 
 inline Transfer* BucketExchange::Parts::start(int slot, size_t padded, const char* collective) {
-  const int world = queue.world;
   if (padded > max_padded || padded % world != 0)
     usage_error("bucket collective: %zu elements (at most %zu, a multiple of N = %d)", padded, max_padded, world);
   if (padded > (size_t)INT_MAX)  // MPI counts are int
     usage_error("a bucket of %zu elements is more than MPI can count (2^31 - 1): split the parameter", padded);
-  const int bucket = slot >= 0 && slot < (int)queue.slots.size() ? queue.slots[slot].bucket : -1;
-  return queue.start(slot, std::string("the ") + collective + " of bucket " + std::to_string(bucket));
-}
-
-inline Transfer* TransferQueue::start(int slot, const std::string& what) {
   if (slot < 0 || slot >= (int)slots.size()) usage_error("bucket collective: slot %d out of range", slot);
   if (slots[slot].running) usage_error("bucket collective: slot %d already has a transfer in flight", slot);
   transfers.push_back(std::unique_ptr<Transfer>(new Transfer));
   Transfer* transfer = transfers.back().get();
   transfer->slot = slot;
-  transfer->what = what;
+  transfer->what = std::string("the ") + collective + " of bucket " + std::to_string(slots[slot].bucket);
   slots[slot].running = true;
   compute.record(ready, compute.compute_stream());
   compute.wait(compute.comm_stream(), ready);
   return transfer;
 }
 
-// Between layers, and at the end of the micro-step (end_micro_step).
+// --- an MPI collective's steps (the reduce-scatter's slices, the all-gather) ----------
 
-inline void TransferQueue::progress() {
-  for (auto& transfer : transfers) transfer->advance();
-  retire_finished();
-}
-
-inline void TransferQueue::finish_all() {
-  for (auto& transfer : transfers) finish(*transfer);
-  retire_finished();
-}
-
-// --- the all-gather's steps: an MPI collective of all ranks --------------------------
-
-// An MPI collective of all ranks on one bucket (the all-gather, the native
-// reduce-scatter and all-reduce), in the order it runs: on cuda the part of
-// the bucket MPI reads crosses to pinned host memory first (to_host), the
-// collective is posted when its ticket is next (post), its request is waited
-// for, what MPI wrote comes back (to_device), and arrived() does what follows.
+// A collective over MPI on one bucket (the chapter's reduce-scatter and
+// all-gather, the native ones), in the order it runs: its requests are
+// posted (post; a collective of all ranks only when its ticket is next),
+// waited for, and arrived() does what follows. (With --comm mpi on cuda it
+// runs on pinned host copies, between the copies there and back:
+// staged_through_host, runtime/transfers.cpp.)
 struct MpiCollective : Collective {
-  struct Span {
-    void* device = nullptr;
-    void* host = nullptr;
-    size_t count = 0;  // elements; 0: nothing to copy
-  };
   BucketExchange::Parts& exchange;
-  Slot& slot;
-  Span to_host, to_device;  // set by the collective when it is staged (--comm mpi on cuda)
-  const long ticket;
-  enum class Phase { copy_to_host, wait_for_copy, post, wait_for_collective, copy_back };
-  Phase phase = Phase::copy_to_host;
+  const long ticket;     // -1: point-to-point, matched by (source, tag), in no order
+  bool waiting = false;  // posted: its requests are in flight
 
-  MpiCollective(BucketExchange::Parts& parts, Slot& s) : exchange(parts), slot(s), ticket(parts.queue.take_ticket()) {}
-  bool advance(Transfer& transfer) final;
-  virtual void post(MPI_Request* request) = 0;  // the MPI call, nonblocking
+  MpiCollective(BucketExchange::Parts& parts, bool of_all_ranks = true)
+      : exchange(parts), ticket(of_all_ranks ? parts.next_ticket++ : -1) {}
+  bool advance(Transfer& transfer) final {
+    if (!moved(transfer)) return false;
+    arrived();
+    return true;
+  }
+  // Posted once it may be (every rank starts its collectives in one order:
+  // this one's ticket must be next), then done once its requests are
+  // (MPICH moves them only inside MPI calls: each progress() tests), which
+  // then leave the transfer.
+  bool moved(Transfer& transfer) {
+    if (!waiting) {
+      if (ticket >= 0 && ticket != exchange.next_to_post) return false;
+      post(transfer);
+      if (ticket >= 0) ++exchange.next_to_post;
+      waiting = true;
+    }
+    if (transfer.requests.empty()) return true;
+    int done = 0;
+    Z2_MPI_CHECK(MPI_Testall((int)transfer.requests.size(), transfer.requests.data(), &done, MPI_STATUSES_IGNORE));
+    if (done) transfer.requests.clear(), transfer.peers.clear();
+    return done != 0;
+  }
+  virtual void post(Transfer& transfer) = 0;  // the MPI calls, nonblocking, each through request()
   virtual void arrived() {}
+  // A new request of the transfer, exchanged with `peer` (-1: all ranks).
+  MPI_Request* request(Transfer& transfer, int peer = -1) {
+    transfer.peers.push_back(peer);
+    transfer.requests.emplace_back();
+    return &transfer.requests.back();
+  }
 };
 
-inline bool MpiCollective::advance(Transfer& transfer) {
-  switch (phase) {
-    case Phase::copy_to_host:
-      if (to_host.count > 0) exchange.copy_to_host(slot, to_host.host, to_host.device, to_host.count);
-      phase = Phase::wait_for_copy;
-      [[fallthrough]];
-    case Phase::wait_for_copy:
-      if (to_host.count > 0 && !exchange.copied_to_host(slot)) return false;
-      phase = Phase::post;
-      [[fallthrough]];
-    case Phase::post:  // every rank starts its collectives in one order: this one's ticket must be next
-      if (!exchange.queue.may_post(ticket)) return false;
-      transfer.requests.resize(1);
-      transfer.peers.assign(1, -1);
-      post(&transfer.requests[0]);
-      exchange.queue.posted();
-      phase = Phase::wait_for_collective;
-      [[fallthrough]];
-    case Phase::wait_for_collective:
-      if (!transfer.requests_done()) return false;
-      phase = Phase::copy_back;
-      [[fallthrough]];
-    case Phase::copy_back:
-      if (to_device.count > 0) exchange.copy_to_device(to_device.device, to_device.host, to_device.count);
-      arrived();
-  }
-  return true;
-}
+// --comm mpi on cuda: MPI reads and writes pinned host memory. `down` (the
+// part of the bucket MPI reads) crosses to the slot's pinned copies first,
+// `mpi` runs on those copies, and `up` (what MPI wrote) comes back before
+// its arrived(). Each is `count` elements of the wire type; 0: no copy.
+struct HostCopy {
+  void* device = nullptr;
+  void* host = nullptr;
+  size_t count = 0;
+};
+std::unique_ptr<Collective> staged_through_host(BucketExchange::Parts& exchange, Slot& slot, HostCopy down,
+                                                std::unique_ptr<MpiCollective> mpi, HostCopy up);
+
+// One value per element already reduced (one rank, a native reduce-scatter)
+// into the accumulation tree, on the comm stream (zero2.cu).
+void accumulate_reduced(BucketExchange::Parts& exchange, const void* values, size_t n, const AccumulateInto& into);
+// DP's all-reduce with --collectives native and nothing to accumulate: NCCL's or MPI's (transfers.cpp).
+std::unique_ptr<Collective> native_all_reduce_collective(BucketExchange::Parts& exchange, int slot, void* bucket,
+                                                         size_t padded, size_t* sent);
 
 // The collectives transfers.cpp builds: the libraries' native ones over MPI,
 // and every one over NCCL (one step each: NCCL orders its work on the comm
