@@ -26,7 +26,7 @@
 //   8. The ledger          the formulas the measured bytes are held to
 //
 // What it leaves out: parameter partitioning (P_p, "stage 3"), and the
-// machinery it runs on, which is in runtime/ (zero2.h lists each file): errors
+// machinery it runs on, which is in runtime/ (README's reading map lists each file): errors
 // and the watchdog, the compute backend and its allocators, the gemms, the
 // communicator, the bucket exchange's transfers with the libraries' native collectives,
 // host copies, checkpoint state, the ledgers' printing. Mixed precision (bf16,
@@ -40,7 +40,7 @@
 // Build and run (see the Makefile for every flag):
 //   make            nvcc build: cpu + cuda compute, mpi + nccl communication
 //   make cpu        mpicxx build: cpu + mpi only (this file compiled as C++)
-//   make test       doctest suite under mpirun -n 1, 2, 4
+//   make test       the doctest suite under mpirun -n 1, 2, 4 and one check per claim
 //   make demo       the three stages on the test model, 2 ranks
 //   make lab LAB=x  a course lab: your function in place of the engine's, graded (notes/labs)
 

@@ -15,25 +15,8 @@
 //   the bucket exchange      BucketExchange, the collectives stage 2 trains with
 // and then, one header each, what it runs on (runtime/, included at the end).
 //
-// Where each part is implemented:
-//   zero2.cu                    the chapter on ZeRO-2: layout and shards, the stage
-//                               buffers, backward and stage 2's slots, the
-//                               reduce-scatter, the step, ZeRO-R's seams, the ledger
-//   runtime/offload.h           ZeRO-Offload's step on the host (part of zero2.cu: a seam)
-//   runtime/lab_adapters.h      what the lab seams are lent, the refusals (part of zero2.cu)
-//   runtime/errors.cpp          checks with file:line, usage errors, messages
-//   runtime/watchdog.cpp        every wait against a deadline, the roll call
-//   runtime/compute.cpp         the cpu | cuda backend: streams, events, copies
-//   runtime/allocators.cpp      direct, naive and caching memory (the arena's books are zero2.cu's)
-//   runtime/gemm.cu             OpenBLAS / cuBLAS, the 16-bit products, the portable gemm
-//   runtime/communicator.cpp    MPI and NCCL start-up, scalars, the memory per rank
-//   runtime/transfers.h         the bucket exchange: its types and steps, an MPI collective's
-//   runtime/transfers.cpp       the slots' buffers, pinned staging, native and NCCL collectives
-//   runtime/host_copies.cpp     parameters and gradients to and from the host
-//   runtime/checkpoint_state.cpp  the optimizer state in canonical order, at any N
-//   runtime/ledger_report.cpp   the ledgers as a table and as JSON
-//   runtime/option_checks.cpp   what the engine refuses before it starts (options, layouts, scaler states)
-//   runtime/lab_checks.cpp      a lab build's checks of a student's seams
+// zero2.cu is the chapter that implements them; which runtime/ file holds
+// what is README's one reading map ("How to read it").
 //
 // Usage, in the shape of a training loop (tests/mlp_model.cu is a full example):
 //
