@@ -446,6 +446,16 @@ betas_reach_adamw() {
     fail "OneCycle betas in AdamW: $verdict"
 }
 
+# resumes_to_straight LABEL STRAIGHT OUT WHAT LOAD-FLAGS...: resume on 2 ranks with LOAD-FLAGS and no config,
+# the summary into OUT; its bits must be STRAIGHT's (the run that never stopped). WHAT is the claim.
+resumes_to_straight() {
+  local label=$1 straight=$2 out=$3 what=$4 verdict
+  shift 4
+  timeout 120 mpirun -n 2 "$trainer" "$@" --quiet --json "$out" > "$work/log" 2>&1
+  verdict=$(resumed_matches "$straight" "$out" 2>&1)
+  [ "$verdict" = ok ] && pass "$what" || fail "$label: $verdict $(head -c 300 "$work/log")"
+}
+
 # The header says each, and a resumed run keeps the scheduler (the checkpoint records it).
 one_cycle_header_resume() {
   timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_one_cycle.json" "${one_layer[@]}" --steps 4 \
@@ -457,12 +467,9 @@ one_cycle_header_resume() {
     grep -q "optimizer.params.lr 2e-3 has no effect: OneCycle sets every step's rate" "$work/ds_stdout" &&
     pass "OneCycle's header: the rate's cycle, beta1's, and the optimizer's lr without effect" ||
     fail "OneCycle header: $(grep -E 'optimizer|betas' "$work/ds_stdout" | head -c 400)"
-  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_cycle" --steps 12 \
-    --quiet --json "$work/ds_cycle_resumed.json" > "$work/log" 2>&1
-  verdict=$(resumed_matches "$work/one_cycle.json" "$work/ds_cycle_resumed.json" 2>&1)
-  [ "$verdict" = ok ] && pass "OneCycle: 4 steps saved, resumed with --steps 12 and no config: the 12-step run's bits" \
-    "(scheduler and betas from the checkpoint)" ||
-    fail "OneCycle resume: $verdict $(head -c 300 "$work/log")"
+  resumes_to_straight "OneCycle resume" "$work/one_cycle.json" "$work/ds_cycle_resumed.json" \
+    "OneCycle: saved at 4, resumed to 12 with no config: the 12-step run's bits (schedule, betas: the checkpoint's)" \
+    --load "$work/ck_cycle" --steps 12
   bad_case "scheduler \"WarmupCosineLR\" contradicts the checkpoint's \"OneCycle\"" \
     --load "$work/ck_cycle" --config "$work/ds_cosine.json" --steps 6
 }
@@ -531,12 +538,9 @@ trainer_schedule() {
 longer_resume() {
   timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_decay_log.json" "${one_layer[@]}" --steps 4 \
     --save "$work/ck_part" > /dev/null 2>&1
-  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_part" --steps 10 \
-    --quiet --json "$work/ds_longer.json" > "$work/log" 2>&1
-  verdict=$(resumed_matches "$work/decay_log.json" "$work/ds_longer.json" 2>&1)
-  [ "$verdict" = ok ] && pass "4 steps saved, resumed with --steps 10: the 10-step run's bits (the schedule," \
-    "DeepSpeed's, is the checkpoint's)" ||
-    fail "longer resume: $verdict $(head -c 200 "$work/log")"
+  resumes_to_straight "longer resume" "$work/decay_log.json" "$work/ds_longer.json" \
+    "4 steps saved, resumed with --steps 10: the 10-step run's bits (the schedule, DeepSpeed's, is the checkpoint's)" \
+    --load "$work/ck_part" --steps 10
   bad_case "--schedule-steps 20 contradicts the checkpoint's 10" --load "$work/ck_part" --schedule-steps 20
   # A checkpoint of the trainer's schedule resumed with a config whose scheduler is DeepSpeed's: refused.
   timeout 120 mpirun -n 2 "$trainer" "${one_layer[@]}" --steps 4 --warmup 1 --save "$work/ck_trainer" \
@@ -553,12 +557,9 @@ old_checkpoint() {
     --json "$work/ds_old_straight.json" > /dev/null 2>&1
   py common edit_json "$work/ck_old/step_4/index.json" "del d['settings']['schedule_convention']"
   (cd "$work/ck_old/step_4" && sha256sum index.json > index.sha256)
-  timeout 120 mpirun -n 2 "$trainer" --load "$work/ck_old/step_4" \
-    --quiet --json "$work/ds_old_resumed.json" > "$work/log" 2>&1
-  verdict=$(resumed_matches "$work/ds_old_straight.json" "$work/ds_old_resumed.json" 2>&1)
-  [ "$verdict" = ok ] && pass "a checkpoint without schedule_convention resumes with the trainer's schedule: the" \
-    "straight run's bits" ||
-    fail "old checkpoint resume: $verdict $(head -c 300 "$work/log")"
+  resumes_to_straight "old checkpoint resume" "$work/ds_old_straight.json" "$work/ds_old_resumed.json" \
+    "a checkpoint without schedule_convention resumes with the trainer's schedule: the straight run's bits" \
+    --load "$work/ck_old/step_4"
 }
 
 # bias_correction false changes the update (and is recorded in the JSON).
