@@ -1,4 +1,4 @@
-// demos/demo_stages.cpp — `make run` until the BERT trainer lands: trains the
+// demos/demo_stages.cpp — `make demo`, the engine alone on its smallest model: trains the
 // test MLP with stage 0, 1 and 2 on the same data, prints the loss of every
 // step, each stage's memory and communication ledger, and checks that the
 // three stages end with the same parameters, bit for bit.

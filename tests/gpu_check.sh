@@ -17,10 +17,10 @@
 #      NCCL as well as MPI, N = 2 and 4 run over MPI sharing the GPU (NCCL
 #      refuses two ranks on one GPU); every suite includes the bitwise stage
 #      matrix on the CUDA backend;
-#      the suite goes on with tests/cli/'s files: the BERT-mini stage matrix
-#      through the command line (N = 1, 2, 4 x stage x overlap, on the GPU),
-#      the ledgers and the bad-input list (the PyTorch comparison is skipped:
-#      the GPU image has no python3-torch);
+#      the suite goes on with the quick checks of tests/cli/'s files (make
+#      test's: one per claim, the BERT-mini stage matrix through the command
+#      line on the GPU among them; the PyTorch comparisons are skipped: the GPU
+#      image has no python3-torch);
 #   4. the stage demo on the GPU at N = 1 (NCCL) and N = 2, 4 (MPI): bitwise
 #      equal stages, and median step times with overlap on and off;
 #   5. BERT-mini on the GPU: 30 steps at N = 1 (NCCL) and N = 2 (MPI), stage 2,
@@ -166,7 +166,7 @@ fi
 
 # --- 3. the doctest suite (CUDA backends included) --------------------------------------
 t=$(date +%s)
-tests/run_tests.sh build 2>&1 | tee /tmp/z2tests.log
+Z2_QUICK=1 tests/run_tests.sh build 2>&1 | tee /tmp/z2tests.log  # make test's quick checks
 grep -E "^\[test\] (world size|CUDA)" /tmp/z2tests.log | sort -u
 note "tests (mpirun -n 1, 2, 4; cpu + cuda backends): $(tail -n 1 /tmp/z2tests.log), $(elapsed "$t") s"
 
