@@ -28,15 +28,19 @@ timeout 900 mpirun -n 2 "$trainer" $flags --trace "$work/trace" >/dev/null
   echo '```'
 } >"$out/trace_size"
 
-tests/peers/check_peer.sh torch "$build" >"$work/peer.log" 2>&1 || true
-{
-  echo '```'
-  echo "\$ make check-peer PEER=torch     # its summary: the conformance table, then the count"
-  grep -E '^(FAIL|SKIP)|^[0-9]+ passed' "$work/peer.log" | fold -w 110 -s
-  echo '```'
-  echo
-  sed -n '/^--- conformance$/,/^---$/p' "$work/peer.log" | sed '1d;$d'
-} >"$out/check_peer_torch"
+# peer_block PEER: make check-peer PEER=PEER's summary, its conformance table, into check_peer_PEER.
+peer_block() {
+  tests/peers/check_peer.sh "$1" "$build" >"$work/$1.log" 2>&1 || true
+  {
+    echo '```'
+    echo "\$ make check-peer PEER=$1     # its summary: the conformance table, then the count"
+    grep -E '^(FAIL|SKIP)|^[0-9]+ passed' "$work/$1.log" | fold -w 110 -s
+    echo '```'
+    echo
+    sed -n '/^--- conformance$/,/^---$/p' "$work/$1.log" | sed '1d;$d'
+  } >"$out/check_peer_$1"
+}
+peer_block torch
 
 mistake=tests/lab_mistakes/torch-step.norm-own-shard.py
 tests/peers/reference_trace.sh "$trainer" "$work/ref" 2
@@ -54,15 +58,7 @@ tests/peers/reference_trace.sh "$trainer" "$work/ref" 2
 # without .venv-fsdp, which PEER=fsdp makes from PyPI; PEER=large's torch peer runs in .venv-hf).
 for peer in fsdp large; do
   if .venv-fsdp/bin/python -c 'import torch, transformers' >/dev/null 2>&1; then
-    tests/peers/check_peer.sh $peer "$build" >"$work/$peer.log" 2>&1 || true
-    {
-      echo '```'
-      echo "\$ make check-peer PEER=$peer     # its summary: the conformance table, then the count"
-      grep -E '^(FAIL|SKIP)|^[0-9]+ passed' "$work/$peer.log" | fold -w 110 -s
-      echo '```'
-      echo
-      sed -n '/^--- conformance$/,/^---$/p' "$work/$peer.log" | sed '1d;$d'
-    } >"$out/check_peer_$peer"
+    peer_block "$peer"
   else
     printf '```\nSKIP: no .venv-fsdp here (make check-peer PEER=fsdp makes it from PyPI)\n```\n' >"$out/check_peer_$peer"
   fi
