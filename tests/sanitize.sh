@@ -15,17 +15,10 @@
 # Any sanitizer report ends the run it is in (UBSan without recovery), which
 # counts as a failure here. Leak checking is off: MPICH keeps allocations
 # until exit by design. Ends with the plain line "N passed, M failed".
-set -u
-build=${1:-build-sanitize}
-export OPENBLAS_NUM_THREADS=1
+# The command-line suite's helpers: $build, $trainer, $work, pass / fail / finish, the tiny model.
+source "$(dirname "$0")/cli/common.sh" "${1:-build-sanitize}"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1
-work=$(mktemp -d /tmp/z2_sanitize.XXXXXX)
-trap 'rm -rf "$work"' EXIT
-passed=0
-failed=0
-pass() { echo "PASS $*"; passed=$((passed + 1)); }
-fail() { echo "FAIL $*"; failed=$((failed + 1)); }
 sanitizer_said() { grep -qE "ERROR: AddressSanitizer|runtime error:|ERROR: UndefinedBehaviorSanitizer" "$1"; }
 
 for ranks in 1 2; do
@@ -37,9 +30,6 @@ for ranks in 1 2; do
   else fail "doctest under mpirun -n $ranks: exit $status"; grep -E -A 12 "Sanitizer|runtime error|FAILED" "$log" | head -n 40; fi
 done
 
-trainer="$build/train_bert_mini"
-tiny=(--layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --max-positions 20 --micro-batch 2 --steps 3
-      --warmup 1 --dropout 0.1 --clip 0.5 --bucket 3000 --quiet)
 run() {  # label, ranks, flags...: the run must exit 0 with no sanitizer report
   local label=$1 ranks=$2
   shift 2
@@ -105,5 +95,4 @@ else
   fail "fuzz_safetensors: exit $status"; grep -E -B 2 -A 12 "ERROR|runtime error|deadly signal|malloc\(" "$work/fuzz.log" | head -n 40
 fi
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+finish
