@@ -9,7 +9,7 @@
 #                 per claim of the README through the command line (each tests/cli/*.sh file's quick checks)
 #                 and the trace checker (tests/run_tests.sh; Z2_QUICK=1)
 #   make test-all every check: the doctest suite and every tests/cli file whole, then test-cpu, labs,
-#                 sanitize and check-peer PEER=torch, summed into one line (tests/test_all.sh; what CI runs)
+#                 sanitize and check-peer PEER=torch, summed into one line (Z2_ALL=1 tests/run_tests.sh; what CI runs)
 #   make test ONLY=checkpoints  (or ONLY="plan traces", and make test-all ONLY=...) only those: doctest,
 #                 a file of tests/cli (stages, ledgers, bad_input, checkpoints, ...; the table in
 #                 tests/run_tests.sh) or checker. A file also runs alone: tests/cli/checkpoints.sh build
@@ -389,10 +389,10 @@ superlinear: deps found
 test: deps test-deps hf-venv all
 	$(RUN_ENV) Z2_QUICK=1 tests/run_tests.sh build
 
-# Everything (tests/test_all.sh): the suite whole, then test-cpu, labs, sanitize and check-peer, each as
+# Everything (Z2_ALL=1): the suite whole, then test-cpu, labs, sanitize and check-peer, each as
 # its target runs it, summed into one line; what CI runs after its builds.
 test-all: deps test-deps hf-venv all
-	$(RUN_ENV) tests/test_all.sh
+	$(RUN_ENV) Z2_ALL=1 tests/run_tests.sh build
 
 # The mpicxx-only build computes with the same sources as build/ without a GPU, but compiled by g++
 # instead of nvcc (the .cu files: the chapter, the gemms, the model) and without Z2_HAVE_CUDA (the

@@ -9,6 +9,8 @@
 #   Z2_QUICK=1               `make test`: each file's quick checks, one per claim the README makes (a file's
 #                            `quick` groups); without it (`make test-all`) every check
 #   Z2_DOCTEST_RANKS="2"     the world sizes of the doctest runs (default "1 2 4"; make test-cpu: 2)
+#   Z2_ALL=1                 `make test-all` (without ONLY): then the targets that check the other builds and
+#                            tools, each as make runs it: test-cpu, labs, sanitize, check-peer (PEER=torch)
 #
 # A file runs alone too: tests/cli/checkpoints.sh build-cpu (every check; Z2_QUICK=1 for the quick ones).
 set -u
@@ -104,6 +106,19 @@ for name in $names; do
   add "$name" "$log" "${PIPESTATUS[0]}" "$start"
   rm -f "$log"
 done
+
+# make test-all: the other builds and tools, each target's own plain line added in. (Z2_ALL is unset
+# for them: test-cpu runs this script again.)
+if [ -n "${Z2_ALL:-}" ] && [ -z "${ONLY:-}" ]; then
+  for target in test-cpu labs sanitize check-peer; do
+    echo "=== make $target"
+    log=$(mktemp)
+    start=$(date +%s)
+    Z2_ALL= make --no-print-directory "$target" 2>&1 | tee "$log"
+    add "make $target" "$log" "${PIPESTATUS[0]}" "$start"
+    rm -f "$log"
+  done
+fi
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
