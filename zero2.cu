@@ -402,7 +402,8 @@ struct Engine::RankState {
   void refuse_gradient_ready(ParameterId id) const;
 
   // --- the optimizer step, step by step ("The step", defined in this order; Engine::step
-  // calls open_step, local_chunk_sums, global_norm, clip_coefficient, apply_update, close_step) ---
+  // calls open_step, home->wait_for_shards, local_chunk_sums, in fp16 the Engine's
+  // overflow_skips_step, global_norm, clip_coefficient, apply_update, close_step) ---
   StepReport open_step();
   float global_loss();
   std::vector<float> local_chunk_sums(float scale = 1.0f);
@@ -722,7 +723,8 @@ int Engine::buckets_reduced_during_backward() const {
 }
 
 // ----------------------------------------------------------------------------
-// 4. The reduce-scatter: the blocking reference, the receiver's sum, the transfer
+// 4. The reduce-scatter: the blocking reference, the transfer that carries a
+//    bucket, the receiver's sum, the micro-step's end
 //
 // --- first, the plain blocking version -----------------------------------------
 // What the deterministic reduce-scatter computes, in the fewest lines (MPI,
@@ -891,6 +893,7 @@ static void sum_and_accumulate_as(BucketExchange::Parts& p, size_t shard, const 
 }
 void BucketExchange::Parts::sum_and_accumulate(size_t shard, const void* own, const void* received,
                                                const AccumulateInto& into) {
+  check_lab_ranks(world);  // a lab build's tree_sum takes at most 64 leaves (runtime/lab_build.h)
   for_exchange_types(*this, [&](auto wire_zero, auto accum_zero) {
     sum_and_accumulate_as<decltype(wire_zero), decltype(accum_zero)>(*this, shard, own, received, into);
   });

@@ -436,7 +436,7 @@ class Engine {
   // ledger (after a checkpoint is loaded): zero2.cu.
   ModelStates model_states() const;
   void all_gather_untracked();
-  // fp16's overflow check and the loss scale's move, at every step (zero2.cu, "The step").
+  // fp16's overflow check and the loss scale's move, at every fp16 step (zero2.cu, "The step").
   bool overflow_skips_step(const std::vector<float>& local, StepReport& report);
   // The parameters were set from outside the step: with ZeRO-Offload in
   // fp32 the host's master copy is taken from them again at the next step.
@@ -693,7 +693,7 @@ Z2_HD inline float canonical_tree_sum(long n, Leaf leaf) {
 template <class Leaf>
 Z2_HD inline float sum_over_ranks(long ranks, Leaf leaf) {
 #if defined(Z2_LAB_BUILD)
-  float leaves[64];  // a lab build refuses more ranks (check_lab_layout)
+  float leaves[64];  // a lab build refuses more ranks (check_lab_ranks)
   for (long j = 0; j < ranks; ++j) leaves[j] = leaf(j);
   return tree_sum(ranks, leaves);
 #else

@@ -29,7 +29,8 @@ struct ModelStates {
   UpdateRegion region(int b) const { return update_region(buckets[b], options.stage, comm.rank()); }
 };
 
-// What the engine refuses before it starts (runtime/option_checks.cpp).
+// What the engine refuses before it starts (runtime/option_checks.cpp), and
+// each update's scheduled lr and betas, held to the same ranges (every step).
 void check_engine_options(const EngineOptions& options);
 void scheduled_settings(const EngineOptions& options, long t, StepReport& report);  // update t's lr and betas
 void check_same_parameters(const std::vector<ParameterInfo>& parameters, Communicator& comm);  // collective

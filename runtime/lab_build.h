@@ -1,9 +1,10 @@
 // runtime/lab_build.h — what changes in a lab build (-DZ2_LAB_BUILD, `make
-// lab`; notes/labs), kept out of the chapter's code (private to zero2.cu).
+// lab`; notes/labs), kept out of the chapter's code but for zero2.h's
+// sum_over_ranks (private to zero2.cu).
 // A lab build is host-only and replaces a seam with a student's function, so
 //   - the exchange's sum over ranks goes through the student's tree_sum
 //     (the engine then trains with it: zero2.h's sum_over_ranks), at most
-//     64 ranks' slices (checked at build(), check_lab_layout);
+//     64 ranks' slices (check_lab_ranks, where the receiver's sum starts);
 //   - a value a student's seam computed may be wrong on some ranks only, so
 //     the ranks agree before any stops (one rank stopping alone would leave
 //     the others waiting in a collective);
@@ -36,12 +37,20 @@ void check_lab_regions(const std::vector<BucketInfo>& buckets, const EngineBuffe
 // Both, at build(), before anything is allocated (in a lab build; nothing otherwise).
 inline void check_lab_layout(const std::vector<BucketInfo>& buckets, const EngineOptions& options, int world_size) {
 #if defined(Z2_LAB_BUILD)
-  // sum_over_ranks (zero2.h) sums the slices through the student's tree_sum, over at most 64 leaves.
-  if (world_size > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", world_size);
   check_lab_shards(buckets, world_size);
   check_lab_regions(buckets, engine_buffers(buckets, options, world_size), options.stage, world_size);
 #endif
   (void)buckets, (void)options, (void)world_size;
+}
+
+// sum_over_ranks (zero2.h) sums the slices through the student's tree_sum,
+// over at most 64 leaves: checked where the receiver's sum starts, for every
+// exchange (the engine's, and one a test makes itself).
+inline void check_lab_ranks(int ranks) {
+#if defined(Z2_LAB_BUILD)
+  if (ranks > 64) usage_error("a lab build sums at most 64 ranks' slices (this run has %d)", ranks);
+#endif
+  (void)ranks;
 }
 
 }  // namespace z2

@@ -3,9 +3,12 @@
 // step's home on the host. Part of zero2.cu, which includes it right after
 // Engine::RankState and its StepHome (the device's home); private.
 //
-// ZeRO-Offload enters the chapter at two places only: engine_buffers(),
+// ZeRO-Offload enters the chapter where the sizes are set: engine_buffers(),
 // whose sizes move to the host (move_optimizer_sizes_to_host, below), and
-// Engine::build(), which gives the step this home (step_home, below). From
+// RankState::allocate(), which gives the step this home (step_home, below).
+// Besides, the reduce-scatter's transfer carries a shard down when its
+// AccumulateInto asks (copy_to_host), and the runtime's view of the buffers
+// and the ledger read where the state lives (model_states, the ledger). From
 // there the chapter calls the home's hooks, the same calls with or without
 // offload: each bucket's reduced shard goes down inside its reduce-scatter
 // (route, ShardToHost), the step's loops run as CPU loops over the host's
@@ -92,7 +95,7 @@ struct Engine::RankState::HostHome : StepHome {
   void take_master_from_parameters();
 };
 
-// ZeRO-Offload's entry (Engine::build): the host for stages 1 and 2 with
+// ZeRO-Offload's entry (RankState::allocate): the host for stages 1 and 2 with
 // offload_optimizer (the Engine refuses it in stage 0), else the device.
 static std::unique_ptr<Engine::RankState::StepHome> step_home(Engine::RankState& s) {
   if (s.offload) return std::make_unique<Engine::RankState::HostHome>(s);
