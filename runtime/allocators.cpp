@@ -50,7 +50,7 @@ void Compute::use_allocator(Allocator allocator, size_t capacity) {
   // caching reserves nothing up front: it asks the device for segments as it
   // goes (cudaMalloc), and `capacity` is how much the device lets it have.
   if (allocator == Allocator::caching) return;
-  if (device_ == Device::cpu) {
+  if (device_ != Device::cuda) {
     // Address space only: the kernel gives pages when they are first
     // touched, so an unused capacity costs nothing on a CPU run.
     void* block = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -134,7 +134,7 @@ void Compute::out_of_memory(size_t bytes, MemoryKind kind, size_t segment) const
 
 void* Compute::device_malloc(size_t bytes) {
   void* pointer = nullptr;
-  if (device_ == Device::cpu) {
+  if (device_ != Device::cuda) {
     // 256-byte alignment, as cudaMalloc gives: vector loads and sgemm like
     // aligned rows. aligned_alloc wants a multiple of the alignment.
     pointer = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
@@ -151,7 +151,7 @@ void* Compute::device_malloc(size_t bytes) {
 }
 
 void Compute::device_free(void* pointer) {
-  if (device_ == Device::cpu) {
+  if (device_ != Device::cuda) {
     std::free(pointer);
   } else {
 #if defined(Z2_HAVE_CUDA)
@@ -407,7 +407,7 @@ void Compute::pop(void* pointer) { give_back(pointer, true); }
 // Page-locked host memory (plain aligned memory on cpu), zeroed.
 static void* host_memory(size_t bytes, Device device) {
   void* pointer = nullptr;
-  if (device == Device::cpu) {
+  if (device != Device::cuda) {
     pointer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!pointer) abort_all_ranks("memory", "out of host memory", "pinned host buffer", __FILE__, __LINE__);
   } else {
@@ -451,7 +451,7 @@ void Compute::release_host_pinned(void* pointer) {
       break;
   }
   resources_->pinned.erase(pointer);
-  if (device_ == Device::cpu) {
+  if (device_ != Device::cuda) {
     std::free(pointer);
     return;
   }

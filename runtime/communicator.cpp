@@ -224,12 +224,13 @@ Device choose_device(const std::string& requested, MPI_Comm comm) {
   std::string why;
   bool available = all_ranks(cuda_available(&why), comm);
   if (requested == "cpu") return Device::cpu;
+  if (requested == "sim") return Device::sim;  // any build: the simulated device is host code
   if (requested == "cuda") {
     if (!available) usage_error("--device cuda: no usable GPU on every rank (%s); use --device cpu", why.c_str());
     return Device::cuda;
   }
   if (requested == "auto") return available ? Device::cuda : Device::cpu;
-  usage_error("--device must be auto, cpu or cuda (got '%s')", requested.c_str());
+  usage_error("--device must be auto, cpu, cuda or sim (got '%s')", requested.c_str());
 }
 
 CommBackend choose_comm(const std::string& requested, Device device, MPI_Comm comm) {
@@ -237,6 +238,11 @@ CommBackend choose_comm(const std::string& requested, Device device, MPI_Comm co
   bool nccl_possible = device == Device::cuda && built_with_nccl() && one_gpu_per_rank(comm, &gpus);
   if (requested == "mpi") return CommBackend::mpi;
   if (requested == "nccl") {
+    if (device == Device::sim)
+      usage_error(
+          "--comm nccl with --device sim: the simulated device runs MPI's collectives only (an NCCL stand-in "
+          "would need the device to progress while the host waits in MPI, which a scheduler the host runs "
+          "cannot do); use --comm mpi");
     if (device != Device::cuda) usage_error("--comm nccl needs --device cuda");
     if (!built_with_nccl()) usage_error("--comm nccl: this binary was built without NCCL");
     if (!nccl_possible)

@@ -4,6 +4,7 @@
 // runtime/allocators.cpp; the products are runtime/gemm.cu. Host code: on
 // cuda these are calls of the CUDA runtime's host API.
 #include "runtime/compute_resources.h"
+#include "runtime/simulated_device.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -17,7 +18,9 @@
 
 namespace z2 {
 
-const char* to_string(Device device) { return device == Device::cuda ? "cuda" : "cpu"; }
+const char* to_string(Device device) {
+  return device == Device::cuda ? "cuda" : device == Device::sim ? "sim" : "cpu";
+}
 const char* to_string(Precision precision) {
   return precision == Precision::bf16 ? "bf16" : precision == Precision::fp16 ? "fp16" : "fp32";
 }
@@ -33,7 +36,9 @@ const char* to_string(MemoryKind kind) {
 }
 
 // On cpu, "device memory" is host memory and every operation runs at once, in
-// program order; streams and events are no-ops. On cuda we keep three streams:
+// program order; streams and events are no-ops. On sim, memory is the host's
+// too, but every operation is queued on its stream and events order them as
+// on cuda (runtime/simulated_device.h). On cuda we keep three streams:
 // `compute` for the model and the optimizer, `comm` for collectives and the
 // reductions that follow them, so a bucket is reduced while backward goes on,
 // and `copy` for activation checkpoints on their way to and from the host.
@@ -87,6 +92,11 @@ bool cuda_available(std::string* why) {
 Compute::Compute(Device device, int device_index)
     : device_(device), device_index_(device_index), resources_(new Resources) {
   if (device_ == Device::cpu) return;
+  if (device_ == Device::sim) {  // the streams are numbers: the simulated device's queues
+    sim_.reset(new SimulatedDevice(*this));
+    compute_stream_.handle = (void*)1, comm_stream_.handle = (void*)2, copy_stream_.handle = (void*)3;
+    return;
+  }
 #if defined(Z2_HAVE_CUDA)
   std::string why;
   if (!cuda_available(&why)) usage_error("--device cuda: %s", why.c_str());
@@ -145,6 +155,12 @@ Compute::~Compute() {
     return;
   }
 #endif
+  // What the simulated device still holds runs before its memory goes (an
+  // error unwinding may have left work queued; a second error here is dropped).
+  if (sim_) try {
+      sim_->synchronize_all(Site::here());
+    } catch (...) {
+    }
   if (resources_->block) {
     munmap(resources_->block, resources_->capacity);
   } else if (allocator_ == Allocator::caching) {
@@ -154,9 +170,33 @@ Compute::~Compute() {
   }
   for (auto& entry : resources_->pinned) std::free(entry.first);
 }
-void Compute::copy(void* destination, const void* source, size_t bytes, Stream stream) {
+// The stream's number on sim (Stream::handle is it + 1).
+static int sim_stream(Stream stream) { return (int)(intptr_t)stream.handle - 1; }
+
+bool Compute::queued_on_sim(Stream stream, const char* what, Site site, std::function<void()> run,
+                            std::initializer_list<std::pair<const void*, size_t>> reads,
+                            std::initializer_list<std::pair<const void*, size_t>> writes, bool poison) {
+  if (device_ != Device::sim || sim_running_) return false;
+  SimOperation operation;
+  operation.what = what;
+  operation.site = site;
+  operation.run = std::move(run);
+  operation.poison = poison;
+  for (const auto& read : reads)
+    if (read.second) operation.reads.push_back({(const char*)read.first, (const char*)read.first + read.second});
+  for (const auto& write : writes)
+    if (write.second) operation.writes.push_back({(const char*)write.first, (const char*)write.first + write.second});
+  sim_->enqueue(sim_stream(stream), std::move(operation));
+  return true;
+}
+
+void Compute::copy(void* destination, const void* source, size_t bytes, Stream stream, Site site) {
   if (bytes == 0 || destination == source) return;
-  if (device_ == Device::cpu) {
+  const std::string what = "copy of " + with_commas(bytes) + " bytes";
+  if (queued_on_sim(stream, what.c_str(), site, [=] { std::memmove(destination, source, bytes); },
+                    {{source, bytes}}, {{destination, bytes}}, true))
+    return;
+  if (runs_now_on_host()) {
     std::memmove(destination, source, bytes);
     return;
   }
@@ -166,9 +206,13 @@ void Compute::copy(void* destination, const void* source, size_t bytes, Stream s
 #endif
 }
 
-void Compute::fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream) {
+void Compute::fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream, Site site) {
   if (bytes == 0) return;
-  if (device_ == Device::cpu) {
+  const std::string what = "fill of " + with_commas(bytes) + " bytes";
+  if (queued_on_sim(stream, what.c_str(), site, [=] { std::memset(destination, value, bytes); }, {},
+                    {{destination, bytes}}, true))
+    return;
+  if (runs_now_on_host()) {
     std::memset(destination, value, bytes);
     return;
   }
@@ -179,7 +223,8 @@ void Compute::fill_bytes(void* destination, unsigned char value, size_t bytes, S
 
 // Polled, not cudaStreamSynchronize: a kernel waiting for a stopped peer
 // (an NCCL collective) would block the host forever; the watchdog ends it.
-void Compute::synchronize(Stream stream) {
+void Compute::synchronize(Stream stream, Site site) {
+  if (sim_) return sim_->synchronize(sim_stream(stream), site);
 #if defined(Z2_HAVE_CUDA)
   if (device_ == Device::cuda) {
     cudaStream_t handle = (cudaStream_t)stream.handle;
@@ -202,14 +247,16 @@ void Compute::synchronize(Stream stream) {
   (void)stream;
 }
 
-void Compute::synchronize_all() {
-  synchronize(compute_stream_);
-  synchronize(comm_stream_);
-  synchronize(copy_stream_);
+void Compute::synchronize_all(Site site) {
+  if (sim_) return sim_->synchronize_all(site);
+  synchronize(compute_stream_, site);
+  synchronize(comm_stream_, site);
+  synchronize(copy_stream_, site);
 }
 
 Event Compute::create_event() {
   Event event;
+  if (sim_) event.handle = new SimEvent;
 #if defined(Z2_HAVE_CUDA)
   if (device_ == Device::cuda) {
     cudaEvent_t handle;
@@ -222,20 +269,23 @@ Event Compute::create_event() {
 }
 
 void Compute::destroy_event(Event event) {
+  if (sim_) return delete (SimEvent*)event.handle;
 #if defined(Z2_HAVE_CUDA)
   if (event.handle) cudaEventDestroy((cudaEvent_t)event.handle);
 #endif
   (void)event;
 }
 
-void Compute::record(Event event, Stream stream) {
+void Compute::record(Event event, Stream stream, Site site) {
+  if (sim_) return sim_->record(*(SimEvent*)event.handle, sim_stream(stream), site);
 #if defined(Z2_HAVE_CUDA)
   if (device_ == Device::cuda) Z2_CUDA_CHECK(cudaEventRecord((cudaEvent_t)event.handle, (cudaStream_t)stream.handle));
 #endif
   (void)event, (void)stream;
 }
 
-bool Compute::query(Event event) {
+bool Compute::query(Event event, Site site) {
+  if (sim_) return sim_->query(*(SimEvent*)event.handle, site);
 #if defined(Z2_HAVE_CUDA)
   if (device_ == Device::cuda) {
     cudaError_t status = cudaEventQuery((cudaEvent_t)event.handle);
@@ -247,7 +297,8 @@ bool Compute::query(Event event) {
   return true;
 }
 
-void Compute::wait(Stream waiter, Event event) {
+void Compute::wait(Stream waiter, Event event, Site site) {
+  if (sim_) return sim_->wait(sim_stream(waiter), *(SimEvent*)event.handle, site);
 #if defined(Z2_HAVE_CUDA)
   if (device_ == Device::cuda)
     Z2_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)waiter.handle, (cudaEvent_t)event.handle, 0));

@@ -42,7 +42,11 @@ Loop<HostBody, DeviceBody> make_loop(HostBody host, DeviceBody device) {
 #define Z2_LOOP2(row, column, ...) [=](size_t row, size_t column) __VA_ARGS__
 #endif
 
-enum class Device { cpu, cuda };
+// cpu: C++ loops and OpenBLAS, run at once. cuda: kernels and cuBLAS on
+// streams. sim: the cuda backend's execution model run on the CPU
+// (runtime/simulated_device.h): the cpu's loops and products, queued on
+// streams and run as late as events allow, so a missing wait changes the bits.
+enum class Device { cpu, cuda, sim };
 enum class MemoryKind {
   params,        // full working parameters, every stage: fp32 (4 Psi) or 16-bit (2 Psi)
   grads,         // full gradients (stages 0, 1) or the own gradient shard (stage 2), same type
@@ -63,11 +67,26 @@ bool built_with_cuda();
 bool built_with_nccl();
 
 struct Stream {
-  void* handle = nullptr;  // cudaStream_t on cuda; unused on cpu (work runs in program order)
+  void* handle = nullptr;  // cudaStream_t on cuda; the stream's number + 1 on sim; unused on cpu
 };
 struct Event {
-  void* handle = nullptr;  // cudaEvent_t on cuda
+  void* handle = nullptr;  // cudaEvent_t on cuda; a SimEvent on sim
 };
+
+// Where a stream operation was asked for: the caller's file, line and
+// function, filled in by the default argument (GCC's and nvcc's builtins).
+// The simulated device names both sides of a race with it, the timeline
+// names a loop by it, and the mutation test removes one wait by it.
+struct Site {
+  const char* file = "";
+  int line = 0;
+  const char* function = "";
+  static Site here(const char* file = __builtin_FILE(), int line = __builtin_LINE(),
+                   const char* function = __builtin_FUNCTION()) {
+    return {file, line, function};
+  }
+};
+class SimulatedDevice;
 
 // Where device memory comes from (ZeRO-R's M_D, paper section 6.3; notes/05).
 //   direct: every buffer is its own cudaMalloc (host allocation on cpu); the
@@ -139,6 +158,9 @@ class Compute {
 
   Device device() const { return device_; }
   bool on_cuda() const { return device_ == Device::cuda; }
+  // The device's memory is not the host's: on cuda, and on sim, which keeps
+  // cuda's rules (MPI's collectives stage through pinned host buffers).
+  bool memory_apart_from_host() const { return device_ != Device::cpu; }
   int device_index() const { return device_index_; }
   Stream compute_stream() const { return compute_stream_; }
   Stream comm_stream() const { return comm_stream_; }
@@ -187,23 +209,28 @@ class Compute {
 
   // Copies are asynchronous on `stream` for cuda (host side must be pinned to
   // really overlap) and immediate on cpu.
-  void copy(void* destination, const void* source, size_t bytes, Stream stream);
-  void fill_zero(void* destination, size_t bytes, Stream stream) { fill_bytes(destination, 0, bytes, stream); }
-  void fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream);  // memset
-  void synchronize(Stream stream);
-  void synchronize_all();
+  void copy(void* destination, const void* source, size_t bytes, Stream stream, Site site = Site::here());
+  void fill_zero(void* destination, size_t bytes, Stream stream, Site site = Site::here()) {
+    fill_bytes(destination, 0, bytes, stream, site);
+  }
+  void fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream,
+                  Site site = Site::here());  // memset
+  void synchronize(Stream stream, Site site = Site::here());
+  void synchronize_all(Site site = Site::here());
 
   Event create_event();
   void destroy_event(Event event);
-  void record(Event event, Stream stream);
-  bool query(Event event);                // true once the recorded work has finished
-  void wait(Stream waiter, Event event);  // GPU-side: `waiter` waits, the host does not
+  void record(Event event, Stream stream, Site site = Site::here());
+  bool query(Event event, Site site = Site::here());  // true once the recorded work has finished
+  void wait(Stream waiter, Event event, Site site = Site::here());  // GPU-side: `waiter` waits, the host does not
+  // The simulated device, or null (device() != sim).
+  SimulatedDevice* simulated() const { return sim_.get(); }
 
   // Row-major C[M x N] = alpha * op(A) op(B) + beta * C, with op(X) = X or X^T:
   // OpenBLAS sgemm on cpu, cuBLAS sgemm on the compute stream on cuda; in
   // portable mode (set_portable, below) zero2's own kernels on both.
   void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
-            const float* B, int ldb, float beta, float* C, int ldc);
+            const float* B, int ldb, float beta, float* C, int ldc, Site site = Site::here());
 
   // `batch` independent products of the same shape, C_k = alpha op(A_k)
   // op(B_k) + beta C_k with X_k = X + k * stride_x (elements): one cuBLAS
@@ -212,7 +239,7 @@ class Compute {
   // pick another kernel for the batched call, deterministic all the same).
   void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
                     long stride_a, const float* B, int ldb, long stride_b, float beta, float* C, int ldc, long stride_c,
-                    int batch);
+                    int batch, Site site = Site::here());
 
   // The same with 16-bit A, B and C (mixed precision, notes/08): exact
   // products summed in fp32, alpha and beta in fp32, C rounded once. On cuda
@@ -222,15 +249,15 @@ class Compute {
   // sgemm runs: the same products and the same one rounding of C, so the CPU
   // path is a faithful reference (its summation order is OpenBLAS's).
   void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A, int lda,
-            const bfloat16* B, int ldb, float beta, bfloat16* C, int ldc);
+            const bfloat16* B, int ldb, float beta, bfloat16* C, int ldc, Site site = Site::here());
   void gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A, int lda,
-            const float16* B, int ldb, float beta, float16* C, int ldc);
+            const float16* B, int ldb, float beta, float16* C, int ldc, Site site = Site::here());
   void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A, int lda,
                     long stride_a, const bfloat16* B, int ldb, long stride_b, float beta, bfloat16* C, int ldc,
-                    long stride_c, int batch);
+                    long stride_c, int batch, Site site = Site::here());
   void gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A, int lda,
                     long stride_a, const float16* B, int ldb, long stride_b, float beta, float16* C, int ldc,
-                    long stride_c, int batch);
+                    long stride_c, int batch, Site site = Site::here());
 
   // Portable mode (the trainer's --portable; notes/11): every gemm above is
   // zero2's own, in the order portable_dot defines (a blocked, vectorised CPU
@@ -254,10 +281,10 @@ class Compute {
   // Run body(i) for i in [0, n) (a Z2_LOOP): a CPU loop, or one CUDA thread
   // per i on `stream`.
   template <class Body>
-  void for_each(size_t n, Body body, Stream stream);
+  void for_each(size_t n, Body body, Stream stream, Site site = Site::here());
   template <class Body>
-  void for_each(size_t n, Body body) {
-    for_each(n, body, compute_stream_);
+  void for_each(size_t n, Body body, Site site = Site::here()) {
+    for_each(n, body, compute_stream_, site);
   }
   // The same loops run as CPU loops on either backend: ZeRO-Offload's step
   // works on host memory with the bodies the device runs without it.
@@ -268,21 +295,21 @@ class Compute {
   // Either, by where the data is: kernels on the device's buffers, CPU loops
   // on host memory (the optimizer step's loops, with or without ZeRO-Offload).
   template <class Body>
-  void for_each_at(Place place, size_t n, Body body) {
+  void for_each_at(Place place, size_t n, Body body, Site site = Site::here()) {
     if (place == Place::host) for_each_on_host(n, body);
-    else for_each(n, body);
+    else for_each(n, body, site);
   }
   template <class Body>
-  void for_each_at(Place place, size_t rows, size_t columns, Body body) {
+  void for_each_at(Place place, size_t rows, size_t columns, Body body, Site site = Site::here()) {
     if (place == Place::host) for_each_on_host(rows, columns, body);
-    else for_each(rows, columns, body);
+    else for_each(rows, columns, body, site);
   }
   // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
   // cpu rows outer and columns inner; on cuda one thread per cell. As for
   // any kernel, no cell may read what another cell writes (the CPU loop tells
   // the compiler so, to vectorise it).
   template <class Body>
-  void for_each(size_t rows, size_t columns, Body body);
+  void for_each(size_t rows, size_t columns, Body body, Site site = Site::here());
   // sums[column] = the sum over rows of element(row, column) (Z2_LOOP2
   // returning float), added in row order 0, 1, ..., rows - 1 from 0.0f and
   // stored once as T: the fixed order of the bias and LayerNorm gradients. On
@@ -290,7 +317,7 @@ class Compute {
   // row at a time: the same order, vectorised across columns, in fp32
   // scratch); on cuda one thread per column walks its rows.
   template <class T, class Element>
-  void column_sums(size_t rows, size_t columns, Element element, T* sums);
+  void column_sums(size_t rows, size_t columns, Element element, T* sums, Site site = Site::here());
 
  private:
   void* device_malloc(size_t bytes);  // cudaMalloc / aligned host allocation, zeroed
@@ -305,7 +332,16 @@ class Compute {
   void sample();
   void gemm_16bit(Precision precision, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
                   const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta, void* C,
-                  int ldc, long stride_c, int batch);
+                  int ldc, long stride_c, int batch, Site site);
+  // On sim: queue `run` on `stream` (reads and writes: the bytes it touches
+  // where known; poison: its writes read as NaN until it ran) and return
+  // true. While the simulated device runs an operation, and on cpu and
+  // cuda, false: the caller does the work itself, now.
+  bool queued_on_sim(Stream stream, const char* what, Site site, std::function<void()> run,
+                     std::initializer_list<std::pair<const void*, size_t>> reads = {},
+                     std::initializer_list<std::pair<const void*, size_t>> writes = {}, bool poison = false);
+  // Work runs on the host now: always on cpu, on sim inside an operation.
+  bool runs_now_on_host() const { return device_ == Device::cpu || (device_ == Device::sim && sim_running_); }
   Device device_;
   int device_index_;
   Stream compute_stream_, comm_stream_, copy_stream_;
@@ -322,6 +358,9 @@ class Compute {
   std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)
   struct Resources;
   std::unique_ptr<Resources> resources_;  // pointer -> (bytes, kind), and the block's bookkeeping
+  std::unique_ptr<SimulatedDevice> sim_;  // device() == sim: the streams' queues and the scheduler
+  bool sim_running_ = false;              // the simulated device is running one of its operations
+  friend class SimulatedDevice;
 };
 
 // The portable product's CPU kernel (runtime/gemm.cu), callable on host
@@ -410,9 +449,11 @@ void Compute::for_each_on_host(size_t n, Body body) {
   for (size_t i = 0; i < n; ++i) host(i);
 }
 template <class Body>
-void Compute::for_each(size_t n, Body body, Stream stream) {
+void Compute::for_each(size_t n, Body body, Stream stream, Site site) {
   if (n == 0) return;
-  if (device_ == Device::cpu) return for_each_on_host(n, body);
+  // On sim the loop is queued on its stream and runs when the scheduler says.
+  if (queued_on_sim(stream, "loop", site, [this, n, body] { for_each_on_host(n, body); })) return;
+  if (runs_now_on_host()) return for_each_on_host(n, body);
 #if defined(__CUDACC__)
   const unsigned threads = 256;
   const size_t blocks = (n + threads - 1) / threads;
@@ -450,9 +491,12 @@ void Compute::for_each_on_host(size_t rows, size_t columns, Body body) {
     for (size_t column = 0; column < columns; ++column) host(row, column);
 }
 template <class Body>
-void Compute::for_each(size_t rows, size_t columns, Body body) {
+void Compute::for_each(size_t rows, size_t columns, Body body, Site site) {
   if (rows == 0 || columns == 0) return;
-  if (device_ == Device::cpu) return for_each_on_host(rows, columns, body);
+  if (queued_on_sim(compute_stream_, "loop", site,
+                    [this, rows, columns, body] { for_each_on_host(rows, columns, body); }))
+    return;
+  if (runs_now_on_host()) return for_each_on_host(rows, columns, body);
 #if defined(__CUDACC__)
   const unsigned threads = 256;
   const size_t blocks = (rows * columns + threads - 1) / threads;
@@ -465,9 +509,14 @@ void Compute::for_each(size_t rows, size_t columns, Body body) {
 }
 
 template <class T, class Element>
-void Compute::column_sums(size_t rows, size_t columns, Element element, T* sums) {
+void Compute::column_sums(size_t rows, size_t columns, Element element, T* sums, Site site) {
   if (columns == 0) return;
-  if (device_ == Device::cpu) {
+  if (queued_on_sim(
+          compute_stream_, "column sums", site,
+          [this, rows, columns, element, sums] { column_sums(rows, columns, element, sums); }, {},
+          {{sums, columns * sizeof(T)}}))
+    return;
+  if (runs_now_on_host()) {
     const auto& host = host_body(element);
     column_scratch_.assign(columns, 0.0f);
     float* running = column_scratch_.data();  // [columns] the sums over the rows so far

@@ -325,9 +325,28 @@ static void timed_cpu_gemm(double& seconds, int portable_lanes, bool transpose_a
   seconds += std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// Elements a stored matrix of `rows` x `columns` (leading dimension `ld`)
+// spans, and the span of `batch` of them `stride` apart.
+static size_t matrix_span(int rows, int columns, int ld) { return rows == 0 ? 0 : (size_t)(rows - 1) * ld + columns; }
+static size_t batch_span(size_t span, long stride, int batch) { return span + (size_t)(batch - 1) * (size_t)stride; }
+
+// On sim a product is one operation on the compute stream, as a cuBLAS call
+// is; its reads (A, B, and C unless beta = 0) and its write (C) are the spans
+// of its operands, for the race report.
+#define Z2_GEMM_QUEUED_ON_SIM(element, call)                                                                  \
+  queued_on_sim(compute_stream_, "gemm", site, [=] { call; },                                                 \
+                {{A, element * batch_span(matrix_span(transpose_a ? K : M, transpose_a ? M : K, lda), stride_a, batch)}, \
+                 {B, element * batch_span(matrix_span(transpose_b ? N : K, transpose_b ? K : N, ldb), stride_b, batch)}, \
+                 {C, beta == 0.0f ? 0 : element * batch_span(matrix_span(M, N, ldc), stride_c, batch)}},        \
+                {{C, element * batch_span(matrix_span(M, N, ldc), stride_c, batch)}})
+
 void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
-                   const float* B, int ldb, float beta, float* C, int ldc) {
+                   const float* B, int ldb, float beta, float* C, int ldc, Site site) {
   if (M == 0 || N == 0) return;
+  const long stride_a = 0, stride_b = 0, stride_c = 0;
+  const int batch = 1;
+  if (Z2_GEMM_QUEUED_ON_SIM(sizeof(float), gemm(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)))
+    return;
   if (K == 0) {
     // An empty sum (a micro-batch that selected no position): C = alpha 0 +
     // beta C, as BLAS defines it, in portable_finish's roundings (so portable
@@ -341,7 +360,7 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
              }));
     return;
   }
-  if (device_ == Device::cpu) {
+  if (runs_now_on_host()) {
     timed_cpu_gemm(gemm_seconds_, portable_ ? portable_lanes_ : 0, transpose_a, transpose_b, M, N, K, alpha, A, lda, B,
                    ldb, beta, C, ldc);
     return;
@@ -359,8 +378,12 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
 
 void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A,
                            int lda, long stride_a, const float* B, int ldb, long stride_b, float beta, float* C,
-                           int ldc, long stride_c, int batch) {
-  if (device_ == Device::cpu || M == 0 || N == 0 || K == 0) {
+                           int ldc, long stride_c, int batch, Site site) {
+  if (M == 0 || N == 0 || batch == 0) return;
+  if (Z2_GEMM_QUEUED_ON_SIM(sizeof(float), gemm_batched(transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B,
+                                                        ldb, stride_b, beta, C, ldc, stride_c, batch)))
+    return;
+  if (runs_now_on_host() || K == 0) {
     for (int k = 0; k < batch; ++k)
       gemm(transpose_a, transpose_b, M, N, K, alpha, A + k * stride_a, lda, B + k * stride_b, ldb, beta,
            C + k * stride_c, ldc);
@@ -379,10 +402,6 @@ void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int
 
 // --- the 16-bit products (mixed precision) ----------------------------------
 
-// Elements a stored matrix of `rows` x `columns` (leading dimension `ld`)
-// spans, and the span of `batch` of them `stride` apart.
-static size_t matrix_span(int rows, int columns, int ld) { return rows == 0 ? 0 : (size_t)(rows - 1) * ld + columns; }
-static size_t batch_span(size_t span, long stride, int batch) { return span + (size_t)(batch - 1) * (size_t)stride; }
 
 template <class T>
 static void widen_to(const T* source, size_t count, std::vector<float>& target) {
@@ -427,15 +446,19 @@ static void cpu_gemm_16bit(double& seconds, int portable_lanes, std::vector<floa
 
 void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
                          const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta,
-                         void* C, int ldc, long stride_c, int batch) {
+                         void* C, int ldc, long stride_c, int batch, Site site) {
   if (M == 0 || N == 0 || batch == 0) return;
+  if (Z2_GEMM_QUEUED_ON_SIM(sizeof(uint16_t), gemm_16bit(precision, transpose_a, transpose_b, M, N, K, alpha, A, lda,
+                                                         stride_a, B, ldb, stride_b, beta, C, ldc, stride_c, batch,
+                                                         site)))
+    return;
   const bool bf16 = precision == Precision::bf16;
   if (K == 0) {  // see gemm(): C = beta C ourselves
     if (bf16) scale_matrix(*this, M, N, alpha, beta, (bfloat16*)C, ldc, stride_c, batch);
     else scale_matrix(*this, M, N, alpha, beta, (float16*)C, ldc, stride_c, batch);
     return;
   }
-  if (device_ == Device::cpu) {
+  if (runs_now_on_host()) {
     Resources& scratch = *resources_;
     const int lanes = portable_ ? portable_lanes_ : 0;  // 0: OpenBLAS
     if (bf16)
@@ -473,24 +496,24 @@ void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b
 }
 
 void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A, int lda,
-                   const bfloat16* B, int ldb, float beta, bfloat16* C, int ldc) {
-  gemm_16bit(Precision::bf16, transpose_a, transpose_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+                   const bfloat16* B, int ldb, float beta, bfloat16* C, int ldc, Site site) {
+  gemm_16bit(Precision::bf16, transpose_a, transpose_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1, site);
 }
 void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A, int lda,
-                   const float16* B, int ldb, float beta, float16* C, int ldc) {
-  gemm_16bit(Precision::fp16, transpose_a, transpose_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+                   const float16* B, int ldb, float beta, float16* C, int ldc, Site site) {
+  gemm_16bit(Precision::fp16, transpose_a, transpose_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1, site);
 }
 void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const bfloat16* A,
                            int lda, long stride_a, const bfloat16* B, int ldb, long stride_b, float beta, bfloat16* C,
-                           int ldc, long stride_c, int batch) {
+                           int ldc, long stride_c, int batch, Site site) {
   gemm_16bit(Precision::bf16, transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C,
-             ldc, stride_c, batch);
+             ldc, stride_c, batch, site);
 }
 void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float16* A,
                            int lda, long stride_a, const float16* B, int ldb, long stride_b, float beta, float16* C,
-                           int ldc, long stride_c, int batch) {
+                           int ldc, long stride_c, int batch, Site site) {
   gemm_16bit(Precision::fp16, transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C,
-             ldc, stride_c, batch);
+             ldc, stride_c, batch, site);
 }
 
 }  // namespace z2

@@ -95,12 +95,16 @@ void Engine::parameters_from_host(const std::vector<float>& canonical) {
     position += p.numel;
   }
   Stream stream = compute_.compute_stream();
+  // The copies read these host vectors when they run, not when they are
+  // asked for: both live until the synchronize below (the simulated device
+  // found `working` freed before its copy ran when it lived in the branch).
+  std::vector<uint16_t> working;
   if (!s.mixed()) {
     compute_.copy(s.params, padded.data(), padded.size() * sizeof(float), stream);
     parameters_written();  // ZeRO-Offload: the host's fp32 master follows
   } else {
     // The working copy is the master rounded; the master holds this rank's region.
-    const std::vector<uint16_t> working = narrow_bits(padded, options_.precision);
+    working = narrow_bits(padded, options_.precision);
     compute_.copy(s.params, working.data(), working.size() * sizeof(uint16_t), stream);
     for (int b = 0; b < (int)buckets_.size(); ++b) {
       const UpdateRegion own = s.region(b);

@@ -54,7 +54,7 @@ BucketExchange::Parts::Parts(Compute& c, Communicator& communicator, Precision w
       accumulate_fp32(fp32_blocks),
       native(communicator.collectives() == Collectives::native),
       use_nccl(communicator.backend() == CommBackend::nccl),
-      through_pinned_host(communicator.backend() == CommBackend::mpi && c.on_cuda()) {}
+      through_pinned_host(communicator.backend() == CommBackend::mpi && c.memory_apart_from_host()) {}
 
 // --- --comm mpi on cuda: an MPI collective on pinned host copies ---------------------
 

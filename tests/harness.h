@@ -28,7 +28,7 @@ struct Backend {
   z2::Communicator* native = nullptr;         // --collectives native
 };
 
-// Backends over all ranks: cpu/mpi always; cuda/mpi and cuda/nccl when a GPU
+// Backends over all ranks: cpu/mpi and sim/mpi always; cuda/mpi and cuda/nccl when a GPU
 // is present (cuda/nccl only with one GPU per rank).
 const std::vector<Backend>& backends();
 // Backends over ranks [0, n) only (n = 1, 2, 4 up to the world size), for the

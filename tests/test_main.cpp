@@ -62,6 +62,11 @@ static void make_backends() {
 
   computes.emplace_back(new z2::Compute(z2::Device::cpu));
   z2::Compute* cpu = computes.back().get();
+  // The simulated device (runtime/simulated_device.h): the cuda backend's
+  // streams run on the CPU, adversarially; every test that runs on cpu/mpi
+  // runs on it as well, with or without a GPU.
+  computes.emplace_back(new z2::Compute(z2::Device::sim));
+  z2::Compute* sim = computes.back().get();
   z2::Compute* cuda = nullptr;
   if (gpu) {
     computes.emplace_back(new z2::Compute(z2::Device::cuda, z2::local_rank_of(MPI_COMM_WORLD)));
@@ -79,6 +84,7 @@ static void make_backends() {
     list.push_back(b);
   };
   add(world_backends, "cpu/mpi", cpu, MPI_COMM_WORLD, z2::CommBackend::mpi);
+  add(world_backends, "sim/mpi", sim, MPI_COMM_WORLD, z2::CommBackend::mpi);
   if (cuda) {
     add(world_backends, "cuda/mpi", cuda, MPI_COMM_WORLD, z2::CommBackend::mpi);
     if (z2::choose_comm("auto", z2::Device::cuda, MPI_COMM_WORLD) == z2::CommBackend::nccl)
@@ -90,6 +96,7 @@ static void make_backends() {
     MPI_Comm_split(MPI_COMM_WORLD, me < n ? 0 : MPI_UNDEFINED, me, &comm);
     if (comm != MPI_COMM_NULL) split_comms.push_back(comm);
     add(sub_worlds[n], "cpu/mpi", cpu, comm, z2::CommBackend::mpi);
+    add(sub_worlds[n], "sim/mpi", sim, comm, z2::CommBackend::mpi);
     if (cuda) add(sub_worlds[n], "cuda/mpi", cuda, comm, z2::CommBackend::mpi);
   }
   if (me == 0) {

@@ -122,7 +122,7 @@ static HostUse host_use(const Settings& settings, const RankPlan& plan, z2::Devi
   if (mode_of(settings) == ActivationMode::offload)  // Model's host_checkpoints_ (pinned on cuda)
     use.persistent += (size_t)(shape.layers - 1) * S * H * act;
   use.offloaded = plan.engine.host_live();  // allocated by build(), pinned on cuda
-  if (device == z2::Device::cpu && (mixed || settings.portable)) {
+  if (device != z2::Device::cuda && (mixed || settings.portable)) {
     // The largest gemm operand (weights, activations, attention scores), in floats: 16-bit widens A, B
     // and C into fp32 scratch; --portable packs A and a block of B.
     const size_t I = shape.intermediate, V = vocab_size;
@@ -144,13 +144,13 @@ size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Devic
   const RankPlan plan = plan_rank(settings, settings.stage, world_size);
   const double needed = (double)(allocator == z2::Allocator::arena ? plan.arena_block() : plan.live());
   const z2::MemoryLimit limit = z2::memory_per_rank(device, world);
-  const z2::MemoryLimit host_limit = device == z2::Device::cpu ? limit : z2::memory_per_rank(z2::Device::cpu, world);
+  const z2::MemoryLimit host_limit = device != z2::Device::cuda ? limit : z2::memory_per_rank(z2::Device::cpu, world);
   const HostUse host = host_use(settings, plan, device, host_limit.held);
   const double available = (double)limit.bytes, GiB = 1073741824.0;
-  const double on_device = needed + (device == z2::Device::cpu ? (double)host.total() : 0.0);
+  const double on_device = needed + (device != z2::Device::cuda ? (double)host.total() : 0.0);
   if (on_device > available || (double)host.total() > (double)host_limit.bytes) {
     // One message: the figure that does not fit, the limit and its source, then the figure's parts.
-    const bool host_short = device != z2::Device::cpu && on_device <= available;
+    const bool host_short = device == z2::Device::cuda && on_device <= available;
     const z2::MemoryLimit& short_of = host_short ? host_limit : limit;
     const double need = host_short ? (double)host.total() : on_device;
     char plan_text[320], host_text[640];
@@ -171,7 +171,7 @@ size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Devic
             : "",
         host.growth / GiB);
     std::string parts = plan_text, where;  // cuda, short of the GPU's memory: the plan alone
-    if (device == z2::Device::cpu) parts += std::string(" plus ") + host_text;
+    if (device != z2::Device::cuda) parts += std::string(" plus ") + host_text;
     else if (host_short) parts = std::string(host_text) + " (the plan itself is on the GPU)", where = " on the host";
     else where = " on the GPU";
     const bool overridden = short_of.source == "ZERO2_MEMORY_LIMIT";
@@ -195,7 +195,7 @@ size_t memory_block(const Settings& settings, z2::Allocator allocator, z2::Devic
   // check above passed by less than 10%.
   if (settings.device_memory_limit > 0) return (size_t)settings.device_memory_limit;
   const double block = std::min(0.9 * available, 2 * needed + 64.0 * 1048576.0);
-  return (size_t)(device == z2::Device::cpu ? std::max(block, needed) : block);
+  return (size_t)(device != z2::Device::cuda ? std::max(block, needed) : block);
 }
 
 // --- --plan: the table, the largest sizes, the JSON ---------------------------------

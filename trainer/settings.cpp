@@ -161,7 +161,7 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   if (name.empty()) name = flag;  // a config file passes its key, so messages name what the user wrote
   const long big = 1l << 30;
   s.given.insert(flag);
-  if (flag == "--device") s.device = parse_choice(name, value, {"auto", "cpu", "cuda"});
+  if (flag == "--device") s.device = parse_choice(name, value, {"auto", "cpu", "cuda", "sim"});
   else if (flag == "--comm") s.comm = parse_choice(name, value, {"auto", "mpi", "nccl"});
   else if (flag == "--collectives") s.collectives = parse_choice(name, value, {"deterministic", "native"});
   else if (flag == "--stage") s.stage = (int)parse_integer(name, value, 0, 2);
@@ -309,7 +309,7 @@ neither is), and a value that contradicts it, or does not divide it, is refused.
 
 where and how
   --stage 0|1|2              ZeRO stage (2) [zero_optimization.stage]
-  --device auto|cpu|cuda     compute backend (auto: cuda when a GPU is visible)
+  --device auto|cpu|cuda|sim compute backend (auto: cuda when a GPU is visible; sim: cuda's streams on the CPU)
   --comm auto|mpi|nccl       communication backend (auto: nccl with cuda, else mpi)
   --collectives deterministic|native   the canonical-order sums, or the library's own (deterministic)
   --bucket ELEMENTS          gradient bucket size (524288) [zero_optimization.reduce_bucket_size]

@@ -1,0 +1,111 @@
+// runtime/simulated_device.h — the simulated device (--device sim): the cuda
+// backend's execution model run on the CPU, so that the engine's and the
+// model's waits are tested without a GPU (notes/15-streams.md).
+//
+// What it models. Three streams (compute, comm, copy), each a queue run in
+// order; copies, fills, loops and products are asynchronous on their stream;
+// record / wait / query / synchronize have CUDA's meaning (an event stands
+// for the work its stream had queued when it was recorded; a wait stands for
+// the event's latest record; an event never recorded is complete). The work
+// itself is the cpu backend's: the same loops, the same sgemm, so a correct
+// program gives --device cpu's bits.
+//
+// How it is adversarial, deterministically:
+//   - late: nothing runs until the host must see it. synchronize(s) runs s's
+//     queue and only what s waits for; query() answers "not yet" once and
+//     then runs what the event stands for; synchronize_all runs, of the
+//     streams' heads that may run, the one queued last (so of two unordered
+//     operations the later-asked one runs first: a reader before the writer
+//     it forgot to wait for, an overwrite before the read it forgot).
+//   - poisoned: a copy's or fill's destination holds NaN bits (0xff) from the
+//     moment it may start (its stream's earlier work done, its waits met)
+//     until it has run, so reading it early changes the bits;
+//   - reported: when an operation runs while another stream's head is in
+//     flight and their known bytes (copies, fills, products) conflict, that is
+//     a race (neither is ordered before the other): both are named, with
+//     their streams and where they were asked for, and every rank stops.
+//
+// What it leaves out: NCCL (--comm nccl is refused: a stand-in over MPI would
+// need the device to progress while the host blocks in MPI, which a
+// scheduler run by the host cannot do); the bytes a loop (Z2_LOOP) touches
+// are not known, so its races show as changed bits, not as a report.
+//
+// Z2_SIM_SCHEDULE=seed:N runs, before each forced operation, other runnable
+// heads in an order drawn from N (randomised interleavings; the default is
+// "late"). Z2_SIM_SKIP=FILE:LINE[,FILE:LINE] makes the record, wait or
+// synchronize asked for at those lines do nothing (the mutation test,
+// tests/cli/streams.sh): at exit rank 0 says how often each was skipped.
+#pragma once
+
+#include <deque>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "zero2.h"
+
+namespace z2 {
+
+// An event on sim: which stream it was recorded on, and how many of that
+// stream's operations it stands for (0: never recorded, complete).
+struct SimEvent {
+  int stream = -1;
+  long through = 0;
+  long polled_at = -1;  // the record a query said "not yet" to (it answers so once per record)
+};
+
+// The bytes [begin, end) an operation reads or writes.
+struct ByteRange {
+  const char* begin = nullptr;
+  const char* end = nullptr;
+  bool overlaps(const ByteRange& other) const { return begin < other.end && other.begin < end; }
+};
+
+struct SimOperation {
+  std::string what;  // "copy 4,096 bytes", "fill 512 bytes", "loop", "gemm", "wait"
+  Site site;
+  long number = 0;  // its place in its stream's queue, from 1
+  long asked = 0;   // its place among everything the host asked for
+  std::function<void()> run;
+  std::vector<ByteRange> reads, writes;  // known access sets; empty for a loop
+  bool poison = false;                   // its writes read as NaN until it ran
+  bool started = false;                  // it may run: its stream's earlier work is done, its waits met
+  int wait_stream = -1;                  // a wait: for wait_stream's first wait_through operations
+  long wait_through = 0;
+};
+
+class SimulatedDevice {
+ public:
+  static constexpr int streams = 3;  // compute, comm, copy: Stream::handle is the number + 1
+  explicit SimulatedDevice(Compute& compute);
+  ~SimulatedDevice();
+
+  void enqueue(int stream, SimOperation operation);
+  void record(SimEvent& event, int stream, Site site);
+  void wait(int stream, const SimEvent& event, Site site);
+  bool query(SimEvent& event, Site site);
+  void synchronize(int stream, Site site);
+  void synchronize_all(Site site);
+  // The operations still queued (a destructor drains them first).
+  long pending() const;
+  static const char* stream_name(int stream);
+
+ private:
+  bool skipped(const Site& site);
+  void finish_through(int stream, long through);
+  void run_head(int stream);
+  void start_heads();
+  int latest_runnable_head();
+  void check_race(const SimOperation& running, int stream) const;
+  void interleave();
+  Compute& compute_;
+  std::deque<SimOperation> queues_[streams];
+  long queued_[streams] = {};    // operations ever queued on each stream
+  long finished_[streams] = {};  // of them, finished (a prefix: streams run in order)
+  long asked_ = 0;
+  std::vector<std::pair<std::string, long>> skips_;  // Z2_SIM_SKIP's sites, and how often each was skipped
+  bool seeded_ = false;
+  std::mt19937_64 random_;
+};
+
+}  // namespace z2
