@@ -167,7 +167,7 @@ objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
 # contraction): no bit changes. The chapter, the gemms and the model (.cu),
 # and tools that compute (math_accuracy), keep -O3.
 HOST_ONLY := $(filter %.cpp,$(ENGINE_SOURCES)) runtime/lab_checks.cpp $(TRAINER_SOURCES) $(filter %.cpp,$(TEST_SOURCES)) \
-             demos/demo_stages.cpp tests/watchdog_check.cpp measurements/paper_table.cpp
+             demos/demo_stages.cpp tests/watchdog_check.cpp tests/sim_check.cpp measurements/paper_table.cpp
 $(call objects,build,$(HOST_ONLY)) $(call objects,build-cpu,$(HOST_ONLY)): HOST_ONLY_FLAGS := -Og
 # Every object also depends on the headers it includes, as the compiler lists
 # them (-MMD: DIR/x.d beside DIR/x.o), and on this Makefile (its flags).
@@ -186,9 +186,10 @@ BUILD_KIND := cpu
 endif
 
 .PHONY: all cpu run verify golden lab labs demo bench check-trace check-peer build-time math-accuracy fraglab plan paper-tables superlinear test test-all test-cpu sanitize notes figures deps test-deps figure-deps sanitize-deps hf-venv found clean
-all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check
+all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check \
+     build/sim_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
-     build-cpu/watchdog_check
+     build-cpu/watchdog_check build-cpu/sim_check
 
 # What the build found; `make cpu` says it ignores nvcc.
 cpu: BUILD_KIND = cpu (make cpu: nvcc not used)
@@ -236,6 +237,9 @@ build/paper_table: $(call objects,build,measurements/paper_table.cpp $(ENGINE_SO
 # A desynchronized program, for the watchdog's roll call (tests/cli/reliability.sh).
 build/watchdog_check: $(call objects,build,tests/watchdog_check.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS)
+# The simulated device's rules, one small stream program per case (tests/cli/sim_device.sh).
+build/sim_check: $(call objects,build,tests/sim_check.cpp $(ENGINE_SOURCES))
+	$(MPICXX) $^ -o $@ $(LIBS)
 # exp / log / erf of zero2.h against libm's double functions, over every float
 # (make math-accuracy; notes/07 shows its table). Header-only: no engine object.
 build/math_accuracy: measurements/math_accuracy.cpp Makefile
@@ -270,6 +274,8 @@ build-cpu/demo_stages: $(call objects,build-cpu,demos/demo_stages.cpp tests/mlp_
 build-cpu/train_bert_mini: $(call objects,build-cpu,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
 build-cpu/watchdog_check: $(call objects,build-cpu,tests/watchdog_check.cpp $(ENGINE_SOURCES))
+	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+build-cpu/sim_check: $(call objects,build-cpu,tests/sim_check.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
 build-cpu/convert_tool: tests/convert_tool.cpp Makefile
 	@mkdir -p $(@D)

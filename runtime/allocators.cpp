@@ -5,6 +5,7 @@
 // a lab seam: this file asks them for offsets and turns offsets into
 // pointers. Host code: on cuda the block and the segments are cudaMalloc's.
 #include "runtime/compute_resources.h"
+#include "runtime/simulated_device.h"
 
 #include <sys/mman.h>
 
@@ -57,6 +58,7 @@ void Compute::use_allocator(Allocator allocator, size_t capacity) {
     if (block == MAP_FAILED)
       usage_error("cannot reserve %s bytes of address space for the memory block", with_commas(capacity).c_str());
     resources_->block = (char*)block;
+    if (sim_) sim_->adopt_memory(block, capacity);  // closed to the host, as a GPU's memory is
   } else {
 #if defined(Z2_HAVE_CUDA)
     void* block = nullptr;
@@ -134,7 +136,9 @@ void Compute::out_of_memory(size_t bytes, MemoryKind kind, size_t segment) const
 
 void* Compute::device_malloc(size_t bytes) {
   void* pointer = nullptr;
-  if (device_ != Device::cuda) {
+  if (sim_) {
+    pointer = sim_->map_memory(bytes);  // whole pages, closed to the host (runtime/simulated_device.h)
+  } else if (device_ != Device::cuda) {
     // 256-byte alignment, as cudaMalloc gives: vector loads and sgemm like
     // aligned rows. aligned_alloc wants a multiple of the alignment.
     pointer = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
@@ -151,7 +155,9 @@ void* Compute::device_malloc(size_t bytes) {
 }
 
 void Compute::device_free(void* pointer) {
-  if (device_ != Device::cuda) {
+  if (sim_) {
+    sim_->unmap_memory(pointer);
+  } else if (device_ != Device::cuda) {
     std::free(pointer);
   } else {
 #if defined(Z2_HAVE_CUDA)

@@ -162,11 +162,12 @@ Compute::~Compute() {
     } catch (...) {
     }
   if (resources_->block) {
+    if (sim_) sim_->forget_memory(resources_->block);
     munmap(resources_->block, resources_->capacity);
   } else if (allocator_ == Allocator::caching) {
-    for (auto& segment : resources_->segments) std::free(segment.second.base);
+    for (auto& segment : resources_->segments) device_free(segment.second.base);
   } else {
-    for (auto& entry : resources_->allocations) std::free(entry.first);
+    for (auto& entry : resources_->allocations) device_free(entry.first);
   }
   for (auto& entry : resources_->pinned) std::free(entry.first);
 }

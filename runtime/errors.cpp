@@ -33,6 +33,10 @@ namespace z2 {
     hint = "NCCL needs one GPU per rank (several ranks on one GPU: --comm mpi); NCCL_DEBUG=INFO says more";
   else if (!strcmp(library, "MPI"))
     hint = "every rank must call the same collectives in the same order; check the mpirun command";
+  else if (!strcmp(library, "sim"))
+    hint =
+        "the simulated device (--device sim) keeps the GPU's rules: order two streams by an event recorded on "
+        "one and waited for on the other; reach device memory only by Compute::copy (notes/15-streams.md)";
   else if (!strcmp(library, "memory"))
     hint = "a smaller model or micro-batch, fewer ranks per host, or a higher stage to shard more";
   fprintf(stderr, "[zero2] rank %d: %s error at %s:%d\n  call:    %s\n  message: %s\n  hint:    %s\n", rank, library,

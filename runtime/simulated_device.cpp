@@ -4,11 +4,133 @@
 // the scheduler says, on the host thread.
 #include "runtime/simulated_device.h"
 
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 
 namespace z2 {
+
+// --- device memory, closed to the host ---------------------------------------------
+
+// Every simulated device's buffers (start -> bytes), for mprotect and for the
+// fault handler, which must tell a host access of device memory from any
+// other crash. One process has one simulated device in practice (the
+// doctest suite's, or the trainer's); several would share the list.
+static std::map<char*, size_t>& device_mappings() {
+  static std::map<char*, size_t> mappings;
+  return mappings;
+}
+static struct sigaction previous_segv_action;
+
+// The host's call stack, as file:line where the build has line tables (-g1):
+// addr2line on each frame's object, at its offset in that object.
+static void print_host_stack() {
+  fprintf(stderr, "[zero2] the host's call stack at the access, innermost first:\n");
+  fflush(stderr);
+  void* frames[16];
+  const int depth = backtrace(frames, 16);
+  for (int k = 3; k < depth; ++k) {  // 0: this function, 1: the handler, 2: the signal return; 3 made the access
+    Dl_info info;
+    if (!dladdr(frames[k], &info) || !info.dli_fname) continue;
+    const size_t offset = (size_t)((char*)frames[k] - (char*)info.dli_fbase) - (k > 3 ? 1 : 0);  // a return address points past its call
+    const std::string command = format_text("addr2line -f -C -p -e '%s' 0x%zx 1>&2", info.dli_fname, offset);
+    if (std::system(command.c_str()) != 0) fprintf(stderr, "  %s +0x%zx\n", info.dli_fname, offset);
+    if (info.dli_sname && !std::strcmp(info.dli_sname, "main")) break;
+  }
+}
+
+// A host access of a closed page lands here. Not async-signal-safe, and need
+// not be: the program stops either way, and this fault is synchronous (the
+// host thread touched the page), so the rank's state is what it was.
+static void host_touched_device_memory(int signal, siginfo_t* info, void* context) {
+  char* address = (char*)info->si_addr;
+  auto after = device_mappings().upper_bound(address);
+  if (after == device_mappings().begin() || address >= std::prev(after)->first + std::prev(after)->second) {
+    sigaction(SIGSEGV, &previous_segv_action, nullptr);  // not ours: the crash it would have been
+    (void)signal, (void)context;
+    return;
+  }
+  const auto buffer = std::prev(after);
+  print_host_stack();
+  const std::string message = format_text(
+      "the host touched device memory: byte %s of a %s-byte device buffer. On a GPU the host cannot reach "
+      "device memory (an illegal access); the simulated device keeps that rule. Copy it with Compute::copy "
+      "on a stream and synchronize that stream before the host reads it (the call stack is above)",
+      with_commas((size_t)(address - buffer->first)).c_str(), with_commas(buffer->second).c_str());
+  abort_all_ranks("sim", message.c_str(), "a host access of device memory", __FILE__, __LINE__);
+}
+
+static void install_fault_handler() {
+  static bool installed = false;
+  if (installed) return;
+  installed = true;
+  struct sigaction action = {};
+  action.sa_sigaction = host_touched_device_memory;
+  action.sa_flags = SA_SIGINFO;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGSEGV, &action, &previous_segv_action);
+}
+
+void SimulatedDevice::protect(int protection) {
+  for (const auto& mapping : device_mappings())
+    if (mprotect(mapping.first, mapping.second, protection) != 0)
+      abort_all_ranks("sim", strerror(errno), "mprotect of the simulated device's memory", __FILE__, __LINE__);
+}
+
+void SimulatedDevice::open_memory() {
+  if (memory_open_) return;
+  protect(PROT_READ | PROT_WRITE);
+  memory_open_ = true;
+}
+
+SimulatedDevice::Entry::~Entry() {
+  device.entries_ -= 1;
+  if (device.entries_ == 0 && device.memory_open_) {
+    device.protect(PROT_NONE);
+    device.memory_open_ = false;
+  }
+}
+
+static size_t whole_pages(size_t bytes) {
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  return (std::max(bytes, (size_t)1) + page - 1) / page * page;
+}
+
+void* SimulatedDevice::map_memory(size_t bytes) {
+  const size_t length = whole_pages(bytes);
+  void* pages = mmap(nullptr, length, memory_open_ ? PROT_READ | PROT_WRITE : PROT_NONE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (pages == MAP_FAILED) abort_all_ranks("memory", "out of host memory", "the simulated device's memory", __FILE__, __LINE__);
+  device_mappings()[(char*)pages] = length;
+  return pages;
+}
+
+void SimulatedDevice::unmap_memory(void* pointer) {
+  auto found = device_mappings().find((char*)pointer);
+  if (found == device_mappings().end()) return;
+  munmap(found->first, found->second);
+  device_mappings().erase(found);
+}
+
+void SimulatedDevice::adopt_memory(void* block, size_t bytes) {
+  device_mappings()[(char*)block] = whole_pages(bytes);
+  // Huge pages where the kernel has them: mprotect rewrites one entry per
+  // page it covers, and the block is closed and opened again at every
+  // synchronize; 2 MiB pages make that 512 times cheaper than 4 KiB ones.
+  madvise(block, whole_pages(bytes), MADV_HUGEPAGE);
+  if (!memory_open_ && mprotect(block, whole_pages(bytes), PROT_NONE) != 0)
+    abort_all_ranks("sim", strerror(errno), "mprotect of the simulated device's memory", __FILE__, __LINE__);
+}
+
+void SimulatedDevice::forget_memory(void* block) { device_mappings().erase((char*)block); }
 
 const char* SimulatedDevice::stream_name(int stream) {
   static const char* names[] = {"compute", "comm", "copy"};
@@ -29,6 +151,7 @@ static std::string where(const Site& site) {
 }
 
 SimulatedDevice::SimulatedDevice(Compute& compute) : compute_(compute) {
+  install_fault_handler();
   if (const char* schedule = std::getenv("Z2_SIM_SCHEDULE"); schedule && *schedule) {
     const std::string text = schedule;
     if (text.rfind("seed:", 0) == 0 && text.size() > 5 && text.find_first_not_of("0123456789", 5) == std::string::npos) {
@@ -81,6 +204,7 @@ long SimulatedDevice::pending() const {
 }
 
 void SimulatedDevice::enqueue(int stream, SimOperation operation) {
+  Entry entry(*this);
   operation.number = ++queued_[stream];
   operation.asked = ++asked_;
   queues_[stream].push_back(std::move(operation));
@@ -107,7 +231,9 @@ void SimulatedDevice::start_heads() {
         for (const ByteRange& write : head.writes) {
           bool also_read = false;
           for (const ByteRange& read : head.reads) also_read = also_read || read.overlaps(write);
-          if (!also_read) std::memset((void*)write.begin, 0xff, (size_t)(write.end - write.begin));
+          if (also_read) continue;
+          open_memory();
+          std::memset((void*)write.begin, 0xff, (size_t)(write.end - write.begin));
         }
       }
     }
@@ -150,6 +276,7 @@ void SimulatedDevice::run_head(int stream) {
     explicit Running(bool& f) : flag(f) { flag = true; }
     ~Running() { flag = false; }
   } running(compute_.sim_running_);
+  open_memory();
   head.run();
   queues_[stream].pop_front();
   finished_[stream] += 1;
@@ -212,6 +339,7 @@ void SimulatedDevice::wait(int stream, const SimEvent& event, Site site) {
 }
 
 bool SimulatedDevice::query(SimEvent& event, Site) {
+  Entry entry(*this);
   if (event.stream < 0 || finished_[event.stream] >= event.through) return true;
   if (event.polled_at != event.through) {  // "not yet", once: the caller's waiting path runs
     event.polled_at = event.through;
@@ -222,11 +350,13 @@ bool SimulatedDevice::query(SimEvent& event, Site) {
 }
 
 void SimulatedDevice::synchronize(int stream, Site site) {
+  Entry entry(*this);
   if (skipped(site)) return;
   finish_through(stream, queued_[stream]);
 }
 
 void SimulatedDevice::synchronize_all(Site site) {
+  Entry entry(*this);
   if (skipped(site)) return;
   interleave();
   for (int s = latest_runnable_head(); s >= 0; s = latest_runnable_head()) run_head(s);

@@ -25,6 +25,14 @@
 //     a race (neither is ordered before the other): both are named, with
 //     their streams and where they were asked for, and every rank stops.
 //
+// Device memory is the host's memory, but closed to the host: the pages of
+// every device buffer (the arena's block, each direct allocation, each
+// caching segment) are PROT_NONE except while the simulated device runs an
+// operation or poisons a destination, so a host read or write of device
+// memory — an illegal access on a GPU, where only Compute::copy reaches it —
+// stops every rank with a message and the host's call stack. Pinned and
+// pageable host memory stay open.
+//
 // What it leaves out: NCCL (--comm nccl is refused: a stand-in over MPI would
 // need the device to progress while the host blocks in MPI, which a
 // scheduler run by the host cannot do); the bytes a loop (Z2_LOOP) touches
@@ -88,6 +96,13 @@ class SimulatedDevice {
   void synchronize_all(Site site);
   // The operations still queued (a destructor drains them first).
   long pending() const;
+  // Device memory: fresh zeroed pages closed to the host (map), given back
+  // (unmap); or a block the allocator mapped itself (adopt, before it is
+  // used; forget, before it is unmapped).
+  void* map_memory(size_t bytes);
+  void unmap_memory(void* pointer);
+  void adopt_memory(void* block, size_t bytes);
+  void forget_memory(void* block);
   static const char* stream_name(int stream);
 
  private:
@@ -98,7 +113,18 @@ class SimulatedDevice {
   int latest_runnable_head();
   void check_race(const SimOperation& running, int stream) const;
   void interleave();
+  // Device memory is open to the host's code only inside an entry point
+  // (enqueue, query, synchronize...) that runs or poisons an operation.
+  struct Entry {
+    SimulatedDevice& device;
+    explicit Entry(SimulatedDevice& d) : device(d) { device.entries_ += 1; }
+    ~Entry();
+  };
+  void open_memory();
+  void protect(int protection);
   Compute& compute_;
+  int entries_ = 0;           // entry points under way (an operation may not enter again, but a destructor may)
+  bool memory_open_ = false;  // the device's pages are readable and writable now
   std::deque<SimOperation> queues_[streams];
   long queued_[streams] = {};    // operations ever queued on each stream
   long finished_[streams] = {};  // of them, finished (a prefix: streams run in order)
