@@ -6,6 +6,8 @@
 // length. Host code: the CUDA libraries' messages come from their host APIs.
 #include "zero2.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #if defined(Z2_HAVE_CUDA)
 #include <cublas_v2.h>
@@ -42,7 +44,10 @@ namespace z2 {
   fprintf(stderr, "[zero2] rank %d: %s error at %s:%d\n  call:    %s\n  message: %s\n  hint:    %s\n", rank, library,
           file, line, call, message, hint);
   fflush(stderr);
-  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, 1);
+  // mpirun forwards a rank's stderr through its proxy, and MPI_Abort has the
+  // proxies kill every rank: a message still on its way can be lost (seen when
+  // two ranks stop at once). A fifth of a second lets it arrive.
+  if (initialized && !finalized) usleep(200000), MPI_Abort(MPI_COMM_WORLD, 1);
   std::exit(1);
 }
 

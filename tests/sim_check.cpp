@@ -24,10 +24,14 @@ namespace {
 
 const size_t count = 4;
 
+// One line, written whole: the ranks' lines share one pipe.
 void print(const char* label, const float* values) {
-  printf("%s", label);
-  for (size_t i = 0; i < count; ++i) printf(" %g", values[i]);
-  printf("\n");
+  std::string line = label;
+  char number[32];
+  for (size_t i = 0; i < count; ++i) snprintf(number, sizeof number, " %g", values[i]), line += number;
+  line += "\n";
+  fputs(line.c_str(), stdout);
+  fflush(stdout);
 }
 
 // A copy up on the copy stream, a loop on compute that doubles it (waiting

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/cli/sim_device.sh BUILD_DIR — the simulated device's own rules (runtime/simulated_device.h), each
-# shown by a small stream program (tests/sim_check.cpp) at N = 2: a wait orders a copy before the loop
+# shown by a small stream program (tests/sim_check.cpp) at N = 2 (the host read at N = 1): a wait orders a copy before the loop
 # that reads it, and without it the loop reads poison; the host sees a copy's destination only after a
 # synchronize; a copy reads its source when it runs, not when it is asked for; two unordered operations
 # on the same bytes are a race, reported on every rank with both call sites; the host may not touch device
@@ -8,8 +8,8 @@
 # Ends with "N passed, M failed".
 source "$(dirname "$0")/common.sh" "$@"
 
-check_program() { # CASE: run build/sim_check CASE at N = 2, its output in $work/CASE.log, its status in $status
-  timeout 60 mpirun -n 2 "$build/sim_check" "$1" > "$work/$1.log" 2>&1
+check_program() { # CASE [N]: run build/sim_check CASE at N ranks (2), its output in $work/CASE.log, its status in $status
+  timeout 60 mpirun -n "${2:-2}" "$build/sim_check" "$1" > "$work/$1.log" 2>&1
   status=$?
 }
 
@@ -38,7 +38,7 @@ stream_rules() {
     pass "a fill on comm and a copy on copy into the same bytes, no event: a race, both named with their" \
       "streams and lines; the job stops (MPI_Abort), exit $status" ||
     fail "race: exit $status, $(head -c 400 "$work/race.log")"
-  check_program host-read
+  check_program host-read 1  # one rank: the call stack is not cut short by another rank's abort
   [ $status -ne 0 ] && [ "$(grep -c 'the host touched device memory: byte 4 of a 4,096-byte device buffer' "$work/host-read.log")" -ge 1 ] &&
     grep -q 'host_read.* at .*tests/sim_check.cpp:[0-9]' "$work/host-read.log" &&
     ! grep -q '^read ' "$work/host-read.log" &&
