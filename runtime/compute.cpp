@@ -174,10 +174,9 @@ Compute::~Compute() {
 // The stream's number on sim (Stream::handle is it + 1).
 static int sim_stream(Stream stream) { return (int)(intptr_t)stream.handle - 1; }
 
-bool Compute::queued_on_sim(Stream stream, const char* what, Site site, std::function<void()> run,
-                            std::initializer_list<std::pair<const void*, size_t>> reads,
-                            std::initializer_list<std::pair<const void*, size_t>> writes, bool poison) {
-  if (device_ != Device::sim || sim_running_) return false;
+void Compute::queue_on_sim(Stream stream, const char* what, Site site, std::function<void()> run,
+                           std::initializer_list<std::pair<const void*, size_t>> reads,
+                           std::initializer_list<std::pair<const void*, size_t>> writes, bool poison) {
   SimOperation operation;
   operation.what = what;
   operation.site = site;
@@ -188,15 +187,16 @@ bool Compute::queued_on_sim(Stream stream, const char* what, Site site, std::fun
   for (const auto& write : writes)
     if (write.second) operation.writes.push_back({(const char*)write.first, (const char*)write.first + write.second});
   sim_->enqueue(sim_stream(stream), std::move(operation));
-  return true;
 }
 
 void Compute::copy(void* destination, const void* source, size_t bytes, Stream stream, Site site) {
   if (bytes == 0 || destination == source) return;
-  const std::string what = "copy of " + with_commas(bytes) + " bytes";
-  if (queued_on_sim(stream, what.c_str(), site, [=] { std::memmove(destination, source, bytes); },
-                    {{source, bytes}}, {{destination, bytes}}, true))
+  if (queues_on_sim()) {  // the bytes it reads and writes are known; its destination is poisoned
+    const std::string what = "copy of " + with_commas(bytes) + " bytes";
+    queue_on_sim(stream, what.c_str(), site, [=] { std::memmove(destination, source, bytes); }, {{source, bytes}},
+                  {{destination, bytes}}, true);
     return;
+  }
   if (runs_now_on_host()) {
     std::memmove(destination, source, bytes);
     return;
@@ -209,10 +209,12 @@ void Compute::copy(void* destination, const void* source, size_t bytes, Stream s
 
 void Compute::fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream, Site site) {
   if (bytes == 0) return;
-  const std::string what = "fill of " + with_commas(bytes) + " bytes";
-  if (queued_on_sim(stream, what.c_str(), site, [=] { std::memset(destination, value, bytes); }, {},
-                    {{destination, bytes}}, true))
+  if (queues_on_sim()) {
+    const std::string what = "fill of " + with_commas(bytes) + " bytes";
+    queue_on_sim(stream, what.c_str(), site, [=] { std::memset(destination, value, bytes); }, {},
+                  {{destination, bytes}}, true);
     return;
+  }
   if (runs_now_on_host()) {
     std::memset(destination, value, bytes);
     return;

@@ -333,13 +333,17 @@ class Compute {
   void gemm_16bit(Precision precision, bool transpose_a, bool transpose_b, int M, int N, int K, float alpha,
                   const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta, void* C,
                   int ldc, long stride_c, int batch, Site site);
-  // On sim: queue `run` on `stream` (reads and writes: the bytes it touches
-  // where known; poison: its writes read as NaN until it ran) and return
-  // true. While the simulated device runs an operation, and on cpu and
-  // cuda, false: the caller does the work itself, now.
-  bool queued_on_sim(Stream stream, const char* what, Site site, std::function<void()> run,
-                     std::initializer_list<std::pair<const void*, size_t>> reads = {},
-                     std::initializer_list<std::pair<const void*, size_t>> writes = {}, bool poison = false);
+  // On sim, outside the simulated device's own operations, work is queued
+  // (queue_on_sim: `run` on `stream`; reads and writes: the bytes it touches
+  // where known; poison: its writes read as NaN until it ran). Elsewhere the
+  // caller does the work itself, now.
+  bool queues_on_sim() const { return device_ == Device::sim && !sim_running_; }
+  void queue_on_sim(Stream stream, const char* what, Site site, std::function<void()> run,
+                    std::initializer_list<std::pair<const void*, size_t>> reads = {},
+                    std::initializer_list<std::pair<const void*, size_t>> writes = {}, bool poison = false);
+  void queue_gemm_on_sim(Site site, size_t element, bool transpose_a, bool transpose_b, int M, int N, int K,
+                         const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta,
+                         const void* C, int ldc, long stride_c, int batch, std::function<void()> run);
   // Work runs on the host now: always on cpu, on sim inside an operation.
   bool runs_now_on_host() const { return device_ == Device::cpu || (device_ == Device::sim && sim_running_); }
   Device device_;
@@ -452,7 +456,7 @@ template <class Body>
 void Compute::for_each(size_t n, Body body, Stream stream, Site site) {
   if (n == 0) return;
   // On sim the loop is queued on its stream and runs when the scheduler says.
-  if (queued_on_sim(stream, "loop", site, [this, n, body] { for_each_on_host(n, body); })) return;
+  if (queues_on_sim()) return queue_on_sim(stream, "loop", site, [this, n, body] { for_each_on_host(n, body); });
   if (runs_now_on_host()) return for_each_on_host(n, body);
 #if defined(__CUDACC__)
   const unsigned threads = 256;
@@ -493,9 +497,9 @@ void Compute::for_each_on_host(size_t rows, size_t columns, Body body) {
 template <class Body>
 void Compute::for_each(size_t rows, size_t columns, Body body, Site site) {
   if (rows == 0 || columns == 0) return;
-  if (queued_on_sim(compute_stream_, "loop", site,
-                    [this, rows, columns, body] { for_each_on_host(rows, columns, body); }))
-    return;
+  if (queues_on_sim())
+    return queue_on_sim(compute_stream_, "loop", site,
+                        [this, rows, columns, body] { for_each_on_host(rows, columns, body); });
   if (runs_now_on_host()) return for_each_on_host(rows, columns, body);
 #if defined(__CUDACC__)
   const unsigned threads = 256;
@@ -511,11 +515,11 @@ void Compute::for_each(size_t rows, size_t columns, Body body, Site site) {
 template <class T, class Element>
 void Compute::column_sums(size_t rows, size_t columns, Element element, T* sums, Site site) {
   if (columns == 0) return;
-  if (queued_on_sim(
-          compute_stream_, "column sums", site,
-          [this, rows, columns, element, sums] { column_sums(rows, columns, element, sums); }, {},
-          {{sums, columns * sizeof(T)}}))
-    return;
+  if (queues_on_sim())
+    return queue_on_sim(
+        compute_stream_, "column sums", site,
+        [this, rows, columns, element, sums] { column_sums(rows, columns, element, sums); }, {},
+        {{sums, columns * sizeof(T)}});
   if (runs_now_on_host()) {
     const auto& host = host_body(element);
     column_scratch_.assign(columns, 0.0f);

@@ -331,22 +331,24 @@ static size_t matrix_span(int rows, int columns, int ld) { return rows == 0 ? 0 
 static size_t batch_span(size_t span, long stride, int batch) { return span + (size_t)(batch - 1) * (size_t)stride; }
 
 // On sim a product is one operation on the compute stream, as a cuBLAS call
-// is; its reads (A, B, and C unless beta = 0) and its write (C) are the spans
-// of its operands, for the race report.
-#define Z2_GEMM_QUEUED_ON_SIM(element, call)                                                                  \
-  queued_on_sim(compute_stream_, "gemm", site, [=] { call; },                                                 \
-                {{A, element * batch_span(matrix_span(transpose_a ? K : M, transpose_a ? M : K, lda), stride_a, batch)}, \
-                 {B, element * batch_span(matrix_span(transpose_b ? N : K, transpose_b ? K : N, ldb), stride_b, batch)}, \
-                 {C, beta == 0.0f ? 0 : element * batch_span(matrix_span(M, N, ldc), stride_c, batch)}},        \
-                {{C, element * batch_span(matrix_span(M, N, ldc), stride_c, batch)}})
+// is; what it reads (A, B, and C unless beta = 0) and writes (C) are its
+// operands' spans, `element` bytes an element, for the race report.
+void Compute::queue_gemm_on_sim(Site site, size_t element, bool transpose_a, bool transpose_b, int M, int N, int K,
+                                const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b,
+                                float beta, const void* C, int ldc, long stride_c, int batch,
+                                std::function<void()> run) {
+  const size_t a = element * batch_span(matrix_span(transpose_a ? K : M, transpose_a ? M : K, lda), stride_a, batch),
+               b = element * batch_span(matrix_span(transpose_b ? N : K, transpose_b ? K : N, ldb), stride_b, batch),
+               c = element * batch_span(matrix_span(M, N, ldc), stride_c, batch);
+  queue_on_sim(compute_stream_, "gemm", site, std::move(run), {{A, a}, {B, b}, {C, beta == 0.0f ? 0 : c}}, {{C, c}});
+}
 
 void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
                    const float* B, int ldb, float beta, float* C, int ldc, Site site) {
   if (M == 0 || N == 0) return;
-  const long stride_a = 0, stride_b = 0, stride_c = 0;
-  const int batch = 1;
-  if (Z2_GEMM_QUEUED_ON_SIM(sizeof(float), gemm(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)))
-    return;
+  if (queues_on_sim())
+    return queue_gemm_on_sim(site, sizeof(float), transpose_a, transpose_b, M, N, K, A, lda, 0, B, ldb, 0, beta, C, ldc,
+                             0, 1, [=] { gemm(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   if (K == 0) {
     // An empty sum (a micro-batch that selected no position): C = alpha 0 +
     // beta C, as BLAS defines it, in portable_finish's roundings (so portable
@@ -380,9 +382,12 @@ void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int
                            int lda, long stride_a, const float* B, int ldb, long stride_b, float beta, float* C,
                            int ldc, long stride_c, int batch, Site site) {
   if (M == 0 || N == 0 || batch == 0) return;
-  if (Z2_GEMM_QUEUED_ON_SIM(sizeof(float), gemm_batched(transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B,
-                                                        ldb, stride_b, beta, C, ldc, stride_c, batch)))
-    return;
+  if (queues_on_sim())
+    return queue_gemm_on_sim(site, sizeof(float), transpose_a, transpose_b, M, N, K, A, lda, stride_a, B, ldb, stride_b,
+                             beta, C, ldc, stride_c, batch, [=] {
+                               gemm_batched(transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb,
+                                            stride_b, beta, C, ldc, stride_c, batch);
+                             });
   if (runs_now_on_host() || K == 0) {
     for (int k = 0; k < batch; ++k)
       gemm(transpose_a, transpose_b, M, N, K, alpha, A + k * stride_a, lda, B + k * stride_b, ldb, beta,
@@ -448,10 +453,12 @@ void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b
                          const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta,
                          void* C, int ldc, long stride_c, int batch, Site site) {
   if (M == 0 || N == 0 || batch == 0) return;
-  if (Z2_GEMM_QUEUED_ON_SIM(sizeof(uint16_t), gemm_16bit(precision, transpose_a, transpose_b, M, N, K, alpha, A, lda,
-                                                         stride_a, B, ldb, stride_b, beta, C, ldc, stride_c, batch,
-                                                         site)))
-    return;
+  if (queues_on_sim())
+    return queue_gemm_on_sim(site, sizeof(uint16_t), transpose_a, transpose_b, M, N, K, A, lda, stride_a, B, ldb,
+                             stride_b, beta, C, ldc, stride_c, batch, [=] {
+                               gemm_16bit(precision, transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb,
+                                          stride_b, beta, C, ldc, stride_c, batch, site);
+                             });
   const bool bf16 = precision == Precision::bf16;
   if (K == 0) {  // see gemm(): C = beta C ourselves
     if (bf16) scale_matrix(*this, M, N, alpha, beta, (bfloat16*)C, ldc, stride_c, batch);
