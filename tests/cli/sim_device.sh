@@ -4,7 +4,8 @@
 # that reads it, and without it the loop reads poison; the host sees a copy's destination only after a
 # synchronize; a copy reads its source when it runs, not when it is asked for; two unordered operations
 # on the same bytes are a race, reported on every rank with both call sites; the host may not touch device
-# memory. Then what --device sim refuses, and seeded interleavings training to --device cpu's bits.
+# memory. Then the golden table's bits on sim, what --device sim refuses, and seeded interleavings
+# training to --device cpu's bits.
 # Ends with "N passed, M failed".
 source "$(dirname "$0")/common.sh" "$@"
 
@@ -73,7 +74,17 @@ seeded_schedules() {
       "--device cpu's hash $expected" || fail "seeded schedules:$differing"
 }
 
+# The golden table (tests/golden_bits.txt, README "Portable bits") holds
+# hashes made on the cpu backend in portable mode: the same on sim means the
+# stream program, run late and poisoned, computes exactly the cpu's program.
+golden_bits() {
+  echo "=== the golden table's bits on the simulated device (--portable)"
+  Z2_VERIFY_FLAGS="--device sim" timeout 300 tests/verify.sh "$build" > "$work/verify.log" 2>&1 &&
+    pass "--device sim: $(tail -n 1 "$work/verify.log")" || fail "golden bits on sim: $(grep -v '^same' "$work/verify.log" | head -c 400)"
+}
+
 quick stream_rules
+quick golden_bits
 quick refusals
 all seeded_schedules
 finish
