@@ -75,7 +75,7 @@
 
 namespace z2 {
 
-class Compute;       // runtime/compute.h: the cpu | cuda backend
+class Compute;       // runtime/compute.h: the cpu | cuda backend, and sim (cuda's streams on the CPU)
 class Communicator;  // runtime/communicator.h: MPI, and NCCL for device buffers
 
 // The precision of the working parameters and gradients (notes/08): fp32, or

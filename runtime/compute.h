@@ -1,6 +1,7 @@
 // runtime/compute.h — the compute backend (part of zero2.h: include zero2.h,
 // not this): cpu (C++ loops and OpenBLAS) or cuda (kernels and cuBLAS) behind
-// one class. Memory with a ledger by kind, from one of four allocators;
+// one class, and sim, the cuda backend's streams run on the CPU by the
+// simulated device (runtime/simulated_device.h) to test the waits. Memory with a ledger by kind, from one of four allocators;
 // streams and events (no-ops on cpu); the products; and for_each, which runs
 // one loop body, written once as Z2_LOOP(i, { ... }), as a CPU loop or as a
 // CUDA kernel. Implemented in runtime/compute.cpp (streams, events, copies),
