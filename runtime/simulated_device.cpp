@@ -161,6 +161,7 @@ SimulatedDevice::SimulatedDevice(Compute& compute) : compute_(compute) {
       usage_error("Z2_SIM_SCHEDULE=%s: the simulated device's schedules are late (the default) and seed:N", schedule);
     }
   }
+  if (const char* count = std::getenv("Z2_SIM_COUNT"); count && *count) counting_ = true;
   if (const char* skip = std::getenv("Z2_SIM_SKIP"); skip && *skip) {
     std::string text = skip;
     for (size_t start = 0; start <= text.size();) {
@@ -173,18 +174,21 @@ SimulatedDevice::SimulatedDevice(Compute& compute) : compute_(compute) {
 }
 
 SimulatedDevice::~SimulatedDevice() {
-  if (skips_.empty()) return;
+  if (skips_.empty() && !counting_) return;
   int initialized = 0, finalized = 0, rank = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
   if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (rank != 0) return;
   for (const auto& skip : skips_) fprintf(stderr, "[sim] skipped %s %ld times\n", skip.first.c_str(), skip.second);
+  for (const auto& site : asked_at_) fprintf(stderr, "[sim] asked %s %ld times\n", site.first.c_str(), site.second);
 }
 
 // A site is skipped when Z2_SIM_SKIP names its file:line; the file may be
 // given by its last parts ("zero2.cu:629" matches "./zero2.cu:629").
+// (Z2_SIM_COUNT=1 counts every site asked for: which sites a run reaches.)
 bool SimulatedDevice::skipped(const Site& site) {
+  if (counting_) asked_at_[std::string(site.file) + ":" + std::to_string(site.line)] += 1;
   for (auto& skip : skips_) {
     const std::string here = std::string(site.file) + ":" + std::to_string(site.line);
     const std::string& wanted = skip.first;
@@ -283,11 +287,13 @@ void SimulatedDevice::run_head(int stream) {
   start_heads();
 }
 
-// Of the heads that may run, the one asked for last (-1: none).
-int SimulatedDevice::latest_runnable_head() {
+// Of the heads that may run and are needed (one of the first need[s] of
+// their stream), the one asked for last (-1: none).
+int SimulatedDevice::latest_runnable_head(const long* need) {
   int latest = -1;
   for (int s = 0; s < streams; ++s) {
     if (queues_[s].empty() || !queues_[s].front().started || queues_[s].front().wait_stream >= 0) continue;
+    if (queues_[s].front().number > need[s]) continue;
     if (latest < 0 || queues_[s].front().asked > queues_[latest].front().asked) latest = s;
   }
   return latest;
@@ -307,18 +313,32 @@ void SimulatedDevice::interleave() {
 }
 
 // Run `stream`'s operations until `through` of them have finished, and of
-// the other streams only what they must (what a wait on the way needs).
+// the other streams only what they must (what a wait on the way needs, and
+// what that needs in turn). Of what must run, the head that may run and was
+// asked for last runs first: of two unordered operations the later-asked one
+// (a reader its missing wait should have held back, or an overwrite) runs
+// before the earlier one, not after it as the queues' order would have it.
 void SimulatedDevice::finish_through(int stream, long through) {
   interleave();
-  while (finished_[stream] < through) {
-    SimOperation& head = queues_[stream].front();
-    if (head.wait_stream >= 0) {
-      finish_through(head.wait_stream, head.wait_through);
-      start_heads();  // the wait is met now and leaves the queue
-    } else {
-      run_head(stream);
-    }
+  long need[streams] = {};  // the first need[s] operations of stream s must finish
+  need[stream] = through;
+  for (bool grew = true; grew;) {  // the waits among what must run need their events' work too
+    grew = false;
+    for (int s = 0; s < streams; ++s)
+      for (const SimOperation& operation : queues_[s])
+        if (operation.number <= need[s] && operation.wait_stream >= 0 &&
+            need[operation.wait_stream] < operation.wait_through)
+          need[operation.wait_stream] = operation.wait_through, grew = true;
   }
+  run_needed(need);
+}
+
+// Run the needed operations, the latest-asked runnable head first.
+void SimulatedDevice::run_needed(const long* need) {
+  for (int s = latest_runnable_head(need); s >= 0; s = latest_runnable_head(need)) run_head(s);
+  for (int s = 0; s < streams; ++s)  // cannot happen: a wait's event stands for earlier work, so no cycle exists
+    if (finished_[s] < need[s])
+      abort_all_ranks("sim", "the simulated device's queues are stuck", "the scheduler", __FILE__, __LINE__);
 }
 
 void SimulatedDevice::record(SimEvent& event, int stream, Site site) {
@@ -359,9 +379,7 @@ void SimulatedDevice::synchronize_all(Site site) {
   Entry entry(*this);
   if (skipped(site)) return;
   interleave();
-  for (int s = latest_runnable_head(); s >= 0; s = latest_runnable_head()) run_head(s);
-  if (pending() != 0)  // cannot happen: a wait's event stands for earlier work, so no cycle exists
-    abort_all_ranks("sim", "the simulated device's queues are stuck", "synchronize_all", __FILE__, __LINE__);
+  run_needed(queued_);
 }
 
 }  // namespace z2

@@ -12,11 +12,14 @@
 //
 // How it is adversarial, deterministically:
 //   - late: nothing runs until the host must see it. synchronize(s) runs s's
-//     queue and only what s waits for; query() answers "not yet" once and
-//     then runs what the event stands for; synchronize_all runs, of the
-//     streams' heads that may run, the one queued last (so of two unordered
-//     operations the later-asked one runs first: a reader before the writer
-//     it forgot to wait for, an overwrite before the read it forgot).
+//     queue and only what s waits for (and what that waits for); query()
+//     answers "not yet" once and then runs what the event stands for;
+//     synchronize_all runs everything. Of what must run, the head that may
+//     run and was queued last runs first (so of two unordered operations the
+//     later-asked one runs first: a reader before the writer it forgot to
+//     wait for, an overwrite before the read it forgot), even where the
+//     queues' order would have run the earlier one first (a stream forced
+//     through a wait runs the waited-for stream's work before its own).
 //   - poisoned: a copy's or fill's destination holds NaN bits (0xff) from the
 //     moment it may start (its stream's earlier work done, its waits met)
 //     until it has run, so reading it early changes the bits;
@@ -43,9 +46,12 @@
 // "late"). Z2_SIM_SKIP=FILE:LINE[,FILE:LINE] makes the record, wait or
 // synchronize asked for at those lines do nothing (the mutation test,
 // tests/cli/streams.sh): at exit rank 0 says how often each was skipped.
+// Z2_SIM_COUNT=1: at exit rank 0 says how often each site was asked for
+// (which sites a run reaches: the mutation test's configs).
 #pragma once
 
 #include <deque>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -110,7 +116,8 @@ class SimulatedDevice {
   void finish_through(int stream, long through);
   void run_head(int stream);
   void start_heads();
-  int latest_runnable_head();
+  void run_needed(const long* need);
+  int latest_runnable_head(const long* need);
   void check_race(const SimOperation& running, int stream) const;
   void interleave();
   // Device memory is open to the host's code only inside an entry point
@@ -130,6 +137,8 @@ class SimulatedDevice {
   long finished_[streams] = {};  // of them, finished (a prefix: streams run in order)
   long asked_ = 0;
   std::vector<std::pair<std::string, long>> skips_;  // Z2_SIM_SKIP's sites, and how often each was skipped
+  bool counting_ = false;                            // Z2_SIM_COUNT: every site asked for, counted
+  std::map<std::string, long> asked_at_;             // file:line -> how often (printed at exit)
   bool seeded_ = false;
   std::mt19937_64 random_;
 };
