@@ -293,9 +293,10 @@ BucketExchange::BucketExchange(Compute& compute, Communicator& comm, size_t max_
       slot.host_send = (char*)compute.allocate_host_pinned(p.wire.bytes(max_padded));
       slot.host_receive = (char*)compute.allocate_host_pinned(p.wire.bytes(receive_part));
     }
+    // Not recorded yet: the slot's first user waits for no transfer, and a
+    // wait for an event never recorded is no wait (CUDA's rule, and sim's).
     slot.done = compute.create_event();
     slot.copied = compute.create_event();
-    compute.record(slot.done, compute.comm_stream());
     p.slots.push_back(slot);
   }
   p.ready = compute.create_event();
