@@ -638,6 +638,12 @@ gpu_log=notes/gpu/gpu_check_h200.log
   echo '```'
 } >"$out/gpu_zero_r"
 
+# streams_mutation (notes/15): every site that orders the streams skipped in turn on --device sim, the
+# mutation test tests/cli/streams.sh runs (tests/cli/streams.py), its rows as a table.
+python3 tests/cli/streams.py mutation "$build" "$out/streams_rows.json" >"$out/streams_mutation.log" 2>&1 ||
+  { cat "$out/streams_mutation.log"; echo "the mutation test failed"; exit 1; }
+python3 tests/cli/streams.py table "$out/streams_rows.json" >"$out/streams_mutation"
+
 # --- the labs (notes/labs/README.md) -------------------------------------------------
 # labs_example: one planted mistake graded as a student's file is;
 # labs_check: `make labs`, every lab's engine, skeleton and planted mistakes.

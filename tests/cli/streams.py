@@ -6,9 +6,8 @@
                                      configs that reach it: its bits must change, or the run must stop (a
                                      race report, a refusal); a site that changes nothing must be explained
                                      below (EXPLAINED), and one no config reaches too. PASS/FAIL lines, the
-                                     plain "N passed, M failed"; TABLE: the table notes/15 shows, written there
-    streams.py table                 the table notes/generate.sh puts in notes/15 (from a mutation run's TABLE,
-                                     $Z2_STREAMS_TABLE)
+                                     plain "N passed, M failed"; TABLE: its rows (JSON), for the table
+    streams.py table TABLE           the table notes/generate.sh puts in notes/15, from a mutation run's TABLE
 
 The sites are found, not listed: a new wait in the code is a new row of the test at once. A site is named
 in EXPLAINED by its file, the function it is in and what it calls, "zero2.cu wait_for_all_gathers wait"
