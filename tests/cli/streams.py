@@ -8,6 +8,8 @@
                                      below (EXPLAINED), and one no config reaches too. PASS/FAIL lines, the
                                      plain "N passed, M failed"; TABLE: its rows (JSON), for the table
     streams.py table TABLE           the table notes/generate.sh puts in notes/15, from a mutation run's TABLE
+    streams.py replace FILE OLD NEW [OLD NEW ...]  a planted mistake (streams.sh): each OLD, found exactly
+                                     once, replaced by its NEW in turn; exit 1 if one is not
 
 The sites are found, not listed: a new wait in the code is a new row of the test at once. A site is named
 in EXPLAINED by its file, the function it is in and what it calls, "zero2.cu wait_for_all_gathers wait"
@@ -17,6 +19,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,7 +94,8 @@ CONFIGS = [
     ("stage 2, fp16, optimizer offloaded, A = 2, no overlap", 2,
      "--stage 2 --precision fp16 --offload-optimizer cpu --accum 2 --overlap 0 --bucket 3000"),
     ("stage 0, A = 2, recompute", 2, "--stage 0 --accum 2 --activations recompute --bucket 3000"),
-    ("stage 2, bf16, resumed and saved", 2, "--stage 2 --precision bf16 --bucket 3000 --load {checkpoint} --save {dir}"),
+    ("stage 2, bf16, resumed and saved", 2,
+     "--stage 2 --precision bf16 --bucket 3000 --load {checkpoint} --save {dir}"),
     ("stage 1, traced", 2, "--stage 1 --bucket 3000 --trace {dir} --trace-params-every 1"),
     ("stage 2, timed", 2, "--stage 2 --bucket 3000 --wall-clock-breakdown"),
     ("one rank, bf16, batch dumped", 1, "--stage 2 --precision bf16 --bucket 3000 --dump-batch {dir}"),
@@ -177,26 +181,27 @@ EXPLAINED = {
 
 
 class Runner:
+    """The trainer's runs, in a scratch directory of their own (removed by close())."""
+
     def __init__(self, build):
         self.trainer = os.path.join(build, "train_bert_mini")
         self.work = tempfile.mkdtemp(prefix="z2_streams.")
         self.runs = 0
         self.checkpoint = None
 
-    def fresh_dir(self):
-        return tempfile.mkdtemp(dir=self.work)
+    def close(self):
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def new_dir(self):  # a path that does not exist yet: --trace and --save want a new directory
+        return tempfile.mkdtemp(dir=self.work) + "/new"
 
     def flags(self, text):
         if "{checkpoint}" in text and self.checkpoint is None:
-            self.checkpoint = self.fresh_dir()
-            os.rmdir(self.checkpoint)
+            self.checkpoint = self.new_dir()
             self.run(2, CHECKPOINT_FLAGS.replace("{dir}", self.checkpoint), "cpu")
         text = text.replace("{checkpoint}", self.checkpoint or "")
         while "{dir}" in text:
-            d = self.fresh_dir()
-            os.rmdir(d)  # the trainer wants a new or empty directory: new
-            text = text.replace("{dir}", d, 1)
-            text = text.replace("{dir}", d)
+            text = text.replace("{dir}", self.new_dir(), 1)
         return text.split()
 
     def run(self, ranks, flags, device, env=None):
@@ -204,9 +209,8 @@ class Runner:
         out = os.path.join(self.work, "run.json")
         if os.path.exists(out):
             os.remove(out)
-        argv = ["timeout", "120", "mpirun", "-n", str(ranks), self.trainer, *TINY_RUN,
-                *(flags if isinstance(flags, list) else self.flags(flags)), "--device", device, "--comm", "mpi",
-                "--json", out]
+        argv = ["timeout", "120", "mpirun", "-n", str(ranks), self.trainer, *TINY_RUN, *self.flags(flags),
+                "--device", device, "--comm", "mpi", "--json", out]
         full_env = dict(os.environ, OPENBLAS_NUM_THREADS="1", **(env or {}))
         p = subprocess.run(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.runs += 1
@@ -220,94 +224,117 @@ class Runner:
 
 
 def outcome(status, output, bits, reference):
-    if status != 0:
-        if "a race on the simulated device" in output:
-            return "race"
-        if status in (124, 137):
-            return "timeout"
-        # A signal: most often a host vector freed before the copy that reads it ran.
-        return "crashed" if re.search(r"signal \d+|Segmentation fault|invalid pointer|double free", output) else "stopped"
-    return "same" if bits == reference else "changed"
+    """What a run with a site skipped gives: same, changed, race, stopped, crashed or timeout."""
+    if status == 0:
+        return "same" if bits == reference else "changed"
+    if "a race on the simulated device" in output:
+        return "race"
+    if status in (124, 137):
+        return "timeout"
+    # A signal: in these runs, a host vector freed before the copy that reads or fills it ran.
+    crashed = re.search(r"signal \d+|Segmentation fault|invalid pointer|double free", output)
+    return "crashed" if crashed else "stopped"
 
 
 def first_line_of_interest(output):
     for line in output.split("\n"):
-        if "message: a race" in line or "error:" in line or "Caught signal" in line or "invalid pointer" in line:
+        if any(word in line for word in ("message: a race", "error:", "Caught signal", "invalid pointer")):
             return line.strip()[:240]
     return ""
 
 
-def mutation(build, table_path=None):
-    runner = Runner(build)
-    all_sites = sites()
-    keys = {s["key"]: s for s in all_sites}
-    passed = failed = 0
+def asked_at(asked, site):  # "[sim] asked FILE:LINE" names the site (the build may prefix a directory)
+    return asked == site["where"] or asked.endswith("/" + site["where"])
 
-    def verdict(ok, text):
-        nonlocal passed, failed
+
+class Mutation:
+    """The mutation test's state: the runner, each config's reference bits and reach, the verdicts."""
+
+    def __init__(self, build):
+        self.runner = Runner(build)
+        self.sites = sites()
+        self.keys = {s["key"]: s for s in self.sites}
+        self.references, self.reached = [], []
+        self.passed = self.failed = 0
+
+    def verdict(self, ok, text):
         print(("PASS " if ok else "FAIL ") + text, flush=True)
-        passed, failed = passed + ok, failed + (not ok)
+        self.passed, self.failed = self.passed + ok, self.failed + (not ok)
 
-    # Each config once on cpu (its reference bits) and once on sim, counting the sites it reaches.
-    references, reached = [], []
-    for name, ranks, text in CONFIGS:
-        status, output, bits, _ = runner.run(ranks, text, "cpu")
-        s_status, s_output, s_bits, counts = runner.run(ranks, text, "sim", {"Z2_SIM_COUNT": "1"})
-        verdict(bits is not None and s_bits == bits, f"config '{name}': --device sim gives --device cpu's bits "
-                f"({bits.split()[0] if bits else first_line_of_interest(output) or 'exit %d' % status})")
-        references.append(bits)
-        reached.append(counts)
-    named = lambda asked, site: asked == site["where"] or asked.endswith("/" + site["where"])  # noqa: E731
-    unknown = sorted({w for counts in reached for w in counts if not any(named(w, s) for s in all_sites)})
-    verdict(not unknown, f"the configs reach only sites the sources name ({len(all_sites)} sites)"
-            + (f"; not found there: {unknown}" if unknown else ""))
-    stale = [k for k in EXPLAINED if k not in keys] + [m for v in EXPLAINED.values() for m in v[0] if m not in keys]
-    verdict(not stale, "every site EXPLAINED names is in the sources" + (f"; not: {stale}" if stale else ""))
+    def references_and_reach(self):
+        """Each config once on cpu (its reference bits) and once on sim, counting the sites it reaches; the
+        sim run is also the config's own check that sim gives cpu's bits."""
+        for name, ranks, text in CONFIGS:
+            status, output, bits, _ = self.runner.run(ranks, text, "cpu")
+            _, _, sim_bits, counts = self.runner.run(ranks, text, "sim", {"Z2_SIM_COUNT": "1"})
+            shown = bits.split()[0] if bits else first_line_of_interest(output) or f"exit {status}"
+            self.verdict(bits is not None and sim_bits == bits,
+                         f"config '{name}': --device sim gives --device cpu's bits ({shown})")
+            self.references.append(bits)
+            self.reached.append(counts)
+        unknown = sorted({w for counts in self.reached for w in counts
+                          if not any(asked_at(w, s) for s in self.sites)})
+        self.verdict(not unknown, f"the configs reach only sites the sources name ({len(self.sites)} sites)"
+                     + (f"; not found there: {unknown}" if unknown else ""))
+        stale = [k for k in EXPLAINED if k not in self.keys]
+        stale += [m for maskers, _ in EXPLAINED.values() for m in maskers if m not in self.keys]
+        self.verdict(not stale, "every site EXPLAINED names is in the sources" + (f"; not: {stale}" if stale else ""))
 
-    def skip_run(k, where):
+    def skip(self, k, where):
+        """Config k on sim with the sites `where` (FILE:LINE[,FILE:LINE]) skipped: (outcome, its message)."""
         name, ranks, text = CONFIGS[k]
-        status, output, bits, _ = runner.run(ranks, text, "sim", {"Z2_SIM_SKIP": where})
-        return outcome(status, output, bits, references[k]), first_line_of_interest(output)
+        status, output, bits, _ = self.runner.run(ranks, text, "sim", {"Z2_SIM_SKIP": where})
+        return outcome(status, output, bits, self.references[k]), first_line_of_interest(output)
 
-    rows = []
-    for site in all_sites:
-        configs = [k for k, counts in enumerate(reached) if any(named(w, site) and n > 0 for w, n in counts.items())]
+    def site_row(self, site):
+        """Skip the site on each config that reaches it, until one shows it; then judge the row."""
+        configs = [k for k, counts in enumerate(self.reached)
+                   if any(asked_at(w, site) and n > 0 for w, n in counts.items())]
         explained = EXPLAINED.get(site["key"])
         row = {**site, "reached_by": len(configs), "result": "unreached", "by": "", "detail": "",
                "masked_by": [], "masked_result": "", "why": explained[1] if explained else ""}
         for k in configs:
-            row["result"], row["detail"] = skip_run(k, site["where"])
+            row["result"], row["detail"] = self.skip(k, site["where"])
             row["by"] = CONFIGS[k][0]
             if row["result"] != "same":
                 break
         label = f"{site['where']} ({site['function']}: {site['call']})"
         if row["result"] not in ("same", "unreached"):
-            verdict(explained is None, f"{label}: skipped, {row['result']} ({row['by']})"
-                    + (f": {row['detail']}" if row["detail"] else "")
-                    + (": but EXPLAINED says it changes nothing; take it out there" if explained else ""))
+            self.verdict(explained is None, f"{label}: skipped, {row['result']} ({row['by']})"
+                         + (f": {row['detail']}" if row["detail"] else "")
+                         + (": but EXPLAINED says it changes nothing; take it out there" if explained else ""))
         elif explained is None:
-            verdict(False, f"{label}: {'changes nothing in' if configs else 'reached by none of'} the "
-                    f"{len(configs) or len(CONFIGS)} configs: explain it in EXPLAINED, or reach it")
+            self.verdict(False, f"{label}: {'changes nothing in' if configs else 'reached by none of'} the "
+                         f"{len(configs) or len(CONFIGS)} configs: explain it in EXPLAINED, or reach it")
         elif row["result"] == "same" and explained[0]:
             # What hides it must be what the explanation names: skipped together, the run is caught.
-            maskers = [keys[m]["where"] for m in explained[0] if m in keys]
-            row["masked_by"] = maskers
-            row["masked_result"], detail = skip_run(configs[0], ",".join([site["where"], *maskers]))
-            verdict(row["masked_result"] != "same", f"{label}: changes nothing alone in {len(configs)} config(s); "
-                    f"skipped with {', '.join(maskers)}, which order the same work later: {row['masked_result']}")
+            row["masked_by"] = [self.keys[m]["where"] for m in explained[0] if m in self.keys]
+            row["masked_result"], _ = self.skip(configs[0], ",".join([site["where"], *row["masked_by"]]))
+            self.verdict(row["masked_result"] != "same",
+                         f"{label}: changes nothing alone in {len(configs)} config(s); skipped with "
+                         f"{', '.join(row['masked_by'])}, which order the same work later: {row['masked_result']}")
         else:
-            verdict(True, f"{label}: {'changes nothing in ' + str(len(configs)) + ' config(s)' if configs else 'unreached'}"
-                    f", explained: {explained[1][:120]}")
-        rows.append(row)
-    print(f"    {len(all_sites)} sites, {runner.runs} runs")
+            how = f"changes nothing in {len(configs)} config(s)" if configs else "unreached"
+            self.verdict(True, f"{label}: {how}, explained: {explained[1][:120]}")
+        return row
+
+
+def mutation(build, table_path=None):
+    test = Mutation(build)
+    try:
+        test.references_and_reach()
+        rows = [test.site_row(site) for site in test.sites]
+        print(f"    {len(test.sites)} sites, {test.runner.runs} runs")
+    finally:
+        test.runner.close()
     if table_path:
         json.dump(rows, open(table_path, "w"), indent=1)
-    print(f"{passed} passed, {failed} failed")
+    print(f"{test.passed} passed, {test.failed} failed")
 
 
 RESULT_WORDS = {"changed": "other bits", "race": "a race report", "stopped": "the run stops (an error)",
-                "crashed": "the run crashes",
-                "timeout": "the run hangs (timeout)", "same": "nothing", "unreached": "not reached"}
+                "crashed": "the run crashes", "timeout": "the run hangs (timeout)", "same": "nothing",
+                "unreached": "not reached"}
 
 
 def table(rows_path):
@@ -321,9 +348,9 @@ def table(rows_path):
     print(f"Measured by `make notes` (`python3 tests/cli/streams.py mutation BUILD`, what `tests/cli/streams.sh` "
           f"runs): {len(rows)} sites found in the sources, each skipped on the configs that reach it. "
           f"**{len(caught)} caught** (other bits {by['changed']}, a race report {by['race']}, the run stops with "
-          f"an error {by['stopped']}, it crashes {by['crashed']}); **{len(hidden)} hidden** by a later wait that does the same work (skipped "
-          f"together: caught); **{len(nothing)} with nothing to order** in these runs; **{len(unreached)} "
-          f"unreached**. The last three are streams.py's EXPLAINED list, each with why.")
+          f"an error {by['stopped']}, it crashes {by['crashed']}); **{len(hidden)} hidden** by a later wait that "
+          f"does the same work (skipped together: caught); **{len(nothing)} with nothing to order** in these "
+          f"runs; **{len(unreached)} unreached**. The last three are streams.py's EXPLAINED list, each with why.")
     print()
     print("| site | function | skipped, the run gives | first config that shows it / why it changes nothing |")
     print("|---|---|---|---|")
@@ -334,6 +361,15 @@ def table(rows_path):
               f"{RESULT_WORDS[r['masked_result']]} | {r['why']} |")
     for r in nothing + unreached:
         print(f"| {r['where']} | `{r['function']}` {r['kind']} | {RESULT_WORDS[r['result']]} | {r['why']} |")
+
+
+def replace(path, *pairs):
+    text = open(path).read()
+    for old, new in zip(pairs[::2], pairs[1::2]):
+        if text.count(old) != 1:
+            sys.exit(f"{path}: {old!r} occurs {text.count(old)} times, not once")
+        text = text.replace(old, new)
+    open(path, "w").write(text)
 
 
 if __name__ == "__main__":

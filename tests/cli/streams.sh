@@ -24,16 +24,18 @@ sim_matches() {
   done
   local cpu_bits sim_bits
   cpu_bits=$(bits_of "$work/cpu.json") sim_bits=$(bits_of "$work/sim.json")
-  if [ -n "$cpu_bits" ] && [ "$cpu_bits" = "$sim_bits" ]; then pass "$label: --device sim gives --device cpu's bits (${cpu_bits%% *})"
+  if [ -n "$cpu_bits" ] && [ "$cpu_bits" = "$sim_bits" ]; then
+    pass "$label: --device sim gives --device cpu's bits (${cpu_bits%% *})"
   else fail "$label: sim $sim_bits != cpu $cpu_bits"; fi
 }
 
 # One row of the covering set: stage, overlap, precision, activations, optimizer offload, N, bucket.
 matrix_row() {
   local stage=$1 overlap=$2 precision=$3 activations=$4 optimizer=$5 ranks=$6 bucket=$7
-  sim_matches "sim matrix: stage $stage, overlap $overlap, $precision, activations $activations, optimizer $optimizer, N=$ranks A=$((4 / ranks)), bucket $bucket" \
-    "$ranks" --stage "$stage" --overlap "$overlap" $(precision_flags "$precision") --activations "$activations" \
-    --offload-optimizer "$optimizer" --accum $((4 / ranks)) --bucket "$bucket"
+  local label="sim matrix: stage $stage, overlap $overlap, $precision, activations $activations"
+  label+=", optimizer $optimizer, N=$ranks A=$((4 / ranks)), bucket $bucket"
+  sim_matches "$label" "$ranks" --stage "$stage" --overlap "$overlap" $(precision_flags "$precision") \
+    --activations "$activations" --offload-optimizer "$optimizer" --accum $((4 / ranks)) --bucket "$bucket"
 }
 
 # make test: one representative run, every mechanism at once (stage 2's slots, offloaded activations and
@@ -88,35 +90,35 @@ mutation_one() {
 }
 
 # --- mistakes planted by hand ---------------------------------------------------------------------
-# planted LABEL FILE FLAGS: FILE of a copy of the sources is edited (python below, from $work/edit.py:
-# one exact replacement, which must apply), only the objects that depend on it are rebuilt (the make
-# commands of the real tree, run in the copy with the build's objects copied beside them), and the
-# planted trainer on sim must not give the cpu run's bits (a race report, a stop, other bits).
+# planted LABEL FILE OLD NEW [OLD NEW ...] -- FLAGS: in a copy of the sources FILE's OLD becomes NEW (each
+# found exactly once), only the objects that depend on FILE are rebuilt (the make commands of the real
+# tree, run in the copy with the build's objects copied beside them), and the planted trainer on sim must
+# not give the cpu run's bits (a race report, a stop, other bits), while on cpu, where everything runs at
+# once in program order, it must: the mistake is one of order only.
 plant_build=""
 planted() {
-  local label=$1 file=$2
+  local label=$1 file=$2 copy="$work/planted" start=$SECONDS edits=()
   shift 2
-  local copy="$work/planted" start=$SECONDS
+  while [ "$1" != -- ]; do edits+=("$1"); shift; done
+  shift
   rm -rf "$copy" && mkdir -p "$copy"
   cp -a zero2.cu zero2.h train_bert_mini.cu runtime trainer "$plant_build" "$copy/"
-  if ! (cd "$copy" && "$PYTHON" "$work/edit.py"); then fail "planted $label: the edit of $file did not apply"; return; fi
+  py streams replace "$copy/$file" "${edits[@]}" || { fail "planted $label: the edit of $file did not apply"; return; }
   local commands
   commands=$(make -n -W "$file" "$plant_build/train_bert_mini" 2>/dev/null | grep -v '^make')
   if ! (cd "$copy" && eval "$commands") > "$work/plant_build.log" 2>&1; then
     fail "planted $label: the copy did not build: $(tail -n 3 "$work/plant_build.log")"; return
   fi
-  local built=$((SECONDS - start))
+  local built=$((SECONDS - start)) planted_trainer="$copy/$plant_build/train_bert_mini"
   rm -f "$work/cpu.json" "$work/planted_cpu.json" "$work/planted.json"
   timeout 120 mpirun -n 2 "$trainer" "${tiny_run[@]}" "$@" --device cpu --json "$work/cpu.json" > /dev/null 2>&1
-  # A mistake of order only: on cpu, where everything runs at once in program order, the planted trainer
-  # computes the reference bits.
-  timeout 120 mpirun -n 2 "$copy/$plant_build/train_bert_mini" "${tiny_run[@]}" "$@" --device cpu \
-    --json "$work/planted_cpu.json" > /dev/null 2>&1
+  timeout 120 mpirun -n 2 "$planted_trainer" "${tiny_run[@]}" "$@" --device cpu --json "$work/planted_cpu.json" \
+    > /dev/null 2>&1
   if [ "$(bits_of "$work/planted_cpu.json")" != "$(bits_of "$work/cpu.json")" ]; then
     fail "planted $label: on --device cpu too the bits differ: the edit changed more than an order"; return
   fi
-  timeout 120 mpirun -n 2 "$copy/$plant_build/train_bert_mini" "${tiny_run[@]}" "$@" --device sim \
-    --json "$work/planted.json" > "$work/log" 2>&1
+  timeout 120 mpirun -n 2 "$planted_trainer" "${tiny_run[@]}" "$@" --device sim --json "$work/planted.json" \
+    > "$work/log" 2>&1
   local status=$? how=""
   if grep -q "a race on the simulated device" "$work/log"; then how="a race report"
   elif [ $status -ne 0 ]; then how="a stop (exit $status: $(grep -m1 -oE 'error: .{0,90}' "$work/log"))"
@@ -126,40 +128,25 @@ planted() {
   else fail "planted: $label: not caught, the cpu run's bits (built in ${built} s)"; fi
   rm -rf "$copy"
 }
-# edit OLD NEW: the replacement planted() makes (in $work/edit.py; FILE is planted()'s).
-edit() {
-  printf 'import sys\npath, old, new = %s, %s, %s\ntext = open(path).read()\nif text.count(old) != 1: sys.exit(1)\nopen(path, "w").write(text.replace(old, new))\n' \
-    "$(printf '%s' "$1" | "$PYTHON" -c 'import sys; print(repr(sys.stdin.read()))')" \
-    "$(printf '%s' "$2" | "$PYTHON" -c 'import sys; print(repr(sys.stdin.read()))')" \
-    "$(printf '%s' "$3" | "$PYTHON" -c 'import sys; print(repr(sys.stdin.read()))')" > "$work/edit.py"
-}
 planted_mistakes() {
   echo "=== ordering mistakes planted by hand, each in a rebuilt copy"
   # The g++ build when it is there and current (one .cu compiles in seconds), else this one.
   plant_build=build-cpu
   if [ ! -x build-cpu/train_bert_mini ] || ! make -q build-cpu/train_bert_mini 2>/dev/null; then plant_build=$build; fi
-  # (i) ZeRO-Offload: the host reads the gradient shards (their squares) before it waits for their copies down.
-  edit zero2.cu '  rank_state.home->wait_for_shards();  // ZeRO-Offload: the host'"'"'s copies of them have come down
-  const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank'"'"'s reduced gradients' \
-'  const std::vector<float> local = rank_state.local_chunk_sums();  // the squares of this rank'"'"'s reduced gradients
-  rank_state.home->wait_for_shards();  // ZeRO-Offload: the host'"'"'s copies of them have come down'
-  planted "the offloaded gradient shards read by the host before the wait for their copies down" zero2.cu \
-    --stage 2 --offload-optimizer cpu --bucket 3000
-  # (ii) ZeRO-Offload: the updated shard's copy up on the copy stream, which the all-gather (comm stream) does not follow.
-  edit runtime/offload.h 's.compute.copy(s.region_param(b), updated, s.region(b).length * s.element, s.compute.comm_stream());' \
-    's.compute.copy(s.region_param(b), updated, s.region(b).length * s.element, s.compute.copy_stream());'
-  planted "the updated shard's copy up on a stream the all-gather does not wait for" runtime/offload.h \
-    --stage 2 --offload-optimizer cpu --bucket 3000
-  # (iii) Stage 2: a slot taken again after its copy down only, while its reduce-scatter's sum still reads it.
-  edit zero2.cu 'p.compute.wait(p.compute.compute_stream(), p.slots[slot].done);' \
-    'p.compute.wait(p.compute.compute_stream(), p.slots[slot].copied);'
-  planted "a stage-2 slot zeroed for the next bucket while its reduce-scatter still reads it" zero2.cu \
-    --stage 2 --bucket 3000
-  # (iv) Offloaded activations: backward waits for the checkpoint's copy out, not for its copy back.
-  edit train_bert_mini.cu 'compute_.wait(compute_.compute_stream(), prefetched_[l]);' \
-    'compute_.wait(compute_.compute_stream(), offloaded_[l]);'
-  planted "an offloaded activation checkpoint read before its copy back" train_bert_mini.cu \
-    --stage 2 --activations offload
+  local wait_shards='rank_state.home->wait_for_shards();'
+  local squares='const std::vector<float> local = rank_state.local_chunk_sums();'
+  planted "ZeRO-Offload: the host reads the gradient shards (their squares) before it waits for their copies down" \
+    zero2.cu "$wait_shards" "" "$squares" "$squares $wait_shards" -- --stage 2 --offload-optimizer cpu --bucket 3000
+  planted "ZeRO-Offload: the updated shard's copy up on the copy stream, which the all-gather does not follow" \
+    runtime/offload.h 'updated, s.region(b).length * s.element, s.compute.comm_stream());' \
+    'updated, s.region(b).length * s.element, s.compute.copy_stream());' \
+    -- --stage 2 --offload-optimizer cpu --bucket 3000
+  planted "stage 2: a slot zeroed for the next bucket after its copy down, while its reduce-scatter's sum reads it" \
+    zero2.cu 'p.compute.wait(p.compute.compute_stream(), p.slots[slot].done);' \
+    'p.compute.wait(p.compute.compute_stream(), p.slots[slot].copied);' -- --stage 2 --bucket 3000
+  planted "offloaded activations: backward waits for the checkpoint's copy out, not for its copy back" \
+    train_bert_mini.cu 'compute_.wait(compute_.compute_stream(), prefetched_[l]);' \
+    'compute_.wait(compute_.compute_stream(), offloaded_[l]);' -- --stage 2 --activations offload
 }
 
 quick matrix_one
