@@ -72,6 +72,7 @@ struct SimOperation {
   bool started = false;                  // it may run: its stream's earlier work is done, its waits met
   int wait_stream = -1;                  // a wait: for wait_stream's first wait_through operations
   long wait_through = 0;
+  Work work;                             // what the timeline's model charges (runtime/timeline.h)
 };
 
 class SimulatedDevice {
@@ -86,8 +87,10 @@ class SimulatedDevice {
   bool query(SimEvent& event, Site site);
   void synchronize(int stream, Site site);
   void synchronize_all(Site site);
-  // The operations still queued (a destructor drains them first).
+  // The operations still queued (a destructor drains them first), and those
+  // ever queued on `stream` (where the timeline starts counting).
   long pending() const;
+  long queued(int stream) const { return queued_[stream]; }
   static const char* stream_name(int stream);
 
  private:

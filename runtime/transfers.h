@@ -78,6 +78,7 @@ struct Transfer {
   size_t next = 0;
   std::vector<MPI_Request> requests;  // what the current collective waits for
   std::vector<int> peers;             // the rank each request exchanges with; -1 for a collective over all ranks
+  long timeline_span = -1;            // its span on --timeline's slot track (runtime/timeline.h)
   bool finished() const { return next == collectives.size(); }
   bool advance() {
     while (!finished() && collectives[next]->advance(*this)) ++next;
@@ -160,6 +161,7 @@ inline void BucketExchange::Parts::retire_finished() {
     // event: whoever reuses the slot's buffers on the compute stream waits
     // for it on the GPU, not on the host.
     compute.record(slot.done, compute.comm_stream());
+    compute.timeline_collective_ends(transfers.front()->timeline_span);
     slot.running = false;
     slot.bucket = -1;
     transfers.pop_front();
@@ -183,6 +185,7 @@ inline Transfer* BucketExchange::Parts::start(int slot, size_t padded, const cha
   slots[slot].running = true;
   compute.record(ready, compute.compute_stream());
   compute.wait(compute.comm_stream(), ready);
+  transfer->timeline_span = compute.timeline_collective_starts(collective, slots[slot].bucket, slot);
   return transfer;
 }
 
