@@ -156,6 +156,7 @@ Compute::~Compute() {
     return;
   }
 #endif
+  if (sim_ && timeline_) set_waiting_clock(nullptr);
   // What the simulated device still holds runs before its memory goes (an
   // error unwinding may have left work queued; a second error here is dropped).
   if (sim_) try {
@@ -324,6 +325,7 @@ void Compute::start_timeline() {
   if (sim_)
     for (int s = 0; s < SimulatedDevice::streams; ++s) queued[s] = sim_->queued(s);
   timeline_ = std::make_unique<Timeline>(device_, queued);
+  if (sim_) set_waiting_clock(timeline_.get());
 #if defined(Z2_HAVE_CUDA)
   if (device_ == Device::cuda) {
     Z2_CUDA_CHECK(cudaDeviceSynchronize());
@@ -396,6 +398,13 @@ void Compute::timeline_collective_ends(long span) {
   }
 #endif
   timeline_->close(span, timeline_->host_now());
+}
+
+double Compute::timeline_mpi_posted(size_t bytes) {
+  return timeline_ && sim_ ? timeline_->sim_posted(bytes) : 0;
+}
+void Compute::timeline_mpi_arrived(double arrival) {
+  if (timeline_ && sim_) timeline_->sim_arrived(arrival);
 }
 
 // cuda: every timed operation's events read, in seconds after the origin,

@@ -247,6 +247,10 @@ class Compute {
   Timeline* timeline() const { return timeline_.get(); }
   long timeline_collective_starts(const char* collective, int bucket, int slot);
   void timeline_collective_ends(long span);
+  // On sim, MPI modelled: a collective's `bytes` posted now arrive at the
+  // returned time, and the host that sees them arrive has waited for it.
+  double timeline_mpi_posted(size_t bytes);
+  void timeline_mpi_arrived(double arrival);
   void finish_timeline();
 
   // Row-major C[M x N] = alpha * op(A) op(B) + beta * C, with op(X) = X or X^T:

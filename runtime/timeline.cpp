@@ -127,6 +127,10 @@ void Timeline::sim_host_waits(int stream, long through) {
   if (through > base_[stream]) host_waits_until(done_by(stream, through), names[stream]);
 }
 
+double Timeline::sim_posted(size_t bytes) const {
+  return host_now() + CostModel::network_latency + (double)bytes / CostModel::network_bandwidth;
+}
+
 // --- the JSON ---------------------------------------------------------------------
 
 static std::string quoted(const std::string& text) {

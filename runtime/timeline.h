@@ -18,10 +18,14 @@
 //         of: its stream's previous end, the end of what its stream's waits
 //         stand for, and the host's virtual time when it was asked for. The
 //         host's virtual time is its real time spent outside the simulated
-//         device (so MPI's waits and ZeRO-Offload's host step show), and at a
-//         synchronize, or a query that says yes, the host waits until the
-//         stream's virtual end. None of this depends on the order in which the
-//         scheduler really runs the operations.
+//         device (so ZeRO-Offload's host step shows), and at a synchronize,
+//         or a query that says yes, the host waits until the stream's virtual
+//         end. None of this depends on the order in which the scheduler really
+//         runs the operations. MPI is modelled too: a wait for another rank
+//         stops the host's clock (its real length is mostly the other rank's
+//         CPU running its own simulated device, which is no device's time),
+//         and a collective's messages arrive no earlier than their post plus
+//         the network's latency and their bytes at its bandwidth.
 #pragma once
 
 #include <chrono>
@@ -42,6 +46,8 @@ struct CostModel {
   static constexpr double loop_rate = 300e9;           // elements/s: a loop reads and writes ~12 bytes an element
   static constexpr double fp32_gemm_rate = 50e12;      // flop/s: fp32 without tensor cores (67 peak)
   static constexpr double tensor_gemm_rate = 600e12;   // flop/s: bf16/fp16 on tensor cores (989 dense peak)
+  static constexpr double network_latency = 5e-6;      // s: an MPI message between two nodes
+  static constexpr double network_bandwidth = 50e9;    // B/s: one 400 Gb/s InfiniBand link per GPU
 };
 // An operation's modelled seconds: a copy moves its bytes across the host
 // link, or reads and writes them in device memory; a fill writes them; a
@@ -91,6 +97,10 @@ class Timeline {
   void sim_waits(int stream, int other, long through);
   // The host waits for the first `through` operations of `stream`.
   void sim_host_waits(int stream, long through);
+  // MPI posted now `bytes` of a collective: when they arrive (seconds). And
+  // MPI said they did: the host has waited for `arrival` (for the network).
+  double sim_posted(size_t bytes) const;
+  void sim_arrived(double arrival) { host_waits_until(arrival, "the network"); }
   // When `stream` could start its next operation (the host aside).
   double sim_stream_end(int stream) const { return stream_end_[stream]; }
 
@@ -149,6 +159,11 @@ struct HostClockPaused {
   HostClockPaused(const HostClockPaused&) = delete;
   HostClockPaused& operator=(const HostClockPaused&) = delete;
 };
+
+// On sim, every wait_until (an MPI request, a transfer's step: what another
+// rank holds up) stops `timeline`'s host clock while it polls; null: none
+// (runtime/watchdog.cpp).
+void set_waiting_clock(Timeline* timeline);
 
 // The whole timeline file on rank 0 (every rank's events gathered over
 // `world`; collective), "" on the others.

@@ -201,6 +201,7 @@ struct MpiCollective : Collective {
   BucketExchange::Parts& exchange;
   const long ticket;     // -1: point-to-point, matched by (source, tag), in no order
   bool waiting = false;  // posted: its requests are in flight
+  double arrival = 0;    // --timeline on sim: when the network delivers them (runtime/timeline.h)
 
   MpiCollective(BucketExchange::Parts& parts, bool of_all_ranks = true)
       : exchange(parts), ticket(of_all_ranks ? parts.next_ticket++ : -1) {}
@@ -216,14 +217,16 @@ struct MpiCollective : Collective {
   bool moved(Transfer& transfer) {
     if (!waiting) {
       if (ticket >= 0 && ticket != exchange.next_to_post) return false;
+      const size_t sent = exchange.comm.counters().total();
       post(transfer);
+      arrival = exchange.compute.timeline_mpi_posted(exchange.comm.counters().total() - sent);
       if (ticket >= 0) ++exchange.next_to_post;
       waiting = true;
     }
     if (transfer.requests.empty()) return true;
     int done = 0;
     Z2_MPI_CHECK(MPI_Testall((int)transfer.requests.size(), transfer.requests.data(), &done, MPI_STATUSES_IGNORE));
-    if (done) transfer.requests.clear(), transfer.peers.clear();
+    if (done) transfer.requests.clear(), transfer.peers.clear(), exchange.compute.timeline_mpi_arrived(arrival);
     return done != 0;
   }
   virtual void post(Transfer& transfer) = 0;  // the MPI calls, nonblocking, each through request()

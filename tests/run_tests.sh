@@ -37,6 +37,7 @@ plan                480   --plan against the measured ledger, the arena's block,
 portable            300   --portable's bits under every kernel, in both builds; the golden table
 traces              240   --trace's bits at every stage and split; --init-hf; check_trace.py on them
 offload             180   ZeRO-Offload: the bits without it, checkpoints both ways, the ledger
+timeline             90   --timeline: valid trace-event JSON; on sim the reduce-scatters under backward only with overlap
 include_layers       60   trainer/'s includes form layers (settings -> inputs -> formats -> training), no cycle
 checker             300   tests/check_trace.py on damaged traces and on peers that must fail or pass
 "
