@@ -147,10 +147,11 @@ class Timeline {
   double stream_end_[streams] = {};
 };
 
-// The host's clock stopped for a scope (the simulated device at work); null: no timeline.
+// The host's clock stopped for a scope on sim (the simulated device at work,
+// MPI's calls: their time is the model's); null, or another device: nothing.
 struct HostClockPaused {
   Timeline* timeline;
-  explicit HostClockPaused(Timeline* t) : timeline(t) {
+  explicit HostClockPaused(Timeline* t) : timeline(t && t->device() == Device::sim ? t : nullptr) {
     if (timeline) timeline->pause_host();
   }
   ~HostClockPaused() {

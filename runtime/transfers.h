@@ -26,6 +26,7 @@
 #include <climits>
 #include <deque>
 
+#include "runtime/timeline.h"
 #include "zero2.h"
 
 namespace z2 {
@@ -215,6 +216,7 @@ struct MpiCollective : Collective {
   // (MPICH moves them only inside MPI calls: each progress() tests), which
   // then leave the transfer.
   bool moved(Transfer& transfer) {
+    const HostClockPaused modelled(exchange.compute.timeline());  // --timeline on sim: the network's time is modelled
     if (!waiting) {
       if (ticket >= 0 && ticket != exchange.next_to_post) return false;
       const size_t sent = exchange.comm.counters().total();
