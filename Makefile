@@ -141,7 +141,8 @@ endif
 # prerequisites in order, so the long one never waits for a short one.
 ENGINE_SOURCES  := zero2.cu runtime/gemm.cu runtime/transfers.cpp runtime/checkpoint_state.cpp runtime/allocators.cpp \
                    runtime/communicator.cpp runtime/compute.cpp runtime/watchdog.cpp runtime/host_copies.cpp \
-                   runtime/simulated_device.cpp runtime/ledger_report.cpp runtime/option_checks.cpp runtime/errors.cpp
+                   runtime/simulated_device.cpp runtime/ledger_report.cpp runtime/option_checks.cpp runtime/errors.cpp \
+                   runtime/timeline.cpp
 MODEL_SOURCE    := train_bert_mini.cu
 TRAINER_SOURCES := trainer/checkpoints.cpp trainer/json.cpp trainer/deepspeed_config.cpp trainer/reports.cpp \
                    trainer/hf_export.cpp trainer/trace.cpp trainer/hf_import.cpp trainer/plan.cpp trainer/settings.cpp \

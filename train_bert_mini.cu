@@ -1872,6 +1872,7 @@ int Training<Act>::run() {
         if (rank_ == 0 && !settings_.json_path.empty()) write_json(settings_, run_, *engine_, hash);
       },
       "the JSON summary was written");
+  observers_->write_timeline();
   // Every rank reaches here before any finalizes: a rank stopped now would
   // otherwise leave the others in MPI_Finalize, where no watchdog runs.
   MPI_Request finished;

@@ -15,12 +15,30 @@
 #                       4, 8, 64 and one-step runs at N = 1, 2, 4 (their device peaks)
 #   superlinear.json    demos/superlinear.sh's rows
 #   capacity_by_stage.png, superlinear.png   (notes/plot_capacity.py)
+#   timeline_bert_mini.png   one BERT-mini step (step 2) of --timeline on --device sim, 2 ranks, stage 2
+#                       with overlap, and the same with --offload-optimizer cpu (notes/plot_timeline.py;
+#                       notes/15-streams.md). Its two timelines (0.4 MB each) are not kept: a few seconds
+#                       make them again (`make figures` alone: notes/figures.sh build timeline).
 # The JSON and CSV files are kept beside the pictures, so the plot scripts can
 # redraw them without training again.
 set -eu
 cd "$(dirname "$0")/.."
 build=${1:-build}
 export OPENBLAS_NUM_THREADS=1
+# One BERT-mini step in the simulated device's modelled time, with and without ZeRO-Offload.
+timeline_figure() {
+  local scratch
+  scratch=$(mktemp -d /tmp/z2_timeline.XXXXXX)
+  for offload in none cpu; do
+    timeout 900 mpirun -n 2 "$build/train_bert_mini" --device sim --stage 2 --steps 2 --warmup 1 --quiet \
+      --offload-optimizer $offload --timeline "$scratch/$offload.json"
+  done
+  /usr/bin/python3 notes/plot_timeline.py notes/figures/timeline_bert_mini.png 2 \
+    "BERT-mini, N = 2, stage 2, overlap: the reduce-scatters run under backward" "$scratch/none.json" \
+    "the same with --offload-optimizer cpu: the step on the host, the shards over the host link" "$scratch/cpu.json"
+  rm -rf "$scratch"
+}
+if [ "${2:-}" = timeline ]; then timeline_figure; exit; fi
 timeout 900 mpirun -n 2 "$build/train_bert_mini" --stage 2 --quiet --json notes/figures/bert_mini_run.json
 /usr/bin/python3 notes/plot_loss.py notes/figures/bert_mini_run.json notes/figures/bert_mini_loss.png
 # The same run with --eval-every 10 (the data's last 5% held out) and its --metrics file.
@@ -50,3 +68,4 @@ done
 demos/superlinear.sh "$build" 104857600 notes/figures/superlinear.json > /dev/null
 /usr/bin/python3 notes/plot_capacity.py notes/figures/capacity_plan.json notes/figures notes/figures/superlinear.json \
   notes/figures
+timeline_figure

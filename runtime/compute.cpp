@@ -5,6 +5,7 @@
 // cuda these are calls of the CUDA runtime's host API.
 #include "runtime/compute_resources.h"
 #include "runtime/simulated_device.h"
+#include "runtime/timeline.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -155,6 +156,7 @@ Compute::~Compute() {
     return;
   }
 #endif
+  if (sim_ && timeline_) set_waiting_clock(nullptr);
   // What the simulated device still holds runs before its memory goes (an
   // error unwinding may have left work queued; a second error here is dropped).
   if (sim_) try {
@@ -176,10 +178,11 @@ static int sim_stream(Stream stream) { return (int)(intptr_t)stream.handle - 1; 
 
 void Compute::queue_on_sim(Stream stream, const char* what, Site site, std::function<void()> run,
                            std::initializer_list<std::pair<const void*, size_t>> reads,
-                           std::initializer_list<std::pair<const void*, size_t>> writes, bool poison) {
+                           std::initializer_list<std::pair<const void*, size_t>> writes, bool poison, Work work) {
   SimOperation operation;
   operation.what = what;
   operation.site = site;
+  operation.work = work;
   operation.run = std::move(run);
   operation.poison = poison;
   for (const auto& read : reads)
@@ -191,12 +194,15 @@ void Compute::queue_on_sim(Stream stream, const char* what, Site site, std::func
 
 void Compute::copy(void* destination, const void* source, size_t bytes, Stream stream, Site site) {
   if (bytes == 0 || destination == source) return;
+  // Whether it crosses the host link matters to the timeline's model only.
+  const Work work{Work::Kind::copy, (double)bytes, timeline_ && (in_host_memory(destination) || in_host_memory(source))};
   if (queues_on_sim()) {  // the bytes it reads and writes are known; its destination is poisoned
     const std::string what = "copy of " + with_commas(bytes) + " bytes";
     queue_on_sim(stream, what.c_str(), site, [=] { std::memmove(destination, source, bytes); }, {{source, bytes}},
-                  {{destination, bytes}}, true);
+                 {{destination, bytes}}, true, work);
     return;
   }
+  const Timed timed(*this, stream, "copy", site, work);
   if (runs_now_on_host()) {
     std::memmove(destination, source, bytes);
     return;
@@ -209,12 +215,14 @@ void Compute::copy(void* destination, const void* source, size_t bytes, Stream s
 
 void Compute::fill_bytes(void* destination, unsigned char value, size_t bytes, Stream stream, Site site) {
   if (bytes == 0) return;
+  const Work work{Work::Kind::fill, (double)bytes};
   if (queues_on_sim()) {
     const std::string what = "fill of " + with_commas(bytes) + " bytes";
     queue_on_sim(stream, what.c_str(), site, [=] { std::memset(destination, value, bytes); }, {},
-                  {{destination, bytes}}, true);
+                 {{destination, bytes}}, true, work);
     return;
   }
+  const Timed timed(*this, stream, "fill", site, work);
   if (runs_now_on_host()) {
     std::memset(destination, value, bytes);
     return;
@@ -307,5 +315,138 @@ void Compute::wait(Stream waiter, Event event, Site site) {
     Z2_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)waiter.handle, (cudaEvent_t)event.handle, 0));
 #endif
   (void)waiter, (void)event;
+}
+
+// --- the timeline (--timeline; runtime/timeline.h) ---------------------------
+
+// On sim the operations already queued count as done when it starts. On
+// cuda every later operation must come after the origin event: the device
+// is idle first, so every elapsed time measured from it is positive.
+void Compute::start_timeline() {
+  if (timeline_) return;
+  long queued[SimulatedDevice::streams] = {};
+  if (sim_)
+    for (int s = 0; s < SimulatedDevice::streams; ++s) queued[s] = sim_->queued(s);
+  timeline_ = std::make_unique<Timeline>(device_, queued);
+  if (sim_) set_waiting_clock(timeline_.get());
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda) {
+    Z2_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaEvent_t origin;
+    Z2_CUDA_CHECK(cudaEventCreate(&origin));
+    Z2_CUDA_CHECK(cudaEventRecord(origin, (cudaStream_t)compute_stream_.handle));
+    Z2_CUDA_CHECK(cudaEventSynchronize(origin));
+    timeline_->gpu_origin = origin;
+  }
+#endif
+}
+
+// A stream's track: its number (cpu: one track, every operation runs at once).
+static int track_of(const Compute& compute, Stream stream) {
+  if (compute.device() == Device::cpu) return 0;
+  if (stream.handle == compute.comm_stream().handle) return 1;
+  return stream.handle == compute.copy_stream().handle ? 2 : 0;
+}
+
+#if defined(Z2_HAVE_CUDA)
+// A timing event recorded on `stream` now (destroyed by finish_timeline).
+static void* timing_event(Stream stream) {
+  cudaEvent_t event;
+  Z2_CUDA_CHECK(cudaEventCreate(&event));
+  Z2_CUDA_CHECK(cudaEventRecord(event, (cudaStream_t)stream.handle));
+  return event;
+}
+#endif
+
+void Compute::timed_begin(Timed& timed) {
+  timed.begin = timeline_->host_now();
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda && !timed.on_host) timed.begin_event = timing_event(timed.stream);
+#endif
+}
+
+void Compute::timed_end(Timed& timed) {
+  const int track = timed.on_host ? Timeline::host_track : track_of(*this, timed.stream);
+#if defined(Z2_HAVE_CUDA)
+  if (timed.begin_event) {
+    timeline_->gpu_slices.push_back({track, timed.site, timed.work, timed.begin_event, timing_event(timed.stream)});
+    return;
+  }
+#endif
+  timeline_->slice(track, timed.site, timed.work, timed.begin, timeline_->host_now());
+}
+
+// A collective's span: from where the comm stream may start it (on sim its
+// modelled time, after the wait for what backward wrote; on cuda an event
+// on the comm stream) to where the host sees it finished (an event on cuda).
+long Compute::timeline_collective_starts(const char* collective, int bucket, int slot) {
+  if (!timeline_) return -1;
+  const std::string name = std::string(collective) + " bucket " + std::to_string(bucket);
+  double begin = timeline_->host_now();
+  if (sim_) begin = std::max(begin, timeline_->sim_stream_end(1));
+  const long span = timeline_->open(Timeline::first_slot_track + slot, name, begin, "collective");
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda)
+    timeline_->gpu_slices.push_back({0, Site{}, Work{}, timing_event(comm_stream_), nullptr, span});
+#endif
+  return span;
+}
+
+void Compute::timeline_collective_ends(long span) {
+  if (!timeline_ || span < 0) return;
+#if defined(Z2_HAVE_CUDA)
+  if (device_ == Device::cuda) {
+    for (auto slice = timeline_->gpu_slices.rbegin(); slice != timeline_->gpu_slices.rend(); ++slice)
+      if (slice->span == span) return (void)(slice->end = timing_event(comm_stream_));
+  }
+#endif
+  timeline_->close(span, timeline_->host_now());
+}
+
+double Compute::timeline_mpi_posted(size_t bytes) {
+  return timeline_ && sim_ ? timeline_->sim_posted(bytes) : 0;
+}
+void Compute::timeline_mpi_arrived(double arrival) {
+  if (timeline_ && sim_) timeline_->sim_arrived(arrival);
+}
+
+// cuda: every timed operation's events read, in seconds after the origin,
+// and destroyed. (Unmeasured: no GPU has run this.)
+void Compute::finish_timeline() {
+#if defined(Z2_HAVE_CUDA)
+  if (!timeline_ || device_ != Device::cuda) return;
+  Z2_CUDA_CHECK(cudaDeviceSynchronize());
+  auto seconds = [&](void* event) {
+    float ms = 0;
+    Z2_CUDA_CHECK(cudaEventElapsedTime(&ms, (cudaEvent_t)timeline_->gpu_origin, (cudaEvent_t)event));
+    cudaEventDestroy((cudaEvent_t)event);
+    return ms / 1e3;
+  };
+  for (const Timeline::GpuSlice& slice : timeline_->gpu_slices) {
+    if (!slice.end) continue;  // a collective that never ended (cannot happen after finish_all)
+    const double begin = seconds(slice.begin), end = seconds(slice.end);
+    if (slice.span >= 0) {
+      timeline_->move_begin(slice.span, begin);
+      timeline_->close(slice.span, end);
+    } else {
+      timeline_->slice(slice.track, slice.site, slice.work, begin, end);
+    }
+  }
+  timeline_->gpu_slices.clear();
+#endif
+}
+
+// Host memory, for a copy's side: a pinned buffer, or anything the device's
+// allocator did not hand out (a std::vector of the caller's).
+bool Compute::in_host_memory(const void* pointer) const {
+  const char* p = (const char*)pointer;
+  for (const auto& entry : resources_->pinned)
+    if (p >= (const char*)entry.first && p < (const char*)entry.first + entry.second.bytes) return true;
+  if (resources_->block) return !(p >= resources_->block && p < resources_->block + resources_->capacity);
+  for (const auto& segment : resources_->segments)
+    if (p >= segment.second.base && p < segment.second.base + segment.second.bytes) return false;
+  for (const auto& entry : resources_->allocations)
+    if (p >= (const char*)entry.first && p < (const char*)entry.first + entry.second.first) return false;
+  return true;
 }
 }  // namespace z2

@@ -88,6 +88,17 @@ struct Site {
   }
 };
 class SimulatedDevice;
+class Timeline;
+
+// What an operation does, in the units of the timeline's cost model
+// (runtime/timeline.h): a loop's elements, a product's flops, a copy's or a
+// fill's bytes, and whether a copy crosses to host memory.
+struct Work {
+  enum class Kind { none, loop, gemm_fp32, gemm_16bit, copy, fill };
+  Kind kind = Kind::none;
+  double amount = 0;
+  bool host_link = false;  // a copy with host memory on one side (or both)
+};
 
 // Where device memory comes from (ZeRO-R's M_D, paper section 6.3; notes/05).
 //   direct: every buffer is its own cudaMalloc (host allocation on cpu); the
@@ -227,6 +238,22 @@ class Compute {
   // The simulated device, or null (device() != sim).
   SimulatedDevice* simulated() const { return sim_.get(); }
 
+  // --timeline (runtime/timeline.h): every stream operation from now on is
+  // recorded; timeline() is null until then. A collective that starts (a
+  // bucket's transfer in staging slot `slot`, after the comm stream's wait
+  // for what backward wrote) opens a span on the slot's track, and its end
+  // closes it (-1, and nothing, without a timeline). finish_timeline reads
+  // cuda's events (the end of the run; nothing to do on cpu and sim).
+  void start_timeline();
+  Timeline* timeline() const { return timeline_.get(); }
+  long timeline_collective_starts(const char* collective, int bucket, int slot);
+  void timeline_collective_ends(long span);
+  // On sim, MPI modelled: a collective's `bytes` posted now arrive at the
+  // returned time, and the host that sees them arrive has waited for it.
+  double timeline_mpi_posted(size_t bytes);
+  void timeline_mpi_arrived(double arrival);
+  void finish_timeline();
+
   // Row-major C[M x N] = alpha * op(A) op(B) + beta * C, with op(X) = X or X^T:
   // OpenBLAS sgemm on cpu, cuBLAS sgemm on the compute stream on cuda; in
   // portable mode (set_portable, below) zero2's own kernels on both.
@@ -297,13 +324,15 @@ class Compute {
   // on host memory (the optimizer step's loops, with or without ZeRO-Offload).
   template <class Body>
   void for_each_at(Place place, size_t n, Body body, Site site = Site::here()) {
-    if (place == Place::host) for_each_on_host(n, body);
-    else for_each(n, body, site);
+    if (place == Place::device) return for_each(n, body, site);
+    const Timed timed(*this, compute_stream_, "host loop", site, {Work::Kind::loop, (double)n}, true);
+    for_each_on_host(n, body);
   }
   template <class Body>
   void for_each_at(Place place, size_t rows, size_t columns, Body body, Site site = Site::here()) {
-    if (place == Place::host) for_each_on_host(rows, columns, body);
-    else for_each(rows, columns, body, site);
+    if (place == Place::device) return for_each(rows, columns, body, site);
+    const Timed timed(*this, compute_stream_, "host loop", site, {Work::Kind::loop, (double)rows * columns}, true);
+    for_each_on_host(rows, columns, body);
   }
   // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
   // cpu rows outer and columns inner; on cuda one thread per cell. As for
@@ -341,10 +370,44 @@ class Compute {
   bool queues_on_sim() const { return device_ == Device::sim && !sim_running_; }
   void queue_on_sim(Stream stream, const char* what, Site site, std::function<void()> run,
                     std::initializer_list<std::pair<const void*, size_t>> reads = {},
-                    std::initializer_list<std::pair<const void*, size_t>> writes = {}, bool poison = false);
+                    std::initializer_list<std::pair<const void*, size_t>> writes = {}, bool poison = false,
+                    Work work = {});  // work: what the timeline's cost model charges for it
   void queue_gemm_on_sim(Site site, size_t element, bool transpose_a, bool transpose_b, int M, int N, int K,
                          const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b, float beta,
                          const void* C, int ldc, long stride_c, int batch, std::function<void()> run);
+  // --timeline on cpu and cuda: an operation's slice on its stream's track,
+  // from this object's making to its end (the host's clock on cpu, events
+  // around the launch on cuda). Nothing without a timeline, nor on sim,
+  // whose model records each operation when it is queued.
+  // `on_host`: the host's own work (ZeRO-Offload's step), on the host's
+  // track by the host's clock, on every backend.
+  struct Timed {
+    Compute* compute = nullptr;  // null: nothing recorded
+    Stream stream;
+    const char* what;
+    Site site;
+    Work work;
+    bool on_host;
+    double begin = 0;
+    void* begin_event = nullptr;  // cuda
+    Timed(Compute& c, Stream stream_, const char* what_, Site site_, Work work_, bool on_host_ = false)
+        : compute(c.timeline_ && (on_host_ || !c.sim_) ? &c : nullptr),
+          stream(stream_),
+          what(what_),
+          site(site_),
+          work(work_),
+          on_host(on_host_) {
+      if (compute) compute->timed_begin(*this);
+    }
+    ~Timed() {
+      if (compute) compute->timed_end(*this);
+    }
+    Timed(const Timed&) = delete;
+    Timed& operator=(const Timed&) = delete;
+  };
+  void timed_begin(Timed& timed);
+  void timed_end(Timed& timed);
+  bool in_host_memory(const void* pointer) const;  // pinned, or not the device's (a copy's side, for the model)
   // Work runs on the host now: always on cpu, on sim inside an operation.
   bool runs_now_on_host() const { return device_ == Device::cpu || (device_ == Device::sim && sim_running_); }
   Device device_;
@@ -364,6 +427,7 @@ class Compute {
   struct Resources;
   std::unique_ptr<Resources> resources_;  // pointer -> (bytes, kind), and the block's bookkeeping
   std::unique_ptr<SimulatedDevice> sim_;  // device() == sim: the streams' queues and the scheduler
+  std::unique_ptr<Timeline> timeline_;    // --timeline: what ran where and when
   bool sim_running_ = false;              // the simulated device is running one of its operations
   friend class SimulatedDevice;
 };
@@ -457,7 +521,9 @@ template <class Body>
 void Compute::for_each(size_t n, Body body, Stream stream, Site site) {
   if (n == 0) return;
   // On sim the loop is queued on its stream and runs when the scheduler says.
-  if (queues_on_sim()) return queue_on_sim(stream, "loop", site, [this, n, body] { for_each_on_host(n, body); });
+  const Work work{Work::Kind::loop, (double)n};
+  if (queues_on_sim()) return queue_on_sim(stream, "loop", site, [this, n, body] { for_each_on_host(n, body); }, {}, {}, false, work);
+  const Timed timed(*this, stream, "loop", site, work);
   if (runs_now_on_host()) return for_each_on_host(n, body);
 #if defined(__CUDACC__)
   const unsigned threads = 256;
@@ -498,9 +564,12 @@ void Compute::for_each_on_host(size_t rows, size_t columns, Body body) {
 template <class Body>
 void Compute::for_each(size_t rows, size_t columns, Body body, Site site) {
   if (rows == 0 || columns == 0) return;
+  const Work work{Work::Kind::loop, (double)rows * columns};
   if (queues_on_sim())
-    return queue_on_sim(compute_stream_, "loop", site,
-                        [this, rows, columns, body] { for_each_on_host(rows, columns, body); });
+    return queue_on_sim(
+        compute_stream_, "loop", site, [this, rows, columns, body] { for_each_on_host(rows, columns, body); }, {}, {},
+        false, work);
+  const Timed timed(*this, compute_stream_, "loop", site, work);
   if (runs_now_on_host()) return for_each_on_host(rows, columns, body);
 #if defined(__CUDACC__)
   const unsigned threads = 256;
@@ -516,11 +585,13 @@ void Compute::for_each(size_t rows, size_t columns, Body body, Site site) {
 template <class T, class Element>
 void Compute::column_sums(size_t rows, size_t columns, Element element, T* sums, Site site) {
   if (columns == 0) return;
+  const Work work{Work::Kind::loop, (double)rows * columns};
   if (queues_on_sim())
     return queue_on_sim(
         compute_stream_, "column sums", site,
         [this, rows, columns, element, sums] { column_sums(rows, columns, element, sums); }, {},
-        {{sums, columns * sizeof(T)}});
+        {{sums, columns * sizeof(T)}}, false, work);
+  const Timed timed(*this, compute_stream_, "column sums", site, work);
   if (runs_now_on_host()) {
     const auto& host = host_body(element);
     column_scratch_.assign(columns, 0.0f);

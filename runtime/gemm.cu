@@ -330,6 +330,12 @@ static void timed_cpu_gemm(double& seconds, int portable_lanes, bool transpose_a
 static size_t matrix_span(int rows, int columns, int ld) { return rows == 0 ? 0 : (size_t)(rows - 1) * ld + columns; }
 static size_t batch_span(size_t span, long stride, int batch) { return span + (size_t)(batch - 1) * (size_t)stride; }
 
+// What the timeline's cost model charges a product: 2 M N K flops a matrix,
+// on tensor cores for 16-bit operands (runtime/timeline.h).
+static Work gemm_work(size_t element, int M, int N, int K, int batch) {
+  return {element == sizeof(float) ? Work::Kind::gemm_fp32 : Work::Kind::gemm_16bit, 2.0 * M * N * K * batch};
+}
+
 // On sim a product is one operation on the compute stream, as a cuBLAS call
 // is; what it reads (A, B, and C unless beta = 0) and writes (C) are its
 // operands' spans, `element` bytes an element, for the race report.
@@ -340,7 +346,8 @@ void Compute::queue_gemm_on_sim(Site site, size_t element, bool transpose_a, boo
   const size_t a = element * batch_span(matrix_span(transpose_a ? K : M, transpose_a ? M : K, lda), stride_a, batch),
                b = element * batch_span(matrix_span(transpose_b ? N : K, transpose_b ? K : N, ldb), stride_b, batch),
                c = element * batch_span(matrix_span(M, N, ldc), stride_c, batch);
-  queue_on_sim(compute_stream_, "gemm", site, std::move(run), {{A, a}, {B, b}, {C, beta == 0.0f ? 0 : c}}, {{C, c}});
+  queue_on_sim(compute_stream_, "gemm", site, std::move(run), {{A, a}, {B, b}, {C, beta == 0.0f ? 0 : c}}, {{C, c}},
+               false, gemm_work(element, M, N, K, batch));
 }
 
 void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, float alpha, const float* A, int lda,
@@ -349,6 +356,7 @@ void Compute::gemm(bool transpose_a, bool transpose_b, int M, int N, int K, floa
   if (queues_on_sim())
     return queue_gemm_on_sim(site, sizeof(float), transpose_a, transpose_b, M, N, K, A, lda, 0, B, ldb, 0, beta, C, ldc,
                              0, 1, [=] { gemm(transpose_a, transpose_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
+  const Timed timed(*this, compute_stream_, "gemm", site, gemm_work(sizeof(float), M, N, K, 1));
   if (K == 0) {
     // An empty sum (a micro-batch that selected no position): C = alpha 0 +
     // beta C, as BLAS defines it, in portable_finish's roundings (so portable
@@ -388,6 +396,7 @@ void Compute::gemm_batched(bool transpose_a, bool transpose_b, int M, int N, int
                                gemm_batched(transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb,
                                             stride_b, beta, C, ldc, stride_c, batch);
                              });
+  const Timed timed(*this, compute_stream_, "gemm", site, gemm_work(sizeof(float), M, N, K, batch));
   if (runs_now_on_host() || K == 0) {
     for (int k = 0; k < batch; ++k)
       gemm(transpose_a, transpose_b, M, N, K, alpha, A + k * stride_a, lda, B + k * stride_b, ldb, beta,
@@ -459,6 +468,7 @@ void Compute::gemm_16bit(Precision precision, bool transpose_a, bool transpose_b
                                gemm_16bit(precision, transpose_a, transpose_b, M, N, K, alpha, A, lda, stride_a, B, ldb,
                                           stride_b, beta, C, ldc, stride_c, batch, site);
                              });
+  const Timed timed(*this, compute_stream_, "gemm", site, gemm_work(sizeof(uint16_t), M, N, K, batch));
   const bool bf16 = precision == Precision::bf16;
   if (K == 0) {  // see gemm(): C = beta C ourselves
     if (bf16) scale_matrix(*this, M, N, alpha, beta, (bfloat16*)C, ldc, stride_c, batch);

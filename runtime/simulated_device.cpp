@@ -3,6 +3,7 @@
 // the operations are the cpu backend's loops, copies and products, run when
 // the scheduler says, on the host thread.
 #include "runtime/simulated_device.h"
+#include "runtime/timeline.h"
 
 #include <dlfcn.h>
 #include <execinfo.h>
@@ -207,8 +208,12 @@ long SimulatedDevice::pending() const {
   return count;
 }
 
+// With --timeline, the model gives the operation its virtual times now, as
+// it is asked for (runtime/timeline.h); the host's clock stops meanwhile.
 void SimulatedDevice::enqueue(int stream, SimOperation operation) {
   Entry entry(*this);
+  const HostClockPaused paused(compute_.timeline());
+  if (Timeline* timeline = compute_.timeline()) timeline->sim_queued(stream, operation.site, operation.work);
   operation.number = ++queued_[stream];
   operation.asked = ++asked_;
   queues_[stream].push_back(std::move(operation));
@@ -273,6 +278,7 @@ void SimulatedDevice::check_race(const SimOperation& running, int stream) const 
 // Run the head of `stream` (it has started: its stream's earlier work is
 // done and its waits are met).
 void SimulatedDevice::run_head(int stream) {
+  const HostClockPaused paused(compute_.timeline());  // the device's work is not the host's time
   SimOperation& head = queues_[stream].front();
   check_race(head, stream);
   struct Running {  // the operations' own calls run now, on the host, while this is set
@@ -349,6 +355,8 @@ void SimulatedDevice::record(SimEvent& event, int stream, Site site) {
 
 void SimulatedDevice::wait(int stream, const SimEvent& event, Site site) {
   if (skipped(site)) return;
+  // In the model the wait holds even when the scheduler ran the work already.
+  if (Timeline* timeline = compute_.timeline()) timeline->sim_waits(stream, event.stream, event.through);
   if (event.stream < 0 || event.stream == stream || finished_[event.stream] >= event.through) return;
   SimOperation operation;
   operation.what = "wait";
@@ -358,14 +366,19 @@ void SimulatedDevice::wait(int stream, const SimEvent& event, Site site) {
   enqueue(stream, std::move(operation));
 }
 
+// With --timeline, a yes (and a synchronize) moves the host's clock to the
+// modelled end of what it waited for.
 bool SimulatedDevice::query(SimEvent& event, Site) {
   Entry entry(*this);
-  if (event.stream < 0 || finished_[event.stream] >= event.through) return true;
-  if (event.polled_at != event.through) {  // "not yet", once: the caller's waiting path runs
-    event.polled_at = event.through;
-    return false;
+  Timeline* timeline = compute_.timeline();
+  if (event.stream >= 0 && finished_[event.stream] < event.through) {
+    if (event.polled_at != event.through) {  // "not yet", once: the caller's waiting path runs
+      event.polled_at = event.through;
+      return false;
+    }
+    finish_through(event.stream, event.through);
   }
-  finish_through(event.stream, event.through);
+  if (timeline && event.stream >= 0) timeline->sim_host_waits(event.stream, event.through);
   return true;
 }
 
@@ -373,11 +386,14 @@ void SimulatedDevice::synchronize(int stream, Site site) {
   Entry entry(*this);
   if (skipped(site)) return;
   finish_through(stream, queued_[stream]);
+  if (Timeline* timeline = compute_.timeline()) timeline->sim_host_waits(stream, queued_[stream]);
 }
 
 void SimulatedDevice::synchronize_all(Site site) {
   Entry entry(*this);
   if (skipped(site)) return;
+  if (Timeline* timeline = compute_.timeline())
+    for (int s = 0; s < streams; ++s) timeline->sim_host_waits(s, queued_[s]);
   interleave();
   run_needed(queued_);
 }

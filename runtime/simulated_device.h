@@ -86,6 +86,7 @@ struct SimOperation {
   bool started = false;                  // it may run: its stream's earlier work is done, its waits met
   int wait_stream = -1;                  // a wait: for wait_stream's first wait_through operations
   long wait_through = 0;
+  Work work;                             // what the timeline's model charges (runtime/timeline.h)
 };
 
 class SimulatedDevice {
@@ -100,7 +101,8 @@ class SimulatedDevice {
   bool query(SimEvent& event, Site site);
   void synchronize(int stream, Site site);
   void synchronize_all(Site site);
-  // The operations still queued (a destructor drains them first).
+  // The operations still queued (a destructor drains them first), and those
+  // ever queued on `stream` (where the timeline starts counting).
   long pending() const;
   // Device memory: fresh zeroed pages closed to the host (map), given back
   // (unmap); or a block the allocator mapped itself (adopt, before it is
@@ -109,6 +111,7 @@ class SimulatedDevice {
   void unmap_memory(void* pointer);
   void adopt_memory(void* block, size_t bytes);
   void forget_memory(void* block);
+  long queued(int stream) const { return queued_[stream]; }
   static const char* stream_name(int stream);
 
  private:

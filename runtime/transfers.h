@@ -26,6 +26,7 @@
 #include <climits>
 #include <deque>
 
+#include "runtime/timeline.h"
 #include "zero2.h"
 
 namespace z2 {
@@ -78,6 +79,7 @@ struct Transfer {
   size_t next = 0;
   std::vector<MPI_Request> requests;  // what the current collective waits for
   std::vector<int> peers;             // the rank each request exchanges with; -1 for a collective over all ranks
+  long timeline_span = -1;            // its span on --timeline's slot track (runtime/timeline.h)
   bool finished() const { return next == collectives.size(); }
   bool advance() {
     while (!finished() && collectives[next]->advance(*this)) ++next;
@@ -160,6 +162,7 @@ inline void BucketExchange::Parts::retire_finished() {
     // event: whoever reuses the slot's buffers on the compute stream waits
     // for it on the GPU, not on the host.
     compute.record(slot.done, compute.comm_stream());
+    compute.timeline_collective_ends(transfers.front()->timeline_span);
     slot.running = false;
     slot.bucket = -1;
     transfers.pop_front();
@@ -183,6 +186,7 @@ inline Transfer* BucketExchange::Parts::start(int slot, size_t padded, const cha
   slots[slot].running = true;
   compute.record(ready, compute.compute_stream());
   compute.wait(compute.comm_stream(), ready);
+  transfer->timeline_span = compute.timeline_collective_starts(collective, slots[slot].bucket, slot);
   return transfer;
 }
 
@@ -198,6 +202,7 @@ struct MpiCollective : Collective {
   BucketExchange::Parts& exchange;
   const long ticket;     // -1: point-to-point, matched by (source, tag), in no order
   bool waiting = false;  // posted: its requests are in flight
+  double arrival = 0;    // --timeline on sim: when the network delivers them (runtime/timeline.h)
 
   MpiCollective(BucketExchange::Parts& parts, bool of_all_ranks = true)
       : exchange(parts), ticket(of_all_ranks ? parts.next_ticket++ : -1) {}
@@ -211,16 +216,19 @@ struct MpiCollective : Collective {
   // (MPICH moves them only inside MPI calls: each progress() tests), which
   // then leave the transfer.
   bool moved(Transfer& transfer) {
+    const HostClockPaused modelled(exchange.compute.timeline());  // --timeline on sim: the network's time is modelled
     if (!waiting) {
       if (ticket >= 0 && ticket != exchange.next_to_post) return false;
+      const size_t sent = exchange.comm.counters().total();
       post(transfer);
+      arrival = exchange.compute.timeline_mpi_posted(exchange.comm.counters().total() - sent);
       if (ticket >= 0) ++exchange.next_to_post;
       waiting = true;
     }
     if (transfer.requests.empty()) return true;
     int done = 0;
     Z2_MPI_CHECK(MPI_Testall((int)transfer.requests.size(), transfer.requests.data(), &done, MPI_STATUSES_IGNORE));
-    if (done) transfer.requests.clear(), transfer.peers.clear();
+    if (done) transfer.requests.clear(), transfer.peers.clear(), exchange.compute.timeline_mpi_arrived(arrival);
     return done != 0;
   }
   virtual void post(Transfer& transfer) = 0;  // the MPI calls, nonblocking, each through request()

@@ -3,6 +3,7 @@
 // deadline, and the rank whose deadline passes first holds a roll call
 // before it ends the job. Host code.
 #include "zero2.h"
+#include "runtime/timeline.h"
 
 #include <algorithm>
 #include <chrono>
@@ -205,7 +206,12 @@ void set_watchdog_context(const std::string& where) { watchdog_where = where; }
 // the deadline passes; answer the roll calls of ranks whose deadline passed.
 // We yield between polls: ranks often share cores, and the rank we wait
 // for needs the CPU.
+// --timeline on sim: the clock a wait stops (runtime/timeline.h).
+static Timeline* waiting_clock = nullptr;
+void set_waiting_clock(Timeline* timeline) { waiting_clock = timeline; }
+
 void wait_until(const std::function<bool()>& done, const std::function<std::string()>& describe) {
+  const HostClockPaused paused(waiting_clock);
   if (done()) return;
   const Clock::time_point began = Clock::now(), deadline = began + seconds(watchdog_seconds);
   struct Waiting {  // what a roll call answers; cleared however the wait ends (done() may throw)

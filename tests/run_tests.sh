@@ -39,6 +39,7 @@ traces              240   --trace's bits at every stage and split; --init-hf; ch
 offload             180   ZeRO-Offload: the bits without it, checkpoints both ways, the ledger
 sim_device           60   --device sim's rules: a missing wait reads poison, races and host reads of device memory stop
 streams             300   --device sim: cpu's bits over a covering set; every wait skipped in turn; planted mistakes
+timeline             90   --timeline: valid trace-event JSON; on sim the reduce-scatters under backward only with overlap
 include_layers       60   trainer/'s includes form layers (settings -> inputs -> formats -> training), no cycle
 checker             300   tests/check_trace.py on damaged traces and on peers that must fail or pass
 "

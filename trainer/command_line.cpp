@@ -48,7 +48,8 @@ static void check_plan_flags(const Settings& s) {
                              {"--export-hf", s.export_dir},
                              {"--dump-batch", s.dump_dir},
                              {"--metrics", s.metrics},
-                             {"--memory-trace", s.memory_trace}})
+                             {"--memory-trace", s.memory_trace},
+                             {"--timeline", s.timeline}})
     if (!value.empty())
       fail("--plan trains nothing, so %s '%s' would have nothing to %s: drop one of them", flag, value.c_str(),
            std::string(flag) == "--load" || std::string(flag) == "--init-hf" ? "read" : "write");

@@ -348,6 +348,7 @@ void check_outputs(const Settings& s) {
   }
   if (!s.json_path.empty()) outputs.push_back({"--json", s.json_path, false});
   if (!s.memory_trace.empty()) outputs.push_back({"--memory-trace", s.memory_trace, false});
+  if (!s.timeline.empty()) outputs.push_back({"--timeline", s.timeline, false});
   if (!s.metrics.empty()) outputs.push_back({"--metrics", s.metrics, false});
   for (auto [flag, directory] : {std::pair<std::string, std::string>{"--export-hf", s.export_dir},
                                  {"--dump-batch", s.dump_dir},

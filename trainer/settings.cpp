@@ -207,6 +207,7 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "--offload-optimizer") s.offload_optimizer = parse_choice(name, value, {"cpu", "none"});
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
   else if (flag == "--memory-trace") s.memory_trace = parse_path(name, value);
+  else if (flag == "--timeline") s.timeline = parse_path(name, value);
   else if (flag == "--save") s.save_dir = parse_path(name, value);
   else if (flag == "--load") s.load_dir = parse_path(name, value);
   else if (flag == "--save-every") s.save_every = parse_integer(name, value, 0, big);
@@ -375,6 +376,8 @@ files
   --export-hf DIR            the trained model for BertForMaskedLM.from_pretrained
   --dump-batch DIR           step 0's weights, batch, loss and gradients (for a reference check)
   --memory-trace FILE        the first step's allocator events
+  --timeline FILE            every stream operation, collective and wait as Chrome trace-event JSON
+                             (ui.perfetto.dev); on --device sim in a modelled device time (notes/15)
 checking another implementation against this run (notes/12)
   --trace DIR                a new or empty DIR: the initial weights, every step's global batch, the settings
                              that fix the arithmetic, every step's loss, grad norm and lr, and the parameters

@@ -95,6 +95,7 @@ struct Settings {
   std::string offload_optimizer = "none";
   // files and output
   std::string data, config, json_path, export_dir, dump_dir, memory_trace, metrics;
+  std::string timeline;  // --timeline FILE: every stream operation, as Chrome trace-event JSON (notes/15)
   // Checking another implementation against this run (notes/12): --trace DIR
   // records what a peer needs to replay it and what it should match; the
   // parameters and gradients after step 1, every trace_params_every-th step

@@ -3,6 +3,9 @@
 #include "trainer/step_observers.h"
 
 #include <tuple>
+
+#include "runtime/timeline.h"
+#include "trainer/output_files.h"
 #include <utility>
 
 namespace bert {
@@ -19,10 +22,14 @@ StepObservers::StepObservers(const Settings& settings, MPI_Comm world, z2::Compu
       trace_(trace) {
   MPI_Comm_rank(world_, &rank_);
   MPI_Comm_size(world_, &world_size_);
+  if (!settings_.timeline.empty()) compute_.start_timeline();  // from step 1 on: start-up is not in it
 }
 
 void StepObservers::before_forward(long step) {
   start_ = std::chrono::steady_clock::now();
+  if (z2::Timeline* timeline = compute_.timeline())  // the step on the host's track, in the timeline's time
+    timeline_step_ = timeline->open(z2::Timeline::host_track, "step " + std::to_string(step + 1), timeline->host_now(),
+                                    "step");
   gemm_seconds_before_ = compute_.gemm_seconds();
   // This run's first step (a resumed run's too) and step 0 of a fresh run.
   tracing_memory_ = run_.steps.empty() && !settings_.memory_trace.empty();
@@ -40,6 +47,7 @@ void StepObservers::before_update(long step) {
 
 void StepObservers::after_update(long step, const z2::StepReport& report, const std::vector<float>& losses) {
   const auto end = std::chrono::steady_clock::now();
+  if (z2::Timeline* timeline = compute_.timeline()) timeline->close(timeline_step_, timeline->host_now());
   if (tracing_memory_) {
     compute_.set_tracing(false);
     // Rank 0 writes; every rank learns whether it could (a full disk ends them all).
@@ -77,6 +85,18 @@ void StepObservers::after_update(long step, const z2::StepReport& report, const 
   if (!settings_.trace_dir.empty()) trace_step(step, report, losses);
   progress_.step(run_, engine_, report, ms, compute_.memory());
   gradients_ = std::vector<float>();  // 4 Psi bytes, not held past the step
+}
+
+// --timeline: every rank's events gathered (collective), rank 0 writes the file.
+void StepObservers::write_timeline() {
+  if (settings_.timeline.empty()) return;
+  const std::string text = z2::timeline_json(compute_, world_);
+  agree_on_errors(
+      world_,
+      [&] {
+        if (rank_ == 0) write_output_file(settings_.timeline, text);
+      },
+      "the timeline was written");
 }
 
 // --trace: what step `step` (0-based; the trace counts from 1) adds. Rank 0

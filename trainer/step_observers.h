@@ -58,6 +58,8 @@ class StepObservers {
   // A diverged step is timed and recorded and its memory trace written, but
   // no dump, trace or progress line claims it: the step fails right after.
   void after_update(long step, const z2::StepReport& report, const std::vector<float>& losses);
+  // --timeline FILE at the end of the run (collective): every rank's events, written by rank 0.
+  void write_timeline();
 
  private:
   void trace_step(long step, const z2::StepReport& report, const std::vector<float>& losses);
@@ -76,6 +78,7 @@ class StepObservers {
   std::chrono::steady_clock::time_point start_, optimizer_start_;
   double gemm_seconds_before_ = 0;
   bool dumping_ = false, tracing_memory_ = false;
+  long timeline_step_ = -1;  // the step's span on --timeline's host track
   std::vector<float> gradients_;
   BatchDump dump_;  // step 0's (--dump-batch): what forward read
 };
