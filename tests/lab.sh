@@ -38,6 +38,7 @@ gradient-shards|z2::stage2_gradient_output, z2::stage2_gradient_ready|lab gradie
 loss-scale|z2::LossScaler::update|lab loss-scale*,fp16 loss scaler*,fp16 overflow on one rank*
 arena|z2::arena_allocate, z2::arena_push, z2::arena_pop, z2::arena_release|lab arena*,ZeRO-R:*
 offload|z2::checkpoint_to_prefetch|lab offload*,ZeRO-R:*
+streams|z2::checkpoint_copy|lab streams*
 reshard|z2::reshard_reads|lab reshard*
 torch-step|sharded_step (tests/peers/torch_peer.py)|peer
 '
