@@ -928,17 +928,15 @@ inline void Model<Act>::close_block(BlockActivations<Act>& block) {
 
 // Checkpoint c (0 <= c <= L-2) to the host, once forward has written it: the
 // copy stream waits for the compute stream's event, then copies while the
-// next block computes. On cpu the copy happens at once (into host memory
-// that plays the role of pinned memory).
+// next block computes (z2::checkpoint_copy, zero2.cu: the streams lab's
+// seam). On cpu the copy happens at once (into host memory that plays the
+// role of pinned memory).
 template <class Act>
 inline void Model<Act>::offload(int c) {
   fetched_[c] = 0;
   const size_t count = checkpoints_[c].count;
-  compute_.record(produced_[c], compute_.compute_stream());
-  compute_.wait(compute_.copy_stream(), produced_[c]);
-  compute_.copy(host_checkpoints_ + (size_t)c * count, checkpoints_[c].data(), checkpoints_[c].bytes(),
-                compute_.copy_stream());
-  compute_.record(offloaded_[c], compute_.copy_stream());
+  z2::checkpoint_copy(compute_, host_checkpoints_ + (size_t)c * count, checkpoints_[c].data(), checkpoints_[c].bytes(),
+                      produced_[c], offloaded_[c]);
 }
 
 // Checkpoint c back to the device, one block ahead of its backward. Its slot
@@ -954,11 +952,8 @@ inline void Model<Act>::prefetch(int c) {
   fetched_[c] = 1;
   const size_t count = checkpoints_[c].count;
   open(checkpoints_[c]);
-  compute_.record(slot_free_, compute_.compute_stream());
-  compute_.wait(compute_.copy_stream(), slot_free_);
-  compute_.copy(checkpoints_[c].data(), host_checkpoints_ + (size_t)c * count, checkpoints_[c].bytes(),
-                compute_.copy_stream());
-  compute_.record(prefetched_[c], compute_.copy_stream());
+  z2::checkpoint_copy(compute_, checkpoints_[c].data(), host_checkpoints_ + (size_t)c * count, checkpoints_[c].bytes(),
+                      slot_free_, prefetched_[c]);
 }
 
 template <class Act>

@@ -1492,6 +1492,20 @@ Z2_LAB_SEAM int checkpoint_to_prefetch(int block, int layers) {
   return needed_next >= 0 && needed_next <= layers - 2 ? needed_next : -1;
 }
 
+// --- a checkpoint's copy, between the compute stream's work (the streams lab's seam)
+// Three streams run at once; only events order work across them. The copy
+// stream waits for an event recorded on the compute stream after the work
+// the copy depends on (the checkpoint written, or its slot's last reader
+// queued), and `copied`, recorded after the copy, is what the compute stream
+// waits for before it reads the checkpoint or lets its slot go.
+Z2_LAB_SEAM void checkpoint_copy(Compute& compute, void* destination, const void* source, size_t bytes, Event ready,
+                                 Event copied) {
+  compute.record(ready, compute.compute_stream());
+  compute.wait(compute.copy_stream(), ready);
+  compute.copy(destination, source, bytes, compute.copy_stream());
+  compute.record(copied, compute.copy_stream());
+}
+
 // ----------------------------------------------------------------------------
 // 7. Resharding: a checkpoint read at any N (notes/09; the reshard lab's seam)
 //

@@ -76,6 +76,7 @@
 namespace z2 {
 
 class Compute;       // runtime/compute.h: the cpu | cuda backend, and sim (cuda's streams on the CPU)
+struct Event;        // runtime/compute.h: a point in a stream's work
 class Communicator;  // runtime/communicator.h: MPI, and NCCL for device buffers
 
 // The precision of the working parameters and gradients (notes/08): fp32, or
@@ -483,6 +484,9 @@ class Engine {
 //                   fill the optimizer state a rank owns.
 //   offload         checkpoint_to_prefetch (below): which activation
 //                   checkpoint comes back from the host, one block ahead.
+//   streams         checkpoint_copy (below): a checkpoint's copy on the copy
+//                   stream, ordered between the compute stream's work by
+//                   events (graded on the simulated device, --device sim).
 //   own-shards      update_region, update_and_gather: stage 1's optimizer step
 //                   (P_os, paper 5.1), AdamW on the own shard of every bucket,
 //                   then the all-gather of the updated shards.
@@ -608,6 +612,14 @@ void arena_release(ArenaBooks& books, size_t offset, size_t bytes);
 // checkpoint l. One block ahead, the copy of checkpoint l-1 overlaps block
 // l's backward, and at most two checkpoints are on the device at once.
 int checkpoint_to_prefetch(int block, int layers);
+// The streams lab: one checkpoint's trip, to the host after forward wrote it
+// or back into its slot before backward (the model's offload and prefetch).
+// Copy `bytes` from `source` to `destination` on the copy stream once the
+// work the compute stream has queued so far is done (`ready`: the caller's
+// event, free to record), and record `copied` where the copy is done; the
+// compute stream waits for `copied` before it reads the checkpoint or reuses
+// its buffer. The host waits for nothing: the copy overlaps the next block.
+void checkpoint_copy(Compute& compute, void* destination, const void* source, size_t bytes, Event ready, Event copied);
 
 // ----------------------------------------------------------------------------
 // The memory plan (train_bert_mini --plan; notes/10)

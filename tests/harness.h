@@ -44,6 +44,13 @@ bool agree(bool local, const std::string& what = "");
 // Rank 0's value, on every rank.
 bool from_rank0(bool value);
 
+// BERT-mini trained by bert::train with the trainer's command-line `flags`
+// (--quiet and --json added) on every rank of MPI_COMM_WORLD: on rank 0 its
+// final parameters' hash and every step's loss bits, "" on the other ranks
+// and on every rank when the run failed. In tests/test_bert.cu, which
+// compiles the model (the streams lab's grader, tests/test_labs.cpp, trains it).
+std::string bert_run_bits(const std::vector<std::string>& flags);
+
 // Runs `body` and says whether it finished: an exception becomes `false`
 // (and a line on stderr). For code that only some ranks run (a sub-world):
 // an exception must not take those ranks out of the test case while the

@@ -576,6 +576,15 @@ ZeroRRun run_trainer(bert::Settings settings, const std::string& path) {
 
 }  // namespace
 
+std::string harness::bert_run_bits(const std::vector<std::string>& flags) {
+  std::vector<char*> argv{(char*)"train_bert_mini"};
+  for (const std::string& flag : flags) argv.push_back((char*)flag.c_str());
+  const std::string path = "/tmp/z2_test_bert_run_" + std::to_string((long)getpid()) + ".json";
+  const ZeroRRun run = run_trainer(bert::parse_command_line((int)argv.size(), argv.data()), path);
+  if (harness::rank() == 0) std::remove(path.c_str());
+  return run.ok ? run.bits : "";
+}
+
 TEST_CASE(
     "ZeRO-R: keep/recompute/offload x arena/naive give the caching allocator's bits in every stage and precision; "
     "ledgers hold") {
