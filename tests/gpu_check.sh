@@ -273,7 +273,7 @@ summary() {
       esac
     done <"$work/step_$i"
   done
-  echo "seconds per step: $(i=0; for name in "${step_names[@]}"; do i=$((i + 1)); printf '%s %s s; ' "${name%%.*}" "$(cut -d' ' -f1 "$work/step_$i.time")"; done)"
+  echo "seconds per step: $(i=0; for name in "${step_names[@]}"; do i=$((i + 1)); printf '%s: %s s; ' "${name%%.*}" "$(cut -d' ' -f1 "$work/step_$i.time")"; done)"
   echo "$ok_count OK, $failed FAILED, $not_run_count NOT RUN"
   if [ "$failed" -eq 0 ]; then echo "gpu check: OK"; else echo "gpu check: FAILED"; fi
   [ "$failed" -eq 0 ]
