@@ -371,10 +371,11 @@ build_targets() {  # TARGETS...
   mkdir -p build
   echo "$want" >"$stamp"  # before make: a build cut short by its limit is continued, not redone
   [ -n "$cuda_arch" ] && arch_arg=(CUDA_ARCH="$cuda_arch")
-  if make -j"$(nproc)" "${arch_arg[@]}" "$@" >"$work/build.log" 2>&1; then
+  # (found: what the Makefile found, NCCL above all: without it --comm nccl is refused)
+  if make -j"$(nproc)" "${arch_arg[@]}" found "$@" >"$work/build.log" 2>&1; then
     grep -E "^  (nvcc|NCCL|MPI):" "$work/build.log"
     local arches=${cuda_arch:-"the Makefile's architectures"}
-    ok "build: nvcc, $* for $arches, make -j$(nproc): $(grep -cE '^(/[^ ]*/)?nvcc |^mpicxx .* -c ' "$work/build.log") objects compiled"
+    ok "build: nvcc, $* for $arches, make -j$(nproc): $(grep -cE '^(/[^ ]*/)?nvcc |^mpicxx .* -c ' "$work/build.log") objects compiled; NCCL: $(grep -m 1 '^  NCCL:' "$work/build.log" | sed 's/^  NCCL: *//')"
   else
     tail -n 40 "$work/build.log"
     bad "build: make $* failed (log above)"
@@ -402,8 +403,10 @@ doctest_run() {  # N LABEL FILTER-OPTION: build/test_zero2 under mpirun -n N; a 
   if [ "$status" -eq 0 ] && [ -z "$missing" ] && [[ "$summary" == *" 0 failed"* ]]; then
     ok "doctest $label at N=$ranks (backends $backends): ${summary#\[doctest\] test cases: }; ${seconds} s in the test cases"
   else
-    grep -E 'ERROR|FAILED|CUDA tests skipped|rank [0-9]+:' "$log" | head -n 20
-    bad "doctest $label at N=$ranks: exit $status, ${summary:-no summary}${missing:+; backends missing:$missing}${backends:+ (had $backends)}"
+    grep -E 'ERROR|FAILED|rank [0-9]+:' "$log" | head -n 20
+    local why
+    why=$(grep -m 1 -oE 'CUDA tests skipped: .*' "$log")
+    bad "doctest $label at N=$ranks: exit $status, ${summary:-no summary}${missing:+; backends missing:$missing}${backends:+ (had $backends)}${why:+; $why}"
   fi
 }
 quick_doctest() {
