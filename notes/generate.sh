@@ -624,17 +624,19 @@ PY
 } >"$out/several_machines"
 
 # gpu_summary, gpu_zero_r: from the saved log of tests/gpu_check.sh's last GPU run
-# (this machine has no GPU; the log is what the GPU machine printed).
+# (this machine has no GPU; the log is what the GPU machine printed). Its summary line names the mode
+# (quick or full) since the script was split; a log without one is the one-pass script's.
 gpu_log=notes/gpu/gpu_check_h200.log
+gpu_mode=$(sed -n 's/^=== summary (\(quick\|full\),.*/\1/p' "$gpu_log" | head -n 1)
 {
   echo '```'
-  echo "\$ tests/gpu_check.sh    # $(head -n 1 "$gpu_log" | cut -d'(' -f1)"
+  echo "\$ tests/gpu_check.sh${gpu_mode:+ $gpu_mode}    # $(head -n 1 "$gpu_log" | cut -d'(' -f1)${gpu_mode:-(the one-pass script, before quick and full)}"
   sed -n '/^=== summary/,$p' "$gpu_log"
   echo '```'
 } >"$out/gpu_summary"
 {
   echo '```'
-  sed -n '/^=== summary/,$p' "$gpu_log" | grep '^ZeRO-R'
+  sed -n '/^=== summary/,$p' "$gpu_log" | grep -E '^ *ZeRO-R' | sed 's/^ *//'
   echo '```'
 } >"$out/gpu_zero_r"
 
