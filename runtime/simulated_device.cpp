@@ -133,6 +133,12 @@ void SimulatedDevice::adopt_memory(void* block, size_t bytes) {
 
 void SimulatedDevice::forget_memory(void* block) { device_mappings().erase((char*)block); }
 
+void SimulatedDevice::peek(void* host, const void* device, size_t bytes) {
+  Entry entry(*this);
+  open_memory();
+  std::memcpy(host, device, bytes);
+}
+
 const char* SimulatedDevice::stream_name(int stream) {
   static const char* names[] = {"compute", "comm", "copy"};
   return stream >= 0 && stream < streams ? names[stream] : "unknown";

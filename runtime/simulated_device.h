@@ -126,6 +126,9 @@ class SimulatedDevice {
   void unmap_memory(void* pointer);
   void adopt_memory(void* block, size_t bytes);
   void forget_memory(void* block);
+  // Device memory as it is now, read without running anything: for a
+  // grader that asks what has run so far (the streams lab), not for a program.
+  void peek(void* host, const void* device, size_t bytes);
   long queued(int stream) const { return queued_[stream]; }
   static const char* stream_name(int stream);
 
