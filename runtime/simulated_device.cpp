@@ -21,13 +21,36 @@ namespace z2 {
 
 // --- device memory, closed to the host ---------------------------------------------
 
-// Every simulated device's buffers (start -> bytes), for mprotect and for the
-// fault handler, which must tell a host access of device memory from any
-// other crash. One process has one simulated device in practice (the
-// doctest suite's, or the trainer's); several would share the list.
+// What is closed and opened (start -> bytes): the arena's blocks and the
+// one region every other device buffer comes from. Few, because every
+// synchronize opens and closes them all: one mprotect each (the doctest
+// suite's thousands of small buffers, each its own mapping, made that 5x
+// slower than the work itself). And every device buffer (start -> bytes),
+// for the fault handler, which must tell a host access of device memory from
+// any other crash, and name the buffer. One process has one simulated
+// device in practice (the doctest suite's, or the trainer's); several would
+// share these.
 static std::map<char*, size_t>& device_mappings() {
   static std::map<char*, size_t> mappings;
   return mappings;
+}
+static std::map<char*, size_t>& device_buffers() {
+  static std::map<char*, size_t> buffers;
+  return buffers;
+}
+// The region the direct allocations and the caching allocator's segments
+// come from: address space only (pages arrive when touched), whole pages a
+// buffer, a freed one kept by its size for the next of that size (the same
+// sizes come back, step after step).
+struct DeviceRegion {
+  static constexpr size_t reserved = (size_t)256 << 30;
+  char* base = nullptr;
+  size_t used = 0;
+  std::multimap<size_t, char*> free_by_size;
+};
+static DeviceRegion& device_region() {
+  static DeviceRegion region;
+  return region;
 }
 static struct sigaction previous_segv_action;
 
@@ -53,8 +76,8 @@ static void print_host_stack() {
 // host thread touched the page), so the rank's state is what it was.
 static void host_touched_device_memory(int signal, siginfo_t* info, void* context) {
   char* address = (char*)info->si_addr;
-  auto after = device_mappings().upper_bound(address);
-  if (after == device_mappings().begin() || address >= std::prev(after)->first + std::prev(after)->second) {
+  auto after = device_buffers().upper_bound(address);
+  if (after == device_buffers().begin() || address >= std::prev(after)->first + std::prev(after)->second) {
     sigaction(SIGSEGV, &previous_segv_action, nullptr);  // not ours: the crash it would have been
     (void)signal, (void)context;
     return;
@@ -92,9 +115,19 @@ void SimulatedDevice::open_memory() {
   memory_open_ = true;
 }
 
+int SimulatedDevice::entries_ = 0;
+bool SimulatedDevice::memory_open_ = false;
+bool SimulatedDevice::memory_closed_ = true;
+
+void SimulatedDevice::set_memory_closed(bool closed) {
+  memory_closed_ = closed;
+  if (!closed) open_memory();
+  else if (memory_open_ && entries_ == 0) protect(PROT_NONE), memory_open_ = false;
+}
+
 SimulatedDevice::Entry::~Entry() {
   device.entries_ -= 1;
-  if (device.entries_ == 0 && device.memory_open_) {
+  if (device.entries_ == 0 && device.memory_open_ && device.memory_closed_) {
     device.protect(PROT_NONE);
     device.memory_open_ = false;
   }
@@ -107,22 +140,44 @@ static size_t whole_pages(size_t bytes) {
 
 void* SimulatedDevice::map_memory(size_t bytes) {
   const size_t length = whole_pages(bytes);
-  void* pages = mmap(nullptr, length, memory_open_ ? PROT_READ | PROT_WRITE : PROT_NONE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (pages == MAP_FAILED) abort_all_ranks("memory", "out of host memory", "the simulated device's memory", __FILE__, __LINE__);
-  device_mappings()[(char*)pages] = length;
+  DeviceRegion& region = device_region();
+  if (!region.base) {
+    void* base = mmap(nullptr, DeviceRegion::reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED)
+      abort_all_ranks("memory", "no address space for the simulated device", "mmap", __FILE__, __LINE__);
+    region.base = (char*)base;
+    madvise(base, DeviceRegion::reserved, MADV_HUGEPAGE);  // as the arena's block (adopt_memory): cheap to close
+    device_mappings()[region.base] = DeviceRegion::reserved;
+    if (memory_open_) protect(PROT_READ | PROT_WRITE);
+  }
+  char* pages = nullptr;
+  auto reuse = region.free_by_size.find(length);
+  if (reuse != region.free_by_size.end()) {
+    pages = reuse->second;
+    region.free_by_size.erase(reuse);
+  } else {
+    if (region.used + length > DeviceRegion::reserved)
+      abort_all_ranks("memory", "the simulated device's 256 GiB of address space are used up", "map_memory", __FILE__,
+                      __LINE__);
+    pages = region.base + region.used;
+    region.used += length;
+  }
+  device_buffers()[pages] = length;
   return pages;
 }
 
+// Its pages stay (giving them back would split the huge pages they share):
+// the next buffer of its size takes them, and take() zero-fills it.
 void SimulatedDevice::unmap_memory(void* pointer) {
-  auto found = device_mappings().find((char*)pointer);
-  if (found == device_mappings().end()) return;
-  munmap(found->first, found->second);
-  device_mappings().erase(found);
+  auto found = device_buffers().find((char*)pointer);
+  if (found == device_buffers().end()) return;
+  device_region().free_by_size.insert({found->second, found->first});
+  device_buffers().erase(found);
 }
 
 void SimulatedDevice::adopt_memory(void* block, size_t bytes) {
   device_mappings()[(char*)block] = whole_pages(bytes);
+  device_buffers()[(char*)block] = whole_pages(bytes);
   // Huge pages where the kernel has them: mprotect rewrites one entry per
   // page it covers, and the block is closed and opened again at every
   // synchronize; 2 MiB pages make that 512 times cheaper than 4 KiB ones.
@@ -131,7 +186,10 @@ void SimulatedDevice::adopt_memory(void* block, size_t bytes) {
     abort_all_ranks("sim", strerror(errno), "mprotect of the simulated device's memory", __FILE__, __LINE__);
 }
 
-void SimulatedDevice::forget_memory(void* block) { device_mappings().erase((char*)block); }
+void SimulatedDevice::forget_memory(void* block) {
+  device_mappings().erase((char*)block);
+  device_buffers().erase((char*)block);
+}
 
 void SimulatedDevice::peek(void* host, const void* device, size_t bytes) {
   Entry entry(*this);

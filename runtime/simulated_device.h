@@ -126,6 +126,12 @@ class SimulatedDevice {
   void unmap_memory(void* pointer);
   void adopt_memory(void* block, size_t bytes);
   void forget_memory(void* block);
+  // Whether device memory is closed to the host outside the device's work
+  // (the default), for every simulated device of this process. Closing and opening it costs two mprotect calls an entry
+  // point; the doctest suite's thousands of tiny operations make that 8 s a
+  // run, so its harness keeps the memory open (the trainer's runs in
+  // tests/cli, and tests/sim_check.cpp, check the rule).
+  void set_memory_closed(bool closed);
   // Device memory as it is now, read without running anything: for a
   // grader that asks what has run so far (the streams lab), not for a program.
   void peek(void* host, const void* device, size_t bytes);
@@ -151,8 +157,11 @@ class SimulatedDevice {
   void open_memory();
   void protect(int protection);
   Compute& compute_;
-  int entries_ = 0;           // entry points under way (an operation may not enter again, but a destructor may)
-  bool memory_open_ = false;  // the device's pages are readable and writable now
+  // Device memory is the process's (every simulated device's buffers are
+  // opened and closed together), so these are too:
+  static int entries_;          // entry points under way (a destructor may enter inside another)
+  static bool memory_open_;     // the device's pages are readable and writable now
+  static bool memory_closed_;   // set_memory_closed: closed again when the last entry point ends
   std::deque<SimOperation> queues_[streams];
   long queued_[streams] = {};    // operations ever queued on each stream
   long finished_[streams] = {};  // of them, finished (a prefix: streams run in order)
