@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <exception>
 #include <string>
 #if defined(Z2_HAVE_CUDA)
 #include <cublas_v2.h>
@@ -159,7 +160,9 @@ Compute::~Compute() {
   if (sim_ && timeline_) set_waiting_clock(nullptr);
   // What the simulated device still holds runs before its memory goes (an
   // error unwinding may have left work queued; a second error here is dropped).
-  if (sim_) try {
+  // While an error unwinds, the queued copies may name host vectors whose
+  // frames are gone: then the queues are dropped, not run.
+  if (sim_ && std::uncaught_exceptions() == 0) try {
       sim_->synchronize_all(Site::here());
     } catch (...) {
     }

@@ -343,8 +343,10 @@ void Compute::queue_gemm_on_sim(Site site, size_t element, bool transpose_a, boo
                                 const void* A, int lda, long stride_a, const void* B, int ldb, long stride_b,
                                 float beta, const void* C, int ldc, long stride_c, int batch,
                                 std::function<void()> run) {
-  const size_t a = element * batch_span(matrix_span(transpose_a ? K : M, transpose_a ? M : K, lda), stride_a, batch),
-               b = element * batch_span(matrix_span(transpose_b ? N : K, transpose_b ? K : N, ldb), stride_b, batch),
+  // (A span from its first element to its last: with ldc > N it covers the
+  // gaps between C's rows too, so a race found there may be a near miss.)
+  const size_t a = K == 0 ? 0 : element * batch_span(matrix_span(transpose_a ? K : M, transpose_a ? M : K, lda), stride_a, batch),
+               b = K == 0 ? 0 : element * batch_span(matrix_span(transpose_b ? N : K, transpose_b ? K : N, ldb), stride_b, batch),
                c = element * batch_span(matrix_span(M, N, ldc), stride_c, batch);
   queue_on_sim(compute_stream_, "gemm", site, std::move(run), {{A, a}, {B, b}, {C, beta == 0.0f ? 0 : c}}, {{C, c}},
                false, gemm_work(element, M, N, K, batch));

@@ -76,19 +76,29 @@ static void print_host_stack() {
 // host thread touched the page), so the rank's state is what it was.
 static void host_touched_device_memory(int signal, siginfo_t* info, void* context) {
   char* address = (char*)info->si_addr;
-  auto after = device_buffers().upper_bound(address);
-  if (after == device_buffers().begin() || address >= std::prev(after)->first + std::prev(after)->second) {
+  auto inside = [address](const std::map<char*, size_t>& ranges) {
+    auto after = ranges.upper_bound(address);
+    return after != ranges.begin() && address < std::prev(after)->first + std::prev(after)->second ? std::prev(after)
+                                                                                                  : ranges.end();
+  };
+  const auto mapping = inside(device_mappings());
+  if (mapping == device_mappings().end()) {
     sigaction(SIGSEGV, &previous_segv_action, nullptr);  // not ours: the crash it would have been
     (void)signal, (void)context;
     return;
   }
-  const auto buffer = std::prev(after);
+  const auto buffer = inside(device_buffers());
+  const std::string which =
+      buffer == device_buffers().end()
+          ? std::string("device memory no live buffer holds (a freed buffer, or past a buffer's end)")
+          : format_text("byte %s of a %s-byte device buffer", with_commas((size_t)(address - buffer->first)).c_str(),
+                        with_commas(buffer->second).c_str());
   print_host_stack();
   const std::string message = format_text(
-      "the host touched device memory: byte %s of a %s-byte device buffer. On a GPU the host cannot reach "
-      "device memory (an illegal access); the simulated device keeps that rule. Copy it with Compute::copy "
-      "on a stream and synchronize that stream before the host reads it (the call stack is above)",
-      with_commas((size_t)(address - buffer->first)).c_str(), with_commas(buffer->second).c_str());
+      "the host touched device memory: %s. On a GPU the host cannot reach device memory (an illegal access); "
+      "the simulated device keeps that rule. Copy it with Compute::copy on a stream and synchronize that stream "
+      "before the host reads it (the call stack is above)",
+      which.c_str());
   abort_all_ranks("sim", message.c_str(), "a host access of device memory", __FILE__, __LINE__);
 }
 
@@ -123,6 +133,16 @@ void SimulatedDevice::set_memory_closed(bool closed) {
   memory_closed_ = closed;
   if (!closed) open_memory();
   else if (memory_open_ && entries_ == 0) protect(PROT_NONE), memory_open_ = false;
+}
+
+// An operation's own calls run at once (Compute::runs_now_on_host); one
+// that asked the device for more (a synchronize, a record) would run the
+// queues from inside one of their operations.
+SimulatedDevice::Entry::Entry(SimulatedDevice& d) : device(d) {
+  if (device.compute_.sim_running_)
+    abort_all_ranks("sim", "an operation on the simulated device called its device (a synchronize, record, wait or "
+                    "query from inside a queued operation)", "the simulated device's scheduler", __FILE__, __LINE__);
+  device.entries_ += 1;
 }
 
 SimulatedDevice::Entry::~Entry() {
@@ -353,19 +373,25 @@ void SimulatedDevice::check_race(const SimOperation& running, int stream) const 
 // Run the head of `stream` (it has started: its stream's earlier work is
 // done and its waits are met).
 void SimulatedDevice::run_head(int stream) {
+  run_one(stream);
+  start_heads();
+}
+
+void SimulatedDevice::run_one(int stream) {
   const HostClockPaused paused(compute_.timeline());  // the device's work is not the host's time
-  SimOperation& head = queues_[stream].front();
-  check_race(head, stream);
+  check_race(queues_[stream].front(), stream);
+  // Out of the queue before it runs: an operation that throws is not run
+  // again by the next synchronize, and still counts as finished.
+  const SimOperation head = std::move(queues_[stream].front());
+  queues_[stream].pop_front();
   struct Running {  // the operations' own calls run now, on the host, while this is set
     bool& flag;
-    explicit Running(bool& f) : flag(f) { flag = true; }
-    ~Running() { flag = false; }
-  } running(compute_.sim_running_);
+    long& finished;
+    Running(bool& f, long& done) : flag(f), finished(done) { flag = true; }
+    ~Running() { flag = false, finished += 1; }
+  } running(compute_.sim_running_, finished_[stream]);
   open_memory();
   head.run();
-  queues_[stream].pop_front();
-  finished_[stream] += 1;
-  start_heads();
 }
 
 // Of the heads that may run and are needed (one of the first need[s] of

@@ -116,10 +116,11 @@ class SimulatedDevice {
   bool query(SimEvent& event, Site site);
   void synchronize(int stream, Site site);
   void synchronize_all(Site site);
-  // The operations still queued (a destructor drains them first), and those
+  // The operations still queued (~Compute runs them before its memory goes), and those
   // ever queued on `stream` (where the timeline starts counting).
   long pending() const;
-  // Device memory: fresh zeroed pages closed to the host (map), given back
+  // Device memory: whole pages closed to the host (map: zeroed when new; a
+  // reused one keeps its bytes until take()'s queued fill), given back
   // (unmap); or a block the allocator mapped itself (adopt, before it is
   // used; forget, before it is unmapped).
   void* map_memory(size_t bytes);
@@ -128,8 +129,8 @@ class SimulatedDevice {
   void forget_memory(void* block);
   // Whether device memory is closed to the host outside the device's work
   // (the default), for every simulated device of this process. Closing and opening it costs two mprotect calls an entry
-  // point; the doctest suite's thousands of tiny operations make that 8 s a
-  // run, so its harness keeps the memory open (the trainer's runs in
+  // point; the doctest suite's tens of thousands of tiny operations made that
+  // 5 s of a 15 s run, so its harness keeps the memory open (the trainer's runs in
   // tests/cli, and tests/sim_check.cpp, check the rule).
   void set_memory_closed(bool closed);
   // Device memory as it is now, read without running anything: for a
@@ -141,7 +142,8 @@ class SimulatedDevice {
  private:
   bool skipped(const Site& site);
   void finish_through(int stream, long through);
-  void run_head(int stream);
+  void run_head(int stream);  // run_one, then start what may start
+  void run_one(int stream);
   void start_heads();
   void run_needed(const long* need);
   int latest_runnable_head(const long* need);
@@ -151,7 +153,7 @@ class SimulatedDevice {
   // (enqueue, query, synchronize...) that runs or poisons an operation.
   struct Entry {
     SimulatedDevice& device;
-    explicit Entry(SimulatedDevice& d) : device(d) { device.entries_ += 1; }
+    explicit Entry(SimulatedDevice& d);
     ~Entry();
   };
   void open_memory();

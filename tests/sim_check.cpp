@@ -13,6 +13,7 @@
 //     race         a fill on comm and a copy on copy into the same bytes, no
 //                  event: stops every rank naming both, their streams and lines
 //     host-read    the host reads device memory: stops every rank
+//     host-read-freed  the same after the buffer was released
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -70,9 +71,10 @@ void race(z2::Compute& compute) {
   printf("no race reported\n");
 }
 
-void host_read(z2::Compute& compute) {
+void host_read(z2::Compute& compute, bool after_release) {
   float* device = (float*)compute.allocate(count * sizeof(float), z2::MemoryKind::bookkeeping);
-  volatile float value = device[1];  // what a GPU would refuse
+  if (after_release) compute.release(device);  // a use after free, on the device
+  volatile float value = device[1];            // what a GPU would refuse
   printf("read %g from device memory\n", (double)value);
 }
 
@@ -91,10 +93,11 @@ int main(int argc, char** argv) {
     else if (which == "host-early") doubled(compute, true, true, false);
     else if (which == "source-late") doubled(compute, true, false, true);
     else if (which == "race") race(compute);
-    else if (which == "host-read") host_read(compute);
+    else if (which == "host-read") host_read(compute, false);
+    else if (which == "host-read-freed") host_read(compute, true);
     else {
       if (rank == 0)
-        fprintf(stderr, "usage: %s ordered|no-wait|host-early|source-late|race|host-read\n", argv[0]);
+        fprintf(stderr, "usage: %s ordered|no-wait|host-early|source-late|race|host-read|host-read-freed\n", argv[0]);
       status = 2;
     }
   }

@@ -45,6 +45,10 @@ stream_rules() {
     ! grep -q '^read ' "$work/host-read.log" &&
     pass "the host reading device memory stops the job, naming the buffer and the line that read it" ||
     fail "host-read: exit $status, $(head -c 400 "$work/host-read.log")"
+  check_program host-read-freed 1
+  [ $status -ne 0 ] && grep -q 'the host touched device memory: device memory no live buffer holds' "$work/host-read-freed.log" &&
+    pass "the host reading a released device buffer stops the job too" ||
+    fail "host-read-freed: exit $status, $(head -c 400 "$work/host-read-freed.log")"
 }
 
 refusals() {
