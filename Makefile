@@ -154,7 +154,7 @@ TRAINER_LIBS    := -lcrypto
 TEST_SOURCES    := tests/test_bert.cu tests/mlp_model.cu tests/test_conversions_gpu.cu tests/test_main.cpp \
                    tests/test_collectives.cpp tests/test_engine.cpp tests/test_precision.cpp tests/test_checkpoint.cpp \
                    tests/test_allocator.cpp tests/test_math.cpp tests/test_portable.cpp tests/test_labs.cpp \
-                   tests/test_offload.cpp tests/test_safetensors.cpp tests/test_schedules.cpp
+                   tests/test_offload.cpp tests/test_safetensors.cpp tests/test_schedules.cpp tests/test_lab_streams.cpp
 # $(call objects,DIR,SOURCES): each source's object under DIR (zero2.cu -> DIR/zero2.o).
 objects = $(patsubst %,$(1)/%.o,$(basename $(2)))
 # Host-only code that runs once a run or once a step, never once an element

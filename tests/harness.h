@@ -36,6 +36,11 @@ const std::vector<Backend>& backends();
 // larger than the world.
 const std::vector<Backend>& sub_world(int n);
 
+// A lab grader's one line (tests/test_labs.cpp, test_lab_streams.cpp): every
+// rank agrees on the verdict; the message of the lowest rank that found the
+// fault is printed by rank 0 as "[lab] ...", what tests/lab.sh shows.
+bool lab_verdict(bool local_ok, const std::string& local_message);
+
 int rank();
 int world_size();
 // Logical AND of `local` over all ranks of MPI_COMM_WORLD; a rank whose

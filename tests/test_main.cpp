@@ -49,6 +49,29 @@ bool from_rank0(bool value) {
   return v == 1;
 }
 
+// The lab graders' one line (harness.h).
+bool lab_verdict(bool local_ok, const std::string& local_message) {
+  const int me = harness::rank();
+  int first_bad = local_ok ? 1 << 30 : me, lowest = 0;
+  MPI_Allreduce(&first_bad, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (lowest == (1 << 30)) return true;
+  // Rank 0 prints, in its own stream: a line from another rank could land in
+  // the middle of one of rank 0's lines in mpirun's merged output.
+  std::string message = local_message;
+  if (lowest != 0 && me == lowest) {
+    int length = (int)message.size();
+    MPI_Send(&length, 1, MPI_INT, 0, 0, MPI_COMM_WORLD);
+    MPI_Send(message.data(), length, MPI_CHAR, 0, 0, MPI_COMM_WORLD);
+  } else if (lowest != 0 && me == 0) {
+    int length = 0;
+    MPI_Recv(&length, 1, MPI_INT, lowest, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    message.assign((size_t)length, ' ');
+    MPI_Recv(&message[0], length, MPI_CHAR, lowest, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+  }
+  if (me == 0) printf("\n[lab] %s\n", message.c_str()), fflush(stdout);
+  return false;
+}
+
 static z2::Communicator* make_comm(z2::Compute& compute, MPI_Comm comm, z2::CommBackend backend,
                                    z2::Collectives collectives) {
   communicators.emplace_back(new z2::Communicator(compute, comm, backend, collectives));
