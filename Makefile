@@ -115,17 +115,20 @@ CPU_ARCH  ?= -march=native
 # <optimized out> anyway: `make DEBUG=-g` builds with it. Debug information
 # never changes the code, so never a bit.
 DEBUG     ?= -g1
-CXXFLAGS  := -std=c++17 -O3 $(CPU_ARCH) $(DEBUG) -ffp-contract=off -fno-math-errno -fno-trapping-math -Wall -Wextra \
-             -Wno-unused-parameter
+CXXFLAGS  := -std=c++17 -O3 $(CPU_ARCH) $(DEBUG) -ffp-contract=off -fno-math-errno -fno-trapping-math -fopenmp -Wall \
+             -Wextra -Wno-unused-parameter
 # nvcc uses mpicxx as its host compiler, so MPI's include and link flags come
 # along without nvcc having to parse them (it rejects some, e.g. -Wl,-z,relro).
 # --extended-lambda lets a lambda be a kernel body (Z2_LOOP's __device__ half); sm_80 (A100) and
 # sm_90 (H100/H200) machine code, plus compute_90 PTX for newer GPUs.
 CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 NVCCFLAGS := -std=c++17 -O3 -ccbin $(MPICXX) --extended-lambda --expt-relaxed-constexpr $(CUDA_ARCH) \
-             -fmad=false -Xcompiler -Wall,-Wno-unused-parameter,-ffp-contract=off,-fno-math-errno,-fno-trapping-math$(if $(CPU_ARCH),$(comma)$(CPU_ARCH)) \
+             -fmad=false -Xcompiler -Wall,-Wno-unused-parameter,-ffp-contract=off,-fno-math-errno,-fno-trapping-math,-fopenmp$(if $(CPU_ARCH),$(comma)$(CPU_ARCH)) \
              -Xcompiler $(DEBUG)
-BLAS_LIBS := -lopenblas
+# OpenBLAS (the cpu backend's sgemm) and OpenMP's runtime (-fopenmp, also in
+# the compile flags): ZeRO-Offload's host step splits its loops over threads
+# (runtime/compute.h, for_each_on_host).
+HOST_LIBS := -lopenblas -fopenmp
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart
 ifeq ($(HAVE_NCCL),yes)
 NVCCFLAGS += -DZ2_HAVE_NCCL
@@ -213,7 +216,7 @@ build/%.o: %.cu Makefile
 build/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(CXXFLAGS) $(HOST_ONLY_FLAGS) $(CUDA_CXXFLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
-LIBS := $(CUDA_LIBS) $(BLAS_LIBS)
+LIBS := $(CUDA_LIBS) $(HOST_LIBS)
 else
 build/%.o: %.cu Makefile
 	@mkdir -p $(@D)
@@ -221,7 +224,7 @@ build/%.o: %.cu Makefile
 build/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(CXXFLAGS) $(HOST_ONLY_FLAGS) $(DEPFLAGS) -I. -Ibuild -c $< -o $@
-LIBS := $(BLAS_LIBS)
+LIBS := $(HOST_LIBS)
 endif
 build/test_zero2: $(call objects,build,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
 	$(MPICXX) $^ -o $@ $(LIBS) $(TRAINER_LIBS)
@@ -269,15 +272,18 @@ build-cpu/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(CXXFLAGS) $(HOST_ONLY_FLAGS) $(DEPFLAGS) -I. -Ibuild-cpu -c $< -o $@
 build-cpu/test_zero2: $(call objects,build-cpu,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
+	$(MPICXX) $^ -o $@ $(HOST_LIBS) $(TRAINER_LIBS)
 build-cpu/demo_stages: $(call objects,build-cpu,demos/demo_stages.cpp tests/mlp_model.cu $(ENGINE_SOURCES))
-	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+	$(MPICXX) $^ -o $@ $(HOST_LIBS)
 build-cpu/train_bert_mini: $(call objects,build-cpu,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
+	$(MPICXX) $^ -o $@ $(HOST_LIBS) $(TRAINER_LIBS)
 build-cpu/watchdog_check: $(call objects,build-cpu,tests/watchdog_check.cpp $(ENGINE_SOURCES))
-	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+	$(MPICXX) $^ -o $@ $(HOST_LIBS)
 build-cpu/sim_check: $(call objects,build-cpu,tests/sim_check.cpp $(ENGINE_SOURCES))
-	$(MPICXX) $^ -o $@ $(BLAS_LIBS)
+	$(MPICXX) $^ -o $@ $(HOST_LIBS)
+# ZeRO-Offload's host AdamW alone, beside DeepSpeedCPUAdam (make bench; measurements/bench.sh).
+build-cpu/host_adam_bench: $(call objects,build-cpu,measurements/host_adam_bench.cpp $(ENGINE_SOURCES))
+	$(MPICXX) $^ -o $@ $(HOST_LIBS)
 build-cpu/convert_tool: tests/convert_tool.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(CXXFLAGS) $(DEPFLAGS) $< -o $@
@@ -304,7 +310,7 @@ LAB_ENV = MPICXX="$(MPICXX)" CXXFLAGS="$(CXXFLAGS)" LAB_OBJECTS="$(LAB_OBJECTS)"
 # as an ASan one does. -g1: line tables only, all a sanitizer's stack trace
 # needs (full -g made these compiles a third slower). The same .cu files,
 # compiled as C++.
-SANITIZE_FLAGS := -std=c++17 -O1 -g1 -fno-omit-frame-pointer -ffp-contract=off -fsanitize=address,undefined \
+SANITIZE_FLAGS := -std=c++17 -O1 -g1 -fno-omit-frame-pointer -ffp-contract=off -fopenmp -fsanitize=address,undefined \
                   -fno-sanitize-recover=undefined -Wall -Wextra -Wno-unused-parameter
 build-sanitize/%.o: %.cu Makefile
 	@mkdir -p $(@D)
@@ -313,9 +319,9 @@ build-sanitize/%.o: %.cpp Makefile
 	@mkdir -p $(@D)
 	$(MPICXX) $(SANITIZE_FLAGS) $(DEPFLAGS) -I. -Ibuild-sanitize -c $< -o $@
 build-sanitize/test_zero2: $(call objects,build-sanitize,$(TEST_SOURCES) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
+	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(HOST_LIBS) $(TRAINER_LIBS)
 build-sanitize/train_bert_mini: $(call objects,build-sanitize,$(MODEL_SOURCE) $(ENGINE_SOURCES) $(TRAINER_SOURCES))
-	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(BLAS_LIBS) $(TRAINER_LIBS)
+	$(MPICXX) -fsanitize=address,undefined $^ -o $@ $(HOST_LIBS) $(TRAINER_LIBS)
 build-sanitize/corpus.inc: data/corpus.txt
 	@mkdir -p $(@D)
 	$(CORPUS_INC)
@@ -363,7 +369,7 @@ golden: deps all
 demo: deps all
 	$(RUN_ENV) timeout 300 mpirun -n 2 build/demo_stages
 
-bench: deps test-deps all cpu
+bench: deps test-deps all cpu build-cpu/host_adam_bench
 	$(RUN_ENV) measurements/bench.sh build build-cpu
 
 # How long a fresh clone's `make -j2 build/train_bert_mini` takes at BASE and at

@@ -480,6 +480,8 @@ void Engine::build() {
   buckets_ = lay_out_buckets(numels, comm_.world_size(), options_.bucket_elements);
   check_lab_layout(buckets_, options_, comm_.world_size());  // a lab build's shard_begin, update_region (lab_build.h)
   place_parameters(parameters_, buckets_);
+  // ZeRO-Offload's host loops: the threads asked for, or this rank's share of the node's cores.
+  compute_.set_host_threads(options_.host_threads > 0 ? options_.host_threads : host_cores_per_rank(comm_.mpi()));
   rank_state_.reset(new RankState(*this, compute_));
   // The ledger's peaks are this engine's: start them from what exists now.
   compute_.reset_peaks();
@@ -1283,11 +1285,17 @@ float Engine::RankState::clip_coefficient(float grad_norm) const {
 // AdamW's constants for update t, the stage's step through the seam below,
 // and the wait for its all-gathers. One multiply per element folds the
 // clipping coefficient and fp16's 1/S into the gradient.
+[[maybe_unused]] static void gather_each_when_updated(OwnShards& shards, const std::vector<BucketInfo>& buckets,
+                                                      int stage);  // below, beside the seam's plain order
 void Engine::RankState::apply_update(StepReport& report) {
   const long t = engine.updates_applied_ + 1;
   const float grad_scale = report.clip_coefficient / (float)report.loss_scale;
   StepOverShards shards(*this, adamw_constants(report, t, grad_scale));
-  z2::update_and_gather(shards, buckets, stage);
+#if defined(Z2_LAB_BUILD)
+  z2::update_and_gather(shards, buckets, stage);  // the lab's seam: a student's order, or the plain one below
+#else
+  gather_each_when_updated(shards, buckets, stage);
+#endif
   wait_for_all_gathers();
   report.applied = t;  // the update step() counts
 }
@@ -1312,13 +1320,27 @@ AdamWConstants Engine::RankState::adamw_constants(const StepReport& report, long
   return constants;
 }
 
-// The optimizer step of each stage (the own-shards lab's second seam).
+// The optimizer step of each stage (the own-shards lab's second seam), in
+// its plain order: every update, then every all-gather.
 Z2_LAB_SEAM void update_and_gather(OwnShards& shards, const std::vector<BucketInfo>& buckets, int stage) {
   for (int b = 0; b < (int)buckets.size(); ++b) shards.adamw(b);  // this rank's update region of each bucket
   if (stage == 0) return;                                         // DP (2.1): every rank updated every parameter
   // P_os (5.1), P_os+g (5.2): each rank updated only its shards. The all-gather sends (N-1)/N Psi
   // elements, the second half of the all-reduce DP sends, so the volume is DP's (7.2.1).
   for (int b = 0; b < (int)buckets.size(); ++b) shards.all_gather(b);
+}
+
+// The same step as the engine runs it (a lab build runs the seam above):
+// each bucket's all-gather starts as soon as its own update is done, so it
+// crosses while the next bucket updates. The same calls, the same volume,
+// the same bits (an all-gather only copies); what moves is when. With
+// ZeRO-Offload the host's AdamW of bucket b + 1 overlaps bucket b's copy up
+// and its all-gather, which follow each other on the comm stream.
+static void gather_each_when_updated(OwnShards& shards, const std::vector<BucketInfo>& buckets, int stage) {
+  for (int b = 0; b < (int)buckets.size(); ++b) {
+    shards.adamw(b);
+    if (stage > 0) shards.all_gather(b);  // P_os, P_os+g (5.1, 5.2): DP (2.1) updated every parameter itself
+  }
 }
 
 // AdamW on bucket b's update region, in the working type.
@@ -1332,22 +1354,18 @@ void Engine::RankState::adamw(int b, const AdamWConstants& constants) {
 // copy that forward reads and the all-gather sends.
 template <class Working>
 void Engine::RankState::adamw_as(int b, const AdamWConstants& constants) {
-  const unsigned char* decay_flags = decay.data();
   const UpdateRegion own = region(b);
-  const size_t first_chunk = own.parameter / norm_chunk;
-  const Working* gradient = (const Working*)home->gradient(b);
-  float* param = home->master(b);
-  float* exp_avg = adam_m.data() + own.state;  // torch's names for m and v
-  float* exp_avg_sq = adam_v.data() + own.state;
-  Working* working = (Working*)home->working(b);
-  // A row per norm chunk (the decay flag is per chunk): the CPU loop reads
-  // the flag once a chunk and vectorises the 32 updates of each.
-  compute.for_each_at(home->place(), own.length / norm_chunk, (size_t)norm_chunk, Z2_LOOP2(chunk, k, {
-                        const size_t i = chunk * norm_chunk + k;
-                        adamw_update(constants, decay_flags[first_chunk + chunk] != 0, param, gradient, exp_avg,
-                                     exp_avg_sq, i);
-                        if (working) working[i] = from_float<Working>(param[i]);
-                      }));
+  const AdamWByChunk<Working> update{constants,
+                                     decay.data() + own.parameter / norm_chunk,  // the region's first chunk's flag
+                                     home->master(b),
+                                     (const Working*)home->gradient(b),
+                                     adam_m.data() + own.state,  // torch's names for m and v: exp_avg, exp_avg_sq
+                                     adam_v.data() + own.state,
+                                     (Working*)home->working(b)};
+  // A row per norm chunk (zero2.h, AdamWByChunk): the CPU loop reads the
+  // flag once a chunk and vectorises the 32 updates of each; ZeRO-Offload's
+  // host splits the rows over its threads (Compute::set_host_threads).
+  compute.for_each_at(home->place(), own.length / norm_chunk, (size_t)norm_chunk, update);
 }
 
 // Bucket b's parameters, in place, rank r's shard to every rank: the
@@ -1418,6 +1436,7 @@ void Engine::RankState::all_gather_untracked() {
 }
 
 void Engine::parameters_written() { rank_state_->home->parameters_written(); }
+int Engine::host_threads() const { return compute_.host_threads(); }
 
 // Account the step in the ledgers and name the next one for the watchdog.
 StepReport Engine::RankState::close_step(const StepReport& report) {

@@ -40,6 +40,9 @@
 #pragma once
 
 #include <mpi.h>
+#if defined(_OPENMP)  // every build but the fuzz target's (Makefile: -fopenmp)
+#include <omp.h>      // omp_get_thread_num: ZeRO-Offload's host threads (runtime/compute.h)
+#endif
 
 #include <cmath>
 #include <cstdarg>
@@ -157,6 +160,12 @@ struct EngineOptions {
   // The device keeps the working parameters (and stage 1 its full gradient
   // buffer). Same bits as without it (zero2.cu, "The step").
   bool offload_optimizer = false;
+  // ZeRO-Offload's host step on this many threads per rank (the norm's
+  // chunk sums, the largest |g|, AdamW), each owning whole norm chunks, so
+  // the bits are the same at any count. 0: this rank's share of the node's
+  // cores (the cores it may run on over the ranks on its node; at least 1).
+  // DeepSpeedCPUAdam takes torch's thread count (OMP_NUM_THREADS).
+  int host_threads = 0;
 };
 
 // ----------------------------------------------------------------------------
@@ -345,6 +354,8 @@ class Engine {
   float loss_scale() const { return (float)scaler_.scale(); }  // for this step's backward
   const LossScaler& loss_scaler() const { return scaler_; }
   long skipped_steps() const { return skipped_steps_; }
+  // The threads ZeRO-Offload's host step runs on (EngineOptions::host_threads, resolved at build).
+  int host_threads() const;
   // Between layers: lets MPI make progress on buckets in flight.
   void progress();
   // End of a micro-step's backward. `loss` is this micro-batch's contribution
@@ -800,6 +811,27 @@ Z2_HD inline void adamw_update(const AdamWConstants& constants, bool decay, floa
   m[i] = m_new;
   v[i] = v_new;
 }
+
+// AdamW over an update region, one row per norm chunk (the decay flag is
+// per chunk), a Z2_LOOP2 body: zero2.cu's step runs it as a kernel or, with
+// ZeRO-Offload, as the host's threaded loop; `make bench` times the same
+// body beside DeepSpeedCPUAdam (measurements/host_adam_bench.cpp). Mixed
+// precision also rounds each updated master into the working copy.
+template <class Working>
+struct AdamWByChunk {
+  AdamWConstants constants;
+  const unsigned char* decay;  // [rows] the chunk's weight-decay flag
+  float* param;                // [rows x norm_chunk] fp32: the parameters; mixed: the master
+  const Working* gradient;     // [rows x norm_chunk] the reduced gradient, in the working type
+  float* exp_avg;              // [rows x norm_chunk] m
+  float* exp_avg_sq;           // [rows x norm_chunk] v
+  Working* working;            // [rows x norm_chunk] mixed: the rounded copy; fp32: nullptr
+  Z2_HD void operator()(size_t chunk, size_t k) const {
+    const size_t i = chunk * norm_chunk + k;
+    adamw_update(constants, decay[chunk] != 0, param, gradient, exp_avg, exp_avg_sq, i);
+    if (working) working[i] = from_float<Working>(param[i]);
+  }
+};
 
 // ----------------------------------------------------------------------------
 // The bucket exchange (zero2.cu, "The reduce-scatter"; runtime/transfers.h, .cpp)

@@ -4,6 +4,8 @@
 // memory, or MemAvailable and the cgroup's room). Host code.
 #include "zero2.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
@@ -46,6 +48,13 @@ static int local_size_of(MPI_Comm comm) {
   Z2_MPI_CHECK(MPI_Comm_size(host_comm, &size));
   Z2_MPI_CHECK(MPI_Comm_free(&host_comm));
   return size;
+}
+
+int host_cores_per_rank(MPI_Comm comm) {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  return std::max(1, cores / local_size_of(comm));
 }
 
 // The cgroup's room: its limit less what it holds that cannot be reclaimed.

@@ -54,6 +54,10 @@ class Communicator {
 
 // The local rank (rank among the processes of this host) of `comm`.
 int local_rank_of(MPI_Comm comm);
+// This rank's share of its node's cores: the CPUs it may run on
+// (sched_getaffinity, which a launcher's binding narrows) over the ranks of
+// `comm` on this host, at least 1. The default of EngineOptions::host_threads.
+int host_cores_per_rank(MPI_Comm comm);
 // Bytes one rank of `comm` can plan to use on `device`, and where that figure
 // came from: the smallest over all ranks of what its host (or GPU) can give,
 // divided by the ranks sharing it: on cpu the smaller of MemAvailable and the

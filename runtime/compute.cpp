@@ -135,6 +135,11 @@ Compute::Compute(Device device, int device_index)
 #endif
 }
 
+void Compute::set_host_threads(int threads) {
+  if (threads < 1) usage_error("host threads: at least 1 (got %d)", threads);
+  host_threads_ = threads;
+}
+
 Compute::~Compute() {
 #if defined(Z2_HAVE_CUDA)
   if (device_ == Device::cuda) {

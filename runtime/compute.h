@@ -315,25 +315,37 @@ class Compute {
     for_each(n, body, compute_stream_, site);
   }
   // The same loops run as CPU loops on either backend: ZeRO-Offload's step
-  // works on host memory with the bodies the device runs without it.
+  // works on host memory with the bodies the device runs without it. One
+  // thread (the cpu backend's own loops), or `threads` splitting the rows
+  // (below).
   template <class Body>
-  void for_each_on_host(size_t n, Body body);
+  void for_each_on_host(size_t n, Body body, int threads = 1);
   template <class Body>
-  void for_each_on_host(size_t rows, size_t columns, Body body);
+  void for_each_on_host(size_t rows, size_t columns, Body body, int threads = 1);
   // Either, by where the data is: kernels on the device's buffers, CPU loops
   // on host memory (the optimizer step's loops, with or without ZeRO-Offload).
+  // The host's loops run on host_threads() threads: ZeRO-Offload's step is
+  // the host's work, as DeepSpeedCPUAdam's OpenMP loop is.
   template <class Body>
   void for_each_at(Place place, size_t n, Body body, Site site = Site::here()) {
     if (place == Place::device) return for_each(n, body, site);
     const Timed timed(*this, compute_stream_, "host loop", site, {Work::Kind::loop, (double)n}, true);
-    for_each_on_host(n, body);
+    for_each_on_host(n, body, host_threads_);
   }
   template <class Body>
   void for_each_at(Place place, size_t rows, size_t columns, Body body, Site site = Site::here()) {
     if (place == Place::device) return for_each(rows, columns, body, site);
     const Timed timed(*this, compute_stream_, "host loop", site, {Work::Kind::loop, (double)rows * columns}, true);
-    for_each_on_host(rows, columns, body);
+    for_each_on_host(rows, columns, body, host_threads_);
   }
+  // How many threads the host's loops (for_each_at on Place::host) split
+  // their rows over: ZeRO-Offload's host step (the Engine sets it at build
+  // from EngineOptions::host_threads). Every row is computed whole by one
+  // thread and no row reads what another writes, so the bits do not depend
+  // on it: each norm chunk's tree and each element's AdamW are the same
+  // operations in the same order, whichever thread runs them.
+  void set_host_threads(int threads);
+  int host_threads() const { return host_threads_; }
   // body(row, column) for every cell of a [rows, columns] grid (Z2_LOOP2): on
   // cpu rows outer and columns inner; on cuda one thread per cell. As for
   // any kernel, no cell may read what another cell writes (the CPU loop tells
@@ -422,6 +434,7 @@ class Compute {
   std::vector<MemorySample> trace_;
   double gemm_seconds_ = 0;            // see gemm_seconds()
   bool portable_ = false;              // see set_portable()
+  int host_threads_ = 1;               // see set_host_threads()
   int portable_lanes_ = 1;             // the CPU schedule's vector width in portable mode
   std::vector<float> column_scratch_;  // column_sums' running sums on cpu (kept: no page faults per call)
   struct Resources;
@@ -512,10 +525,34 @@ const DeviceBody& device_body(const Loop<HostBody, DeviceBody>& loop) {
   return loop.device;
 }
 
+// A host loop over [0, n) on `threads` threads: each thread takes one
+// contiguous run of indices (rows, for the 2-D loops below: whole norm
+// chunks in the optimizer's loops), as DeepSpeedCPUAdam's OpenMP loop
+// splits its tiles. Which thread runs an index never changes what it
+// computes. One thread runs the loop itself, without OpenMP.
+template <class Run>
+void on_host_threads(size_t n, int threads, Run run) {
+  if (threads <= 1 || n < 2) return run((size_t)0, n);
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+  {
+    const size_t t = (size_t)omp_get_thread_num(), count = (size_t)omp_get_num_threads();
+    run(n * t / count, n * (t + 1) / count);
+  }
+#else
+  run((size_t)0, n);  // built without OpenMP (the fuzz target): one thread
+#endif
+}
+
 template <class Body>
-void Compute::for_each_on_host(size_t n, Body body) {
-  const auto& host = host_body(body);
-  for (size_t i = 0; i < n; ++i) host(i);
+void Compute::for_each_on_host(size_t n, Body body, int threads) {
+  on_host_threads(n, threads, [&](size_t first, size_t last) {
+    // The thread's own copy of the body: its pointers and constants are then
+    // locals no store can change, so the compiler keeps them in registers and
+    // takes an invariant test (AdamW's lerp branch) out of the loop.
+    const auto host = host_body(body);
+    for (size_t i = first; i < last; ++i) host(i);
+  });
 }
 template <class Body>
 void Compute::for_each(size_t n, Body body, Stream stream, Site site) {
@@ -553,13 +590,15 @@ __global__ void column_sums_kernel(size_t rows, size_t columns, Element element,
 #endif
 
 template <class Body>
-void Compute::for_each_on_host(size_t rows, size_t columns, Body body) {
-  const auto& host = host_body(body);
-  for (size_t row = 0; row < rows; ++row)
-  // Cells are independent (on cuda each is its own thread), which is what
-  // ivdep tells the compiler: no alias check stands between it and vectors.
+void Compute::for_each_on_host(size_t rows, size_t columns, Body body, int threads) {
+  on_host_threads(rows, threads, [&](size_t first, size_t last) {
+    const auto host = host_body(body);  // the thread's own copy (the 1-D loop above says why)
+    for (size_t row = first; row < last; ++row)
+    // Cells are independent (on cuda each is its own thread), which is what
+    // ivdep tells the compiler: no alias check stands between it and vectors.
 #pragma GCC ivdep
-    for (size_t column = 0; column < columns; ++column) host(row, column);
+      for (size_t column = 0; column < columns; ++column) host(row, column);
+  });
 }
 template <class Body>
 void Compute::for_each(size_t rows, size_t columns, Body body, Site site) {

@@ -22,6 +22,9 @@ void check_engine_options(const EngineOptions& o) {
         "offloading the optimizer needs ZeRO stage 1 or 2: in stage 0 every rank updates every parameter, so the "
         "host would hold all 16 Psi bytes (DeepSpeed refuses it too: ZeRO-Offload is built on the partitioned "
         "optimizer). Use stage 1 or 2, or no offload");
+  if (o.host_threads < 0 || o.host_threads > 1024)
+    usage_error("host threads must be 0 (this rank's share of the node's cores) or 1 to 1024 (got %d)",
+                o.host_threads);
   if (o.bucket_elements <= 0)
     usage_error("bucket size must be a positive number of elements (got %ld)", o.bucket_elements);
   if (o.accumulation_steps < 1)

@@ -64,7 +64,7 @@ build() {
       echo "lab: $solution does not compile:"; head -n 20 "$binary.log"; return 1; }
     objects="$binary.solution.o"
   fi
-  "$MPICXX" build-lab/zero2.o $LAB_OBJECTS $objects -o "$binary" -lopenblas -lcrypto 2>"$binary.log" || {
+  "$MPICXX" build-lab/zero2.o $LAB_OBJECTS $objects -o "$binary" -lopenblas -fopenmp -lcrypto 2>"$binary.log" || {
     echo "lab: linking $solution failed (does it define $(seam_of "$lab") exactly as zero2.h declares it?):"
     head -n 20 "$binary.log"; return 1; }
 }

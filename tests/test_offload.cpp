@@ -116,6 +116,36 @@ TEST_CASE("offload, bf16 and fp16: the bits of the run without offload, the same
   }
 }
 
+// The host's threads: each owns a contiguous run of whole norm chunks, so
+// no thread's count can change a bit. K = 3 splits unevenly (the MLP's
+// regions are not multiples of 3 chunks), and at N = 4 some regions have
+// fewer chunks than threads. Planted (the note says how): a thread that
+// stops one chunk short, or one that runs one chunk into its neighbour's,
+// fails here at K = 2 and 3.
+TEST_CASE("offload, host threads: K = 1, 2, 3 give the bits of the run without offload, fp32 and bf16, stages 1, 2") {
+  for (const auto& backend : harness::backends()) {
+    const Run reference = train_mlp(backend, fp32_options(2, true, 1024, 2, false));
+    const MixedRun mixed_reference = synthetic::train_synthetic<z2::bfloat16>(
+        *backend.compute, *backend.deterministic, synthetic::mixed_options(2, true, 500, 2), 6);
+    for (int stage : {1, 2})
+      for (int threads : {1, 2, 3}) {
+        z2::EngineOptions options = fp32_options(stage, true, 1024, 2, true);
+        options.host_threads = threads;
+        const Run run = train_mlp(backend, options);
+        CHECK_MESSAGE(agree(same_run(run, reference), backend.name + ": fp32 offload differs with host threads"),
+                      backend.name, " stage ", stage, " threads ", threads);
+        z2::EngineOptions mixed = synthetic::mixed_options(stage, true, 500, 2);
+        mixed.offload_optimizer = true, mixed.host_threads = threads;
+        const MixedRun mixed_run =
+            synthetic::train_synthetic<z2::bfloat16>(*backend.compute, *backend.deterministic, mixed, 6);
+        CHECK_MESSAGE(agree(synthetic::same_mixed_run(mixed_run, mixed_reference) && mixed_run.reduced_ok &&
+                                backend.compute->host_threads() == threads,
+                            backend.name + ": bf16 offload differs with host threads"),
+                      backend.name, " stage ", stage, " threads ", threads);
+      }
+  }
+}
+
 TEST_CASE("offload, world-size invariance: (N, A) = (1,4), (2,2), (4,1) with offload equal (1,4) without") {
   // As in test_engine.cpp: each pair on ranks [0, N) of this job (with
   // mpirun -n 2 the first two pairs, with -n 1 the first); rank 0 compares.
@@ -278,5 +308,10 @@ TEST_CASE("offload bad input: stage 0 is refused on every rank, with the reason"
     options.offload_optimizer = true;
     CHECK_THROWS_WITH_AS(z2::Engine(*backend.compute, *backend.deterministic, options),
                          doctest::Contains("offloading the optimizer needs ZeRO stage 1 or 2"), z2::Error);
+    options.stage = 2, options.host_threads = -1;
+    CHECK_THROWS_WITH_AS(z2::Engine(*backend.compute, *backend.deterministic, options),
+                         doctest::Contains("host threads must be 0 (this rank's share of the node's cores) or 1 to "
+                                           "1024 (got -1)"),
+                         z2::Error);
   }
 }

@@ -329,7 +329,9 @@ void print_header(const Settings& settings, const RunRecord& run, const z2::Engi
       "cpu")  // ZeRO-Offload (Ren et al. 2021): what leaves the device, and why the bits stay
     printf(
         "  offload   optimizer to the host (ZeRO-Offload): fp32 master, m, v and the reduced gradient shard in "
-        "pinned host memory, AdamW stepped there with the device's arithmetic: the same bits\n");
+        "pinned host memory, AdamW stepped there with the device's arithmetic on %d thread(s) per rank%s: the "
+        "same bits\n",
+        engine.host_threads(), settings.host_threads > 0 ? " (--host-threads)" : " (its share of the cores)");
   if (settings.portable)
     printf("  portable  zero2's own gemm (%s), own exp / log / erf: the bits depend on the inputs alone (notes/11)\n",
            run.device == z2::Device::cuda ? "a tiled CUDA kernel" : "a blocked CPU kernel");
@@ -632,6 +634,7 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
               {"activations", settings.activations},
               {"alloc", settings.alloc},
               {"offload_optimizer", settings.offload_optimizer},
+              {"host_threads", engine.host_threads()},
               {"device_memory_limit", settings.device_memory_limit},
               {"activation_peak_formula_bytes",
                activation_peak_bytes(run.shape, run.mode, run.allocator == z2::Allocator::arena)},

@@ -205,6 +205,7 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "--activations") s.activations = parse_choice(name, value, {"keep", "recompute", "offload"});
   else if (flag == "--alloc") s.alloc = parse_choice(name, value, {"arena", "naive", "caching", "cuda"});
   else if (flag == "--offload-optimizer") s.offload_optimizer = parse_choice(name, value, {"cpu", "none"});
+  else if (flag == "--host-threads") s.host_threads = (int)parse_integer(name, value, 0, 1024);
   else if (flag == "--device-memory-limit") s.device_memory_limit = parse_integer(name, value, 4096, LONG_MAX);
   else if (flag == "--memory-trace") s.memory_trace = parse_path(name, value);
   else if (flag == "--timeline") s.timeline = parse_path(name, value);
@@ -362,6 +363,8 @@ memory (ZeRO-R; notes/04, notes/05)
   --offload-optimizer cpu|none  ZeRO-Offload, stages 1 and 2: the fp32 master, AdamW's m and v, the
                              reduced gradient shard and the step in pinned host memory, the same bits (none)
                              [zero_optimization.offload_optimizer.device, zero_optimization.cpu_offload]
+  --host-threads K           the offloaded step's threads per rank, the same bits at any K (0: the cores
+                             this rank may run on over the ranks on its node; DeepSpeed: OMP_NUM_THREADS)
   --device-memory-limit BYTES  per rank, rounded down to a multiple of 256 (twice the plan's need + 64 MiB,
                              at most 90% of what is free); with --plan: the limit to find the largest sizes for
   --plan                     train nothing: the bytes per rank by category for stages 0/1/2 at N = 1, 2, 4,
@@ -768,6 +771,7 @@ z2::EngineOptions engine_options(const Settings& settings, z2::Precision precisi
   options.accumulate_fp32 = settings.grad_accum_dtype == "fp32";
   options.loss_scaling = settings.loss_scaling;
   options.offload_optimizer = settings.offload_optimizer == "cpu";
+  options.host_threads = settings.host_threads;
   return options;
 }
 

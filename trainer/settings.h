@@ -93,6 +93,7 @@ struct Settings {
   // memory and steps AdamW there; "none" keeps them on the device. Stages 1
   // and 2 only. The bits do not change, so a checkpoint does not record it.
   std::string offload_optimizer = "none";
+  int host_threads = 0;  // --host-threads: the offloaded step's threads per rank; 0: this rank's share of the cores
   // files and output
   std::string data, config, json_path, export_dir, dump_dir, memory_trace, metrics;
   std::string timeline;  // --timeline FILE: every stream operation, as Chrome trace-event JSON (notes/15)

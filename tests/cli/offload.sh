@@ -128,6 +128,31 @@ same_bits() {
       "offload: $skips"
 }
 
+# The host's threads (--host-threads K) change no bit: each thread owns whole norm chunks. K = 2 and 3
+# (3 splits the chunks unevenly, and the last thread's run ends the region) on both precisions and
+# stages, against the run without offload; K = 1 is same_bits' (2 ranks on this machine's 2 cores:
+# the default is 1). The engine suite runs K = 1, 2, 3 for every stage and precision (test_offload.cpp).
+host_threads() {
+  for precision in fp32 bf16; do
+    reference_run 2 "$work/matrix_$precision.json" --precision $precision --accum 2 --stage 2 --overlap 1
+    reference=$(json_get "$work/matrix_$precision.json" \
+      "d['final_params_hash'] + ' ' + ' '.join(s['loss_bits'] for s in d['steps'])")
+    reference_label="the $precision matrix's N=2 stage=2 overlap=1 (no offload)"
+    for stage in 1 2; do
+      threads=$((4 - stage))  # stage 1 on 3 threads, stage 2 on 2
+      same_bits_run "$precision offload N=2 A=2 stage=$stage --host-threads $threads" 2 \
+        "$work/threads_${precision}_${stage}.json" --precision $precision --accum 2 --stage $stage \
+        --offload-optimizer cpu --host-threads $threads
+    done
+  done
+  verdict=$(json_get "$work/threads_bf16_2.json" "d['host_threads']")
+  [ "$verdict" = 2 ] && pass "--json records the host threads the run used ($verdict)" ||
+    fail "--json's host_threads: '$verdict'"
+  bad_case "--host-threads wants an integer from 0 to 1024 (got '-1')" "${small[@]}" --offload-optimizer cpu \
+    --host-threads -1
+  bad_case "--host-threads wants an integer from 0 to 1024 (got 'two')" "${small[@]}" --host-threads two
+}
+
 # The ledger in --json: the host's bytes equal 16 Psi/N, the device's model
 # states model_states_formula(..., offload), measured and recomputed here.
 offload_ledger() {
@@ -242,6 +267,7 @@ inherit_on_resume() {
 
 quick same_bits
 quick checkpoints_both_ways
+quick host_threads
 all bad_input
 all host_memory
 all plan_host_bytes
