@@ -19,7 +19,11 @@
 #                 at N = 1, 2, a short trainer matrix and 20 s of fuzzing the safetensors reader
 #                 (tests/sanitize.sh)
 #   make bench    tokens/s and sgemm share: fp32/bf16/fp16 x stage 0/2 x N = 1, 2; zero2 (both builds)
-#                 vs PyTorch per core and on two cores; step-time ratios recompute / keep, offload / keep
+#                 vs PyTorch per core and on two cores; step-time ratios recompute / keep, offload / keep;
+#                 last, make bench-host-adam's figures
+#   make bench-host-adam  ZeRO-Offload's host AdamW beside DeepSpeedCPUAdam (10M, 50M parameters, 1 and
+#                 2 threads; DeepSpeed where .venv-deepspeed exists) and the trainer's whole offloaded
+#                 step at --host-threads 1, 2 (measurements/host_adam.sh; 2 min)
 #   make fraglab  the smallest --device-memory-limit one BERT-mini step needs, for every
 #                 --activations x --alloc (a binary search of one-step runs; it prints how long it took)
 #   make plan     the memory plan (train_bert_mini --plan) of the default BERT-mini: bytes per rank
@@ -189,7 +193,7 @@ else
 BUILD_KIND := cpu
 endif
 
-.PHONY: all cpu run verify golden lab labs demo bench check-trace check-peer build-time math-accuracy fraglab plan paper-tables superlinear test test-all test-cpu sanitize notes figures deps test-deps figure-deps sanitize-deps hf-venv found clean
+.PHONY: all cpu run verify golden lab labs demo bench bench-host-adam check-trace check-peer build-time math-accuracy fraglab plan paper-tables superlinear test test-all test-cpu sanitize notes figures deps test-deps figure-deps sanitize-deps hf-venv found clean
 all: found build/test_zero2 build/demo_stages build/train_bert_mini build/convert_tool build/watchdog_check \
      build/sim_check
 cpu: found build-cpu/test_zero2 build-cpu/demo_stages build-cpu/train_bert_mini build-cpu/convert_tool \
@@ -371,6 +375,10 @@ demo: deps all
 
 bench: deps test-deps all cpu build-cpu/host_adam_bench
 	$(RUN_ENV) measurements/bench.sh build build-cpu
+	$(RUN_ENV) measurements/host_adam.sh build-cpu
+
+bench-host-adam: deps found build-cpu/host_adam_bench build-cpu/train_bert_mini
+	$(RUN_ENV) measurements/host_adam.sh build-cpu
 
 # How long a fresh clone's `make -j2 build/train_bert_mini` takes at BASE and at
 # HEAD, built alternately (measurements/build_time.sh): make build-time BASE=6c9a223
@@ -442,7 +450,7 @@ lab: deps build-lab/zero2.o $(LAB_OBJECTS) build-cpu/train_bert_mini hf-venv
 labs: deps build-lab/zero2.o $(LAB_OBJECTS) build-cpu/train_bert_mini hf-venv
 	$(LAB_ENV) tests/lab.sh --all
 
-notes: deps test-deps all cpu build-lab/zero2.o $(LAB_OBJECTS) build/reduce_precision build/paper_table build/math_accuracy \
+notes: deps test-deps all cpu build-cpu/host_adam_bench build-lab/zero2.o $(LAB_OBJECTS) build/reduce_precision build/paper_table build/math_accuracy \
        build/mpi_sum_order
 	$(RUN_ENV) notes/generate.sh build
 

@@ -795,8 +795,8 @@ struct AdamWConstants {
 // here; `param` is always fp32: the parameters themselves in fp32, the
 // master weights in mixed precision.
 template <class Grad>
-Z2_HD inline void adamw_update(const AdamWConstants& constants, bool decay, float* param, const Grad* grad, float* m,
-                               float* v, size_t i) {
+Z2_HD inline float adamw_update(const AdamWConstants& constants, bool decay, float* param, const Grad* grad,
+                                float* m, float* v, size_t i) {
   // In AdamW's own notation: g the gradient, p the parameter, m and v the
   // moments (torch's exp_avg and exp_avg_sq).
   float g = to_float(grad[i]);
@@ -807,9 +807,11 @@ Z2_HD inline void adamw_update(const AdamWConstants& constants, bool decay, floa
   float m_new = w < 0.5f ? m[i] + w * (g - m[i]) : g - (g - m[i]) * (1.0f - w);
   float v_new = v[i] * constants.beta2 + (constants.one_minus_beta2 * g) * g;
   float denom = sqrtf(v_new) / constants.bias_correction2_sqrt + constants.eps;
-  param[i] = p + (constants.negative_step_size * m_new) / denom;
+  const float p_new = p + (constants.negative_step_size * m_new) / denom;
+  param[i] = p_new;
   m[i] = m_new;
   v[i] = v_new;
+  return p_new;  // the updated parameter (mixed precision rounds it into the working copy)
 }
 
 // AdamW over an update region, one row per norm chunk (the decay flag is
@@ -828,8 +830,8 @@ struct AdamWByChunk {
   Working* working;            // [rows x norm_chunk] mixed: the rounded copy; fp32: nullptr
   Z2_HD void operator()(size_t chunk, size_t k) const {
     const size_t i = chunk * norm_chunk + k;
-    adamw_update(constants, decay[chunk] != 0, param, gradient, exp_avg, exp_avg_sq, i);
-    if (working) working[i] = from_float<Working>(param[i]);
+    const float updated = adamw_update(constants, decay[chunk] != 0, param, gradient, exp_avg, exp_avg_sq, i);
+    if (working) working[i] = from_float<Working>(updated);
   }
 };
 

@@ -155,6 +155,14 @@ measurements/bench.sh "$build" $(test -x build-cpu/train_bert_mini && echo build
   sed -n '/^ZeRO-Offload/,$p' "$out/bench_output"
   echo '```'
 } >"$out/offload_cost"
+# host_adam (notes/13): ZeRO-Offload's host AdamW beside DeepSpeedCPUAdam, and the whole offloaded step
+# by --host-threads (make bench-host-adam; DeepSpeed's columns where .venv-deepspeed exists).
+{
+  echo '```'
+  echo "\$ make bench-host-adam"
+  measurements/host_adam.sh build-cpu
+  echo '```'
+} >"$out/host_adam"
 {
   echo '```'
   echo "\$ make bench    # (its per-core lines)"

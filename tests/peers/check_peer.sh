@@ -12,7 +12,8 @@
 #              DeepSpeed's ZeRO-2 (tests/peers/deepspeed_peer.py) passes tests/check_trace.py; the same with
 #              the optimizer offloaded on both sides (ZeRO-Offload, notes/13), and in bf16; then zero2 and
 #              DeepSpeed side by side (tests/peers/side_by_side.sh: tokens/s, memory, bytes sent, a few
-#              minutes). Runs in .venv-deepspeed, made here from PyPI when missing (torch 2.5.1, deepspeed
+#              minutes), and ZeRO-Offload's host AdamW beside DeepSpeedCPUAdam (measurements/host_adam.sh,
+#              2 minutes). Runs in .venv-deepspeed, made here from PyPI when missing (torch 2.5.1, deepspeed
 #              0.16.9, transformers 4.46.3: 5.3 GB; DEEPSPEED_VENV=DIR uses another). Not in CI. Without
 #              PyPI: SKIP, with the reason.
 #   fsdp       zero2's traces replayed by PyTorch's FSDP (tests/peers/fsdp_peer.py): FSDP1 (SHARD_GRAD_OP) and
@@ -342,6 +343,13 @@ check_deepspeed() {
   done
   echo
   DEEPSPEED_VENV=$venv tests/peers/side_by_side.sh "$build" || fail "tests/peers/side_by_side.sh did not finish"
+  # ZeRO-Offload's host AdamW beside DeepSpeedCPUAdam (figures, not checks; build-cpu's, the host code).
+  echo
+  if make --no-print-directory -j2 build-cpu/host_adam_bench build-cpu/train_bert_mini >"$work/make.log" 2>&1; then
+    DEEPSPEED_VENV=$venv measurements/host_adam.sh build-cpu || fail "measurements/host_adam.sh did not finish"
+  else
+    fail "build-cpu/host_adam_bench did not build: $(tail -n 3 "$work/make.log")"
+  fi
 }
 
 # FSDP's venv: the pinned versions from PyPI, made once. torch 2.7.1 because FSDP2 runs on the CPU from there
