@@ -285,7 +285,7 @@ build-cpu/watchdog_check: $(call objects,build-cpu,tests/watchdog_check.cpp $(EN
 	$(MPICXX) $^ -o $@ $(HOST_LIBS)
 build-cpu/sim_check: $(call objects,build-cpu,tests/sim_check.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(HOST_LIBS)
-# ZeRO-Offload's host AdamW alone, beside DeepSpeedCPUAdam (make bench; measurements/bench.sh).
+# ZeRO-Offload's host AdamW alone, beside DeepSpeedCPUAdam (make bench-host-adam; measurements/host_adam.sh).
 build-cpu/host_adam_bench: $(call objects,build-cpu,measurements/host_adam_bench.cpp $(ENGINE_SOURCES))
 	$(MPICXX) $^ -o $@ $(HOST_LIBS)
 build-cpu/convert_tool: tests/convert_tool.cpp Makefile

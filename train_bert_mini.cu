@@ -1896,7 +1896,10 @@ inline int train(Settings settings, MPI_Comm world) {
 // ranks finalize MPI and exit 2. Failures inside a library call (CUDA, NCCL,
 // MPI) abort every rank from the check macros instead.
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  // FUNNELED: ZeRO-Offload's host step runs OpenMP threads (--host-threads),
+  // and only this, the main thread, calls MPI.
+  int threading = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &threading);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   int status = 0;

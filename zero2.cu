@@ -481,7 +481,12 @@ void Engine::build() {
   check_lab_layout(buckets_, options_, comm_.world_size());  // a lab build's shard_begin, update_region (lab_build.h)
   place_parameters(parameters_, buckets_);
   // ZeRO-Offload's host loops: the threads asked for, or this rank's share of the node's cores.
-  compute_.set_host_threads(options_.host_threads > 0 ? options_.host_threads : host_cores_per_rank(comm_.mpi()));
+  // The share is collective: every rank of an offloaded run asks, whatever it was given (the
+  // ranks agree on offload; a build without it runs nothing on the host and asks nothing).
+  if (offload_optimizer(options_)) {
+    const int cores = host_cores_per_rank(comm_.mpi());
+    compute_.set_host_threads(options_.host_threads > 0 ? options_.host_threads : cores);
+  }
   rank_state_.reset(new RankState(*this, compute_));
   // The ledger's peaks are this engine's: start them from what exists now.
   compute_.reset_peaks();

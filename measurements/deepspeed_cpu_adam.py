@@ -1,5 +1,5 @@
 """measurements/deepspeed_cpu_adam.py — DeepSpeedCPUAdam.step alone, timed, the
-peer of measurements/host_adam_bench.cpp (`make bench`, measurements/bench.sh):
+peer of measurements/host_adam_bench.cpp (`make bench-host-adam`, measurements/host_adam.sh):
 one fp32 parameter of ELEMENTS elements with an fp32 gradient, as DeepSpeed's
 ZeRO-Offload keeps its host partition (deepspeed 0.16.9,
 runtime/zero/stage_1_and_2.py: the fp32 partition and its fp32 gradient on

@@ -4,9 +4,10 @@
 // Compute::set_host_threads threads), on buffers laid out as the offloaded
 // step's are: the fp32 master, m and v, the reduced gradient in the working
 // type and, mixed, the rounded working copy going up. Not a test: `make
-// bench` (measurements/bench.sh) runs it beside DeepSpeedCPUAdam.step on the
-// same number of parameters (measurements/deepspeed_cpu_adam.py) and prints
-// both as milliseconds, GB/s of state touched and their ratio.
+// bench-host-adam` (measurements/host_adam.sh; also the end of `make bench`)
+// runs it beside DeepSpeedCPUAdam.step on the same number of parameters
+// (measurements/deepspeed_cpu_adam.py) and prints both as milliseconds, GB/s
+// of state touched and their ratio.
 //
 //   build-cpu/host_adam_bench ELEMENTS THREADS fp32|bf16 [REPEATS]
 //

@@ -50,11 +50,49 @@ static int local_size_of(MPI_Comm comm) {
   return size;
 }
 
+// The CPUs a container's quota allows (cgroup v2 cpu.max "QUOTA PERIOD", or
+// "max": none; v1 cpu.cfs_quota_us, -1: none, over cpu.cfs_period_us); 0
+// when there is no quota or neither can be read.
+static double cgroup_cpu_quota() {
+  long long quota = 0, period = 0;
+  if (std::FILE* v2 = std::fopen("/sys/fs/cgroup/cpu.max", "r")) {
+    const bool read = std::fscanf(v2, "%lld %lld", &quota, &period) == 2;
+    std::fclose(v2);
+    return read && quota > 0 && period > 0 ? (double)quota / (double)period : 0.0;  // "max" reads as no number
+  }
+  std::FILE* v1_quota = std::fopen("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "r");
+  std::FILE* v1_period = std::fopen("/sys/fs/cgroup/cpu/cpu.cfs_period_us", "r");
+  const bool read = v1_quota && v1_period && std::fscanf(v1_quota, "%lld", &quota) == 1 &&
+                    std::fscanf(v1_period, "%lld", &period) == 1;
+  for (std::FILE* file : {v1_quota, v1_period})
+    if (file) std::fclose(file);
+  return read && quota > 0 && period > 0 ? (double)quota / (double)period : 0.0;
+}
+
+// A launcher that binds ranks narrows each one's affinity mask (Open MPI per
+// core or per socket, Slurm's --cpus-per-task); one that does not leaves
+// every rank the whole machine. Either way the ranks that hold the same mask
+// share its CPUs, so the share is the mask's CPUs over the ranks of this
+// node with that mask. A container's CPU quota caps it, split over all the
+// node's ranks. Collective (every rank calls it in Engine::build).
 int host_cores_per_rank(MPI_Comm comm) {
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  return std::max(1, cores / local_size_of(comm));
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) CPU_SET(0, &mine);  // unknown: one CPU
+  MPI_Comm host_comm;
+  int local = 1;
+  Z2_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host_comm));
+  Z2_MPI_CHECK(MPI_Comm_size(host_comm, &local));
+  std::vector<cpu_set_t> masks((size_t)local);
+  Z2_MPI_CHECK(MPI_Allgather(&mine, (int)sizeof(cpu_set_t), MPI_BYTE, masks.data(), (int)sizeof(cpu_set_t), MPI_BYTE,
+                             host_comm));
+  Z2_MPI_CHECK(MPI_Comm_free(&host_comm));
+  int sharing = 0;
+  for (cpu_set_t& mask : masks) sharing += CPU_EQUAL(&mask, &mine) ? 1 : 0;
+  int share = CPU_COUNT(&mine) / std::max(1, sharing);
+  const double quota = cgroup_cpu_quota();
+  if (quota > 0) share = std::min(share, (int)(quota / local));
+  return std::max(1, share);
 }
 
 // The cgroup's room: its limit less what it holds that cannot be reclaimed.

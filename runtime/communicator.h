@@ -56,7 +56,9 @@ class Communicator {
 int local_rank_of(MPI_Comm comm);
 // This rank's share of its node's cores: the CPUs it may run on
 // (sched_getaffinity, which a launcher's binding narrows) over the ranks of
-// `comm` on this host, at least 1. The default of EngineOptions::host_threads.
+// `comm` on this host that may run on the same CPUs, capped by a container's
+// CPU quota; at least 1. The default of EngineOptions::host_threads.
+// Collective over `comm`.
 int host_cores_per_rank(MPI_Comm comm);
 // Bytes one rank of `comm` can plan to use on `device`, and where that figure
 // came from: the smallest over all ranks of what its host (or GPU) can give,

@@ -83,7 +83,8 @@
 #      same files;
 #  14. ZeRO-Offload's step times on the GPU: N = 1 (NCCL) stage 2 fp32 and bf16, N = 2 (MPI) stage 1
 #      bf16, 30 steps with and without offload: one hash, the ratio, the ledger's device and host model
-#      states against their formulas.
+#      states against their formulas; --host-threads 1 against the default (the machine's cores at
+#      N = 1): one hash, the offloaded optimizer step's time each way.
 #
 # Z2_GPU_CHECK_DRY=1: a dry run on a machine without a GPU, to check this script's plumbing (its steps,
 # limits, JSON reading and summary) where it is edited: no nvidia-smi and no nvcc build (the g++ build,
@@ -876,6 +877,31 @@ section_14() {
     fi
     offload_pair "$key" "$ranks" "$comm" "$stage" "$precision" 30
   done
+  # The host's threads (--host-threads): 1 against the default, this rank's share of the machine's cores;
+  # one hash, and the offloaded optimizer step's time each way (notes/13's "whole step" on a GPU).
+  local threaded=(--device "$dev" --comm "$nccl" --stage 2 --precision bf16 --steps 30 --quiet --offload-optimizer cpu
+    --wall-clock-breakdown)
+  if run_json off_threads_1 "$trainer" "${threaded[@]}" --host-threads 1 &&
+    run_json off_threads_default "$trainer" "${threaded[@]}"; then
+    local verdict
+    verdict=$(python3 - "$work/runs/off_threads_1.json" "$work/runs/off_threads_default.json" <<'PY'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+median = lambda v: sorted(v)[len(v) // 2]
+one, many = (median([s['optimizer_ms'] for s in r['steps']]) for r in (a, b))
+same = a['final_params_hash'] == b['final_params_hash']
+print('%s hash %s %s %s; optimizer step %.2f ms on 1 thread, %.2f on %d (1 / %d: %.2f)' % (
+    'ok' if same else 'DIFFERS', a['final_params_hash'], '=' if same else '!=', b['final_params_hash'], one, many,
+    b['host_threads'], b['host_threads'], one / many))
+PY
+)
+    case "$verdict" in
+      ok*) ok "ZeRO-Offload's host threads, N=1 stage 2 bf16$(dry_note): the same bits at 1 and the default:${verdict#ok}" ;;
+      *) bad "ZeRO-Offload's host threads: $verdict" ;;
+    esac
+  else
+    bad "ZeRO-Offload's host threads: a run failed (log above)"
+  fi
 }
 
 # --- the modes -----------------------------------------------------------------------------------------------

@@ -144,7 +144,8 @@ static void free_backends() {
 }  // namespace harness
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  int threading = 0;  // FUNNELED: the offload tests' host threads; only this thread calls MPI
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &threading);
   int result = 1;
   try {
     harness::make_backends();

@@ -634,7 +634,8 @@ void write_json(const Settings& settings, const RunRecord& run, const z2::Engine
               {"activations", settings.activations},
               {"alloc", settings.alloc},
               {"offload_optimizer", settings.offload_optimizer},
-              {"host_threads", engine.host_threads()},
+              // ZeRO-Offload's host threads (null without offload: no loop runs on the host).
+              {"host_threads", settings.offload_optimizer == "cpu" ? json(engine.host_threads()) : json()},
               {"device_memory_limit", settings.device_memory_limit},
               {"activation_peak_formula_bytes",
                activation_peak_bytes(run.shape, run.mode, run.allocator == z2::Allocator::arena)},

@@ -364,7 +364,8 @@ memory (ZeRO-R; notes/04, notes/05)
                              reduced gradient shard and the step in pinned host memory, the same bits (none)
                              [zero_optimization.offload_optimizer.device, zero_optimization.cpu_offload]
   --host-threads K           the offloaded step's threads per rank, the same bits at any K (0: the cores
-                             this rank may run on over the ranks on its node; DeepSpeed: OMP_NUM_THREADS)
+                             this rank may run on over the ranks sharing them; without --offload-optimizer
+                             cpu nothing runs on the host; DeepSpeed: OMP_NUM_THREADS)
   --device-memory-limit BYTES  per rank, rounded down to a multiple of 256 (twice the plan's need + 64 MiB,
                              at most 90% of what is free); with --plan: the limit to find the largest sizes for
   --plan                     train nothing: the bytes per rank by category for stages 0/1/2 at N = 1, 2, 4,

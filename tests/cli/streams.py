@@ -209,10 +209,19 @@ class Runner:
         out = os.path.join(self.work, "run.json")
         if os.path.exists(out):
             os.remove(out)
-        argv = ["timeout", "120", "mpirun", "-n", str(ranks), self.trainer, *TINY_RUN, *self.flags(flags),
+        # A skipped wait can corrupt the heap, and a crash inside malloc can then deadlock in UCX's own
+        # SIGSEGV handler (it frees memory: seen once in 157 runs, at exit, in cuBLAS's destructors), so
+        # UCX's handler is off. A rank that hangs anyway is killed (-k): mpirun's ranks run in sessions
+        # of their own, so the output goes to a file (an orphan cannot hold a pipe open) and any rank
+        # left behind is killed by its --json path, which names this run's scratch directory.
+        argv = ["timeout", "-k", "5", "60", "mpirun", "-n", str(ranks), self.trainer, *TINY_RUN, *self.flags(flags),
                 "--device", device, "--comm", "mpi", "--json", out]
-        full_env = dict(os.environ, OPENBLAS_NUM_THREADS="1", **(env or {}))
-        p = subprocess.run(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        full_env = dict(os.environ, OPENBLAS_NUM_THREADS="1", UCX_HANDLE_ERRORS="none", **(env or {}))
+        log = os.path.join(self.work, "run.log")
+        with open(log, "w") as output:
+            status = subprocess.run(argv, env=full_env, stdout=output, stderr=subprocess.STDOUT).returncode
+        subprocess.run(["pkill", "-KILL", "-f", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.CompletedProcess(argv, status, open(log, errors="replace").read())
         self.runs += 1
         bits = None
         if p.returncode == 0 and os.path.exists(out):
@@ -238,7 +247,8 @@ def outcome(status, output, bits, reference):
 
 def first_line_of_interest(output):
     for line in output.split("\n"):
-        if any(word in line for word in ("message: a race", "error:", "Caught signal", "invalid pointer")):
+        if any(word in line for word in ("message: a race", "error:", "Caught signal", "invalid pointer",
+                                         "Segmentation fault")):
             return line.strip()[:240]
     return ""
 
