@@ -163,7 +163,7 @@ struct EngineOptions {
   // ZeRO-Offload's host step on this many threads per rank (the norm's
   // chunk sums, the largest |g|, AdamW), each owning whole norm chunks, so
   // the bits are the same at any count. 0: this rank's share of the node's
-  // cores (the cores it may run on over the ranks on its node; at least 1).
+  // cores (runtime/communicator.h, host_cores_per_rank; at least 1).
   // DeepSpeedCPUAdam takes torch's thread count (OMP_NUM_THREADS).
   int host_threads = 0;
 };
@@ -816,8 +816,8 @@ Z2_HD inline float adamw_update(const AdamWConstants& constants, bool decay, flo
 
 // AdamW over an update region, one row per norm chunk (the decay flag is
 // per chunk), a Z2_LOOP2 body: zero2.cu's step runs it as a kernel or, with
-// ZeRO-Offload, as the host's threaded loop; `make bench` times the same
-// body beside DeepSpeedCPUAdam (measurements/host_adam_bench.cpp). Mixed
+// ZeRO-Offload, as the host's threaded loop; `make bench-host-adam` times
+// the same body beside DeepSpeedCPUAdam (measurements/host_adam_bench.cpp). Mixed
 // precision also rounds each updated master into the working copy.
 template <class Working>
 struct AdamWByChunk {

@@ -26,21 +26,26 @@ venv=${DEEPSPEED_VENV:-.venv-deepspeed}
 have_deepspeed=0
 [ -x "$venv/bin/python" ] && have_deepspeed=1
 
-# One AdamW step timing each: zero2's (fp32 and bf16), then DeepSpeed's (fp32), or the reverse.
+# zero2_runs / deepspeed_run ELEMENTS THREADS: one timing line each into adam.txt (zero2: fp32 and bf16).
+zero2_runs() {
+  for precision in fp32 bf16; do "$build/host_adam_bench" "$1" "$2" $precision >>"$work/adam.txt"; done
+}
+deepspeed_run() {
+  [ $have_deepspeed = 1 ] || return 0
+  # DeepSpeedCPUAdam JIT-builds its op on first use (~80 s, cached after).
+  OMP_NUM_THREADS=$2 DS_ACCELERATOR=cpu "$venv/bin/python" measurements/deepspeed_cpu_adam.py "$1" "$2" \
+    2>"$work/deepspeed.err" | grep '^deepspeed ' >>"$work/adam.txt" ||
+    { echo "DeepSpeedCPUAdam failed:"; tail -n 5 "$work/deepspeed.err"; exit 1; }
+}
+# Zero2's first in odd rounds, DeepSpeed's first in even ones.
 for round in $(seq 1 "$rounds"); do
   for threads in 1 2; do
     for elements in 10000000 50000000; do
-      zero2_runs() {
-        for precision in fp32 bf16; do "$build/host_adam_bench" $elements $threads $precision >>"$work/adam.txt"; done
-      }
-      deepspeed_run() {
-        [ $have_deepspeed = 1 ] || return 0
-        # DeepSpeedCPUAdam JIT-builds its op on first use (~80 s, cached after).
-        OMP_NUM_THREADS=$threads DS_ACCELERATOR=cpu "$venv/bin/python" measurements/deepspeed_cpu_adam.py \
-          $elements $threads 2>"$work/deepspeed.err" | grep '^deepspeed ' >>"$work/adam.txt" ||
-          { echo "DeepSpeedCPUAdam failed:"; tail -n 5 "$work/deepspeed.err"; exit 1; }
-      }
-      if [ $((round % 2)) = 1 ]; then zero2_runs; deepspeed_run; else deepspeed_run; zero2_runs; fi
+      if [ $((round % 2)) = 1 ]; then
+        zero2_runs $elements $threads; deepspeed_run $elements $threads
+      else
+        deepspeed_run $elements $threads; zero2_runs $elements $threads
+      fi
     done
   done
 done

@@ -221,15 +221,15 @@ class Runner:
         with open(log, "w") as output:
             status = subprocess.run(argv, env=full_env, stdout=output, stderr=subprocess.STDOUT).returncode
         subprocess.run(["pkill", "-KILL", "-f", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        p = subprocess.CompletedProcess(argv, status, open(log, errors="replace").read())
+        printed = open(log, errors="replace").read()
         self.runs += 1
         bits = None
-        if p.returncode == 0 and os.path.exists(out):
+        if status == 0 and os.path.exists(out):
             d = json.load(open(out))
             bits = d["final_params_hash"] + " " + " ".join(s["loss_bits"] for s in d["steps"])
         counts = {m.group(2): int(m.group(3))
-                  for m in re.finditer(r"^\[sim\] (skipped|asked) (\S+) (\d+) times$", p.stdout, re.M)}
-        return p.returncode, p.stdout, bits, counts
+                  for m in re.finditer(r"^\[sim\] (skipped|asked) (\S+) (\d+) times$", printed, re.M)}
+        return status, printed, bits, counts
 
 
 def outcome(status, output, bits, reference):
