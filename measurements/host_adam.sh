@@ -13,14 +13,16 @@
 #     reads and writes, zero2 / DeepSpeed, and each one's 2 threads / 1 thread;
 #   - the whole offloaded optimizer step of the trainer (--wall-clock-breakdown:
 #     the norm, the clip, AdamW and the copies), BERT-mini at N = 1, bf16,
-#     stage 2, at --host-threads 1 and 2, beside the same run without offload.
+#     stage 2, at --host-threads 1 and 2, beside the same run without offload,
+#     and again at 1 and 2 with a busy loop on one core.
 # Without DeepSpeed's venv the DeepSpeed columns say so (make check-peer
 # PEER=deepspeed builds it, 5.3 GB). Not a test: figures, side by side.
 set -eu
 build=${1:-build-cpu}
 rounds=${2:-5}
 work=$(mktemp -d /tmp/z2_host_adam.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+busy=""  # the busy loop's pid while it runs (the trap ends it if this script stops early)
+trap 'rm -rf "$work"; [ -z "$busy" ] || kill "$busy" 2>/dev/null' EXIT
 export OPENBLAS_NUM_THREADS=1
 venv=${DEEPSPEED_VENV:-.venv-deepspeed}
 have_deepspeed=0
@@ -50,15 +52,24 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 
-# The trainer's whole optimizer step, N = 1 (the host's threads are this rank's cores).
+# The trainer's whole optimizer step, N = 1 (the host's threads are this rank's cores); last, 1 and 2
+# threads with a busy loop beside them on one core (more threads than free cores: notes/13).
+step_run() {  # NAME FLAGS...
+  local name=$1
+  shift
+  "$build/train_bert_mini" --steps 12 --warmup 1 --stage 2 --precision bf16 "$@" --wall-clock-breakdown --quiet \
+    --json "$work/step_${name}_$round.json" >/dev/null
+}
 for round in $(seq 1 "$rounds"); do
-  for run in none cpu_1 cpu_2; do
-    offload=${run%%_*}
-    threads=()
-    [ "$offload" = cpu ] && threads=(--host-threads "${run#cpu_}")
-    "$build/train_bert_mini" --steps 12 --warmup 1 --stage 2 --precision bf16 --offload-optimizer "$offload" \
-      "${threads[@]}" --wall-clock-breakdown --quiet --json "$work/step_${run}_$round.json" >/dev/null
-  done
+  step_run none --offload-optimizer none
+  step_run cpu_1 --offload-optimizer cpu --host-threads 1
+  step_run cpu_2 --offload-optimizer cpu --host-threads 2
+  sh -c 'while :; do :; done' &
+  busy=$!
+  step_run busy_1 --offload-optimizer cpu --host-threads 1
+  step_run busy_2 --offload-optimizer cpu --host-threads 2
+  kill "$busy"
+  busy=""
 done
 
 /usr/bin/python3 - "$work" "$rounds" "$have_deepspeed" "$build" <<'PY'
@@ -107,11 +118,13 @@ def step(run):
     data = [json.load(open(os.path.join(work, f"step_{run}_{r}.json"))) for r in range(1, rounds + 1)]
     return median([median([s["optimizer_ms"] for s in d["steps"]]) for d in data]), data[0]
 none, first = step("none")
-one, _ = step("cpu_1")
-two, _ = step("cpu_2")
+one, two, busy_one, busy_two = (step(name)[0] for name in ("cpu_1", "cpu_2", "busy_1", "busy_2"))
 print(f"The trainer's whole optimizer step (--wall-clock-breakdown), BERT-mini ({first['params']:,} parameters), N=1,")
 print(f"bf16, stage 2, 12 steps; the median over {rounds} rounds of each run's median step:")
 print(f"  without offload (the cpu device's loops)   {none:7.2f} ms")
 print(f"  --offload-optimizer cpu --host-threads 1   {one:7.2f} ms   / without {one / none:.2f}")
 print(f"  --offload-optimizer cpu --host-threads 2   {two:7.2f} ms   / without {two / none:.2f}   1 thread / 2 {one / two:.2f}")
+print("With a busy loop on one of the cores (more threads than free cores):")
+print(f"  --offload-optimizer cpu --host-threads 1   {busy_one:7.2f} ms")
+print(f"  --offload-optimizer cpu --host-threads 2   {busy_two:7.2f} ms   1 thread / 2 {busy_one / busy_two:.2f}")
 PY
