@@ -18,6 +18,7 @@ Numpy and the standard library only (Debian's /usr/bin/python3). The tolerances 
 tests/trace_tolerances.py, the diagnoses and the failing step's replay in tests/trace_diagnosis.py; this file
 reads the two traces, walks the steps and reports.
 """
+import json
 import math
 import os
 import sys
@@ -25,13 +26,14 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
-from trace_files import Trace, TraceError, is_int  # noqa: E402
+from trace_files import Trace, TraceError, is_int, rounded_to  # noqa: E402
 # What a difference points to, and how far a difference may go (each a file of its own, beside this one).
 from trace_diagnosis import (ShardUpdates, diagnose_loss, diagnose_lr, diagnose_norm,  # noqa: E402
                              diagnose_parameters, diagnose_stale_shards, factor_diagnosis, replay_step)
-from trace_tolerances import (UNIT, blocked_sum_ulps, gradient_tolerance, is_finite_number,  # noqa: E402
-                              is_number, loss_tolerance, norm_tolerance, parameter_tolerances, same_setting,
-                              share)
+from trace_tolerances import (CHECKABLE, GRADIENT_FLOOR, PARAMETER_FLOOR, TWIN_FACTOR, UNIT,  # noqa: E402
+                              Allowances, blocked_sum_ulps,
+                              gradient_tolerance, is_finite_number, is_number, loss_tolerance, parameter_tolerances,
+                              relative_l2, same_setting, share)
 
 
 class BadInput(Exception):
@@ -191,12 +193,41 @@ def validate_theirs(pair):
                        f"compared (keep the parameters at the steps zero2's trace lists)")
 
 
+def validate_twin(pair):
+    """The twin (REF/twin, or --twin DIR): zero2's own trace of the same run, differing only in legitimate
+    rounding (tests/peers/reference_trace.sh makes it). It sets allowances, so it must be that run: the same
+    model, batch, optimizer, steps and rates, and finite where it is read."""
+    twin, ref, path = pair.twin, pair.ref, pair.twin.path
+    if twin.layout is None or twin.producer != ref.producer:
+        raise BadInput(f"{path}: producer is {brief(twin.producer)}, zero2's trace {brief(ref.producer)}: the twin "
+                       f"must be zero2's own trace of the same run (tests/peers/reference_trace.sh makes it)")
+    for section, keys in (("model", ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "intermediate_size")),
+                          ("run", ("world_size", "accumulation_steps", "micro_batch", "seq", "precision", "steps",
+                                   "dropout", "seed")),
+                          ("optimizer", ("betas", "eps", "weight_decay", "clip"))):
+        for key in keys:
+            mine, theirs = ref.json[section].get(key), twin.json[section].get(key)
+            if not same_setting(mine, theirs):
+                raise BadInput(f"{path}: {section}.{key} is {brief(theirs)}, zero2's trace has {brief(mine)}: not a "
+                               f"twin of this run")
+    if len(twin.steps) != len(ref.steps):
+        raise BadInput(f"{path}: steps has {len(twin.steps)} records, zero2's trace {len(ref.steps)}")
+    for k, (mine, theirs) in enumerate(zip(ref.steps, twin.steps)):
+        if not same_setting(mine.get("lr"), theirs.get("lr")):
+            raise BadInput(f"{path}: steps[{k}].lr is {brief(theirs.get('lr'))}, zero2's {brief(mine.get('lr'))}: "
+                           f"not a twin of this run")
+        for key in ("loss", "grad_norm"):
+            if not mine.get("skipped") and not is_finite_number(theirs.get(key)):
+                raise BadInput(f"{path}: steps[{k}].{key} is {brief(theirs.get(key))}, not a finite number")
+
+
 # ----------------------------------------------------------------------------
 # The two traces side by side
 
 class Pair:
-    def __init__(self, ref, theirs):
-        self.ref, self.theirs = ref, theirs
+    def __init__(self, ref, theirs, twin=None):
+        self.ref, self.theirs, self.twin = ref, theirs, twin
         validate_reference(ref)
         self.precision = ref.run["precision"]
         self.N = ref.run["world_size"]
@@ -210,33 +241,47 @@ class Pair:
         self.psi = sum(p["numel"] for p in self.layout["parameters"])
         self.positions = self.N * self.A * ref.run["micro_batch"] * ref.run["seq"]
         self._read = {}
-        self.noise = self.noise_tensors()
+        self.uncheckable = {}  # step -> [(tensor, allowance)] whose gradient comparison sees nothing
+        self.power = Power(self)
+        self.shares = {}  # step -> {check: its share of the allowance} (--margins)
+        # The tensors whose gradient is rounding noise, from the kept steps up to the one the walk reached
+        # (advance): a later step never changes an earlier step's verdict.
+        self.noise, self._quiet_seen = set(), None
+        if twin is not None:
+            validate_twin(self)
+        self.allowances = Allowances(ref, twin, self.tensors, self.psi, self.precision)
+
+    def advance(self, step):
+        """The walk reached `step`: the twin's spread and the noise tensors up to it."""
+        self.allowances.advance(step)
+        if self.ref.parameter_steps.get(step):
+            quiet = self.quiet_tensors(step)
+            if quiet is not None:
+                self._quiet_seen = quiet if self._quiet_seen is None else self._quiet_seen & quiet
+                self.noise = set(self._quiet_seen)
 
     def selected(self, step):
         """The cross-entropies the loss of `step` sums: zero2's count of selected positions, or every position
         of the global batch where the record has none."""
         return self.ref.steps[step - 1].get("selected", self.positions)
 
-    def noise_tensors(self):
-        """The tensors whose gradient is rounding noise in zero2's trace (every element below 1e-6 of the
-        model's largest, at every kept step): an attention key's bias, which softmax ignores (a constant added
-        to a row of scores), has a gradient that is exactly 0 in exact arithmetic. AdamW turns noise into
-        steps of about lr in a direction rounding decides, in zero2 and in any other implementation, so these
-        tensors are held only to AdamW's bound (the largest tolerance), not to the median nor to zero2's
-        movement. The bound 1e-6 lies between the noise and the smallest real gradient in every precision
-        (measured on tests/peers/reference_trace.sh's model: the key biases at 1e-10 of the largest in fp32,
-        1.8e-7 in bf16, whose products are rounded to 8 bits; the next tensor, a query bias, at 3e-5 in both)."""
-        noise = None
-        for step in sorted(self.ref.parameter_steps):
-            gradients = self.tensors("ref", "gradients", step)
-            if gradients is None or self.ref.steps[step - 1].get("skipped"):
-                continue
-            largest = max(float(np.abs(g).max()) for g in gradients.values())
-            if not math.isfinite(largest):
-                continue  # an fp16 step that overflowed: its gradient says nothing of noise
-            quiet = {n for n, g in gradients.items() if float(np.abs(g).max()) <= 1e-6 * largest}
-            noise = quiet if noise is None else noise & quiet
-        return noise or set()
+    def quiet_tensors(self, step):
+        """The tensors whose gradient is rounding noise in zero2's trace at kept `step` (every element below 1e-6
+        of the model's largest), or None where the step says nothing (not kept, an fp16 overflow). An attention
+        key's bias, which softmax ignores (a constant added to a row of scores), has a gradient that is exactly 0
+        in exact arithmetic. AdamW turns noise into steps of about lr in a direction rounding decides, in zero2
+        and in any other implementation, so while a tensor has been quiet at every kept step so far it is held
+        only to AdamW's bound (the largest tolerance), not to the median nor to zero2's movement. The bound 1e-6
+        lies between the noise and the smallest real gradient in every precision (measured on
+        tests/peers/reference_trace.sh's model: the key biases at 1e-10 of the largest in fp32, 1.8e-7 in bf16,
+        whose products are rounded to 8 bits; the next tensor, a query bias, at 3e-5 in both)."""
+        gradients = self.tensors("ref", "gradients", step)
+        if gradients is None or self.ref.steps[step - 1].get("skipped"):
+            return None
+        largest = max(float(np.abs(g).max()) for g in gradients.values())
+        if not math.isfinite(largest):
+            return None  # an fp16 step that overflowed: its gradient says nothing of noise
+        return {n for n, g in gradients.items() if float(np.abs(g).max()) <= 1e-6 * largest}
 
     def start_rounding(self, name):
         """The median |16-bit(initial) - initial| of a tensor's elements: how far a peer whose fp32 master starts
@@ -257,7 +302,7 @@ class Pair:
         comparisons with NaN are all false: a NaN would pass every tolerance unless looked for)."""
         key = (side, kind, step)
         if key not in self._read:
-            trace = self.ref if side == "ref" else self.theirs
+            trace = {"ref": self.ref, "theirs": self.theirs, "twin": self.twin}[side]
             values = trace.parameters(step) if kind == "parameters" else trace.gradients(step)
             file = os.path.join(trace.directory, "initial" if step == 0 else f"step_{step}",
                                 "model.safetensors" if kind == "parameters" else "gradients.safetensors")
@@ -280,11 +325,11 @@ class Pair:
                 raise BadInput(f"{file}: {name} has {list(values[name].shape)}, zero2's layout {p['shape']}")
             array = np.asarray(values[name], dtype=np.float64)
             finite = np.isfinite(array)
-            overflowed = side == "ref" and kind == "gradients" and self.ref.steps[step - 1].get("skipped")
+            overflowed = side != "theirs" and kind == "gradients" and self.ref.steps[step - 1].get("skipped")
             if not finite.all() and not overflowed:
                 i = int(np.argmin(finite.reshape(-1)))
                 value = array.reshape(-1)[i]
-                if side == "ref":
+                if side != "theirs":
                     raise BadInput(f"{file}: {self.where(name, i)} is {value}: zero2's trace must be finite where "
                                    f"it is compared (a reference that diverged sets no tolerance)")
                 raise Failure(f"{'parameters after' if kind == 'parameters' else 'gradients of'} step {step}, "
@@ -347,6 +392,104 @@ class Pair:
 
 
 # ----------------------------------------------------------------------------
+# What a PASS could not have seen (notes/12, "The power of a PASS")
+
+class Power:
+    """The smallest mistakes of each kind that the walk's allowances would have failed, as relative errors:
+    a rate off by a factor (1 + e) moves every parameter's total update by e (AdamW's update is linear in the
+    rate), so e = the median allowance / the median |p_s - p_0| of a tensor; a weight decay off by (1 + e)
+    moves a decayed tensor by e wd (the rates summed) |p|; a gradient scaled by (1 + e) is e of every checkable
+    tensor's gradient and of the norm; a clipping threshold off by (1 + e) scales the gradient of each clipped
+    step, which AdamW's normalisation sees only through the steps' relative sizes, so it is replayed (every
+    step's gradient kept) or said to be unknown. Each is the smallest over the steps and tensors compared."""
+
+    KINDS = ("lr", "weight_decay", "grad_scale", "clip")
+
+    def __init__(self, pair):
+        self.pair, self.best = pair, {kind: None for kind in self.KINDS}  # kind -> (e, where)
+
+    def smallest(self, kind, e, where):
+        if math.isfinite(e) and e > 0 and (self.best[kind] is None or e < self.best[kind][0]):
+            self.best[kind] = (e, where)
+
+    def parameters(self, step, name, allowance, values, initial, lr_sum):
+        moved = float(np.median(np.abs(values - initial)))
+        if moved > 0:
+            self.smallest("lr", allowance / moved, f"step {step}, {name}")
+        wd = self.pair.ref.optimizer["weight_decay"]
+        size = float(np.median(np.abs(values)))
+        if wd > 0 and name not in self.pair.no_decay and size > 0:
+            self.smallest("weight_decay", allowance / (wd * lr_sum * size), f"step {step}, {name}")
+
+    def clip(self):
+        """(e, where) for the clipping threshold, or (None, why)."""
+        ref = self.pair.ref
+        clip = ref.optimizer["clip"]
+        if not clip > 0:
+            return None, "the run does not clip"
+        clipped = [r["step"] for r in ref.steps if is_finite_number(r.get("grad_norm")) and r["grad_norm"] > clip]
+        if not clipped:
+            # A threshold off by e changes nothing until a norm crosses it: the nearest a norm came.
+            nearest = min((clip - r["grad_norm"]) / clip for r in ref.steps if is_finite_number(r.get("grad_norm")))
+            return nearest, "no step was clipped: the nearest norm to the threshold"
+        if len(clipped) == len(ref.steps):
+            return None, ("every step was clipped, and AdamW's update does not change when every gradient is scaled "
+                          "alike: a threshold off by any factor moves nothing but eps's share")
+        return clip_replay(self.pair, clipped)
+
+    def report(self):
+        """(the power line's words, the JSON's dict)."""
+        values, words = {}, []
+        names = {"lr": "a rate", "weight_decay": "a weight decay", "grad_scale": "a gradient scale",
+                 "clip": "a clipping threshold"}
+        for kind in self.KINDS:
+            if kind == "clip":
+                e, where = self.clip()
+            else:
+                e, where = self.best[kind] if self.best[kind] else (None, "nothing compared sees it")
+                if kind == "weight_decay" and not self.pair.ref.optimizer["weight_decay"] > 0:
+                    where = "the run has no weight decay"
+            values[kind] = None if e is None else float(f"{e:.3g}")
+            words.append(f"{names[kind]} off by less than {e:.2g} ({where})" if e is not None else
+                         f"{names[kind]}: not bounded ({where})")
+        return "; ".join(words), values
+
+
+def clip_replay(pair, clipped):
+    """The clipping threshold's power by replay: zero2's AdamW over zero2's gradients, once as it ran and once
+    with every clipped step's gradient scaled by 1.01 (a threshold 1% higher), from the initial weights to the
+    last step whose every gradient is kept; the parameters' median change per tensor against the allowance
+    there, scaled linearly to the e that would reach it."""
+    ref = pair.ref
+    last = 0
+    while last + 1 in ref.parameter_steps and ref.parameter_steps[last + 1]:
+        last += 1
+    if not any(t <= last for t in clipped) or last == 0 or last not in ref.parameter_steps:
+        return None, "the trace does not keep every step's gradient up to a clipped step (--trace-params-every 1)"
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+    import adamw_replay
+    flat = adamw_replay.Flat(pair.layout, pair.no_decay, pair.N)
+    rates = [r["lr"] for r in ref.steps]
+    runs = [adamw_replay.Replay(flat, ref.optimizer, rates, {}), adamw_replay.Replay(flat, ref.optimizer, rates, {})]
+    params = [flat.flat(pair.tensors("ref", "parameters", 0))] * 2
+    for t in range(1, last + 1):
+        gradient = flat.flat(ref.gradients(t))
+        norm = ref.steps[t - 1]["grad_norm"]
+        scaled = gradient * np.float32(1.01) if t in clipped else gradient
+        # The same norm: the coefficient stays, so the clipped step applies 1.01 x the gradient it applied.
+        params = [runs[0].step(t, params[0], gradient, norm), runs[1].step(t, params[1], scaled, norm)]
+    lr_sum = sum(rates[:last])
+    best = None
+    for name, values in flat.tensors(np.abs(params[1].astype(np.float64) - params[0])).items():
+        change = float(np.median(values))
+        if name in pair.noise or change <= 0:
+            continue
+        e = 0.01 * pair.allowances.parameter_median(name, lr_sum) / change
+        best = e if best is None or e < best else best
+    return (best, f"replayed to step {last}") if best is not None else (None, "the replay moved nothing")
+
+
+# ----------------------------------------------------------------------------
 # The walk through the steps
 
 def check_step_scalars(pair, step, report, kept):
@@ -379,8 +522,8 @@ def check_step_scalars(pair, step, report, kept):
         report.append((step, "skipped by both (fp16 overflow)", 0.0))
         return None
     gradients = check_gradients(pair, step) if kept else None
-    tolerances = {"loss": loss_tolerance(mine["loss"], step, precision, pair.selected(step)),
-                  "grad_norm": norm_tolerance(mine["grad_norm"], step, precision, pair.psi)}
+    tolerances = {"loss": pair.allowances.scalar("loss", mine["loss"], step, pair.selected(step)),
+                  "grad_norm": pair.allowances.scalar("grad_norm", mine["grad_norm"], step, pair.psi)}
     for key, diagnose in (("loss", diagnose_loss), ("grad_norm", diagnose_norm)):
         value, tolerance = theirs[key], tolerances[key]
         if abs(value - mine[key]) > tolerance:
@@ -389,6 +532,10 @@ def check_step_scalars(pair, step, report, kept):
                           + ("; the gradients of this step agree" if gradients is not None else ""),
                           diagnose(pair, step, value, mine[key], gradients is not None),
                           share(abs(value - mine[key]), tolerance))
+    if mine["grad_norm"]:
+        pair.power.smallest("grad_scale", tolerances["grad_norm"] / abs(mine["grad_norm"]), f"step {step}, the norm")
+    pair.shares.setdefault(step, {}).update(
+        {key: share(abs(theirs[key] - mine[key]), tolerances[key]) for key in ("loss", "grad_norm")})
     relative = {key: abs(theirs[key] - mine[key]) / abs(mine[key]) if mine[key] else 0.0 for key in ("loss", "grad_norm")}
     report.append((step, f"loss {mine['loss']:.7f} / {theirs['loss']:.7f} (relative {relative['loss']:.1e}), "
                          f"grad norm {mine['grad_norm']:.6g} / {theirs['grad_norm']:.6g} "
@@ -412,31 +559,51 @@ def census(pair, outside, what):
 
 
 def check_gradients(pair, step):
+    """The step's gradients, tensor by tensor: |theirs - zero2|_2 / |zero2|_2 against the tensor's allowance
+    (Allowances.gradient: the twin's spread and the floor). A tensor whose allowance is CHECKABLE (half) of its
+    own size or more is not checkable at this precision (an attention key's bias, whose gradient is rounding
+    noise; in 16-bit the tensors whose twin spreads as far): it is listed as such, never counted as agreeing.
+    Returns (the worst share, the largest relative difference of a checkable tensor, what was not checkable),
+    or None where the gradients were not compared."""
     if pair.ref.steps[step - 1].get("skipped"):
         return None  # an fp16 overflow: zero2's gradient is not finite there
     mine, theirs = pair.tensors("ref", "gradients", step), pair.tensors("theirs", "gradients", step)
     if mine is None or theirs is None:
         return None  # not kept on one side
-    largest = max(float(np.abs(v).max(initial=0.0)) for v in mine.values())
-    tolerance = gradient_tolerance(largest, step, pair.precision, pair.positions)
-    worst, largest_difference, outside = 0.0, 0.0, []
+    worst, largest_relative, outside, uncheckable = 0.0, 0.0, [], []
     for name in pair.params:  # registration order: the first tensor that differs is named
-        difference = np.abs(mine[name] - theirs[name]).reshape(-1)
-        top = float(difference.max(initial=0.0))
-        worst = max(worst, share(top, tolerance))
-        largest_difference = max(largest_difference, top)
-        if top > tolerance:
-            outside.append((name, share(top, tolerance), np.flatnonzero(difference > tolerance),
+        allowance, relative = pair.allowances.gradient(name), relative_l2(mine[name], theirs[name])
+        if name in pair.noise:  # rounding noise in zero2's own trace (Pair.quiet_tensors): nothing to compare
+            allowance = math.inf
+        if allowance >= CHECKABLE:
+            uncheckable.append((name, allowance))
+            continue
+        excess = share(relative, allowance)
+        worst, largest_relative = max(worst, excess), max(largest_relative, relative)
+        pair.power.smallest("grad_scale", allowance, f"step {step}, the gradient of {name}")
+        if excess > 1:
+            difference = np.abs(mine[name] - theirs[name]).reshape(-1)
+            scale = float(np.sqrt(np.mean(mine[name] ** 2)))
+            outside.append((name, excess, np.flatnonzero(difference > allowance * max(scale, 1e-300)),
                             int(difference.argmax())))
+    pair.uncheckable[step] = uncheckable
+    pair.shares.setdefault(step, {})["gradients"] = worst
+    unseen = "" if not uncheckable else \
+        f"; not checkable at {pair.precision}: {len(uncheckable)} tensor{'s' if len(uncheckable) > 1 else ''} " \
+        f"({uncheckable[0][0]}{' ...' if len(uncheckable) > 1 else ''}: " + \
+        ("rounding noise in zero2's trace)" if not math.isfinite(uncheckable[0][1]) else
+         f"allowance {uncheckable[0][1]:.2g} of its norm)")
     if outside:
         name, excess, _, i = outside[0]
         a, b = mine[name].reshape(-1), theirs[name].reshape(-1)
-        what = (f"step {step}, gradient of {pair.where(name, i)}: theirs {b[i]:.6g}, zero2's {a[i]:.6g} "
-                f"(|difference| {abs(a[i] - b[i]):.3g} > tolerance {tolerance:.3g}: 1e-5 (1 + s) of the largest "
-                f"gradient element, and the sum over {pair.positions} positions)")
+        relative, allowance = relative_l2(mine[name], theirs[name]), pair.allowances.gradient(name)
+        what = (f"step {step}, gradient of {name}: |theirs - zero2's| is {relative:.3g} of its norm (allowance "
+                f"{allowance:.3g}); its largest difference at {pair.where(name, i)}: theirs {b[i]:.6g}, zero2's "
+                f"{a[i]:.6g}")
         record, their_record = pair.ref.steps[step - 1], pair.theirs.steps[step - 1]
         loss_differs = abs(their_record["loss"] - record["loss"]) > \
-            loss_tolerance(record["loss"], step, pair.precision, pair.selected(step))
+            pair.allowances.scalar("loss", record["loss"], step, pair.selected(step))
+        tolerance = element_tolerance(pair, step, mine)
         diagnosis, reproduced, kind = diagnose_gradients(pair, step, mine, theirs, tolerance,
                                                          [entry[0] for entry in outside], not loss_differs)
         if loss_differs:
@@ -453,7 +620,17 @@ def check_gradients(pair, step):
             elif not reproduced and step == 1:
                 diagnosis = f"{diagnose_loss(pair, step, their_record['loss'], record['loss'])}. Measured: {diagnosis}"
         raise Failure(what, diagnosis, max(e[1] for e in outside), census(pair, outside, "gradients"), excess)
-    return worst, largest_difference / largest if largest else 0.0
+    return worst, largest_relative, unseen
+
+
+def element_tolerance(pair, step, mine):
+    """How far one gradient element may differ, for the diagnoses' element-wise tests (a region's shards, a
+    factor, a stale buffer): the analytic bound against the largest element, no wider than the checkable
+    tensors' allowances allow an element of the largest size."""
+    largest = max(float(np.abs(v).max(initial=0.0)) for v in mine.values())
+    allowed = [pair.allowances.gradient(n) for n in pair.params if pair.allowances.gradient(n) < CHECKABLE]
+    cap = (sorted(allowed)[len(allowed) // 2] if allowed else CHECKABLE) * largest
+    return min(gradient_tolerance(largest, step, pair.precision, pair.positions), cap)
 
 
 def gradient_region(pair, off, silent):
@@ -503,6 +680,8 @@ def diagnose_gradients(pair, step, mine, theirs, tolerance, names, loss_agrees):
                  if np.abs(shards_theirs[k] - shards_mine[k]).max(initial=0.0) > tolerance)
     silent = {k for k in shards_mine if max(np.abs(shards_mine[k]).max(initial=0.0),
                                             np.abs(shards_theirs[k]).max(initial=0.0)) <= tolerance}
+    if not off:  # no element beyond the element-wise bound: the tensors differ as wholes, by small amounts
+        off = sorted({(pair.params[n]["bucket"], r) for n in names for r in range(pair.N)})
     where, kind = gradient_region(pair, off, silent)
     a = np.concatenate([shards_mine[k] for k in off])
     t = np.concatenate([shards_theirs[k] for k in off])
@@ -556,15 +735,6 @@ def diagnose_gradients(pair, step, mine, theirs, tolerance, names, loss_agrees):
     return f"in {where}, {measured}; no known bug has this pattern", False, kind
 
 
-def rounded_to(values, precision):
-    """values rounded to `precision` (to nearest, ties to even), as a peer's 16-bit copy of them holds them."""
-    if precision == "fp16":
-        return values.astype(np.float16).astype(np.float64)
-    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
-
-
 def check_parameters(pair, step, previous):
     """The parameters after `step` against zero2's (the tolerances of parameter_tolerances), and each tensor's
     movement since `previous` (the last step both keep; 0: the initial weights) against zero2's movement.
@@ -588,7 +758,7 @@ def check_parameters(pair, step, previous):
     before = pair.tensors("ref", "parameters", previous)
     theirs_before = pair.tensors("theirs", "parameters", previous) if previous else None
     lrs = [pair.ref.steps[t - 1]["lr"] for t in range(1, step + 1)]
-    update_median, update_largest = parameter_tolerances(sum(lrs), pair.precision)
+    update_largest = parameter_tolerances(sum(lrs), pair.precision)[1]  # AdamW's bound: analytic in every mode
     drift_between = parameter_tolerances(sum(lrs[previous:]), "fp32")[0]
     worst, outside, first = 0.0, [], None
     for name in pair.params:
@@ -598,14 +768,16 @@ def check_parameters(pair, step, previous):
         # LayerNorm weights at 1), the largest: one unit at the tensor's size.
         size = np.abs(mine[name])
         start = UNIT[pair.precision] if pair.precision != "fp32" else 0.0
-        median_tolerance = update_median + pair.start_rounding(name)
+        median_tolerance = pair.allowances.parameter_median(name, sum(lrs)) + pair.start_rounding(name)
         largest_tolerance = update_largest + start * float(size.max(initial=0.0))
         difference = np.abs(theirs[name] - mine[name]).reshape(-1)
         median, largest = float(np.median(difference)), float(difference.max(initial=0.0))
         moved = float(np.median(np.abs(mine[name] - before[name])))
         if name in pair.noise:
-            median, speed, movement_excess = 0.0, None, 0.0  # AdamW's bound alone (Pair.noise_tensors)
+            median, speed, movement_excess = 0.0, None, 0.0  # AdamW's bound alone (Pair.quiet_tensors)
         else:
+            pair.power.parameters(step, name, median_tolerance, mine[name], pair.tensors("ref", "parameters", 0)[name],
+                                  sum(lrs))
             # Theirs from its own previous kept step; from the start, theirs' start is zero2's initial weights
             # or, in 16-bit, their rounding (a master made from the 16-bit model): the one that makes theirs'
             # movement nearer zero2's counts.
@@ -623,6 +795,7 @@ def check_parameters(pair, step, previous):
             if first is None:
                 first = (name, median, median_tolerance, largest, largest_tolerance, moved, speed, movement_excess,
                          excess)
+    pair.shares.setdefault(step, {})["parameters"] = worst
     if first is None:
         return worst
     name, median, median_tolerance, largest, largest_tolerance, moved, moved_theirs, movement_excess, excess = first
@@ -690,25 +863,38 @@ def diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, ste
             f"by {moved:.3g} at the median: those parameters were left out of the update")
 
 
-def check(pair, counts):
+def check(pair, counts, margins=None):
     """Every step in order, counting the checks passed in counts["passed"]; the first failure raised.
-    Returns the report's lines."""
+    Returns the report's lines. margins: a list that, where given, collects every step's failure instead
+    (--margins: (step, Failure)), and the walk goes on."""
     report = []
     kept = sorted(s for s in pair.ref.parameter_steps if s in pair.theirs.parameter_steps)
     previous_kept = 0
     for step in range(1, len(pair.ref.steps) + 1):
-        gradients = check_step_scalars(pair, step, report, step in kept)
-        counts["passed"] += 1
+        pair.advance(step)
+        try:
+            gradients = check_step_scalars(pair, step, report, step in kept)
+            counts["passed"] += 1
+        except Failure as failure:
+            if margins is None:
+                raise
+            margins.append((step, failure))
+            gradients = None
         if step in kept:
-            worst_parameter = check_parameters(pair, step, previous_kept)
-            report.append((step, f"after step {step}: {len(pair.params)} tensors: parameters"
-                                 + ("" if gradients is None else
-                                    f" and gradients (the largest difference {gradients[1]:.1e} of the largest "
-                                    f"gradient)") + " within the tolerance",
-                           max(worst_parameter, gradients[0] if gradients else 0.0)))
+            try:
+                worst_parameter = check_parameters(pair, step, previous_kept)
+                report.append((step, f"after step {step}: {len(pair.params)} tensors: parameters"
+                                     + ("" if gradients is None else
+                                        f" and gradients (the largest relative difference {gradients[1]:.1e} of a "
+                                        f"tensor's norm{gradients[2]})") + " within the allowance",
+                               max(worst_parameter, gradients[0] if gradients else 0.0)))
+                counts["passed"] += 1
+            except Failure as failure:
+                if margins is None:
+                    raise
+                margins.append((step, failure))
             pair.forget_before(step)  # the initial weights stay (step 0 is not before any)
             previous_kept = step
-            counts["passed"] += 1
     return report
 
 
@@ -719,12 +905,72 @@ def describe(trace):
             f"{run['precision']}, {len(trace.steps)} steps; parameters after steps {kept}")
 
 
+def parse_arguments(argv):
+    """(ref, theirs, twin, flags) or None: REF THEIRS [--twin DIR | --no-twin] [--every-step] [--margins]."""
+    flags, positional, twin, k = set(), [], "", 1
+    while k < len(argv):
+        a = argv[k]
+        if a in ("--every-step", "--margins", "--no-twin"):
+            flags.add(a)
+        elif a == "--twin" and k + 1 < len(argv):
+            twin, k = argv[k + 1], k + 1
+        elif a.startswith("-"):
+            return None
+        else:
+            positional.append(a)
+        k += 1
+    if len(positional) != 2:
+        return None
+    ref = positional[0]
+    if not twin and "--no-twin" not in flags and os.path.isdir(os.path.join(ref, "twin")):
+        twin = os.path.join(ref, "twin")  # tests/peers/reference_trace.sh writes it there
+    return ref, positional[1], twin or None, flags
+
+
+def allowance_header(pair):
+    precision = pair.precision
+    if pair.allowances.calibrated():
+        return (f"allowances ({precision}; notes/12, \"Allowances from legitimate rounding\"): {TWIN_FACTOR:g} x "
+                f"how far zero2's twin ({pair.twin.directory}: the same run in other legitimate rounding) lies from "
+                f"zero2 up to each step, plus a floor: loss 4 ulp + 2 sqrt(selected) fp32 ulp, grad norm 8 ulp + "
+                f"sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp, each tensor's gradient "
+                f"{GRADIENT_FLOOR[precision]:.3g} of its norm, each tensor's parameters (median) "
+                f"{PARAMETER_FLOOR[precision]:.3g} x the lr summed; the largest element 2.5 x the lr summed (AdamW's "
+                f"bound); each tensor moved between half and twice as far as zero2 moved it")
+    return (f"allowances ({precision}; notes/12, \"Tolerances\"), analytic: no twin beside zero2's trace "
+            f"(tests/peers/reference_trace.sh makes REF/twin; without it the allowances are the written bounds, and "
+            f"the power below is weaker): loss (4 + s) ulp + 2 sqrt(selected) fp32 ulp, grad norm (8 + 2 s) ulp + "
+            f"sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp; each tensor's gradient "
+            f"{GRADIENT_FLOOR[precision]:.3g} of its norm; parameters: median "
+            f"{'1e-4' if precision == 'fp32' else '4 x ' + precision + ' spacing = ' + format(4 * UNIT[precision], 'g')}"
+            f", largest 2.5, x the lr summed over steps 1 .. s" +
+            ("" if precision == "fp32" else f", plus the start's {precision} rounding (median) and one {precision} "
+                                            f"unit of the tensor's size (largest)")
+            + "; each tensor moved between half and twice as far as zero2 moved it")
+
+
+def print_margins(pair, failures):
+    """--margins: every step's share of every allowance (1 = at its edge), the failures marked."""
+    failed = {}
+    for step, failure in failures:
+        failed.setdefault(step, []).append(failure)
+    print("margins (each check's worst share of its allowance; FAIL where it is above 1):")
+    print(f"  {'step':>4}  {'loss':>9}  {'grad norm':>9}  {'gradients':>9}  {'parameters':>10}")
+    for step in sorted(set(pair.shares) | set(failed)):
+        row = pair.shares.get(step, {})
+        cells = [f"{row[k]:9.3g}" if k in row else f"{'-':>9}" for k in ("loss", "grad_norm", "gradients")]
+        cells.append(f"{row['parameters']:10.3g}" if "parameters" in row else f"{'-':>10}")
+        marks = "".join(f"  FAIL {f.what}" for f in failed.get(step, []))
+        print(f"  {step:4d}  {'  '.join(cells)}{marks}")
+
+
 def main(argv):
-    every_step = "--every-step" in argv  # a line per step, not only the first, the last and the kept ones
-    argv = [a for a in argv if a != "--every-step"]
-    if len(argv) != 3 or argv[1].startswith("-"):
+    parsed = parse_arguments(argv)
+    if parsed is None:
         print(__doc__.strip().split("\n\n")[1] if len(argv) > 1 else __doc__, file=sys.stderr)
         return 2
+    ref_dir, theirs_dir, twin_dir, flags = parsed
+    every_step = "--every-step" in flags  # a line per step, not only the first, the last and the kept ones
     counts = {"passed": 0}  # the checks made before a bad input stopped the walk count as made
 
     def bad_input(e):
@@ -733,54 +979,66 @@ def main(argv):
         return 2
 
     try:
-        ref, theirs = Trace(argv[1]), Trace(argv[2])
-        pair = Pair(ref, theirs)
+        ref, theirs = Trace(ref_dir), Trace(theirs_dir)
+        pair = Pair(ref, theirs, Trace(twin_dir) if twin_dir else None)
         pair.check_settings()
     except (TraceError, BadInput) as e:
         return bad_input(e)
-    precision = pair.precision
     producer = theirs.producer if isinstance(theirs.producer, str) and len(theirs.producer) <= 200 else brief(theirs.producer)
-    print(f"check_trace: {argv[2]} ({producer}) against zero2's {argv[1]} ({describe(ref)})")
-    print(f"tolerances ({precision}; notes/12, \"Tolerances\"): loss (4 + s) ulp + 2 sqrt(selected) fp32 ulp, "
-          f"grad norm (8 + 2 s) ulp + sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp; gradients "
-          f"(1 + s) (1e-5{'' if precision == 'fp32' else ' x ' + str(int(UNIT[precision] / UNIT['fp32']))} + "
-          f"2 sqrt({pair.positions}) 2^-24) x the largest; parameters: median "
-          f"{'1e-4' if precision == 'fp32' else '4 x ' + precision + ' spacing = ' + format(4 * UNIT[precision], 'g')}"
-          f", largest 2.5, x the lr summed over steps 1 .. s" + ("" if precision == "fp32" else
-                                                                  f", plus the start's {precision} rounding (median) "
-                                                                  f"and one {precision} unit of the tensor's size "
-                                                                  f"(largest)")
-          + "; each tensor moved between half and twice as far as zero2 moved it")
-    if pair.noise:
-        print(f"held to the largest only (their gradient is rounding noise in zero2's trace): "
-              f"{', '.join(sorted(pair.noise))}")
+    print(f"check_trace: {theirs_dir} ({producer}) against zero2's {ref_dir} ({describe(ref)})")
+    print(allowance_header(pair))
+    margins = [] if "--margins" in flags else None
     try:
-        report = check(pair, counts)
+        report = check(pair, counts, margins)
     except (BadInput, TraceError) as e:
         return bad_input(e)
     except Failure as failure:
+        print_held_to_largest(pair)
         print(f"FAIL {failure.what}")
         if failure.excess is not None:
             first = "" if failure.first is None or failure.first == failure.excess else \
                 f" (the worst tensor's; the one named above: {failure.first:.3g} x)"
-            print(f"margin: the difference is {failure.excess:.3g} x its tolerance{first}")
+            print(f"margin: the difference is {failure.excess:.3g} x its allowance{first}")
         if failure.census:
             print(f"census: {failure.census}")
         print(f"diagnosis: {failure.diagnosis or 'no known bug has this pattern; the difference is above'}")
         print(f"{counts['passed']} passed, 1 failed")
         return 1
+    print_held_to_largest(pair)
+    if margins is not None:
+        print_margins(pair, margins)
+        if margins:
+            step, failure = margins[0]
+            print(f"FAIL {failure.what}")
+            print(f"diagnosis: {failure.diagnosis or 'no known bug has this pattern; the difference is above'}")
+            print(f"{counts['passed']} passed, {len(margins)} failed")
+            return 1
     worst = max(report, key=lambda line: line[2] if math.isfinite(line[2]) else 0.0)
     kept = sorted(s for s in ref.parameter_steps if s in theirs.parameter_steps)
     for step, line, fraction in report:
         if every_step or step == 1 or step == len(ref.steps) or "after step" in line:
-            print(f"  step {step:4d}  {line}  ({fraction:.2f} of the tolerance)")
+            print(f"  step {step:4d}  {line}  ({fraction:.2f} of the allowance)")
     if len(kept) < len(ref.parameter_steps):
         print(f"note: theirs keeps the parameters of {len(kept)} of zero2's {len(ref.parameter_steps)} kept steps; "
               f"only those were compared")
+    unseen = sorted({name for entries in pair.uncheckable.values() for name, _ in entries})
+    if unseen:
+        print(f"not checkable at {pair.precision} (an allowance of half the quantity or more; never counted as "
+              f"agreeing): the gradients of {', '.join(unseen[:4])}{' ...' if len(unseen) > 4 else ''} "
+              f"({len(unseen)} tensors)")
+    words, values = pair.power.report()
     print(f"PASS: theirs agrees with zero2 at all {len(ref.steps)} steps and {len(kept)} kept steps "
-          f"(the closest call: step {worst[0]}, {worst[2]:.2f} of the tolerance)")
+          f"(the closest call: step {worst[0]}, {worst[2]:.2f} of the allowance)")
+    print(f"power: what this PASS could not have seen: {words}")
+    print(f"power-json: {json.dumps(values, sort_keys=True)}")
     print(f"{counts['passed']} passed, 0 failed")
     return 0
+
+
+def print_held_to_largest(pair):
+    if pair.noise:
+        print(f"held to the largest only (their gradient is rounding noise in zero2's trace at every kept step "
+              f"so far): {', '.join(sorted(pair.noise))}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ comparisons of numbers and settings the checker makes with them (tests/check_tra
 """
 import math
 
+import numpy as np
+
 
 # ----------------------------------------------------------------------------
 # Tolerances (notes/12, "Tolerances"). An implementation that computes the same functions in another order
@@ -107,3 +109,120 @@ def share(difference, tolerance):
 
 def ratio_is(ratio, value, slack=1e-3):
     return value != 0 and abs(ratio / value - 1) <= slack
+
+
+# ----------------------------------------------------------------------------
+# Allowances from legitimate rounding: the twin (notes/12, "Allowances from legitimate rounding: the twin").
+#
+# The bounds above are worst cases written down once; how far a correct implementation really lands from zero2
+# depends on the run: its size, its precision, and above all how far the training itself amplifies rounding
+# (a long run's parameters carry every earlier step's rounding, and how fast that grows is the run's, not a
+# formula's). So the checker measures it: beside zero2's trace, a second zero2 trace of the same run that
+# differs from it ONLY in legitimate rounding (tests/peers/reference_trace.sh writes it to REF/twin: zero2
+# --portable, its own gemm, so every product sums in another order; in 16-bit also started from the 16-bit
+# rounding of the initial weights, the start DeepSpeed's master takes). How far that run lies from zero2's, at
+# each step and for each tensor, is the legitimate spread; a peer is allowed TWIN_FACTOR times it, plus a
+# floor for what the twin cannot show (a reduction in another order: torch's vector_norm; 16-bit products
+# rounded at other places, which the twin's step 1 shares with zero2).
+#
+# No verdict at a step depends on a later one: every spread is a running maximum over the steps up to it.
+
+TWIN_FACTOR = 10.0  # set once from the correct variants of the corpus's development half (notes/12)
+
+# The floors: a per-tensor relative gradient difference (|theirs - zero2|_2 / |zero2|_2) any correct peer may
+# show at step 1 (fp32: the blocked sums over positions, measured 3e-7 for torch and --portable; 16-bit: its
+# products rounded to the format at other places, about u = half the spacing per product), and a parameter's
+# median |difference| per unit of the rates summed (fp32: measured 9e-8 for torch; 16-bit: AdamW's 2 u of lr a
+# step, notes/12).
+GRADIENT_FLOOR = {"fp32": 1e-5, "bf16": 2.0 ** -6, "fp16": 2.0 ** -9}
+PARAMETER_FLOOR = {"fp32": 2e-6, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+# A comparison whose allowance is this large against the quantity itself sees nothing: it is reported as not
+# checkable at this precision, never as agreement.
+CHECKABLE = 0.5
+
+
+def relative_l2(a, b):
+    """|a - b|_2 / |a|_2 (0 where both are 0, inf where only a is)."""
+    scale = float(np.sqrt(np.dot(a.reshape(-1), a.reshape(-1))))
+    distance = float(np.sqrt(np.sum((b - a) ** 2)))
+    return distance / scale if scale > 0 else (0.0 if distance == 0 else math.inf)
+
+
+class Allowances:
+    """The allowance of every compared quantity at every step: TWIN_FACTOR x the legitimate spread the twin
+    trace shows up to that step (a running maximum), plus the floor. Without a twin, the analytic
+    tolerances above, and the checker says so.
+
+    ref, twin: tests/peers/trace_files.Trace of zero2's trace and of its twin (or None); read(side,
+    kind, step) returns {name: float64 array} or None (the checker's cached reader)."""
+
+    def __init__(self, ref, twin, read, psi, precision):
+        self.ref, self.twin, self.read, self.psi, self.precision = ref, twin, read, psi, precision
+        self.scalar_spread = {"loss": 0.0, "grad_norm": 0.0}
+        self.gradient_spread, self.parameter_spread = {}, {}  # name -> running maximum
+        self.reached = 0
+
+    def advance(self, step):
+        """Take in the twin's steps up to `step` (the walk's order)."""
+        if self.twin is None:
+            return
+        while self.reached < step:
+            self.reached += 1
+            t = self.reached
+            mine, other = self.ref.steps[t - 1], self.twin.steps[t - 1]
+            for key in self.scalar_spread:
+                if is_finite_number(mine.get(key)) and is_finite_number(other.get(key)) and mine[key]:
+                    self.scalar_spread[key] = max(self.scalar_spread[key], abs(other[key] - mine[key]) / abs(mine[key]))
+            if t in self.ref.parameter_steps and t in self.twin.parameter_steps:
+                self._tensor_spread(t)
+
+    def _tensor_spread(self, t):
+        kinds = [("parameters", self.parameter_spread)]
+        if self.ref.parameter_steps.get(t) and self.twin.parameter_steps.get(t):
+            kinds.append(("gradients", self.gradient_spread))
+        for kind, spread in kinds:
+            mine, other = self.read("ref", kind, t), self.read("twin", kind, t)
+            if mine is None or other is None:
+                continue
+            for name, values in mine.items():
+                if name not in other or other[name].shape != values.shape:
+                    continue
+                if kind == "gradients":
+                    d = relative_l2(values, other[name])
+                else:
+                    d = float(np.median(np.abs(other[name] - values)))
+                if math.isfinite(d):
+                    spread[name] = max(spread.get(name, 0.0), d)
+
+    def calibrated(self):
+        return self.twin is not None
+
+    def scalar(self, key, value, step, terms):
+        """The loss's or the norm's allowance (absolute) at `step`."""
+        if not self.calibrated():
+            return (loss_tolerance if key == "loss" else norm_tolerance)(value, step, self.precision, terms)
+        # The reduction's own rounding (the analytic bound at step 0: it does not grow with the steps) plus
+        # TWIN_FACTOR x the relative spread of the twin up to here.
+        floor = (loss_tolerance if key == "loss" else norm_tolerance)(value, 0, self.precision, terms)
+        return floor + TWIN_FACTOR * self.scalar_spread[key] * abs(value)
+
+    def _pooled(self, spread):
+        values = sorted(spread.values())
+        return values[len(values) // 2] if values else 0.0
+
+    def gradient(self, name):
+        """A tensor's allowed |theirs - zero2|_2 / |zero2|_2 at the step the walk reached (twin: its
+        own spread, at least the median tensor's: a tensor whose twin happened to match exactly says
+        nothing of another implementation's order)."""
+        floor = GRADIENT_FLOOR[self.precision]
+        if not self.calibrated():
+            return floor
+        return floor + TWIN_FACTOR * max(self.gradient_spread.get(name, 0.0), self._pooled(self.gradient_spread))
+
+    def parameter_median(self, name, lr_sum):
+        """A tensor's allowed median |theirs - zero2| after the step the walk reached; lr_sum: the rates summed
+        over steps 1 .. s."""
+        floor = PARAMETER_FLOOR[self.precision] * lr_sum
+        if not self.calibrated():
+            return parameter_tolerances(lr_sum, self.precision)[0]
+        return floor + TWIN_FACTOR * max(self.parameter_spread.get(name, 0.0), self._pooled(self.parameter_spread))

@@ -382,3 +382,32 @@ def _brief(value):
 def _finite(value):
     """A float for JSON, or None (null) when there is none or it is not finite (JSON has no NaN)."""
     return None if value is None or not np.isfinite(value) else float(value)
+
+
+def rounded_to(values, precision):
+    """values rounded to `precision` (to nearest, ties to even), as a 16-bit copy of them holds them, in
+    float64 (tests/check_trace.py; the twin's start below)."""
+    if precision == "fp16":
+        return values.astype(np.float16).astype(np.float64)
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def round_initial(source, destination, precision):
+    """A copy of the Hugging Face directory `source` (a trace's initial/) whose weights are their `precision`
+    rounding, still stored as float32: the start of the twin of a 16-bit run (tests/peers/reference_trace.sh),
+    as a master made from the 16-bit model starts (DeepSpeed's)."""
+    import shutil
+    shutil.copytree(source, destination)
+    weights = read_safetensors(os.path.join(source, "model.safetensors"))
+    write_safetensors(os.path.join(destination, "model.safetensors"),
+                      {name: rounded_to(v, precision).astype(np.float32) for name, v in weights.items()})
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) == 5 and sys.argv[1] == "round-initial" and sys.argv[4] in ("bf16", "fp16"):
+        round_initial(*sys.argv[2:5])
+    else:
+        sys.exit("usage: trace_files.py round-initial SOURCE DESTINATION bf16|fp16")
