@@ -251,10 +251,11 @@ class Pair:
             validate_twin(self)
         self.allowances = Allowances(ref, twin, self.tensors, self.psi, self.precision)
 
-    def advance(self, step):
-        """The walk reached `step`: the twin's spread and the noise tensors up to it."""
-        self.allowances.advance(step)
-        if self.ref.parameter_steps.get(step):
+    def advance(self, step, kind=None):
+        """The walk reached `step` (kind None: its record; "gradients", "parameters": its kept tensors of that
+        kind): the twin's spread and the noise tensors up to it."""
+        self.allowances.advance(step, kind)
+        if kind == "gradients" and self.ref.parameter_steps.get(step):
             quiet = self.quiet_tensors(step)
             if quiet is not None:
                 self._quiet_seen = quiet if self._quiet_seen is None else self._quiet_seen & quiet
@@ -521,6 +522,8 @@ def check_step_scalars(pair, step, report, kept):
                           "part does not (zero2 sums the 16-bit slices in fp32 and rounds once)")
         report.append((step, "skipped by both (fp16 overflow)", 0.0))
         return None
+    if kept:
+        pair.advance(step, "gradients")  # the twin's spread of this step's gradients, the noise tensors so far
     gradients = check_gradients(pair, step) if kept else None
     tolerances = {"loss": pair.allowances.scalar("loss", mine["loss"], step, pair.selected(step)),
                   "grad_norm": pair.allowances.scalar("grad_norm", mine["grad_norm"], step, pair.psi)}
@@ -755,6 +758,7 @@ def check_parameters(pair, step, previous):
     copy, an update that never reached the weights, a step skipped between two adjacent kept steps.
     """
     mine, theirs = pair.tensors("ref", "parameters", step), pair.tensors("theirs", "parameters", step)
+    pair.advance(step, "parameters")
     before = pair.tensors("ref", "parameters", previous)
     theirs_before = pair.tensors("theirs", "parameters", previous) if previous else None
     lrs = [pair.ref.steps[t - 1]["lr"] for t in range(1, step + 1)]

@@ -162,9 +162,16 @@ class Allowances:
         self.gradient_spread, self.parameter_spread = {}, {}  # name -> running maximum
         self.reached = 0
 
-    def advance(self, step):
-        """Take in the twin's steps up to `step` (the walk's order)."""
+    def advance(self, step, kind=None):
+        """Take in the twin's steps up to `step` (the walk's order): kind None, its recorded loss and norm;
+        "gradients" or "parameters", its tensors of that kind at `step` (read where the walk reads zero2's,
+        so that a damaged file is met at the same check)."""
         if self.twin is None:
+            return
+        if kind is not None:
+            if step in self.ref.parameter_steps and step in self.twin.parameter_steps and \
+                    (kind == "parameters" or (self.ref.parameter_steps[step] and self.twin.parameter_steps[step])):
+                self._tensor_spread(step, kind)
             return
         while self.reached < step:
             self.reached += 1
@@ -173,26 +180,21 @@ class Allowances:
             for key in self.scalar_spread:
                 if is_finite_number(mine.get(key)) and is_finite_number(other.get(key)) and mine[key]:
                     self.scalar_spread[key] = max(self.scalar_spread[key], abs(other[key] - mine[key]) / abs(mine[key]))
-            if t in self.ref.parameter_steps and t in self.twin.parameter_steps:
-                self._tensor_spread(t)
 
-    def _tensor_spread(self, t):
-        kinds = [("parameters", self.parameter_spread)]
-        if self.ref.parameter_steps.get(t) and self.twin.parameter_steps.get(t):
-            kinds.append(("gradients", self.gradient_spread))
-        for kind, spread in kinds:
-            mine, other = self.read("ref", kind, t), self.read("twin", kind, t)
-            if mine is None or other is None:
+    def _tensor_spread(self, t, kind):
+        spread = self.gradient_spread if kind == "gradients" else self.parameter_spread
+        mine, other = self.read("ref", kind, t), self.read("twin", kind, t)
+        if mine is None or other is None:
+            return
+        for name, values in mine.items():
+            if name not in other or other[name].shape != values.shape:
                 continue
-            for name, values in mine.items():
-                if name not in other or other[name].shape != values.shape:
-                    continue
-                if kind == "gradients":
-                    d = relative_l2(values, other[name])
-                else:
-                    d = float(np.median(np.abs(other[name] - values)))
-                if math.isfinite(d):
-                    spread[name] = max(spread.get(name, 0.0), d)
+            if kind == "gradients":
+                d = relative_l2(values, other[name])
+            else:
+                d = float(np.median(np.abs(other[name] - values)))
+            if math.isfinite(d):
+                spread[name] = max(spread.get(name, 0.0), d)
 
     def calibrated(self):
         return self.twin is not None

@@ -58,10 +58,10 @@ check() {
   /usr/bin/python3 tests/check_trace.py "$3" "$4" ${CHECK_FLAGS:-} > "$work/check.log" 2>&1
   status=$?
   at=$(grep '^FAIL' "$work/check.log" | cut -c6- | cut -d: -f1 | cut -d';' -f1)
-  margin=$(sed -n 's/^margin: the difference is \([^ ]*\) x its tolerance.*/\1/p' "$work/check.log")
+  margin=$(sed -n 's/^margin: the difference is \([^ ]*\) x its allowance.*/\1/p' "$work/check.log")
   if [ "$expect" = agrees ]; then
     printf 'correct\t%s\t%s\t%s\t%s\n' "$label" \
-      "$(sed -n 's/.*the closest call: step [0-9]*, \([0-9.]*\) of the tolerance.*/\1/p' "$work/check.log")" \
+      "$(sed -n 's/.*the closest call: step [0-9]*, \([0-9.]*\) of the allowance.*/\1/p' "$work/check.log")" \
       "$(sed -n 's/.*the closest call: \(step [0-9]*\),.*/\1/p' "$work/check.log")" "$status" >> "$work/conformance.tsv"
     if [ $status = 0 ]; then pass "$label: $(grep '^PASS' "$work/check.log" | sed 's/^PASS: //')"
     else fail "$label: the checker says (exit $status):"; tail -n 4 "$work/check.log"; fi
