@@ -161,11 +161,13 @@ class Allowances:
         self.scalar_spread = {"loss": 0.0, "grad_norm": 0.0}
         self.gradient_spread, self.parameter_spread = {}, {}  # name -> running maximum
         self.reached = 0
+        self.reached_step = 0  # the walk's step, for the written bounds that grow with it
 
     def advance(self, step, kind=None):
         """Take in the twin's steps up to `step` (the walk's order): kind None, its recorded loss and norm;
         "gradients" or "parameters", its tensors of that kind at `step` (read where the walk reads zero2's,
         so that a damaged file is met at the same check)."""
+        self.reached_step = step
         if self.twin is None:
             return
         if kind is not None:
@@ -218,7 +220,9 @@ class Allowances:
         nothing of another implementation's order)."""
         floor = GRADIENT_FLOOR[self.precision]
         if not self.calibrated():
-            return floor
+            # The written bound grows with the steps, as the parameters carry each step's rounding forward
+            # (the factor 1 + s of gradient_tolerance): nothing measured says how fast.
+            return (1 + self.reached_step) * floor
         return floor + TWIN_FACTOR * max(self.gradient_spread.get(name, 0.0), self._pooled(self.gradient_spread))
 
     def parameter_median(self, name, lr_sum):
