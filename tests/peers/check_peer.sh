@@ -123,6 +123,18 @@ check_torch() {
       fail "torch peer --step $step did not run:"; tail -n 5 "$work/peer.log"
     fi
   done
+  # A long trace: 120 steps, kept every 10 (a correct peer's distance grows with the steps; the allowances
+  # grow with the twin's, notes/12, "Allowances from legitimate rounding"). About 15 s.
+  if make_reference "$work/ref_long" --steps 120 --trace-params-every 10; then
+    rm -rf "$work/theirs"
+    if "$python" "${peer[@]}" --step zero-redundancy "$work/ref_long" "$work/theirs" > "$work/peer.log" 2>&1; then
+      check "torch peer --step zero-redundancy (120 steps, N = 2, fp32)" agrees "$work/ref_long" "$work/theirs"
+    else
+      fail "torch peer on the 120-step trace did not run:"; tail -n 5 "$work/peer.log"
+    fi
+  else
+    fail "zero2's 120-step trace could not be made"
+  fi
   # The same two at BERT-mini's default size (L 4, H 256, B 8, T 128: Psi = 3.4M, 4 steps, a few seconds):
   # where a norm tolerance that did not grow with the number of squares failed a correct peer (torch's
   # vector_norm is about 10 ulp off there; notes/12, "Tolerances").
