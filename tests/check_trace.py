@@ -1,22 +1,28 @@
 #!/usr/bin/python3
 """tests/check_trace.py: another implementation's trace checked against zero2's (notes/12).
 
-    /usr/bin/python3 tests/check_trace.py REF THEIRS [--every-step]   (make check-trace REF=... THEIRS=...)
+    /usr/bin/python3 tests/check_trace.py REF THEIRS [--twin DIR | --no-twin] [--margins] [--every-step]
+    (make check-trace REF=... THEIRS=...)
 
 REF is zero2's trace (train_bert_mini --trace DIR); THEIRS the trace a peer wrote replaying it, in the same
 format (tests/peers/trace_files.py; tests/peers/torch_peer.py is a template). Step by step it compares the
-learning rate, the loss and the gradient norm, and at the steps both keep, the gradients and the parameters,
-each against a tolerance it prints and notes/12 justifies. It stops at the first step and tensor outside the
-tolerance, says where the differing elements lie in ZeRO's terms (which parameter, which bucket, which rank's
-shard at the trace's N) and what bug that pattern points to, from what it measured (a ratio of N, a norm that
-equals one rank's shard's, a difference that is -lr wd p on exactly the tensors without weight decay, ...).
+learning rate, the loss and the gradient norm, and at the steps both keep, each tensor's gradient and
+parameters, each against an allowance it prints: TWIN_FACTOR times how far zero2's twin (REF/twin, or --twin
+DIR: zero2's same run with only legitimate rounding changed, which tests/peers/reference_trace.sh writes) lies
+from zero2 up to that step, plus a floor; without a twin, the written bounds (notes/12, "Allowances from
+legitimate rounding", "Tolerances"). It stops at the first step and tensor outside its allowance, says where
+the differing elements lie in ZeRO's terms (which parameter, which bucket, which rank's shard at the trace's
+N) and what bug that points to. A comparison whose allowance is half the quantity itself is reported as not
+checkable, never as agreement; a PASS ends with its power: the smallest error in the rate, the weight decay,
+the gradient scale and the clipping threshold it would have failed (power-json: the same as JSON).
+--margins walks every step without stopping and prints each check's share of its allowance.
 
 Exit status 0: theirs agrees at every step; 1: it does not (the first failure and its diagnosis are printed);
 2: a trace cannot be read or the two contradict each other (one message naming the file and the field).
 The last line is "N passed, M failed": one check per step and one per kept step's tensors.
-Numpy and the standard library only (Debian's /usr/bin/python3). The tolerances are in
+Numpy and the standard library only (Debian's /usr/bin/python3). The allowances are in
 tests/trace_tolerances.py, the diagnoses and the failing step's replay in tests/trace_diagnosis.py; this file
-reads the two traces, walks the steps and reports.
+reads the traces, walks the steps and reports.
 """
 import json
 import math
@@ -764,7 +770,7 @@ def check_parameters(pair, step, previous):
     lrs = [pair.ref.steps[t - 1]["lr"] for t in range(1, step + 1)]
     update_largest = parameter_tolerances(sum(lrs), pair.precision)[1]  # AdamW's bound: analytic in every mode
     drift_between = parameter_tolerances(sum(lrs[previous:]), "fp32")[0]
-    worst, outside, first = 0.0, [], None
+    worst, outside, first, stalled = 0.0, [], None, {}
     for name in pair.params:
         # In mixed precision one unit of the format more, at the tensor's size: a peer's fp32 master may start
         # from its 16-bit model (DeepSpeed's does), zero2's starts from the fp32 weights themselves.
@@ -772,10 +778,20 @@ def check_parameters(pair, step, previous):
         # LayerNorm weights at 1), the largest: one unit at the tensor's size.
         size = np.abs(mine[name])
         start = UNIT[pair.precision] if pair.precision != "fp32" else 0.0
-        median_tolerance = pair.allowances.parameter_median(name, sum(lrs)) + pair.start_rounding(name)
         largest_tolerance = update_largest + start * float(size.max(initial=0.0))
         difference = np.abs(theirs[name] - mine[name]).reshape(-1)
-        median, largest = float(np.median(difference)), float(difference.max(initial=0.0))
+        largest = float(difference.max(initial=0.0))
+        if pair.allowances.calibrated():
+            # The median of the updates' difference since each side's start: zero2's from the initial weights,
+            # theirs from them or, in 16-bit, from their rounding (a master made from the 16-bit model), the
+            # nearer; the twin's spread is measured the same way (Allowances._tensor_spread).
+            initial = pair.tensors("ref", "parameters", 0)[name]
+            starts = [initial] + ([rounded_to(initial, pair.precision)] if pair.precision != "fp32" else [])
+            median = min(float(np.median(np.abs((theirs[name] - s) - (mine[name] - initial)))) for s in starts)
+            median_tolerance = pair.allowances.parameter_median(name, sum(lrs))
+        else:
+            median = float(np.median(difference))
+            median_tolerance = pair.allowances.parameter_median(name, sum(lrs)) + pair.start_rounding(name)
         moved = float(np.median(np.abs(mine[name] - before[name])))
         if name in pair.noise:
             median, speed, movement_excess = 0.0, None, 0.0  # AdamW's bound alone (Pair.quiet_tensors)
@@ -789,6 +805,9 @@ def check_parameters(pair, step, previous):
                 [before[name]] + ([rounded_to(before[name], pair.precision)] if pair.precision != "fp32" else [])
             speed, movement_excess = min((movement_share(float(np.median(np.abs(theirs[name] - s))), moved,
                                                          drift_between) for s in starts), key=lambda x: x[1])
+        if movement_excess > 1:
+            stalled.setdefault("worst", (movement_excess, name, moved, speed))
+            stalled["worst"] = max(stalled["worst"], (movement_excess, name, moved, speed))
         excess = max(share(median, median_tolerance), share(largest, largest_tolerance), movement_excess)
         worst = max(worst, excess)
         if excess > 1:
@@ -817,8 +836,9 @@ def check_parameters(pair, step, previous):
         diagnosis = diagnose_stale_shards(pair, shards)
         if diagnosis is None:
             diagnosis, measured = replay_step(pair, step)
-    if diagnosis is None and movement_excess > 1:  # (None where theirs moved, only too far or too little)
-        diagnosis = diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, step, previous)
+    if diagnosis is None and stalled:  # a tensor moved too little or too far (not only the first one named)
+        _, still, still_moved, still_theirs = stalled["worst"]
+        diagnosis = diagnose_movement(pair, outside, still_moved, still_theirs, still, since, mine, step, previous)
     if diagnosis is None and previous == step - 1:
         diagnosis = diagnose_parameters(pair, step, theirs, mine, before, shards, lr,
                                         pair.ref.optimizer["weight_decay"], median_tolerance)

@@ -188,13 +188,15 @@ class Allowances:
         mine, other = self.read("ref", kind, t), self.read("twin", kind, t)
         if mine is None or other is None:
             return
+        if kind == "parameters":
+            start, other_start = self.read("ref", kind, 0), self.read("twin", kind, 0)
         for name, values in mine.items():
             if name not in other or other[name].shape != values.shape:
                 continue
             if kind == "gradients":
                 d = relative_l2(values, other[name])
-            else:
-                d = float(np.median(np.abs(other[name] - values)))
+            else:  # the updates since each side's own start (the twin's is rounded in 16-bit), as the checker
+                d = float(np.median(np.abs((other[name] - other_start[name]) - (values - start[name]))))
             if math.isfinite(d):
                 spread[name] = max(spread.get(name, 0.0), d)
 

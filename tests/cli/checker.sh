@@ -240,10 +240,11 @@ fails "NaN in theirs' grad norm" "step 5, grad norm: theirs is nan" "the first n
   "$ref" "$work/nan_norm"
 # A bf16 peer without an fp32 master: its parameters live in bf16 and each update is rounded to bf16 (here:
 # zero2 --portable's updates, applied to the bf16 copy of the weights and rounded), so LayerNorm weights near
-# 1, whose updates are far below bf16's spacing there, never move.
+# 1, whose updates are far below bf16's spacing there, never move. (The first tensor outside is the word
+# embeddings, whose every update is rounded to bf16; the diagnosis names the tensors that did not move.)
 no_master='
-sys.path.insert(0, "tests")
-from check_trace import rounded_to
+sys.path.insert(0, "tests/peers")
+from trace_files import rounded_to
 now = {n: rounded_to(v.astype(np.float64), "bf16") for n, v in tensors(d + "/initial/model.safetensors").items()}
 before = tensors(d + "/initial/model.safetensors")
 for s in sorted(e["step"] for e in j["parameter_steps"]):
@@ -252,7 +253,7 @@ for s in sorted(e["step"] for e in j["parameter_steps"]):
     before = after
     save(d + f"/step_{s}/model.safetensors", {n: v.astype(np.float32) for n, v in now.items()})'
 damaged no_master theirs_bf16 "$no_master"
-fails "bf16 without an fp32 master" "parameters after step 1, bert.embeddings.LayerNorm.weight" \
+fails "bf16 without an fp32 master" "parameters after step 1, bert.embeddings.word_embeddings.weight" \
   "Keep an fp32 master copy" "$work/ref_bf16" "$work/no_master"
 # bf16 updates 10% too large (a rate scaled where the trace records the right one): each kept step's
 # parameters are theirs before it plus 1.1 x the update. The bf16 median tolerance held 6.5 x the rates summed
@@ -349,6 +350,64 @@ fails "rank 1's shards stale (the gradient of step 1)" "step 2, gradient of" \
   "theirs' gradients are zero2's of step 1: stale" "$ref" "$work/rank_stale"
 grep '^diagnosis:' "$work/check.log" | grep -qF "in rank 1's shards of" ||
   fail "rank 1's shards stale: the region is not named as rank 1's shards"
+
+echo "=== allowances from the twin (notes/12, \"Allowances from legitimate rounding\")"
+# Every trace above has its twin (REF/twin, reference_trace.sh's): the checker says so in its header.
+grep -q '^allowances (fp32; notes/12, "Allowances from legitimate rounding")' "$work/check.log" 2>/dev/null ||
+  { run_checker "$ref" "$theirs"; }
+if grep -q '^allowances (fp32; notes/12, "Allowances from legitimate rounding"): 10 x' "$work/check.log"; then
+  pass "the twin REF/twin found and used"
+else fail "the twin REF/twin was not used:"; head -n 3 "$work/check.log" | cut -c1-200; fi
+# A PASS states its power (what it could not have seen) in words and as JSON, and lists what it could not
+# compare; in bf16 the key biases' gradients are not checkable, and never said to agree.
+run_checker "$work/ref_bf16" "$work/theirs_bf16"
+if [ $status = 0 ] && "$python" -c 'import json, sys; v = json.loads(sys.argv[1]); assert sorted(v) == ["clip", "grad_scale", "lr", "weight_decay"]' \
+     "$(sed -n 's/^power-json: //p' "$work/check.log")" 2>/dev/null && grep -q '^power: what this PASS could not have seen: a rate off by less than' "$work/check.log" &&
+   grep -q '^not checkable at bf16 .*key.bias' "$work/check.log"; then
+  pass "bf16 PASS: $(grep '^power-json' "$work/check.log"); $(grep '^not checkable' "$work/check.log" | cut -c1-90) ..."
+else fail "bf16 PASS without its power or its not-checkable line:"; tail -n 5 "$work/check.log" | cut -c1-200; fi
+# bf16 gradients twice zero2's: the old per-element tolerance (1.3 x the largest element) called them agreeing.
+damaged bf16_doubled theirs_bf16 'import glob
+for p in glob.glob(d + "/step_*/gradients.safetensors"):
+    save(p, {n: v * 2 for n, v in tensors(p).items()})'
+fails "bf16: every gradient 2 x zero2's" "step 1, gradient of bert.embeddings.word_embeddings.weight" \
+  "summed over the 2 ranks, not averaged" "$work/ref_bf16" "$work/bf16_doubled"
+# No verdict at a step depends on a later step: the margins of steps 1 .. 4 are the same when the traces
+# (and the twin) stop at step 4.
+truncate='j["steps"] = j["steps"][:4]; j["run"]["steps"] = 4
+j["parameter_steps"] = [e for e in j["parameter_steps"] if e["step"] <= 4]'
+damaged ref_short ref_fp32 "$truncate"
+py checker damage "$work/ref_short/twin" "$truncate"
+damaged theirs_short theirs_fp32 "$truncate"
+margins_of() { timeout 60 "$python" "$checker" "$1" "$2" --margins | sed -n '/^margins/,/^[A-Z]/p' | awk '$1 ~ /^[0-9]+$/ && $1 <= 4'; }
+long=$(margins_of "$ref" "$theirs"); short=$(margins_of "$work/ref_short" "$work/theirs_short")
+if [ -n "$long" ] && [ "$long" = "$short" ]; then
+  pass "the margins of steps 1 .. 4 do not change when steps 5 and 6 are dropped ($(echo "$long" | wc -l) rows)"
+else fail "a later step changed an earlier margin:"; diff <(echo "$long") <(echo "$short") | head -n 6; fi
+# --margins walks past the first failure: every step has its row, the count has every failure.
+timeout 60 "$python" "$checker" "$ref" "$work/bucket_zero" --margins > "$work/check.log" 2>&1
+status=$?
+rows=$(sed -n '/^margins/,/^[A-Z]/p' "$work/check.log" | awk '$1 ~ /^[0-9]+$/' | wc -l)
+if [ $status = 1 ] && [ "$rows" = 6 ] && tail -n 1 "$work/check.log" | grep -qE '^[0-9]+ passed, [1-9][0-9]* failed$'; then
+  pass "--margins on the zeroed bucket: $rows rows, $(tail -n 1 "$work/check.log")"
+else fail "--margins: exit $status, $rows rows:"; tail -n 3 "$work/check.log" | cut -c1-200; fi
+# A twin of another run is refused (it would set every allowance).
+damaged twin_other ref_fp32 'j = None'
+py checker damage "$work/twin_other/twin" 'j["steps"][2]["lr"] *= 2'
+bad "a twin of another run (another rate at step 3)" "twin_other/twin/trace.json: steps[2].lr is" "0 passed, 1 failed" \
+  "$work/twin_other" "$theirs"
+# No weight decay at all, at wd 0.001: a zero2 run without decay that claims 0.001. The written bounds passed
+# it (0.27 of the tolerance); the twin's allowance fails it at step 1.
+if tests/peers/reference_trace.sh "$trainer" "$work/ref_wd" 2 --steps 6 --trace-params-every 2 --weight-decay 0.001 \
+     > "$work/make.log" 2>&1 &&
+   Z2_NO_TWIN=1 tests/peers/reference_trace.sh "$trainer" "$work/no_decay" 2 --steps 6 --trace-params-every 2 \
+     --weight-decay 0 --portable > "$work/make.log" 2>&1; then
+  py checker damage "$work/no_decay" 'j["optimizer"]["weight_decay"] = 0.001'
+  run_checker "$work/ref_wd" "$work/no_decay"
+  if [ $status = 1 ] && grep -q '^FAIL parameters after step 1' "$work/check.log"; then
+    pass "no weight decay at wd 0.001 fails at step 1: $(grep '^margin' "$work/check.log" | cut -c1-60)"
+  else fail "no weight decay at wd 0.001: exit $status:"; grep -E '^(FAIL|PASS|power:)' "$work/check.log" | cut -c1-200; fi
+else fail "the weight-decay traces could not be made:"; tail -n 3 "$work/make.log"; fi
 
 echo "=== no false failure: the torch peers"
 peer_python=.venv-hf/bin/python
