@@ -19,7 +19,7 @@
 #   fsdp       zero2's traces replayed by PyTorch's FSDP (tests/peers/fsdp_peer.py): FSDP1 (SHARD_GRAD_OP) and
 #              FSDP2 (fully_shard, gloo's AVG-that-sums divided out) each pass tests/check_trace.py on the small
 #              trace (N = 2, 20 steps) and on BERT-mini's default size (4 steps), in fp32 and in bf16 (FSDP's
-#              mixed precision over an fp32 master); FSDP2 without the AVG workaround fails, diagnosed "summed
+#              mixed precision over an fp32 master), and FSDP1 on 120-step traces in fp32 and bf16; FSDP2 without the AVG workaround fails, diagnosed "summed
 #              over the 2 ranks". Runs in .venv-fsdp, made here from PyPI when missing (torch 2.7.1,
 #              transformers 4.46.3: 5.3 GB; FSDP_VENV=DIR uses another). Not in CI. Without PyPI: SKIP, with
 #              the reason.
@@ -46,6 +46,15 @@ make_reference() {  # make_reference DIR [FLAGS...]: zero2's trace at N = 2 (tes
   local dir=$1
   shift
   tests/peers/reference_trace.sh "$trainer" "$dir" 2 "$@" > "$work/reference.log" 2>&1 || { cat "$work/reference.log"; return 1; }
+}
+
+# make_default_reference DIR [FLAGS...]: the same at BERT-mini's default sizes (L 4, H 256, B 8, T 128: Psi =
+# 3.4M), 4 steps kept every 2, with its twin as reference_trace.sh makes it.
+make_default_reference() {
+  local dir=$1
+  shift
+  make_reference "$dir" --layers 4 --hidden 256 --heads 4 --intermediate 1024 --seq 128 --micro-batch 8 \
+    --bucket 524288 --steps 4 --trace-params-every 2 "$@"
 }
 
 # check LABEL EXPECT REF THEIRS: tests/check_trace.py's verdict. EXPECT "agrees", or the words the
@@ -138,13 +147,7 @@ check_torch() {
   # The same two at BERT-mini's default size (L 4, H 256, B 8, T 128: Psi = 3.4M, 4 steps, a few seconds):
   # where a norm tolerance that did not grow with the number of squares failed a correct peer (torch's
   # vector_norm is about 10 ulp off there; notes/12, "Tolerances").
-  rm -rf "$work/ref_default"
-  # With its twin (zero2 --portable: notes/12, "Allowances from legitimate rounding"), as reference_trace.sh
-  # makes one.
-  if timeout 600 mpirun -n 2 "$trainer" --dropout 0 --steps 4 --trace-params-every 2 --quiet --trace "$work/ref_default" \
-       > "$work/reference.log" 2>&1 &&
-     timeout 600 mpirun -n 2 "$trainer" --dropout 0 --steps 4 --trace-params-every 2 --quiet --portable \
-       --trace "$work/ref_default/twin" >> "$work/reference.log" 2>&1; then
+  if make_default_reference "$work/ref_default"; then
     for step in zero-redundancy flat; do
       rm -rf "$work/theirs"
       if timeout 900 "$python" "${peer[@]}" --step "$step" "$work/ref_default" "$work/theirs" > "$work/peer.log" 2>&1; then
@@ -393,18 +396,22 @@ check_fsdp() {
   make_reference "$work/ref_bf16" --precision bf16 || { fail "zero2's bf16 reference trace could not be made"; return; }
   local precision
   for precision in fp32 bf16; do
-    rm -rf "$work/ref_default_$precision"
-    if ! timeout 600 mpirun -n 2 "$trainer" --dropout 0 --steps 4 --trace-params-every 2 --precision "$precision" --quiet \
-           --trace "$work/ref_default_$precision" > "$work/reference.log" 2>&1; then
-      fail "zero2's $precision trace at the default size could not be made:"; tail -n 5 "$work/reference.log"; return
-    fi
+    make_default_reference "$work/ref_default_$precision" --precision "$precision" ||
+      { fail "zero2's $precision trace at the default size could not be made"; return; }
+    # The long runs: 120 steps kept every 10, where the trial's FSDP1 failed correct runs (fp32 at step 92 on
+    # the norm, bf16 at step 1 because a later step changed which tensors were noise). About 20 s each.
+    make_reference "$work/ref_long_$precision" --steps 120 --trace-params-every 10 --precision "$precision" ||
+      { fail "zero2's 120-step $precision trace could not be made"; return; }
   done
   local fsdp ref label
   for fsdp in 1 2; do
-    for ref in ref "ref_bf16" ref_default_fp32 ref_default_bf16; do
+    for ref in ref "ref_bf16" ref_default_fp32 ref_default_bf16 ref_long_fp32 ref_long_bf16; do
+      [ "$fsdp" = 2 ] && [[ $ref == ref_long_* ]] && continue  # the long runs: FSDP1, as the trial's
       case $ref in
         ref) label="N = 2, fp32, 20 steps" ;;
         ref_bf16) label="N = 2, bf16, 20 steps" ;;
+        ref_long_fp32) label="N = 2, fp32, 120 steps" ;;
+        ref_long_bf16) label="N = 2, bf16, 120 steps" ;;
         ref_default_fp32) label="BERT-mini's default size, N = 2, fp32, 4 steps" ;;
         ref_default_bf16) label="BERT-mini's default size, N = 2, bf16, 4 steps" ;;
       esac

@@ -5,8 +5,9 @@
 # gradients after steps 1, 5, 10, 15, 20. FLAGS are added last (the last value of a flag counts).
 #
 # Then its twin, DIR/twin: the same run again with only legitimate rounding changed (--portable: zero2's own
-# gemm, every product summed in another order; in 16-bit also started from the 16-bit rounding of the initial
-# weights, the start a master made from the 16-bit model takes, through --init-hf). tests/check_trace.py
+# gemm, every product summed in another order; in 16-bit also started from the initial weights rounded toward
+# zero to 16 bits, through --init-hf: one 16-bit rounding of every weight, so the twin differs from step 1 on by
+# as much as two 16-bit implementations' roundings do; trace_files.py twin_start). tests/check_trace.py
 # finds it there and sets every allowance from how far the twin lies from zero2 (notes/12, "Allowances from
 # legitimate rounding"). Z2_NO_TWIN=1 leaves it out (the checker then says its allowances are analytic).
 set -u
@@ -29,7 +30,7 @@ start=()
 if [ "$precision" != fp32 ]; then
   rounded=$(mktemp -d /tmp/z2_twin_start.XXXXXX)
   trap 'rm -rf "$rounded"' EXIT
-  /usr/bin/python3 "$(dirname "$0")/trace_files.py" round-initial "$dir/initial" "$rounded/initial" "$precision" || exit 1
+  /usr/bin/python3 "$(dirname "$0")/trace_files.py" twin-start "$dir/initial" "$rounded/initial" "$precision" || exit 1
   start=(--init-hf "$rounded/initial")
 fi
 run "$dir/twin" "$@" --portable "${start[@]}"

@@ -394,20 +394,33 @@ def rounded_to(values, precision):
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-def round_initial(source, destination, precision):
-    """A copy of the Hugging Face directory `source` (a trace's initial/) whose weights are their `precision`
-    rounding, still stored as float32: the start of the twin of a 16-bit run (tests/peers/reference_trace.sh),
-    as a master made from the 16-bit model starts (DeepSpeed's)."""
+def truncated_to(values, precision):
+    """values rounded toward zero to `precision`, in float64: a 16-bit copy made by truncation."""
+    if precision == "fp16":
+        nearest = values.astype(np.float16)
+        wider = np.abs(nearest.astype(np.float64)) > np.abs(values)
+        nearest[wider] = np.nextafter(nearest[wider], np.float16(0))
+        return nearest.astype(np.float64)
+    bits = values.astype(np.float32).view(np.uint32)
+    return ((bits >> 16) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def twin_start(source, destination, precision):
+    """A copy of the Hugging Face directory `source` (a trace's initial/) whose weights are rounded toward zero
+    to `precision`, still stored as float32: the start of the twin of a 16-bit run (tests/peers/reference_trace.sh).
+    Toward zero, not to nearest: zero2's forward already uses the nearest 16-bit copy, so a start rounded to
+    nearest would give the twin zero2's own step 1; truncation changes about half the working copy's elements by
+    one unit, the scale at which two 16-bit implementations' roundings differ from the first step on."""
     import shutil
     shutil.copytree(source, destination)
     weights = read_safetensors(os.path.join(source, "model.safetensors"))
     write_safetensors(os.path.join(destination, "model.safetensors"),
-                      {name: rounded_to(v, precision).astype(np.float32) for name, v in weights.items()})
+                      {name: truncated_to(v, precision).astype(np.float32) for name, v in weights.items()})
 
 
 if __name__ == "__main__":
     import sys
-    if len(sys.argv) == 5 and sys.argv[1] == "round-initial" and sys.argv[4] in ("bf16", "fp16"):
-        round_initial(*sys.argv[2:5])
+    if len(sys.argv) == 5 and sys.argv[1] == "twin-start" and sys.argv[4] in ("bf16", "fp16"):
+        twin_start(*sys.argv[2:5])
     else:
-        sys.exit("usage: trace_files.py round-initial SOURCE DESTINATION bf16|fp16")
+        sys.exit("usage: trace_files.py twin-start SOURCE DESTINATION bf16|fp16")
