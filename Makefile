@@ -431,10 +431,11 @@ test-cpu: deps test-deps cpu
 # peer Debian's torch and the Hugging Face venv (hf-venv); the DeepSpeed peer a venv of its own, which
 # tests/peers/check_peer.sh makes (.venv-deepspeed). REF and THEIRS reach the recipe's shell through
 # the environment (make exports the variables of its command line) and are quoted there: a path with a
-# space or a quote stays one argument, and is never read as shell syntax.
+# space or a quote stays one argument, and is never read as shell syntax. CHECK_FLAGS (e.g. --margins,
+# --twin DIR) are added as words.
 check-trace:
 	@[ -n "$$REF" ] && [ -n "$$THEIRS" ] || { echo "usage: make check-trace REF=zero2's-trace THEIRS=your-trace"; exit 2; }
-	/usr/bin/python3 tests/check_trace.py "$$REF" "$$THEIRS"
+	/usr/bin/python3 tests/check_trace.py "$$REF" "$$THEIRS" $$CHECK_FLAGS
 
 check-peer: deps test-deps $(if $(filter fsdp,$(PEER)),,hf-venv)
 	@$(MAKE) --no-print-directory -j2 build/train_bert_mini

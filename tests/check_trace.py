@@ -956,8 +956,9 @@ def allowance_header(pair):
     if pair.allowances.calibrated():
         return (f"allowances ({precision}; notes/12, \"Allowances from legitimate rounding\"): {TWIN_FACTOR:g} x "
                 f"how far zero2's twin ({pair.twin.directory}: the same run in other legitimate rounding) lies from "
-                f"zero2 up to each step, plus a floor: loss 4 ulp + 2 sqrt(selected) fp32 ulp, grad norm 8 ulp + "
-                f"sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp, each tensor's gradient "
+                f"zero2 up to each step, plus a floor: loss 4 + 2 sqrt(selected) fp32 ulp, grad norm 8 + "
+                f"sqrt(Psi) = {8 + blocked_sum_ulps(pair.psi):.0f} fp32 ulp"
+                f"{'' if precision == 'fp32' else ' + one ' + precision + ' unit'}, each tensor's gradient "
                 f"{GRADIENT_FLOOR[precision]:.3g} of its norm, each tensor's parameters (median) "
                 f"{PARAMETER_FLOOR[precision]:.3g} x the lr summed; the largest element 2.5 x the lr summed (AdamW's "
                 f"bound); each tensor moved between half and twice as far as zero2 moved it")
