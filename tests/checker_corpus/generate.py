@@ -25,6 +25,8 @@ Usage (stdlib only):
     python3 tests/checker_corpus/generate.py plant CASE_ID OUT.py       write the case's peer copy (exit 3: the
                                                                         edit no longer matches torch_peer.py)
     python3 tests/checker_corpus/generate.py check                      every plant applies and compiles
+    python3 tests/checker_corpus/generate.py counts                     the cases per half, by class and variant
+    python3 tests/checker_corpus/generate.py tsv [dev|held-out|all]     run.sh's list (id, config, step, ...)
 
 The split: a case is in the held-out half when the first byte of sha256(id) is odd, in the development half
 when it is even (split.json records it; run.sh refuses a case whose recorded half disagrees with the rule).
@@ -37,7 +39,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from bug_taxonomy import BY_ID, CLASSES  # noqa: E402
+from bug_taxonomy import BY_ID, CATEGORIES, CLASSES  # noqa: E402
+
+CATEGORIES_ORDER = CATEGORIES
 
 PEER = os.path.join(ROOT, "tests", "peers", "torch_peer.py")
 
@@ -64,7 +68,7 @@ def reference_flags(name):
              "--trace-params-every", "1" if c["steps"] <= 8 else "20"]
     if c["model"] == "large":  # BERT-mini's default sizes (3.4M parameters), its default batch
         flags += ["--layers", "4", "--hidden", "256", "--heads", "4", "--intermediate", "1024", "--seq", "128",
-                  "--micro-batch", "8", "--bucket", "0"]
+                  "--micro-batch", "8", "--bucket", "524288"]
     return flags
 
 
@@ -420,6 +424,26 @@ def main(argv):
         for c in cases:
             if which in ("all", c["half"]):
                 print(json.dumps(c))
+    elif command == "tsv":  # run.sh's input: id, config, step, precision, N, kind, quick, edits, trace flags
+        which = argv[2] if len(argv) > 2 else "all"
+        for c in cases:
+            if which in ("all", c["half"]):
+                p = parse_config(c["config"])
+                print("\t".join([c["id"], c["config"], c["step"], p["precision"], str(p["world_size"]), c["kind"],
+                                 "1" if c["quick"] else "0", str(len(c["edits"])),
+                                 " ".join(reference_flags(c["config"]))]))
+    elif command == "counts":  # the cases per half: mistakes by class and configuration, correct by variant
+        for half in ("dev", "held-out"):
+            mine = [c for c in cases if c["half"] == half]
+            bugs = [c for c in mine if c["kind"] == "bug"]
+            print(f"{half}: {len(mine)} cases, {len(bugs)} mistakes of {len({c['cls'] for c in bugs})} classes, "
+                  f"{len(mine) - len(bugs)} correct")
+            rows = {}
+            for c in mine:
+                rows.setdefault(c["variant"] if c["kind"] == "bug" else "correct." + c["variant"], []).append(
+                    c["config"] + "/" + c["step"])
+            for name in sorted(rows):
+                print(f"  {name}: {', '.join(rows[name])}")
     elif command == "split":
         split = {"rule": "sha256(case id), its first byte: even -> dev, odd -> held-out "
                          "(tests/checker_corpus/generate.py half_of)",
