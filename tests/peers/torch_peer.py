@@ -16,8 +16,15 @@ rate, and the parameters and gradients after the steps the trace keeps, written 
                              order), AdamW on the own shard, the shards all-gathered. sharded_step below; the
                              course lab "torch-step" asks a student to write it (notes/labs/torch-step).
 
+--precision bf16 replays a bf16 trace as mixed precision over an fp32 master (what FSDP's MixedPrecision and
+DeepSpeed's bf16 do, in the form Debian's torch 1.13 has on the CPU): the model's parameters stay fp32 and are
+the master copy, the forward and backward run under torch.autocast("cpu", dtype=torch.bfloat16) (its matrix
+products in bf16 from bf16 copies of the weights; the embeddings, LayerNorm and softmax as autocast leaves them,
+in fp32), the cross-entropy on the logits widened to fp32, the gradients come out fp32 and are reduced in fp32,
+and AdamW steps the fp32 master. Either --step.
+
 What it leaves out: dropout (zero2 draws its masks from its own hash, so a trace with dropout > 0 is refused),
-mixed precision (an fp32 peer; the DeepSpeed peer replays bf16), gradient accumulation with DDP's no_sync only.
+fp16 (the DeepSpeed peer replays it), gradient accumulation with DDP's no_sync only.
 
 How to run (the Hugging Face venv that `make test` makes: Debian's torch 1.13 and transformers 4.39.3):
 
@@ -264,11 +271,13 @@ def load_replacements(path):
     return {name: getattr(module, name) for name in ("sharded_step", "micro_batch_loss") if hasattr(module, name)}
 
 
-def forward_backward(reference, step, stepper, loss_of):
+def forward_backward(reference, step, stepper, loss_of, precision="fp32"):
     """Step `step`'s forward and backward on this rank's micro-batches, the gradients left in the model (or,
     through stepper.no_sync, reduced at the last micro-step); returns the step's loss, zero2's: every rank's
     parts summed, averaged over the ranks (each part carries N, DDP's convention: micro_batch_loss).
-    loss_of(logits, labels, selected_in_global_batch, world_size) is micro_batch_loss or a replacement."""
+    loss_of(logits, labels, selected_in_global_batch, world_size) is micro_batch_loss or a replacement.
+    precision "bf16": the forward and backward under CPU autocast to bf16 (the parameters, their gradients and
+    the loss stay fp32; the logits are widened to fp32 for the cross-entropy)."""
     rank, N = dist.get_rank(), dist.get_world_size()
     A, B = reference.run["accumulation_steps"], reference.run["micro_batch"]
     input_ids, labels = (torch.from_numpy(np.array(a)) for a in reference.batch(step))
@@ -277,8 +286,8 @@ def forward_backward(reference, step, stepper, loss_of):
     for a in range(A):
         m = a * N + rank                     # the micro-batch zero2's rank r computes at micro-step a
         rows = slice(m * B, (m + 1) * B)
-        with stepper.no_sync(a == A - 1):
-            logits = stepper.forward(input_ids=input_ids[rows]).logits
+        with stepper.no_sync(a == A - 1), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logits = stepper.forward(input_ids=input_ids[rows]).logits.float()
             part = loss_of(logits, labels[rows], selected, N)
             part.backward()
         loss += part.detach()
@@ -286,19 +295,25 @@ def forward_backward(reference, step, stepper, loss_of):
     return loss / N                          # what DDP's averaged loss is: the ranks' mean
 
 
-def replay(reference, out, step_kind, functions):
+def replay(reference, out, step_kind, functions, precision="fp32"):
     from transformers import BertForMaskedLM
     rank, N = dist.get_rank(), dist.get_world_size()
     model = BertForMaskedLM.from_pretrained(reference.initial_directory(), hidden_dropout_prob=0.0,
                                             attention_probs_dropout_prob=0.0)
     model.train()  # dropout 0: train mode computes what eval mode would
+    if precision == "bf16":
+        # torch 1.13's CPU autocast leaves layer_norm uncast, and refuses a bf16 input with fp32 weights (the
+        # MLM head's transform: a bf16 GELU into its LayerNorm): LayerNorm in fp32, as autocast means it to be.
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.register_forward_pre_hook(lambda _, inputs: tuple(x.float() for x in inputs))
     stepper = (ZeroRedundancyStep(model, reference) if step_kind == "zero-redundancy"
                else FlatStep(model, reference, functions["sharded_step"]))
     A, B = reference.run["accumulation_steps"], reference.run["micro_batch"]
-    trace = PeerTrace(out, reference, f"tests/peers/torch_peer.py --step {step_kind}, torch {torch.__version__}, "
-                                      f"{N} ranks on gloo") if rank == 0 else None
+    trace = PeerTrace(out, reference, f"tests/peers/torch_peer.py --step {step_kind} --precision {precision}, "
+                                      f"torch {torch.__version__}, {N} ranks on gloo") if rank == 0 else None
     for step in range(1, len(reference.steps) + 1):
-        loss = forward_backward(reference, step, stepper, functions["micro_batch_loss"])
+        loss = forward_backward(reference, step, stepper, functions["micro_batch_loss"], precision)
         keep = step in reference.parameter_steps
         gradients = stepper.gradients() if keep and step_kind == "zero-redundancy" else None
         lr = reference.steps[step - 1]["lr"]
@@ -313,7 +328,7 @@ def replay(reference, out, step_kind, functions):
                                  {n: g.numpy() for n, g in gradients.items()})
     if trace:  # what this replay ran, which the checker holds against zero2's trace
         trace.finish(optimizer=stepper.used_optimizer(), world_size=N, stage=stepper.stage,
-                     accumulation_steps=A, micro_batch=B)
+                     accumulation_steps=A, micro_batch=B, precision=precision)
 
 
 def launch(ranks):
@@ -370,13 +385,16 @@ def main():
     parser.add_argument("out", help="where this peer writes its own trace")
     parser.add_argument("--step", choices=("zero-redundancy", "flat"), default="zero-redundancy")
     parser.add_argument("--replace", help="a file defining sharded_step and/or micro_batch_loss")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="the trace's precision: bf16 is mixed precision over an fp32 master (autocast)")
     parser.add_argument("--nproc-per-node", type=int, help="start this many ranks (without torchrun)")
     args = parser.parse_args()
     rank = join_group(args.nproc_per_node)
     functions = {"sharded_step": sharded_step, "micro_batch_loss": micro_batch_loss}
     try:
         reference = Trace(args.reference)
-        problem = refuse_what_cannot_be_replayed(reference, dist.get_world_size())
+        problem = refuse_what_cannot_be_replayed(reference, dist.get_world_size(), (args.precision,),
+                                                 "--precision fp32 or bf16 replays that; fp16: the DeepSpeed peer")
         if problem is None and args.replace:
             functions.update(load_replacements(args.replace))
     except (TraceError, OSError, SyntaxError) as e:
@@ -386,7 +404,7 @@ def main():
             print(f"torch_peer: error: {problem}", file=sys.stderr)
         leave_group()
         sys.exit(2)
-    replay(reference, args.out, args.step, functions)
+    replay(reference, args.out, args.step, functions, args.precision)
     leave_group()
 
 
