@@ -770,7 +770,7 @@ def check_parameters(pair, step, previous):
     lrs = [pair.ref.steps[t - 1]["lr"] for t in range(1, step + 1)]
     update_largest = parameter_tolerances(sum(lrs), pair.precision)[1]  # AdamW's bound: analytic in every mode
     drift_between = parameter_tolerances(sum(lrs[previous:]), "fp32")[0]
-    worst, outside, first, stalled = 0.0, [], None, {}
+    worst, outside, first, stalled, kinds = 0.0, [], None, {}, {}
     for name in pair.params:
         # In mixed precision one unit of the format more, at the tensor's size: a peer's fp32 master may start
         # from its 16-bit model (DeepSpeed's does), zero2's starts from the fp32 weights themselves.
@@ -808,7 +808,11 @@ def check_parameters(pair, step, previous):
         if movement_excess > 1:
             stalled.setdefault("worst", (movement_excess, name, moved, speed))
             stalled["worst"] = max(stalled["worst"], (movement_excess, name, moved, speed))
-        excess = max(share(median, median_tolerance), share(largest, largest_tolerance), movement_excess)
+        parts = {"parameters, median": share(median, median_tolerance),
+                 "parameters, largest": share(largest, largest_tolerance), "parameters, movement": movement_excess}
+        for part, value in parts.items():
+            kinds[part] = max(kinds.get(part, 0.0), value)
+        excess = max(parts.values())
         worst = max(worst, excess)
         if excess > 1:
             far = np.flatnonzero(difference > largest_tolerance)
@@ -818,7 +822,7 @@ def check_parameters(pair, step, previous):
             if first is None:
                 first = (name, median, median_tolerance, largest, largest_tolerance, moved, speed, movement_excess,
                          excess)
-    pair.shares.setdefault(step, {})["parameters"] = worst
+    pair.shares.setdefault(step, {}).update(kinds, parameters=worst)
     if first is None:
         return worst
     name, median, median_tolerance, largest, largest_tolerance, moved, moved_theirs, movement_excess, excess = first
@@ -1051,6 +1055,13 @@ def main(argv):
         print(f"not checkable at {pair.precision} (an allowance of half the quantity or more; never counted as "
               f"agreeing): the gradients of {', '.join(unseen[:4])}{' ...' if len(unseen) > 4 else ''} "
               f"({len(unseen)} tensors)")
+    closest = {}
+    for step, row in pair.shares.items():
+        for check_name, value in row.items():
+            if check_name != "parameters" and math.isfinite(value) and value >= closest.get(check_name, (-1, 0))[0]:
+                closest[check_name] = (value, step)
+    print("closest calls: " + ", ".join(f"{name.replace('grad_norm', 'grad norm')} {value:.2f} (step {step})"
+                                        for name, (value, step) in sorted(closest.items(), key=lambda x: -x[1][0])))
     words, values = pair.power.report()
     print(f"PASS: theirs agrees with zero2 at all {len(ref.steps)} steps and {len(kept)} kept steps "
           f"(the closest call: step {worst[0]}, {worst[2]:.2f} of the allowance)")
