@@ -353,11 +353,11 @@ def diagnose_parameters(pair, step, theirs, mine, before, shards, lr, weight_dec
 def describe_factor(k, pair):
     """A fitted factor, and what it equals where it is N, A, N A or 1 / one of them."""
     N, A = pair.N, pair.A
-    for value, what in ((N, "N, the ranks"), (A, "A, the micro-steps"), (N * A, "N A")):
+    for value, what in ((N, "N, the number of ranks"), (A, "A, the number of micro-steps"), (N * A, "N A")):
         if value > 1 and ratio_is(k, value, 2e-3):
-            return f"{k:.4g} = {what.split(',')[0]} = {value}" + (f" ({what.split(', ')[1]})" if "," in what else "")
+            return f"{k:.4g} (= {what})"
         if value > 1 and ratio_is(k, 1 / value, 2e-3):
-            return f"{k:.4g} = 1 / {what.split(',')[0]} = 1/{value}"
+            return f"{k:.4g} (= 1 / {what})"
     return f"{k:.4g}"
 
 
@@ -544,6 +544,29 @@ def replay_step(pair, step):
     for id in list(fits):  # a family at the value of one of its members: the member is named
         if any(member in fits for member in adamw_replay.HYPOTHESES[id]["generalises"]):
             del fits[id]
+    # The steps before the failing one that theirs keeps agreed with zero2's: a hypothesis that would have
+    # moved theirs elsewhere there is refuted (the warmup from 0 moves nothing at step 1, where the rate of the
+    # step before is step 1's own), replayed again from step 1 with its fitted factor.
+    refuted = {}
+    comparable = [t for t in range(1, step) if t in theirs.parameter_steps and (t == 1 or sources[t - 1][1] == "theirs")]
+    for id in list(fits) if comparable else []:
+        again = replay({k: v for k, v in fits[id][1].variant.items() if adamw_replay.TRUE[k] != v})
+        for t in range(1, max(comparable) + 1):
+            b, g, n = kept[t - 1] if len(kept) == step else inputs(t, *sources[t - 1])
+            again.advance(t, b, g, n)
+            if t in comparable:
+                score = excess(again.update(t, b), pair.tensors("theirs", "parameters", t), tolerances(rates[t - 1]))
+                if score > 1:
+                    refuted[id] = (t, score)
+                    del fits[id]
+                    break
+    if refuted and not fits:
+        return None, (f"The replay named no mistake of AdamW: {started}, AdamW as the trace states it is "
+                      f"{true_score:.3g} x the tolerance from theirs; "
+                      + ", ".join(f"\"{name(id)}\"" for id in refuted) + " reproduce"
+                      + ("s" if len(refuted) == 1 else "") + f" step {step} but not the steps before, where theirs "
+                      f"agreed with zero2 (" + "; ".join(f"{name(id)}: {score:.3g} x at step {t}"
+                                                         for id, (t, score) in refuted.items()) + ")")
     if not fits:
         nearest = min(((score, id) for id, (score, _, _) in scored.items()), default=None)
         return None, (f"The replay named no mistake of AdamW: {started}, AdamW as the trace states it is "
@@ -575,11 +598,14 @@ def replay_step(pair, step):
                       + ", but none fits the steps after it ("
                       + "; ".join(f"{name(id)}: {score:.3g} x at step {t}" for id, (t, score) in dropped.items())
                       + "); AdamW as the trace states it is " + f"{true_score:.3g} x the tolerance from theirs")
-    later = "" if last == step else \
+    earlier = "" if not refuted else \
+        ("; " + ", ".join(f"{name(id)} (which fits it too) would have put theirs elsewhere at step {t} ({score:.3g} x), "
+                          f"where theirs agreed with zero2" for id, (t, score) in refuted.items()))
+    later = earlier + ("" if last == step else
         (f"; the steps after it, replayed from their parameters at each up to step {last}, leave "
          + ("it alone" if len(fits) == 1 else "them") +
          (" (" + "; ".join(f"{name(id)} stops fitting at step {t}, {score:.3g} x" for id, (t, score) in
-                           dropped.items()) + ")" if dropped else ""))
+                           dropped.items()) + ")" if dropped else "")))
     if len(fits) == 1:
         id = next(iter(fits))
         hypothesis = adamw_replay.HYPOTHESES[id]

@@ -238,7 +238,8 @@ class Replay:
         if variant["warmup_from_zero"]:
             rate = self.rates[t - 2] if t >= 2 else 0.0
         else:
-            rate = self.rates[t - 1 + variant["lr_shift"]]
+            # a neighbour outside the schedule: the step's own rate (the rate of step 0 is step 1's)
+            rate = self.rates[min(max(t - 1 + variant["lr_shift"], 0), len(self.rates) - 1)]
         return rate * variant["lr_factor"]
 
     def _betas(self, t):
