@@ -170,6 +170,14 @@ check_replayed_mistakes() {
   else
     fail "torch peer on the trace with every step kept did not run:"; tail -n 5 "$work/peer.log"
   fi
+  # The naming on synthetic peers (each hypothesis's step replayed forward from zero2's gradients), fp32 and
+  # bf16: which hypotheses fit, what the steps before and after tell, the "named:" line (tests/test_hypotheses.py).
+  if make_reference "$work/ref_every_bf16" --trace-params-every 1 --precision bf16 &&
+     /usr/bin/python3 tests/test_hypotheses.py "$work/ref_every" "$work/ref_every_bf16" > "$work/hypotheses.log" 2>&1; then
+    pass "tests/test_hypotheses.py: $(tail -n 1 "$work/hypotheses.log")"
+  else
+    fail "tests/test_hypotheses.py:"; grep -v '^PASS' "$work/hypotheses.log" | tail -n 12
+  fi
   # plant NAME EXPECT SED_ARGS...: the copy must differ (a sed that no longer matches the peer plants nothing,
   # and a correct peer would then fail this test for the wrong reason: say so instead).
   plant() {
