@@ -551,6 +551,20 @@ def diagnose_gradients(pair, step, mine, theirs, tolerance, names, loss_agrees):
     # keeps its own part, so the region is whole buckets (or all): never some ranks' shards alone, which is a
     # stale shard the traces cannot reproduce (its step's gradient not kept).
     near = [k for k in (1 / N, 1.0) if abs(slope - k) < 0.25 * k] if N > 1 else []
+    # A buffer that each micro-step overwrites keeps the last micro-step's part alone: a slope of 1 / A on
+    # the whole gradient (every bucket), the loss agreeing (measured, as above: no trace holds a micro-step's).
+    last = A > 1 and abs(slope - 1 / A) < 0.25 / A and loss_agrees and 0.5 < correlation < 0.98 and kind == "all"
+    if last:
+        overwrites = (f"in {where}, {measured}, and the loss agrees: what the last of the A = {A} micro-steps gives "
+                      f"alone, whose slope on their sum is 1 / A in expectation: each micro-step's gradient replaced "
+                      f"the buffer instead of adding to it (measured, not reproduced: the traces hold no micro-step's "
+                      f"gradient)")
+        if not near:
+            return Diagnosis(overwrites, "accumulation.overwrites"), False, kind
+        return Diagnosis(overwrites + "; or one rank's own micro-batches alone (that reduction did not run)",
+                         fits=["accumulation.overwrites", "reduction.bucket-local"],
+                         separate=f"the slope {slope:.3f} is near both 1 / A and 1 / N; a run with A = 1 (or N far "
+                                  f"from A) tells them apart"), False, kind
     if near and loss_agrees and 0.5 < correlation < 0.98 and kind in ("all", "buckets"):
         divided = near[0] != 1.0
         return Diagnosis(f"in {where}, {measured}, and the loss agrees: what one rank's own micro-batches give alone "

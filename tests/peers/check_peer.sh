@@ -258,6 +258,12 @@ check_replayed_mistakes() {
     -e 's|^\(            part = loss_of(logits, labels\[rows\], selected, N)\)$|\1 / A|'
   plant not-averaged-at-A-3 "= N: the gradients were summed over the 2 ranks, not averaged" \
     -e 's|^        own.append(summed / N)$|        own.append(summed)|'
+  # The bias corrections counting micro-steps (t A, A = 3 here), and a gradient buffer each micro-step
+  # overwrites (the last micro-step's part alone: measured, a slope of 1 / A).
+  plant counter-micro-steps "the step counter counting micro-steps" \
+    -e 's|beta2 \*\* step|beta2 ** (3 * step)|' -e 's|beta1 \*\* step|beta1 ** (3 * step)|'
+  plant accumulation-overwrites "each micro-step's gradient replaced the buffer instead of adding to it" \
+    -e 's|^\(            logits = stepper.forward(input_ids=input_ids\[rows\]).logits\)$|            for p in stepper.model.parameters(): p.grad = None\n\1|'
   # A forward pass that differs (ReLU for BERT's GELU): the gradients differ everywhere with scatter, as a
   # reduction that never ran would make them, but the loss differs too, which points to the forward pass.
   plant forward-relu "from the same weights and the same batch the loss differs, so the forward pass or the loss does" \
