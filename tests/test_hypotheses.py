@@ -26,7 +26,6 @@ from contextlib import redirect_stdout
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "peers"))
-import numpy as np  # noqa: E402
 
 import adamw_replay  # noqa: E402
 import check_trace  # noqa: E402

@@ -77,7 +77,8 @@ def diagnose_loss(pair, step, theirs, mine, gradients_agree=False, generic=True)
         # many positions, make the per-rank mean the global one).
         distinct = lambda value: abs(value - mine) > 2 * tolerance
         if distinct(per_rank) and abs(theirs - per_rank) <= tolerance:
-            return Diagnosis("theirs is the mean of the ranks' own means (each rank averaging over its own selected positions, "
+            return Diagnosis("theirs is the mean of the ranks' own means (each rank averaging over its own selected "
+                             "positions, "
                     "as Hugging Face's loss does), not the mean over the selected positions of the whole global batch: "
                     f"the ranks select {[c for _, c in ranks]} positions, so their means weigh differently. Sum each "
                     "rank's cross-entropy and divide by the global batch's count (times N where DDP averages)",
@@ -300,8 +301,9 @@ def diagnose_parameters(pair, step, theirs, mine, before, shards, lr, weight_dec
         off = [n for n in mine if not close_to(theirs[n], mine[n], tolerance)]
         if off and all(n in pair.no_decay for n in off) and explained_by_decay(off, -1):
             return Diagnosis(f"the tensors that differ are exactly those without weight decay (biases, LayerNorm: "
-                             f"{off[0]}, ...), each by -lr x wd x p: weight decay was applied to them; leave the biases "
-                             f"and LayerNorm weights out of AdamW's decay (the trace's optimizer.no_weight_decay)",
+                             f"{off[0]}, ...), each by -lr x wd x p: weight decay was applied to them; leave the "
+                             f"biases and LayerNorm weights out of AdamW's decay (the trace's "
+                             f"optimizer.no_weight_decay)",
                              "adamw.decay-everything")
         if off and all(n not in pair.no_decay for n in off) and explained_by_decay(off, 1):
             return Diagnosis(f"the tensors that differ are exactly those with weight decay ({off[0]}, ...), each by "
@@ -447,12 +449,19 @@ def replay_step(pair, step):
                     and not (hypothesis["fit"] == "clip" and ref.optimizer["clip"] <= 0):
                 entries.append((id, k, entry))
     kept = []  # each step's inputs, for a fitted clipping threshold's replays from step 1
+    # Hypotheses that change only the update from the state share one m and v (advanced once, the arrays
+    # shared: advance() makes new ones, nothing writes them in place): a dozen states, not one per hypothesis.
+    groups = {}
+    for r in [true] + [e[2] for e in entries]:
+        groups.setdefault(adamw_replay.state_key(r.variant), []).append(r)
     for t, (side, before_side) in enumerate(sources, start=1):
         before, gradient, norm = inputs(t, side, before_side)
         if flat.size * step <= 5e7:
             kept.append((before, gradient, norm))
-        for r in [true] + [e[2] for e in entries]:
-            r.advance(t, before, gradient, norm)
+        for first, *others in groups.values():
+            first.advance(t, before, gradient, norm)
+            for r in others:
+                r.m, r.v = first.m, first.v
     # One update's tolerance where the replay starts from theirs' own parameters (it then differs from theirs
     # by one update's rounding), the checker's, summed over the steps, where it starts from zero2's.
     own_start = step == 1 or sources[-1][1] == "theirs"
@@ -520,7 +529,8 @@ def replay_step(pair, step):
                 continue
             factor = 1.0 - float(np.dot(target[decayed] - true_result[decayed].astype(np.float64), q) / np.dot(q, q))
             entry.variant["decay_factor"] = factor
-            fitted[id] = f"weight decay x {describe_factor(factor, pair)} ({factor * ref.optimizer['weight_decay']:.4g})"
+            decay = factor * ref.optimizer["weight_decay"]
+            fitted[id] = f"weight decay x {describe_factor(factor, pair)} ({decay:.4g})"
         elif fit == "eps":
             def evaluate(x):
                 entry.variant["eps_value"] = 10.0 ** x
@@ -580,14 +590,15 @@ def replay_step(pair, step):
     # moved theirs elsewhere there is refuted (the warmup from 0 moves nothing at step 1, where the rate of the
     # step before is step 1's own), replayed again from step 1 with its fitted factor.
     refuted = {}
-    comparable = [t for t in range(1, step) if t in theirs.parameter_steps and (t == 1 or sources[t - 1][1] == "theirs")]
+    comparable = [t for t in range(1, step)
+                  if t in theirs.parameter_steps and (t == 1 or sources[t - 1][1] == "theirs")]
     for id in list(fits) if comparable else []:
         again = replay({k: v for k, v in fits[id][1].variant.items() if adamw_replay.TRUE[k] != v})
         for t in range(1, max(comparable) + 1):
             b, g, n = kept[t - 1] if len(kept) == step else inputs(t, *sources[t - 1])
             again.advance(t, b, g, n)
             if t in comparable:
-                score = excess(again.update(t, b), pair.tensors("theirs", "parameters", t), tolerances(rates[t - 1]))
+                score = excess(again.update(t, b), read("theirs", "parameters", t), tolerances(rates[t - 1]))
                 if score > 1:
                     refuted[id] = (t, score)
                     del fits[id]
@@ -614,7 +625,7 @@ def replay_step(pair, step):
         if side is None or t not in theirs.parameter_steps or (t - 1) not in theirs.parameter_steps:
             break
         before_t, gradient, norm = inputs(t, side, "theirs")
-        goal = pair.tensors("theirs", "parameters", t)
+        goal = read("theirs", "parameters", t)
         for id in list(fits):
             entry = fits[id][1]
             entry.advance(t, before_t, gradient, norm)
@@ -623,7 +634,6 @@ def replay_step(pair, step):
                 dropped[id] = (t, score)
                 del fits[id]
         further = last = t
-        pair.forget_before(t)
     if not fits:
         return None, (f"The replay named no mistake of AdamW: {started}, "
                       + ", ".join(f"\"{name(id)}\" fits it" for id in first_scores)
@@ -631,8 +641,8 @@ def replay_step(pair, step):
                       + "; ".join(f"{name(id)}: {score:.3g} x at step {t}" for id, (t, score) in dropped.items())
                       + "); AdamW as the trace states it is " + f"{true_score:.3g} x the tolerance from theirs")
     earlier = "" if not refuted else \
-        ("; " + ", ".join(f"{name(id)} (which fits it too) would have put theirs elsewhere at step {t} ({score:.3g} x), "
-                          f"where theirs agreed with zero2" for id, (t, score) in refuted.items()))
+        ("; " + ", ".join(f"{name(id)} (which fits it too) would have put theirs elsewhere at step {t} "
+                          f"({score:.3g} x), where theirs agreed with zero2" for id, (t, score) in refuted.items()))
     later = earlier + ("" if last == step else
         (f"; the steps after it, replayed from their parameters at each up to step {last}, leave "
          + ("it alone" if len(fits) == 1 else "them") +
@@ -663,14 +673,16 @@ def separation(ids, fits, step, last, steps, rates, name):
     if rate_only:
         def rate(id, t):
             replay = fits[id][1]
-            return 0.0 if replay.variant["no_update"] else replay.lr(t) if 1 <= t + replay.variant["lr_shift"] <= steps \
-                else math.nan
+            if replay.variant["no_update"]:
+                return 0.0
+            return replay.lr(t) if 1 <= t + replay.variant["lr_shift"] <= steps else math.nan
         same = rate(ids[0], step)
         warmup = " (linear warmup: step 2's rate is twice step 1's)" if step == 1 and steps > 1 and \
             ratio_is(rates[1], 2 * rates[0], 1e-6) else ""
         for t in range(last + 1, steps + 1):
             values = [rate(id, t) for id in ids]
-            if any(not math.isfinite(v) for v in values) or max(values) - min(values) > 1e-6 * max(abs(v) for v in values):
+            if any(not math.isfinite(v) for v in values) or \
+                    max(values) - min(values) > 1e-6 * max(abs(v) for v in values):
                 return (f"{names} give the same rate at step {step} ({same:.4g}){warmup}: they differ at step {t}; "
                         f"keep step {t} (--trace-params-every 1)")
         return f"{names} give the same rate at every step of this run; a run with another schedule would differ"

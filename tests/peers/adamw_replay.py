@@ -161,6 +161,14 @@ HYPOTHESES = {
 }
 
 
+def state_key(variant):
+    """What of a variant changes m and v (Replay.advance): variants with one key share one state."""
+    l2 = variant["decay"] == "l2"
+    return (variant["clipping"], variant["clip_factor"], l2, variant["decay_set"] if l2 else None,
+            variant["decay_factor"] if l2 else None, variant["swap_betas"], variant["momentum"], variant["v_of"],
+            variant["reset"], variant["fixed_betas"])
+
+
 class Flat:
     """zero2's padded flat layout (a trace's `layout`): named tensors to one flat float32 array and back, which
     rank's shard each element lies in, and which elements AdamW decays."""
