@@ -43,6 +43,13 @@ CLASSES = [
        "the loss divided by the accumulation steps again (as Hugging Face's Trainer does): gradients 1/A"),
     _c("loss.summed-over-ranks", "loss", "scalar", "the loss reported summed over the ranks, not their total mean"),
     _c("loss.summed-cross-entropy", "loss", "scalar", "the summed cross-entropy, not its mean"),
+    _c("loss.mean-of-micro-batch-means", "loss", "scalar",
+       "the loss averaged per micro-batch and then over the micro-batches, not over the global batch"),
+    _c("loss.summed-over-micro-steps", "loss", "scalar", "the loss reported summed over the micro-steps: A x"),
+    _c("loss.divided-by-N", "loss", "scalar", "each rank's part of the loss divided by N again: 1/N x"),
+    _c("loss.forward-differs", "loss", "pattern",
+       "the forward pass differs (the activation, LayerNorm's eps, the batch's rows): the loss from the same "
+       "weights and batch is another"),
     # --- accumulation over micro-steps
     _c("accumulation.overwrites", "accumulation", "pattern",
        "each micro-step's gradient replaces the buffer instead of adding to it: only the last micro-step counts"),
@@ -71,6 +78,8 @@ CLASSES = [
        "the norm taken before the gradients were averaged: N x the norm (and the clip coefficient from it)"),
     _c("clipping.norm-own-shard", "clipping", "scalar",
        "the norm of the rank's own shard alone, the squares not summed over the ranks"),
+    _c("clipping.norm-averaged-twice", "clipping", "scalar",
+       "the norm taken of a gradient divided by N twice: 1/N x the norm (and the clip coefficient from it)"),
     # --- each term of AdamW
     _c("adamw.l2-decay", "adamw", "replay", "wd p added to the gradient Adam normalises (Adam's L2), not decoupled"),
     _c("adamw.no-decay", "adamw", "replay", "no weight decay at all"),
@@ -92,6 +101,10 @@ CLASSES = [
     _c("state.counter-ahead", "state", "replay", "the bias corrections count t + 1 (a counter one ahead)"),
     _c("state.counter-micro-steps", "state", "replay",
        "the bias corrections count micro-steps (t A), not updates"),
+    _c("state.update-not-applied", "state", "replay",
+       "the update never reached the weights (the optimizer stepped a copy): the parameters do not move"),
+    _c("state.group-not-updated", "state", "pattern",
+       "some tensors left out of the update (a parameter group missing from the optimizer): they do not move"),
     # --- the schedule
     _c("schedule.lr-of-step-before", "schedule", "replay", "step s updates with the rate of step s - 1"),
     _c("schedule.lr-of-step-after", "schedule", "replay", "step s updates with the rate of step s + 1"),
@@ -99,6 +112,8 @@ CLASSES = [
        "every update's rate a constant factor off the recorded one (lr x N, the linear scaling rule)"),
     _c("schedule.warmup-from-zero", "schedule", "replay",
        "the warmup counted from 0: the first update at rate 0, then every rate one step late"),
+    _c("schedule.fixed-betas", "schedule", "replay",
+       "the optimizer's betas in every update where the scheduler sets them per update (DeepSpeed's OneCycle)"),
     # --- sharding and the all-gather
     _c("sharding.stale-all-gather", "sharding", "pattern", "the all-gather ran before the update"),
     _c("sharding.offset-off-by-one", "sharding", "pattern", "a rank's shard offset by one rank"),

@@ -34,12 +34,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 from trace_files import Trace, TraceError, is_int, rounded_to  # noqa: E402
 # What a difference points to, and how far a difference may go (each a file of its own, beside this one).
-from trace_diagnosis import (ShardUpdates, diagnose_loss, diagnose_lr, diagnose_norm,  # noqa: E402
-                             diagnose_parameters, diagnose_stale_shards, factor_diagnosis, replay_step)
+from trace_diagnosis import (Diagnosis, ShardUpdates, diagnose_loss, diagnose_lr, diagnose_norm,  # noqa: E402
+                             diagnose_parameters, diagnose_stale_shards, factor_diagnosis, named_line, replay_step)
 from trace_tolerances import (CHECKABLE, GRADIENT_FLOOR, PARAMETER_FLOOR, TWIN_FACTOR, UNIT,  # noqa: E402
-                              Allowances, blocked_sum_ulps,
-                              gradient_tolerance, is_finite_number, is_number, loss_tolerance, parameter_tolerances,
-                              relative_l2, same_setting, share)
+                              Allowances, blocked_sum_ulps, gradient_tolerance, is_finite_number, is_number,
+                              parameter_tolerances, relative_l2, same_setting, share)
 
 
 class BadInput(Exception):
@@ -55,6 +54,9 @@ class Failure(Exception):
         # tensor named in `what` (the first in registration order), where tensors were compared
         self.what, self.diagnosis, self.excess, self.first = what, diagnosis, excess, first
         self.census = census  # every tensor outside, in a line (census()), where tensors were compared
+        # the class of tests/bug_taxonomy.py the diagnosis names (or the classes that fit): its "named:" line
+        self.named, self.fits = getattr(diagnosis, "named", None), getattr(diagnosis, "fits", None)
+        self.named_line = named_line(diagnosis)
 
 
 # ----------------------------------------------------------------------------
@@ -505,7 +507,6 @@ def check_step_scalars(pair, step, report, kept):
     element and show only that something differs); then the loss and the norm. Returns check_gradients' result
     (None where the gradients were not compared)."""
     mine, theirs = pair.ref.steps[step - 1], pair.theirs.steps[step - 1]
-    precision = pair.precision
     for key in ("lr", "loss", "grad_norm"):  # NaN first: every comparison with a NaN is false, a NaN passes them
         value = theirs[key]
         skipped_both = mine.get("skipped") and theirs.get("skipped") and key != "lr"
@@ -623,11 +624,11 @@ def check_gradients(pair, step):
             what += f"; the loss differs too: theirs {their_record['loss']:.9g}, zero2's {record['loss']:.9g}"
             named = diagnose_loss(pair, step, their_record["loss"], record["loss"], generic=False)
             if named and kind == "all":
-                diagnosis = f"{named}; the gradients, its derivative, differ with it"
+                diagnosis = named + "; the gradients, its derivative, differ with it"
             elif named:
-                diagnosis = f"{diagnosis}. The loss differs as well: {named}"
+                diagnosis = diagnosis + f". The loss differs as well: {named}"
             elif not reproduced and step == 1:
-                diagnosis = f"{diagnose_loss(pair, step, their_record['loss'], record['loss'])}. Measured: {diagnosis}"
+                diagnosis = diagnose_loss(pair, step, their_record['loss'], record['loss']) + f". Measured: {diagnosis}"
         raise Failure(what, diagnosis, max(e[1] for e in outside), census(pair, outside, "gradients"), excess)
     return worst, largest_relative, unseen
 
@@ -695,29 +696,31 @@ def diagnose_gradients(pair, step, mine, theirs, tolerance, names, loss_agrees):
     a = np.concatenate([shards_mine[k] for k in off])
     t = np.concatenate([shards_theirs[k] for k in off])
     if np.abs(t).max(initial=0.0) <= tolerance:
-        return (f"in {where}, theirs' gradients are zero: that reduction never ran, or its result never "
-                f"reached the gradient shard (a bucket whose last parameter's hook did not fire, or that was not "
-                f"flushed after backward; a rank that did not receive)"), True, kind
+        return Diagnosis(f"in {where}, theirs' gradients are zero: that reduction never ran, or its result never "
+                         f"reached the gradient shard (a bucket whose last parameter's hook did not fire, or that was "
+                         f"not flushed after backward; a rank that did not receive)",
+                         {"buckets": "reduction.bucket-skipped", "ranks": "reduction.rank-shard-zero"}.get(kind)), \
+            True, kind
     N, A = pair.N, pair.A
     for factor in sorted({f for f in (N, A, N * A) if f > 1}):
         for k in (factor, 1 / factor):
             if np.abs(t - k * a).max() <= max(k, 1.0) * tolerance:
                 named = factor_diagnosis(pair, k)
                 if named:
-                    return (named if kind == "all" else f"in {where}, {named}"), True, kind
+                    return (named if kind == "all" else f"in {where}, " + named), True, kind
     earlier = [s for s, kept_gradients in pair.ref.parameter_steps.items() if s < step and kept_gradients]
     old = pair.tensors("ref", "gradients", max(earlier)) if earlier else None
     if old is not None:
         s, old = max(earlier), pair.shard_views(old)
         before = np.concatenate([old[k] for k in off])
         if np.abs(t - before).max() <= tolerance:
-            return (f"in {where}, theirs' gradients are zero2's of step {s}: stale, not recomputed or not reduced "
-                    f"again at step {step} (a buffer reused without being overwritten, or a reduction that sent "
-                    f"the last step's values)"), True, kind
+            return Diagnosis(f"in {where}, theirs' gradients are zero2's of step {s}: stale, not recomputed or not "
+                             f"reduced again at step {step} (a buffer reused without being overwritten, or a "
+                             f"reduction that sent the last step's values)", "reduction.stale"), True, kind
         if s == step - 1 and np.abs(t - (a + before)).max() <= 2 * tolerance:
-            return (f"in {where}, theirs' gradients are zero2's of this step plus those of step {s}: the gradient "
-                    f"buffer was not zeroed after step {s}'s update, so this step's backward accumulated onto it"), \
-                True, kind
+            return Diagnosis(f"in {where}, theirs' gradients are zero2's of this step plus those of step {s}: the "
+                             f"gradient buffer was not zeroed after step {s}'s update, so this step's backward "
+                             f"accumulated onto it", "accumulation.not-zeroed"), True, kind
     # Measured over the tensors outside (a region of whole shards would dilute one tensor's factor).
     a = np.concatenate([mine[n].reshape(-1) for n in names])
     t = np.concatenate([theirs[n].reshape(-1) for n in names])
@@ -734,13 +737,27 @@ def diagnose_gradients(pair, step, mine, theirs, tolerance, names, loss_agrees):
     # keeps its own part, so the region is whole buckets (or all): never some ranks' shards alone, which is a
     # stale shard the traces cannot reproduce (its step's gradient not kept).
     near = [k for k in (1 / N, 1.0) if abs(slope - k) < 0.25 * k] if N > 1 else []
+    # A buffer that each micro-step overwrites keeps the last micro-step's part alone: a slope of 1 / A on
+    # the whole gradient (every bucket), the loss agreeing (measured, as above: no trace holds a micro-step's).
+    last = A > 1 and abs(slope - 1 / A) < 0.25 / A and loss_agrees and 0.5 < correlation < 0.98 and kind == "all"
+    if last:
+        overwrites = (f"in {where}, {measured}, and the loss agrees: what the last of the A = {A} micro-steps gives "
+                      f"alone, whose slope on their sum is 1 / A in expectation: each micro-step's gradient replaced "
+                      f"the buffer instead of adding to it (measured, not reproduced: the traces hold no micro-step's "
+                      f"gradient)")
+        if not near:
+            return Diagnosis(overwrites, "accumulation.overwrites"), False, kind
+        return Diagnosis(overwrites + "; or one rank's own micro-batches alone (that reduction did not run)",
+                         fits=["accumulation.overwrites", "reduction.bucket-local"],
+                         separate=f"the slope {slope:.3f} is near both 1 / A and 1 / N; a run with A = 1 (or N far "
+                                  f"from A) tells them apart"), False, kind
     if near and loss_agrees and 0.5 < correlation < 0.98 and kind in ("all", "buckets"):
         divided = near[0] != 1.0
-        return (f"in {where}, {measured}, and the loss agrees: what one rank's own micro-batches give alone (their "
-                f"part of the sum{', divided by N' if divided else ''}), whose slope on the mean of N = {N} ranks' "
-                f"parts is {'1 / N' if divided else '1'} in expectation: that reduction did not run and each rank "
-                f"kept its local gradient (measured, not reproduced: the traces hold no rank's own gradient)"), \
-            False, kind
+        return Diagnosis(f"in {where}, {measured}, and the loss agrees: what one rank's own micro-batches give alone "
+                         f"(their part of the sum{', divided by N' if divided else ''}), whose slope on the mean of "
+                         f"N = {N} ranks' parts is {'1 / N' if divided else '1'} in expectation: that reduction did "
+                         f"not run and each rank kept its local gradient (measured, not reproduced: the traces hold "
+                         f"no rank's own gradient)", "reduction.bucket-local"), False, kind
     return f"in {where}, {measured}; no known bug has this pattern", False, kind
 
 
@@ -829,21 +846,23 @@ def check_parameters(pair, step, previous):
     i = outside[0][3]
     since = f"step {previous}" if previous else "the initial weights"
     lr = pair.ref.steps[step - 1]["lr"]
-    # In order of evidence: whole ranks' or buckets' shards stale (the movement would see only that some
-    # tensors did not move); a variant of AdamW that reproduces theirs element for element where AdamW as the
-    # trace states it does not (fp32; an AdamW that moves too little, m uncorrected, would read as not moved);
-    # a tensor that did not move; the patterns (a shard offset, decay on the wrong tensors), and what the
-    # replay measured.
+    # In order of evidence: a hypothesis of AdamW (tests/peers/adamw_replay.py) that reproduces theirs element
+    # for element where AdamW as the trace states it does not (a replay, not a pattern, so no pattern's rule
+    # pre-empts it: missing weight decay leaves the rows no batch reaches where they were, which reads as a
+    # bucket left out); then whole ranks' or buckets' shards stale (the movement would see only that some
+    # tensors did not move); a tensor that did not move; the patterns (a shard offset, decay on the wrong
+    # tensors), and what the replay measured.
     diagnosis, measured, shards = None, None, None
     if previous == step - 1:
-        shards = ShardUpdates(pair, theirs, mine, before, median_tolerance)
-        diagnosis = diagnose_stale_shards(pair, shards)
+        diagnosis, measured = replay_step(pair, step)
         if diagnosis is None:
-            diagnosis, measured = replay_step(pair, step)
+            shards = ShardUpdates(pair, theirs, mine, before, median_tolerance)
+            diagnosis = diagnose_stale_shards(pair, shards)
     if diagnosis is None and stalled:  # a tensor moved too little or too far (not only the first one named)
         _, still, still_moved, still_theirs = stalled["worst"]
         diagnosis = diagnose_movement(pair, outside, still_moved, still_theirs, still, since, mine, step, previous)
     if diagnosis is None and previous == step - 1:
+        shards = shards or ShardUpdates(pair, theirs, mine, before, median_tolerance)
         diagnosis = diagnose_parameters(pair, step, theirs, mine, before, shards, lr,
                                         pair.ref.optimizer["weight_decay"], median_tolerance)
     raise Failure(f"parameters after step {step}, {pair.where(name, i)}: theirs "
@@ -877,18 +896,19 @@ def diagnose_movement(pair, outside, moved, moved_theirs, name, since, mine, ste
     if moved_theirs > 0.25 * moved:
         return None
     if len(stuck) >= 0.9 * len([n for n in pair.params if n not in pair.noise]):
-        return (f"theirs moved (almost) no parameter since {since} where zero2 moved them by about the learning "
-                f"rate a step: the update never reached the weights (the optimizer stepped a copy), or the step "
-                f"was skipped")
+        return Diagnosis(f"theirs moved (almost) no parameter since {since} where zero2 moved them by about the "
+                         f"learning rate a step: the update never reached the weights (the optimizer stepped a copy), "
+                         f"or the step was skipped", "state.update-not-applied")
     if pair.precision != "fp32":
         unit = UNIT[pair.precision] * float(np.median(np.abs(mine[name])))
-        return (f"theirs did not move {name} (and {len(stuck) - 1} more tensors) where zero2 moved it by "
+        return Diagnosis(f"theirs did not move {name} (and {len(stuck) - 1} more tensors) where zero2 moved it by "
                 f"{moved:.3g} at the median, {moved / unit:.2g} of a {pair.precision} unit at its size "
                 f"({unit:.3g}): an update smaller than the format's spacing is rounded away when the parameters "
                 f"are stepped in {pair.precision}. Keep an fp32 master copy, step it, and round it to "
-                f"{pair.precision} for the forward (zero2's trace holds the master)")
-    return (f"theirs did not move {name} (and {len(stuck) - 1} more tensors) since {since}, where zero2 moved it "
-            f"by {moved:.3g} at the median: those parameters were left out of the update")
+                f"{pair.precision} for the forward (zero2's trace holds the master)", "precision.no-master")
+    return Diagnosis(f"theirs did not move {name} (and {len(stuck) - 1} more tensors) since {since}, where zero2 "
+                     f"moved it by {moved:.3g} at the median: those parameters were left out of the update",
+                     "state.group-not-updated")
 
 
 def check(pair, counts, margins=None):
@@ -1031,6 +1051,7 @@ def main(argv):
         if failure.census:
             print(f"census: {failure.census}")
         print(f"diagnosis: {failure.diagnosis or 'no known bug has this pattern; the difference is above'}")
+        print(failure.named_line)
         print(f"{counts['passed']} passed, 1 failed")
         return 1
     print_held_to_largest(pair)

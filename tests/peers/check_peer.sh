@@ -63,7 +63,7 @@ make_default_reference() {
 # Each verdict is also a row of the conformance table printed at the end (conformance_table): a correct peer's
 # closest call, a planted mistake's first failing check, its margin and whether it was named.
 check() {
-  local label=$1 expect=$2 status at margin
+  local label=$1 expect=$2 status at margin named
   /usr/bin/python3 tests/check_trace.py "$3" "$4" ${CHECK_FLAGS:-} > "$work/check.log" 2>&1
   status=$?
   at=$(grep '^FAIL' "$work/check.log" | cut -c6- | cut -d: -f1 | cut -d';' -f1)
@@ -75,7 +75,9 @@ check() {
     if [ $status = 0 ]; then pass "$label: $(grep '^PASS' "$work/check.log" | sed 's/^PASS: //')"
     else fail "$label: the checker says (exit $status):"; tail -n 4 "$work/check.log"; fi
   elif [ $status = 1 ] && grep '^diagnosis:' "$work/check.log" | grep -qF "$expect"; then
-    printf 'mistake\t%s\t%s\t%s\tyes\n' "$label" "$margin" "$at" >> "$work/conformance.tsv"
+    # the class the checker's "named:" (or "fits:") line gives, beside "yes"
+    named=$(sed -n 's/^named: \(.*\)/\1/p; s/^fits: \([^(]*\) (.*/fits: \1/p' "$work/check.log")
+    printf 'mistake\t%s\t%s\t%s\tyes (%s)\n' "$label" "$margin" "$at" "${named% }" >> "$work/conformance.tsv"
     pass "$label: fails at $at (${margin} x the tolerance), diagnosed \"$expect\""
   else
     printf 'mistake\t%s\t%s\t%s\t%s\n' "$label" "${margin:-inf}" "${at:-exit $status}" \
@@ -108,7 +110,7 @@ for _, label, margin, where, named in mistakes:
 if correct and mistakes:
     worst = max(correct, key=lambda r: number(r[2]) if r[4] == "0" else float("inf"))
     weakest = min(mistakes, key=lambda r: number(r[2]))
-    named = sum(r[4] == "yes" for r in mistakes)
+    named = sum(r[4].startswith("yes") for r in mistakes)
     print(f"\nseparation: the worst correct closest call {worst[2]} ({worst[1]}), the weakest mistake's margin "
           f"{weakest[2]} ({weakest[1]}): {number(weakest[2]) / max(number(worst[2]), 1e-9):.3g} x apart; "
           f"{named} of {len(mistakes)} mistakes named")
@@ -187,18 +189,27 @@ check_replayed_mistakes() {
   else
     fail "torch peer on the trace with every step kept did not run:"; tail -n 5 "$work/peer.log"
   fi
+  # The naming on synthetic peers (each hypothesis's step replayed forward from zero2's gradients), fp32 and
+  # bf16: which hypotheses fit, what the steps before and after tell, the "named:" line (tests/test_hypotheses.py).
+  if make_reference "$work/ref_every_bf16" --trace-params-every 1 --precision bf16 &&
+     /usr/bin/python3 tests/test_hypotheses.py "$work/ref_every" "$work/ref_every_bf16" > "$work/hypotheses.log" 2>&1; then
+    pass "tests/test_hypotheses.py: $(tail -n 1 "$work/hypotheses.log")"
+  else
+    fail "tests/test_hypotheses.py:"; grep -v '^PASS' "$work/hypotheses.log" | tail -n 12
+  fi
   # plant NAME EXPECT SED_ARGS...: the copy must differ (a sed that no longer matches the peer plants nothing,
   # and a correct peer would then fail this test for the wrong reason: say so instead).
   plant() {
-    local name=$1 expect=$2 copy=$work/torch_peer.$1.py
+    local name=$1 expect=$2 copy=$work/torch_peer.$1.py ref=${plant_ref:-$work/ref_every} kept="every step kept"
     shift 2
+    [ "$ref" = "$work/ref_every" ] || kept="steps 1, 5, 10, 15, 20 kept"
     sed "$@" "$source" > "$copy"
     if cmp -s "$source" "$copy"; then fail "planted mistake $name: the sed no longer changes $source"; return; fi
     rm -rf "$work/theirs"
     # The copy lives in $work: trace_files.py comes from tests/peers through PYTHONPATH.
-    if PYTHONPATH=tests/peers "$python" "$copy" --nproc-per-node 2 --step flat "$work/ref_every" "$work/theirs" \
+    if PYTHONPATH=tests/peers "$python" "$copy" --nproc-per-node 2 --step flat "$ref" "$work/theirs" \
          > "$work/peer.log" 2>&1; then
-      check "planted mistake $name (every step kept)" "$expect" "$work/ref_every" "$work/theirs"
+      check "planted mistake $name ($kept)" "$expect" "$ref" "$work/theirs"
     else
       fail "torch peer with the planted mistake $name did not run:"; tail -n 5 "$work/peer.log"
     fi
@@ -223,6 +234,27 @@ check_replayed_mistakes() {
   plant lr-of-the-step-after "the rate of the step after" \
     -e 's|norm = stepper.step(lr, step)|norm = stepper.step(reference.steps[min(step, len(reference.steps) - 1)]["lr"], step)|'
   plant no-clipping "no gradient clipping" -e "s|$clipped|clipped = grad|"
+  # Named by a hypothesis of tests/peers/adamw_replay.py that a pattern once pre-empted or none named: each
+  # named alone where the steps after the failing one tell it from the others that fit there.
+  local decay_line='params.mul_(1 - lr \* settings\["weight_decay"\] \* layout.decay)'
+  plant lr-times-2 "the learning rate scaled (lr x 2 (= N, the number of ranks))" \
+    -e 's|norm = stepper.step(lr, step)|norm = stepper.step(2 * lr, step)|'
+  # Where step 2 is not kept, lr x 2 and the rate of the step after are one rate at step 1 (a linear warmup
+  # doubles it at step 2): both are said, and that step 2 would tell them apart.
+  plant_ref=$work/ref plant lr-times-2 "the rate of the step after and the learning rate scaled (lr x 2" \
+    -e 's|norm = stepper.step(lr, step)|norm = stepper.step(2 * lr, step)|'
+  plant no-weight-decay "no weight decay:" -e "s|$decay_line|pass|"
+  plant eps-1e-6 "another eps (eps 1e-06" -e 's|.add_(settings\["eps"\])|.add_(1e-6)|'
+  plant state-reset-each-step "the optimizer's state reset every step" \
+    -e 's|^\(    layout.exp_avg.mul_(beta1)\)|    layout.exp_avg.zero_(); layout.exp_avg_sq.zero_()\n\1|'
+  plant counter-one-ahead "the step counter one ahead" \
+    -e 's|beta2 \*\* step|beta2 ** (step + 1)|' -e 's|beta1 \*\* step|beta1 ** (step + 1)|'
+  plant clip-per-group "clipping each parameter group by its own norm" \
+    -e "s|$clipped|gd = (grad * grad * layout.decay).sum(); gn = (grad * grad).sum() - gd; dist.all_reduce(gd); dist.all_reduce(gn)\n    clipped = grad * (min(1.0, clip / (gd.sqrt().item() + 1e-6)) * layout.decay + min(1.0, clip / (gn.sqrt().item() + 1e-6)) * (1 - layout.decay))|"
+  plant decay-without-lr "weight decay without the rate" \
+    -e "s|$decay_line|params.mul_(1 - settings[\"weight_decay\"] * layout.decay)|"
+  plant warmup-from-zero "the warmup counted from 0" \
+    -e 's|norm = stepper.step(lr, step)|norm = stepper.step(reference.steps[step - 2]["lr"] if step > 1 else 0.0, step)|'
   plant clip-by-local-norm "clipping by each rank's own shard's norm" \
     -e "s|$clipped|clipped = grad * min(1.0, clip / (grad.norm().item() + 1e-6)) if clip > 0 else grad|"
   # The mistakes of the reduction, each confined to a bucket, a rank or a step after the first: the checker
@@ -245,6 +277,12 @@ check_replayed_mistakes() {
     -e 's|^\(            part = loss_of(logits, labels\[rows\], selected, N)\)$|\1 / A|'
   plant not-averaged-at-A-3 "= N: the gradients were summed over the 2 ranks, not averaged" \
     -e 's|^        own.append(summed / N)$|        own.append(summed)|'
+  # The bias corrections counting micro-steps (t A, A = 3 here), and a gradient buffer each micro-step
+  # overwrites (the last micro-step's part alone: measured, a slope of 1 / A).
+  plant counter-micro-steps "the step counter counting micro-steps" \
+    -e 's|beta2 \*\* step|beta2 ** (3 * step)|' -e 's|beta1 \*\* step|beta1 ** (3 * step)|'
+  plant accumulation-overwrites "each micro-step's gradient replaced the buffer instead of adding to it" \
+    -e 's|^\(            logits = stepper.forward(input_ids=input_ids\[rows\]).logits\)$|            for p in stepper.model.parameters(): p.grad = None\n\1|'
   # A forward pass that differs (ReLU for BERT's GELU): the gradients differ everywhere with scatter, as a
   # reduction that never ran would make them, but the loss differs too, which points to the forward pass.
   plant forward-relu "from the same weights and the same batch the loss differs, so the forward pass or the loss does" \
