@@ -6,6 +6,7 @@
 // one from the command line are checked the same way.
 #include "trainer/command_line.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -250,12 +251,93 @@ static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
         deepspeed_accumulation + " (\"grad_accum_dtype\": \"" + deepspeed_accumulation + "\" asks for that)");
 }
 
-Settings parse_command_line(int argc, char** argv) {
-  Settings settings;
+// Hugging Face's TrainingArguments flags a user pastes from a run script,
+// with the zero2 flag that does that job (run_mlm.py's and the Trainer's
+// most common ones; --seed is the same flag here).
+static const std::map<std::string, std::string> hugging_face_flags = {
+    {"per_device_train_batch_size", "--micro-batch B (sequences per rank per micro-step)"},
+    {"train_batch_size", "--micro-batch B (per rank), or a config's train_batch_size (the global batch)"},
+    {"gradient_accumulation_steps", "--accum A"},
+    {"learning_rate", "--lr LR"},
+    {"num_train_epochs", "--steps S (zero2 counts optimizer steps, not epochs)"},
+    {"max_steps", "--steps S"},
+    {"warmup_steps", "--warmup W"},
+    {"warmup_ratio", "--warmup W (in steps: the ratio times --steps)"},
+    {"weight_decay", "--weight-decay WD"},
+    {"max_grad_norm", "--clip C"},
+    {"output_dir", "--save DIR (checkpoints), --export-hf DIR (the model) or --json FILE (the summary)"},
+    {"overwrite_output_dir", "--save-overwrite"},
+    {"bf16", "--precision bf16"},
+    {"fp16", "--precision fp16"},
+    {"logging_steps", "--log-every K"},
+    {"save_steps", "--save-every K"},
+    {"save_total_limit", "--save-keep K"},
+    {"eval_steps", "--eval-every K"},
+    {"lr_scheduler_type", "--decay linear|none (with --warmup-type), or a config's scheduler block"},
+    {"resume_from_checkpoint", "--load DIR"},
+    {"gradient_checkpointing", "--activations recompute"},
+    {"model_name_or_path", "--init-hf DIR (a BertForMaskedLM directory of the run's sizes)"},
+    {"train_file", "--data FILE (UTF-8 text)"},
+    {"dataset_name", "--data FILE (UTF-8 text)"},
+    {"max_seq_length", "--seq T"},
+    {"do_train", "nothing: the trainer always trains (--steps S)"},
+    {"adam_beta1", "a config's optimizer.params.betas"},
+    {"adam_beta2", "a config's optimizer.params.betas"},
+    {"adam_epsilon", "a config's optimizer.params.eps"},
+    {"logging_dir", "--metrics FILE"},
+    {"report_to", "--metrics FILE (JSON Lines) and --json FILE"}};
+
+// A flag this trainer does not take, refused before its value is read (a
+// pasted "--bf16 --learning_rate 1e-4" would otherwise read as "--bf16
+// needs a value"), with what to write instead: Hugging Face's spelling, the
+// same name with hyphens, or the nearest flag.
+[[noreturn]] static void unknown_flag(const std::string& flag) {
+  std::string name = flag.substr(2), hyphens = flag;
+  for (char& c : name) c = c == '-' ? '_' : c;
+  for (char& c : hyphens) c = c == '_' ? '-' : c;
+  const auto hugging_face = hugging_face_flags.find(name);
+  if (hugging_face != hugging_face_flags.end())
+    fail("unknown flag '%s' (Hugging Face's TrainingArguments spelling?): zero2's is %s (train_bert_mini --help "
+         "lists the flags)",
+         flag.c_str(), hugging_face->second.c_str());
+  std::string nearest;
+  size_t best = 3;  // at most 2 edits away
+  for (const std::string& known : command_line_flags) {
+    const size_t distance = known == hyphens ? 0 : edit_distance(flag, known);
+    if (distance < best) best = distance, nearest = known;
+  }
+  if (!nearest.empty())
+    fail("unknown flag '%s' (did you mean '%s'?) (train_bert_mini --help lists the flags)", flag.c_str(),
+         nearest.c_str());
+  fail("unknown flag '%s' (train_bert_mini --help lists the flags)", flag.c_str());
+}
+
+// DeepSpeed's and torch's launch flags, in argparse's forms too ("--x=V" as
+// well as "--x V"): --deepspeed FILE (Hugging Face's) and --deepspeed_config
+// FILE (DeepSpeed's add_config_arguments) are --config FILE; DeepSpeed's own
+// --deepspeed is a switch without a value (on: zero2 is always ZeRO);
+// --local_rank=N, which the deepspeed launcher appends (and --local-rank,
+// torch's newer spelling), is checked against MPI's (trainer/launcher.cpp).
+// True when argv[i] was one of them (i then past its value).
+static bool launcher_flag(int& i, int argc, char** argv, std::vector<std::pair<std::string, std::string>>& flags) {
+  const std::string word = argv[i];
+  const size_t equals = word.find('=');
+  const std::string name = word.substr(0, equals);
+  const bool config = name == "--deepspeed" || name == "--deepspeed_config";
+  if (!config && name != "--local_rank" && name != "--local-rank") return false;
+  const bool next_is_value = i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0;
+  if (name == "--deepspeed" && equals == std::string::npos && !next_is_value) return true;  // the switch
+  if (equals == std::string::npos && !next_is_value) fail("%s needs a value", name.c_str());
+  const std::string value = equals != std::string::npos ? word.substr(equals + 1) : argv[++i];
+  flags.push_back({config ? "--config" : "--local_rank", value});
+  return true;
+}
+
+// argv as (flag, value) pairs, in order: a switch's value "" (or "1" for
+// the two a config key also sets), every other flag's the word after it.
+static std::vector<std::pair<std::string, std::string>> read_argv(int argc, char** argv,
+                                                                  const std::set<std::string>& switches) {
   std::vector<std::pair<std::string, std::string>> flags;
-  const std::set<std::string> switches = {
-      "--quiet",          "--wall-clock-breakdown", "--plan", "--poison-activations", "--portable",
-      "--save-overwrite", "--allow-different-bits"};  // no value
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (switches.count(flag)) {
@@ -264,19 +346,31 @@ Settings parse_command_line(int argc, char** argv) {
       continue;
     }
     if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
+    if (launcher_flag(i, argc, argv, flags)) continue;
     const size_t equals = flag.find('=');
-    if (equals != std::string::npos && switches.count(flag.substr(0, equals)))
-      fail("'%s': %s takes no value (write '%s' to switch it on%s)", flag.c_str(), flag.substr(0, equals).c_str(),
-           flag.substr(0, equals).c_str(),
-           flag.substr(0, equals) == "--portable" ? "; a config file's \"zero2_portable\": false switches it off" : "");
+    const std::string name = flag.substr(0, equals);
+    if (std::find(command_line_flags.begin(), command_line_flags.end(), name) == command_line_flags.end())
+      unknown_flag(name);
+    if (equals != std::string::npos && switches.count(name))
+      fail("'%s': %s takes no value (write '%s' to switch it on%s)", flag.c_str(), name.c_str(), name.c_str(),
+           name == "--portable" ? "; a config file's \"zero2_portable\": false switches it off" : "");
     if (equals != std::string::npos)
-      fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), flag.substr(0, equals).c_str(),
+      fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), name.c_str(),
            flag.substr(equals + 1).c_str());
     // A missing value shows as the next flag taking its place (negative
     // numbers start with a single dash, so they still pass).
     if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) fail("%s needs a value", flag.c_str());
     flags.push_back({flag, argv[++i]});
   }
+  return flags;
+}
+
+Settings parse_command_line(int argc, char** argv) {
+  Settings settings;
+  const std::set<std::string> switches = {
+      "--quiet",          "--wall-clock-breakdown", "--plan", "--poison-activations", "--portable",
+      "--save-overwrite", "--allow-different-bits"};  // no value
+  const std::vector<std::pair<std::string, std::string>> flags = read_argv(argc, argv, switches);
   ConfigReading config;
   for (auto& [flag, value] : flags)
     if (flag == "--config") {

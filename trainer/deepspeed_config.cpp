@@ -246,20 +246,6 @@ class ConfigReader {
     std::sort(out.begin(), out.end());
     return out;
   }
-  static size_t edit_distance(const std::string& a, const std::string& b) {
-    std::vector<size_t> row(b.size() + 1);
-    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-    for (size_t i = 1; i <= a.size(); ++i) {
-      size_t diagonal = row[0];
-      row[0] = i;
-      for (size_t j = 1; j <= b.size(); ++j) {
-        const size_t above = row[j];
-        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
-        diagonal = above;
-      }
-    }
-    return row[b.size()];
-  }
   // A DeepSpeed key this trainer does not act on, at the value that means
   // "off" in DeepSpeed; any other value is refused with `why`.
   void off_only(const std::string& key, const json& value, const json& off, const std::string& why) {
