@@ -63,26 +63,120 @@ static void check_plan_flags(const Settings& s) {
 
 // A config file's keys, as flags (their origin the key). A value out of
 // range counts as refused too: every problem of the file in one message.
-static void apply_config_keys(Settings& settings, ConfigReading& config, const std::string& path) {
-  for (auto& setting : config.flags) {
+static void apply_file_settings(Settings& settings, const std::vector<ConfigSetting>& flags,
+                                std::vector<std::string> refused, const std::string& path) {
+  for (auto& setting : flags) {
     try {
       apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
       settings.origins[setting.flag] = "config:" + setting.key;
     } catch (const z2::Error& error) {
       const std::string said = error.what(), prefix = "config key '" + setting.key + "' ";
-      config.refused.push_back(setting.key + ": " + (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
+      refused.push_back(setting.key + ": " + (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
     }
   }
-  if (!config.refused.empty()) {
-    std::string message = "the config file '" + path + "' has " + std::to_string(config.refused.size()) +
-                          (config.refused.size() == 1 ? " setting" : " settings") +
+  if (!refused.empty()) {
+    std::string message = "the config file '" + path + "' has " + std::to_string(refused.size()) +
+                          (refused.size() == 1 ? " setting" : " settings") +
                           " this trainer cannot take (notes/07 lists what each DeepSpeed key does here):";
-    for (auto& line : config.refused) message += "\n  " + line;
+    for (auto& line : refused) message += "\n  " + line;
     throw z2::Error(message);
   }
+}
+static void apply_config_keys(Settings& settings, ConfigReading& config, const std::string& path) {
+  apply_file_settings(settings, config.flags, config.refused, path);
   settings.config_notes = config.notes;
   settings.config_pinning_note = config.pinning_note;
   settings.config_warnings = config.warnings;
+}
+
+// fp16's loss-scaler keys, once the precision is known: DeepSpeed reads them
+// only when fp16 is enabled (runtime/config.py:195-200 get_loss_scale,
+// :216-242 get_dynamic_loss_scale_args), so a run in another precision
+// neither applies nor checks them ("min_loss_scale": 0 in a bf16 run's
+// file is no error), and one in fp16 applies them as the file's other keys.
+static void apply_fp16_scaler_keys(Settings& s, const ConfigReading& config) {
+  if (s.precision == "fp16") return apply_file_settings(s, config.fp16_flags, config.fp16_refused, s.config);
+  std::string keys;
+  for (const ConfigSetting& key : config.fp16_flags) keys += (keys.empty() ? "" : ", ") + key.key;
+  for (const std::string& refused : config.fp16_refused)
+    keys += (keys.empty() ? "" : ", ") + refused.substr(0, refused.find(':'));
+  if (!keys.empty())
+    s.config_notes.push_back(keys + " not read: the run trains in " + s.precision +
+                             ", and DeepSpeed reads fp16's loss-scaler keys only when fp16 is enabled "
+                             "(runtime/config.py:195-242), as does this trainer");
+}
+
+// A file with neither train_batch_size nor train_micro_batch_size_per_gpu
+// ("auto" counts as given: Hugging Face's Trainer fills it) fails DeepSpeed's
+// start-up (runtime/config.py:979-981, gradient_accumulation_steps alone
+// too). --micro-batch gives what the file lacks; a resumed run takes the
+// checkpoint's.
+static void check_batch_keys(const Settings& s, const ConfigReading& config,
+                             const std::map<std::string, std::string>& flags) {
+  if (config.batch_key_given || flags.count("--micro-batch") || !s.load_dir.empty()) return;
+  fail(
+      "the config file '%s' gives neither train_batch_size nor train_micro_batch_size_per_gpu: DeepSpeed refuses it "
+      "(\"Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided\", runtime/config.py:"
+      "979-981; gradient_accumulation_steps alone is not enough). Add one of them to the file, or give --micro-batch B",
+      s.config.c_str());
+}
+
+// "reduce_bucket_size": "auto" as Hugging Face's Trainer fills it: the
+// model's hidden_size squared (integrations/deepspeed.py,
+// trainer_config_finalize: fill_only("zero_optimization.reduce_bucket_size",
+// hidden_size * hidden_size)), here the run's --hidden. --bucket overrides it.
+static void fill_bucket_auto(Settings& s, const ConfigReading& config) {
+  if (!config.auto_flags.count("--bucket") || s.given.count("--bucket")) return;
+  const long bucket = (long)s.hidden * s.hidden;
+  apply(s, "--bucket", std::to_string(bucket), "zero_optimization.reduce_bucket_size \"auto\" (hidden_size^2)");
+  s.origins["--bucket"] = "hugging_face_auto:hidden_size^2";
+  s.config_notes.push_back("zero_optimization.reduce_bucket_size \"auto\": hidden_size^2 = " +
+                           std::to_string(s.hidden) + "^2 = " + std::to_string(bucket) +
+                           " elements, as Hugging Face's Trainer fills it (integrations/deepspeed.py)");
+}
+
+// prescale_gradients true or gradient_predivide_factor f other than 1, by
+// the run's stage (N the ranks). Stage 0: DeepSpeed's engine multiplies
+// each rank's gradient by 1 / N before the all-reduce (engine.py:2565-2567,
+// allreduce_bucket), or by 1 / f before and f / N after (:2557-2564): an
+// arithmetic zero2 does not implement (its gradient is the global batch's
+// mean, summed in fp32 in canonical order and divided once, notes/06: the
+// same value in exact arithmetic, rounded otherwise). Stage 1: DeepSpeed's
+// ZeRO optimizer reduces with reduce_scatter (its default, the only value
+// taken here), whose average_tensor divides by N before the sum whatever
+// the keys say (zero/stage_1_and_2.py:1128); they act only without
+// reduce_scatter (:1068-1069, gradient_reduction_w_predivide). Stage 2:
+// DeepSpeed asserts both away (stage_1_and_2.py:244-246).
+static void check_prescaling(Settings& s, const ConfigReading& config) {
+  std::string refused;  // both keys' reasons in one message
+  for (const ConfigSetting& key : config.prescaling) {
+    const bool prescale = key.key == "prescale_gradients";
+    const std::string said = "config key '" + key.key + "' " + key.value;
+    if (s.stage == 1) {
+      s.config_notes.push_back(said + " changes nothing, here as in DeepSpeed at stage 1: its ZeRO optimizer "
+                                      "reduces with reduce_scatter (its default), which divides each rank's gradient "
+                                      "by N before the sum whatever the key says (zero/stage_1_and_2.py:1128)");
+      continue;
+    }
+    const std::string stage = said_by(s, "--stage", std::to_string(s.stage)), write = prescale ? "false" : "1.0";
+    std::string reason;
+    if (s.stage == 2)
+      reason = said + " with " + stage + ": DeepSpeed refuses it too at stage 2 with reduce_scatter (its default): " +
+               "stage_1_and_2.py:" + (prescale ? "246" : "245") + " asserts \"" +
+               (prescale ? "pre-scale gradients" : "gradient_predivide_factor != 1.0") +
+               " is not yet supported with ZeRO-2 with reduce scatter enabled\". Write " + write +
+               " (at stage 1 DeepSpeed ignores it)";
+    else
+      reason = said + " with " + stage + ": DeepSpeed's engine then multiplies each rank's gradient by " +
+               (prescale ? "1 / N before the sum over the ranks (engine.py:2565-2567"
+                         : "1 / " + key.value + " before the sum over the ranks and the sum by " + key.value +
+                               " / N after (engine.py:2557-2564") +
+               ", allreduce_bucket); zero2 sums each gradient in fp32 in one canonical order and divides once "
+               "(notes/06), the same mean in exact arithmetic, rounded otherwise, and does not implement that "
+               "arithmetic. Write " + write + ", or train at stage 1, where DeepSpeed's ZeRO optimizer ignores it";
+    refused += (refused.empty() ? "" : "\n  ") + reason;
+  }
+  if (!refused.empty()) throw z2::Error(refused);
 }
 
 // The schedule a config means, with the flags next to it: its scheduler
@@ -393,7 +487,13 @@ Settings parse_command_line(int argc, char** argv) {
     else apply(settings, flag, value), settings.origins[flag] = "flag:" + flag;
   }
   resolve_precision(settings);
-  if (!settings.config.empty()) apply_deepspeed_meaning(settings, config, seen);
+  if (!settings.config.empty()) {
+    apply_fp16_scaler_keys(settings, config);
+    check_batch_keys(settings, config, seen);
+    apply_deepspeed_meaning(settings, config, seen);
+    fill_bucket_auto(settings, config);
+    check_prescaling(settings, config);
+  }
   check_plan_flags(settings);
   if (!settings.plan) check_offload(settings);  // --plan shows every stage, offloaded where it can be
   if (!settings.plan && !settings.config.empty()) check_client_optimizer_offload(settings, config);

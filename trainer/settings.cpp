@@ -256,7 +256,8 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "hysteresis") s.loss_scaling.hysteresis = (int)parse_integer(name, value, 1, big);
   else if (flag == "consecutive_hysteresis")
     s.loss_scaling.consecutive_hysteresis = parse_integer(name, value, 0, 1) != 0;
-  else if (flag == "min_loss_scale") s.loss_scaling.min_scale = parse_real(name, value, 1e-30, 1e30);
+  // 0: no floor, as DeepSpeed's DynamicLossScaler takes it (the scale halves until it reaches 0)
+  else if (flag == "min_loss_scale") s.loss_scaling.min_scale = parse_real(name, value, 0.0, 1e30);
   else if (flag == "grad_accum_dtype") s.grad_accum_dtype = parse_choice(name, value, {"fp32", "bf16", "fp16"});
   else if (flag == "beta1") s.beta1 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
