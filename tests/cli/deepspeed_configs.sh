@@ -90,7 +90,7 @@ real_configs() {
     d['schedule']['decay'] == 'none' and d['schedule']['convention'] == 'deepspeed' and len(d['steps']) == 3" --steps 3
   ds_runs accelerate_zero_stage2.json "d['precision'] == 'fp16' and d['schedule']['convention'] == 'deepspeed' and \
     d['optimizer']['weight_decay'] == 0.01 and $o['weight_decay'] == 'trainer_default:auto' and \
-    $o['warmup_type'] == 'deepspeed_default:WarmupDecayLR'"
+    $o['warmup_type'] == 'deepspeed_default:WarmupDecayLR' and d['bucket'] == 16 * 16"
   ds_runs open_instruct_stage2.json "d['stage'] == 2 and d['overlap'] and $o['lr'] == 'trainer_default' and \
     $o['weight_decay'] == 'trainer_default' and d['schedule']['convention'] == 'none' and \
     all(s['lr'] == 0.001 for s in d['steps'])"
