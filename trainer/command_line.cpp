@@ -146,11 +146,18 @@ static void fill_bucket_auto(Settings& s, const ConfigReading& config) {
 // taken here), whose average_tensor divides by N before the sum whatever
 // the keys say (zero/stage_1_and_2.py:1128); they act only without
 // reduce_scatter (:1068-1069, gradient_reduction_w_predivide). Stage 2:
-// DeepSpeed asserts both away (stage_1_and_2.py:244-246).
+// DeepSpeed asserts both away (stage_1_and_2.py:244-246). (With prescale
+// true the engine never reads the factor: a stage-0 file with both, as
+// DeepSpeedExamples' BERT configs have, is refused for prescale alone.)
 static void check_prescaling(Settings& s, const ConfigReading& config) {
   std::string refused;  // both keys' reasons in one message
+  bool prescale_on = false;
+  for (const ConfigSetting& key : config.prescaling) prescale_on = prescale_on || key.key == "prescale_gradients";
   for (const ConfigSetting& key : config.prescaling) {
     const bool prescale = key.key == "prescale_gradients";
+    // At stage 0 with prescale_gradients true the engine takes the prescale
+    // branch (engine.py:2565-2567), which never reads the factor.
+    if (!prescale && prescale_on && s.stage == 0) continue;
     const std::string said = "config key '" + key.key + "' " + key.value;
     if (s.stage == 1) {
       s.config_notes.push_back(said + " changes nothing, here as in DeepSpeed at stage 1: its ZeRO optimizer "
@@ -168,7 +175,8 @@ static void check_prescaling(Settings& s, const ConfigReading& config) {
                " (at stage 1 DeepSpeed ignores it)";
     else
       reason = said + " with " + stage + ": DeepSpeed's engine then multiplies each rank's gradient by " +
-               (prescale ? "1 / N before the sum over the ranks (engine.py:2565-2567"
+               (prescale ? std::string("1 / N before the sum over the ranks (engine.py:2565-2567") +
+                               (config.prescaling.size() > 1 ? "; gradient_predivide_factor is then not read" : "")
                          : "1 / " + key.value + " before the sum over the ranks and the sum by " + key.value +
                                " / N after (engine.py:2557-2564") +
                ", allreduce_bucket); zero2 sums each gradient in fp32 in one canonical order and divides once "
