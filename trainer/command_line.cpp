@@ -473,13 +473,18 @@ Settings parse_command_line(int argc, char** argv) {
       "--quiet",          "--wall-clock-breakdown", "--plan", "--poison-activations", "--portable",
       "--save-overwrite", "--allow-different-bits"};  // no value
   const std::vector<std::pair<std::string, std::string>> flags = read_argv(argc, argv, switches);
+  // One config file, the last given (--config, --deepspeed and
+  // --deepspeed_config are one flag; the header names a repeat): two files'
+  // keys must not mix.
   ConfigReading config;
+  std::string config_path;
   for (auto& [flag, value] : flags)
-    if (flag == "--config") {
-      settings.config = parse_path("--config", value);
-      config = read_deepspeed_config(value);
-      apply_config_keys(settings, config, value);
-    }
+    if (flag == "--config") config_path = value;
+  if (!config_path.empty()) {
+    settings.config = parse_path("--config", config_path);
+    config = read_deepspeed_config(config_path);
+    apply_config_keys(settings, config, config_path);
+  }
   // A flag given twice: the last counts, as argparse (DeepSpeed's and
   // Hugging Face's launchers) and most Unix tools do, so a script can keep
   // its defaults in one array and append what a run changes. Not silently:

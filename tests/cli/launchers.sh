@@ -107,6 +107,14 @@ deepspeed_flags() {
     if [ "$micro" = "3 2" ]; then pass "$form: the config read (micro-batch 3, stage 2)"
     else fail "$form: got '$micro': $(tail -c 300 "$work/log")"; fi
   done
+  # Two files (--config, then --deepspeed): the last is read, alone; the first's keys do not mix in.
+  echo '{"train_micro_batch_size_per_gpu": 5, "gradient_clipping": 0.25}' > "$work/other.json"
+  rm -f "$work/ds_out.json"
+  timeout 120 "$trainer" --layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --steps 1 --quiet \
+    --config "$work/other.json" --deepspeed "$work/ds.json" --json "$work/ds_out.json" > "$work/log" 2>&1
+  micro=$(json_get "$work/ds_out.json" "str(d['micro_batch']) + ' ' + str(d['optimizer']['clip'])" 2>/dev/null)
+  if [ "$micro" = "3 0.0" ]; then pass "--config A --deepspeed B: B alone (micro-batch 3, DeepSpeed's clip 0)"
+  else fail "--config A --deepspeed B: got '$micro': $(tail -c 300 "$work/log")"; fi
   bad_case "--local_rank 0, but MPI's local rank of rank 1" "${one_step[@]}" --local_rank=0
   bad_ranks=1 bad_case "--local_rank 1, but MPI's local rank of rank 0" "${one_step[@]}" --local_rank 1
   bad_case "--local_rank wants an integer" "${one_step[@]}" --local_rank=first
