@@ -50,7 +50,8 @@ const std::vector<Launcher>& launchers() {
         {"SLURM_PROCID", false},
         {"SLURM_LOCALID", false}},
        "srun alone makes an MPICH world only where MPICH is linked with Slurm's PMI (srun --mpi=pmi2); this "
-       "MPICH's PMI client is hydra's: in an allocation, run mpirun there (hydra starts its ranks through srun)"},
+       "MPICH's PMI client is hydra's: in an allocation, run mpirun there (hydra starts its ranks through srun; "
+       "`mpirun -n 1` for one rank in a larger allocation)"},
       {"Open MPI's mpirun (PMIx)",
        {{"OMPI_COMM_WORLD_SIZE", true},
         {"OMPI_COMM_WORLD_RANK", false},
