@@ -139,9 +139,9 @@ static void fill_bucket_auto(Settings& s, const ConfigReading& config) {
 // the run's stage (N the ranks). Stage 0: DeepSpeed's engine multiplies
 // each rank's gradient by 1 / N before the all-reduce (engine.py:2565-2567,
 // allreduce_bucket), or by 1 / f before and f / N after (:2557-2564): an
-// arithmetic zero2 does not implement (its gradient is the global batch's
-// mean, summed in fp32 in canonical order and divided once, notes/06: the
-// same value in exact arithmetic, rounded otherwise). Stage 1: DeepSpeed's
+// arithmetic zero2 does not implement (its loss is the global batch's mean,
+// its gradients summed over the ranks in fp32 in canonical order, notes/06:
+// no division by N exists to move; the same value in exact arithmetic). Stage 1: DeepSpeed's
 // ZeRO optimizer reduces with reduce_scatter (its default, the only value
 // taken here), whose average_tensor divides by N before the sum whatever
 // the keys say (zero/stage_1_and_2.py:1128); they act only without
@@ -175,13 +175,14 @@ static void check_prescaling(Settings& s, const ConfigReading& config) {
                " (at stage 1 DeepSpeed ignores it)";
     else
       reason = said + " with " + stage + ": DeepSpeed's engine then multiplies each rank's gradient by " +
-               (prescale ? std::string("1 / N before the sum over the ranks (engine.py:2565-2567") +
-                               (config.prescaling.size() > 1 ? "; gradient_predivide_factor is then not read" : "")
+               (prescale ? std::string("1 / N before the sum over the ranks (engine.py:2565-2567, allreduce_bucket") +
+                               (config.prescaling.size() > 1 ? "; gradient_predivide_factor is then not read)" : ")")
                          : "1 / " + key.value + " before the sum over the ranks and the sum by " + key.value +
-                               " / N after (engine.py:2557-2564") +
-               ", allreduce_bucket); zero2 sums each gradient in fp32 in one canonical order and divides once "
-               "(notes/06), the same mean in exact arithmetic, rounded otherwise, and does not implement that "
-               "arithmetic. Write " + write + ", or train at stage 1, where DeepSpeed's ZeRO optimizer ignores it";
+                               " / N after (engine.py:2557-2564, allreduce_bucket)") +
+               "; zero2's loss is the mean over the whole global batch and its gradients are summed over the "
+               "ranks in fp32 in one canonical order (notes/06): no division by N exists to move before the sum, "
+               "and that arithmetic (the same mean in exact arithmetic, rounded otherwise) is not implemented. "
+               "Write " + write + ", or train at stage 1, where DeepSpeed's ZeRO optimizer ignores it";
     refused += (refused.empty() ? "" : "\n  ") + reason;
   }
   if (!refused.empty()) throw z2::Error(refused);

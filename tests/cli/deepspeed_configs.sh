@@ -738,7 +738,7 @@ config_gaps() {
   grep -qF 'stage_1_and_2.py:245 asserts "gradient_predivide_factor != 1.0' "$work/bad_stderr" &&
     pass "stage 2: both keys in the one message" || fail "stage 2: predivide missing: $(cat "$work/bad_stderr")"
   # Stage 0 (DeepSpeedExamples' BERT configs: no zero_optimization, both keys): the engine's arithmetic.
-  bad_case "DeepSpeed's engine then multiplies each rank's gradient by 1 / N before the sum over the ranks (engine.py:2565-2567; gradient_predivide_factor is then not read" \
+  bad_case "DeepSpeed's engine then multiplies each rank's gradient by 1 / N before the sum over the ranks (engine.py:2565-2567, allreduce_bucket; gradient_predivide_factor is then not read)" \
     --config "$work/gap_scaled2.json" "${one_layer[@]}" --steps 1 --stage 0
   echo "{$batch, \"gradient_predivide_factor\": 8}" > "$work/gap_predivide0.json"
   bad_case "DeepSpeed's engine then multiplies each rank's gradient by 1 / 8 before the sum over the ranks and the sum by 8 / N after (engine.py:2557-2564" \
