@@ -154,7 +154,7 @@ MODEL_SOURCE    := train_bert_mini.cu
 TRAINER_SOURCES := trainer/checkpoints.cpp trainer/json.cpp trainer/deepspeed_config.cpp trainer/reports.cpp \
                    trainer/hf_export.cpp trainer/trace.cpp trainer/hf_import.cpp trainer/plan.cpp trainer/settings.cpp \
                    trainer/output_files.cpp trainer/inputs.cpp trainer/safetensors.cpp trainer/command_line.cpp \
-                   trainer/step_observers.cpp trainer/embedded_corpus.cpp
+                   trainer/step_observers.cpp trainer/embedded_corpus.cpp trainer/launcher.cpp
 # What the trainer's plumbing links besides the engine's libraries: OpenSSL's
 # libcrypto, whose SHA-256 the checkpoints record (trainer/inputs.cpp).
 TRAINER_LIBS    := -lcrypto

@@ -104,6 +104,8 @@
 #include "trainer/reports.h"
 // defines: parse_command_line (argv and --config into Settings)
 #include "trainer/command_line.h"
+// defines: LaunchFacts, launch_facts, check_launch, check_local_rank (who started the processes)
+#include "trainer/launcher.h"
 // defines: StepObservers, ObservedModel, DrawnBatch, diverged (what watches a step)
 #include "trainer/step_observers.h"
 
@@ -1912,10 +1914,13 @@ int main(int argc, char** argv) {
       // Every rank reads its own --config (on several hosts, its own copy):
       // a failure on any rank is agreed on, so no rank waits for one that left.
       bert::Settings settings;
+      const bert::LaunchFacts launch = bert::launch_facts(MPI_COMM_WORLD);  // collective: before any can fail
       bert::agree_on_errors(
           MPI_COMM_WORLD,
           [&] {
+            bert::check_launch(launch);  // torchrun's or srun's processes are not MPI's ranks
             settings = bert::parse_command_line(argc, argv);
+            bert::check_local_rank(settings, launch);
             int world_size = 1;
             MPI_Comm_size(MPI_COMM_WORLD, &world_size);
             if (!settings.load_dir.empty())

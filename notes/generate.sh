@@ -631,6 +631,50 @@ PY
   echo '```'
 } >"$out/several_machines"
 
+# launchers (notes/07, "Launching"): each way people start the trainer, what MPI makes of it, the exit
+# status, whether --json was written, and the message's start. torchrun's, the deepspeed launcher's, srun's
+# and Open MPI's processes are started directly with their variables (what each launcher sets); the last
+# row is Debian's own torchrun, which fails before it starts any process (torch 1.13 on Python 3.11).
+launch_row() {  # LAUNCH VARS COMMAND...: one row
+  local launch=$1 vars=$2 status=0 world=- written=no said
+  shift 2
+  rm -f "$out/launch.json"
+  env $vars timeout 120 "$@" --json "$out/launch.json" >/dev/null 2>"$out/launch_err" || status=$?
+  if [ -e "$out/launch.json" ]; then
+    written=yes
+    world=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['world_size'])" "$out/launch.json")
+  fi
+  said=$(sed -n 's/^train_bert_mini: error: \(.\{1,80\}\).*/\1 .../p' "$out/launch_err" | head -n 1)
+  echo "| $launch | ${vars:+\`$vars\`} | $world | $status | $written | $said |"
+}
+{
+  one_step="--device cpu --layers 1 --hidden 16 --heads 2 --intermediate 32 --seq 16 --micro-batch 2 --steps 1 --quiet"
+  echo "Measured by \`make notes\` ($trainer, one step of a small model; the variables are what each launcher"
+  echo "sets, the process started without mpirun as that launcher starts it):"
+  echo
+  echo "| launch | environment | world (--json) | exit | --json written | message |"
+  echo "|---|---|---|---|---|---|"
+  launch_row "\`mpirun -n 2\`" "" mpirun -n 2 "$trainer" $one_step
+  launch_row "\`mpirun -n 2\` in an allocation, a shell's WORLD_SIZE" "WORLD_SIZE=4 RANK=3 SLURM_NTASKS=8 SLURM_PROCID=5" \
+    mpirun -n 2 "$trainer" $one_step
+  launch_row "\`mpirun -n 1\` in an allocation" "SLURM_NTASKS=4 SLURM_PROCID=0" mpirun -n 1 "$trainer" $one_step
+  launch_row "a bare start (one rank)" "" "$trainer" $one_step
+  launch_row "torchrun, process 0 of 2" "WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2" "$trainer" $one_step
+  launch_row "torchrun, process 1 of 2" "WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2" "$trainer" $one_step
+  launch_row "deepspeed launcher, process 1 of 2 (\`--local_rank=1\`)" "WORLD_SIZE=2 RANK=1 LOCAL_RANK=1" \
+    "$trainer" $one_step --local_rank=1
+  launch_row "srun without MPI's PMI, task 1 of 2" "SLURM_NTASKS=2 SLURM_PROCID=1 SLURM_LOCALID=1" "$trainer" $one_step
+  launch_row "Open MPI's mpirun, rank 1 of 2" "OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=1 PMIX_RANK=1" \
+    "$trainer" $one_step
+  launch_row "\`mpirun -n 2 ... --local_rank=0\`" "" mpirun -n 2 "$trainer" $one_step --local_rank=0
+  status=0
+  timeout 120 /usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node 2 --no_python "$trainer" \
+    $one_step --json "$out/launch.json" >/dev/null 2>"$out/torchrun_err" || status=$?
+  written=no; [ -e "$out/launch.json" ] && written=yes
+  echo "| Debian's \`torchrun --standalone --nproc_per_node 2 --no_python\` | | - | $status | $written |" \
+    "torchrun itself: $(grep -E '^[A-Za-z]+Error' "$out/torchrun_err" | tail -n 1 | cut -c1-70) |"
+} >"$out/launchers"
+
 # gpu_summary, gpu_zero_r: from the saved log of tests/gpu_check.sh's last GPU run
 # (this machine has no GPU; the log is what the GPU machine printed). Its summary line names the mode
 # (quick or full) since the script was split; a log without one is the one-pass script's.

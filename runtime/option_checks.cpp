@@ -72,8 +72,10 @@ void check_loss_scaling(const LossScaling& settings) {
     usage_error("fp16 initial_scale_power %d: from 0 to 100", settings.initial_scale_power);
   if (settings.window < 1) usage_error("fp16 loss_scale_window %ld: at least 1", settings.window);
   if (settings.hysteresis < 1) usage_error("fp16 hysteresis %d: at least 1", settings.hysteresis);
-  if (!(settings.min_scale > 0) || !std::isfinite(settings.min_scale))
-    usage_error("fp16 min_loss_scale %g: must be > 0", settings.min_scale);
+  // 0 is DeepSpeed's "no floor" (loss_scaler.py update_scale: max(scale / 2, 0));
+  // its raise at the minimum then comes only once the scale has reached 0.
+  if (!(settings.min_scale >= 0) || !std::isfinite(settings.min_scale))
+    usage_error("fp16 min_loss_scale %g: must be >= 0", settings.min_scale);
 }
 
 void check_loss_scaler_state(const LossScalerState& state) {

@@ -25,6 +25,7 @@ doctest             300   the engine and the model in process (tests/test_*.cpp,
 stages              120   the stage matrix through the command line: N x stage x overlap, one set of bits
 ledgers              60   the JSON summary's ledgers against the paper's formulas
 bad_input           180   bad input: one message, a non-zero exit, nothing written
+launchers            60   torchrun / srun / Open MPI variables around a one-rank MPI world refused; --deepspeed, --local_rank
 torch_reference     120   PyTorch's loss, gradients and AdamW step on a dumped batch
 zero_r              240   ZeRO-R: every --activations x --alloc gives the matrix's bits; out of memory
 precision           240   bf16 and fp16: the matrix, the ledgers, fp16's skipped steps, accuracy

@@ -192,7 +192,16 @@ TEST_CASE(
     "BERT config file: DeepSpeed keys map to flags, the command line overrides, left-out keys take DeepSpeed's "
     "defaults, unknown keys are warned about or named") {
   const std::string path = "/tmp/z2_test_config_" + std::to_string(harness::rank()) + ".json";
-  auto write = [&](const std::string& text) { std::ofstream(path) << text; };
+  // DeepSpeed refuses a file with neither train_batch_size nor
+  // train_micro_batch_size_per_gpu (runtime/config.py:979-981), and so does
+  // the trainer: a file here without one is given the trainer's 8 (and a
+  // refusal of its own is checked below, where the key is left out on purpose).
+  auto write = [&](std::string text) {
+    const bool batch_key = text.find("\"train_batch_size\"") != std::string::npos ||
+                           text.find("\"train_micro_batch_size_per_gpu\"") != std::string::npos;
+    if (!batch_key && !text.empty() && text[0] == '{') text.insert(1, "\"train_micro_batch_size_per_gpu\": 8, ");
+    std::ofstream(path) << text;
+  };
   auto parse = [&](std::vector<std::string> arguments) {
     std::vector<char*> argv{(char*)"train_bert_mini"};
     for (auto& a : arguments) argv.push_back((char*)a.c_str());
@@ -360,16 +369,31 @@ TEST_CASE(
   CHECK(s.loss_scaling.min_scale == 1);
   CHECK(!s.loss_scaling.consecutive_hysteresis);
   CHECK(s.grad_accum_dtype == "fp32");
-  // A disabled block's keys are read and do nothing.
-  write(R"({"fp16": {"enabled": false, "loss_scale": 128}})");
-  CHECK(parse({"--config", path}).precision == "fp32");
+  // A disabled block's scaler keys are not read (DeepSpeed reads them only
+  // with fp16 on): not even a value out of range is refused, and the header says so.
+  write(R"({"fp16": {"enabled": false, "loss_scale": 128, "min_loss_scale": -1}})");
+  s = parse({"--config", path});
+  CHECK(s.precision == "fp32");
+  CHECK(s.loss_scaling.static_scale == 0);
+  CHECK(holds_line(s.config_notes, "fp16.loss_scale, fp16.min_loss_scale not read: the run trains in fp32"));
+  write(R"({"fp16": {"enabled": true, "min_loss_scale": 0}})");  // DeepSpeed's no-floor scaler
+  CHECK(parse({"--config", path}).loss_scaling.min_scale == 0);
+  // No batch key: refused as DeepSpeed refuses it, unless --micro-batch gives it.
+  std::ofstream(path) << R"({"gradient_accumulation_steps": 2})";
+  CHECK(flag_error_of({"--config", path}).find("gives neither train_batch_size nor train_micro_batch_size_per_gpu") !=
+        std::string::npos);
+  CHECK(parse({"--config", path, "--micro-batch", "3"}).micro_batch == 3);
   // Contradictions and bad values name the key or the flag.
   CHECK(error_of(R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})").find("both true") != std::string::npos);
   CHECK(error_of(R"({"fp16": {"enabled": 1}})").find("fp16.enabled: wants true or false") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"loss_scale": -1}})").find("fp16.loss_scale: wants") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"min_loss_scale": 0}})").find("fp16.min_loss_scale: wants") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"hysteresis": 0}})").find("fp16.hysteresis: wants") != std::string::npos);
-  CHECK(error_of(R"({"fp16": {"loss_scale_window": 0}})").find("fp16.loss_scale_window: wants") != std::string::npos);
+  CHECK(error_of(R"({"fp16": {"enabled": true, "loss_scale": -1}})").find("fp16.loss_scale: wants") !=
+        std::string::npos);
+  CHECK(error_of(R"({"fp16": {"enabled": true, "min_loss_scale": -1}})").find("fp16.min_loss_scale: wants") !=
+        std::string::npos);
+  CHECK(error_of(R"({"fp16": {"enabled": true, "hysteresis": 0}})").find("fp16.hysteresis: wants") !=
+        std::string::npos);
+  CHECK(error_of(R"({"fp16": {"enabled": true, "loss_scale_window": 0}})").find("fp16.loss_scale_window: wants") !=
+        std::string::npos);
   CHECK(error_of(R"({"fp16": {"fp16_master_weights_and_grads": true}})")
             .find("fp16.fp16_master_weights_and_grads: true is not supported") != std::string::npos);
   CHECK(

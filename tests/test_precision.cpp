@@ -633,7 +633,7 @@ TEST_CASE("fp16 loss scaler: DeepSpeed's DynamicLossScaler on hand-worked sequen
   bad.hysteresis = 0;
   CHECK_THROWS_WITH_AS(z2::LossScaler(bad, true), doctest::Contains("hysteresis"), z2::Error);
   bad = z2::LossScaling();
-  bad.min_scale = 0;
+  bad.min_scale = -1;  // (0 is DeepSpeed's "no floor", taken)
   CHECK_THROWS_WITH_AS(z2::LossScaler(bad, true), doctest::Contains("min_loss_scale"), z2::Error);
 }
 

@@ -6,6 +6,7 @@
 // one from the command line are checked the same way.
 #include "trainer/command_line.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -62,26 +63,129 @@ static void check_plan_flags(const Settings& s) {
 
 // A config file's keys, as flags (their origin the key). A value out of
 // range counts as refused too: every problem of the file in one message.
-static void apply_config_keys(Settings& settings, ConfigReading& config, const std::string& path) {
-  for (auto& setting : config.flags) {
+static void apply_file_settings(Settings& settings, const std::vector<ConfigSetting>& flags,
+                                std::vector<std::string> refused, const std::string& path) {
+  for (auto& setting : flags) {
     try {
       apply(settings, setting.flag, setting.value, "config key '" + setting.key + "'");
       settings.origins[setting.flag] = "config:" + setting.key;
     } catch (const z2::Error& error) {
       const std::string said = error.what(), prefix = "config key '" + setting.key + "' ";
-      config.refused.push_back(setting.key + ": " + (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
+      refused.push_back(setting.key + ": " + (said.rfind(prefix, 0) == 0 ? said.substr(prefix.size()) : said));
     }
   }
-  if (!config.refused.empty()) {
-    std::string message = "the config file '" + path + "' has " + std::to_string(config.refused.size()) +
-                          (config.refused.size() == 1 ? " setting" : " settings") +
+  if (!refused.empty()) {
+    std::string message = "the config file '" + path + "' has " + std::to_string(refused.size()) +
+                          (refused.size() == 1 ? " setting" : " settings") +
                           " this trainer cannot take (notes/07 lists what each DeepSpeed key does here):";
-    for (auto& line : config.refused) message += "\n  " + line;
+    for (auto& line : refused) message += "\n  " + line;
     throw z2::Error(message);
   }
+}
+static void apply_config_keys(Settings& settings, ConfigReading& config, const std::string& path) {
+  apply_file_settings(settings, config.flags, config.refused, path);
   settings.config_notes = config.notes;
   settings.config_pinning_note = config.pinning_note;
   settings.config_warnings = config.warnings;
+}
+
+// fp16's loss-scaler keys, once the precision is known: DeepSpeed reads them
+// only when fp16 is enabled (runtime/config.py:195-200 get_loss_scale,
+// :216-242 get_dynamic_loss_scale_args), so a run in another precision
+// neither applies nor checks them ("min_loss_scale": 0 in a bf16 run's
+// file is no error), and one in fp16 applies them as the file's other keys.
+static void apply_fp16_scaler_keys(Settings& s, const ConfigReading& config) {
+  if (s.precision == "fp16") return apply_file_settings(s, config.fp16_flags, config.fp16_refused, s.config);
+  std::string keys;
+  for (const ConfigSetting& key : config.fp16_flags) keys += (keys.empty() ? "" : ", ") + key.key;
+  for (const std::string& refused : config.fp16_refused)
+    keys += (keys.empty() ? "" : ", ") + refused.substr(0, refused.find(':'));
+  if (!keys.empty())
+    s.config_notes.push_back(keys + " not read: the run trains in " + s.precision +
+                             ", and DeepSpeed reads fp16's loss-scaler keys only when fp16 is enabled "
+                             "(runtime/config.py:195-242), as does this trainer");
+}
+
+// A file with neither train_batch_size nor train_micro_batch_size_per_gpu
+// ("auto" counts as given: Hugging Face's Trainer fills it) fails DeepSpeed's
+// start-up (runtime/config.py:979-981, gradient_accumulation_steps alone
+// too). --micro-batch gives what the file lacks; a resumed run takes the
+// checkpoint's.
+static void check_batch_keys(const Settings& s, const ConfigReading& config,
+                             const std::map<std::string, std::string>& flags) {
+  if (config.batch_key_given || flags.count("--micro-batch") || !s.load_dir.empty()) return;
+  fail(
+      "the config file '%s' gives neither train_batch_size nor train_micro_batch_size_per_gpu: DeepSpeed refuses it "
+      "(\"Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided\", runtime/config.py:"
+      "979-981; gradient_accumulation_steps alone is not enough). Add one of them to the file, or give --micro-batch B",
+      s.config.c_str());
+}
+
+// "reduce_bucket_size": "auto" as Hugging Face's Trainer fills it: the
+// model's hidden_size squared (integrations/deepspeed.py,
+// trainer_config_finalize: fill_only("zero_optimization.reduce_bucket_size",
+// hidden_size * hidden_size)), here the run's --hidden. --bucket overrides it.
+static void fill_bucket_auto(Settings& s, const ConfigReading& config) {
+  if (!config.auto_flags.count("--bucket") || s.given.count("--bucket")) return;
+  const long bucket = (long)s.hidden * s.hidden;
+  apply(s, "--bucket", std::to_string(bucket), "zero_optimization.reduce_bucket_size \"auto\" (hidden_size^2)");
+  s.origins["--bucket"] = "hugging_face_auto:hidden_size^2";
+  s.config_notes.push_back("zero_optimization.reduce_bucket_size \"auto\": hidden_size^2 = " +
+                           std::to_string(s.hidden) + "^2 = " + std::to_string(bucket) +
+                           " elements, as Hugging Face's Trainer fills it (integrations/deepspeed.py)");
+}
+
+// prescale_gradients true or gradient_predivide_factor f other than 1, by
+// the run's stage (N the ranks). Stage 0: DeepSpeed's engine multiplies
+// each rank's gradient by 1 / N before the all-reduce (engine.py:2565-2567,
+// allreduce_bucket), or by 1 / f before and f / N after (:2557-2564): an
+// arithmetic zero2 does not implement (its loss is the global batch's mean,
+// its gradients summed over the ranks in fp32 in canonical order, notes/06:
+// no division by N exists to move; the same value in exact arithmetic). Stage 1: DeepSpeed's
+// ZeRO optimizer reduces with reduce_scatter (its default, the only value
+// taken here), whose average_tensor divides by N before the sum whatever
+// the keys say (zero/stage_1_and_2.py:1128); they act only without
+// reduce_scatter (:1068-1069, gradient_reduction_w_predivide). Stage 2:
+// DeepSpeed asserts both away (stage_1_and_2.py:244-246). (With prescale
+// true the engine never reads the factor: a stage-0 file with both, as
+// DeepSpeedExamples' BERT configs have, is refused for prescale alone.)
+static void check_prescaling(Settings& s, const ConfigReading& config) {
+  std::string refused;  // both keys' reasons in one message
+  bool prescale_on = false;
+  for (const ConfigSetting& key : config.prescaling) prescale_on = prescale_on || key.key == "prescale_gradients";
+  for (const ConfigSetting& key : config.prescaling) {
+    const bool prescale = key.key == "prescale_gradients";
+    // At stage 0 with prescale_gradients true the engine takes the prescale
+    // branch (engine.py:2565-2567), which never reads the factor.
+    if (!prescale && prescale_on && s.stage == 0) continue;
+    const std::string said = "config key '" + key.key + "' " + key.value;
+    if (s.stage == 1) {
+      s.config_notes.push_back(said + " changes nothing, here as in DeepSpeed at stage 1: its ZeRO optimizer "
+                                      "reduces with reduce_scatter (its default), which divides each rank's gradient "
+                                      "by N before the sum whatever the key says (zero/stage_1_and_2.py:1128)");
+      continue;
+    }
+    const std::string stage = said_by(s, "--stage", std::to_string(s.stage)), write = prescale ? "false" : "1.0";
+    std::string reason;
+    if (s.stage == 2)
+      reason = said + " with " + stage + ": DeepSpeed refuses it too at stage 2 with reduce_scatter (its default): " +
+               "stage_1_and_2.py:" + (prescale ? "246" : "245") + " asserts \"" +
+               (prescale ? "pre-scale gradients" : "gradient_predivide_factor != 1.0") +
+               " is not yet supported with ZeRO-2 with reduce scatter enabled\". Write " + write +
+               " (at stage 1 DeepSpeed ignores it)";
+    else
+      reason = said + " with " + stage + ": DeepSpeed's engine then multiplies each rank's gradient by " +
+               (prescale ? std::string("1 / N before the sum over the ranks (engine.py:2565-2567, allreduce_bucket") +
+                               (config.prescaling.size() > 1 ? "; gradient_predivide_factor is then not read)" : ")")
+                         : "1 / " + key.value + " before the sum over the ranks and the sum by " + key.value +
+                               " / N after (engine.py:2557-2564, allreduce_bucket)") +
+               "; zero2's loss is the mean over the whole global batch and its gradients are summed over the "
+               "ranks in fp32 in one canonical order (notes/06): no division by N exists to move before the sum, "
+               "and that arithmetic (the same mean in exact arithmetic, rounded otherwise) is not implemented. "
+               "Write " + write + ", or train at stage 1, where DeepSpeed's ZeRO optimizer ignores it";
+    refused += (refused.empty() ? "" : "\n  ") + reason;
+  }
+  if (!refused.empty()) throw z2::Error(refused);
 }
 
 // The schedule a config means, with the flags next to it: its scheduler
@@ -250,12 +354,93 @@ static void apply_deepspeed_meaning(Settings& s, const ConfigReading& config,
         deepspeed_accumulation + " (\"grad_accum_dtype\": \"" + deepspeed_accumulation + "\" asks for that)");
 }
 
-Settings parse_command_line(int argc, char** argv) {
-  Settings settings;
+// Hugging Face's TrainingArguments flags a user pastes from a run script,
+// with the zero2 flag that does that job (run_mlm.py's and the Trainer's
+// most common ones; --seed is the same flag here).
+static const std::map<std::string, std::string> hugging_face_flags = {
+    {"per_device_train_batch_size", "--micro-batch B (sequences per rank per micro-step)"},
+    {"train_batch_size", "--micro-batch B (per rank), or a config's train_batch_size (the global batch)"},
+    {"gradient_accumulation_steps", "--accum A"},
+    {"learning_rate", "--lr LR"},
+    {"num_train_epochs", "--steps S (zero2 counts optimizer steps, not epochs)"},
+    {"max_steps", "--steps S"},
+    {"warmup_steps", "--warmup W"},
+    {"warmup_ratio", "--warmup W (in steps: the ratio times --steps)"},
+    {"weight_decay", "--weight-decay WD"},
+    {"max_grad_norm", "--clip C"},
+    {"output_dir", "--save DIR (checkpoints), --export-hf DIR (the model) or --json FILE (the summary)"},
+    {"overwrite_output_dir", "--save-overwrite"},
+    {"bf16", "--precision bf16"},
+    {"fp16", "--precision fp16"},
+    {"logging_steps", "--log-every K"},
+    {"save_steps", "--save-every K"},
+    {"save_total_limit", "--save-keep K"},
+    {"eval_steps", "--eval-every K"},
+    {"lr_scheduler_type", "--decay linear|none (with --warmup-type), or a config's scheduler block"},
+    {"resume_from_checkpoint", "--load DIR"},
+    {"gradient_checkpointing", "--activations recompute"},
+    {"model_name_or_path", "--init-hf DIR (a BertForMaskedLM directory of the run's sizes)"},
+    {"train_file", "--data FILE (UTF-8 text)"},
+    {"dataset_name", "--data FILE (UTF-8 text)"},
+    {"max_seq_length", "--seq T"},
+    {"do_train", "nothing: the trainer always trains (--steps S)"},
+    {"adam_beta1", "a config's optimizer.params.betas"},
+    {"adam_beta2", "a config's optimizer.params.betas"},
+    {"adam_epsilon", "a config's optimizer.params.eps"},
+    {"logging_dir", "--metrics FILE"},
+    {"report_to", "--metrics FILE (JSON Lines) and --json FILE"}};
+
+// A flag this trainer does not take, refused before its value is read (a
+// pasted "--bf16 --learning_rate 1e-4" would otherwise read as "--bf16
+// needs a value"), with what to write instead: Hugging Face's spelling, the
+// same name with hyphens, or the nearest flag.
+[[noreturn]] static void unknown_flag(const std::string& flag) {
+  std::string name = flag.substr(2), hyphens = flag;
+  for (char& c : name) c = c == '-' ? '_' : c;
+  for (char& c : hyphens) c = c == '_' ? '-' : c;
+  const auto hugging_face = hugging_face_flags.find(name);
+  if (hugging_face != hugging_face_flags.end())
+    fail("unknown flag '%s' (Hugging Face's TrainingArguments spelling?): zero2's is %s (train_bert_mini --help "
+         "lists the flags)",
+         flag.c_str(), hugging_face->second.c_str());
+  std::string nearest;
+  size_t best = 3;  // at most 2 edits away
+  for (const std::string& known : command_line_flags) {
+    const size_t distance = known == hyphens ? 0 : edit_distance(flag, known);
+    if (distance < best) best = distance, nearest = known;
+  }
+  if (!nearest.empty())
+    fail("unknown flag '%s' (did you mean '%s'?) (train_bert_mini --help lists the flags)", flag.c_str(),
+         nearest.c_str());
+  fail("unknown flag '%s' (train_bert_mini --help lists the flags)", flag.c_str());
+}
+
+// DeepSpeed's and torch's launch flags, in argparse's forms too ("--x=V" as
+// well as "--x V"): --deepspeed FILE (Hugging Face's) and --deepspeed_config
+// FILE (DeepSpeed's add_config_arguments) are --config FILE; DeepSpeed's own
+// --deepspeed is a switch without a value (on: zero2 is always ZeRO);
+// --local_rank=N, which the deepspeed launcher appends (and --local-rank,
+// torch's newer spelling), is checked against MPI's (trainer/launcher.cpp).
+// True when argv[i] was one of them (i then past its value).
+static bool launcher_flag(int& i, int argc, char** argv, std::vector<std::pair<std::string, std::string>>& flags) {
+  const std::string word = argv[i];
+  const size_t equals = word.find('=');
+  const std::string name = word.substr(0, equals);
+  const bool config = name == "--deepspeed" || name == "--deepspeed_config";
+  if (!config && name != "--local_rank" && name != "--local-rank") return false;
+  const bool next_is_value = i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0;
+  if (name == "--deepspeed" && equals == std::string::npos && !next_is_value) return true;  // the switch
+  if (equals == std::string::npos && !next_is_value) fail("%s needs a value", name.c_str());
+  const std::string value = equals != std::string::npos ? word.substr(equals + 1) : argv[++i];
+  flags.push_back({config ? "--config" : "--local_rank", value});
+  return true;
+}
+
+// argv as (flag, value) pairs, in order: a switch's value "" (or "1" for
+// the two a config key also sets), every other flag's the word after it.
+static std::vector<std::pair<std::string, std::string>> read_argv(int argc, char** argv,
+                                                                  const std::set<std::string>& switches) {
   std::vector<std::pair<std::string, std::string>> flags;
-  const std::set<std::string> switches = {
-      "--quiet",          "--wall-clock-breakdown", "--plan", "--poison-activations", "--portable",
-      "--save-overwrite", "--allow-different-bits"};  // no value
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (switches.count(flag)) {
@@ -264,26 +449,43 @@ Settings parse_command_line(int argc, char** argv) {
       continue;
     }
     if (flag.rfind("--", 0) != 0) fail("unexpected argument '%s' (flags start with --)", flag.c_str());
+    if (launcher_flag(i, argc, argv, flags)) continue;
     const size_t equals = flag.find('=');
-    if (equals != std::string::npos && switches.count(flag.substr(0, equals)))
-      fail("'%s': %s takes no value (write '%s' to switch it on%s)", flag.c_str(), flag.substr(0, equals).c_str(),
-           flag.substr(0, equals).c_str(),
-           flag.substr(0, equals) == "--portable" ? "; a config file's \"zero2_portable\": false switches it off" : "");
+    const std::string name = flag.substr(0, equals);
+    if (std::find(command_line_flags.begin(), command_line_flags.end(), name) == command_line_flags.end())
+      unknown_flag(name);
+    if (equals != std::string::npos && switches.count(name))
+      fail("'%s': %s takes no value (write '%s' to switch it on%s)", flag.c_str(), name.c_str(), name.c_str(),
+           name == "--portable" ? "; a config file's \"zero2_portable\": false switches it off" : "");
     if (equals != std::string::npos)
-      fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), flag.substr(0, equals).c_str(),
+      fail("'%s': write '%s %s' (a flag's value comes after a space)", flag.c_str(), name.c_str(),
            flag.substr(equals + 1).c_str());
     // A missing value shows as the next flag taking its place (negative
     // numbers start with a single dash, so they still pass).
     if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) fail("%s needs a value", flag.c_str());
     flags.push_back({flag, argv[++i]});
   }
+  return flags;
+}
+
+Settings parse_command_line(int argc, char** argv) {
+  Settings settings;
+  const std::set<std::string> switches = {
+      "--quiet",          "--wall-clock-breakdown", "--plan", "--poison-activations", "--portable",
+      "--save-overwrite", "--allow-different-bits"};  // no value
+  const std::vector<std::pair<std::string, std::string>> flags = read_argv(argc, argv, switches);
+  // One config file, the last given (--config, --deepspeed and
+  // --deepspeed_config are one flag; the header names a repeat): two files'
+  // keys must not mix.
   ConfigReading config;
+  std::string config_path;
   for (auto& [flag, value] : flags)
-    if (flag == "--config") {
-      settings.config = parse_path("--config", value);
-      config = read_deepspeed_config(value);
-      apply_config_keys(settings, config, value);
-    }
+    if (flag == "--config") config_path = value;
+  if (!config_path.empty()) {
+    settings.config = parse_path("--config", config_path);
+    config = read_deepspeed_config(config_path);
+    apply_config_keys(settings, config, config_path);
+  }
   // A flag given twice: the last counts, as argparse (DeepSpeed's and
   // Hugging Face's launchers) and most Unix tools do, so a script can keep
   // its defaults in one array and append what a run changes. Not silently:
@@ -299,7 +501,13 @@ Settings parse_command_line(int argc, char** argv) {
     else apply(settings, flag, value), settings.origins[flag] = "flag:" + flag;
   }
   resolve_precision(settings);
-  if (!settings.config.empty()) apply_deepspeed_meaning(settings, config, seen);
+  if (!settings.config.empty()) {
+    apply_fp16_scaler_keys(settings, config);
+    check_batch_keys(settings, config, seen);
+    apply_deepspeed_meaning(settings, config, seen);
+    fill_bucket_auto(settings, config);
+    check_prescaling(settings, config);
+  }
   check_plan_flags(settings);
   if (!settings.plan) check_offload(settings);  // --plan shows every stage, offloaded where it can be
   if (!settings.plan && !settings.config.empty()) check_client_optimizer_offload(settings, config);

@@ -22,22 +22,96 @@
 
 namespace bert {
 
-// A JSON object's keys, once each: the JSON library keeps the last of two
-// equal keys silently, and a setting written twice is a mistake to name.
+// A message's text with every byte a terminal would act on (control bytes,
+// DEL, a byte that is not UTF-8) as \xNN: the JSON library quotes what it
+// last read, raw.
+static std::string printable(const std::string& text) {
+  std::string shown;
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char byte = (unsigned char)text[i];
+    const size_t bad = byte >= 0x80 ? first_bad_utf8(text.substr(i, 4)) : std::string::npos;
+    if (byte < 0x20 || byte == 0x7f || bad == 0) {
+      char escaped[8];
+      snprintf(escaped, sizeof escaped, "\\x%02x", byte);
+      shown += escaped;
+      ++i;
+      continue;
+    }
+    size_t length = byte < 0x80 ? 1 : byte < 0xe0 ? 2 : byte < 0xf0 ? 3 : 4;  // a whole UTF-8 sequence
+    shown += text.substr(i, length);
+    i += length;
+  }
+  return shown;
+}
+
+// Hjson's forgiveness of JSON that real configs use, undone: comments (#,
+// //, /* */) dropped, a comma before } or ] dropped, and a comma put where a
+// line break separates two values. The text that comes out is strict JSON
+// exactly when hjson (3.1.0, which DeepSpeed 0.16.9 calls: runtime/
+// config.py:715, hjson.load) reads the file for one of those reasons; what
+// Hjson also forgives beyond them (quoteless keys and strings, a root
+// without braces) is not undone, so the hint below may be left out where
+// Hjson would read a file, never given where it would not (measured: a
+// trailing "}," after the root, "Extra data" there, is not undone).
+static std::string undo_hjson(const std::string& text) {
+  std::string out;
+  bool line_break = false;  // since the last significant character
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '"') {  // a string, copied whole (its escapes too)
+      size_t end = i + 1;
+      while (end < text.size() && text[end] != '"') end += text[end] == '\\' ? 2 : 1;
+      const char last = out.empty() ? '\0' : out.back();
+      if (line_break && (last == '"' || last == '}' || last == ']' || std::isalnum((unsigned char)last))) out += ',';
+      out += text.substr(i, end + 1 - i);
+      i = end, line_break = false;
+    } else if (c == '#' || (c == '/' && i + 1 < text.size() && text[i + 1] == '/')) {
+      while (i + 1 < text.size() && text[i + 1] != '\n') ++i;
+    } else if (c == '/' && i + 1 < text.size() && text[i + 1] == '*') {
+      const size_t end = text.find("*/", i + 2);
+      i = end == std::string::npos ? text.size() : end + 1;
+    } else if (c == '\n') {
+      line_break = true;
+    } else if (!std::isspace((unsigned char)c)) {
+      const char last = out.empty() ? '\0' : out.back();
+      const bool value_ended = last == '"' || last == '}' || last == ']' || std::isalnum((unsigned char)last);
+      const bool value_starts = c == '{' || c == '[' || c == '-' || std::isalnum((unsigned char)c);
+      if ((c == '}' || c == ']') && last == ',') out.pop_back();
+      else if (line_break && value_ended && value_starts) out += ',';
+      out += c, line_break = false;
+    }
+  }
+  return out;
+}
+
+// The file as JSON, its keys once each: the JSON library keeps the last of
+// two equal keys silently, and a setting written twice is a mistake to name.
+// DeepSpeed reads it as UTF-8 text (Python's open() in a UTF-8 locale), then
+// as Hjson (runtime/config.py:715): a byte that is not UTF-8 fails there too
+// (UnicodeDecodeError, measured), and the Hjson hint is given only where
+// Hjson would read the file (undo_hjson).
 static json parse_config_json(const std::string& path, const std::string& text) {
   auto twice = [&](const std::string& key) {
     fail("the config file '%s' has the key '%s' twice in one object", path.c_str(), key.c_str());
   };
+  const size_t bad = first_bad_utf8(text);
+  if (bad != std::string::npos)
+    fail(
+        "the config file '%s' is not UTF-8 text: the byte \\x%02x at offset %zu (line %zu) begins no UTF-8 "
+        "character. DeepSpeed fails on it too (Python's UnicodeDecodeError): save the file as UTF-8",
+        path.c_str(), (unsigned char)text[bad], bad, (size_t)std::count(text.begin(), text.begin() + bad, '\n') + 1);
   try {
     return parse_json_keys_once(text, twice);  // strict: nothing may follow the value
   } catch (const json::exception& e) {         // a syntax error, or a number beyond double (1e400)
-    // DeepSpeed reads its configs as Hjson (runtime/config.py DeepSpeedConfig),
-    // which forgives a missing comma or a comment: say so, as the file may
-    // well run there.
-    fail(
-        "the config file '%s' is not valid JSON: %s (DeepSpeed reads configs as Hjson, which forgives a missing "
-        "comma or a comment; this trainer reads strict JSON)",
-        path.c_str(), e.what());
+    bool hjson_reads = false;
+    try {
+      hjson_reads = !json::parse(undo_hjson(text), nullptr, false).is_discarded();
+    } catch (const json::exception&) {
+    }
+    fail("the config file '%s' is not valid JSON: %s%s", path.c_str(), printable(e.what()).c_str(),
+         hjson_reads ? " (DeepSpeed reads configs as Hjson, which forgives this file's missing comma, trailing "
+                       "comma or comment; this trainer reads strict JSON: write it as JSON)"
+                     : "");
   }
 }
 
@@ -181,6 +255,8 @@ class ConfigReader {
     if (!config.is_object()) fail("the config file '%s' must hold a JSON object", path_.c_str());
     numbers_ = number_texts(text);  // valid JSON by now
     offload_key_ = offloading_key(config);  // before the optimizer's params, which it decides the constructor of
+    // DeepSpeed needs one of the two (runtime/config.py:979-981; the command line judges it with its flags).
+    out_.batch_key_given = config.contains("train_batch_size") || config.contains("train_micro_batch_size_per_gpu");
     for (auto& [key, value] : config.items()) top_level(key, value, config);
     // The client's optimizer under offload is judged with the run's offload (trainer/command_line.cpp).
     out_.optimizer_typed = optimizer_typed_;
@@ -245,20 +321,6 @@ class ConfigReader {
     }
     std::sort(out.begin(), out.end());
     return out;
-  }
-  static size_t edit_distance(const std::string& a, const std::string& b) {
-    std::vector<size_t> row(b.size() + 1);
-    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-    for (size_t i = 1; i <= a.size(); ++i) {
-      size_t diagonal = row[0];
-      row[0] = i;
-      for (size_t j = 1; j <= b.size(); ++j) {
-        const size_t above = row[j];
-        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
-        diagonal = above;
-      }
-    }
-    return row[b.size()];
   }
   // A DeepSpeed key this trainer does not act on, at the value that means
   // "off" in DeepSpeed; any other value is refused with `why`.
@@ -364,12 +426,7 @@ class ConfigReader {
     // of DeepSpeed's DeepSpeedCPUAdam). zero_force_ds_cpu_optimizer is judged with the run's offload
     // (trainer/command_line.cpp, check_client_optimizer_offload).
     if (key == "zero_allow_untested_optimizer" || key == "zero_force_ds_cpu_optimizer") accept_boolean(key, value);
-    // The canonical tree sums gradients in fp32 and divides once (notes/06):
-    // dividing before the reduction would round differently.
-    else if (key == "prescale_gradients")
-      must_be(key, value, false, "gradients are summed, then divided once (notes/06)");
-    else if (key == "gradient_predivide_factor")
-      must_be(key, value, 1, "gradients are summed, then divided once by the global batch (notes/06)");
+    else if (key == "prescale_gradients" || key == "gradient_predivide_factor") prescaling(key, value);
     else if (key == "amp")
       switched_off(key, value, "apex AMP is not used: --precision bf16|fp16, or the bf16 / fp16 blocks");
     else if (key == "tensorboard" || key == "wandb" || key == "csv_monitor" || key == "comet") monitor(key, value);
@@ -577,6 +634,18 @@ class ConfigReader {
                            " set DeepCompile's options, which DeepSpeed reads only with deepcompile true (engine.py "
                            "DeepSpeedEngine.compile); without it they change nothing, there as here");
   }
+  // DeepSpeed's scaling of each rank's gradient around the sum over the
+  // ranks: what it does depends on the stage, which a flag may change, so
+  // the command line judges it (trainer/command_line.cpp, check_prescaling).
+  void prescaling(const std::string& key, const json& value) {
+    const bool prescale = key == "prescale_gradients";
+    if (is_auto(value) || value == json(prescale ? json(false) : json(1))) return;
+    if (prescale ? !value.is_boolean() : !value.is_number())
+      return refuse(key, std::string(prescale ? "wants true or false" : "wants a number") + " (got " +
+                             json_text(value) + ")");
+    out_.prescaling.push_back({"", json_text(value), key});
+  }
+
   // A block accepted only when it says "enabled": false (or has no "enabled").
   void switched_off(const std::string& key, const json& value, const std::string& why) {
     if (!object(key, value)) return;
@@ -585,9 +654,10 @@ class ConfigReader {
 
   // DeepSpeed's mixed-precision blocks (notes/08), read with get_scalar_param
   // (runtime/config.py get_fp16_enabled ... get_dynamic_loss_scale_args): an
-  // unknown key is ignored there. In a disabled block the keys have no
-  // effect, as in DeepSpeed, but are still checked: a negative loss scale is
-  // wrong whether or not fp16 is on today.
+  // unknown key is ignored there. The loss scaler's keys act, and are
+  // checked, only in a run that trains in fp16, as DeepSpeed reads them
+  // only then (a bf16 run's file may keep an fp16 block with
+  // "min_loss_scale": 0 or anything else).
   void precision_block(const std::string& key, const json& value) {
     if (!object(key, value)) return;
     const bool fp16 = key == "fp16";
@@ -595,11 +665,19 @@ class ConfigReader {
     if (value.contains("enabled")) set_boolean(block + ".enabled", key + ".enabled", value["enabled"]);
     static const std::set<std::string> fp16_numbers = {"loss_scale", "initial_scale_power", "loss_scale_window",
                                                        "hysteresis", "min_loss_scale"};
+    // The scaler's keys are read only when fp16 is on (runtime/config.py:195-200 get_loss_scale, :216-242
+    // get_dynamic_loss_scale_args: nothing of the block but "enabled" is read otherwise, nor checked): set
+    // and checked apart, for the command line to apply once the run's precision is known.
+    std::swap(out_.flags, out_.fp16_flags);
+    std::swap(out_.refused, out_.fp16_refused);
+    for (auto& [inner, setting] : value.items())
+      if (fp16 && fp16_numbers.count(inner)) set_number(inner, key + "." + inner, setting);
+      else if (fp16 && inner == "consecutive_hysteresis") set_boolean(inner, key + "." + inner, setting);
+    std::swap(out_.flags, out_.fp16_flags);
+    std::swap(out_.refused, out_.fp16_refused);
     for (auto& [inner, setting] : value.items()) {
       const std::string name = key + "." + inner;
-      if (inner == "enabled") continue;
-      if (fp16 && fp16_numbers.count(inner)) set_number(inner, name, setting);
-      else if (fp16 && inner == "consecutive_hysteresis") set_boolean(inner, name, setting);
+      if (inner == "enabled" || (fp16 && (fp16_numbers.count(inner) || inner == "consecutive_hysteresis"))) continue;
       // DeepSpeed casts a forward's floating-point inputs to fp16; this
       // model's inputs are token ids, which it leaves as they are.
       else if (fp16 && inner == "auto_cast") accept_boolean(name, setting);
@@ -693,16 +771,33 @@ class ConfigReader {
     } else if (inner == "reduce_bucket_size") {
       set_number("--bucket", name, setting);
       if (setting.is_number()) reduce_bucket_ = number(setting, name);
-      else if (is_auto(setting)) reduce_bucket_ = "--bucket";
+      else if (is_auto(setting)) reduce_bucket_ = "hidden_size^2";  // Hugging Face's fill (trainer/command_line.cpp)
     } else if (inner == "allgather_bucket_size") {
       if (!is_auto(setting)) allgather_bucket_ = number(setting, name);
     } else if (inner == "overlap_comm") set_boolean("--overlap", name, setting);
-    else if (inner == "contiguous_gradients")
-      must_be(name, setting, true, "gradients always live in one contiguous buffer here");
+    // Where DeepSpeed keeps the gradients, and a key its ZeRO-1/2 never
+    // reads: false is a buffer layout, no arithmetic. contiguous_gradients
+    // false reduces each bucket from the gradients' own tensors by an
+    // all-reduce then a division by N (zero/stage_1_and_2.py:1372-1390
+    // reduce_ipg_grads, buffered_reduce_fallback) instead of a contiguous
+    // buffer's average_tensor: a sum over the ranks divided once either way.
+    // allgather_partitions is read into the config (engine.py:988-989) and
+    // handed to no ZeRO-1/2 optimizer in 0.16.9 (stage_1_and_2.py never
+    // names it). zero2 keeps its one buffer and canonical sums: the same bits.
+    else if (inner == "contiguous_gradients" || inner == "allgather_partitions") {
+      accept_boolean(name, setting);
+      if (setting == false)
+        out_.notes.push_back(
+            name + " false changes no arithmetic here: " +
+            (inner == "contiguous_gradients"
+                 ? "DeepSpeed then reduces each bucket from the gradients' own tensors instead of one contiguous "
+                   "buffer (zero/stage_1_and_2.py reduce_ipg_grads), a layout, not a sum; zero2 keeps its one "
+                   "buffer, the same bits"
+                 : "DeepSpeed 0.16.9's ZeRO-1/2 optimizer never reads it (engine.py:988-989 reads it into the "
+                   "config; stage_1_and_2.py does not name it); zero2 all-gathers, the same bits"));
+    }
     else if (inner == "reduce_scatter")
       must_be(name, setting, true, "gradients are always reduce-scattered here (the deterministic all-to-all)");
-    else if (inner == "allgather_partitions")
-      must_be(name, setting, true, "parameters are always all-gathered bucket by bucket here");
     else if (inner == "offload_optimizer") offload_optimizer(name, setting);
     else if (inner == "cpu_offload") cpu_offload(name, setting);
     else if (inner == "cpu_offload_use_pin_memory") {
@@ -856,6 +951,13 @@ class ConfigReader {
     } else if (deepspeed_other_optimizers.count(lowered))
       refuse("optimizer.type",
              json_text(type) + " is not supported: a DeepSpeed feature not implemented here; " + adamw);
+    else if (name == "SGD")  // DeepSpeed runs it (torch.optim.SGD; under ZeRO with zero_allow_untested_optimizer)
+      refuse("optimizer.type",
+             "\"SGD\" is not supported: DeepSpeed builds torch.optim.SGD for it (engine.py "
+             "_configure_basic_optimizer; under ZeRO only with \"zero_allow_untested_optimizer\": true, engine.py:"
+             "1332-1335), another update rule (a momentum buffer, no second moment), which this trainer does not "
+             "implement: its one optimizer is AdamW, whose state (fp32 master, m, v: 12 bytes per parameter) is "
+             "what ZeRO partitions and what the ledgers count; " + adamw);
     else if (torch_optimizers.count(name))
       refuse("optimizer.type", json_text(type) + " is not supported: DeepSpeed builds torch.optim." + name +
                                    " for it, which is not implemented here; " + adamw);

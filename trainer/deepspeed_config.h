@@ -39,6 +39,17 @@ struct ConfigReading {
   std::vector<ConfigSetting> defaults;  // DeepSpeed's defaults for what it leaves out (key: where DeepSpeed sets it)
   std::set<std::string> auto_flags;     // the flags whose key says "auto" (the trainer's default applies)
   std::vector<std::string> refused;     // "key: why", every refused key of the file
+  // fp16's loss-scaler keys and their refusals, apart: DeepSpeed reads them
+  // only when fp16 is on (runtime/config.py:195-242), so the command line
+  // applies them, or refuses them, only in a run that trains in fp16.
+  std::vector<ConfigSetting> fp16_flags;
+  std::vector<std::string> fp16_refused;
+  // train_batch_size or train_micro_batch_size_per_gpu is in the file ("auto"
+  // too): DeepSpeed refuses a file with neither (runtime/config.py:979-981).
+  bool batch_key_given = false;
+  // prescale_gradients true, gradient_predivide_factor other than 1 (value:
+  // as written): judged with the run's stage (trainer/command_line.cpp).
+  std::vector<ConfigSetting> prescaling;
   std::vector<std::string> notes;       // accepted keys that act differently from DeepSpeed (printed in the header)
   // offload_optimizer's pin_memory false, which zero2 pins anyway: a note only
   // when the run offloads (--offload-optimizer none may override the file)

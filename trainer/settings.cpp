@@ -157,6 +157,33 @@ std::string parse_choice(const std::string& flag, const std::string& text, std::
   fail("%s wants %s (got '%s')", flag.c_str(), list.c_str(), text.c_str());
 }
 
+// Every "--" flag apply() takes, the switches among them; the command line
+// adds its aliases (--deepspeed, --deepspeed_config, --local-rank).
+const std::vector<std::string> command_line_flags = {
+    "--device", "--comm", "--collectives", "--stage", "--bucket", "--overlap", "--layers", "--hidden", "--heads",
+    "--intermediate", "--seq", "--max-positions", "--dropout", "--micro-batch", "--accum", "--steps", "--warmup",
+    "--schedule-steps", "--warmup-type", "--decay", "--wall-clock-breakdown", "--portable", "--lr", "--weight-decay",
+    "--clip", "--seed", "--log-every", "--eval-every", "--eval-batches", "--data", "--config", "--json", "--plan",
+    "--poison-activations", "--plan-world-sizes", "--metrics", "--export-hf", "--dump-batch", "--trace",
+    "--trace-params-every", "--init-hf", "--activations", "--alloc", "--offload-optimizer", "--host-threads",
+    "--device-memory-limit", "--memory-trace", "--timeline", "--save", "--load", "--save-every", "--save-keep",
+    "--save-overwrite", "--allow-different-bits", "--local_rank", "--timeout", "--precision", "--quiet", "--help"};
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
 void apply(Settings& s, const std::string& flag, const std::string& value, std::string name) {
   if (name.empty()) name = flag;  // a config file passes its key, so messages name what the user wrote
   const long big = 1l << 30;
@@ -215,6 +242,7 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "--save-keep") s.save_keep = (int)parse_integer(name, value, 1, 1 << 20);
   else if (flag == "--save-overwrite") s.save_overwrite = true;
   else if (flag == "--allow-different-bits") s.allow_different_bits = true;
+  else if (flag == "--local_rank") s.local_rank = (int)parse_integer(name, value, 0, 1 << 20);
   else if (flag == "--timeout")
     s.timeout = parse_real(name, value, 1, 1e9);  // below a second a healthy wait can expire
   else if (flag == "--precision")
@@ -228,7 +256,8 @@ void apply(Settings& s, const std::string& flag, const std::string& value, std::
   else if (flag == "hysteresis") s.loss_scaling.hysteresis = (int)parse_integer(name, value, 1, big);
   else if (flag == "consecutive_hysteresis")
     s.loss_scaling.consecutive_hysteresis = parse_integer(name, value, 0, 1) != 0;
-  else if (flag == "min_loss_scale") s.loss_scaling.min_scale = parse_real(name, value, 1e-30, 1e30);
+  // 0: no floor, as DeepSpeed's DynamicLossScaler takes it (the scale halves until it reaches 0)
+  else if (flag == "min_loss_scale") s.loss_scaling.min_scale = parse_real(name, value, 0.0, 1e30);
   else if (flag == "grad_accum_dtype") s.grad_accum_dtype = parse_choice(name, value, {"fp32", "bf16", "fp16"});
   else if (flag == "beta1") s.beta1 = parse_real(name, value, 0.0, 1.0, false);
   else if (flag == "beta2") s.beta2 = parse_real(name, value, 0.0, 1.0, false);
@@ -322,6 +351,10 @@ where and how
                              alone, the same on any CPU, in both builds and on the GPU (notes/11)
                              [zero2_portable: zero2's own key]
   --timeout SECONDS          the watchdog's limit on any wait (600)
+  --local_rank N             DeepSpeed's launcher appends it (--local_rank=N, --local-rank N too): it must be
+                             MPI's local rank. The ranks are MPI's: start them with mpirun -n N; torchrun's,
+                             srun's or Open MPI's variables naming more processes than MPI has are refused
+                             (notes/07, "Launching")
 model
   --layers L --hidden H --heads NH --intermediate F   (4, 256, 4, 1024: BERT-Mini)
   --seq T --max-positions P  window length and position table (128, 512)
@@ -375,6 +408,8 @@ memory (ZeRO-R; notes/04, notes/05)
 files
   --data FILE                train on this text (UTF-8, at most 1 GiB; the embedded corpus)
   --config FILE              a DeepSpeed config (JSON); notes/07 lists what each key does here
+  --deepspeed FILE, --deepspeed_config FILE  the same as --config FILE (Hugging Face's and DeepSpeed's
+                             spellings, =FILE too); DeepSpeed's --deepspeed switch alone changes nothing
   --json FILE                the run's summary as JSON (written at the end)
   --metrics FILE             one JSON line per progress line, written as training goes (JSON Lines)
   --export-hf DIR            the trained model for BertForMaskedLM.from_pretrained

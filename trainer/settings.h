@@ -134,6 +134,9 @@ struct Settings {
   long eval_every = 0;
   int eval_batches = 4;
   bool quiet = false;
+  // --local_rank N (DeepSpeed's launcher appends --local_rank=N): checked
+  // against MPI's local rank (trainer/launcher.cpp); -1: not given.
+  int local_rank = -1;
   // --plan: print the memory plan and train nothing (notes/10)
   bool plan = false;
   std::vector<int> plan_world_sizes;  // empty: 1, 2, 4, ..., 1024
@@ -170,6 +173,13 @@ struct Settings {
 // UTF-8 sequence, or npos: the rule for every path a run records (JSON
 // holds only UTF-8) and for the corpus (train_bert_mini.cu, read_corpus).
 size_t first_bad_utf8(const std::string& text);
+
+// The flags the command line takes (apply() knows each, and the config's
+// keys besides): a name outside it is refused before its value is read,
+// with the flag it resembles (trainer/command_line.cpp).
+extern const std::vector<std::string> command_line_flags;
+// Levenshtein distance (a typo's nearest name: flags, DeepSpeed's keys).
+size_t edit_distance(const std::string& a, const std::string& b);
 
 // A flag's value as one of `choices`, or one message listing them.
 std::string parse_choice(const std::string& flag, const std::string& text, std::vector<std::string> choices);

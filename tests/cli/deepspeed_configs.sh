@@ -33,8 +33,10 @@ ds_refused() {  # config, the number of refused keys, then fragments each of whi
     grep -qF -- "$fragment" "$work/bad_stderr" || fail "$config: the message lacks '$fragment'"
   done
 }
+# DeepSpeed needs a batch key (runtime/config.py:979-981): the files written here give the trainer's 8.
+micro_batch='"train_micro_batch_size_per_gpu": 8'
 schedule() {  # name, then the scheduler's params as JSON
-  echo "{\"scheduler\": {\"type\": \"$1\", \"params\": $2}}" > "$work/ds_$3.json"
+  echo "{$micro_batch, \"scheduler\": {\"type\": \"$1\", \"params\": $2}}" > "$work/ds_$3.json"
 }
 rates() {  # config, out, flags...
   local config=$1 out=$2; shift 2
@@ -43,7 +45,7 @@ rates() {  # config, out, flags...
     > /dev/null 2>&1
 }
 other_schedule() {  # name, params, out, optimizer block, more config
-  echo "{\"optimizer\": $4, \"scheduler\": {\"type\": \"$1\", \"params\": $2}${5:-}}" > "$work/ds_$3.json"
+  echo "{$micro_batch, \"optimizer\": $4, \"scheduler\": {\"type\": \"$1\", \"params\": $2}${5:-}}" > "$work/ds_$3.json"
 }
 # The schedulers' params (other_schedulers, betas_reach_adamw, bad_schedule_params).
 cosine='{"total_num_steps": 8, "warmup_num_steps": 3, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.05, "warmup_type": "linear"}'
@@ -88,7 +90,7 @@ real_configs() {
     d['schedule']['decay'] == 'none' and d['schedule']['convention'] == 'deepspeed' and len(d['steps']) == 3" --steps 3
   ds_runs accelerate_zero_stage2.json "d['precision'] == 'fp16' and d['schedule']['convention'] == 'deepspeed' and \
     d['optimizer']['weight_decay'] == 0.01 and $o['weight_decay'] == 'trainer_default:auto' and \
-    $o['warmup_type'] == 'deepspeed_default:WarmupDecayLR'"
+    $o['warmup_type'] == 'deepspeed_default:WarmupDecayLR' and d['bucket'] == 16 * 16"
   ds_runs open_instruct_stage2.json "d['stage'] == 2 and d['overlap'] and $o['lr'] == 'trainer_default' and \
     $o['weight_decay'] == 'trainer_default' and d['schedule']['convention'] == 'none' and \
     all(s['lr'] == 0.001 for s in d['steps'])"
@@ -149,9 +151,9 @@ no_config() {
 # takes no bias_correction: DeepSpeed's call would raise TypeError); an fp16
 # block with one scaler key takes the section's defaults for the rest.
 left_out_defaults() {
-  echo '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}' > "$work/ds_fused.json"
-  echo '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": true}}}' > "$work/ds_torch_adam.json"
-  echo '{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "loss_scale_window": 500}}' \
+  echo '{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}' > "$work/ds_fused.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": true}}}' > "$work/ds_torch_adam.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "loss_scale_window": 500}}' \
     > "$work/ds_one_scaler_key.json"
   timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_fused.json" "${one_layer[@]}" --steps 1 \
     --json "$work/ds_fused_run.json" > /dev/null 2>&1
@@ -260,12 +262,13 @@ many_keys() {
  "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}, "bf16": {"enabled": false, "loss_scale": 0},
  "tensorboard": {"enabled": true, "output_path": "tb"}}
 JSON
-  ds_refused "$work/ds_many.json" 12 "optimizer.type: \"Lamb\" is not supported" \
+  # (prescale_gradients and gradient_predivide_factor are judged with the run's stage, after: issue49_configs.)
+  ds_refused "$work/ds_many.json" 10 "optimizer.type: \"Lamb\" is not supported" \
     "optimizer.params.max_coeff: a DeepSpeed feature not implemented here" \
     "scheduler.params.cycle_min_lr: missing: DeepSpeed's OneCycle has no default for it" \
       "scheduler.params.cycle_max_lr: missing" \
     "scheduler.params.last_batch_iteration: 5" "zero_optimization.stage: 3 is not supported" \
-    "zero_optimization.overlap_comm: wants true or false" "gradient_predivide_factor: 2.0" "prescale_gradients: true" \
+    "zero_optimization.overlap_comm: wants true or false" \
     "steps_per_print: wants an integer from 1" "trian_batch_size: not a DeepSpeed key" \
       "fp16.fp16_master_weights_and_grads"
   grep -qF "tensorboard" "$work/bad_stderr" && fail "ds_many.json: an enabled tensorboard (logging only) was refused"
@@ -274,7 +277,7 @@ JSON
 # DeepSpeed's keys of features not here are refused as such, never as "not a DeepSpeed key".
 feature_keys() {
   cat > "$work/ds_features.json" <<'JSON'
-{"sparse_attention": {"mode": "fixed"}, "pipeline": {"activation_checkpoint_interval": 1},
+{"train_micro_batch_size_per_gpu": 8, "sparse_attention": {"mode": "fixed"}, "pipeline": {"activation_checkpoint_interval": 1},
  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "min_coeff": 0.01, "momentum": 0.9}},
  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_ratio": 0.1}},
  "zero_optimization": {"stage": 2, "mics_shard_size": 4}}
@@ -287,34 +290,34 @@ JSON
     "zero_optimization.mics_shard_size: 4 is not supported: a DeepSpeed feature not implemented here (MiCS)"
   grep -q "not a DeepSpeed key" "$work/bad_stderr" && fail "a DeepSpeed feature's key called not a DeepSpeed key:" \
     "$(cat "$work/bad_stderr")"
-  echo '{"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": false}}}' > "$work/ds_adam_l2.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": false}}}' > "$work/ds_adam_l2.json"
   ds_refused "$work/ds_adam_l2.json" 1 "optimizer.params.adam_w_mode: false (Adam with L2 regularization"
-  echo '{"gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 0.5}}}' \
+  echo '{"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 0.5}}}' \
     > "$work/ds_clips.json"
   ds_refused "$work/ds_clips.json" 1 "optimizer.params.max_grad_norm: DeepSpeed refuses it"
-  echo '{"optimizer": {"type": "AdamW", "params": {"torch_adam": true, "bias_correction": false}}}' \
+  echo '{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"torch_adam": true, "bias_correction": false}}}' \
     > "$work/ds_torch_bias.json"
   ds_refused "$work/ds_torch_bias.json" 1 \
     "optimizer.params.bias_correction: torch.optim.AdamW (torch_adam true) has no 'bias_correction' (DeepSpeed's call raises TypeError)"
-  echo '{"optimizer": {"type": "AdamW", "params": {"fused": true}}}' > "$work/ds_fused_flag.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"fused": true}}}' > "$work/ds_fused_flag.json"
   ds_refused "$work/ds_fused_flag.json" 1 "optimizer.params.fused: DeepSpeed's FusedAdam has no 'fused'"
 }
 
 # DeepSpeed looks a scheduler type up by its exact name.
 scheduler_names() {
-  echo '{"scheduler": {"type": "warmuplr", "params": {"warmup_num_steps": 1}}}' > "$work/ds_lower_scheduler.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "scheduler": {"type": "warmuplr", "params": {"warmup_num_steps": 1}}}' > "$work/ds_lower_scheduler.json"
   ds_refused "$work/ds_lower_scheduler.json" 1 \
     "scheduler.type: \"warmuplr\" is not a scheduler DeepSpeed knows: it looks the type up by its exact name (engine.py _scheduler_from_config). Did you mean \"WarmupLR\"?"
-  echo '{"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1}}}' > "$work/ds_no_total.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1}}}' > "$work/ds_no_total.json"
   bad_case "config key 'scheduler.params.total_num_steps' is missing: DeepSpeed's WarmupDecayLR has no default for it" \
     --config "$work/ds_no_total.json" "${one_layer[@]}" --steps 2
-  echo '{"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.001, "warmup_num_steps": 1}}}' > "$work/ds_min_lr.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.001, "warmup_num_steps": 1}}}' > "$work/ds_min_lr.json"
   bad_case "warmup_min_lr 0.01 is above the learning rate 0.001" --config "$work/ds_min_lr.json" \
     "${one_layer[@]}" --steps 2
   # "auto" beside an explicit rate (trlx's reward-model config): Hugging Face's Trainer fills both keys from one
   # learning_rate and refuses the file unless that equals the explicit value (fill_match); so does the trainer,
   # naming both, and runs it when --lr is the explicit value.
-  echo '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 2}}}' > "$work/ds_auto_lr.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 2}}}' > "$work/ds_auto_lr.json"
   bad_case "a learning rate in the config is \"auto\", which takes the run's rate (--lr 0.001 (the trainer's default, not given here)), but optimizer.params.lr is 1e-5: Hugging Face's Trainer fills both keys from its one learning_rate" \
     --config "$work/ds_auto_lr.json" "${one_layer[@]}" --steps 2
   bad_case "(--lr 0.002), but optimizer.params.lr is 1e-5" --config "$work/ds_auto_lr.json" \
@@ -332,7 +335,7 @@ scheduler_names() {
 # rejects them (zero_optimization) or where they are a near-miss of a real key.
 ignored_keys() {
   cat > "$work/ds_ignored.json" <<'JSON'
-{"cuda_visible_devices": 0, "bf16": {"enabled": false, "loss_scale": 0},
+{"train_micro_batch_size_per_gpu": 8, "cuda_visible_devices": 0, "bf16": {"enabled": false, "loss_scale": 0},
  "optimizer": {"params": {"lr": 5.0}}, "scheduler": {"params": {"warmup_num_steps": 5}}}
 JSON
   timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_ignored.json" "${one_layer[@]}" --steps 2 \
@@ -345,12 +348,12 @@ JSON
     pass "keys DeepSpeed ignores (top level, bf16, an optimizer / scheduler without a type): 4 warnings, the run goes" \
       "on as DeepSpeed's would" ||
     fail "ignored keys: $(cat "$work/ds_stderr" | head -c 400)"
-  echo '{"zero_optimization": {"stage": 2, "overlap_com": true}, "wall_clock_breakdwon": true, "fp16": {"hysterisis": 2}}' > "$work/ds_typos.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2, "overlap_com": true}, "wall_clock_breakdwon": true, "fp16": {"hysterisis": 2}}' > "$work/ds_typos.json"
   ds_refused "$work/ds_typos.json" 3 \
     "zero_optimization.overlap_com: not a DeepSpeed key this trainer knows (did you mean 'zero_optimization.overlap_comm'?)" \
     "wall_clock_breakdwon: not a DeepSpeed key this trainer knows (did you mean 'wall_clock_breakdown'?)" \
     "fp16.hysterisis: not a DeepSpeed key this trainer knows (did you mean 'fp16.hysteresis'?)"
-  echo '{"zero_optimization": {"stage": 2, "bucket_of_gradients": 8}}' > "$work/ds_zero_unknown.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2, "bucket_of_gradients": 8}}' > "$work/ds_zero_unknown.json"
   ds_refused "$work/ds_zero_unknown.json" 1 \
     "zero_optimization.bucket_of_gradients: not a DeepSpeed key this trainer knows"
 }
@@ -368,7 +371,7 @@ deepspeed_rates() {
     '{"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3, "warmup_num_steps": 3, "total_num_steps": 10, "warmup_type": "linear"}' decay_linear
   schedule WarmupLR '{"warmup_max_lr": 2e-3, "warmup_num_steps": 1}' constant_w1
   schedule WarmupLR '{"warmup_max_lr": 2e-3, "warmup_num_steps": 0, "warmup_type": "linear"}' constant_w0
-  echo '{"fp16": {"enabled": true, "initial_scale_power": 18, "hysteresis": 1, "loss_scale_window": 3},
+  echo '{"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": true, "initial_scale_power": 18, "hysteresis": 1, "loss_scale_window": 3},
    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 4, "total_num_steps": 8, "warmup_type": "linear"}}}' > "$work/ds_skips.json"
   rates ds_decay_log decay_log                 # total_num_steps alone: the whole schedule, 10 steps
   rates ds_decay_log decay_part --steps 4      # --steps: part of it
@@ -564,7 +567,7 @@ old_checkpoint() {
 
 # bias_correction false changes the update (and is recorded in the JSON).
 bias_correction() {
-  echo '{"optimizer": {"type": "Adam", "params": {"lr": 2e-4, "bias_correction": true}}}' > "$work/ds_bias.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Adam", "params": {"lr": 2e-4, "bias_correction": true}}}' > "$work/ds_bias.json"
   sed 's/"bias_correction": true/"bias_correction": false/' "$work/ds_bias.json" > "$work/ds_no_bias.json"
   timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_bias.json" "${one_layer[@]}" --steps 2 \
     --json "$work/ds_bias_on.json" > /dev/null 2>&1
@@ -581,7 +584,7 @@ bias_correction() {
 # without --config, steps past the schedule's end warn.
 off_values() {
   cat > "$work/ds_offs.json" <<'JSON'
-{"elasticity": {"enabled": false}, "compile": {"deepcompile": false}, "sparse_gradients": false, "dump_state": false,
+{"train_micro_batch_size_per_gpu": 8, "elasticity": {"enabled": false}, "compile": {"deepcompile": false}, "sparse_gradients": false, "dump_state": false,
  "memory_breakdown": false, "communication_data_type": null, "checkpoint": {"tag_validation": "Warn"},
  "bf16": {"enabled": false, "immediate_grad_update": false},
  "zero_optimization": {"stage": 2, "zero_quantized_weights": false, "zero_hpz_partition_size": 1, "mics_shard_size": -1},
@@ -603,12 +606,12 @@ JSON
 # CommsLoggerConfig forbids other fields (refused), the flops profiler's reader ignores them (a warning).
 loggers() {
   cat > "$work/ds_loggers.json" <<'JSON'
-{"zero_optimization": {"stage": 2},
+{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2},
  "comms_logger": {"enabled": true, "verbose": false, "prof_all": true, "debug": false, "prof_ops": ["all_reduce"]},
  "flops_profiler": {"enabled": true, "profile_step": 2, "module_depth": -1, "top_modules": 1, "detailed": true,
                     "output_file": null, "recompute_fwd_factor": 0.0, "note": "once"}}
 JSON
-  echo '{"zero_optimization": {"stage": 2}}' > "$work/ds_no_loggers.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}' > "$work/ds_no_loggers.json"
   timeout 120 mpirun -n 2 "$trainer" --config "$work/ds_loggers.json" --layers 1 --hidden 16 --heads 2 \
     --intermediate 32 --seq 16 \
     --max-positions 20 --steps 2 --json "$work/ds_loggers_run.json" > "$work/ds_stdout" 2>&1
@@ -624,7 +627,7 @@ JSON
     pass "comms_logger and flops_profiler enabled: a note each (an unknown profiler field warned about), the bits of" \
       "the run without them" ||
     fail "comms_logger / flops_profiler: $(grep -E 'comms|flops|error' "$work/ds_stdout" | head -c 400)"
-  echo '{"comms_logger": {"enabled": true, "prof_al": true}, "flops_profiler": {"enabled": "yes", "profile_stp": 2, "top_modules": "3"}}' > "$work/ds_loggers_bad.json"
+  echo '{"train_micro_batch_size_per_gpu": 8, "comms_logger": {"enabled": true, "prof_al": true}, "flops_profiler": {"enabled": "yes", "profile_stp": 2, "top_modules": "3"}}' > "$work/ds_loggers_bad.json"
   ds_refused "$work/ds_loggers_bad.json" 4 \
     "comms_logger.prof_al: not a field of DeepSpeed's CommsLoggerConfig (comm/config.py, a pydantic model that forbids other fields) (did you mean 'comms_logger.prof_all'?)" \
     "flops_profiler.enabled: wants true or false (got \"yes\")" \
@@ -668,6 +671,94 @@ several_hosts() {
 }
 
 
+# Issue 49's config gaps: fp16's scaler keys read only with fp16 on (min_loss_scale 0 runs as DeepSpeed's
+# scaler takes it); contiguous_gradients / allgather_partitions false taken, the same bits; a
+# reduce_bucket_size "auto" filled as Hugging Face does (hidden_size^2); no batch key refused as DeepSpeed
+# refuses it (--micro-batch lifts it); prescale_gradients / gradient_predivide_factor by stage (1: the same
+# bits and a note; 2: DeepSpeed's assertion; 0: its arithmetic, not implemented); SGD's reason; the Hjson
+# hint only where hjson 3.1.0 reads the file (measured), bytes not UTF-8 shown escaped.
+config_gaps() {
+  gap_run() {  # gap_run OUT JSON FLAGS...: the file written and trained (2 ranks, 2 steps; not --quiet: the header)
+    local out=$1; echo "$2" > "$work/gap.json"; shift 2
+    rm -f "$work/$out.json"
+    timeout 120 mpirun -n 2 "$trainer" --config "$work/gap.json" "${one_layer[@]:0:12}" --steps 2 "$@" \
+      --json "$work/$out.json" > "$work/gap_stdout" 2> "$work/gap_stderr"
+  }
+  gap_holds() {  # gap_holds LABEL OUT CHECK
+    if [ "$(json_get "$work/$2.json" "bool($3)" 2>/dev/null)" = True ]; then pass "$1: $3"
+    else fail "$1: $(head -c 300 "$work/gap_stderr")"; fi
+  }
+  local batch='"train_micro_batch_size_per_gpu": 4'
+  gap_run gap_min0 "{$batch, \"fp16\": {\"enabled\": true, \"min_loss_scale\": 0}}"
+  gap_holds "fp16 min_loss_scale 0 runs" gap_min0 "d['precision'] == 'fp16' and d['loss_scaling']['min_scale'] == 0"
+  gap_run gap_fp16_off "{$batch, \"bf16\": {\"enabled\": true}, \"fp16\": {\"enabled\": false, \"min_loss_scale\": -3, \"loss_scale\": \"x\"}}" --log-every 1
+  gap_holds "fp16's keys in a bf16 run's file are not read" gap_fp16_off "d['precision'] == 'bf16'"
+  grep -q "fp16.min_loss_scale, fp16.loss_scale not read: the run trains in bf16" "$work/gap_stdout" &&
+    pass "the header says the fp16 keys were not read" || fail "no 'not read' note: $(grep config "$work/gap_stdout")"
+  echo "{$batch, \"fp16\": {\"min_loss_scale\": -3}}" > "$work/gap_scaler_only.json"  # fp16 off unless a flag
+  gap_run gap_scaler_fp32 "$(cat "$work/gap_scaler_only.json")"
+  gap_holds "fp16's keys without fp16 on are not read" gap_scaler_fp32 "d['precision'] == 'fp32'"
+  bad_case "fp16.min_loss_scale: wants a number from 0" --config "$work/gap_scaler_only.json" "${one_layer[@]}" \
+    --precision fp16 --steps 1  # the same file in fp16: read and checked
+  # Layout keys: the same bits as without them.
+  gap_run gap_plain "{$batch, \"zero_optimization\": {\"stage\": 2}}"
+  gap_run gap_layout "{$batch, \"zero_optimization\": {\"stage\": 2, \"contiguous_gradients\": false, \"allgather_partitions\": false}}"
+  local plain
+  plain=$(json_get "$work/gap_plain.json" "d['final_params_hash']")
+  gap_holds "contiguous_gradients / allgather_partitions false" gap_layout "d['final_params_hash'] == '$plain'"
+  grep -q "contiguous_gradients false changes no arithmetic here" "$work/gap_stdout" &&
+    grep -q "allgather_partitions false changes no arithmetic here" "$work/gap_stdout" &&
+    pass "the header names both as changing no arithmetic" || fail "layout notes missing"
+  gap_run gap_auto "{$batch, \"zero_optimization\": {\"stage\": 2, \"reduce_bucket_size\": \"auto\"}}"
+  gap_holds "reduce_bucket_size auto" gap_auto "d['bucket'] == 256 and $o['bucket'] == 'hugging_face_auto:hidden_size^2'"
+  grep -q 'reduce_bucket_size "auto": hidden_size^2 = 16^2 = 256 elements' "$work/gap_stdout" &&
+    pass "the header prints the filled bucket" || fail "no bucket note: $(grep -i bucket "$work/gap_stdout")"
+  gap_run gap_auto_flag "{$batch, \"zero_optimization\": {\"stage\": 2, \"reduce_bucket_size\": \"auto\"}}" --bucket 1000
+  gap_holds "reduce_bucket_size auto with --bucket" gap_auto_flag "d['bucket'] == 1000"
+  # No batch key: DeepSpeed's assertion; --micro-batch gives it.
+  echo '{"zero_optimization": {"stage": 2}}' > "$work/gap_no_batch.json"
+  echo '{"gradient_accumulation_steps": 2}' > "$work/gap_accum_only.json"
+  bad_case "gives neither train_batch_size nor train_micro_batch_size_per_gpu: DeepSpeed refuses it" \
+    --config "$work/gap_no_batch.json" "${one_layer[@]}" --steps 1
+  bad_case "(\"Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided\"" \
+    --config "$work/gap_accum_only.json" "${one_layer[@]}" --steps 1
+  gap_run gap_micro '{"zero_optimization": {"stage": 2}}' --micro-batch 2
+  gap_holds "no batch key with --micro-batch 2" gap_micro "d['micro_batch'] == 2"
+  # prescale_gradients / gradient_predivide_factor by stage.
+  local scaled='"prescale_gradients": true, "gradient_predivide_factor": 8'
+  gap_run gap_stage1 "{$batch, \"zero_optimization\": {\"stage\": 1}}"
+  plain=$(json_get "$work/gap_stage1.json" "d['final_params_hash']")
+  gap_run gap_scaled1 "{$batch, $scaled, \"zero_optimization\": {\"stage\": 1}}"
+  gap_holds "prescale / predivide at stage 1: the same bits" gap_scaled1 "d['final_params_hash'] == '$plain'"
+  grep -q "config key 'prescale_gradients' true changes nothing, here as in DeepSpeed at stage 1" "$work/gap_stdout" &&
+    pass "stage 1: the header says the keys change nothing" || fail "no stage-1 note"
+  echo "{$batch, $scaled, \"zero_optimization\": {\"stage\": 2}}" > "$work/gap_scaled2.json"
+  bad_case "stage_1_and_2.py:246 asserts \"pre-scale gradients is not yet supported with ZeRO-2 with reduce scatter enabled\"" \
+    --config "$work/gap_scaled2.json" "${one_layer[@]}" --steps 1
+  grep -qF 'stage_1_and_2.py:245 asserts "gradient_predivide_factor != 1.0' "$work/bad_stderr" &&
+    pass "stage 2: both keys in the one message" || fail "stage 2: predivide missing: $(cat "$work/bad_stderr")"
+  # Stage 0 (DeepSpeedExamples' BERT configs: no zero_optimization, both keys): the engine's arithmetic.
+  bad_case "DeepSpeed's engine then multiplies each rank's gradient by 1 / N before the sum over the ranks (engine.py:2565-2567, allreduce_bucket; gradient_predivide_factor is then not read)" \
+    --config "$work/gap_scaled2.json" "${one_layer[@]}" --steps 1 --stage 0
+  echo "{$batch, \"gradient_predivide_factor\": 8}" > "$work/gap_predivide0.json"
+  bad_case "DeepSpeed's engine then multiplies each rank's gradient by 1 / 8 before the sum over the ranks and the sum by 8 / N after (engine.py:2557-2564" \
+    --config "$work/gap_predivide0.json" "${one_layer[@]}" --steps 1
+  echo "{$batch, \"optimizer\": {\"type\": \"SGD\", \"params\": {\"lr\": 0.1}}, \"zero_allow_untested_optimizer\": true}" \
+    > "$work/gap_sgd.json"
+  ds_refused "$work/gap_sgd.json" 1 "another update rule (a momentum buffer, no second moment)"
+  # Hjson: the hint where hjson reads the file, not where it fails too; a byte that is not UTF-8 escaped.
+  printf '{"train_micro_batch_size_per_gpu": 4,}\n' > "$work/gap_trailing_comma.json"
+  printf '{"train_micro_batch_size_per_gpu": 4},\n' > "$work/gap_trailing_root.json"
+  printf '{"train_micro_batch_size_per_gpu": 4, "a\xff": 1}\n' > "$work/gap_latin1.json"
+  bad_case "DeepSpeed reads configs as Hjson, which forgives" --config "$work/gap_trailing_comma.json" "${one_layer[@]}"
+  bad_case "is not valid JSON" --config "$work/gap_trailing_root.json" "${one_layer[@]}"
+  grep -q Hjson "$work/bad_stderr" && fail "a trailing '},' (hjson: Extra data) got the Hjson hint" ||
+    pass "a trailing '},' after the root: no Hjson hint"
+  bad_case 'is not UTF-8 text: the byte \xff at offset 40' --config "$work/gap_latin1.json" "${one_layer[@]}"
+  LC_ALL=C grep -q $'\xff' "$work/bad_stderr" && fail "the raw byte reached the terminal" ||
+    pass "the byte that is not UTF-8 is shown escaped, never raw"
+}
+
 quick real_configs
 all ignored_key_warnings
 all header_sources
@@ -691,4 +782,5 @@ all bias_correction
 all off_values
 all loggers
 all several_hosts
+all config_gaps
 finish
