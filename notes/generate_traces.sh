@@ -7,6 +7,8 @@
 #   check_peer_fsdp, check_peer_large  make check-peer PEER=fsdp / PEER=large (SKIP without .venv-fsdp)
 #   deepspeed_check      make check-peer PEER=deepspeed's check, step by step (SKIP without .venv-deepspeed)
 #   deepspeed_side_by_side  its side by side (tests/peers/side_by_side.sh)
+#   bug_taxonomy         tests/bug_taxonomy.py's classes by category and how the checker tells each
+#   checker_corpus       tests/checker_corpus/run.sh all: the planted-bug corpus, both halves (about 20 min)
 set -eu
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -63,6 +65,34 @@ for peer in fsdp large; do
     printf '```\nSKIP: no .venv-fsdp here (make check-peer PEER=fsdp makes it from PyPI)\n```\n' >"$out/check_peer_$peer"
   fi
 done
+# bug_taxonomy: tests/bug_taxonomy.py's classes per category and how each is told; checker_corpus: the
+# generated corpus (tests/checker_corpus/run.sh all: both halves, about 20 minutes), its table per half.
+/usr/bin/python3 - >"$out/bug_taxonomy" <<'PY'
+import sys
+sys.path.insert(0, "tests")
+import bug_taxonomy as t
+print("| category | classes | replayed | measured pattern | a recorded number | below a trace's power |")
+print("|---|---|---|---|---|---|")
+for category in t.CATEGORIES:
+    classes = [c for c in t.CLASSES if c["category"] == category]
+    count = lambda how: sum(c["how"] == how for c in classes)
+    print(f"| {category} | {len(classes)} | {count('replay')} | {count('pattern')} | {count('scalar')} | {count('power')} |")
+count = lambda how: sum(c["how"] == how for c in t.CLASSES)
+print(f"| all | {len(t.CLASSES)} | {count('replay')} | {count('pattern')} | {count('scalar')} | {count('power')} |")
+PY
+TRAINER="$trainer" CORPUS_RESULTS="$work/corpus" tests/checker_corpus/run.sh all >"$work/corpus.log" 2>&1 || true
+{
+  echo '```'
+  echo "\$ TRAINER=$trainer tests/checker_corpus/run.sh all    # its tables and summary lines"
+  sed -n '/^dev: /,$p' "$work/corpus.log" | grep -vE '^(FAIL|PASS) ' | grep -v '^$'
+  echo '```'
+  echo
+  echo "What did not pass, each with why:"
+  echo
+  echo '```'
+  grep -E '^FAIL ' "$work/corpus.log" | cut -c1-200 || true
+  echo '```'
+} >"$out/checker_corpus"
 if .venv-deepspeed/bin/python -c 'import deepspeed' >/dev/null 2>&1; then
   tests/peers/check_peer.sh deepspeed "$build" >"$work/deepspeed.log" 2>&1 || true
   {
