@@ -48,16 +48,51 @@ def named_line(diagnosis):
 # Diagnoses: what pattern of difference points to which bug
 
 def diagnose_lr(pair, step, theirs, mine):
-    steps = pair.ref.steps
-    for shift in (-1, 1):
-        other = step + shift
-        if 1 <= other <= len(steps) and same_setting(steps[other - 1]["lr"], theirs):
-            return Diagnosis(f"theirs is zero2's rate of step {other}: the schedule is shifted by one step "
-                             f"(DeepSpeed's schedulers start at iteration -1 and run step t at iteration t - 2; the "
-                             f"trace's steps[].lr is the rate of each step's update)",
-                             "schedule.lr-of-step-after" if shift > 0 else "schedule.lr-of-step-before")
-    return ("the learning rate differs: set each step's rate from the trace's steps[].lr (or, with a DeepSpeed config, "
-            "let DeepSpeed's scheduler set it and compare)")
+    """Their recorded rate differs from zero2's at `step`. Which schedules fit every rate theirs records (a
+    diagnosis may read past the failing step; the verdict does not): each rate zero2's of the step after, of the
+    step before, a constant factor of zero2's (lr x N), or a warmup counted from 0 (0 at step 1, then the step
+    before's). One that fits alone is named; several are said with the step that would separate them."""
+    ref = [r["lr"] for r in pair.ref.steps]
+    their = [r.get("lr") for r in pair.theirs.steps[:len(ref)]]
+    same = lambda a, b: a is not None and same_setting(a, b)
+    S = len(ref)
+    ratio = theirs / mine if mine else None
+    # With one step recorded, the step after's rate is unknown: that hypothesis stands unrefuted.
+    candidates = {
+        "schedule.lr-of-step-after": all(same(their[t], ref[t + 1]) for t in range(S - 1)),
+        "schedule.lr-of-step-before": all(same(their[t], ref[t - 1]) for t in range(1, S))
+        and same(their[0], ref[0]) and S > 1,
+        "schedule.warmup-from-zero": S > 1 and same(their[0], 0.0) and all(same(their[t], ref[t - 1]) for t in range(1, S)),
+        "schedule.lr-scaled": ratio is not None and ratio != 1 and
+        all(same(their[t], ratio * ref[t]) for t in range(S) if ref[t]),
+    }
+    fits = [c for c, ok in candidates.items() if ok]
+    words = {"schedule.lr-of-step-after": "each rate is zero2's of the step after: the schedule runs one step ahead "
+                                          "(the scheduler stepped before the optimizer)",
+             "schedule.lr-of-step-before": "each rate is zero2's of the step before: the schedule lags one step",
+             "schedule.warmup-from-zero": "the rate is 0 at step 1 and zero2's of the step before after it: the "
+                                          "warmup counts from 0",
+             "schedule.lr-scaled": f"every rate is {ratio:.4g} x zero2's" + (
+                 f" (= N, the ranks: the linear scaling rule)" if ratio and abs(ratio - pair.N) < 1e-6 * pair.N else "")
+             if ratio else ""}
+    if len(fits) == 1:
+        return Diagnosis(f"{words[fits[0]]}, at every step theirs records", fits[0])
+    if fits:
+        def predicted(c, t):  # hypothesis c's rate at step t + 1, or None where the trace cannot say
+            if c == "schedule.lr-of-step-after":
+                return ref[t + 1] if t + 1 < S else None
+            if c == "schedule.lr-scaled":
+                return ratio * ref[t]
+            return ref[t - 1] if t > 0 else (ref[0] if c == "schedule.lr-of-step-before" else 0.0)
+        differ = next((t + 1 for t in range(S)
+                       if len({round(v, 15) for v in (predicted(c, t) for c in fits) if v is not None}) > 1), None)
+        separate = (f"their rates agree with each of these at the {S} step(s) recorded" +
+                    (f"; they differ at step {differ}" if differ is not None else
+                     f"; zero2's rate of step {S + 1} would tell them apart: trace one step more" if S == 1 else ""))
+        return Diagnosis("the rates theirs records fit more than one schedule: " +
+                         "; or ".join(words[c] for c in fits), fits=fits, separate=separate)
+    return Diagnosis("the learning rate differs: set each step's rate from the trace's steps[].lr (or, with a "
+                     "DeepSpeed config, let DeepSpeed's scheduler set it and compare)")
 
 
 def diagnose_loss(pair, step, theirs, mine, gradients_agree=False, generic=True):
@@ -87,6 +122,11 @@ def diagnose_loss(pair, step, theirs, mine, gradients_agree=False, generic=True)
             return Diagnosis("theirs is the mean of the micro-batches' own means, not the mean over the whole global "
                              "batch's selected positions: accumulate summed cross-entropy and divide once by the "
                              "global count", "loss.mean-of-micro-batch-means")
+        own = ranks[0][0] / ranks[0][1] if ranks[0][1] else None  # rank 0's rows alone, as N copies of them give
+        if N > 1 and own is not None and distinct(own) and abs(theirs - own) <= tolerance:
+            return Diagnosis("theirs is the mean over rank 0's micro-batches alone: every rank read rank 0's rows "
+                             "(the rank left out of the sampler's offset), so the global batch is N copies of one "
+                             "rank's; global micro-batch m = a N + r is rank r's", "data.rank-rows-duplicated")
         if abs(theirs - mine * total) <= tolerance * total:
             return Diagnosis("theirs is the summed cross-entropy, not its mean over the global batch's selected "
                              "positions", "loss.summed-cross-entropy")
@@ -94,10 +134,16 @@ def diagnose_loss(pair, step, theirs, mine, gradients_agree=False, generic=True)
     if named:
         return named
     if step == 1 and generic:
+        # What a loss from the same weights can differ by, without a pattern that names one: the forward pass,
+        # or the data it was fed. A trace holds zero2's loss and gradients, not the forward's inner values nor
+        # the rows a peer read, so these are said together, not named.
         return Diagnosis("from the same weights and the same batch the loss differs, so the forward pass or the loss "
                          "does: the model (BertForMaskedLM: GELU in its erf form, LayerNorm eps 1e-12, one token type, "
                          "no attention mask), the batch's rows (micro-batch m = a N + r), labels -100 not selected",
-                         "loss.forward-differs")
+                         fits=["loss.forward-differs", "data.batch-of-next-step", "data.labels-all-positions"],
+                         separate="a trace records neither the forward's inner values nor the rows a peer read: "
+                                  "compare your loss on step 1's rows with zero2's micro_batch_losses one micro-batch "
+                                  "at a time, with -100 labels left out")
     return None
 
 

@@ -88,7 +88,10 @@ def score(case, peer_status, check_status, text):
         return {"outcome": "passed by stated limit" if legit else "passed silently", "naming": "", "passed": legit,
                 "note": f"size {json.dumps(case['size'])}, stated power {json.dumps(stated)}"}
     named, fits = naming(text)
-    if named is not None:
+    if named == "none":  # the checker says it names nothing: unnamed, not a wrong name
+        how = "unnamed"
+        note += "; named: none"
+    elif named is not None:
         how = "named" if named == case["cls"] else "misnamed"
         note += f"; named: {named}"
     elif fits is not None:

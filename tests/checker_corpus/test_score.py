@@ -17,6 +17,7 @@ CASES = [
     (BUG, 0, 1, FAIL, ("failed", "unnamed", True)),
     (BUG, 0, 1, FAIL + "named: reduction.summed\n", ("failed", "named", True)),
     (BUG, 0, 1, FAIL + "named: reduction.averaged-twice (the factor 1/N)\n", ("failed", "misnamed", False)),
+    (BUG, 0, 1, FAIL + "named: none\n", ("failed", "unnamed", True)),  # names nothing: not a wrong name
     (BUG, 0, 1, FAIL + "fits: reduction.summed, loss.summed-over-ranks (both give N x)\n", ("failed", "ambiguity", True)),
     (BUG, 0, 1, FAIL + "fits: accumulation.summed-not-averaged, loss.divided-by-A (...)\n", ("failed", "misnamed", False)),
     (BUG, 0, 0, PASS, ("passed silently", "", False)),

@@ -282,7 +282,7 @@ check_replayed_mistakes() {
   plant counter-micro-steps "the step counter counting micro-steps" \
     -e 's|beta2 \*\* step|beta2 ** (3 * step)|' -e 's|beta1 \*\* step|beta1 ** (3 * step)|'
   plant accumulation-overwrites "each micro-step's gradient replaced the buffer instead of adding to it" \
-    -e 's|^\(            logits = stepper.forward(input_ids=input_ids\[rows\]).logits\)$|            for p in stepper.model.parameters(): p.grad = None\n\1|'
+    -e 's|^\(            logits = stepper.forward(input_ids=input_ids\[rows\]).logits.float()\)$|            for p in stepper.model.parameters(): p.grad = None\n\1|'
   # A forward pass that differs (ReLU for BERT's GELU): the gradients differ everywhere with scatter, as a
   # reduction that never ran would make them, but the loss differs too, which points to the forward pass.
   plant forward-relu "from the same weights and the same batch the loss differs, so the forward pass or the loss does" \
