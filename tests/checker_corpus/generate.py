@@ -106,6 +106,7 @@ BACKWARD = '            part.backward()\n'
 STEP_LOSS = "    return loss / N                          # what DDP's averaged loss is: the ranks' mean\n"
 STEP_CALL = '        norm = stepper.step(lr, step)\n'
 TRAIN = '    model.train()  # dropout 0: train mode computes what eval mode would\n'
+DROPOUT = '                                            attention_probs_dropout_prob=0.0)\n'
 
 BOTH = ("flat", "zero-redundancy")
 FLAT = ("flat",)
@@ -275,10 +276,23 @@ PLANTS = [
           [[BUCKET, BUCKET.replace('"padded_length"]]\n', '"padded_length"]].bfloat16().float()\n')],
            [REDUCED, "        own.append((summed / N).bfloat16().float())\n"]], needs=("bf16",),
           size=lambda c: {"grad_scale": 2.0 ** -8}),
+    # Added after the split (classes the checker's diagnoses gained), at the end so that no earlier plant's
+    # second configuration, and so no earlier case's id, moves; each new case falls in the half its id's hash gives.
+    plant("loss.summed-over-micro-steps", [[STEP_LOSS, "    return loss * A / N  # the mistake: A x\n"]], BOTH,
+          needs=("A>1",)),
+    plant("loss.forward-differs", [[DROPOUT, DROPOUT.replace(")\n", ', hidden_act="relu")\n')]], BOTH),
+    plant("clipping.norm-averaged-twice", [[ALL_REDUCE_SQUARES, ALL_REDUCE_SQUARES + "    squares /= N * N\n"]]),
 ]
 
 NOT_PLANTED = {  # class id: why the torch peer cannot carry it
     "precision.loss-scale-in-norm": "fp16 only (DeepSpeed's dynamic loss scale); the torch peer replays fp32 and bf16",
+    "schedule.fixed-betas": "needs a trace whose scheduler sets the betas per update (DeepSpeed's OneCycle): "
+                            "check-peer torch plants it on such a trace",
+    "loss.divided-by-N": "the same gradient as reduction.averaged-twice, which the corpus plants",
+    "state.update-not-applied": "tests/cli/checker.sh makes it from zero2's own run (the update never reaches the "
+                                "weights), tests/test_hypotheses.py replays it",
+    "state.group-not-updated": "the pattern of an update that reaches some tensors only: tests/cli/checker.sh's "
+                               "update that never reaches the weights, per tensor",
 }
 
 # The second variant of each plant (after its base at N = 2, A = 1 or 4, fp32), in turn by the plant's place in
