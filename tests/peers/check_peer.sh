@@ -78,7 +78,7 @@ check() {
     # the class the checker's "named:" (or "fits:") line gives, beside "yes"
     named=$(sed -n 's/^named: \(.*\)/\1/p; s/^fits: \([^(]*\) (.*/fits: \1/p' "$work/check.log")
     printf 'mistake\t%s\t%s\t%s\tyes (%s)\n' "$label" "$margin" "$at" "${named% }" >> "$work/conformance.tsv"
-    pass "$label: fails at $at (${margin} x the tolerance), diagnosed \"$expect\""
+    pass "$label: fails at $at (${margin} x the allowance), diagnosed \"$expect\""
   else
     printf 'mistake\t%s\t%s\t%s\t%s\n' "$label" "${margin:-inf}" "${at:-exit $status}" \
       "$([ $status = 1 ] && echo no || echo "not failed")" >> "$work/conformance.tsv"
@@ -101,7 +101,7 @@ number = lambda text: float(text) if text not in ("", "inf") else float("inf")
 # "step 1, gradient of NAME[i] (bucket b, rank r's shard at N = 2)" -> "step 1, gradients (bucket b, rank r)"
 short = lambda where: re.sub(r", (gradient of )?\S+\[[^\]]*\] \((bucket \d+), (rank \d+)'s shard at N = \d+\)",
                              lambda m: f"{', gradients' if m.group(1) else ''} ({m.group(2)}, {m.group(3)})", where)
-print("| implementation | verdict | closest call or margin (x the tolerance) | where | named |")
+print("| implementation | verdict | closest call or margin (x the allowance) | where | named |")
 print("|---|---|---|---|---|")
 for _, label, closest, where, status in correct:
     print(f"| {label} | {'agrees' if status == '0' else 'FAILS (exit ' + status + ')'} | {closest or '-'} | {where} | |")
