@@ -8,7 +8,7 @@
 #   deepspeed_check      make check-peer PEER=deepspeed's check, step by step (SKIP without .venv-deepspeed)
 #   deepspeed_side_by_side  its side by side (tests/peers/side_by_side.sh)
 #   bug_taxonomy         tests/bug_taxonomy.py's classes by category and how the checker tells each
-#   checker_corpus       tests/checker_corpus/run.sh all: the planted-bug corpus, both halves (about 20 min)
+#   checker_corpus       tests/checker_corpus/run.sh dev, then held-out: the planted-bug corpus (about 15 min)
 set -eu
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -66,7 +66,7 @@ for peer in fsdp large; do
   fi
 done
 # bug_taxonomy: tests/bug_taxonomy.py's classes per category and how each is told; checker_corpus: the
-# generated corpus (tests/checker_corpus/run.sh all: both halves, about 20 minutes), its table per half.
+# generated corpus (tests/checker_corpus/run.sh dev, then held-out: about 15 minutes), its table per half.
 /usr/bin/python3 - >"$out/bug_taxonomy" <<'PY'
 import sys
 sys.path.insert(0, "tests")
@@ -79,18 +79,27 @@ for category in t.CATEGORIES:
     print(f"| {category} | {len(classes)} | {count('replay')} | {count('pattern')} | {count('scalar')} | {count('power')} |")
 count = lambda how: sum(c["how"] == how for c in t.CLASSES)
 print(f"| all | {len(t.CLASSES)} | {count('replay')} | {count('pattern')} | {count('scalar')} | {count('power')} |")
+print()
+print("| class | how | the mistake |")
+print("|---|---|---|")
+for c in t.CLASSES:
+    print(f"| `{c['id']}` | {c['how']} | {c['summary']} |")
 PY
-TRAINER="$trainer" CORPUS_RESULTS="$work/corpus" tests/checker_corpus/run.sh all >"$work/corpus.log" 2>&1 || true
+for half in dev held-out; do
+  TRAINER="$trainer" CORPUS_RESULTS="$work/corpus_$half" tests/checker_corpus/run.sh $half >"$work/corpus_$half.log" 2>&1 || true
+done
 {
   echo '```'
-  echo "\$ TRAINER=$trainer tests/checker_corpus/run.sh all    # its tables and summary lines"
-  sed -n '/^dev: /,$p' "$work/corpus.log" | grep -vE '^(FAIL|PASS) ' | grep -v '^$'
+  for half in dev held-out; do
+    echo "\$ TRAINER=$trainer tests/checker_corpus/run.sh $half    # its table and summary"
+    sed -n "/^$half: /,\$p" "$work/corpus_$half.log" | grep -vE '^(FAIL|PASS) ' | grep -v '^$'
+  done
   echo '```'
   echo
   echo "What did not pass, each with why:"
   echo
   echo '```'
-  grep -E '^FAIL ' "$work/corpus.log" | cut -c1-200 || true
+  grep -hE '^FAIL ' "$work/corpus_dev.log" "$work/corpus_held-out.log" | cut -c1-200 || echo "(nothing)"
   echo '```'
 } >"$out/checker_corpus"
 if .venv-deepspeed/bin/python -c 'import deepspeed' >/dev/null 2>&1; then
