@@ -538,7 +538,7 @@ def check_step_scalars(pair, step, report, kept):
         value, tolerance = theirs[key], tolerances[key]
         if abs(value - mine[key]) > tolerance:
             raise Failure(f"step {step}, {key.replace('_', ' ')}: theirs {value:.9g}, zero2's {mine[key]:.9g} "
-                          f"(|difference| {abs(value - mine[key]):.3g} > tolerance {tolerance:.3g})"
+                          f"(|difference| {abs(value - mine[key]):.3g} > allowance {tolerance:.3g})"
                           + ("; the gradients of this step agree" if gradients is not None else ""),
                           diagnose(pair, step, value, mine[key], gradients is not None),
                           share(abs(value - mine[key]), tolerance))
@@ -563,7 +563,7 @@ def census(pair, outside, what):
                (pair.params[name]["offset"] + int(i) - pair.layout["buckets"][pair.params[name]["bucket"]]["offset"])
                // pair.layout["buckets"][pair.params[name]["bucket"]]["shard_length"])
               for name, _, indices, _ in outside for i in indices}
-    return (f"{len(outside)} of {len(pair.params)} tensors' {what} outside the tolerance; the worst "
+    return (f"{len(outside)} of {len(pair.params)} tensors' {what} outside the allowance; the worst "
             f"{pair.where(worst[0], worst[3])} ({worst[1]:.3g} x its tolerance); buckets "
             f"{sorted({b for b, _ in places})}, ranks {sorted({r for _, r in places})} at N = {pair.N}")
 
@@ -867,13 +867,13 @@ def check_parameters(pair, step, previous):
                                         pair.ref.optimizer["weight_decay"], median_tolerance)
     raise Failure(f"parameters after step {step}, {pair.where(name, i)}: theirs "
                   f"{theirs[name].reshape(-1)[i]:.9g}, zero2's {mine[name].reshape(-1)[i]:.9g}; "
-                  f"over {name}: median |difference| {median:.3g} (tolerance {median_tolerance:.3g}), largest "
-                  f"{largest:.3g} (tolerance {largest_tolerance:.3g})"
+                  f"over {name}: median |difference| {median:.3g} (allowance {median_tolerance:.3g}), largest "
+                  f"{largest:.3g} (allowance {largest_tolerance:.3g})"
                   + ("" if moved_theirs is None else
                      f"; moved since {since} (median |change| of an element): zero2 {moved:.3g}, theirs "
                      f"{moved_theirs:.3g} (admitted: {max(0.0, 0.5 * moved - drift_between):.3g} .. "
                      f"{2 * moved + drift_between:.3g})"),
-                  (diagnosis or (f"{name} is the first tensor (registration order) outside the tolerance"
+                  (diagnosis or (f"{name} is the first tensor (registration order) outside the allowance"
                                  + ("" if previous == step - 1 else
                                     f"; the traces keep no parameters between steps {previous} and {step}: "
                                     f"keep every step's (--trace-params-every 1) to see the first update "
