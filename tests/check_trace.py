@@ -431,7 +431,8 @@ class Power:
             self.smallest("weight_decay", allowance / (wd * lr_sum * size), f"step {step}, {name}")
 
     def clip(self):
-        """(e, where) for the clipping threshold, or (None, why)."""
+        """(e, where) for the clipping threshold; ("unbounded", why) where no threshold error could show, (None,
+        why) where the trace cannot say."""
         ref = self.pair.ref
         clip = ref.optimizer["clip"]
         if not clip > 0:
@@ -442,8 +443,8 @@ class Power:
             nearest = min((clip - r["grad_norm"]) / clip for r in ref.steps if is_finite_number(r.get("grad_norm")))
             return nearest, "no step was clipped: the nearest norm to the threshold"
         if len(clipped) == len(ref.steps):
-            return None, ("every step was clipped, and AdamW's update does not change when every gradient is scaled "
-                          "alike: a threshold off by any factor moves nothing but eps's share")
+            return "unbounded", ("every step was clipped, and AdamW's update does not change when every gradient "
+                                 "is scaled alike: a threshold off by any factor moves nothing but eps's share")
         return clip_replay(self.pair, clipped)
 
     def report(self):
@@ -458,9 +459,12 @@ class Power:
                 e, where = self.best[kind] if self.best[kind] else (None, "nothing compared sees it")
                 if kind == "weight_decay" and not self.pair.ref.optimizer["weight_decay"] > 0:
                     where = "the run has no weight decay"
-            values[kind] = None if e is None else float(f"{e:.3g}")
-            words.append(f"{names[kind]} off by less than {e:.2g} ({where})" if e is not None else
-                         f"{names[kind]}: not bounded ({where})")
+            # JSON: the relative error below which this kind cannot be seen; "unbounded" where no size of it
+            # could (the reason says why); null where the trace cannot say.
+            values[kind] = e if e in (None, "unbounded") else float(f"{e:.3g}")
+            words.append(f"{names[kind]} off by less than {e:.2g} ({where})" if isinstance(e, float) else
+                         f"{names[kind]}: not bounded ({where})" if e == "unbounded" else
+                         f"{names[kind]}: not known ({where})")
         return "; ".join(words), values
 
 

@@ -62,8 +62,11 @@ def within_stated_limit(size, stated):
     judged = [k for k in POWER_KINDS if k in size]
     if not judged or not stated:
         return False
-    return all(isinstance(stated.get(k), (int, float)) and not isinstance(stated.get(k), bool)
-               and size[k] < stated[k] for k in judged)
+    # "unbounded": the PASS states that no error of that kind, of any size, could have shown (a clipping
+    # threshold where every step was clipped); null: it could not say.
+    return all(stated.get(k) == "unbounded" or (isinstance(stated.get(k), (int, float)) and
+                                                 not isinstance(stated.get(k), bool) and size[k] < stated[k])
+               for k in judged)
 
 
 def score(case, peer_status, check_status, text):

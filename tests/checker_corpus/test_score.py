@@ -8,6 +8,7 @@ from score import score  # noqa: E402
 
 BUG = {"kind": "bug", "cls": "reduction.summed", "size": {"grad_scale": 1.0}}
 EPS = {"kind": "bug", "cls": "adamw.eps-other", "size": {"eps": 99.0}}
+CLIP = {"kind": "bug", "cls": "clipping.threshold-scaled", "size": {"clip": 0.05}}
 CORRECT = {"kind": "correct", "cls": None, "size": {}}
 FAIL = "FAIL step 1, gradient of x[(0, 0)]\nmargin: the difference is 4.2e+04 x its tolerance\n"
 PASS = "PASS: theirs agrees with zero2 at all 8 steps and 8 kept steps (the closest call: step 2, 0.06 of the tolerance)\n"
@@ -21,6 +22,10 @@ CASES = [
     (BUG, 0, 1, FAIL + "fits: reduction.summed, loss.summed-over-ranks (both give N x)\n", ("failed", "ambiguity", True)),
     (BUG, 0, 1, FAIL + "fits: accumulation.summed-not-averaged, loss.divided-by-A (...)\n", ("failed", "misnamed", False)),
     (BUG, 0, 0, PASS, ("passed silently", "", False)),
+    (CLIP, 0, 0, PASS + 'power-json: {"lr": 0.1, "weight_decay": null, "grad_scale": 0.5, "clip": "unbounded"}\n',
+     ("passed by stated limit", "", True)),  # no clip error of any size could show, and the PASS says so
+    (CLIP, 0, 0, PASS + 'power-json: {"lr": 0.1, "weight_decay": null, "grad_scale": 0.5, "clip": null}\n',
+     ("passed silently", "", False)),  # null: the PASS could not say
     (BUG, 0, 0, PASS + 'power-json: {"lr": 0.1, "weight_decay": null, "grad_scale": 2.0, "clip": null}\n',
      ("passed by stated limit", "", True)),
     (BUG, 0, 0, PASS + 'power-json: {"lr": 0.1, "weight_decay": null, "grad_scale": 0.5, "clip": null}\n',
