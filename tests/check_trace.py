@@ -257,7 +257,7 @@ class Pair:
         self.noise, self._quiet_seen = set(), None
         if twin is not None:
             validate_twin(self)
-        self.allowances = Allowances(ref, twin, self.tensors, self.psi, self.precision)
+        self.allowances = Allowances(ref, twin, self.tensors, self.psi, self.precision, self.positions)
 
     def advance(self, step, kind=None):
         """The walk reached `step` (kind None: its record; "gradients", "parameters": its kept tensors of that
