@@ -36,7 +36,7 @@ from trace_files import Trace, TraceError, is_int, rounded_to  # noqa: E402
 # What a difference points to, and how far a difference may go (each a file of its own, beside this one).
 from trace_diagnosis import (Diagnosis, ShardUpdates, diagnose_loss, diagnose_lr, diagnose_norm,  # noqa: E402
                              diagnose_parameters, diagnose_stale_shards, factor_diagnosis, named_line, replay_step)
-from trace_tolerances import (CHECKABLE, GRADIENT_FLOOR, PARAMETER_FLOOR, TWIN_FACTOR, UNIT,  # noqa: E402
+from trace_tolerances import (CHECKABLE, PARAMETER_FLOOR, TWIN_FACTOR, UNIT,  # noqa: E402
                               Allowances, blocked_sum_ulps, gradient_tolerance, is_finite_number, is_number,
                               parameter_tolerances, relative_l2, same_setting, share)
 
@@ -987,14 +987,14 @@ def allowance_header(pair):
                 f"zero2 up to each step, plus a floor: loss 4 + 2 sqrt(selected) fp32 ulp, grad norm 8 + "
                 f"sqrt(Psi) = {8 + blocked_sum_ulps(pair.psi):.0f} fp32 ulp"
                 f"{'' if precision == 'fp32' else ' + one ' + precision + ' unit'}, each tensor's gradient "
-                f"{GRADIENT_FLOOR[precision]:.3g} of its norm, each tensor's parameters (median) "
+                f"{pair.allowances.gradient_floor():.3g} of its norm, each tensor's parameters (median) "
                 f"{PARAMETER_FLOOR[precision]:.3g} x the lr summed; the largest element 2.5 x the lr summed (AdamW's "
                 f"bound); each tensor moved between half and twice as far as zero2 moved it")
     return (f"allowances ({precision}; notes/12, \"Tolerances\"), analytic: no twin beside zero2's trace "
             f"(tests/peers/reference_trace.sh makes REF/twin; without it the allowances are the written bounds, and "
             f"the power below is weaker): loss (4 + s) ulp + 2 sqrt(selected) fp32 ulp, grad norm (8 + 2 s) ulp + "
             f"sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp; each tensor's gradient "
-            f"{GRADIENT_FLOOR[precision]:.3g} of its norm; parameters: median "
+            f"{pair.allowances.gradient_floor():.3g} of its norm; parameters: median "
             f"{'1e-4' if precision == 'fp32' else '4 x ' + precision + ' spacing = ' + format(4 * UNIT[precision], 'g')}"
             f", largest 2.5, x the lr summed over steps 1 .. s" +
             ("" if precision == "fp32" else f", plus the start's {precision} rounding (median) and one {precision} "

@@ -233,6 +233,15 @@ class Allowances:
         """A tensor's allowed |theirs - zero2|_2 / |zero2|_2 at the step the walk reached (twin: its
         own spread, at least the median tensor's: a tensor whose twin happened to match exactly says
         nothing of another implementation's order)."""
+        floor = self.gradient_floor()
+        if not self.calibrated():
+            # The written bound grows with the steps, as the parameters carry each step's rounding forward
+            # (the factor 1 + s of gradient_tolerance): nothing measured says how fast.
+            return (1 + self.reached_step) * floor
+        return floor + TWIN_FACTOR * max(self.gradient_spread.get(name, 0.0), self._pooled(self.gradient_spread))
+
+    def gradient_floor(self):
+        """A tensor's gradient's floor: GRADIENT_FLOOR, in 16-bit grown with the positions each element sums."""
         floor = GRADIENT_FLOOR[self.precision]
         if self.precision != "fp32":
             # Each gradient element is a sum over the global batch's positions of products whose inputs another
@@ -241,11 +250,7 @@ class Allowances:
             # sqrt(positions). Measured at step 1: FSDP's bf16 0.018 of a tensor's norm at 256 positions, 0.10 at
             # 2,048 (BERT-mini's default batch), where the twin, whose start alone differs, is 0.008.
             floor *= math.sqrt(max(self.positions, 256) / 256)
-        if not self.calibrated():
-            # The written bound grows with the steps, as the parameters carry each step's rounding forward
-            # (the factor 1 + s of gradient_tolerance): nothing measured says how fast.
-            return (1 + self.reached_step) * floor
-        return floor + TWIN_FACTOR * max(self.gradient_spread.get(name, 0.0), self._pooled(self.gradient_spread))
+        return floor
 
     def parameter_median(self, name, lr_sum):
         """A tensor's allowed median |theirs - zero2| after the step the walk reached; lr_sum: the rates summed
