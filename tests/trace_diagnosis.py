@@ -73,7 +73,7 @@ def diagnose_lr(pair, step, theirs, mine):
              "schedule.warmup-from-zero": "the rate is 0 at step 1 and zero2's of the step before after it: the "
                                           "warmup counts from 0",
              "schedule.lr-scaled": f"every rate is {ratio:.4g} x zero2's" + (
-                 f" (= N, the ranks: the linear scaling rule)" if ratio and abs(ratio - pair.N) < 1e-6 * pair.N else "")
+                 " (= N, the ranks: the linear scaling rule)" if ratio and abs(ratio - pair.N) < 1e-6 * pair.N else "")
              if ratio else ""}
     if len(fits) == 1:
         return Diagnosis(f"{words[fits[0]]}, at every step theirs records", fits[0])
