@@ -21,8 +21,8 @@ Exit status 0: theirs agrees at every step; 1: it does not (the first failure an
 2: a trace cannot be read or the two contradict each other (one message naming the file and the field).
 The last line is "N passed, M failed": one check per step and one per kept step's tensors.
 Numpy and the standard library only (Debian's /usr/bin/python3). The allowances are in
-tests/trace_tolerances.py, the diagnoses and the failing step's replay in tests/trace_diagnosis.py; this file
-reads the traces, walks the steps and reports.
+tests/trace_tolerances.py, the diagnoses and the failing step's replay in tests/trace_diagnosis.py, a PASS's
+power in tests/trace_power.py; this file reads the traces, walks the steps and reports.
 """
 import json
 import math
@@ -36,9 +36,9 @@ from trace_files import Trace, TraceError, is_int, rounded_to  # noqa: E402
 # What a difference points to, and how far a difference may go (each a file of its own, beside this one).
 from trace_diagnosis import (Diagnosis, ShardUpdates, diagnose_loss, diagnose_lr, diagnose_norm,  # noqa: E402
                              diagnose_parameters, diagnose_stale_shards, factor_diagnosis, named_line, replay_step)
-from trace_tolerances import (CHECKABLE, PARAMETER_FLOOR, TWIN_FACTOR, UNIT,  # noqa: E402
-                              Allowances, blocked_sum_ulps, gradient_tolerance, is_finite_number, is_number,
-                              parameter_tolerances, relative_l2, same_setting, share)
+from trace_power import Power  # noqa: E402 (what a PASS could not have seen)
+from trace_tolerances import (CHECKABLE, UNIT, Allowances, allowance_header, gradient_tolerance,  # noqa: E402
+                              is_finite_number, is_number, parameter_tolerances, relative_l2, same_setting, share)
 
 
 class BadInput(Exception):
@@ -398,108 +398,6 @@ class Pair:
                 begin = bucket["offset"] + r * bucket["shard_length"]
                 shards[(b, r)] = flat[begin:begin + bucket["shard_length"]]  # padding is zero on both sides
         return shards
-
-
-# ----------------------------------------------------------------------------
-# What a PASS could not have seen (notes/12, "The power of a PASS")
-
-class Power:
-    """The smallest mistakes of each kind that the walk's allowances would have failed, as relative errors:
-    a rate off by a factor (1 + e) moves every parameter's total update by e (AdamW's update is linear in the
-    rate), so e = the median allowance / the median |p_s - p_0| of a tensor; a weight decay off by (1 + e)
-    moves a decayed tensor by e wd (the rates summed) |p|; a gradient scaled by (1 + e) is e of every checkable
-    tensor's gradient and of the norm; a clipping threshold off by (1 + e) scales the gradient of each clipped
-    step, which AdamW's normalisation sees only through the steps' relative sizes, so it is replayed (every
-    step's gradient kept) or said to be unknown. Each is the smallest over the steps and tensors compared."""
-
-    KINDS = ("lr", "weight_decay", "grad_scale", "clip")
-
-    def __init__(self, pair):
-        self.pair, self.best = pair, {kind: None for kind in self.KINDS}  # kind -> (e, where)
-
-    def smallest(self, kind, e, where):
-        if math.isfinite(e) and e > 0 and (self.best[kind] is None or e < self.best[kind][0]):
-            self.best[kind] = (e, where)
-
-    def parameters(self, step, name, allowance, values, initial, lr_sum):
-        moved = float(np.median(np.abs(values - initial)))
-        if moved > 0:
-            self.smallest("lr", allowance / moved, f"step {step}, {name}")
-        wd = self.pair.ref.optimizer["weight_decay"]
-        size = float(np.median(np.abs(values)))
-        if wd > 0 and name not in self.pair.no_decay and size > 0:
-            self.smallest("weight_decay", allowance / (wd * lr_sum * size), f"step {step}, {name}")
-
-    def clip(self):
-        """(e, where) for the clipping threshold; ("unbounded", why) where no threshold error could show, (None,
-        why) where the trace cannot say."""
-        ref = self.pair.ref
-        clip = ref.optimizer["clip"]
-        if not clip > 0:
-            return None, "the run does not clip"
-        clipped = [r["step"] for r in ref.steps if is_finite_number(r.get("grad_norm")) and r["grad_norm"] > clip]
-        if not clipped:
-            # A threshold off by e changes nothing until a norm crosses it: the nearest a norm came.
-            nearest = min((clip - r["grad_norm"]) / clip for r in ref.steps if is_finite_number(r.get("grad_norm")))
-            return nearest, "no step was clipped: the nearest norm to the threshold"
-        if len(clipped) == len(ref.steps):
-            return "unbounded", ("every step was clipped, and AdamW's update does not change when every gradient "
-                                 "is scaled alike: a threshold off by any factor moves nothing but eps's share")
-        return clip_replay(self.pair, clipped)
-
-    def report(self):
-        """(the power line's words, the JSON's dict)."""
-        values, words = {}, []
-        names = {"lr": "a rate", "weight_decay": "a weight decay", "grad_scale": "a gradient scale",
-                 "clip": "a clipping threshold"}
-        for kind in self.KINDS:
-            if kind == "clip":
-                e, where = self.clip()
-            else:
-                e, where = self.best[kind] if self.best[kind] else (None, "nothing compared sees it")
-                if kind == "weight_decay" and not self.pair.ref.optimizer["weight_decay"] > 0:
-                    where = "the run has no weight decay"
-            # JSON: the relative error below which this kind cannot be seen; "unbounded" where no size of it
-            # could (the reason says why); null where the trace cannot say.
-            values[kind] = e if e in (None, "unbounded") else float(f"{e:.3g}")
-            words.append(f"{names[kind]} off by less than {e:.2g} ({where})" if isinstance(e, float) else
-                         f"{names[kind]}: not bounded ({where})" if e == "unbounded" else
-                         f"{names[kind]}: not known ({where})")
-        return "; ".join(words), values
-
-
-def clip_replay(pair, clipped):
-    """The clipping threshold's power by replay: zero2's AdamW over zero2's gradients, once as it ran and once
-    with every clipped step's gradient scaled by 1.01 (a threshold 1% higher), from the initial weights to the
-    last step whose every gradient is kept; the parameters' median change per tensor against the allowance
-    there, scaled linearly to the e that would reach it."""
-    ref = pair.ref
-    last = 0
-    while last + 1 in ref.parameter_steps and ref.parameter_steps[last + 1]:
-        last += 1
-    if not any(t <= last for t in clipped) or last == 0 or last not in ref.parameter_steps:
-        return None, "the trace does not keep every step's gradient up to a clipped step (--trace-params-every 1)"
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
-    import adamw_replay
-    flat = adamw_replay.Flat(pair.layout, pair.no_decay, pair.N)
-    rates = [r["lr"] for r in ref.steps]
-    runs = [adamw_replay.Replay(flat, ref.optimizer, rates, {}), adamw_replay.Replay(flat, ref.optimizer, rates, {})]
-    params = [flat.flat(pair.tensors("ref", "parameters", 0))] * 2
-    for t in range(1, last + 1):
-        gradient = flat.flat(ref.gradients(t))
-        norm = ref.steps[t - 1]["grad_norm"]
-        scaled = gradient * np.float32(1.01) if t in clipped else gradient
-        # The same norm: the coefficient stays, so the clipped step applies 1.01 x the gradient it applied.
-        params = [runs[0].step(t, params[0], gradient, norm), runs[1].step(t, params[1], scaled, norm)]
-    lr_sum = sum(rates[:last])
-    best = None
-    for name, values in flat.tensors(np.abs(params[1].astype(np.float64) - params[0])).items():
-        change = float(np.median(values))
-        if name in pair.noise or change <= 0:
-            continue
-        e = 0.01 * pair.allowances.parameter_median(name, lr_sum) / change
-        best = e if best is None or e < best else best
-    return (best, f"replayed to step {last}") if best is not None else (None, "the replay moved nothing")
 
 
 # ----------------------------------------------------------------------------
@@ -977,29 +875,6 @@ def parse_arguments(argv):
     if not twin and "--no-twin" not in flags and os.path.isdir(os.path.join(ref, "twin")):
         twin = os.path.join(ref, "twin")  # tests/peers/reference_trace.sh writes it there
     return ref, positional[1], twin or None, flags
-
-
-def allowance_header(pair):
-    precision = pair.precision
-    if pair.allowances.calibrated():
-        return (f"allowances ({precision}; notes/12, \"Allowances from legitimate rounding\"): {TWIN_FACTOR:g} x "
-                f"how far zero2's twin ({pair.twin.directory}: the same run in other legitimate rounding) lies from "
-                f"zero2 up to each step, plus a floor: loss 4 + 2 sqrt(selected) fp32 ulp, grad norm 8 + "
-                f"sqrt(Psi) = {8 + blocked_sum_ulps(pair.psi):.0f} fp32 ulp"
-                f"{'' if precision == 'fp32' else ' + one ' + precision + ' unit'}, each tensor's gradient "
-                f"{pair.allowances.gradient_floor():.3g} of its norm, each tensor's parameters (median) "
-                f"{PARAMETER_FLOOR[precision]:.3g} x the lr summed; the largest element 2.5 x the lr summed (AdamW's "
-                f"bound); each tensor moved between half and twice as far as zero2 moved it")
-    return (f"allowances ({precision}; notes/12, \"Tolerances\"), analytic: no twin beside zero2's trace "
-            f"(tests/peers/reference_trace.sh makes REF/twin; without it the allowances are the written bounds, and "
-            f"the power below is weaker): loss (4 + s) ulp + 2 sqrt(selected) fp32 ulp, grad norm (8 + 2 s) ulp + "
-            f"sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp; each tensor's gradient "
-            f"{pair.allowances.gradient_floor():.3g} of its norm; parameters: median "
-            f"{'1e-4' if precision == 'fp32' else '4 x ' + precision + ' spacing = ' + format(4 * UNIT[precision], 'g')}"
-            f", largest 2.5, x the lr summed over steps 1 .. s" +
-            ("" if precision == "fp32" else f", plus the start's {precision} rounding (median) and one {precision} "
-                                            f"unit of the tensor's size (largest)")
-            + "; each tensor moved between half and twice as far as zero2 moved it")
 
 
 def print_margins(pair, failures):

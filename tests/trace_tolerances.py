@@ -259,3 +259,26 @@ class Allowances:
         if not self.calibrated():
             return parameter_tolerances(lr_sum, self.precision)[0]
         return floor + TWIN_FACTOR * max(self.parameter_spread.get(name, 0.0), self._pooled(self.parameter_spread))
+
+
+def allowance_header(pair):
+    precision = pair.precision
+    if pair.allowances.calibrated():
+        return (f"allowances ({precision}; notes/12, \"Allowances from legitimate rounding\"): {TWIN_FACTOR:g} x "
+                f"how far zero2's twin ({pair.twin.directory}: the same run in other legitimate rounding) lies from "
+                f"zero2 up to each step, plus a floor: loss 4 + 2 sqrt(selected) fp32 ulp, grad norm 8 + "
+                f"sqrt(Psi) = {8 + blocked_sum_ulps(pair.psi):.0f} fp32 ulp"
+                f"{'' if precision == 'fp32' else ' + one ' + precision + ' unit'}, each tensor's gradient "
+                f"{pair.allowances.gradient_floor():.3g} of its norm, each tensor's parameters (median) "
+                f"{PARAMETER_FLOOR[precision]:.3g} x the lr summed; the largest element 2.5 x the lr summed (AdamW's "
+                f"bound); each tensor moved between half and twice as far as zero2 moved it")
+    return (f"allowances ({precision}; notes/12, \"Tolerances\"), analytic: no twin beside zero2's trace "
+            f"(tests/peers/reference_trace.sh makes REF/twin; without it the allowances are the written bounds, and "
+            f"the power below is weaker): loss (4 + s) ulp + 2 sqrt(selected) fp32 ulp, grad norm (8 + 2 s) ulp + "
+            f"sqrt(Psi) = {blocked_sum_ulps(pair.psi):.0f} fp32 ulp; each tensor's gradient "
+            f"{pair.allowances.gradient_floor():.3g} of its norm; parameters: median "
+            f"{'1e-4' if precision == 'fp32' else '4 x ' + precision + ' spacing = ' + format(4 * UNIT[precision], 'g')}"
+            f", largest 2.5, x the lr summed over steps 1 .. s" +
+            ("" if precision == "fp32" else f", plus the start's {precision} rounding (median) and one {precision} "
+                                            f"unit of the tensor's size (largest)")
+            + "; each tensor moved between half and twice as far as zero2 moved it")
